@@ -1,0 +1,25 @@
+# cotrain: the two commands of the README, plus the pieces they are made of.
+#   make demo   run the main job on the embedded default model (sets up first if needed)
+#   make test   run the whole test suite (sets up first if needed)
+.PHONY: setup demo test build bench-generate clean-runs
+
+CARGO ?= cargo
+
+# Idempotent and cheap when everything is already cached (see scripts/setup.sh).
+setup:
+	@bash scripts/setup.sh
+
+build: setup
+	$(CARGO) build --release --workspace
+
+demo: build
+	$(CARGO) run --release -p cotrain-learner --bin learner -- train --config configs/demo.yaml
+
+test: setup
+	$(CARGO) test --workspace --no-fail-fast
+
+bench-generate: setup
+	$(CARGO) run --release -p cotrain-model --example bench_generate
+
+clean-runs:
+	rm -rf runs

@@ -1,0 +1,15 @@
+//! cotrain's gRPC protocols. Each service's `.proto` lives in `proto/proto/`; the generated
+//! code is included here and never committed.
+
+/// Encoded `FileDescriptorSet` of every cotrain proto, for gRPC reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("cotrain_descriptor");
+
+/// The reward service: scoring joint actions, code diagnostics, sandboxed execution.
+pub mod reward {
+    tonic::include_proto!("cotrain.reward.v1");
+}
+
+/// The rollout service: batched generation, versioned weight updates, worker info.
+pub mod rollout {
+    tonic::include_proto!("cotrain.rollout.v1");
+}

