@@ -1,1 +1,163 @@
-//! Helpers for the workspace integration tests (starting binaries, waiting on health checks).
+//! Helpers for the workspace integration tests: building and locating the service binaries,
+//! starting them on ephemeral loopback ports (each prints `listening grpc=ADDR http=ADDR` once bound,
+//! so no test sleeps), and tiny model directories.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `target/<profile>/` of the running test binary (`target/<profile>/deps/test-hash`).
+pub fn profile_dir() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let deps = exe.parent().context("test binary has no parent dir")?;
+    Ok(deps.parent().context("deps dir has no parent")?.to_path_buf())
+}
+
+/// Builds (once per test process) the service binaries in the test binary's profile, so the tests
+/// always run the current sources, and returns the directory holding them. The tests crate cannot
+/// name other packages' binaries with `CARGO_BIN_EXE_*`, so it asks cargo directly.
+pub fn binaries() -> anyhow::Result<PathBuf> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let dir = profile_dir().map_err(|e| e.to_string())?;
+            let release = dir.file_name().is_some_and(|n| n == "release");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut cmd = Command::new(cargo);
+            cmd.current_dir(workspace_root()).args([
+                "build",
+                "-p",
+                "cotrain-reward-server",
+                "-p",
+                "cotrain-rollout-worker",
+                "-p",
+                "cotrain-learner",
+                "--bins",
+            ]);
+            if release {
+                cmd.arg("--release");
+            }
+            let status = cmd.status().map_err(|e| format!("running cargo build: {e}"))?;
+            if !status.success() {
+                return Err(format!("cargo build of the service binaries failed: {status}"));
+            }
+            Ok(dir)
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+/// A service process, killed when dropped.
+pub struct Service {
+    pub child: Child,
+    pub grpc: String,
+    pub http: String,
+    pub name: String,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `binary args...` and waits (up to `timeout`) for its `listening grpc=ADDR http=ADDR` line.
+pub fn start_service(binary: &str, args: &[String], timeout: Duration) -> anyhow::Result<Service> {
+    let path = binaries()?.join(binary);
+    let mut child = Command::new(&path)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {}", path.display()))?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Some(rest) = line.strip_prefix("listening ") {
+                let mut grpc = String::new();
+                let mut http = String::new();
+                for part in rest.split_whitespace() {
+                    if let Some(a) = part.strip_prefix("grpc=") {
+                        grpc = a.to_string();
+                    } else if let Some(a) = part.strip_prefix("http=") {
+                        http = a.to_string();
+                    }
+                }
+                let _ = tx.send((grpc, http));
+            }
+        }
+    });
+    let start = Instant::now();
+    loop {
+        if let Ok((grpc, http)) = rx.recv_timeout(Duration::from_millis(200)) {
+            return Ok(Service { child, grpc, http, name: binary.to_string() });
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("{binary} exited before listening: {status}");
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            bail!("{binary} did not report its ports within {timeout:?}");
+        }
+    }
+}
+
+/// GPT-2's byte ↔ printable-character table (the ByteLevel pre-tokenizer's alphabet).
+fn byte_chars() -> Vec<char> {
+    let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let mut extra = 0;
+    (0..256u32)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).expect("valid char")
+            } else {
+                extra += 1;
+                char::from_u32(255 + extra).expect("valid char")
+            }
+        })
+        .collect()
+}
+
+/// A byte-level BPE tokenizer with exactly 256 tokens (one per byte, no merges).
+pub fn byte_tokenizer_json() -> String {
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        byte_chars().into_iter().enumerate().map(|(i, c)| (c.to_string(), serde_json::json!(i))).collect();
+    serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": []}
+    })
+    .to_string()
+}
+
+/// The committed tiny Llama (2 layers, hidden 64, vocab 256) copied into `dir/tiny-llama` with a
+/// byte-level tokenizer and a context long enough for real dataset prompts (one token per byte).
+pub fn tiny_model_dir(dir: &Path) -> anyhow::Result<PathBuf> {
+    let src = workspace_root().join("model/tests/fixtures/tiny/llama");
+    let out = dir.join("tiny-llama");
+    std::fs::create_dir_all(&out)?;
+    for f in ["model.safetensors", "generation_config.json"] {
+        std::fs::copy(src.join(f), out.join(f))?;
+    }
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json"))?)?;
+    config["max_position_embeddings"] = serde_json::json!(4096);
+    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(out.join("tokenizer.json"), byte_tokenizer_json())?;
+    Ok(out)
+}

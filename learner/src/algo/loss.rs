@@ -1,0 +1,205 @@
+//! The policy loss over a batch of K completions, from per-token log-prob tensors.
+//!
+//! Original (MAGRPO, arXiv 2508.04652): L = (1/K) Σ_k −A_k · Σ_t log π(y_t | prompt, y_<t), the
+//! log-prob SUMMED over the completion's tokens, no ratio, no clipping, no KL.
+//! Options beside it: token-mean normalisation; PPO ratio clipping (Schulman et al. 2017, arXiv
+//! 1707.06347) with separate low/high bounds ("clip-higher", DAPO, arXiv 2503.14476); a KL penalty to a
+//! frozen reference with the k1 or k3 estimator (Schulman, "Approximating KL Divergence", 2020).
+
+use tch::{Kind, Tensor};
+
+use crate::config::{KlEstimator, LossNormalization, TrainerSection};
+
+/// A padded batch of K completions. All tensors are (K, T) except `advantages` (K,).
+#[derive(Debug)]
+pub struct PolicyBatch<'a> {
+    /// log π_θ of each completion token under the current policy (carries the gradient).
+    pub logprobs: &'a Tensor,
+    /// 1.0 on completion tokens, 0.0 on padding.
+    pub mask: &'a Tensor,
+    /// One advantage per completion.
+    pub advantages: &'a Tensor,
+    /// Behaviour-policy log-probs (from the rollout worker); required when clipping.
+    pub old_logprobs: Option<&'a Tensor>,
+    /// Frozen reference log-probs; required when the KL penalty is on.
+    pub ref_logprobs: Option<&'a Tensor>,
+}
+
+/// How the loss is formed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossOptions {
+    pub normalization: LossNormalization,
+    /// (clip_low, clip_high): the ratio is clipped to [1 − clip_low, 1 + clip_high].
+    pub clip: Option<(f64, f64)>,
+    /// (coef, estimator) of the KL penalty.
+    pub kl: Option<(f64, KlEstimator)>,
+    /// Multiplies the final loss: turn weight × early-termination weight × 1/N for shared parameters.
+    pub scale: f64,
+}
+
+impl LossOptions {
+    /// The original's loss: summed log-probs, no clipping, no KL, scale 1.
+    pub fn original() -> Self {
+        Self { normalization: LossNormalization::Sum, clip: None, kl: None, scale: 1.0 }
+    }
+
+    /// The options a trainer section asks for (scale 1; the trainer sets turn/shared scaling).
+    pub fn from_section(s: &TrainerSection) -> Self {
+        Self {
+            normalization: s.loss_normalization,
+            clip: s.ppo_clip.enabled.then_some((s.ppo_clip.clip_low, s.ppo_clip.clip_high)),
+            kl: s.reference_kl.enabled.then_some((s.reference_kl.coef, s.reference_kl.estimator)),
+            scale: 1.0,
+        }
+    }
+}
+
+/// The loss and its parts (scalars for logging).
+#[derive(Debug)]
+pub struct LossTerms {
+    /// Scalar tensor to call `backward` on: `scale · (policy_loss + kl_coef · kl)`.
+    pub loss: Tensor,
+    pub policy_loss: f64,
+    /// Mean per-sample KL estimate (0 when off).
+    pub kl: f64,
+    /// Fraction of completion tokens whose ratio was clipped (0 when off).
+    pub clip_fraction: f64,
+    /// Number of completion tokens in the batch.
+    pub tokens: f64,
+}
+
+impl LossTerms {
+    /// False for NaN or infinite losses, which must skip the update (the original replaced them with a
+    /// constant, silently).
+    pub fn is_finite(&self) -> bool {
+        let v = self.loss.double_value(&[]);
+        v.is_finite()
+    }
+}
+
+/// Why a loss cannot be computed.
+#[derive(Debug, thiserror::Error)]
+pub enum LossError {
+    /// Tensor shapes disagree.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    /// Clipping needs the behaviour log-probs.
+    #[error("ratio clipping is on but the batch has no behaviour log-probs")]
+    MissingOldLogprobs,
+    /// The KL penalty needs reference log-probs.
+    #[error("the reference kl penalty is on but the batch has no reference log-probs")]
+    MissingRefLogprobs,
+    /// A libtorch error.
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+}
+
+/// Per-sample reduction over tokens: Σ_t x·mask, or that divided by the sample's token count.
+fn reduce(x: &Tensor, mask: &Tensor, norm: LossNormalization) -> Result<Tensor, tch::TchError> {
+    let summed = x.f_mul(mask)?.f_sum_dim_intlist([1i64].as_slice(), false, Kind::Double)?;
+    match norm {
+        LossNormalization::Sum => Ok(summed),
+        LossNormalization::TokenMean => {
+            let n = mask.f_sum_dim_intlist([1i64].as_slice(), false, Kind::Double)?.f_clamp_min(1.0)?;
+            summed.f_div(&n)
+        }
+    }
+}
+
+/// The loss of one batch: L = scale · [(1/K) Σ_k ℓ_k + kl_coef · (1/K) Σ_k KL_k].
+/// Without clipping ℓ_k = −A_k · reduce_t(log π_t); with clipping the per-token term is
+/// −min(A_k·ρ_t, A_k·clip(ρ_t, 1 − low, 1 + high)) with ρ_t = exp(log π_t − log π_old,t), reduced the
+/// same way. At ρ = 1 the clipped loss has the same gradient as the unclipped one.
+pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTerms, LossError> {
+    let lp = batch.logprobs;
+    let dims = lp.size();
+    if dims.len() != 2 {
+        return Err(LossError::Shape(format!("logprobs must be (K, T), got {dims:?}")));
+    }
+    if batch.mask.size() != dims {
+        return Err(LossError::Shape(format!("mask {:?} vs logprobs {dims:?}", batch.mask.size())));
+    }
+    if batch.advantages.size() != [dims[0]] {
+        return Err(LossError::Shape(format!("advantages {:?} vs K = {}", batch.advantages.size(), dims[0])));
+    }
+    let k = dims[0].max(1) as f64;
+    let mask = batch.mask.f_to_kind(lp.kind())?;
+    let adv = batch.advantages.f_to_kind(Kind::Double)?;
+    let tokens = mask.f_sum(Kind::Double)?.double_value(&[]);
+
+    let (per_sample, clip_fraction) = match opts.clip {
+        None => {
+            let s = reduce(lp, &mask, opts.normalization)?;
+            (adv.f_neg()?.f_mul(&s)?, 0.0)
+        }
+        Some((low, high)) => {
+            let old = batch.old_logprobs.ok_or(LossError::MissingOldLogprobs)?;
+            if old.size() != dims {
+                return Err(LossError::Shape(format!("old_logprobs {:?} vs logprobs {dims:?}", old.size())));
+            }
+            let ratio = lp.f_sub(&old.detach())?.f_exp()?;
+            let a = adv.f_unsqueeze(1)?.f_to_kind(lp.kind())?;
+            let unclipped = ratio.f_mul(&a)?;
+            let clipped = ratio.f_clamp(1.0 - low, 1.0 + high)?.f_mul(&a)?;
+            let per_token = unclipped.f_minimum(&clipped)?.f_neg()?;
+            let was_clipped = unclipped.f_gt_tensor(&clipped)?.f_to_kind(Kind::Double)?.f_mul(&mask.f_to_kind(Kind::Double)?)?;
+            let frac = if tokens > 0.0 { was_clipped.f_sum(Kind::Double)?.double_value(&[]) / tokens } else { 0.0 };
+            (reduce(&per_token, &mask, opts.normalization)?, frac)
+        }
+    };
+    let policy = per_sample.f_sum(Kind::Double)?.f_div_scalar(k)?;
+    let policy_value = policy.double_value(&[]);
+
+    let (total, kl_value) = match opts.kl {
+        None => (policy, 0.0),
+        Some((coef, estimator)) => {
+            let lr = batch.ref_logprobs.ok_or(LossError::MissingRefLogprobs)?;
+            if lr.size() != dims {
+                return Err(LossError::Shape(format!("ref_logprobs {:?} vs logprobs {dims:?}", lr.size())));
+            }
+            // Per token, d = log π_ref − log π_θ.
+            let d = lr.detach().f_sub(lp)?;
+            let per_token = match estimator {
+                // k1 = log π_θ − log π_ref (unbiased, high variance).
+                KlEstimator::K1 => d.f_neg()?,
+                // k3 = exp(d) − d − 1 (unbiased, always ≥ 0, low variance).
+                KlEstimator::K3 => d.f_exp()?.f_sub(&d)?.f_sub_scalar(1.0)?,
+            };
+            let kl = reduce(&per_token, &mask, opts.normalization)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
+            let kl_value = kl.double_value(&[]);
+            // KL-regularised policy gradient (e.g. Ouyang et al. 2022; GRPO, Shao et al. 2024, arXiv 2402.03300).
+            let loss = policy + kl * coef;
+            (loss, kl_value)
+        }
+    };
+    let loss = total.f_mul_scalar(opts.scale)?;
+    Ok(LossTerms { loss, policy_loss: policy_value, kl: kl_value, clip_fraction, tokens })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t2(rows: &[&[f64]]) -> Tensor {
+        let k = rows.len() as i64;
+        let t = rows[0].len() as i64;
+        let flat: Vec<f64> = rows.iter().flat_map(|r| r.iter().cloned()).collect();
+        Tensor::from_slice(&flat).reshape([k, t])
+    }
+
+    #[test]
+    fn original_loss_sums_token_logprobs_and_averages_over_samples() {
+        // Sample 0: log-probs −1, −2 (sum −3); sample 1: −0.5, then padding (sum −0.5).
+        // A = [1, −2]: L = (1/2)·(−1·(−3) + 2·(−0.5)) = (3 − 1)/2 = 1.
+        let lp = t2(&[&[-1.0, -2.0], &[-0.5, -9.0]]);
+        let mask = t2(&[&[1.0, 1.0], &[1.0, 0.0]]);
+        let adv = Tensor::from_slice(&[1.0, -2.0]);
+        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, ref_logprobs: None };
+        let out = policy_loss(&b, &LossOptions::original()).unwrap();
+        assert!((out.loss.double_value(&[]) - 1.0).abs() < 1e-12);
+        assert_eq!(out.tokens, 3.0);
+        // token-mean: sample 0 −3/2 = −1.5, sample 1 −0.5: L = (1.5 − 1)/2 = 0.25
+        let tm = LossOptions { normalization: LossNormalization::TokenMean, ..LossOptions::original() };
+        assert!((policy_loss(&b, &tm).unwrap().loss.double_value(&[]) - 0.25).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,611 @@
+//! The YAML schema: one serde struct per section, `deny_unknown_fields` everywhere, and the originals'
+//! defaults (algorithms.md). Values that fall back to another section (sampling parameters of the
+//! trainer section fall back to `model`) stay `Option` here and are resolved in [`super::CheckedConfig`].
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// The whole file as written (after overrides and legacy flags are merged in).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub model: ModelConfig,
+    pub dataset: DatasetConfig,
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    #[serde(default)]
+    pub output: OutputConfig,
+    #[serde(default)]
+    pub external: ExternalConfig,
+    /// Multi-agent trainer section (MAGRPO); exactly one of `magrpo` / `grpo` must be present.
+    #[serde(default)]
+    pub magrpo: Option<TrainerSection>,
+    /// Single-agent trainer section (GRPO = MAGRPO with one agent).
+    #[serde(default)]
+    pub grpo: Option<TrainerSection>,
+    #[serde(default)]
+    pub reward_processor: RewardProcessorConfig,
+    /// The original's Weights & Biases section; accepted for compatibility, cotrain logs to files.
+    #[serde(default)]
+    pub wandb: Option<WandbConfig>,
+    #[serde(default)]
+    pub logging: LoggingConfig,
+    #[serde(default)]
+    pub rollout: RolloutConfig,
+    #[serde(default)]
+    pub reward: RewardConfig,
+}
+
+fn default_seed() -> u64 {
+    42
+}
+
+/// `model`: the base model(s) and default sampling parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// HF repo id (from the local HF cache), a local directory, a `.gguf` file, or `default`
+    /// (the embedded SmolLM2-135M-Instruct).
+    pub name: String,
+    /// The original's model family tag (`qwen`, `llama`, ...); informational.
+    #[serde(default, rename = "type")]
+    pub kind: Option<String>,
+    #[serde(default)]
+    pub dtype: Dtype,
+    #[serde(default = "default_model_temperature")]
+    pub temperature: f64,
+    #[serde(default = "default_model_top_p")]
+    pub top_p: f64,
+    #[serde(default)]
+    pub top_k: Option<u32>,
+    /// Maximum prompt + completion length in tokens.
+    #[serde(default = "default_max_length")]
+    pub max_length: usize,
+    /// One model name per agent, for agents on different base models; `name` is used when absent.
+    #[serde(default)]
+    pub agents: Option<Vec<String>>,
+    /// Qwen3 chat templates: `false` asks for no thinking block (the writing seeds use no thinking).
+    #[serde(default)]
+    pub enable_thinking: Option<bool>,
+    /// The original's `tokenizer_kwargs` (e.g. `trust_remote_code`); accepted, not needed in Rust.
+    #[serde(default)]
+    pub tokenizer_kwargs: BTreeMap<String, serde_yaml_ng::Value>,
+    /// The original's `model_kwargs` (e.g. `torch_dtype`); accepted, `dtype` is what cotrain reads.
+    #[serde(default)]
+    pub model_kwargs: BTreeMap<String, serde_yaml_ng::Value>,
+}
+
+fn default_model_temperature() -> f64 {
+    0.7
+}
+fn default_model_top_p() -> f64 {
+    0.9
+}
+fn default_max_length() -> usize {
+    2048
+}
+
+/// Parameter dtype of the trained policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// bf16 on GPU, f32 on CPU.
+    #[default]
+    Auto,
+    #[serde(alias = "float32", alias = "fp32")]
+    F32,
+    #[serde(alias = "bfloat16")]
+    Bf16,
+    #[serde(alias = "float16", alias = "fp16")]
+    F16,
+}
+
+/// `dataset`: which task and which rows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetConfig {
+    /// A dataset name (`humaneval`, `openai/openai_humaneval`, `OpenMLRL/CoopHumanEval`, ...) or a local
+    /// file / directory.
+    pub name: String,
+    /// The task type (`humaneval`, `coophumaneval`, `mbpp`, `arxiv`, `tldr`, `gsm8k`, `anli`); inferred
+    /// from `name` when absent.
+    #[serde(default, rename = "type")]
+    pub kind: Option<String>,
+    #[serde(default = "default_train_split")]
+    pub train_split: String,
+    #[serde(default)]
+    pub eval_split: Option<String>,
+    /// Directory with the shipped datasets; overrides `COTRAIN_DATA_DIR` and the repo's `data/`.
+    #[serde(default)]
+    pub data_dir: Option<String>,
+}
+
+fn default_train_split() -> String {
+    "train".to_string()
+}
+
+/// `output`: where runs go.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputConfig {
+    #[serde(default = "default_base_dir")]
+    pub base_dir: String,
+    #[serde(default = "default_true")]
+    pub save_final_model: bool,
+    #[serde(default)]
+    pub verbose: bool,
+}
+
+impl Default for OutputConfig {
+    fn default() -> Self {
+        Self { base_dir: default_base_dir(), save_final_model: true, verbose: false }
+    }
+}
+
+fn default_base_dir() -> String {
+    "output".to_string()
+}
+fn default_true() -> bool {
+    true
+}
+
+/// `external`: how the next turn's prompts are built in multi-turn training (rewards.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExternalConfig {
+    #[serde(default)]
+    pub mode: ExternalMode,
+    /// Tests shown in feedback: n > 0 the first n, n < 0 the last |n|, 0 / null / "all" all of them.
+    #[serde(default = "default_sandbox_slice")]
+    pub sandbox_slice: Option<SandboxSlice>,
+    /// Include the first-turn problem and instructions in later turns.
+    #[serde(default)]
+    pub original_prompt: bool,
+    /// Include the agent's previous answer in later turns.
+    #[serde(default = "default_true")]
+    pub previous_response: bool,
+    /// Include the agent's full history of prompts and responses.
+    #[serde(default)]
+    pub history: bool,
+    /// Model for `expert_edits` (OpenAI-compatible chat API).
+    #[serde(default)]
+    pub expert_model: Option<String>,
+    /// Base URL of the OpenAI-compatible endpoint for `expert_edits`.
+    #[serde(default)]
+    pub expert_base_url: Option<String>,
+}
+
+impl Default for ExternalConfig {
+    fn default() -> Self {
+        Self {
+            mode: ExternalMode::default(),
+            sandbox_slice: default_sandbox_slice(),
+            original_prompt: false,
+            previous_response: true,
+            history: false,
+            expert_model: None,
+            expert_base_url: None,
+        }
+    }
+}
+
+fn default_sandbox_slice() -> Option<SandboxSlice> {
+    Some(SandboxSlice::Count(1))
+}
+
+impl ExternalConfig {
+    /// The indices of the tests shown in feedback out of `total` (`null` = all).
+    pub fn feedback_tests(&self, total: usize) -> std::ops::Range<usize> {
+        self.sandbox_slice.map_or(0..total, |s| s.select(total))
+    }
+}
+
+/// Feedback mode of the external transition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExternalMode {
+    #[default]
+    LevelFeedback,
+    LevelPassed,
+    Passed,
+    Plain,
+    ExpertEdits,
+}
+
+/// `external.sandbox_slice`: a test count (negative = from the end) or all tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SandboxSlice {
+    Count(i64),
+    Keyword(AllKeyword),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllKeyword {
+    All,
+}
+
+impl SandboxSlice {
+    /// The indices of the tests to show out of `total`: n > 0 the first n, n < 0 the last |n|, 0 all.
+    pub fn select(self, total: usize) -> std::ops::Range<usize> {
+        match self {
+            SandboxSlice::Count(n) if n > 0 => 0..(n as usize).min(total),
+            SandboxSlice::Count(n) if n < 0 => total.saturating_sub(n.unsigned_abs() as usize)..total,
+            _ => 0..total,
+        }
+    }
+}
+
+/// `magrpo` / `grpo`: every key of the original trainer config plus cotrain's options.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerSection {
+    /// Defaults to 2 under `magrpo` and 1 under `grpo`.
+    #[serde(default)]
+    pub num_agents: Option<usize>,
+    #[serde(default = "default_num_turns")]
+    pub num_turns: usize,
+    #[serde(default = "default_num_train_epochs")]
+    pub num_train_epochs: usize,
+    #[serde(default = "default_learning_rate")]
+    pub learning_rate: f64,
+    #[serde(default = "default_num_generations")]
+    pub num_generations: usize,
+    #[serde(default = "default_max_new_tokens")]
+    pub max_new_tokens: usize,
+    /// Falls back to `model.temperature`.
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    /// Falls back to `model.top_p`.
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    /// Falls back to `model.top_k`, then to 50 (the original's generation default).
+    #[serde(default)]
+    pub top_k: Option<u32>,
+    #[serde(default)]
+    pub joint_mode: JointMode,
+    #[serde(default = "default_discount")]
+    pub discount: f64,
+    /// Tree rollout: a node whose (processed) mean reward is above this is a leaf.
+    #[serde(default)]
+    pub termination_threshold: Option<f64>,
+    /// Nodes per agent buffered before one optimiser step.
+    #[serde(default = "default_rollout_buffer_size")]
+    pub rollout_buffer_size: usize,
+    /// Mini-batch size in samples; the whole buffer when absent.
+    #[serde(default)]
+    pub train_batch_size: Option<usize>,
+    #[serde(default = "default_eval_interval")]
+    pub eval_interval: usize,
+    #[serde(default = "default_eval_num_samples")]
+    pub eval_num_samples: usize,
+    #[serde(default = "default_logging_steps")]
+    pub logging_steps: usize,
+    #[serde(default = "default_save_steps")]
+    pub save_steps: usize,
+    /// Multi-turn variant: tree rollout with returns (current) or handoff (September 2025 release).
+    #[serde(default)]
+    pub multi_turn: MultiTurnMode,
+    #[serde(default)]
+    pub handoff: Handoff,
+    /// Per-turn loss weights; length must equal `num_turns` (all 1.0 when absent).
+    #[serde(default)]
+    pub turn_gradient_weights: Option<Vec<f64>>,
+    #[serde(default)]
+    pub early_termination_threshold: Option<f64>,
+    #[serde(default = "default_early_termination_weight")]
+    pub early_termination_weight: f64,
+    #[serde(default)]
+    pub advantage_mode: AdvantageMode,
+    #[serde(default)]
+    pub advantage_normalization: bool,
+    /// The oldest release clamps advantages to [-10, 10]; off by default.
+    #[serde(default)]
+    pub advantage_clamp: Option<f64>,
+    #[serde(default)]
+    pub shared_parameters: bool,
+    /// Beside the original: how per-token log-probs are reduced per sample.
+    #[serde(default)]
+    pub loss_normalization: LossNormalization,
+    /// Beside the original: PPO-style ratio clipping over several epochs.
+    #[serde(default)]
+    pub ppo_clip: PpoClipConfig,
+    /// Beside the original: KL penalty to a frozen reference policy.
+    #[serde(default)]
+    pub reference_kl: ReferenceKlConfig,
+    /// Gradient-norm clipping; off (as in the original) when absent.
+    #[serde(default)]
+    pub max_grad_norm: Option<f64>,
+    #[serde(default)]
+    pub weight_decay: f64,
+}
+
+fn default_num_turns() -> usize {
+    1
+}
+fn default_num_train_epochs() -> usize {
+    20
+}
+fn default_learning_rate() -> f64 {
+    5e-6
+}
+fn default_num_generations() -> usize {
+    4
+}
+fn default_max_new_tokens() -> usize {
+    256
+}
+fn default_discount() -> f64 {
+    0.9
+}
+fn default_rollout_buffer_size() -> usize {
+    2
+}
+fn default_eval_interval() -> usize {
+    16
+}
+fn default_eval_num_samples() -> usize {
+    4
+}
+fn default_logging_steps() -> usize {
+    50
+}
+fn default_save_steps() -> usize {
+    200
+}
+fn default_early_termination_weight() -> f64 {
+    2.0
+}
+
+/// How joint actions are formed from the agents' G completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JointMode {
+    /// Completion j of every agent forms joint action j (G rewards).
+    #[default]
+    Aligned,
+    /// Cartesian product (G^N rewards); a completion is credited with the sum over its joint actions.
+    Cross,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MultiTurnMode {
+    #[default]
+    Tree,
+    Handoff,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Handoff {
+    /// Each agent hands on one of its own completions at random.
+    #[default]
+    Random,
+    /// The joint action with the highest reward is handed on.
+    Best,
+}
+
+/// Baseline of the advantage over the G siblings of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdvantageMode {
+    /// A = R − mean(R)
+    #[default]
+    Mean,
+    /// A = (G·R − ΣR)/(G − 1)
+    Rloo,
+    /// A = R − max(R)
+    Max,
+    /// A = R
+    Raw,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossNormalization {
+    /// Σ_t log π per sample (the original).
+    #[default]
+    Sum,
+    /// Mean over the sample's tokens.
+    TokenMean,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PpoClipConfig {
+    #[serde(default)]
+    pub enabled: bool,
+    /// Passes over the same samples per optimiser round.
+    #[serde(default = "default_ppo_epochs")]
+    pub epochs: usize,
+    /// Ratio lower bound 1 − clip_low.
+    #[serde(default = "default_clip")]
+    pub clip_low: f64,
+    /// Ratio upper bound 1 + clip_high ("clip-higher" when larger than clip_low).
+    #[serde(default = "default_clip")]
+    pub clip_high: f64,
+}
+
+impl Default for PpoClipConfig {
+    fn default() -> Self {
+        Self { enabled: false, epochs: default_ppo_epochs(), clip_low: default_clip(), clip_high: default_clip() }
+    }
+}
+
+fn default_ppo_epochs() -> usize {
+    1
+}
+fn default_clip() -> f64 {
+    0.2
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReferenceKlConfig {
+    #[serde(default)]
+    pub enabled: bool,
+    #[serde(default = "default_kl_coef")]
+    pub coef: f64,
+    #[serde(default)]
+    pub estimator: KlEstimator,
+}
+
+impl Default for ReferenceKlConfig {
+    fn default() -> Self {
+        Self { enabled: false, coef: default_kl_coef(), estimator: KlEstimator::default() }
+    }
+}
+
+fn default_kl_coef() -> f64 {
+    0.1
+}
+
+/// Per-token KL estimators (Schulman, "Approximating KL divergence", 2020).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KlEstimator {
+    /// lp − lr
+    K1,
+    /// exp(lr − lp) − (lr − lp) − 1
+    #[default]
+    K3,
+}
+
+/// `reward_processor`: r ← scale_factor·r + shift when enabled.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardProcessorConfig {
+    #[serde(default)]
+    pub enabled: bool,
+    #[serde(default = "default_scale")]
+    pub scale_factor: f64,
+    #[serde(default)]
+    pub shift: f64,
+}
+
+impl Default for RewardProcessorConfig {
+    fn default() -> Self {
+        Self { enabled: false, scale_factor: 1.0, shift: 0.0 }
+    }
+}
+
+fn default_scale() -> f64 {
+    1.0
+}
+
+/// The original's `wandb` keys; kept so its configs load. Nothing is sent anywhere.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WandbConfig {
+    #[serde(default)]
+    pub enabled: Option<bool>,
+    #[serde(default)]
+    pub project: Option<String>,
+    #[serde(default)]
+    pub entity: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub dir: Option<String>,
+    #[serde(default)]
+    pub tags: Vec<String>,
+    #[serde(default)]
+    pub mode: Option<String>,
+}
+
+/// `logging`: cotrain's own run outputs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoggingConfig {
+    /// Run name; a timestamped name when absent.
+    #[serde(default)]
+    pub run_name: Option<String>,
+    #[serde(default = "default_true")]
+    pub tensorboard: bool,
+    #[serde(default = "default_true")]
+    pub plots: bool,
+    /// Progress bar: `auto` (when stderr is a terminal), `always`, `never`.
+    #[serde(default)]
+    pub progress: ProgressMode,
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        Self { run_name: None, tensorboard: true, plots: true, progress: ProgressMode::Auto }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProgressMode {
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+/// `rollout`: where generation happens; embedded worker when nothing is configured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutConfig {
+    /// Static list of `http://host:port` worker endpoints.
+    #[serde(default)]
+    pub endpoints: Vec<String>,
+    /// DNS name resolved to many addresses (e.g. a Kubernetes headless service), `host:port`.
+    #[serde(default)]
+    pub dns_name: Option<String>,
+    #[serde(default = "default_dns_refresh_secs")]
+    pub dns_refresh_secs: u64,
+    #[serde(default = "default_request_timeout_secs")]
+    pub request_timeout_secs: u64,
+    #[serde(default = "default_max_retries")]
+    pub max_retries: usize,
+    /// 0 = synchronous on-policy; > 0 allows samples up to this many policy versions old.
+    #[serde(default)]
+    pub max_off_policy_steps: usize,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            endpoints: Vec::new(),
+            dns_name: None,
+            dns_refresh_secs: default_dns_refresh_secs(),
+            request_timeout_secs: default_request_timeout_secs(),
+            max_retries: default_max_retries(),
+            max_off_policy_steps: 0,
+        }
+    }
+}
+
+fn default_dns_refresh_secs() -> u64 {
+    30
+}
+fn default_request_timeout_secs() -> u64 {
+    600
+}
+fn default_max_retries() -> usize {
+    3
+}
+
+/// `reward`: the reward server; embedded when absent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardConfig {
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    #[serde(default = "default_request_timeout_secs")]
+    pub request_timeout_secs: u64,
+    /// Writing reward: `newest` (from 2025-12-31) or `earlier` length-ratio bands.
+    #[serde(default)]
+    pub writing_ratio_version: Option<String>,
+}
+
+impl Default for RewardConfig {
+    fn default() -> Self {
+        Self { endpoint: None, request_timeout_secs: default_request_timeout_secs(), writing_ratio_version: None }
+    }
+}

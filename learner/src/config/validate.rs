@@ -1,0 +1,195 @@
+//! The validation step: typed raw config → [`CheckedConfig`], with every rule the trainers rely on.
+
+use std::path::Path;
+
+use super::{Algorithm, CheckedConfig, ConfigError, RawConfig, Sampling};
+use crate::data::{DatasetKind, SplitSpec};
+
+/// The original generation default when `top_k` is unset anywhere.
+const DEFAULT_TOP_K: u32 = 50;
+
+pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, ConfigError> {
+    let file = source.display().to_string();
+    let invalid = |key: &str, message: String| ConfigError::Invalid { file: file.clone(), key: key.to_string(), message };
+
+    let (algorithm, section) = match (&raw.magrpo, &raw.grpo) {
+        (Some(s), None) => (Algorithm::Magrpo, s.clone()),
+        (None, Some(s)) => (Algorithm::Grpo, s.clone()),
+        (Some(_), Some(_)) => {
+            return Err(invalid("magrpo", "and grpo are both present; keep exactly one trainer section".into()));
+        }
+        (None, None) => return Err(ConfigError::MissingKey { file: file.clone(), key: "magrpo (or grpo)".into() }),
+    };
+    let s = algorithm.section();
+    let k = |name: &str| format!("{s}.{name}");
+
+    let num_agents = match (algorithm, section.num_agents) {
+        (Algorithm::Grpo, None | Some(1)) => 1,
+        (Algorithm::Grpo, Some(n)) => {
+            return Err(invalid(&k("num_agents"), format!("is {n} but grpo trains one agent (use a magrpo section)")));
+        }
+        (Algorithm::Magrpo, None) => 2,
+        (Algorithm::Magrpo, Some(0)) => return Err(invalid(&k("num_agents"), "must be at least 1".into())),
+        (Algorithm::Magrpo, Some(n)) => n,
+    };
+
+    if raw.model.name.trim().is_empty() {
+        return Err(invalid("model.name", "must not be empty".into()));
+    }
+    if section.num_turns == 0 {
+        return Err(invalid(&k("num_turns"), "must be at least 1".into()));
+    }
+    if section.num_train_epochs == 0 {
+        return Err(invalid(&k("num_train_epochs"), "must be at least 1".into()));
+    }
+    if !(section.learning_rate.is_finite() && section.learning_rate > 0.0) {
+        return Err(invalid(&k("learning_rate"), format!("must be a positive number, got {}", section.learning_rate)));
+    }
+    if section.num_generations < 2 {
+        return Err(invalid(
+            &k("num_generations"),
+            format!("is {} but advantages are taken over at least 2 siblings", section.num_generations),
+        ));
+    }
+    if section.max_new_tokens == 0 {
+        return Err(invalid(&k("max_new_tokens"), "must be at least 1".into()));
+    }
+    if section.max_new_tokens >= raw.model.max_length {
+        return Err(invalid(
+            &k("max_new_tokens"),
+            format!("is {} but model.max_length is {}", section.max_new_tokens, raw.model.max_length),
+        ));
+    }
+
+    let temperature = section.temperature.unwrap_or(raw.model.temperature);
+    let top_p = section.top_p.unwrap_or(raw.model.top_p);
+    let top_k = section.top_k.or(raw.model.top_k).unwrap_or(DEFAULT_TOP_K);
+    let t_key = if section.temperature.is_some() { k("temperature") } else { "model.temperature".into() };
+    if !(temperature.is_finite() && temperature > 0.0) {
+        return Err(invalid(&t_key, format!("must be positive, got {temperature}")));
+    }
+    let p_key = if section.top_p.is_some() { k("top_p") } else { "model.top_p".into() };
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(invalid(&p_key, format!("must be in (0, 1], got {top_p}")));
+    }
+    if !(0.0..=1.0).contains(&section.discount) {
+        return Err(invalid(&k("discount"), format!("must be in [0, 1], got {}", section.discount)));
+    }
+    if section.rollout_buffer_size == 0 {
+        return Err(invalid(&k("rollout_buffer_size"), "must be at least 1".into()));
+    }
+    if section.train_batch_size == Some(0) {
+        return Err(invalid(&k("train_batch_size"), "must be at least 1".into()));
+    }
+    if section.logging_steps == 0 {
+        return Err(invalid(&k("logging_steps"), "must be at least 1".into()));
+    }
+    let turn_gradient_weights = match &section.turn_gradient_weights {
+        None => vec![1.0; section.num_turns],
+        Some(w) => {
+            if w.len() != section.num_turns {
+                return Err(invalid(
+                    &k("turn_gradient_weights"),
+                    format!("has {} values but {} is {}", w.len(), k("num_turns"), section.num_turns),
+                ));
+            }
+            if let Some(bad) = w.iter().find(|x| !x.is_finite() || **x < 0.0) {
+                return Err(invalid(&k("turn_gradient_weights"), format!("must be finite and >= 0, got {bad}")));
+            }
+            w.clone()
+        }
+    };
+    if !(section.early_termination_weight.is_finite() && section.early_termination_weight > 0.0) {
+        return Err(invalid(&k("early_termination_weight"), "must be positive".into()));
+    }
+    if let Some(c) = section.advantage_clamp
+        && !(c.is_finite() && c > 0.0)
+    {
+        return Err(invalid(&k("advantage_clamp"), format!("must be positive, got {c}")));
+    }
+    let ppo = &section.ppo_clip;
+    if ppo.epochs == 0 {
+        return Err(invalid(&k("ppo_clip.epochs"), "must be at least 1".into()));
+    }
+    if !(0.0..1.0).contains(&ppo.clip_low) {
+        return Err(invalid(&k("ppo_clip.clip_low"), format!("must be in [0, 1), got {}", ppo.clip_low)));
+    }
+    if !(ppo.clip_high.is_finite() && ppo.clip_high >= 0.0) {
+        return Err(invalid(&k("ppo_clip.clip_high"), format!("must be >= 0, got {}", ppo.clip_high)));
+    }
+    if ppo.epochs > 1 && !ppo.enabled {
+        return Err(invalid(
+            &k("ppo_clip.epochs"),
+            format!("is {} but several passes over the same samples need ppo_clip.enabled: true", ppo.epochs),
+        ));
+    }
+    let kl = &section.reference_kl;
+    if !(kl.coef.is_finite() && kl.coef >= 0.0) {
+        return Err(invalid(&k("reference_kl.coef"), format!("must be >= 0, got {}", kl.coef)));
+    }
+    if let Some(g) = section.max_grad_norm
+        && !(g.is_finite() && g > 0.0)
+    {
+        return Err(invalid(&k("max_grad_norm"), format!("must be positive, got {g}")));
+    }
+    if !(section.weight_decay.is_finite() && section.weight_decay >= 0.0) {
+        return Err(invalid(&k("weight_decay"), format!("must be >= 0, got {}", section.weight_decay)));
+    }
+    let rp = &raw.reward_processor;
+    if !rp.scale_factor.is_finite() || !rp.shift.is_finite() {
+        return Err(invalid("reward_processor", "scale_factor and shift must be finite".into()));
+    }
+
+    let agent_models = match &raw.model.agents {
+        None => vec![raw.model.name.clone(); num_agents],
+        Some(list) => {
+            if list.len() != num_agents {
+                return Err(invalid(
+                    "model.agents",
+                    format!("has {} models but {} is {num_agents}", list.len(), k("num_agents")),
+                ));
+            }
+            list.clone()
+        }
+    };
+    if section.shared_parameters && agent_models.iter().any(|m| m != &agent_models[0]) {
+        return Err(invalid(
+            &k("shared_parameters"),
+            "is true but model.agents names different base models; shared agents need one model".into(),
+        ));
+    }
+
+    let split = |key: &str, text: &str| {
+        SplitSpec::parse(text).map_err(|e| ConfigError::Invalid { file: file.clone(), key: key.into(), message: format!("is invalid: {e}") })
+    };
+    let train_split = split("dataset.train_split", &raw.dataset.train_split)?;
+    let eval_split = raw.dataset.eval_split.as_deref().map(|t| split("dataset.eval_split", t)).transpose()?;
+    let kind_key = if raw.dataset.kind.is_some() { "dataset.type" } else { "dataset.name" };
+    DatasetKind::resolve(&raw.dataset).map_err(|e| invalid(kind_key, e))?;
+
+    for (i, e) in raw.rollout.endpoints.iter().enumerate() {
+        if !(e.starts_with("http://") || e.starts_with("https://")) {
+            return Err(invalid(&format!("rollout.endpoints[{i}]"), format!("`{e}` must start with http:// or https://")));
+        }
+    }
+    if let Some(e) = &raw.reward.endpoint
+        && !(e.starts_with("http://") || e.starts_with("https://"))
+    {
+        return Err(invalid("reward.endpoint", format!("`{e}` must start with http:// or https://")));
+    }
+
+    let mut trainer = section;
+    trainer.num_agents = Some(num_agents);
+    Ok(CheckedConfig {
+        source: source.to_path_buf(),
+        sampling: Sampling { temperature, top_p, top_k, max_new_tokens: trainer.max_new_tokens },
+        raw,
+        algorithm,
+        trainer,
+        num_agents,
+        turn_gradient_weights,
+        agent_models,
+        train_split,
+        eval_split,
+    })
+}

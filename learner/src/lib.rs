@@ -1,0 +1,16 @@
+//! The learner: configs, datasets, per-agent prompt formatters, the update math of GRPO/MAGRPO,
+//! metrics, checkpoints and plots, and the `learner` CLI's logic.
+//!
+//! The trainer loop (talking to the rollout workers and the reward server) is built on top of these
+//! pieces; the pieces themselves are pure and testable without a model.
+
+pub mod algo;
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod prompts;
+pub mod checkpoint;
+pub mod metrics;
+pub mod plot;
+pub mod services;
+pub mod trainer;

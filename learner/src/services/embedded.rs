@@ -1,0 +1,144 @@
+//! Services started inside the learner's process (the embedded default: no `reward.endpoint`, no
+//! `rollout.endpoints`): they bind loopback ephemeral ports and are used over the same gRPC as
+//! remote ones, so the embedded default exercises the real protocol.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cotrain_reward_server::config::{Overrides, ServerConfig};
+use tokio::runtime::Runtime;
+use tokio::sync::oneshot;
+use tracing::warn;
+
+use crate::trainer::TrainError;
+
+/// A reward server running on this process's runtime; stopped when dropped.
+pub struct EmbeddedReward {
+    /// Its gRPC address.
+    pub grpc: SocketAddr,
+    /// Its HTTP address.
+    pub http: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    rt: Arc<Runtime>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl EmbeddedReward {
+    /// Starts the reward server (strict sandbox, as the binary's default) on 127.0.0.1:0.
+    pub fn start(rt: Arc<Runtime>) -> Result<Self, TrainError> {
+        let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
+        let cfg = ServerConfig::resolve(None, Overrides { grpc_addr: Some(loopback), http_addr: Some(loopback), ..Overrides::default() })
+            .map_err(|e| TrainError::Reward(format!("embedded reward server: {e}")))?;
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let (bound_tx, bound_rx) = oneshot::channel();
+        let task = rt.spawn(async move {
+            cotrain_reward_server::server::serve(
+                cfg,
+                async move {
+                    let _ = stop_rx.await;
+                },
+                move |b| {
+                    let _ = bound_tx.send(b);
+                },
+            )
+            .await
+        });
+        match rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), bound_rx).await }) {
+            Ok(Ok(b)) => Ok(Self { grpc: b.grpc, http: b.http, shutdown: Some(stop_tx), rt, task: Some(task) }),
+            _ => {
+                // It never bound: its error says why (no working sandbox, ...).
+                let why = match rt.block_on(task) {
+                    Ok(Err(e)) => format!("{e:#}"),
+                    Ok(Ok(())) => "it stopped before binding".into(),
+                    Err(e) => e.to_string(),
+                };
+                Err(TrainError::Reward(format!("the embedded reward server did not start: {why}")))
+            }
+        }
+    }
+}
+
+impl Drop for EmbeddedReward {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let rt = self.rt.clone();
+            match rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), task).await }) {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => warn!(error = %format!("{e:#}"), "embedded reward server stopped with an error"),
+                _ => warn!("embedded reward server did not stop within 10 s"),
+            }
+        }
+    }
+}
+
+/// A rollout worker running on this process's runtime (the real gRPC service of
+/// `cotrain-rollout-worker`); stopped when dropped.
+pub struct EmbeddedRollout {
+    /// Its gRPC address.
+    pub grpc: SocketAddr,
+    server: Option<cotrain_rollout_worker::server::RunningServer>,
+    rt: Arc<Runtime>,
+}
+
+/// Model specs for the worker's agents such that agents that must not share weights get distinct
+/// specs: the worker shares one model between agents whose specs are equal, so a second agent on the
+/// same base file is given an equivalent path (`dir/./file`) that loads the same file into its own
+/// copy.
+pub fn distinct_specs(agents: &[(String, String)]) -> Result<Vec<(String, String)>, TrainError> {
+    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let mut out = Vec::new();
+    for (name, spec) in agents {
+        let count = seen.entry(spec.clone()).or_insert(0);
+        let unique = if *count == 0 {
+            spec.clone()
+        } else {
+            let path = match cotrain_model::loader::resolve(spec).map_err(|e| TrainError::Model(format!("`{spec}`: {e}")))? {
+                cotrain_model::loader::ModelSource::Gguf(p) | cotrain_model::loader::ModelSource::HfDir(p) => p,
+            };
+            let parent = path.parent().map(|p| p.to_path_buf()).unwrap_or_default();
+            let file = path.file_name().map(|f| f.to_os_string()).unwrap_or_default();
+            let mut p = parent;
+            for _ in 0..*count {
+                p.push(".");
+            }
+            p.push(file);
+            p.display().to_string()
+        };
+        *count += 1;
+        out.push((name.clone(), unique));
+    }
+    Ok(out)
+}
+
+impl EmbeddedRollout {
+    /// Starts a worker serving `agents` (`(name, model spec)`, one model copy per agent) on
+    /// 127.0.0.1:0.
+    pub fn start(rt: Arc<Runtime>, agents: &[(String, String)], device: tch::Device, kind: tch::Kind) -> Result<Self, TrainError> {
+        let config = cotrain_rollout_worker::worker::WorkerConfig {
+            agents: distinct_specs(agents)?,
+            device,
+            kind,
+            max_batch_size: 64,
+            max_queued_requests: 1024,
+        };
+        let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
+        let server = rt
+            .block_on(cotrain_rollout_worker::server::start(config, loopback, loopback))
+            .map_err(|e| TrainError::Rollout(format!("the embedded rollout worker did not start: {e:#}")))?;
+        Ok(Self { grpc: server.grpc_addr, server: Some(server), rt })
+    }
+}
+
+impl Drop for EmbeddedRollout {
+    fn drop(&mut self) {
+        if let Some(server) = self.server.take()
+            && let Err(e) = self.rt.block_on(server.shutdown())
+        {
+            warn!(error = %format!("{e:#}"), "embedded rollout worker stopped with an error");
+        }
+    }
+}

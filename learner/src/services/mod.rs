@@ -1,0 +1,28 @@
+//! The trainer's connections to the services, behind the [`crate::trainer::RolloutSource`] and
+//! [`crate::trainer::RewardSource`] traits:
+//!
+//! - [`PoolRollout`]: rollout workers over gRPC through the client pool (static endpoints or a DNS
+//!   name; load balancing, retries on another worker, workers joining and leaving);
+//! - [`GrpcReward`]: the reward server's `Score` over gRPC;
+//! - [`embedded`]: a reward server started inside this process on a loopback port (the embedded
+//!   default), talked to over the same gRPC;
+//! - [`EngineRollout`]: the generation engine in this process, without a network hop (the learning
+//!   tests use it, and the embedded default falls back to it when no in-process rollout server
+//!   can be started).
+
+pub mod embedded;
+mod engine;
+mod pool;
+mod reward_grpc;
+
+pub use engine::EngineRollout;
+pub use pool::PoolRollout;
+pub use reward_grpc::GrpcReward;
+
+/// A multi-threaded tokio runtime for the gRPC clients and embedded servers; the trainer's own
+/// thread blocks on it and keeps the tensor work off it.
+pub fn runtime() -> std::io::Result<std::sync::Arc<tokio::runtime::Runtime>> {
+    Ok(std::sync::Arc::new(
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("cotrain-io").enable_all().build()?,
+    ))
+}

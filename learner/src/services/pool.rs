@@ -1,0 +1,154 @@
+//! Rollout workers over gRPC through the client pool of `cotrain-rollout-worker`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cotrain_proto::rollout::{self as pb, GenerateRequest, Prompt, prompt::Kind as PromptKind};
+use cotrain_rollout_worker::pool::{PoolConfig, RolloutPool};
+use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
+use tch::{Kind, Tensor};
+use tokio::runtime::Runtime;
+
+use crate::trainer::{GenRequest, GenSample, RolloutSource, TrainError};
+
+/// See the module docs.
+pub struct PoolRollout {
+    rt: Arc<Runtime>,
+    pool: RolloutPool,
+    label: String,
+    version_timeout: Duration,
+    next_request: u64,
+}
+
+impl PoolRollout {
+    /// Connects to `endpoints` and/or `dns_names` and waits (up to `wait`) for one healthy worker.
+    pub fn connect(
+        rt: Arc<Runtime>,
+        endpoints: Vec<String>,
+        dns_names: Vec<String>,
+        request_timeout: Duration,
+        max_attempts: usize,
+        refresh: Duration,
+        wait: Duration,
+    ) -> Result<Self, TrainError> {
+        let label = format!("rollout pool {:?}", endpoints.iter().chain(&dns_names).collect::<Vec<_>>());
+        let cfg = PoolConfig {
+            endpoints,
+            dns_names,
+            refresh_interval: refresh,
+            request_timeout: Some(request_timeout),
+            max_attempts: max_attempts.max(1),
+            wait_for_worker: wait,
+            ..PoolConfig::default()
+        };
+        let pool = rt.block_on(async {
+            let pool = RolloutPool::new(cfg).await?;
+            pool.wait_for_healthy(1, wait).await?;
+            Ok::<_, cotrain_rollout_worker::pool::PoolError>(pool)
+        });
+        let pool = pool.map_err(|e| TrainError::Rollout(format!("{label}: {e}")))?;
+        Ok(Self { rt, pool, label, version_timeout: Duration::from_secs(120), next_request: 0 })
+    }
+
+    pub fn pool(&self) -> &RolloutPool {
+        &self.pool
+    }
+}
+
+/// Parameters as f32 wire tensors (f32 keeps the workers' policy bit-identical to the learner's).
+fn wire_tensors(params: &BTreeMap<String, Tensor>) -> Vec<UpdatedTensor> {
+    params
+        .iter()
+        .map(|(name, t)| {
+            let t = t.detach().to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous();
+            let numel = t.numel();
+            let mut data = vec![0u8; numel * 4];
+            t.copy_data_u8(&mut data, numel);
+            UpdatedTensor { name: name.clone(), dtype: WireDType::F32, shape: t.size(), data }
+        })
+        .collect()
+}
+
+impl RolloutSource for PoolRollout {
+    fn generate(&mut self, requests: &[GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError> {
+        let base = self.next_request;
+        self.next_request += requests.len() as u64;
+        let calls = requests.iter().enumerate().map(|(i, r)| {
+            let req = GenerateRequest {
+                agent: r.agent.clone(),
+                prompts: vec![Prompt { kind: Some(PromptKind::TokenIds(pb::TokenIds { ids: r.prompt.clone() })) }],
+                n: r.n as u32,
+                sampling: Some(pb::SamplingParams {
+                    temperature: Some(r.sampling.temperature as f32),
+                    top_p: Some(r.sampling.top_p as f32),
+                    top_k: r.sampling.top_k,
+                    max_new_tokens: r.sampling.max_new_tokens as u32,
+                    min_p: None,
+                }),
+                seed: r.seed,
+                stop: None,
+                min_policy_version: Some(r.min_policy_version),
+                request_id: format!("learner-{}-{}", std::process::id(), base + i as u64),
+            };
+            self.pool.generate(req)
+        });
+        let results = self.rt.block_on(futures::future::join_all(calls));
+        results
+            .into_iter()
+            .zip(requests)
+            .map(|(res, r)| {
+                let resp = res.map_err(|e| TrainError::Rollout(format!("agent `{}`: {e}", r.agent)))?;
+                let completion = resp
+                    .completions
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| TrainError::Rollout(format!("agent `{}`: empty generate response", r.agent)))?;
+                Ok(completion
+                    .samples
+                    .into_iter()
+                    .map(|s| GenSample {
+                        stopped: s.finish_reason == pb::FinishReason::Stop as i32,
+                        token_ids: s.token_ids,
+                        text: s.text,
+                        logprobs: s.logprobs,
+                        policy_version: s.policy_version,
+                    })
+                    .collect())
+            })
+            .collect()
+    }
+
+    fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
+        let infos = self.rt.block_on(self.pool.info_all());
+        let mut best = 0;
+        for (_, info) in infos {
+            if let Ok(info) = info
+                && let Some(a) = info.agents.iter().find(|a| a.name == agent)
+            {
+                best = best.max(a.policy_version);
+            }
+        }
+        Ok(best)
+    }
+
+    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+        let tensors = Arc::new(wire_tensors(params));
+        let answers = self.rt.block_on(self.pool.push_weights(agent, version, false, tensors));
+        if answers.is_empty() {
+            return Err(TrainError::Rollout(format!("{}: no healthy worker to push `{agent}` v{version} to", self.label)));
+        }
+        for (worker, answer) in &answers {
+            if let Err(status) = answer {
+                return Err(TrainError::Rollout(format!("{worker}: weight update of `{agent}` to v{version} failed: {status}")));
+            }
+        }
+        self.rt
+            .block_on(self.pool.wait_for_version(agent, version, self.version_timeout))
+            .map_err(|e| TrainError::Rollout(e.to_string()))
+    }
+
+    fn describe(&self) -> String {
+        self.label.clone()
+    }
+}

@@ -1,0 +1,66 @@
+//! The reward server's `Score` over gRPC.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cotrain_proto::reward::reward_client::RewardClient;
+use cotrain_proto::reward::{JointAction, ScoreRequest};
+use tokio::runtime::Runtime;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::trainer::{RewardSource, Score, ScoreAction, TrainError};
+
+/// See the module docs.
+pub struct GrpcReward {
+    rt: Arc<Runtime>,
+    client: RewardClient<Channel>,
+    endpoint: String,
+    timeout: Duration,
+}
+
+impl GrpcReward {
+    /// Connects to `endpoint` (`host:port` or `http://host:port`).
+    pub fn connect(rt: Arc<Runtime>, endpoint: &str, timeout: Duration) -> Result<Self, TrainError> {
+        let uri = if endpoint.contains("://") { endpoint.to_string() } else { format!("http://{endpoint}") };
+        let ep = Endpoint::from_shared(uri.clone()).map_err(|e| TrainError::Reward(format!("reward.endpoint `{endpoint}`: {e}")))?;
+        let channel = rt
+            .block_on(ep.connect_timeout(Duration::from_secs(10)).connect())
+            .map_err(|e| TrainError::Reward(format!("cannot reach the reward server at {uri}: {e}")))?;
+        let client = RewardClient::new(channel).max_decoding_message_size(usize::MAX).max_encoding_message_size(usize::MAX);
+        Ok(Self { rt, client, endpoint: uri, timeout })
+    }
+}
+
+impl RewardSource for GrpcReward {
+    fn score(&mut self, task: &str, actions: &[ScoreAction]) -> Result<Vec<Score>, TrainError> {
+        let req = ScoreRequest {
+            task: task.to_string(),
+            actions: actions
+                .iter()
+                .map(|a| JointAction { completions: a.completions.clone(), item_json: a.item.to_string() })
+                .collect(),
+            options_json: String::new(),
+        };
+        let mut request = tonic::Request::new(req);
+        request.set_timeout(self.timeout);
+        let mut client = self.client.clone();
+        let resp = self
+            .rt
+            .block_on(client.score(request))
+            .map_err(|s| TrainError::Reward(format!("{}: Score failed: {} ({:?})", self.endpoint, s.message(), s.code())))?
+            .into_inner();
+        Ok(resp
+            .results
+            .into_iter()
+            .map(|r| Score {
+                reward: r.reward,
+                levels: r.levels.into_iter().collect(),
+                details: serde_json::from_str(&r.details_json).unwrap_or(serde_json::Value::Null),
+            })
+            .collect())
+    }
+
+    fn describe(&self) -> String {
+        format!("reward server at {}", self.endpoint)
+    }
+}

@@ -1,0 +1,261 @@
+//! The trainer: single-turn GRPO / MAGRPO end to end (algorithms.md), driving rollout workers and a
+//! reward server.
+//!
+//! - [`sources`]: the [`RolloutSource`] and [`RewardSource`] traits the loop talks to (implemented
+//!   over gRPC in [`crate::services`], and in process for tests);
+//! - [`policy`]: a trainable [`Policy`] (weights, AdamW, optional frozen reference) and its update
+//!   through the chunked log-prob kernel;
+//! - [`items`]: dataset rows → per-agent prompt token ids;
+//! - [`run`]: the [`Trainer`] loop, evaluation, checkpoints, metrics;
+//! - this module: building all of it from a config ([`build`]) and the `learner train` / `learner
+//!   eval` entry points ([`train`], [`evaluate_checkpoint`]).
+//!
+//! Extension points (not built yet, each named where it plugs in): multi-turn tree rollout and the
+//! handoff variant (a node recursion around [`Trainer::train_step`]'s generate/score; configs with
+//! `num_turns > 1` are refused with a clear error until then), MaPoRL PPO with a critic (a value head
+//! on the kernel's hidden states inside [`Policy::update`]), NCCL data parallelism (a gradient
+//! all-reduce between backward and the AdamW step in [`Policy::update`], items split by rank in
+//! [`Trainer::train_step`]), asynchronous rollouts (a [`RolloutSource`] with requests in flight and a
+//! staleness bound instead of [`Trainer::generate_checked`]'s strict check).
+
+pub mod items;
+pub mod policy;
+pub mod run;
+pub mod sources;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cotrain_model::loader::LoadOptions;
+use tch::{Device, Kind};
+use tracing::info;
+
+pub use items::{TrainItem, prepare_items};
+pub use policy::{AgentBatches, Policy, TrainSample, UpdateStats};
+pub use run::{RunSummary, Trainer, TrainerSetup, derive_seed};
+pub use sources::{GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
+
+use crate::algo::AdamWConfig;
+use crate::config::{CheckedConfig, Dtype};
+use crate::data::{DatasetKind, load_split};
+use crate::services::{self, GrpcReward, PoolRollout, embedded::{EmbeddedReward, EmbeddedRollout}};
+
+/// Why training stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The config asks for something inconsistent.
+    #[error("config: {0}")]
+    Config(String),
+    /// A trainer that is not built yet (multi-turn, ...).
+    #[error("{0}")]
+    NotBuilt(String),
+    /// Loading or running the model failed.
+    #[error("model: {0}")]
+    Model(String),
+    /// Dataset or prompt preparation failed.
+    #[error("data: {0}")]
+    Data(String),
+    /// The rollout workers failed.
+    #[error("rollout: {0}")]
+    Rollout(String),
+    /// The reward server failed.
+    #[error("reward: {0}")]
+    Reward(String),
+    /// A sample came from another policy version than the learner's, twice in a row.
+    #[error("agent {agent}: a sample came from policy version {got}, the learner pushed {expected} (on-policy training refuses stale samples)")]
+    StaleSample { agent: usize, expected: u64, got: u64 },
+    /// Writing or reading a checkpoint failed.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    /// A filesystem error.
+    #[error("io: {0}")]
+    Io(String),
+}
+
+/// How `learner train` runs.
+#[derive(Debug, Clone, Default)]
+pub struct TrainOptions {
+    /// Continue this run directory from its latest checkpoint.
+    pub resume: Option<PathBuf>,
+}
+
+/// The rollout and reward sources a config names.
+pub struct Services {
+    pub rollout: Box<dyn RolloutSource>,
+    pub reward: Box<dyn RewardSource>,
+    pub guard: ServiceGuard,
+}
+
+/// Keeps embedded servers and the runtime alive for the run; dropping it stops them (drop it after
+/// the trainer).
+pub struct ServiceGuard {
+    pub embedded_reward: Option<EmbeddedReward>,
+    pub embedded_rollout: Option<EmbeddedRollout>,
+    pub runtime: Arc<tokio::runtime::Runtime>,
+}
+
+fn load_options(cfg: &CheckedConfig) -> LoadOptions {
+    let device = Device::cuda_if_available();
+    let kind = match (cfg.raw.model.dtype, device) {
+        (Dtype::F32, _) | (Dtype::Auto, Device::Cpu) => Kind::Float,
+        (Dtype::Bf16, _) | (Dtype::Auto, _) => Kind::BFloat16,
+        (Dtype::F16, _) => Kind::Half,
+    };
+    LoadOptions { device, kind }
+}
+
+/// The policies a config asks for and which agent uses which: one per agent (each fine-tunes its own
+/// copy, on the same or different base models), or one for all with `shared_parameters`.
+pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), TrainError> {
+    let opts = load_options(cfg);
+    let t = &cfg.trainer;
+    let adam = AdamWConfig::new(t.learning_rate, t.weight_decay, t.max_grad_norm);
+    let with_ref = t.reference_kl.enabled;
+    if t.shared_parameters {
+        let first = &cfg.agent_models[0];
+        if let Some(other) = cfg.agent_models.iter().find(|m| *m != first) {
+            return Err(TrainError::Config(format!(
+                "{}: shared_parameters needs one base model, but model.agents names `{first}` and `{other}`",
+                cfg.source.display()
+            )));
+        }
+        let p = Policy::load("shared", first, &opts, adam, with_ref)?;
+        return Ok((vec![p], vec![0; cfg.num_agents]));
+    }
+    let mut policies = Vec::new();
+    for (i, spec) in cfg.agent_models.iter().enumerate() {
+        policies.push(Policy::load(&format!("agent{i}"), spec, &opts, adam, with_ref)?);
+    }
+    Ok((policies, (0..cfg.num_agents).collect()))
+}
+
+/// The services a config names, or the embedded default: a reward server and a rollout worker in
+/// this process on loopback ports, used over gRPC.
+pub fn connect_services(cfg: &CheckedConfig, policies: &[Policy]) -> Result<Services, TrainError> {
+    let runtime = services::runtime().map_err(|e| TrainError::Io(format!("tokio runtime: {e}")))?;
+    let r = &cfg.raw.reward;
+    let (reward, embedded_reward): (Box<dyn RewardSource>, _) = match &r.endpoint {
+        Some(ep) => (Box::new(GrpcReward::connect(runtime.clone(), ep, Duration::from_secs(r.request_timeout_secs))?), None),
+        None => {
+            let server = EmbeddedReward::start(runtime.clone())?;
+            info!(grpc = %server.grpc, http = %server.http, "embedded reward server started");
+            let client = GrpcReward::connect(runtime.clone(), &server.grpc.to_string(), Duration::from_secs(r.request_timeout_secs))?;
+            (Box::new(client), Some(server))
+        }
+    };
+    let ro = &cfg.raw.rollout;
+    let pool = |endpoints: Vec<String>, dns: Vec<String>| {
+        PoolRollout::connect(
+            runtime.clone(),
+            endpoints,
+            dns,
+            Duration::from_secs(ro.request_timeout_secs),
+            ro.max_retries + 1,
+            Duration::from_secs(ro.dns_refresh_secs.max(1)),
+            Duration::from_secs(120),
+        )
+    };
+    let (rollout, embedded_rollout): (Box<dyn RolloutSource>, _) = if ro.endpoints.is_empty() && ro.dns_name.is_none() {
+        // A rollout worker in this process (one model copy per policy), used over gRPC like a remote one.
+        let opts = load_options(cfg);
+        let agents: Vec<(String, String)> = policies.iter().map(|p| (p.worker_agent.clone(), p.model_spec.clone())).collect();
+        let worker = EmbeddedRollout::start(runtime.clone(), &agents, opts.device, opts.kind)?;
+        info!(grpc = %worker.grpc, "embedded rollout worker started");
+        (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new())?), Some(worker))
+    } else {
+        (Box::new(pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect())?), None)
+    };
+    Ok(Services { rollout, reward, guard: ServiceGuard { embedded_reward, embedded_rollout, runtime } })
+}
+
+fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
+    let name = cfg.raw.logging.run_name.clone().unwrap_or_else(|| {
+        let stem = cfg.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        format!("{stem}-{secs}")
+    });
+    PathBuf::from(&cfg.raw.output.base_dir).join(name)
+}
+
+/// Everything for a run of `cfg` in `run_dir`: policies, data, prompts, services.
+pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceGuard), TrainError> {
+    if cfg.is_multi_turn() {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: {}.num_turns is {}: the multi-turn trainer is not built yet (single-turn runs use num_turns: 1)",
+            cfg.source.display(),
+            cfg.algorithm.section(),
+            cfg.trainer.num_turns
+        )));
+    }
+    let kind = DatasetKind::resolve(&cfg.raw.dataset).map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
+    let train = load_split(&cfg.raw.dataset, &cfg.train_split).map_err(|e| TrainError::Data(e.to_string()))?;
+    let eval = match &cfg.eval_split {
+        Some(s) => Some(load_split(&cfg.raw.dataset, s).map_err(|e| TrainError::Data(e.to_string()))?),
+        None => None,
+    };
+    let (policies, agent_policy) = load_policies(cfg)?;
+    let extra = match cfg.raw.model.enable_thinking {
+        Some(b) => serde_json::json!({ "enable_thinking": b }),
+        None => serde_json::Value::Null,
+    };
+    let max_prompt = cfg.raw.model.max_length.saturating_sub(cfg.sampling.max_new_tokens);
+    let models: Vec<&cotrain_model::loader::LoadedModel> = agent_policy.iter().map(|&p| &policies[p].model).collect();
+    let train_items = prepare_items(&train, &models, &extra, max_prompt)?;
+    let eval_items = match &eval {
+        Some(d) => prepare_items(d, &models, &extra, max_prompt)?,
+        None => Vec::new(),
+    };
+    let services = connect_services(cfg, &policies)?;
+    let Services { rollout, reward, guard } = services;
+    let setup = TrainerSetup {
+        cfg: cfg.clone(),
+        run_dir,
+        task: items::reward_task(kind).to_string(),
+        is_code: kind.is_code(),
+        policies,
+        agent_policy,
+        rollout,
+        reward,
+        train_items,
+        eval_items,
+    };
+    Ok((Trainer::new(setup)?, guard))
+}
+
+/// `learner train`: builds the run (or reopens `opts.resume`), trains, and returns where things are.
+pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, TrainError> {
+    let run_dir = match &opts.resume {
+        Some(dir) => dir.clone(),
+        None => run_dir_for(cfg),
+    };
+    std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+    std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+    let (mut trainer, services) = build(cfg, run_dir.clone())?;
+    if opts.resume.is_some() {
+        trainer.resume(&run_dir)?;
+    }
+    let summary = trainer.run();
+    drop(trainer);
+    drop(services);
+    summary
+}
+
+/// `learner eval`: loads a checkpoint's weights into fresh policies and evaluates them on the eval
+/// split; the scalars are returned (and written to `eval.json` in the checkpoint directory).
+pub fn evaluate_checkpoint(cfg: &CheckedConfig, checkpoint: &Path) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
+    if cfg.eval_split.is_none() {
+        return Err(TrainError::Config(format!("{}: dataset.eval_split is not set", cfg.source.display())));
+    }
+    let tmp_run = std::env::temp_dir().join(format!("cotrain-eval-{}", std::process::id()));
+    let (mut trainer, services) = build(cfg, tmp_run.clone())?;
+    trainer.restore(checkpoint)?;
+    trainer.sync_all_weights()?;
+    let m = trainer.evaluate()?;
+    let path = checkpoint.join("eval.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap_or_default()).map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))?;
+    drop(trainer);
+    drop(services);
+    let _ = std::fs::remove_dir_all(&tmp_run);
+    Ok(m)
+}

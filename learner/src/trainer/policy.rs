@@ -1,0 +1,200 @@
+//! A trainable policy: the learner's own copy of one model (parameters in a `VarStore`), its AdamW
+//! optimiser, an optional frozen reference copy, and the policy version the rollout workers serve.
+//!
+//! One `Policy` per distinct set of weights: one per agent by default (each agent fine-tunes its own
+//! copy, on the same or on different base models), a single one for all agents with
+//! `shared_parameters`. A PPO critic (MaPoRL) would live beside the policy as a value head on
+//! [`cotrain_model::logprobs::TokenLogProbs::hidden`], whose gradient flows through the same trunk
+//! backward; an NCCL data-parallel learner would all-reduce the gradients between the backward
+//! passes and [`AdamW::step`] in [`Policy::update`].
+
+use std::collections::BTreeMap;
+
+use cotrain_model::loader::{LoadOptions, LoadedModel};
+use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs};
+use tch::{Kind, Tensor};
+use tracing::warn;
+
+use super::TrainError;
+use crate::algo::{AdamW, AdamWConfig, LossOptions, PolicyBatch, policy_loss};
+
+/// One completion with its advantage, ready for the loss.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainSample {
+    pub prompt: Vec<u32>,
+    pub completion: Vec<u32>,
+    pub advantage: f64,
+    /// Behaviour log-probs from the rollout worker (for ratio clipping).
+    pub old_logprobs: Vec<f32>,
+}
+
+/// One agent's share of an update: its samples in mini-batches, and the factor its loss is scaled
+/// by (1 for an agent with its own weights, 1/N for shared parameters).
+#[derive(Debug, Clone)]
+pub struct AgentBatches {
+    pub minibatches: Vec<Vec<TrainSample>>,
+    pub scale: f64,
+}
+
+/// What one update did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UpdateStats {
+    /// The loss of the whole update (the sum of the scaled mini-batch losses, last epoch).
+    pub loss: f64,
+    pub kl: f64,
+    /// Mean per-token entropy of the policy on the completions.
+    pub entropy: f64,
+    pub clip_fraction: f64,
+    pub grad_norm: f64,
+    /// Completion tokens trained on.
+    pub tokens: f64,
+    /// Optimiser steps taken (0 when skipped).
+    pub steps: u64,
+    /// Why the update was skipped, if it was.
+    pub skipped: Option<String>,
+}
+
+/// See the module docs.
+pub struct Policy {
+    /// The agent name the rollout workers serve this policy under.
+    pub worker_agent: String,
+    /// The model spec it was loaded from.
+    pub model_spec: String,
+    pub model: LoadedModel,
+    pub optimizer: AdamW,
+    /// Frozen copy of the initial weights, when the KL penalty is on.
+    pub reference: Option<LoadedModel>,
+    /// The version the workers serve (set by the trainer when it pushes weights).
+    pub wire_version: u64,
+    /// Completion positions per LM-head chunk in the log-prob kernel.
+    pub chunk_size: usize,
+}
+
+impl std::fmt::Debug for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy")
+            .field("worker_agent", &self.worker_agent)
+            .field("model_spec", &self.model_spec)
+            .field("wire_version", &self.wire_version)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Policy {
+    /// Loads `spec` for training (and a frozen reference copy when `with_reference`).
+    pub fn load(worker_agent: &str, spec: &str, opts: &LoadOptions, adam: AdamWConfig, with_reference: bool) -> Result<Self, TrainError> {
+        let model = cotrain_model::loader::load(spec, opts).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+        let reference = if with_reference {
+            let r = cotrain_model::loader::load(spec, opts).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+            r.vs.variables().values().for_each(|t| {
+                let _ = t.shallow_clone().set_requires_grad(false);
+            });
+            Some(r)
+        } else {
+            None
+        };
+        Ok(Self::new(worker_agent, spec, model, reference, adam))
+    }
+
+    /// A policy around an already loaded model.
+    pub fn new(worker_agent: &str, spec: &str, model: LoadedModel, reference: Option<LoadedModel>, adam: AdamWConfig) -> Self {
+        let optimizer = AdamW::new(&model.vs, adam);
+        Self { worker_agent: worker_agent.to_string(), model_spec: spec.to_string(), model, optimizer, reference, wire_version: 0, chunk_size: 256 }
+    }
+
+    /// The parameters by name (shallow handles).
+    pub fn parameters(&self) -> BTreeMap<String, Tensor> {
+        self.model.named_parameters()
+    }
+
+    /// One optimiser round (per PPO epoch when clipping is on): every agent's mini-batches are
+    /// back-propagated through the chunked log-prob kernel with their loss scaled by
+    /// `agent.scale · |batch| / |agent's samples|` (so each agent's loss is the mean over its
+    /// samples, as the original's (1/K) Σ_k), then one AdamW step. A non-finite loss or gradient
+    /// skips the step with a warning and drops the gradients.
+    pub fn update(&mut self, agents: &[AgentBatches], loss_opts: &LossOptions, epochs: usize) -> Result<UpdateStats, TrainError> {
+        let mut stats = UpdateStats::default();
+        let clip = loss_opts.clip.is_some();
+        for _ in 0..epochs.max(1) {
+            self.optimizer.zero_grad();
+            let (mut loss, mut kl, mut clip_tok, mut ent_sum, mut tokens) = (0.0, 0.0, 0.0, 0.0, 0.0);
+            for agent in agents {
+                let total: usize = agent.minibatches.iter().map(Vec::len).sum();
+                for mb in &agent.minibatches {
+                    if mb.is_empty() {
+                        continue;
+                    }
+                    let seqs: Vec<Sequence> =
+                        mb.iter().map(|s| Sequence { prompt: s.prompt.clone(), completion: s.completion.clone() }).collect();
+                    let tlp = completion_logprobs(&self.model.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: true })
+                        .map_err(|e| TrainError::Model(format!("log-probs: {e}")))?;
+                    let (lp, mask) = tlp.padded();
+                    let mask = mask.to_kind(Kind::Float);
+                    let width = lp.size()[1] as usize;
+                    let adv = Tensor::from_slice(&mb.iter().map(|s| s.advantage).collect::<Vec<f64>>());
+                    let old = clip.then(|| padded_rows(mb.iter().map(|s| s.old_logprobs.as_slice()), width));
+                    let reference = match (&self.reference, loss_opts.kl) {
+                        (Some(r), Some(_)) => {
+                            let t = completion_logprobs(&r.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: false })
+                                .map_err(|e| TrainError::Model(format!("reference log-probs: {e}")))?;
+                            Some(t.padded().0)
+                        }
+                        _ => None,
+                    };
+                    let mut opts = *loss_opts;
+                    opts.scale = loss_opts.scale * agent.scale * mb.len() as f64 / total as f64;
+                    let batch = PolicyBatch {
+                        logprobs: &lp,
+                        mask: &mask,
+                        advantages: &adv,
+                        old_logprobs: old.as_ref(),
+                        ref_logprobs: reference.as_ref(),
+                    };
+                    let terms = policy_loss(&batch, &opts).map_err(|e| TrainError::Model(format!("loss: {e}")))?;
+                    let value = terms.loss.double_value(&[]);
+                    if !value.is_finite() {
+                        self.optimizer.zero_grad();
+                        warn!(policy = %self.worker_agent, loss = value, "non-finite loss, skipping this update");
+                        stats.skipped = Some(format!("non-finite loss {value}"));
+                        return Ok(stats);
+                    }
+                    terms.loss.f_backward().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
+                    tlp.propagate().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
+                    let w = mb.len() as f64 / total as f64;
+                    loss += value;
+                    kl += terms.kl * w * agent.scale;
+                    clip_tok += terms.clip_fraction * terms.tokens;
+                    ent_sum += tlp.entropy.detach().sum(Kind::Double).double_value(&[]);
+                    tokens += terms.tokens;
+                }
+            }
+            if !self.optimizer.grads_finite() {
+                self.optimizer.zero_grad();
+                warn!(policy = %self.worker_agent, "non-finite gradient, skipping this update");
+                stats.skipped = Some("non-finite gradient".into());
+                return Ok(stats);
+            }
+            stats.grad_norm = self.optimizer.step();
+            self.optimizer.zero_grad();
+            stats.steps += 1;
+            // The figures of the last epoch are reported.
+            stats.loss = loss;
+            stats.kl = kl;
+            stats.entropy = if tokens > 0.0 { ent_sum / tokens } else { 0.0 };
+            stats.clip_fraction = if tokens > 0.0 { clip_tok / tokens } else { 0.0 };
+            stats.tokens = tokens;
+        }
+        Ok(stats)
+    }
+}
+
+/// Right-pads rows of per-token values into a (K, width) f32 tensor.
+fn padded_rows<'a>(rows: impl Iterator<Item = &'a [f32]>, width: usize) -> Tensor {
+    let rows: Vec<&[f32]> = rows.collect();
+    let mut flat = vec![0f32; rows.len() * width];
+    for (i, r) in rows.iter().enumerate() {
+        let n = r.len().min(width);
+        flat[i * width..i * width + n].copy_from_slice(&r[..n]);
+    }
+    Tensor::from_slice(&flat).view([rows.len() as i64, width as i64])
+}

@@ -1,0 +1,598 @@
+//! The single-turn GRPO / MAGRPO loop (algorithms.md, "MAGRPO, single turn").
+//!
+//! One *step* consumes `rollout_buffer_size` items of the epoch's seeded order (fewer at the end of an
+//! epoch) and ends with one optimiser round per policy:
+//!
+//! 1. generate: every (item, agent) pair asks the rollout source for G samples of the agent's prompt,
+//!    all in one concurrent batch, each with a seed derived from (run seed, step, agent, item) and
+//!    `min_policy_version` = the version the learner last pushed;
+//! 2. check: every sample must come from exactly that version (see [`Trainer::generate_checked`]);
+//! 3. reward: the joint actions (`aligned` or `cross`) of every item go to the reward source in one
+//!    batch; `reward_processor`, credit and advantages per agent follow (`crate::algo`);
+//! 4. buffer: each agent's G samples of each item form one node of its [`RolloutBuffer`]; the buffer is
+//!    drained, shuffled, and cut into `train_batch_size` mini-batches;
+//! 5. update: per policy, the summed-log-prob loss (or the configured options) through the chunked
+//!    log-prob kernel, one AdamW step (shared parameters: every agent's loss scaled by 1/N, one step
+//!    after the last agent); non-finite → skipped with a warning;
+//! 6. sync: the new weights are pushed to every rollout worker as version v + 1 before anything else
+//!    is sampled.
+//!
+//! Where later trainers plug in: multi-turn tree rollout replaces steps 1–3 with a recursion over
+//! nodes (each node is exactly this step's generate + score for one item and one history; the buffer
+//! already groups samples by node) and adds returns; MaPoRL PPO swaps [`Policy::update`]'s loss for the
+//! clipped PPO loss with a value head on the kernel's hidden states; asynchronous rollouts replace the
+//! strict version check of step 2 by a bound on staleness.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tracing::{info, warn};
+
+use super::policy::{AgentBatches, Policy, TrainSample, UpdateStats};
+use super::sources::{GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
+use super::{TrainError, TrainItem};
+use crate::algo::{AdvantageOptions, LossOptions, RewardProcessor, RolloutBuffer, joint_actions, node_advantages};
+use crate::checkpoint::{TrainState, latest_checkpoint, load_checkpoint, save_checkpoint};
+use crate::config::{CheckedConfig, JointMode, ProgressMode};
+use crate::metrics::MetricsWriter;
+
+/// Everything a [`Trainer`] runs with; [`super::build`] makes one from a config, tests assemble their
+/// own (tiny models, in-process sources).
+pub struct TrainerSetup {
+    pub cfg: CheckedConfig,
+    pub run_dir: PathBuf,
+    /// The reward source's task name (`code`, ...).
+    pub task: String,
+    /// Code tasks get PassOrNot@k / Accuracy@k / MaxCoop@k at evaluation.
+    pub is_code: bool,
+    pub policies: Vec<Policy>,
+    /// `agent_policy[i]` is the index of the policy agent `i` samples from and trains.
+    pub agent_policy: Vec<usize>,
+    pub rollout: Box<dyn RolloutSource>,
+    pub reward: Box<dyn RewardSource>,
+    pub train_items: Vec<TrainItem>,
+    pub eval_items: Vec<TrainItem>,
+}
+
+/// What a finished (or stopped) run leaves behind.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSummary {
+    pub run_dir: PathBuf,
+    pub steps: u64,
+    pub metrics_path: PathBuf,
+    pub checkpoint: Option<PathBuf>,
+    pub plots: Vec<PathBuf>,
+    /// Every logged step's scalars, in order (what `metrics.jsonl` got).
+    pub history: Vec<BTreeMap<String, f64>>,
+}
+
+/// The trainer; see the module docs.
+pub struct Trainer {
+    s: TrainerSetup,
+    step: u64,
+    epoch: u64,
+    position: u64,
+    rng: ChaCha8Rng,
+    rng_seed: u64,
+    metrics: MetricsWriter,
+    history: Vec<BTreeMap<String, f64>>,
+    last_checkpoint: Option<PathBuf>,
+    /// Stop (as if killed) after this many steps; for resume tests.
+    pub stop_after_steps: Option<u64>,
+}
+
+/// Mixes values into one seed (SplitMix64 finaliser over a running hash).
+pub fn derive_seed(parts: &[u64]) -> u64 {
+    let mut h: u64 = 0x9E37_79B9_7F4A_7C15;
+    for &p in parts {
+        h ^= p.wrapping_add(0x9E37_79B9_7F4A_7C15).wrapping_add(h << 6).wrapping_add(h >> 2);
+        let mut z = h;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        h = z ^ (z >> 31);
+    }
+    h
+}
+
+const TAG_ORDER: u64 = 1;
+const TAG_SAMPLE: u64 = 2;
+const TAG_BUFFER: u64 = 3;
+const TAG_EVAL: u64 = 4;
+
+impl Trainer {
+    /// Validates the setup and opens the run directory's metrics.
+    pub fn new(s: TrainerSetup) -> Result<Self, TrainError> {
+        if s.cfg.is_multi_turn() {
+            return Err(TrainError::NotBuilt(format!(
+                "{}: {}.num_turns is {}: the multi-turn trainer is not built yet (single-turn runs use num_turns: 1)",
+                s.cfg.source.display(),
+                s.cfg.algorithm.section(),
+                s.cfg.trainer.num_turns
+            )));
+        }
+        if s.agent_policy.len() != s.cfg.num_agents || s.agent_policy.iter().any(|&p| p >= s.policies.len()) {
+            return Err(TrainError::Config(format!(
+                "{} agents mapped onto {} policies: {:?}",
+                s.cfg.num_agents,
+                s.policies.len(),
+                s.agent_policy
+            )));
+        }
+        if s.train_items.is_empty() {
+            return Err(TrainError::Data("the train split selects no rows".into()));
+        }
+        if s.train_items.iter().chain(&s.eval_items).any(|it| it.prompts.len() != s.cfg.num_agents) {
+            return Err(TrainError::Data("every item needs one prompt per agent".into()));
+        }
+        std::fs::create_dir_all(&s.run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+        let metrics = MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard)
+            .map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+        let rng_seed = derive_seed(&[s.cfg.raw.seed, TAG_BUFFER]);
+        Ok(Self {
+            step: 0,
+            epoch: 0,
+            position: 0,
+            rng: ChaCha8Rng::seed_from_u64(rng_seed),
+            rng_seed,
+            metrics,
+            history: Vec::new(),
+            last_checkpoint: None,
+            stop_after_steps: None,
+            s,
+        })
+    }
+
+    pub fn run_dir(&self) -> &Path {
+        &self.s.run_dir
+    }
+
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    pub fn policies(&self) -> &[Policy] {
+        &self.s.policies
+    }
+
+    fn b(&self) -> usize {
+        self.s.cfg.trainer.rollout_buffer_size
+    }
+
+    /// Steps per epoch and in the whole run.
+    pub fn total_steps(&self) -> u64 {
+        let n = self.s.train_items.len();
+        (n.div_ceil(self.b()) * self.s.cfg.trainer.num_train_epochs) as u64
+    }
+
+    /// Loads the latest checkpoint of `run_dir` (weights, optimiser moments, step, data position,
+    /// RNG) so that the run continues as if it had never stopped.
+    pub fn resume(&mut self, run_dir: &Path) -> Result<PathBuf, TrainError> {
+        let dir = latest_checkpoint(run_dir)
+            .ok_or_else(|| TrainError::Checkpoint(format!("{}: no complete checkpoint to resume from", run_dir.display())))?;
+        self.restore(&dir)?;
+        Ok(dir)
+    }
+
+    /// Loads one checkpoint directory (`RUN_DIR/checkpoints/step-N`) into this trainer.
+    pub fn restore(&mut self, dir: &Path) -> Result<(), TrainError> {
+        let dir = dir.to_path_buf();
+        let mut pairs: Vec<(&mut tch::nn::VarStore, &mut crate::algo::AdamW)> =
+            self.s.policies.iter_mut().map(|p| (&mut p.model.vs, &mut p.optimizer)).collect();
+        let st = load_checkpoint(&dir, &mut pairs).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        self.step = st.step;
+        self.epoch = st.epoch;
+        self.position = st.data_position;
+        let word: u128 = st
+            .rng_word_pos
+            .parse()
+            .map_err(|_| TrainError::Checkpoint(format!("{}: bad rng_word_pos `{}`", dir.display(), st.rng_word_pos)))?;
+        self.rng_seed = st.rng_seed;
+        self.rng = ChaCha8Rng::seed_from_u64(st.rng_seed);
+        self.rng.set_word_pos(word);
+        info!(checkpoint = %dir.display(), step = st.step, epoch = st.epoch, position = st.data_position, "resumed");
+        self.last_checkpoint = Some(dir);
+        Ok(())
+    }
+
+    /// Pushes every policy's current weights to the rollout workers, as a version above anything
+    /// they serve (a remote worker may hold an older run's weights).
+    pub fn sync_all_weights(&mut self) -> Result<f64, TrainError> {
+        let t = Instant::now();
+        for p in &mut self.s.policies {
+            let served = self.s.rollout.policy_version(&p.worker_agent)?;
+            let v = served.max(p.wire_version) + 1;
+            self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
+            p.wire_version = v;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    fn sampling(&self) -> SamplingSpec {
+        let s = self.s.cfg.sampling;
+        SamplingSpec { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, max_new_tokens: s.max_new_tokens }
+    }
+
+    /// Generates and checks that every sample comes from the version the learner last pushed.
+    ///
+    /// On-policy means on-policy: a sample from any other version is never trained on. A stale
+    /// sample (a worker that lost or missed an update, e.g. one that joined the pool after the last
+    /// push) makes the learner push the current weights to every worker again and redraw the whole
+    /// batch once with the same seeds; a second stale sample stops the run with an error naming the
+    /// agent and both versions.
+    pub fn generate_checked(&mut self, requests: &[GenRequest], agents: &[usize]) -> Result<Vec<Vec<GenSample>>, TrainError> {
+        for attempt in 0..2 {
+            let out = self.s.rollout.generate(requests)?;
+            let stale = requests.iter().zip(&out).zip(agents).find_map(|((r, samples), &a)| {
+                samples.iter().find(|s| s.policy_version != r.min_policy_version).map(|s| (a, r.min_policy_version, s.policy_version))
+            });
+            match stale {
+                None => return Ok(out),
+                Some((agent, expected, got)) if attempt == 0 => {
+                    warn!(agent, expected, got, "stale sample: re-pushing weights and redrawing");
+                    for p in &self.s.policies {
+                        self.s.rollout.push_weights(&p.worker_agent, p.wire_version, &p.parameters())?;
+                    }
+                }
+                Some((agent, expected, got)) => return Err(TrainError::StaleSample { agent, expected, got }),
+            }
+        }
+        unreachable!("the loop returns on its second attempt")
+    }
+
+    fn requests_for(&self, items: &[&TrainItem], seed_tag: u64, seed_step: u64) -> (Vec<GenRequest>, Vec<usize>) {
+        let g = self.s.cfg.trainer.num_generations;
+        let sampling = self.sampling();
+        let mut reqs = Vec::new();
+        let mut agents = Vec::new();
+        for item in items {
+            for (a, prompt) in item.prompts.iter().enumerate() {
+                let p = &self.s.policies[self.s.agent_policy[a]];
+                reqs.push(GenRequest {
+                    agent: p.worker_agent.clone(),
+                    prompt: prompt.clone(),
+                    n: g,
+                    sampling,
+                    seed: derive_seed(&[self.s.cfg.raw.seed, seed_tag, seed_step, a as u64, item.index as u64]),
+                    min_policy_version: p.wire_version,
+                });
+                agents.push(a);
+            }
+        }
+        (reqs, agents)
+    }
+
+    /// Scores every item's joint actions in one batch; per item, the scores in joint-action order.
+    fn score_items(&mut self, items: &[&TrainItem], samples: &[Vec<GenSample>], mode: JointMode) -> Result<Vec<Vec<Score>>, TrainError> {
+        let n = self.s.cfg.num_agents;
+        let g = self.s.cfg.trainer.num_generations;
+        let actions_of = joint_actions(mode, n, g);
+        let mut batch = Vec::new();
+        for (j, item) in items.iter().enumerate() {
+            for action in &actions_of {
+                let picks: Vec<&GenSample> = action.iter().enumerate().map(|(a, &k)| &samples[j * n + a][k]).collect();
+                batch.push(ScoreAction {
+                    completions: picks.iter().map(|s| s.text.clone()).collect(),
+                    completion_ids: picks.iter().map(|s| s.token_ids.clone()).collect(),
+                    item: item.item.clone(),
+                });
+            }
+        }
+        let scores = self.s.reward.score(&self.s.task, &batch)?;
+        if scores.len() != batch.len() {
+            return Err(TrainError::Reward(format!("{} scores for {} joint actions", scores.len(), batch.len())));
+        }
+        let per = actions_of.len();
+        Ok(scores.chunks(per).map(<[Score]>::to_vec).collect())
+    }
+
+    /// One step on the given rows of the train split (see the module docs); returns its scalars.
+    pub fn train_step(&mut self, rows: &[usize]) -> Result<BTreeMap<String, f64>, TrainError> {
+        let t_step = Instant::now();
+        let cfg = self.s.cfg.clone();
+        let n = cfg.num_agents;
+        let g = cfg.trainer.num_generations;
+        let items: Vec<TrainItem> = rows.iter().map(|&r| self.s.train_items[r].clone()).collect();
+        let item_refs: Vec<&TrainItem> = items.iter().collect();
+
+        // 1–2. generate, all (item, agent) pairs at once, and check versions.
+        let t = Instant::now();
+        let (reqs, agents) = self.requests_for(&item_refs, TAG_SAMPLE, self.step);
+        let samples = self.generate_checked(&reqs, &agents)?;
+        let t_generate = t.elapsed().as_secs_f64();
+        for (r, s) in reqs.iter().zip(&samples) {
+            if s.len() != g {
+                return Err(TrainError::Rollout(format!("asked agent `{}` for {g} samples, got {}", r.agent, s.len())));
+            }
+        }
+
+        // 3. rewards and advantages.
+        let t = Instant::now();
+        let scores = self.score_items(&item_refs, &samples, cfg.trainer.joint_mode)?;
+        let t_reward = t.elapsed().as_secs_f64();
+        let processor = RewardProcessor::from_config(&cfg.raw.reward_processor);
+        let adv_opts = AdvantageOptions::from_section(&cfg.trainer);
+
+        // 4. per-agent buffers, one node per item.
+        let mut buffers: Vec<RolloutBuffer<TrainSample>> = (0..n).map(|_| RolloutBuffer::new(items.len())).collect();
+        for (j, item) in items.iter().enumerate() {
+            let rewards: Vec<f64> = scores[j].iter().map(|s| s.reward).collect();
+            let adv = node_advantages(&rewards, n, g, &processor, &adv_opts);
+            for a in 0..n {
+                let node = samples[j * n + a]
+                    .iter()
+                    .enumerate()
+                    .map(|(k, s)| TrainSample {
+                        prompt: item.prompts[a].clone(),
+                        completion: s.token_ids.clone(),
+                        advantage: adv[a][k],
+                        old_logprobs: s.logprobs.clone(),
+                    })
+                    .collect();
+                buffers[a].push_node(node);
+            }
+        }
+
+        // 5. one optimiser round per policy.
+        let t = Instant::now();
+        let mut loss_opts = LossOptions::from_section(&cfg.trainer);
+        loss_opts.scale = 1.0;
+        let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
+        let mut per_policy: Vec<UpdateStats> = Vec::new();
+        for pi in 0..self.s.policies.len() {
+            let members: Vec<usize> = (0..n).filter(|&a| self.s.agent_policy[a] == pi).collect();
+            let scale = 1.0 / members.len().max(1) as f64;
+            let batches: Vec<AgentBatches> = members
+                .iter()
+                .map(|&a| AgentBatches { minibatches: buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size), scale })
+                .collect();
+            let stats = self.s.policies[pi].update(&batches, &loss_opts, epochs)?;
+            per_policy.push(stats);
+        }
+        let t_train = t.elapsed().as_secs_f64();
+
+        // 6. the new weights reach every worker before anything else is sampled.
+        let t = Instant::now();
+        for (pi, stats) in per_policy.iter().enumerate() {
+            if stats.steps > 0 {
+                let p = &mut self.s.policies[pi];
+                let v = p.wire_version + 1;
+                self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
+                p.wire_version = v;
+            }
+        }
+        let t_sync = t.elapsed().as_secs_f64();
+
+        // Metrics.
+        let mut m = BTreeMap::new();
+        let all: Vec<&Score> = scores.iter().flatten().collect();
+        reward_metrics(&mut m, "", &all);
+        let lens: Vec<f64> = samples.iter().flatten().map(|s| s.token_ids.len() as f64).collect();
+        let gen_tokens: f64 = lens.iter().sum();
+        m.insert("completion_len/mean".into(), mean(&lens));
+        m.insert("completion_len/max".into(), lens.iter().cloned().fold(0.0, f64::max));
+        m.insert("completion/stopped_frac".into(), mean(&samples.iter().flatten().map(|s| s.stopped as u8 as f64).collect::<Vec<_>>()));
+        let trained: Vec<&UpdateStats> = per_policy.iter().filter(|s| s.skipped.is_none()).collect();
+        let avg = |f: fn(&UpdateStats) -> f64| if trained.is_empty() { f64::NAN } else { trained.iter().map(|s| f(s)).sum::<f64>() / trained.len() as f64 };
+        m.insert("loss".into(), avg(|s| s.loss));
+        m.insert("kl".into(), avg(|s| s.kl));
+        m.insert("entropy".into(), avg(|s| s.entropy));
+        m.insert("grad_norm".into(), avg(|s| s.grad_norm));
+        if cfg.trainer.ppo_clip.enabled {
+            m.insert("clip_fraction".into(), avg(|s| s.clip_fraction));
+        }
+        if self.s.policies.len() > 1 {
+            for (pi, s) in per_policy.iter().enumerate() {
+                m.insert(format!("policy{pi}/loss"), if s.skipped.is_some() { f64::NAN } else { s.loss });
+            }
+        }
+        m.insert("skipped_updates".into(), per_policy.iter().filter(|s| s.skipped.is_some()).count() as f64);
+        let train_tokens: f64 = per_policy.iter().map(|s| s.tokens).sum();
+        m.insert("tokens_per_s".into(), if t_generate > 0.0 { gen_tokens / t_generate } else { 0.0 });
+        m.insert("train_tokens_per_s".into(), if t_train > 0.0 { train_tokens / t_train } else { 0.0 });
+        m.insert("time/generate".into(), t_generate);
+        m.insert("time/reward".into(), t_reward);
+        m.insert("time/train".into(), t_train);
+        m.insert("time/weight_sync".into(), t_sync);
+        m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
+        m.insert("epoch".into(), self.epoch as f64);
+        m.insert("policy_version".into(), self.s.policies.iter().map(|p| p.wire_version).max().unwrap_or(0) as f64);
+        Ok(m)
+    }
+
+    /// Evaluates on the first `eval_num_samples` eval items: one sampled path per item with G
+    /// aligned joint samples (fixed seeds, so evaluations at different steps are comparable); each
+    /// reward level and, for code, PassOrNot@k, Accuracy@k and MaxCoop@k for k ∈ {1, 5, 10} up to G.
+    pub fn evaluate(&mut self) -> Result<BTreeMap<String, f64>, TrainError> {
+        let count = self.s.cfg.trainer.eval_num_samples.min(self.s.eval_items.len());
+        let items: Vec<TrainItem> = self.s.eval_items[..count].to_vec();
+        let mut m = BTreeMap::new();
+        if items.is_empty() {
+            return Ok(m);
+        }
+        let t = Instant::now();
+        let refs: Vec<&TrainItem> = items.iter().collect();
+        let (reqs, agents) = self.requests_for(&refs, TAG_EVAL, 0);
+        let samples = self.generate_checked(&reqs, &agents)?;
+        let scores = self.score_items(&refs, &samples, JointMode::Aligned)?;
+        let all: Vec<&Score> = scores.iter().flatten().collect();
+        reward_metrics(&mut m, "eval/", &all);
+        if self.s.is_code {
+            let g = self.s.cfg.trainer.num_generations;
+            for k in [1usize, 5, 10].into_iter().filter(|&k| k <= g) {
+                let (mut pass, mut acc, mut coop) = (0.0, 0.0, 0.0);
+                for node in &scores {
+                    let first = &node[..k];
+                    let passes = |s: &Score| {
+                        let total = s.details["total_tests"].as_u64().unwrap_or(0);
+                        total > 0 && s.details["passed_tests"].as_u64() == Some(total)
+                    };
+                    pass += first.iter().any(passes) as u8 as f64;
+                    acc += first.iter().map(|s| s.details["passed_rate"].as_f64().unwrap_or(0.0)).fold(0.0, f64::max);
+                    coop += first.iter().map(|s| s.details["bonus"]["total"].as_f64().unwrap_or(0.0)).fold(f64::NEG_INFINITY, f64::max);
+                }
+                let c = scores.len() as f64;
+                m.insert(format!("eval/pass@{k}"), pass / c);
+                m.insert(format!("eval/accuracy@{k}"), acc / c);
+                m.insert(format!("eval/maxcoop@{k}"), coop / c);
+            }
+        }
+        m.insert("eval/time".into(), t.elapsed().as_secs_f64());
+        Ok(m)
+    }
+
+    /// Writes a checkpoint of the current state (atomically; see [`crate::checkpoint`]).
+    pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
+        let state = TrainState {
+            step: self.step,
+            epoch: self.epoch,
+            data_position: self.position,
+            rng_seed: self.rng_seed,
+            rng_word_pos: self.rng.get_word_pos().to_string(),
+            optimizer_steps: self.s.policies.iter().map(|p| p.optimizer.step).collect(),
+            policy_version: self.step,
+            extra: serde_json::json!({
+                "agent_policy": self.s.agent_policy,
+                "policies": self.s.policies.iter().map(|p| serde_json::json!({"worker_agent": p.worker_agent, "model": p.model_spec})).collect::<Vec<_>>(),
+            }),
+        };
+        let pairs: Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> = self.s.policies.iter().map(|p| (&p.model.vs, &p.optimizer)).collect();
+        let dir = save_checkpoint(&self.s.run_dir, &pairs, &state).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        self.last_checkpoint = Some(dir.clone());
+        Ok(dir)
+    }
+
+    fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.s.train_items.len()).collect();
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[self.s.cfg.raw.seed, TAG_ORDER, epoch])));
+        order
+    }
+
+    fn log(&mut self, values: &BTreeMap<String, f64>) -> Result<(), TrainError> {
+        self.metrics.log(self.step, values).map_err(|e| TrainError::Io(format!("{}: {e}", self.metrics.path().display())))?;
+        self.history.push(values.clone());
+        Ok(())
+    }
+
+    /// Runs to the end of the last epoch (or `stop_after_steps`): steps, metrics, checkpoints every
+    /// `save_steps` and at the end, evaluation every `eval_interval`, plots at the end.
+    pub fn run(&mut self) -> Result<RunSummary, TrainError> {
+        let cfg = self.s.cfg.clone();
+        let total = self.total_steps();
+        let t_sync = self.sync_all_weights()?;
+        info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
+            steps = total, start_step = self.step, sync_secs = t_sync, "training");
+        let bar = progress_bar(cfg.raw.logging.progress, total, self.step);
+        let n_items = self.s.train_items.len() as u64;
+        let b = self.b() as u64;
+        let mut stopped_early = false;
+        while self.epoch < cfg.trainer.num_train_epochs as u64 {
+            if self.stop_after_steps.is_some_and(|s| self.step >= s) {
+                stopped_early = true;
+                break;
+            }
+            // The epoch's order is a pure function of (seed, epoch): a resumed run sees the same one.
+            let order = self.epoch_order(self.epoch);
+            let end = (self.position + b).min(n_items);
+            let rows: Vec<usize> = order[self.position as usize..end as usize].to_vec();
+            let mut values = self.train_step(&rows)?;
+            self.position = end;
+            self.step += 1;
+            if self.position >= n_items {
+                self.epoch += 1;
+                self.position = 0;
+            }
+            if cfg.trainer.eval_interval > 0 && self.step % cfg.trainer.eval_interval as u64 == 0 {
+                values.extend(self.evaluate()?);
+            }
+            self.log(&values)?;
+            let reward = values.get("reward/mean").copied().unwrap_or(f64::NAN);
+            let loss = values.get("loss").copied().unwrap_or(f64::NAN);
+            match &bar {
+                Some(pb) => {
+                    pb.set_position(self.step);
+                    pb.set_message(format!("reward {reward:.3} loss {loss:.3}"));
+                }
+                None => {
+                    if self.step % cfg.trainer.logging_steps.max(1) as u64 == 0 || self.step == total {
+                        info!(step = self.step, total, reward, loss, secs = values.get("time/step").copied().unwrap_or(0.0), "learner step done");
+                    }
+                }
+            }
+            if cfg.trainer.save_steps > 0 && self.step % cfg.trainer.save_steps as u64 == 0 {
+                let dir = self.save_checkpoint()?;
+                info!(step = self.step, checkpoint = %dir.display(), "checkpoint saved");
+            }
+        }
+        if let Some(pb) = &bar {
+            pb.finish();
+        }
+        let mut plots = Vec::new();
+        if !stopped_early {
+            let saved_now = self.last_checkpoint.as_ref().is_some_and(|d| d.ends_with(format!("step-{}", self.step)));
+            if cfg.raw.output.save_final_model && !saved_now {
+                self.save_checkpoint()?;
+            }
+            if cfg.raw.logging.plots {
+                match crate::plot::plot_run(&self.s.run_dir) {
+                    Ok(p) => plots = p,
+                    Err(e) => warn!(error = %e, "plots not drawn"),
+                }
+            }
+        }
+        Ok(RunSummary {
+            run_dir: self.s.run_dir.clone(),
+            steps: self.step,
+            metrics_path: self.metrics.path().to_path_buf(),
+            checkpoint: self.last_checkpoint.clone(),
+            plots,
+            history: self.history.clone(),
+        })
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 }
+}
+
+/// reward/mean, reward/std (unbiased), reward/max and the mean of every level.
+fn reward_metrics(m: &mut BTreeMap<String, f64>, prefix: &str, scores: &[&Score]) {
+    let r: Vec<f64> = scores.iter().map(|s| s.reward).collect();
+    let mu = mean(&r);
+    let std = if r.len() > 1 { (r.iter().map(|x| (x - mu).powi(2)).sum::<f64>() / (r.len() - 1) as f64).sqrt() } else { 0.0 };
+    m.insert(format!("{prefix}reward/mean"), mu);
+    m.insert(format!("{prefix}reward/std"), std);
+    m.insert(format!("{prefix}reward/max"), r.iter().cloned().fold(f64::NEG_INFINITY, f64::max));
+    let mut levels: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for s in scores {
+        for (k, v) in &s.levels {
+            levels.entry(k.as_str()).or_default().push(*v);
+        }
+    }
+    for (k, v) in levels {
+        m.insert(format!("{prefix}reward/{k}"), mean(&v));
+    }
+}
+
+fn progress_bar(mode: ProgressMode, total: u64, start: u64) -> Option<indicatif::ProgressBar> {
+    let show = match mode {
+        ProgressMode::Always => true,
+        ProgressMode::Never => false,
+        ProgressMode::Auto => std::io::stderr().is_terminal(),
+    };
+    if !show {
+        return None;
+    }
+    let pb = indicatif::ProgressBar::new(total);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {elapsed_precise} eta {eta_precise} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    pb.set_position(start);
+    Some(pb)
+}

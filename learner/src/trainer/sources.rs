@@ -1,0 +1,97 @@
+//! The two seams between the trainer and the outside world: where samples come from
+//! ([`RolloutSource`]) and where rewards come from ([`RewardSource`]).
+//!
+//! The real implementations talk gRPC ([`crate::services`]): the rollout-worker pool and the reward
+//! server, remote or embedded in this process. The in-process engine implementation
+//! ([`crate::services::EngineRollout`]) and test reward functions implement the same traits, so the
+//! algorithm is tested on exactly the code path the services use.
+//!
+//! Both traits are synchronous on purpose: the trainer's thread owns the tensors and blocks on
+//! network calls; the gRPC implementations run them on their own tokio runtime. An asynchronous
+//! rollout mode (`rollout.max_off_policy_steps > 0`) would plug in as a `RolloutSource` that keeps
+//! requests for the next steps in flight while the trainer updates, accepting samples whose
+//! `policy_version` lags by at most that bound.
+
+use std::collections::BTreeMap;
+
+use tch::Tensor;
+
+use super::TrainError;
+
+/// Sampling parameters of one request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingSpec {
+    pub temperature: f64,
+    pub top_p: f64,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    pub max_new_tokens: usize,
+}
+
+/// `n` samples of one prompt for one worker agent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenRequest {
+    /// The agent name the rollout workers know (`agent0`, `agent1`, ...).
+    pub agent: String,
+    /// Prompt token ids (chat template applied).
+    pub prompt: Vec<u32>,
+    pub n: usize,
+    pub sampling: SamplingSpec,
+    /// Derived from (run seed, step, agent, item): the same request draws the same samples.
+    pub seed: u64,
+    /// Workers below this policy version must refuse the request.
+    pub min_policy_version: u64,
+}
+
+/// One sampled completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenSample {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    /// Behaviour-policy log-prob of each token (raw logits, temperature 1).
+    pub logprobs: Vec<f32>,
+    /// Ended on EOS / a stop condition rather than the length limit.
+    pub stopped: bool,
+    /// The policy version that produced it.
+    pub policy_version: u64,
+}
+
+/// Where samples come from.
+pub trait RolloutSource: Send {
+    /// Runs every request; returns, per request and in order, its `n` samples.
+    fn generate(&mut self, requests: &[GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError>;
+    /// The highest policy version any worker reports for `agent` (0 when none was pushed).
+    fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError>;
+    /// Replaces `agent`'s weights on every worker with `params` as `version`, and returns once every
+    /// worker serves that version.
+    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError>;
+    /// A short description for logs (`embedded worker at 127.0.0.1:41234`, ...).
+    fn describe(&self) -> String;
+}
+
+/// One joint action to score: one completion per agent and the dataset row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoreAction {
+    pub completions: Vec<String>,
+    pub completion_ids: Vec<Vec<u32>>,
+    /// The dataset row as the reward server reads it.
+    pub item: serde_json::Value,
+}
+
+/// The score of one joint action.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Score {
+    pub reward: f64,
+    /// Reward contributed by each level (`level_1`, ...).
+    pub levels: BTreeMap<String, f64>,
+    /// Task-specific measurements (tests passed, cooperation bonus, ...).
+    pub details: serde_json::Value,
+}
+
+/// Where rewards come from.
+pub trait RewardSource: Send {
+    /// Scores a batch of joint actions of `task` (`code`, `arxiv`, `tldr`, `gsm8k`, `anli`, or a
+    /// test task); results in request order.
+    fn score(&mut self, task: &str, actions: &[ScoreAction]) -> Result<Vec<Score>, TrainError>;
+    fn describe(&self) -> String;
+}

@@ -1,0 +1,562 @@
+//! The generation engine: a step-wise scheduler over a preallocated KV cache.
+//!
+//! [`Engine::add`] queues a request (prompt ids, `n` samples, sampling params, seed, stop
+//! conditions) and returns a handle; each [`Engine::step`] first prefills queued requests (one
+//! forward per prompt, whose cache is then copied to the request's `n` rows) and then decodes
+//! one token for every running sequence in a single batched forward. Rows hold sequences of
+//! different lengths: each row writes its keys/values at its own position and attends only to
+//! its own prefix (a per-row mask), so no padding is ever computed. A finished sequence's row is
+//! refilled by the last row (a copy of that row's cache prefix), so finished sequences stop
+//! costing compute. Requests can be added and cancelled between steps (continuous batching), and
+//! parameters can be swapped by name between steps.
+//!
+//! Reproducibility: sample `i` of a request draws its uniforms from a ChaCha8 stream seeded by
+//! `(seed, i)`, and sampling orders the CDF by vocabulary index, so a sample's tokens depend on
+//! the model, prompt, params, seed and `i` only — not on the other requests in the batch — up to
+//! floating-point differences of batched matmuls, which can flip a draw only when a uniform
+//! lands within ~1e-6 of a CDF boundary.
+
+pub mod sampling;
+
+use std::collections::{HashMap, VecDeque};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tch::Tensor;
+
+pub use sampling::{LogprobMode, SamplingParams};
+
+use crate::error::{ModelError, Result};
+use crate::families::KvCache;
+use crate::loader::LoadedModel;
+use crate::tokenizer::{IncrementalDecoder, Tokenizer};
+use sampling::RowSpec;
+
+/// When a sample stops.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StopConditions {
+    /// At most this many new tokens.
+    pub max_new_tokens: usize,
+    /// Extra token ids that end the sample (kept in the output, like EOS).
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end the sample when they appear in the decoded completion; the text is cut
+    /// before the stop string (the token ids keep the token that completed it).
+    pub stop_strings: Vec<String>,
+    /// Do not stop on the model's EOS tokens.
+    pub ignore_eos: bool,
+}
+
+impl Default for StopConditions {
+    fn default() -> Self {
+        StopConditions {
+            max_new_tokens: 256,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// One generation request: a prompt and how to sample `n` completions of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Prompt token ids (chat template already applied).
+    pub prompt: Vec<u32>,
+    /// Number of samples; they share one prefill.
+    pub n: usize,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// Seed; sample `i` uses the stream `(seed, i)`.
+    pub seed: u64,
+    /// Stop conditions.
+    pub stop: StopConditions,
+    /// Which log-probs to report.
+    pub logprobs: LogprobMode,
+}
+
+impl Request {
+    /// A request with default sampling (temperature 1), one sample, seed 0.
+    pub fn new(prompt: Vec<u32>) -> Self {
+        Request {
+            prompt,
+            n: 1,
+            params: SamplingParams::default(),
+            seed: 0,
+            stop: StopConditions::default(),
+            logprobs: LogprobMode::Raw,
+        }
+    }
+}
+
+/// Why a sample ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS/stop token or a stop string.
+    Stop,
+    /// `max_new_tokens` or the end of the model's context.
+    Length,
+}
+
+impl FinishReason {
+    /// `"stop"` or `"length"`, as in OpenAI-style APIs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Identifies a request added to an [`Engine`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestHandle(pub u64);
+
+/// One finished completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// The request it belongs to.
+    pub request: RequestHandle,
+    /// Its index among the request's `n` samples.
+    pub index: usize,
+    /// Generated token ids (including a final EOS/stop token).
+    pub token_ids: Vec<u32>,
+    /// Decoded text (special tokens skipped; cut before a stop string).
+    pub text: String,
+    /// Log-prob of each generated token (see [`LogprobMode`]).
+    pub logprobs: Vec<f32>,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+}
+
+/// A token produced by a step (for streaming).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenEvent {
+    /// The request.
+    pub request: RequestHandle,
+    /// The sample index within the request.
+    pub index: usize,
+    /// The token.
+    pub token: u32,
+    /// Its log-prob.
+    pub logprob: f32,
+}
+
+/// What one [`Engine::step`] produced.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutput {
+    /// Every token generated in this step.
+    pub tokens: Vec<TokenEvent>,
+    /// Samples that finished in this step.
+    pub finished: Vec<Sample>,
+}
+
+/// Counters since the engine was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Prompt tokens prefilled.
+    pub prefill_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Batched decode forwards run.
+    pub decode_steps: u64,
+}
+
+/// Limits of an [`Engine`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Most sequences decoded together; queued requests wait for rows to free up.
+    pub max_batch_rows: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { max_batch_rows: 256 }
+    }
+}
+
+/// A running sequence, occupying one cache row.
+struct Seq {
+    request: RequestHandle,
+    index: usize,
+    rng: ChaCha8Rng,
+    params: SamplingParams,
+    logprob_mode: LogprobMode,
+    stop_ids: std::sync::Arc<Vec<u32>>,
+    stop_strings: std::sync::Arc<Vec<String>>,
+    max_new_tokens: usize,
+    prompt_len: usize,
+    /// Positions filled in the cache (the last generated token is not yet in it).
+    cached: usize,
+    generated: Vec<u32>,
+    logprobs: Vec<f32>,
+    decoder: Option<IncrementalDecoder>,
+    finished: Option<(FinishReason, Option<usize>)>,
+}
+
+/// The generation engine; owns the model (see the module docs).
+pub struct Engine {
+    loaded: LoadedModel,
+    config: EngineConfig,
+    cache: Option<KvCache>,
+    /// Row `i` of the cache belongs to `active[i]`.
+    active: Vec<Seq>,
+    pending: VecDeque<(RequestHandle, Request)>,
+    next_id: u64,
+    eos_ids: Vec<u32>,
+    stats: EngineStats,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("active", &self.active.len())
+            .field("pending", &self.pending.len())
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// An engine with default limits.
+    pub fn new(loaded: LoadedModel) -> Self {
+        Self::with_config(loaded, EngineConfig::default())
+    }
+
+    /// An engine with the given limits.
+    pub fn with_config(loaded: LoadedModel, config: EngineConfig) -> Self {
+        let eos_ids = loaded.stop_token_ids();
+        Engine {
+            loaded,
+            config,
+            cache: None,
+            active: Vec::new(),
+            pending: VecDeque::new(),
+            next_id: 0,
+            eos_ids,
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// The model, tokenizer and metadata.
+    pub fn loaded(&self) -> &LoadedModel {
+        &self.loaded
+    }
+
+    /// Gives the model back.
+    pub fn into_loaded(self) -> LoadedModel {
+        self.loaded
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.loaded.tokenizer
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// Whether nothing is queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.active.is_empty() && self.pending.is_empty()
+    }
+
+    /// Sequences currently decoding.
+    pub fn num_running(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Requests waiting for prefill.
+    pub fn num_pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Replaces parameters by name between steps, all or nothing (see
+    /// [`crate::loader::load_named_tensors`]). Running sequences continue with the new weights
+    /// on top of the keys/values the old ones cached.
+    pub fn load_named_tensors(&mut self, tensors: &HashMap<String, Tensor>) -> Result<()> {
+        self.loaded.load_named_tensors(tensors)
+    }
+
+    /// Validates and queues a request; it starts at the next [`Engine::step`].
+    pub fn add(&mut self, request: Request) -> Result<RequestHandle> {
+        let cfg = self.loaded.model.config();
+        if request.prompt.is_empty() {
+            return Err(ModelError::InvalidRequest("empty prompt".into()));
+        }
+        if request.n == 0 {
+            return Err(ModelError::InvalidRequest("n must be at least 1".into()));
+        }
+        if request.n > self.config.max_batch_rows {
+            return Err(ModelError::InvalidRequest(format!(
+                "n = {} exceeds the engine's {} batch rows",
+                request.n, self.config.max_batch_rows
+            )));
+        }
+        if request.prompt.len() >= cfg.max_position_embeddings {
+            return Err(ModelError::InvalidRequest(format!(
+                "prompt of {} tokens does not fit the model's context of {} tokens",
+                request.prompt.len(),
+                cfg.max_position_embeddings
+            )));
+        }
+        if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(ModelError::InvalidRequest(format!(
+                "prompt token {bad} is outside the vocabulary of {}",
+                cfg.vocab_size
+            )));
+        }
+        if request.stop.max_new_tokens == 0 {
+            return Err(ModelError::InvalidRequest("max_new_tokens must be at least 1".into()));
+        }
+        request.params.validate()?;
+        let handle = RequestHandle(self.next_id);
+        self.next_id += 1;
+        self.pending.push_back((handle, request));
+        Ok(handle)
+    }
+
+    /// Drops a queued or running request; returns whether it was found.
+    pub fn cancel(&mut self, handle: RequestHandle) -> bool {
+        let before = self.pending.len();
+        self.pending.retain(|(h, _)| *h != handle);
+        let mut found = self.pending.len() != before;
+        let mut i = self.active.len();
+        while i > 0 {
+            i -= 1;
+            if self.active[i].request == handle {
+                self.remove_row(i);
+                found = true;
+            }
+        }
+        found
+    }
+
+    /// Runs requests to completion: samples per request, in request order and sample order.
+    pub fn generate(&mut self, requests: &[Request]) -> Result<Vec<Vec<Sample>>> {
+        let handles: Vec<RequestHandle> =
+            requests.iter().map(|r| self.add(r.clone())).collect::<Result<_>>()?;
+        let mut out: HashMap<RequestHandle, Vec<Sample>> = HashMap::new();
+        let mut missing: usize = requests.iter().map(|r| r.n).sum();
+        while missing > 0 {
+            if self.is_idle() {
+                return Err(ModelError::InvalidRequest("engine went idle before finishing".into()));
+            }
+            for s in self.step()?.finished {
+                if handles.contains(&s.request) {
+                    missing -= 1;
+                    out.entry(s.request).or_default().push(s);
+                }
+            }
+        }
+        Ok(handles
+            .iter()
+            .map(|h| {
+                let mut v = out.remove(h).unwrap_or_default();
+                v.sort_by_key(|s| s.index);
+                v
+            })
+            .collect())
+    }
+
+    /// Admits queued requests (prefill) and decodes one token for every running sequence.
+    pub fn step(&mut self) -> Result<StepOutput> {
+        let _guard = tch::no_grad_guard();
+        let mut out = StepOutput::default();
+        self.admit(&mut out)?;
+        if !self.active.is_empty() {
+            self.decode(&mut out)?;
+        }
+        self.collect_finished(&mut out)?;
+        Ok(out)
+    }
+
+    /// Prefills queued requests while rows are free.
+    fn admit(&mut self, out: &mut StepOutput) -> Result<()> {
+        while let Some((_, req)) = self.pending.front() {
+            if self.active.len() + req.n > self.config.max_batch_rows {
+                break;
+            }
+            let (handle, req) = self.pending.pop_front().expect("front exists");
+            self.prefill(handle, req, out)?;
+        }
+        Ok(())
+    }
+
+    fn prefill(&mut self, handle: RequestHandle, req: Request, out: &mut StepOutput) -> Result<()> {
+        let model = &self.loaded.model;
+        let device = model.device();
+        let len = req.prompt.len();
+        let ids: Vec<i64> = req.prompt.iter().map(|&t| t as i64).collect();
+        let ids = Tensor::from_slice(&ids).to_device(device).unsqueeze(0);
+        let mut prompt_cache = KvCache::new(model, 1, len);
+        let hidden = model.forward_hidden_cached(&ids, &[0], &mut prompt_cache)?;
+        // Only the last position's logits are needed: (1, L, H) -> (1, H) -> (1, V).
+        let logits = model.lm_head(&hidden.narrow(1, len as i64 - 1, 1).squeeze_dim(1));
+        self.stats.prefill_tokens += len as u64;
+
+        let first_row = self.active.len();
+        let rows_needed = first_row + req.n;
+        let cap_needed = self.max_cached().max(len + 1);
+        let cache = self.cache.get_or_insert_with(|| KvCache::new(model, rows_needed, cap_needed));
+        let keep_len = self.active.iter().map(|s| s.cached).max().unwrap_or(0);
+        cache.reserve(rows_needed, cap_needed, first_row, keep_len);
+        for i in 0..req.n {
+            cache.copy_row_from(&prompt_cache, 0, first_row + i, len);
+        }
+        let mut stop_ids: Vec<u32> = req.stop.stop_token_ids.clone();
+        if !req.stop.ignore_eos {
+            stop_ids.extend(&self.eos_ids);
+        }
+        let stop_ids = std::sync::Arc::new(stop_ids);
+        let stop_strings = std::sync::Arc::new(req.stop.stop_strings.clone());
+        let context_left = model.config().max_position_embeddings - len;
+        let mut specs = Vec::with_capacity(req.n);
+        for i in 0..req.n {
+            let mut rng = ChaCha8Rng::seed_from_u64(req.seed);
+            rng.set_stream(i as u64);
+            let uniform: f32 = rng.random();
+            specs.push(RowSpec { params: req.params, logprobs: req.logprobs, uniform });
+            self.active.push(Seq {
+                request: handle,
+                index: i,
+                rng,
+                params: req.params,
+                logprob_mode: req.logprobs,
+                stop_ids: stop_ids.clone(),
+                stop_strings: stop_strings.clone(),
+                max_new_tokens: req.stop.max_new_tokens.min(context_left),
+                prompt_len: len,
+                cached: len,
+                generated: Vec::new(),
+                logprobs: Vec::new(),
+                decoder: (!req.stop.stop_strings.is_empty())
+                    .then(|| IncrementalDecoder::new(true)),
+                finished: None,
+            });
+        }
+        let logits = logits.expand([req.n as i64, -1], false);
+        let (tokens, lps) = sampling::sample(&logits, &specs)?;
+        for (i, (t, lp)) in tokens.into_iter().zip(lps).enumerate() {
+            self.push_token(first_row + i, t as u32, lp, out)?;
+        }
+        Ok(())
+    }
+
+    fn max_cached(&self) -> usize {
+        self.active.iter().map(|s| s.cached).max().unwrap_or(0)
+    }
+
+    /// One batched forward over every running sequence's last token.
+    fn decode(&mut self, out: &mut StepOutput) -> Result<()> {
+        let b = self.active.len();
+        let ids: Vec<i64> =
+            self.active.iter().map(|s| *s.generated.last().expect("has a token") as i64).collect();
+        let starts: Vec<i64> = self.active.iter().map(|s| s.cached as i64).collect();
+        let need = self.max_cached() + 1;
+        let keep_len = self.max_cached();
+        let cache = self.cache.as_mut().expect("prefill created the cache");
+        cache.reserve(b, need, b, keep_len);
+        let model = &self.loaded.model;
+        let ids = Tensor::from_slice(&ids).to_device(model.device()).unsqueeze(1);
+        let hidden = model.forward_hidden_cached(&ids, &starts, cache)?;
+        // (B, 1, H) -> (B, V)
+        let logits = model.lm_head(&hidden.squeeze_dim(1));
+        let specs: Vec<RowSpec> = self
+            .active
+            .iter_mut()
+            .map(|s| RowSpec { params: s.params, logprobs: s.logprob_mode, uniform: s.rng.random() })
+            .collect();
+        let (tokens, lps) = sampling::sample(&logits, &specs)?;
+        self.stats.decode_steps += 1;
+        for (row, (t, lp)) in tokens.into_iter().zip(lps).enumerate() {
+            self.active[row].cached += 1;
+            self.push_token(row, t as u32, lp, out)?;
+        }
+        Ok(())
+    }
+
+    fn push_token(&mut self, row: usize, token: u32, lp: f32, out: &mut StepOutput) -> Result<()> {
+        self.stats.generated_tokens += 1;
+        let tokenizer = &self.loaded.tokenizer;
+        let seq = &mut self.active[row];
+        seq.generated.push(token);
+        seq.logprobs.push(lp);
+        out.tokens.push(TokenEvent { request: seq.request, index: seq.index, token, logprob: lp });
+        if seq.stop_ids.contains(&token) {
+            seq.finished = Some((FinishReason::Stop, None));
+            return Ok(());
+        }
+        if let Some(dec) = &mut seq.decoder {
+            let before = dec.text().len();
+            dec.push(tokenizer, token).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+            let text = dec.text();
+            let longest = seq.stop_strings.iter().map(String::len).max().unwrap_or(0);
+            let mut from = before.saturating_sub(longest);
+            while !text.is_char_boundary(from) {
+                from -= 1;
+            }
+            let hit = seq
+                .stop_strings
+                .iter()
+                .filter_map(|s| text[from..].find(s.as_str()).map(|p| from + p))
+                .min();
+            if let Some(pos) = hit {
+                seq.finished = Some((FinishReason::Stop, Some(pos)));
+                return Ok(());
+            }
+        }
+        if seq.generated.len() >= seq.max_new_tokens {
+            seq.finished = Some((FinishReason::Length, None));
+        }
+        Ok(())
+    }
+
+    /// Turns finished rows into samples and compacts the batch.
+    fn collect_finished(&mut self, out: &mut StepOutput) -> Result<()> {
+        let mut row = self.active.len();
+        while row > 0 {
+            row -= 1;
+            let Some((reason, cut)) = self.active[row].finished else { continue };
+            let seq = self.remove_row(row);
+            let text = match cut {
+                Some(pos) => seq.decoder.as_ref().map(|d| d.text()[..pos].to_string()).unwrap_or_default(),
+                None => self
+                    .loaded
+                    .tokenizer
+                    .decode(&seq.generated, true)
+                    .map_err(|e| ModelError::Tokenizer(e.to_string()))?,
+            };
+            out.finished.push(Sample {
+                request: seq.request,
+                index: seq.index,
+                token_ids: seq.generated,
+                text,
+                logprobs: seq.logprobs,
+                finish_reason: reason,
+                prompt_tokens: seq.prompt_len,
+            });
+        }
+        Ok(())
+    }
+
+    /// Removes row `row`, moving the last row into its place.
+    fn remove_row(&mut self, row: usize) -> Seq {
+        let last = self.active.len() - 1;
+        if row != last {
+            let len = self.active[last].cached;
+            if let Some(cache) = &mut self.cache {
+                cache.copy_row(last, row, len);
+            }
+        }
+        self.active.swap_remove(row)
+    }
+}
+
+/// Tokens/s helper for reports: `tokens / seconds`, 0 when no time passed.
+pub fn tokens_per_second(tokens: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 { tokens as f64 / seconds } else { 0.0 }
+}

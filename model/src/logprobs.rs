@@ -1,0 +1,311 @@
+//! The training kernel: per-token log-probs (and entropies) of given completion tokens after
+//! given prompts, for a batch of sequences of different lengths, differentiable with respect to
+//! the model's parameters, without ever holding the (tokens × vocab) logits of more than one
+//! chunk of positions.
+//!
+//! # How the memory bound is kept
+//!
+//! Plain autograd through `log_softmax(lm_head(h)).gather(..)` keeps every chunk's
+//! (chunk × vocab) softmax alive until backward, i.e. the full logits. Instead the kernel works
+//! in two phases, the way activation checkpointing does:
+//!
+//! 1. Forward ([`completion_logprobs`]): one trunk forward gives hidden states (B, L, H). Their
+//!    values are detached into a leaf `h` (gradients w.r.t. `h` are collected there); the
+//!    completion positions' rows of `h` go through the LM head one chunk at a time *without
+//!    autograd*, keeping only the per-token log-prob and entropy. These are returned as leaf
+//!    tensors that require grad, so the learner builds its loss from them as usual.
+//! 2. Backward ([`TokenLogProbs::backward`]): `loss.backward()` fills the gradients of those
+//!    leaves; then each chunk is recomputed with autograd and back-propagated with the incoming
+//!    gradients as weights (`sum(g_lp * lp + g_ent * ent)`), which accumulates into the LM head
+//!    weight and into `h.grad` and frees the chunk's graph; finally the trunk is
+//!    back-propagated once with `h.grad`.
+//!
+//! Peak memory: the trunk's usual activations plus one chunk's logits/softmax (and its
+//! gradient) — `chunk_size × vocab` floats — never `tokens × vocab`. [`TokenLogProbs::hidden`]
+//! exposes the detached hidden states so a value head on the same forward composes: its
+//! gradient lands in `h.grad` and flows through the same single trunk backward.
+//!
+//! # Layout
+//!
+//! Sequences are right-padded (prompt then completion, padding after), so positions start at 0
+//! for every row and padding cannot influence real tokens under causal attention. Log-probs
+//! come back flat, `(N,)` with `N` = total completion tokens, sequence `b` occupying
+//! `offsets[b]..offsets[b + 1]`; [`TokenLogProbs::padded`] gives `(B, Cmax)` plus a mask.
+
+use tch::{Kind, Tensor};
+
+use crate::error::{ModelError, Result};
+use crate::families::CausalLm;
+
+/// One (prompt, completion) pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sequence {
+    /// Prompt token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// Completion token ids whose log-probs are wanted (at least one).
+    pub completion: Vec<u32>,
+}
+
+/// Options of the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogProbOptions {
+    /// Completion positions per LM-head chunk (bounds the logits held at once).
+    pub chunk_size: usize,
+    /// Build for training (gradients via [`TokenLogProbs::backward`]); `false` runs under
+    /// `no_grad` (behaviour / reference policy log-probs).
+    pub with_grad: bool,
+}
+
+impl Default for LogProbOptions {
+    fn default() -> Self {
+        LogProbOptions { chunk_size: 512, with_grad: true }
+    }
+}
+
+/// Per-token log-probs and entropies of a batch of completions.
+#[derive(Debug)]
+pub struct TokenLogProbs {
+    /// (N,) f32 log-prob of each completion token; a leaf requiring grad when built with grad.
+    pub logprobs: Tensor,
+    /// (N,) f32 entropy of the model's distribution at each completion position; a leaf
+    /// requiring grad when built with grad.
+    pub entropy: Tensor,
+    /// Sequence `b` occupies `offsets[b]..offsets[b + 1]` of the flat tensors.
+    pub offsets: Vec<usize>,
+    /// State for the chunked backward (absent without grad).
+    backward_state: Option<BackwardState>,
+    /// The LM head weight (shares storage with the model's parameter).
+    head: Option<Tensor>,
+}
+
+#[derive(Debug)]
+struct BackwardState {
+    /// The trunk output, attached to the graph: (B, L, H).
+    trunk: Tensor,
+    /// Detached copy of `trunk` that collects gradients: (B, L, H).
+    hidden_leaf: Tensor,
+    /// (N,) flat indices into (B*L) of the positions predicting each completion token.
+    positions: Tensor,
+    /// (N,) target token ids.
+    targets: Tensor,
+    chunk_size: i64,
+}
+
+impl TokenLogProbs {
+    /// Number of sequences.
+    pub fn num_sequences(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    /// The hidden states (B, L, H) the log-probs were computed from, detached into a leaf whose
+    /// gradient [`TokenLogProbs::backward`] propagates through the trunk (for value heads).
+    /// `None` without grad.
+    pub fn hidden(&self) -> Option<&Tensor> {
+        self.backward_state.as_ref().map(|s| &s.hidden_leaf)
+    }
+
+    /// Scatters a flat (N,) tensor into (B, Cmax) (zeros beyond each completion), differentiably.
+    pub fn pad(&self, flat: &Tensor) -> Tensor {
+        let b = self.num_sequences() as i64;
+        let cmax = self.offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0) as i64;
+        let idx = self.padded_index(cmax);
+        let out = Tensor::zeros([b * cmax], (flat.kind(), flat.device()));
+        out.index_put(&[Some(idx)], flat, false).view([b, cmax])
+    }
+
+    /// Log-probs as (B, Cmax) and a (B, Cmax) boolean mask of real tokens.
+    pub fn padded(&self) -> (Tensor, Tensor) {
+        let b = self.num_sequences() as i64;
+        let cmax = self.offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0) as i64;
+        let mask = Tensor::zeros([b * cmax], (Kind::Bool, self.logprobs.device()))
+            .index_fill(0, &self.padded_index(cmax), 1)
+            .view([b, cmax]);
+        (self.pad(&self.logprobs), mask)
+    }
+
+    fn padded_index(&self, cmax: i64) -> Tensor {
+        let mut idx = Vec::with_capacity(*self.offsets.last().unwrap_or(&0));
+        for (b, w) in self.offsets.windows(2).enumerate() {
+            for j in 0..(w[1] - w[0]) {
+                idx.push(b as i64 * cmax + j as i64);
+            }
+        }
+        Tensor::from_slice(&idx).to_device(self.logprobs.device())
+    }
+
+    /// Back-propagates `loss` (a scalar built from `logprobs`, `entropy`, [`Self::hidden`] and
+    /// anything else) into the model's parameters: `loss.backward()`, then the chunked
+    /// recomputation, then one trunk backward. Gradients accumulate as with `backward()`.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        loss.f_backward()?;
+        self.propagate()
+    }
+
+    /// The second half of [`Self::backward`], for callers that ran `loss.backward()` themselves
+    /// (for instance one loss over several kernels' outputs): pushes the gradients that reached
+    /// `logprobs`, `entropy` and [`Self::hidden`] through the LM head and the trunk.
+    pub fn propagate(&self) -> Result<()> {
+        let st = self.backward_state.as_ref().ok_or_else(|| {
+            ModelError::InvalidBatch("log-probs were computed without grad".into())
+        })?;
+        let g_lp = self.logprobs.grad();
+        let g_ent = self.entropy.grad();
+        let (has_lp, has_ent) = (g_lp.defined(), g_ent.defined());
+        let n = st.positions.size()[0];
+        let hidden = st.hidden_leaf.flatten(0, 1);
+        if has_lp || has_ent {
+            let mut start = 0;
+            while start < n {
+                let len = st.chunk_size.min(n - start);
+                let pos = st.positions.narrow(0, start, len);
+                let tgt = st.targets.narrow(0, start, len);
+                let h = hidden.index_select(0, &pos);
+                let (lp, ent) = self.head_chunk(&h, &tgt);
+                let mut surrogate = Tensor::zeros([], (Kind::Float, lp.device()));
+                if has_lp {
+                    surrogate = surrogate + (lp * g_lp.narrow(0, start, len)).sum(Kind::Float);
+                }
+                if has_ent {
+                    surrogate = surrogate + (ent * g_ent.narrow(0, start, len)).sum(Kind::Float);
+                }
+                surrogate.f_backward()?;
+                start += len;
+            }
+        }
+        let g_h = st.hidden_leaf.grad();
+        if g_h.defined() {
+            (&st.trunk * g_h.to_kind(st.trunk.kind())).sum(Kind::Float).f_backward()?;
+        }
+        Ok(())
+    }
+
+    fn head_chunk(&self, h: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
+        let head = self.head.as_ref().expect("the head is kept whenever backward state is");
+        chunk_logprobs(&h.linear::<&Tensor>(head, None), targets)
+    }
+}
+
+/// log-prob of `targets` and entropy from logits (C, V), computed in f32.
+fn chunk_logprobs(logits: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
+    let logp = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    let lp = logp.gather(1, &targets.unsqueeze(1), false).squeeze_dim(1);
+    let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
+    (lp, ent)
+}
+
+/// Right-padded ids (B, L), the flat positions predicting each completion token, the targets,
+/// and the offsets.
+fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<(Tensor, Vec<i64>, Vec<i64>, Vec<usize>, i64)> {
+    let cfg = model.config();
+    if batch.is_empty() {
+        return Err(ModelError::InvalidBatch("empty batch".into()));
+    }
+    let lmax = batch.iter().map(|s| s.prompt.len() + s.completion.len()).max().unwrap_or(0);
+    for (i, s) in batch.iter().enumerate() {
+        if s.prompt.is_empty() || s.completion.is_empty() {
+            return Err(ModelError::InvalidBatch(format!(
+                "sequence {i} needs a non-empty prompt and completion"
+            )));
+        }
+        let len = s.prompt.len() + s.completion.len();
+        if len > cfg.max_position_embeddings {
+            return Err(ModelError::InvalidBatch(format!(
+                "sequence {i} has {len} tokens, beyond the model's context of {}",
+                cfg.max_position_embeddings
+            )));
+        }
+        if let Some(&t) = s.prompt.iter().chain(&s.completion).find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(ModelError::InvalidBatch(format!(
+                "sequence {i} has token {t}, outside the vocabulary of {}",
+                cfg.vocab_size
+            )));
+        }
+    }
+    let l = lmax as i64;
+    let mut ids = vec![0i64; batch.len() * lmax];
+    let (mut positions, mut targets, mut offsets) = (Vec::new(), Vec::new(), vec![0usize]);
+    for (b, s) in batch.iter().enumerate() {
+        let row = &mut ids[b * lmax..(b + 1) * lmax];
+        for (j, &t) in s.prompt.iter().chain(&s.completion).enumerate() {
+            row[j] = t as i64;
+        }
+        let p = s.prompt.len();
+        for (j, &t) in s.completion.iter().enumerate() {
+            // The logits at position p + j - 1 predict completion token j.
+            positions.push(b as i64 * l + (p + j - 1) as i64);
+            targets.push(t as i64);
+        }
+        offsets.push(offsets.last().copied().unwrap_or(0) + s.completion.len());
+    }
+    let ids = Tensor::from_slice(&ids).view([batch.len() as i64, l]);
+    Ok((ids, positions, targets, offsets, l))
+}
+
+/// Computes per-token log-probs and entropies of each sequence's completion (see the module
+/// docs for the memory behaviour and the layout).
+pub fn completion_logprobs(
+    model: &CausalLm,
+    batch: &[Sequence],
+    opts: &LogProbOptions,
+) -> Result<TokenLogProbs> {
+    if opts.chunk_size == 0 {
+        return Err(ModelError::InvalidBatch("chunk_size must be positive".into()));
+    }
+    let device = model.device();
+    let (ids, positions, targets, offsets, _) = layout(model, batch)?;
+    let ids = ids.to_device(device);
+    let positions = Tensor::from_slice(&positions).to_device(device);
+    let targets = Tensor::from_slice(&targets).to_device(device);
+    let chunk = opts.chunk_size as i64;
+
+    let head = model.lm_head_weight();
+    let run_chunks = |hidden: &Tensor| -> (Tensor, Tensor) {
+        let _guard = tch::no_grad_guard();
+        let n = positions.size()[0];
+        let flat = hidden.flatten(0, 1);
+        let (mut lps, mut ents) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        while start < n {
+            let len = chunk.min(n - start);
+            let h = flat.index_select(0, &positions.narrow(0, start, len));
+            let (lp, ent) = chunk_logprobs(&h.linear::<&Tensor>(head, None), &targets.narrow(0, start, len));
+            lps.push(lp);
+            ents.push(ent);
+            start += len;
+        }
+        (Tensor::cat(&lps, 0), Tensor::cat(&ents, 0))
+    };
+
+    if !opts.with_grad {
+        let _guard = tch::no_grad_guard();
+        let hidden = model.forward_hidden(&ids)?;
+        let (logprobs, entropy) = run_chunks(&hidden);
+        return Ok(TokenLogProbs { logprobs, entropy, offsets, backward_state: None, head: None });
+    }
+    let trunk = model.forward_hidden(&ids)?;
+    let hidden_leaf = trunk.detach().set_requires_grad(true);
+    let (lp, ent) = run_chunks(&hidden_leaf);
+    Ok(TokenLogProbs {
+        logprobs: lp.set_requires_grad(true),
+        entropy: ent.set_requires_grad(true),
+        offsets,
+        backward_state: Some(BackwardState { trunk, hidden_leaf, positions, targets, chunk_size: chunk }),
+        head: Some(head.shallow_clone()),
+    })
+}
+
+/// The straightforward computation — full (B, L, V) logits, autograd throughout — as a reference
+/// for tests and for small batches: returns flat (N,) log-probs and entropies and the offsets.
+pub fn naive_completion_logprobs(
+    model: &CausalLm,
+    batch: &[Sequence],
+) -> Result<(Tensor, Tensor, Vec<usize>)> {
+    let device = model.device();
+    let (ids, positions, targets, offsets, _) = layout(model, batch)?;
+    let logits = model.forward(&ids.to_device(device))?;
+    let flat = logits.flatten(0, 1);
+    let pos = Tensor::from_slice(&positions).to_device(device);
+    let tgt = Tensor::from_slice(&targets).to_device(device);
+    let (lp, ent) = chunk_logprobs(&flat.index_select(0, &pos), &tgt);
+    Ok((lp, ent, offsets))
+}

@@ -1,0 +1,138 @@
+//! The chunked log-prob kernel against the naive full-logits computation: values, entropies,
+//! the padded layout, and parameter gradients (chunked two-phase backward vs plain autograd),
+//! for tied (Qwen3) and untied (Qwen2 with biases) heads.
+
+mod support;
+
+use cotrain_model::logprobs::{
+    completion_logprobs, naive_completion_logprobs, LogProbOptions, Sequence,
+};
+use cotrain_model::loader::LoadOptions;
+use support::*;
+use tch::{Kind, Tensor};
+
+fn batch() -> Vec<Sequence> {
+    let mk = |p: usize, c: usize, salt: u32| Sequence {
+        prompt: (0..p as u32).map(|i| 3 + (i * 31 + salt) % 250).collect(),
+        completion: (0..c as u32).map(|i| 3 + (i * 17 + salt * 7) % 250).collect(),
+    };
+    vec![mk(5, 7, 1), mk(2, 12, 2), mk(9, 3, 3), mk(1, 1, 4)]
+}
+
+/// Weights per token so the loss is not symmetric in the tokens.
+fn weights(n: i64) -> Tensor {
+    Tensor::arange(n, (Kind::Float, tch::Device::Cpu)) * 0.1 - 0.7
+}
+
+fn grads(loaded: &cotrain_model::loader::LoadedModel) -> Vec<(String, Tensor)> {
+    let mut g: Vec<(String, Tensor)> = loaded
+        .named_parameters()
+        .into_iter()
+        .map(|(n, t)| (n, t.grad().copy()))
+        .collect();
+    g.sort_by(|a, b| a.0.cmp(&b.0));
+    for (_, t) in loaded.named_parameters() {
+        let mut gr = t.grad();
+        if gr.defined() {
+            let _ = gr.zero_();
+        }
+    }
+    g
+}
+
+fn check(name: &str) {
+    let loaded = tiny(name, &LoadOptions::default());
+    let model = &loaded.model;
+    let batch = batch();
+    let n: usize = batch.iter().map(|s| s.completion.len()).sum();
+
+    // Naive: full logits, plain autograd.
+    let (lp_ref, ent_ref, offsets_ref) = naive_completion_logprobs(model, &batch).unwrap();
+    let w = weights(n as i64);
+    let loss_ref = (&lp_ref * &w).sum(Kind::Float) + 0.3 * ent_ref.sum(Kind::Float);
+    loss_ref.backward();
+    let g_ref = grads(&loaded);
+
+    // Chunked, chunk 4 (several chunks, one crossing sequence boundaries).
+    let out = completion_logprobs(model, &batch, &LogProbOptions { chunk_size: 4, with_grad: true })
+        .unwrap();
+    assert_eq!(out.offsets, offsets_ref);
+    assert_eq!(out.logprobs.size(), vec![n as i64]);
+    let wv = worst(&values(&out.logprobs), &values(&lp_ref), 1e-5, 1e-5);
+    assert!(wv <= 1.0, "{name}: log-probs off by {wv} x tolerance");
+    let we = worst(&values(&out.entropy), &values(&ent_ref), 1e-5, 1e-5);
+    assert!(we <= 1.0, "{name}: entropies off by {we} x tolerance");
+    let loss = (&out.logprobs * &w).sum(Kind::Float) + 0.3 * out.entropy.sum(Kind::Float);
+    out.backward(&loss).unwrap();
+    let g = grads(&loaded);
+
+    assert_eq!(g.len(), g_ref.len());
+    for ((n1, a), (n2, b)) in g.iter().zip(&g_ref) {
+        assert_eq!(n1, n2);
+        assert!(b.defined() && a.defined(), "{name}: {n1} has no gradient");
+        let scale = values(b).iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
+        let wg = worst(&values(a), &values(b), 1e-5 * scale, 1e-4);
+        assert!(wg <= 1.0, "{name}: gradient of {n1} off by {wg} x tolerance");
+    }
+}
+
+#[test]
+fn chunked_kernel_equals_naive_tied_head() {
+    check("qwen3");
+}
+
+#[test]
+fn chunked_kernel_equals_naive_untied_head_with_biases() {
+    check("qwen2");
+}
+
+#[test]
+fn padded_layout_and_mask() {
+    let loaded = tiny("llama", &LoadOptions::default());
+    let batch = batch();
+    let out = completion_logprobs(&loaded.model, &batch, &LogProbOptions { chunk_size: 3, with_grad: false })
+        .unwrap();
+    let (padded, mask) = out.padded();
+    assert_eq!(padded.size(), vec![4, 12]);
+    let flat = values(&out.logprobs);
+    for (b, s) in batch.iter().enumerate() {
+        let row = values(&padded.get(b as i64));
+        let m: Vec<bool> = Vec::<bool>::try_from(&mask.get(b as i64)).unwrap();
+        for j in 0..12 {
+            assert_eq!(m[j], j < s.completion.len());
+            if j < s.completion.len() {
+                assert_eq!(row[j], flat[out.offsets[b] + j]);
+            } else {
+                assert_eq!(row[j], 0.0);
+            }
+        }
+    }
+    // Without grad nothing requires grad, and backward is refused.
+    assert!(!out.logprobs.requires_grad());
+    assert!(out.propagate().is_err());
+}
+
+#[test]
+fn a_value_head_on_the_shared_hidden_states_gets_gradients_through_the_trunk() {
+    let loaded = tiny("llama", &LoadOptions::default());
+    let out = completion_logprobs(&loaded.model, &batch(), &LogProbOptions::default()).unwrap();
+    let hidden = out.hidden().unwrap();
+    let value_loss = hidden.mean(Kind::Float);
+    let loss = out.logprobs.sum(Kind::Float) + value_loss;
+    out.backward(&loss).unwrap();
+    let g = loaded.named_parameters()["model.layers.0.self_attn.q_proj.weight"].grad();
+    assert!(g.defined() && g.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+}
+
+#[test]
+fn bad_batches_are_rejected() {
+    let loaded = tiny("llama", &LoadOptions::default());
+    let ctx = loaded.model.config().max_position_embeddings;
+    let opts = LogProbOptions::default();
+    let empty = Sequence { prompt: vec![1], completion: vec![] };
+    assert!(completion_logprobs(&loaded.model, &[empty], &opts).is_err());
+    let long = Sequence { prompt: vec![1; ctx], completion: vec![2] };
+    let e = completion_logprobs(&loaded.model, &[long], &opts).unwrap_err().to_string();
+    assert!(e.contains("beyond the model's context"), "{e}");
+    assert!(completion_logprobs(&loaded.model, &[], &opts).is_err());
+}

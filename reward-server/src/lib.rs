@@ -1,0 +1,10 @@
+//! The reward service: sandboxed execution of model-written code ([`sandbox`]), every seed task's
+//! reward with its level breakdown ([`rewards`]), and the gRPC/HTTP front ends ([`server`]).
+//!
+//! [`code_runner`] is the boundary between rewards and the sandbox: rewards only see
+//! [`code_runner::CodeRunner`], the sandbox implements it.
+pub mod code_runner;
+pub mod config;
+pub mod rewards;
+pub mod sandbox;
+pub mod server;

@@ -1,0 +1,88 @@
+//! `reward-server`: sandboxed code execution and every seed reward over gRPC and HTTP.
+//!
+//! Prints one line `listening grpc=ADDR http=ADDR` on stdout once both listeners are bound
+//! (ports resolved, so `127.0.0.1:0` works), then serves until SIGINT or SIGTERM.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use cotrain_reward_server::config::{ConfigFile, Overrides, ServerConfig};
+
+/// cotrain's reward server.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// gRPC listen address (default 127.0.0.1:50051; port 0 picks a free port).
+    #[arg(long)]
+    grpc_addr: Option<SocketAddr>,
+    /// HTTP listen address (default 127.0.0.1:8000; port 0 picks a free port).
+    #[arg(long)]
+    http_addr: Option<SocketAddr>,
+    /// Sandboxed runs at once (default: number of CPU cores).
+    #[arg(long)]
+    max_concurrency: Option<usize>,
+    /// Sandboxed runs allowed to wait for a slot; beyond that requests get 429 / RESOURCE_EXHAUSTED.
+    #[arg(long)]
+    queue_limit: Option<usize>,
+    /// Configuration file (YAML or JSON); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Run code WITHOUT the bubblewrap sandbox (plain subprocesses with rlimits). Never use this
+    /// with untrusted code; every run logs a warning.
+    #[arg(long)]
+    insecure_no_sandbox: bool,
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+    }
+}
+
+fn main() {
+    if let Err(err) = run() {
+        eprintln!("reward-server: error: {err:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let file = match &args.config {
+        Some(path) => Some((path.as_path(), ConfigFile::load(path)?)),
+        None => None,
+    };
+    let cfg = ServerConfig::resolve(
+        file,
+        Overrides {
+            grpc_addr: args.grpc_addr,
+            http_addr: args.http_addr,
+            max_concurrency: args.max_concurrency,
+            queue_limit: args.queue_limit,
+            insecure_no_sandbox: args.insecure_no_sandbox,
+        },
+    )?;
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    runtime.block_on(cotrain_reward_server::server::serve(
+        cfg,
+        shutdown_signal(),
+        |bound| {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "listening grpc={} http={}", bound.grpc, bound.http);
+            let _ = out.flush();
+        },
+    ))
+}

@@ -1,0 +1,321 @@
+//! The engine loop of one model: a dedicated thread that owns the [`Engine`] and is fed by a
+//! channel.
+//!
+//! Between two decode steps the loop takes every waiting command: new jobs join the running batch
+//! (continuous batching), cancelled jobs leave it, weight updates queue up. A job is one generate
+//! request; all of its prompts enter the engine together and its answer is sent when its last
+//! sample finishes.
+//!
+//! Weight swaps and versions: when an update is waiting, the loop stops admitting jobs, lets the
+//! jobs already in the engine finish on the old weights, swaps the weights while the engine is
+//! empty, bumps the version, and then admits the jobs that arrived meanwhile. So every token of a
+//! sample comes from one version, and the version reported with it is exactly that one: jobs
+//! admitted before the update finish on the old version, later jobs run on the new one.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cotrain_model::engine::{Engine, Request, RequestHandle, Sample};
+use tch::Tensor;
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, error, info, warn};
+
+use crate::error::{Result, WorkerError};
+use crate::metrics::Metrics;
+
+/// The samples of one job: per request (prompt) in order, per sample index in order, and the
+/// policy version that produced all of them.
+#[derive(Debug)]
+pub(crate) struct JobOutput {
+    pub samples: Vec<Vec<Sample>>,
+    pub policy_version: u64,
+}
+
+/// A weight update, converted to the model's dtype and device, waiting for its swap.
+pub(crate) struct StagedUpdate {
+    pub version: u64,
+    pub tensors: HashMap<String, Tensor>,
+}
+
+pub(crate) enum Command {
+    Submit { id: u64, requests: Vec<Request>, reply: oneshot::Sender<Result<JobOutput>> },
+    Cancel { id: u64 },
+    Update { update: StagedUpdate, reply: oneshot::Sender<Result<u64>> },
+}
+
+/// What the rest of the worker can read about a running loop without asking it.
+#[derive(Debug, Default)]
+pub(crate) struct LoopState {
+    pub policy_version: AtomicU64,
+    pub running_sequences: AtomicUsize,
+    /// Jobs admitted by the loop but with sequences not yet decoding (waiting for an update or
+    /// for batch rows).
+    pub queued_jobs: AtomicUsize,
+    /// Updates waiting for the engine to drain.
+    pub pending_updates: AtomicUsize,
+}
+
+struct Job {
+    handles: Vec<RequestHandle>,
+    samples: HashMap<RequestHandle, Vec<Sample>>,
+    remaining: usize,
+    version: u64,
+    reply: oneshot::Sender<Result<JobOutput>>,
+}
+
+struct Waiting {
+    id: u64,
+    requests: Vec<Request>,
+    reply: oneshot::Sender<Result<JobOutput>>,
+}
+
+/// Owns the engine; runs until every sender of its channel is gone.
+pub(crate) struct EngineLoop {
+    engine: Engine,
+    model_id: String,
+    rx: mpsc::UnboundedReceiver<Command>,
+    state: Arc<LoopState>,
+    metrics: Metrics,
+    agents: Vec<String>,
+    max_rows: usize,
+    version: u64,
+    /// Jobs in the engine, by job id.
+    running: HashMap<u64, Job>,
+    /// Engine handle → job id.
+    owner: HashMap<RequestHandle, u64>,
+    /// Jobs not yet in the engine (an update is waiting).
+    waiting: VecDeque<Waiting>,
+    updates: VecDeque<(StagedUpdate, oneshot::Sender<Result<u64>>)>,
+    window_start: Instant,
+    window_tokens: u64,
+}
+
+impl EngineLoop {
+    pub(crate) fn new(
+        engine: Engine,
+        model_id: String,
+        agents: Vec<String>,
+        max_rows: usize,
+        rx: mpsc::UnboundedReceiver<Command>,
+        state: Arc<LoopState>,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            engine,
+            model_id,
+            rx,
+            state,
+            metrics,
+            agents,
+            max_rows,
+            version: 0,
+            running: HashMap::new(),
+            owner: HashMap::new(),
+            waiting: VecDeque::new(),
+            updates: VecDeque::new(),
+            window_start: Instant::now(),
+            window_tokens: 0,
+        }
+    }
+
+    /// Runs the loop on the current thread until the channel closes.
+    pub(crate) fn run(mut self) {
+        info!(model = %self.model_id, "engine loop started");
+        loop {
+            let idle = self.engine.is_idle() && self.waiting.is_empty() && self.updates.is_empty();
+            if idle {
+                self.publish();
+                match self.rx.blocking_recv() {
+                    Some(cmd) => self.handle(cmd),
+                    None => break,
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        if self.engine.is_idle() && self.waiting.is_empty() {
+                            info!(model = %self.model_id, "engine loop stopped");
+                            return;
+                        }
+                        break;
+                    }
+                }
+            }
+            self.drop_abandoned();
+            self.apply_updates();
+            if self.updates.is_empty() {
+                while let Some(w) = self.waiting.pop_front() {
+                    self.admit(w);
+                }
+            }
+            if !self.engine.is_idle() {
+                self.step();
+            }
+            self.publish();
+        }
+        info!(model = %self.model_id, "engine loop stopped");
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit { id, requests, reply } => {
+                let w = Waiting { id, requests, reply };
+                if self.updates.is_empty() {
+                    self.admit(w);
+                } else {
+                    self.waiting.push_back(w);
+                }
+            }
+            Command::Cancel { id } => self.cancel(id),
+            Command::Update { update, reply } => self.updates.push_back((update, reply)),
+        }
+    }
+
+    fn admit(&mut self, w: Waiting) {
+        if w.reply.is_closed() {
+            return;
+        }
+        let mut handles = Vec::with_capacity(w.requests.len());
+        let remaining = w.requests.iter().map(|r| r.n).sum();
+        for r in w.requests {
+            match self.engine.add(r) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    for h in handles {
+                        self.engine.cancel(h);
+                    }
+                    let _ = w.reply.send(Err(e.into()));
+                    return;
+                }
+            }
+        }
+        for &h in &handles {
+            self.owner.insert(h, w.id);
+        }
+        debug!(job = w.id, requests = handles.len(), version = self.version, "job admitted");
+        self.running.insert(
+            w.id,
+            Job { handles, samples: HashMap::new(), remaining, version: self.version, reply: w.reply },
+        );
+    }
+
+    fn cancel(&mut self, id: u64) {
+        if let Some(job) = self.running.remove(&id) {
+            for h in &job.handles {
+                self.engine.cancel(*h);
+                self.owner.remove(h);
+            }
+            debug!(job = id, "job cancelled");
+        }
+        self.waiting.retain(|w| w.id != id);
+    }
+
+    /// Cancels jobs whose caller is gone (a dropped client, a passed deadline).
+    fn drop_abandoned(&mut self) {
+        let gone: Vec<u64> = self.running.iter().filter(|(_, j)| j.reply.is_closed()).map(|(&id, _)| id).collect();
+        for id in gone {
+            self.cancel(id);
+        }
+        self.waiting.retain(|w| !w.reply.is_closed());
+    }
+
+    /// Swaps weights while the engine is empty, oldest update first.
+    fn apply_updates(&mut self) {
+        while !self.updates.is_empty() && self.engine.is_idle() {
+            let (update, reply) = self.updates.pop_front().expect("not empty");
+            if update.version <= self.version {
+                let _ = reply.send(Err(WorkerError::VersionNotNewer { current: self.version, offered: update.version }));
+                continue;
+            }
+            let started = Instant::now();
+            match self.engine.load_named_tensors(&update.tensors) {
+                Ok(()) => {
+                    self.version = update.version;
+                    self.state.policy_version.store(self.version, Ordering::SeqCst);
+                    for a in &self.agents {
+                        self.metrics.policy_version.with_label_values(&[a.as_str()]).set(self.version as i64);
+                    }
+                    self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "applied"]).inc();
+                    info!(model = %self.model_id, version = self.version, tensors = update.tensors.len(),
+                        swap_ms = started.elapsed().as_millis() as u64, "weights swapped");
+                    let _ = reply.send(Ok(self.version));
+                }
+                Err(e) => {
+                    self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "rejected"]).inc();
+                    warn!(model = %self.model_id, error = %e, "weight swap rejected");
+                    let _ = reply.send(Err(WorkerError::BadUpdate(e.to_string())));
+                }
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        let out = match self.engine.step() {
+            Ok(out) => out,
+            Err(e) => {
+                error!(model = %self.model_id, error = %e, "engine step failed, failing its jobs");
+                let ids: Vec<u64> = self.running.keys().copied().collect();
+                for id in ids {
+                    if let Some(job) = self.running.remove(&id) {
+                        for h in &job.handles {
+                            self.engine.cancel(*h);
+                            self.owner.remove(h);
+                        }
+                        let _ = job.reply.send(Err(WorkerError::Internal(format!("engine step failed: {e}"))));
+                    }
+                }
+                return;
+            }
+        };
+        let model = self.model_id.as_str();
+        self.metrics.decode_steps.with_label_values(&[model]).inc();
+        self.metrics.generated_tokens.with_label_values(&[model]).inc_by(out.tokens.len() as u64);
+        self.window_tokens += out.tokens.len() as u64;
+        for s in out.finished {
+            let Some(&id) = self.owner.get(&s.request) else { continue };
+            let job = self.running.get_mut(&id).expect("owner implies running");
+            if s.index == 0 {
+                self.metrics.prompt_tokens.with_label_values(&[model]).inc_by(s.prompt_tokens as u64);
+            }
+            job.samples.entry(s.request).or_default().push(s);
+            job.remaining -= 1;
+            if job.remaining == 0 {
+                let mut job = self.running.remove(&id).expect("present");
+                let samples = job
+                    .handles
+                    .iter()
+                    .map(|h| {
+                        self.owner.remove(h);
+                        let mut v = job.samples.remove(h).unwrap_or_default();
+                        v.sort_by_key(|s| s.index);
+                        v
+                    })
+                    .collect();
+                let _ = job.reply.send(Ok(JobOutput { samples, policy_version: job.version }));
+            }
+        }
+    }
+
+    fn publish(&mut self) {
+        let model = self.model_id.as_str();
+        let running = self.engine.num_running();
+        let queued = self.engine.num_pending() + self.waiting.len();
+        self.state.running_sequences.store(running, Ordering::SeqCst);
+        self.state.queued_jobs.store(queued, Ordering::SeqCst);
+        self.state.pending_updates.store(self.updates.len(), Ordering::SeqCst);
+        self.metrics.running_sequences.with_label_values(&[model]).set(running as i64);
+        self.metrics.queue_depth.with_label_values(&[model]).set(queued as i64);
+        self.metrics.batch_occupancy.with_label_values(&[model]).set(running as f64 / self.max_rows.max(1) as f64);
+        let elapsed = self.window_start.elapsed().as_secs_f64();
+        if elapsed >= 1.0 || running == 0 {
+            let rate = if elapsed > 0.0 { self.window_tokens as f64 / elapsed } else { 0.0 };
+            self.metrics.tokens_per_second.with_label_values(&[model]).set(rate);
+            self.window_start = Instant::now();
+            self.window_tokens = 0;
+        }
+    }
+}

@@ -1,0 +1,558 @@
+//! A client pool that treats many rollout workers as one.
+//!
+//! Workers come from a static list of endpoints and from DNS names (`host:port`) whose addresses
+//! are re-resolved every refresh (a Kubernetes headless service has one A record per pod). A
+//! background task health-checks every worker on the same schedule; addresses that leave DNS are
+//! dropped, new ones are added. [`RolloutPool::generate`] sends a request to the healthy worker
+//! with the fewest requests in flight. A request is an atomic unit carrying its seed, so when a
+//! worker fails the pool sends the same request to another worker and returns exactly one answer,
+//! with the same samples the failed worker would have produced at the same policy version.
+//!
+//! The pool also pushes weight updates to every healthy worker
+//! ([`RolloutPool::push_weights`]) and waits until all report a version
+//! ([`RolloutPool::wait_for_version`]).
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use cotrain_proto::rollout::rollout_client::RolloutClient;
+use cotrain_proto::rollout::{
+    update_weights_request::Item, GenerateRequest, GenerateResponse, InfoRequest, InfoResponse, UpdateHeader,
+    UpdateWeightsRequest, UpdateWeightsResponse,
+};
+use tokio::sync::Notify;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+use tracing::{debug, info, warn};
+
+use crate::weights::UpdatedTensor;
+
+/// How the pool finds and talks to workers.
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    /// Fixed endpoints, `host:port` or `http://host:port`.
+    pub endpoints: Vec<String>,
+    /// DNS names, `host:port`, re-resolved every `refresh_interval`; every address is a worker.
+    pub dns_names: Vec<String>,
+    /// How often DNS is re-resolved and every worker health-checked.
+    pub refresh_interval: Duration,
+    /// Connection and health-check timeout.
+    pub connect_timeout: Duration,
+    /// Deadline of one generate attempt on one worker (None: no deadline).
+    pub request_timeout: Option<Duration>,
+    /// Attempts per request, on different workers while there are untried healthy ones.
+    pub max_attempts: usize,
+    /// How long a request waits for a healthy worker when there is none.
+    pub wait_for_worker: Duration,
+    /// Payload bytes per weight-update chunk message.
+    pub weight_chunk_bytes: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            endpoints: Vec::new(),
+            dns_names: Vec::new(),
+            refresh_interval: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: None,
+            max_attempts: 5,
+            wait_for_worker: Duration::from_secs(60),
+            weight_chunk_bytes: 4 << 20,
+        }
+    }
+}
+
+/// What can go wrong using the pool.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// The configuration names no endpoint and no DNS name, or one that does not parse.
+    #[error("invalid pool config: {0}")]
+    Config(String),
+    /// No healthy worker appeared within `wait_for_worker`.
+    #[error("no healthy rollout worker within {0:?}")]
+    NoWorker(Duration),
+    /// A worker rejected the request for a reason another worker would share (bad input).
+    #[error("worker {worker} rejected the request: {status}")]
+    Rejected {
+        /// The worker's address.
+        worker: String,
+        /// Its answer.
+        status: Status,
+    },
+    /// Every attempt failed.
+    #[error("request failed on {attempts} attempts, last on {worker}: {status}")]
+    AttemptsExhausted {
+        /// How many attempts were made.
+        attempts: usize,
+        /// The last worker tried.
+        worker: String,
+        /// Its answer.
+        status: Status,
+    },
+    /// Waiting for a policy version timed out.
+    #[error("workers not at version {version} of `{agent}` after {waited:?}: {laggards:?}")]
+    VersionTimeout {
+        /// The agent.
+        agent: String,
+        /// The version waited for.
+        version: u64,
+        /// How long.
+        waited: Duration,
+        /// Workers and the version they report (None: unreachable).
+        laggards: Vec<(String, Option<u64>)>,
+    },
+}
+
+/// A worker as the pool sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerSnapshot {
+    /// `http://host:port`.
+    pub address: String,
+    /// Passed its last health check and has not failed since.
+    pub healthy: bool,
+    /// Requests this pool has in flight on it.
+    pub in_flight: usize,
+    /// Requests it answered for this pool.
+    pub completed: u64,
+    /// Attempts on it that failed.
+    pub failed: u64,
+}
+
+struct Worker {
+    address: String,
+    client: RolloutClient<Channel>,
+    health: HealthClient<Channel>,
+    healthy: AtomicBool,
+    in_flight: AtomicUsize,
+    completed: AtomicU64,
+    failed: AtomicU64,
+    /// From DNS (dropped when it leaves) rather than configured or added by hand.
+    from_dns: bool,
+}
+
+impl Worker {
+    fn snapshot(&self) -> WorkerSnapshot {
+        WorkerSnapshot {
+            address: self.address.clone(),
+            healthy: self.healthy.load(Ordering::SeqCst),
+            in_flight: self.in_flight.load(Ordering::SeqCst),
+            completed: self.completed.load(Ordering::SeqCst),
+            failed: self.failed.load(Ordering::SeqCst),
+        }
+    }
+}
+
+/// Counts a request in flight on a worker for as long as it lives.
+struct InFlight(Arc<Worker>);
+
+impl InFlight {
+    fn new(w: Arc<Worker>) -> Self {
+        w.in_flight.fetch_add(1, Ordering::SeqCst);
+        Self(w)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+struct Inner {
+    cfg: PoolConfig,
+    workers: RwLock<HashMap<String, Arc<Worker>>>,
+    /// Woken after every refresh and whenever workers are added.
+    changed: Notify,
+    /// Rotates ties between equally loaded workers.
+    tie_breaker: AtomicUsize,
+}
+
+/// A load-balancing, retrying client for many rollout workers; see the module docs.
+pub struct RolloutPool {
+    inner: Arc<Inner>,
+    refresher: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RolloutPool {
+    fn drop(&mut self) {
+        self.refresher.abort();
+    }
+}
+
+fn normalise(endpoint: &str) -> String {
+    if endpoint.contains("://") { endpoint.to_string() } else { format!("http://{endpoint}") }
+}
+
+fn retryable(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unavailable
+            | Code::Unknown
+            | Code::Internal
+            | Code::Cancelled
+            | Code::Aborted
+            | Code::ResourceExhausted
+            | Code::DeadlineExceeded
+            | Code::FailedPrecondition
+    )
+}
+
+/// Errors that say the worker itself is in trouble, not just busy or behind.
+fn worker_failed(status: &Status) -> bool {
+    matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled)
+}
+
+impl RolloutPool {
+    /// Builds the pool, resolves and health-checks once, and starts the background refresh.
+    pub async fn new(cfg: PoolConfig) -> Result<Self, PoolError> {
+        if cfg.endpoints.is_empty() && cfg.dns_names.is_empty() {
+            return Err(PoolError::Config("no endpoints and no dns_names".into()));
+        }
+        if cfg.max_attempts == 0 {
+            return Err(PoolError::Config("max_attempts must be at least 1".into()));
+        }
+        let inner = Arc::new(Inner {
+            cfg,
+            workers: RwLock::new(HashMap::new()),
+            changed: Notify::new(),
+            tie_breaker: AtomicUsize::new(0),
+        });
+        for e in inner.cfg.endpoints.clone() {
+            inner.add(&normalise(&e), false)?;
+        }
+        inner.refresh().await;
+        let weak = Arc::downgrade(&inner);
+        let every = inner.cfg.refresh_interval;
+        let refresher = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { return };
+                inner.refresh().await;
+            }
+        });
+        Ok(Self { inner, refresher })
+    }
+
+    /// Adds a worker by hand (a worker that registered itself); kept until removed.
+    pub async fn add_endpoint(&self, endpoint: &str) -> Result<(), PoolError> {
+        let address = normalise(endpoint);
+        let w = self.inner.add(&address, false)?;
+        self.inner.check(&w).await;
+        self.inner.changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Removes a worker; requests in flight on it finish or fail over as usual.
+    pub fn remove_endpoint(&self, endpoint: &str) -> bool {
+        self.inner.workers.write().expect("pool lock").remove(&normalise(endpoint)).is_some()
+    }
+
+    /// Every known worker.
+    pub fn workers(&self) -> Vec<WorkerSnapshot> {
+        let mut v: Vec<_> = self.inner.workers.read().expect("pool lock").values().map(|w| w.snapshot()).collect();
+        v.sort_by(|a, b| a.address.cmp(&b.address));
+        v
+    }
+
+    /// Re-resolves DNS and health-checks every worker now.
+    pub async fn refresh(&self) {
+        self.inner.refresh().await;
+    }
+
+    /// Waits until at least `n` workers are healthy.
+    pub async fn wait_for_healthy(&self, n: usize, timeout: Duration) -> Result<(), PoolError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let notified = self.inner.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.workers().iter().filter(|w| w.healthy).count() >= n {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
+                return Err(PoolError::NoWorker(timeout));
+            }
+        }
+    }
+
+    /// Runs one generate request on the least-loaded healthy worker, retrying on another worker
+    /// when one fails; returns exactly one answer.
+    #[tracing::instrument(skip_all, fields(agent = %req.agent, request_id = %req.request_id))]
+    pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateResponse, PoolError> {
+        let mut tried = HashSet::new();
+        let mut last: Option<(String, Status)> = None;
+        for attempt in 1..=self.inner.cfg.max_attempts {
+            let worker = self.inner.pick(&tried).await?;
+            tried.insert(worker.address.clone());
+            let guard = InFlight::new(worker.clone());
+            let mut request = tonic::Request::new(req.clone());
+            if let Some(t) = self.inner.cfg.request_timeout {
+                request.set_timeout(t);
+            }
+            let mut client = worker.client.clone();
+            let result = client.generate(request).await;
+            drop(guard);
+            match result {
+                Ok(resp) => {
+                    worker.completed.fetch_add(1, Ordering::SeqCst);
+                    return Ok(resp.into_inner());
+                }
+                Err(status) if retryable(&status) => {
+                    worker.failed.fetch_add(1, Ordering::SeqCst);
+                    if worker_failed(&status) {
+                        worker.healthy.store(false, Ordering::SeqCst);
+                    }
+                    warn!(worker = %worker.address, attempt, code = ?status.code(), message = status.message(), "generate attempt failed, retrying elsewhere");
+                    last = Some((worker.address.clone(), status));
+                }
+                Err(status) => return Err(PoolError::Rejected { worker: worker.address.clone(), status }),
+            }
+        }
+        let (worker, status) = last.expect("at least one attempt");
+        Err(PoolError::AttemptsExhausted { attempts: self.inner.cfg.max_attempts, worker, status })
+    }
+
+    /// `Info` from every healthy worker.
+    pub async fn info_all(&self) -> Vec<(String, Result<InfoResponse, Status>)> {
+        let workers: Vec<Arc<Worker>> = self.inner.healthy();
+        let calls = workers.into_iter().map(|w| async move {
+            let mut c = w.client.clone();
+            let mut r = tonic::Request::new(InfoRequest {});
+            r.set_timeout(self.inner.cfg.connect_timeout);
+            (w.address.clone(), c.info(r).await.map(|r| r.into_inner()))
+        });
+        futures::future::join_all(calls).await
+    }
+
+    /// Streams a weight update (all or some parameters of `agent`'s model, as `version`) to every
+    /// healthy worker at once; returns each worker's answer.
+    pub async fn push_weights(
+        &self,
+        agent: &str,
+        version: u64,
+        partial: bool,
+        tensors: Arc<Vec<UpdatedTensor>>,
+    ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
+        let workers = self.inner.healthy();
+        let chunk = self.inner.cfg.weight_chunk_bytes;
+        let calls = workers.into_iter().map(|w| {
+            let tensors = tensors.clone();
+            let header = UpdateHeader { agent: agent.to_string(), version, tensor_count: tensors.len() as u32, partial };
+            async move {
+                let mut c = w.client.clone();
+                let r = c.update_weights(update_stream(header, tensors, chunk)).await.map(|r| r.into_inner());
+                (w.address.clone(), r)
+            }
+        });
+        futures::future::join_all(calls).await
+    }
+
+    /// Waits until every healthy worker reports at least `version` for `agent`.
+    pub async fn wait_for_version(&self, agent: &str, version: u64, timeout: Duration) -> Result<(), PoolError> {
+        let start = Instant::now();
+        loop {
+            let mut laggards = Vec::new();
+            for (addr, info) in self.info_all().await {
+                let v = info.ok().and_then(|i| i.agents.iter().find(|a| a.name == agent).map(|a| a.policy_version));
+                if v.is_none_or(|v| v < version) {
+                    laggards.push((addr, v));
+                }
+            }
+            if laggards.is_empty() {
+                return Ok(());
+            }
+            if start.elapsed() >= timeout {
+                return Err(PoolError::VersionTimeout { agent: agent.into(), version, waited: start.elapsed(), laggards });
+            }
+            // Polling: a worker exposes its version through Info only.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// The messages of one weight-update stream: the header, then every tensor in chunks of at most
+/// `chunk_bytes` payload bytes. Chunks are built as the stream is polled, so a large update is
+/// never copied whole.
+pub fn update_stream(
+    header: UpdateHeader,
+    tensors: Arc<Vec<UpdatedTensor>>,
+    chunk_bytes: usize,
+) -> impl futures::Stream<Item = UpdateWeightsRequest> + Send + 'static {
+    let chunk_bytes = chunk_bytes.max(1);
+    let plan: Vec<(usize, usize)> = tensors
+        .iter()
+        .enumerate()
+        .flat_map(|(i, t)| (0..t.data.len().div_ceil(chunk_bytes)).map(move |c| (i, c * chunk_bytes)))
+        .collect();
+    let head = futures::stream::once(async move { UpdateWeightsRequest { item: Some(Item::Header(header)) } });
+    let body = futures::stream::iter(plan).map(move |(i, start)| {
+        let t = &tensors[i];
+        let end = (start + chunk_bytes).min(t.data.len());
+        UpdateWeightsRequest {
+            item: Some(Item::Chunk(cotrain_proto::rollout::TensorChunk {
+                name: t.name.clone(),
+                dtype: t.dtype.to_proto() as i32,
+                shape: t.shape.clone(),
+                offset: start as u64,
+                data: t.data[start..end].to_vec(),
+            })),
+        }
+    });
+    head.chain(body)
+}
+
+use futures::StreamExt as _;
+
+impl Inner {
+    fn add(&self, address: &str, from_dns: bool) -> Result<Arc<Worker>, PoolError> {
+        if let Some(w) = self.workers.read().expect("pool lock").get(address) {
+            return Ok(w.clone());
+        }
+        let endpoint = Endpoint::from_shared(address.to_string())
+            .map_err(|e| PoolError::Config(format!("endpoint `{address}`: {e}")))?
+            .connect_timeout(self.cfg.connect_timeout)
+            .tcp_nodelay(true);
+        let channel = endpoint.connect_lazy();
+        let w = Arc::new(Worker {
+            address: address.to_string(),
+            client: RolloutClient::new(channel.clone()).max_decoding_message_size(usize::MAX).max_encoding_message_size(usize::MAX),
+            health: HealthClient::new(channel),
+            healthy: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            completed: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            from_dns,
+        });
+        info!(worker = address, from_dns, "rollout worker added to the pool");
+        self.workers.write().expect("pool lock").entry(address.to_string()).or_insert(w.clone());
+        Ok(w)
+    }
+
+    fn healthy(&self) -> Vec<Arc<Worker>> {
+        self.workers.read().expect("pool lock").values().filter(|w| w.healthy.load(Ordering::SeqCst)).cloned().collect()
+    }
+
+    async fn check(&self, w: &Worker) {
+        let mut h = w.health.clone();
+        let mut req = tonic::Request::new(HealthCheckRequest { service: String::new() });
+        req.set_timeout(self.cfg.connect_timeout);
+        let ok = matches!(
+            tokio::time::timeout(self.cfg.connect_timeout, h.check(req)).await,
+            Ok(Ok(r)) if r.get_ref().status == ServingStatus::Serving as i32
+        );
+        let was = w.healthy.swap(ok, Ordering::SeqCst);
+        if was != ok {
+            info!(worker = %w.address, healthy = ok, "rollout worker health changed");
+        }
+    }
+
+    async fn refresh(&self) {
+        let mut resolved: HashSet<String> = HashSet::new();
+        let mut dns_ok = true;
+        for name in &self.cfg.dns_names {
+            match tokio::net::lookup_host(name.as_str()).await {
+                Ok(addrs) => resolved.extend(addrs.filter(SocketAddr::is_ipv4).map(|a| format!("http://{a}"))),
+                Err(e) => {
+                    dns_ok = false;
+                    warn!(name, error = %e, "dns resolution failed, keeping the known workers");
+                }
+            }
+        }
+        for a in &resolved {
+            if let Err(e) = self.add(a, true) {
+                warn!(address = a, error = %e, "cannot add resolved worker");
+            }
+        }
+        if dns_ok {
+            self.workers.write().expect("pool lock").retain(|addr, w| {
+                let keep = !w.from_dns || resolved.contains(addr);
+                if !keep {
+                    info!(worker = addr, "rollout worker left dns, dropped from the pool");
+                }
+                keep
+            });
+        }
+        let all: Vec<Arc<Worker>> = self.workers.read().expect("pool lock").values().cloned().collect();
+        futures::future::join_all(all.iter().map(|w| self.check(w))).await;
+        self.changed.notify_waiters();
+    }
+
+    /// The least-loaded healthy worker, preferring ones not yet tried for this request.
+    async fn pick(&self, tried: &HashSet<String>) -> Result<Arc<Worker>, PoolError> {
+        let deadline = Instant::now() + self.cfg.wait_for_worker;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let healthy = self.healthy();
+            let untried: Vec<_> = healthy.iter().filter(|w| !tried.contains(&w.address)).cloned().collect();
+            let candidates = if untried.is_empty() { healthy } else { untried };
+            if !candidates.is_empty() {
+                let turn = self.tie_breaker.fetch_add(1, Ordering::Relaxed);
+                let n = candidates.len();
+                let best = (0..n)
+                    .map(|k| &candidates[(turn + k) % n])
+                    .min_by_key(|w| w.in_flight.load(Ordering::SeqCst))
+                    .expect("non-empty");
+                return Ok(best.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            debug!(?left, "no healthy rollout worker, waiting");
+            if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
+                return Err(PoolError::NoWorker(self.cfg.wait_for_worker));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::WireDType;
+
+    #[test]
+    fn update_stream_chunks_every_tensor() {
+        let tensors = Arc::new(vec![
+            UpdatedTensor { name: "a".into(), dtype: WireDType::Bf16, shape: vec![5], data: vec![1; 10] },
+            UpdatedTensor { name: "b".into(), dtype: WireDType::F32, shape: vec![1], data: vec![2; 4] },
+        ]);
+        let header = UpdateHeader { agent: "x".into(), version: 1, tensor_count: 2, partial: true };
+        let msgs: Vec<UpdateWeightsRequest> = futures::executor::block_on(update_stream(header, tensors, 4).collect());
+        assert_eq!(msgs.len(), 1 + 3 + 1);
+        assert!(matches!(msgs[0].item, Some(Item::Header(_))));
+        let Some(Item::Chunk(c)) = &msgs[3].item else { panic!("expected a chunk") };
+        assert_eq!((c.name.as_str(), c.offset, c.data.len()), ("a", 8, 2));
+    }
+
+    #[tokio::test]
+    async fn pool_without_endpoints_is_a_config_error() {
+        assert!(matches!(RolloutPool::new(PoolConfig::default()).await, Err(PoolError::Config(_))));
+    }
+
+    #[tokio::test]
+    async fn unreachable_worker_is_unhealthy_and_requests_time_out() {
+        // Port 9 (discard) on loopback refuses connections.
+        let cfg = PoolConfig {
+            endpoints: vec!["127.0.0.1:9".into()],
+            wait_for_worker: Duration::from_millis(200),
+            connect_timeout: Duration::from_millis(200),
+            ..PoolConfig::default()
+        };
+        let pool = RolloutPool::new(cfg).await.unwrap();
+        assert_eq!(pool.workers().len(), 1);
+        assert!(!pool.workers()[0].healthy);
+        let e = pool.generate(GenerateRequest::default()).await.unwrap_err();
+        assert!(matches!(e, PoolError::NoWorker(_)), "{e}");
+    }
+}

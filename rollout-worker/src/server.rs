@@ -1,0 +1,190 @@
+//! `rollout-worker serve`: loads the agents' models, binds the gRPC and HTTP ports, serves until
+//! SIGINT/SIGTERM (or [`RunningServer::shutdown`] in process), then drains and stops.
+//!
+//! Once both ports are bound the binary prints one line to stdout,
+//! `listening grpc=HOST:PORT http=HOST:PORT`, so callers can ask for port 0 and read the ports.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Args;
+use cotrain_proto::rollout::rollout_server::RolloutServer;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio_stream::wrappers::TcpListenerStream;
+use tracing::info;
+
+use crate::metrics::Metrics;
+use crate::service::RolloutService;
+use crate::worker::{Worker, WorkerConfig};
+
+/// Largest gRPC message accepted or sent (weight chunks, big generate batches).
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// Arguments of `serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// gRPC listen address; port 0 picks a free port (printed on stdout).
+    #[arg(long, default_value = "127.0.0.1:50061")]
+    pub grpc_addr: SocketAddr,
+    /// HTTP listen address (OpenAI-compatible API, /metrics, /health); port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:8061")]
+    pub http_addr: SocketAddr,
+    /// An agent as NAME=MODEL (repeatable); MODEL is a HF directory, a .gguf file, a cached repo
+    /// id or `default`. Agents naming the same MODEL share one copy of its parameters.
+    #[arg(long = "agent", value_name = "NAME=MODEL", required = true, value_parser = parse_agent)]
+    pub agents: Vec<(String, String)>,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Parameter dtype: f32 or bf16 (f16 also loads).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Most sequences one model decodes together.
+    #[arg(long, default_value_t = 64)]
+    pub max_batch_size: usize,
+    /// Most generate requests admitted and not answered; more get RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 1024)]
+    pub max_queued_requests: usize,
+    /// libtorch intra-op threads (default: libtorch's choice).
+    #[arg(long)]
+    pub threads: Option<i32>,
+}
+
+fn parse_agent(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((name, model)) if !name.is_empty() && !model.is_empty() => Ok((name.to_string(), model.to_string())),
+        _ => Err(format!("expected NAME=MODEL, got `{s}`")),
+    }
+}
+
+impl ServeArgs {
+    /// The checked worker configuration.
+    pub fn worker_config(&self) -> anyhow::Result<WorkerConfig> {
+        Ok(WorkerConfig {
+            agents: self.agents.clone(),
+            device: cotrain_model::config::parse_device(&self.device).context("--device")?,
+            kind: cotrain_model::config::parse_dtype(&self.dtype).context("--dtype")?,
+            max_batch_size: self.max_batch_size,
+            max_queued_requests: self.max_queued_requests,
+        })
+    }
+}
+
+/// A worker serving in this process.
+pub struct RunningServer {
+    /// The bound gRPC address.
+    pub grpc_addr: SocketAddr,
+    /// The bound HTTP address.
+    pub http_addr: SocketAddr,
+    worker: Arc<Worker>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl RunningServer {
+    /// The worker behind the servers.
+    pub fn worker(&self) -> &Arc<Worker> {
+        &self.worker
+    }
+
+    /// Stops accepting, lets answered requests finish, stops the engine loops.
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let result = (&mut self.task).await.context("server task panicked")?;
+        if let Ok(worker) = Arc::try_unwrap(self.worker) {
+            tokio::task::spawn_blocking(move || worker.shutdown()).await.ok();
+        }
+        result
+    }
+
+    /// Serves until the process gets SIGINT or SIGTERM, then shuts down.
+    pub async fn run_until_signal(self) -> anyhow::Result<()> {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => info!("sigint, shutting down"),
+            _ = term.recv() => info!("sigterm, shutting down"),
+        }
+        self.shutdown().await
+    }
+}
+
+/// Loads the models and starts both servers on this runtime.
+pub async fn start(config: WorkerConfig, grpc_addr: SocketAddr, http_addr: SocketAddr) -> anyhow::Result<RunningServer> {
+    let metrics = Metrics::new();
+    let worker = tokio::task::spawn_blocking(move || Worker::start(config, metrics))
+        .await
+        .context("model loading panicked")?
+        .context("starting the worker")?;
+    let worker = Arc::new(worker);
+    let grpc = TcpListener::bind(grpc_addr).await.with_context(|| format!("binding gRPC on {grpc_addr}"))?;
+    let http = TcpListener::bind(http_addr).await.with_context(|| format!("binding HTTP on {http_addr}"))?;
+    let (grpc_addr, http_addr) = (grpc.local_addr()?, http.local_addr()?);
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<RolloutServer<RolloutService>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(cotrain_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building gRPC reflection")?;
+    let rollout = RolloutServer::new(RolloutService::new(worker.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let (grpc_stop_tx, grpc_stop_rx) = oneshot::channel::<()>();
+    let (http_stop_tx, http_stop_rx) = oneshot::channel::<()>();
+    let router = crate::http::router(worker.clone());
+    let task = tokio::spawn(async move {
+        let grpc_server = tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(rollout)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async {
+                let _ = grpc_stop_rx.await;
+            });
+        let http_server = axum::serve(http, router).with_graceful_shutdown(async {
+            let _ = http_stop_rx.await;
+        });
+        let grpc_task = tokio::spawn(grpc_server);
+        let http_task = tokio::spawn(async move { http_server.await });
+        let _ = stop_rx.await;
+        // Tell load balancers first, then stop accepting; in-flight requests finish.
+        health.set_not_serving::<RolloutServer<RolloutService>>().await;
+        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        let _ = grpc_stop_tx.send(());
+        let _ = http_stop_tx.send(());
+        grpc_task.await?.context("gRPC server")?;
+        http_task.await?.context("HTTP server")?;
+        info!("servers stopped");
+        Ok(())
+    });
+    info!(%grpc_addr, %http_addr, worker_id = worker.id(), "rollout worker serving");
+    Ok(RunningServer { grpc_addr, http_addr, worker, stop: Some(stop_tx), task })
+}
+
+/// `rollout-worker serve`: runs until SIGINT/SIGTERM.
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    if let Some(t) = args.threads {
+        tch::set_num_threads(t);
+    }
+    let config = args.worker_config()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
+    runtime.block_on(async move {
+        let server = start(config, args.grpc_addr, args.http_addr).await?;
+        println!("listening grpc={} http={}", server.grpc_addr, server.http_addr);
+        use std::io::Write as _;
+        std::io::stdout().flush()?;
+        server.run_until_signal().await
+    })
+}

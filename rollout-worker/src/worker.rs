@@ -1,0 +1,573 @@
+//! The worker: agents mapped onto loaded models, request validation and prompt encoding,
+//! admission control, and the hand-off to each model's engine loop.
+//!
+//! Agents that name the same model spec share one loaded model (one copy of the parameters and
+//! one engine loop). The policy version belongs to the model, so a weight update sent for one of
+//! them changes the policy of all of them; `Info` and the update's answer list who shares.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use cotrain_model::chat_template::{ChatMessage, ChatTemplate};
+use cotrain_model::engine::{Engine, EngineConfig, FinishReason, LogprobMode, Request, SamplingParams, StopConditions};
+use cotrain_model::loader::{self, LoadOptions};
+use cotrain_model::tokenizer::Tokenizer;
+use tch::{Device, Kind, Tensor};
+use tokio::sync::{mpsc, oneshot};
+use tracing::info;
+
+use crate::batcher::{Command, EngineLoop, JobOutput, LoopState, StagedUpdate};
+use crate::error::{Result, WorkerError};
+use crate::metrics::Metrics;
+use crate::weights::CompleteUpdate;
+
+/// Upper bound accepted for `temperature`.
+pub const MAX_TEMPERATURE: f64 = 100.0;
+
+/// How to build a worker.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// `(agent name, model spec)` pairs; a spec is a HF directory, a `.gguf`, a cached repo id or
+    /// `default`. Agents with equal specs share one model.
+    pub agents: Vec<(String, String)>,
+    /// Where the parameters live.
+    pub device: Device,
+    /// Parameter dtype.
+    pub kind: Kind,
+    /// Most sequences one model decodes together.
+    pub max_batch_size: usize,
+    /// Most generate requests admitted and not answered, all models; beyond it RESOURCE_EXHAUSTED.
+    pub max_queued_requests: usize,
+}
+
+/// A prompt as a client gives it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PromptInput {
+    /// Tokenised as is.
+    Text(String),
+    /// Rendered with the model's chat template, generation prompt appended.
+    Chat(Vec<ChatMessage>),
+    /// Used as is.
+    Tokens(Vec<u32>),
+}
+
+/// A generate request, independent of the wire format it came in.
+#[derive(Clone, Debug)]
+pub struct GenerateJob {
+    /// The agent.
+    pub agent: String,
+    /// One or more prompts.
+    pub prompts: Vec<PromptInput>,
+    /// Samples per prompt.
+    pub n: usize,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Stop conditions, including `max_new_tokens`.
+    pub stop: StopConditions,
+    /// Seed; see [`prompt_seed`].
+    pub seed: u64,
+    /// Refuse to sample from an older policy.
+    pub min_policy_version: Option<u64>,
+}
+
+/// One sample of a completion.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampleOutput {
+    /// Generated token ids.
+    pub token_ids: Vec<u32>,
+    /// Decoded text.
+    pub text: String,
+    /// Raw-model log-prob of every generated token.
+    pub logprobs: Vec<f32>,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+    /// The version whose weights produced every token.
+    pub policy_version: u64,
+}
+
+/// The samples of one prompt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompletionOutput {
+    /// The prompt as the model saw it.
+    pub prompt_token_ids: Vec<u32>,
+    /// `n` samples, by index.
+    pub samples: Vec<SampleOutput>,
+}
+
+/// The answer to a [`GenerateJob`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateOutput {
+    /// The model id that served it.
+    pub model: String,
+    /// One per prompt, in request order.
+    pub completions: Vec<CompletionOutput>,
+}
+
+/// The seed of prompt `index` of a request with `seed`: the seed itself for the first prompt, a
+/// SplitMix64 mix of both for the others. Sample `j` of that prompt then uses the engine's
+/// stream `(prompt_seed, j)`; nothing depends on other requests in the batch.
+pub fn prompt_seed(seed: u64, index: usize) -> u64 {
+    if index == 0 {
+        return seed;
+    }
+    let mut z = seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// What the worker knows about one loaded model outside its engine loop.
+pub(crate) struct ModelSlot {
+    pub id: String,
+    pub agents: Vec<String>,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub parameter_count: u64,
+    /// Parameter name → shape, for validating updates.
+    pub params: HashMap<String, Vec<i64>>,
+    pub kind: Kind,
+    pub device: Device,
+    pub tx: mpsc::UnboundedSender<Command>,
+    pub state: Arc<LoopState>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Agent/model status for `Info`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelStatus {
+    /// Model id (its spec).
+    pub id: String,
+    /// Agents served by it.
+    pub agents: Vec<String>,
+    /// Current policy version.
+    pub policy_version: u64,
+    /// Parameter count.
+    pub parameter_count: u64,
+    /// Context length in tokens.
+    pub context_length: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Sequences decoding now.
+    pub running_sequences: usize,
+    /// Jobs waiting to decode.
+    pub queued_requests: usize,
+    /// Weight updates waiting for the running sequences to finish.
+    pub pending_weight_updates: usize,
+}
+
+/// The rollout worker's business logic; the gRPC and HTTP layers are thin adapters over it.
+pub struct Worker {
+    id: String,
+    config: WorkerConfig,
+    models: Vec<ModelSlot>,
+    /// Agent name → index into `models`.
+    agents: HashMap<String, usize>,
+    agent_order: Vec<String>,
+    in_flight: AtomicUsize,
+    next_job: AtomicU64,
+    metrics: Metrics,
+}
+
+impl Worker {
+    /// Loads every model (agents with equal specs share one) and starts one engine loop each.
+    pub fn start(config: WorkerConfig, metrics: Metrics) -> Result<Self> {
+        if config.agents.is_empty() {
+            return Err(WorkerError::invalid("agents", "at least one agent is needed"));
+        }
+        if config.max_batch_size == 0 || config.max_queued_requests == 0 {
+            return Err(WorkerError::invalid("max_batch_size", "batch size and queue bound must be positive"));
+        }
+        let mut models: Vec<ModelSlot> = Vec::new();
+        let mut agents = HashMap::new();
+        let mut agent_order = Vec::new();
+        let mut by_spec: HashMap<String, Vec<String>> = HashMap::new();
+        let mut spec_order = Vec::new();
+        for (name, spec) in &config.agents {
+            if name.is_empty() || agents.insert(name.clone(), usize::MAX).is_some() {
+                return Err(WorkerError::invalid("agent", format!("agent name `{name}` is empty or repeated")));
+            }
+            agent_order.push(name.clone());
+            if !by_spec.contains_key(spec) {
+                spec_order.push(spec.clone());
+            }
+            by_spec.entry(spec.clone()).or_default().push(name.clone());
+        }
+        for spec in spec_order {
+            let names = by_spec.remove(&spec).expect("collected above");
+            let slot = Self::start_model(&spec, names.clone(), &config, &metrics)?;
+            for n in names {
+                agents.insert(n, models.len());
+            }
+            models.push(slot);
+        }
+        Ok(Self {
+            id: uuid::Uuid::new_v4().to_string(),
+            config,
+            models,
+            agents,
+            agent_order,
+            in_flight: AtomicUsize::new(0),
+            next_job: AtomicU64::new(0),
+            metrics,
+        })
+    }
+
+    fn start_model(spec: &str, agents: Vec<String>, config: &WorkerConfig, metrics: &Metrics) -> Result<ModelSlot> {
+        let opts = LoadOptions { device: config.device, kind: config.kind };
+        let started = std::time::Instant::now();
+        let loaded = loader::load(spec, &opts)?;
+        let cfg = loaded.model.config().clone();
+        let named = loaded.named_parameters();
+        let params: HashMap<String, Vec<i64>> = named.iter().map(|(k, t)| (k.clone(), t.size())).collect();
+        let parameter_count = named.values().map(|t| t.numel() as u64).sum();
+        let chat_template = match &loaded.chat_template {
+            Some(t) => Some(
+                ChatTemplate::new(t.source().to_string(), t.bos_token(), t.eos_token())
+                    .map_err(|e| WorkerError::Internal(format!("chat template of `{spec}`: {e}")))?,
+            ),
+            None => None,
+        };
+        let tokenizer = loaded.tokenizer.clone();
+        info!(model = spec, ?agents, parameters = parameter_count, load_ms = started.elapsed().as_millis() as u64, "model loaded");
+        let engine = Engine::with_config(loaded, EngineConfig { max_batch_rows: config.max_batch_size });
+        let (tx, rx) = mpsc::unbounded_channel();
+        let state = Arc::new(LoopState::default());
+        for a in &agents {
+            metrics.policy_version.with_label_values(&[a.as_str()]).set(0);
+        }
+        let engine_loop =
+            EngineLoop::new(engine, spec.to_string(), agents.clone(), config.max_batch_size, rx, state.clone(), metrics.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("engine-{}", agents[0]))
+            .spawn(move || engine_loop.run())
+            .map_err(|e| WorkerError::Internal(format!("cannot start the engine thread: {e}")))?;
+        Ok(ModelSlot {
+            id: spec.to_string(),
+            agents,
+            tokenizer,
+            chat_template,
+            context_length: cfg.max_position_embeddings,
+            vocab_size: cfg.vocab_size,
+            parameter_count,
+            params,
+            kind: config.kind,
+            device: config.device,
+            tx,
+            state,
+            thread: Some(thread),
+        })
+    }
+
+    /// This worker's random id (distinguishes restarts behind one address).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The worker's configuration.
+    pub fn config(&self) -> &WorkerConfig {
+        &self.config
+    }
+
+    /// The metrics it updates.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Agent names in the order they were configured.
+    pub fn agent_names(&self) -> &[String] {
+        &self.agent_order
+    }
+
+    /// Generate requests admitted and not answered.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    fn slot(&self, agent: &str) -> Result<&ModelSlot> {
+        let known = || self.agent_order.join(", ");
+        self.agents
+            .get(agent)
+            .map(|&i| &self.models[i])
+            .ok_or_else(|| WorkerError::invalid("agent", format!("unknown agent `{agent}` (this worker serves: {})", known())))
+    }
+
+    /// The model serving `agent`.
+    pub fn model_of(&self, agent: &str) -> Result<String> {
+        Ok(self.slot(agent)?.id.clone())
+    }
+
+    /// Context length of the model serving `agent`.
+    pub fn context_length(&self, agent: &str) -> Result<usize> {
+        Ok(self.slot(agent)?.context_length)
+    }
+
+    /// The policy version of `agent`.
+    pub fn policy_version(&self, agent: &str) -> Result<u64> {
+        Ok(self.slot(agent)?.state.policy_version.load(Ordering::SeqCst))
+    }
+
+    /// Parameter names and shapes of `agent`'s model, sorted by name.
+    pub fn parameters(&self, agent: &str) -> Result<(String, Vec<(String, Vec<i64>)>)> {
+        let slot = self.slot(agent)?;
+        let mut v: Vec<_> = slot.params.iter().map(|(k, s)| (k.clone(), s.clone())).collect();
+        v.sort();
+        Ok((slot.id.clone(), v))
+    }
+
+    /// Per model: agents, version, size and load.
+    pub fn models(&self) -> Vec<ModelStatus> {
+        self.models
+            .iter()
+            .map(|m| ModelStatus {
+                id: m.id.clone(),
+                agents: m.agents.clone(),
+                policy_version: m.state.policy_version.load(Ordering::SeqCst),
+                parameter_count: m.parameter_count,
+                context_length: m.context_length,
+                vocab_size: m.vocab_size,
+                running_sequences: m.state.running_sequences.load(Ordering::SeqCst),
+                queued_requests: m.state.queued_jobs.load(Ordering::SeqCst),
+                pending_weight_updates: m.state.pending_updates.load(Ordering::SeqCst),
+            })
+            .collect()
+    }
+
+    /// Renders and tokenises one prompt, checking it against the model. `field` names it in errors.
+    fn encode(&self, slot: &ModelSlot, prompt: &PromptInput, field: &str) -> Result<Vec<u32>> {
+        let ids = match prompt {
+            PromptInput::Text(t) => {
+                if t.is_empty() {
+                    return Err(WorkerError::invalid(field, "empty prompt"));
+                }
+                slot.tokenizer.encode(t, true).map_err(|e| WorkerError::invalid(field, e.to_string()))?
+            }
+            PromptInput::Chat(messages) => {
+                if messages.is_empty() {
+                    return Err(WorkerError::invalid(field, "no chat messages"));
+                }
+                let Some(template) = &slot.chat_template else {
+                    return Err(WorkerError::invalid(field, format!("model `{}` has no chat template", slot.id)));
+                };
+                let text = template
+                    .render(messages, true, &serde_json::Value::Null)
+                    .map_err(|e| WorkerError::invalid(field, format!("chat template: {e}")))?;
+                // The template writes any BOS it wants.
+                slot.tokenizer.encode(&text, false).map_err(|e| WorkerError::invalid(field, e.to_string()))?
+            }
+            PromptInput::Tokens(ids) => ids.clone(),
+        };
+        if ids.is_empty() {
+            return Err(WorkerError::invalid(field, "empty prompt"));
+        }
+        if ids.len() >= slot.context_length {
+            return Err(WorkerError::invalid(
+                field,
+                format!("prompt of {} tokens leaves no room in the model's context of {} tokens", ids.len(), slot.context_length),
+            ));
+        }
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= slot.vocab_size) {
+            return Err(WorkerError::invalid(field, format!("token id {bad} is outside the vocabulary of {}", slot.vocab_size)));
+        }
+        Ok(ids)
+    }
+
+    fn validate(&self, job: &GenerateJob) -> Result<()> {
+        let s = &job.sampling;
+        if !(s.temperature.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&s.temperature)) {
+            return Err(WorkerError::invalid("sampling.temperature", format!("{} is not in [0, {MAX_TEMPERATURE}]", s.temperature)));
+        }
+        if !(s.top_p > 0.0 && s.top_p <= 1.0) {
+            return Err(WorkerError::invalid("sampling.top_p", format!("{} is not in (0, 1]", s.top_p)));
+        }
+        if !(s.min_p >= 0.0 && s.min_p < 1.0) {
+            return Err(WorkerError::invalid("sampling.min_p", format!("{} is not in [0, 1)", s.min_p)));
+        }
+        if job.stop.max_new_tokens == 0 {
+            return Err(WorkerError::invalid("sampling.max_new_tokens", "must be at least 1"));
+        }
+        if job.n == 0 || job.n > self.config.max_batch_size {
+            return Err(WorkerError::invalid("n", format!("{} is not in [1, {}] (the batch size)", job.n, self.config.max_batch_size)));
+        }
+        if job.prompts.is_empty() {
+            return Err(WorkerError::invalid("prompts", "no prompts"));
+        }
+        if job.stop.stop_strings.iter().any(String::is_empty) {
+            return Err(WorkerError::invalid("stop.stop_strings", "empty stop string"));
+        }
+        Ok(())
+    }
+
+    /// Samples `n` completions of every prompt of `job` on `job.agent`'s model. Dropping the
+    /// returned future cancels the job's sequences.
+    pub async fn generate(&self, job: GenerateJob) -> Result<GenerateOutput> {
+        let slot = self.slot(&job.agent)?;
+        self.validate(&job)?;
+        if let Some(&bad) = job.stop.stop_token_ids.iter().find(|&&t| t as usize >= slot.vocab_size) {
+            return Err(WorkerError::invalid("stop.stop_token_ids", format!("token id {bad} is outside the vocabulary")));
+        }
+        let prompts: Vec<Vec<u32>> = job
+            .prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| self.encode(slot, p, &format!("prompts[{i}]")))
+            .collect::<Result<_>>()?;
+        let rows = job.n * prompts.len();
+        if rows > self.config.max_batch_size * 64 {
+            return Err(WorkerError::invalid("prompts", format!("{rows} sequences in one request is too many")));
+        }
+        if let Some(min) = job.min_policy_version {
+            let current = slot.state.policy_version.load(Ordering::SeqCst);
+            if current < min {
+                return Err(WorkerError::StalePolicy { agent: job.agent.clone(), current, required: min });
+            }
+        }
+        let _admitted = Admission::try_new(&self.in_flight, self.config.max_queued_requests, &self.metrics)?;
+        let requests: Vec<Request> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, ids)| Request {
+                prompt: ids.clone(),
+                n: job.n,
+                params: job.sampling,
+                seed: prompt_seed(job.seed, i),
+                stop: job.stop.clone(),
+                logprobs: LogprobMode::Raw,
+            })
+            .collect();
+        let id = self.next_job.fetch_add(1, Ordering::Relaxed);
+        let (reply, rx) = oneshot::channel();
+        slot.tx
+            .send(Command::Submit { id, requests, reply })
+            .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))?;
+        let cancel = CancelOnDrop { tx: &slot.tx, id, armed: true };
+        let out: JobOutput = rx.await.map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
+        cancel.disarm();
+        let completions = out
+            .samples
+            .into_iter()
+            .zip(prompts)
+            .map(|(samples, prompt_token_ids)| CompletionOutput {
+                prompt_token_ids,
+                samples: samples
+                    .into_iter()
+                    .map(|s| SampleOutput {
+                        token_ids: s.token_ids,
+                        text: s.text,
+                        logprobs: s.logprobs,
+                        finish_reason: s.finish_reason,
+                        policy_version: out.policy_version,
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(GenerateOutput { model: slot.id.clone(), completions })
+    }
+
+    /// Parameter shapes and current version of `agent`'s model, to start assembling an update.
+    pub fn update_target(&self, agent: &str) -> Result<(HashMap<String, Vec<i64>>, u64)> {
+        let slot = self.slot(agent).map_err(|e| match e {
+            WorkerError::InvalidArgument { message, .. } => WorkerError::invalid("header.agent", message),
+            e => e,
+        })?;
+        Ok((slot.params.clone(), slot.state.policy_version.load(Ordering::SeqCst)))
+    }
+
+    /// Swaps in a validated update between decode steps (after the jobs in the engine finish on
+    /// the old weights). Returns the model id, the new version and the agents it changed.
+    pub async fn apply_update(&self, update: CompleteUpdate) -> Result<(String, u64, Vec<String>)> {
+        let slot = self.slot(&update.agent)?;
+        let (kind, device) = (slot.kind, slot.device);
+        let version = update.version;
+        // Conversion to the model's dtype and device happens here, off the engine loop, so the
+        // loop pauses only for the copy into the parameters.
+        let tensors = tokio::task::spawn_blocking(move || {
+            update
+                .tensors
+                .into_iter()
+                .map(|t| {
+                    let tensor = t.to_tensor().to_kind(kind).to_device(device);
+                    (t.name, tensor)
+                })
+                .collect::<HashMap<String, Tensor>>()
+        })
+        .await
+        .map_err(|e| WorkerError::Internal(format!("tensor conversion panicked: {e}")))?;
+        let (reply, rx) = oneshot::channel();
+        slot.tx
+            .send(Command::Update { update: StagedUpdate { version, tensors }, reply })
+            .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))?;
+        let version = rx.await.map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
+        Ok((slot.id.clone(), version, slot.agents.clone()))
+    }
+
+    /// Stops every engine loop after its current jobs and waits for the threads.
+    pub fn shutdown(mut self) {
+        let threads: Vec<_> = self.models.iter_mut().filter_map(|m| m.thread.take()).collect();
+        drop(self);
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Counts one admitted request; refuses beyond the bound.
+struct Admission<'a> {
+    count: &'a AtomicUsize,
+    metrics: &'a Metrics,
+}
+
+impl<'a> Admission<'a> {
+    fn try_new(count: &'a AtomicUsize, max: usize, metrics: &'a Metrics) -> Result<Self> {
+        let prev = count.fetch_add(1, Ordering::SeqCst);
+        if prev >= max {
+            count.fetch_sub(1, Ordering::SeqCst);
+            return Err(WorkerError::Overloaded { queued: prev, max });
+        }
+        metrics.in_flight_requests.set((prev + 1) as i64);
+        Ok(Self { count, metrics })
+    }
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        let now = self.count.fetch_sub(1, Ordering::SeqCst) - 1;
+        self.metrics.in_flight_requests.set(now as i64);
+    }
+}
+
+/// Tells the engine loop to drop a job whose caller went away before the answer.
+struct CancelOnDrop<'a> {
+    tx: &'a mpsc::UnboundedSender<Command>,
+    id: u64,
+    armed: bool,
+}
+
+impl CancelOnDrop<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.tx.send(Command::Cancel { id: self.id });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_prompt_keeps_the_seed_and_others_differ() {
+        assert_eq!(prompt_seed(42, 0), 42);
+        let seeds: std::collections::HashSet<u64> = (0..100).map(|i| prompt_seed(42, i)).collect();
+        assert_eq!(seeds.len(), 100);
+        assert_ne!(prompt_seed(42, 1), prompt_seed(43, 1));
+    }
+}

@@ -1,0 +1,211 @@
+//! Test support: tiny model directories with a byte-level tokenizer and a chat template, and
+//! rollout-worker processes started from the real binary on ephemeral ports.
+
+#![allow(dead_code)]
+
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cotrain_proto::rollout::rollout_client::RolloutClient;
+use cotrain_proto::rollout::{
+    prompt, GenerateRequest, InfoRequest, InfoResponse, Prompt, SamplingParams, StopConditions, TokenIds,
+};
+use serde_json::json;
+use tonic::transport::Channel;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+/// GPT-2's byte → printable character table, so 256 byte tokens make a byte-level BPE vocabulary.
+fn byte_chars() -> Vec<char> {
+    let mut bs: Vec<u32> = ('!' as u32..='~' as u32).chain('¡' as u32..='¬' as u32).chain('®' as u32..='ÿ' as u32).collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    let mut table = vec![' '; 256];
+    for (b, c) in bs.into_iter().zip(cs) {
+        table[b as usize] = char::from_u32(c).expect("valid char");
+    }
+    table
+}
+
+/// A model directory in a temp dir: one of the model crate's tiny checkpoints (vocab 256) plus a
+/// byte-level tokenizer (token id = byte) and a small chat template.
+pub struct TinyModel {
+    pub dir: tempfile::TempDir,
+}
+
+impl TinyModel {
+    pub fn new(fixture: &str) -> Self {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny").join(fixture);
+        let dir = tempfile::tempdir().expect("temp dir");
+        for f in ["config.json", "generation_config.json", "model.safetensors"] {
+            std::fs::copy(src.join(f), dir.path().join(f)).unwrap_or_else(|e| panic!("copying {f}: {e}"));
+        }
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            byte_chars().into_iter().enumerate().map(|(i, c)| (c.to_string(), json!(i))).collect();
+        let tokenizer = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+            "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": vocab, "merges": []}
+        });
+        std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).expect("write tokenizer");
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+        )
+        .expect("write template");
+        Self { dir }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn spec(&self) -> String {
+        self.dir.path().display().to_string()
+    }
+}
+
+/// A `rollout-worker serve` process; killed when dropped.
+pub struct WorkerProcess {
+    pub child: Child,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    _stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl WorkerProcess {
+    /// Starts the binary with `--agent NAME=MODEL` for each pair plus `extra` flags, reads the
+    /// `listening` line and waits until the health check says serving.
+    pub async fn start(agents: &[(&str, &str)], extra: &[&str]) -> Self {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rollout-worker"));
+        cmd.args(["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--threads", "1"]);
+        for (name, model) in agents {
+            cmd.arg("--agent").arg(format!("{name}={model}"));
+        }
+        cmd.args(extra).stdout(Stdio::piped()).stderr(Stdio::inherit()).env("RUST_LOG", "warn");
+        let mut child = cmd.spawn().expect("spawn rollout-worker");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (line, stdout) = tokio::task::spawn_blocking(move || {
+            let mut r = std::io::BufReader::new(stdout);
+            let mut line = String::new();
+            r.read_line(&mut line).expect("read stdout");
+            (line, r)
+        })
+        .await
+        .expect("reader thread");
+        let addr = |key: &str| -> SocketAddr {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .unwrap_or_else(|| panic!("no {key} in `{line}`"))
+                .parse()
+                .expect("socket address")
+        };
+        let (grpc, http) = (addr("grpc="), addr("http="));
+        let p = Self { child, grpc, http, _stdout: stdout };
+        wait_healthy(p.grpc, Duration::from_secs(120)).await;
+        p
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    pub async fn client(&self) -> RolloutClient<Channel> {
+        RolloutClient::connect(self.endpoint()).await.expect("connect").max_decoding_message_size(usize::MAX)
+    }
+
+    pub async fn info(&self) -> InfoResponse {
+        self.client().await.info(InfoRequest {}).await.expect("info").into_inner()
+    }
+
+    /// SIGKILL, as a crashed or preempted worker.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("run kill");
+        assert!(status.success());
+        self.child.wait().expect("wait")
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits until the gRPC health check at `addr` reports SERVING.
+pub async fn wait_healthy(addr: SocketAddr, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(channel) = Channel::from_shared(format!("http://{addr}")).expect("uri").connect().await {
+            let mut h = HealthClient::new(channel);
+            if let Ok(r) = h.check(HealthCheckRequest { service: String::new() }).await {
+                if r.get_ref().status == 1 {
+                    return;
+                }
+            }
+        }
+        assert!(Instant::now() < deadline, "worker at {addr} not healthy after {timeout:?}");
+        // Retry delay between failed health checks (the server is still starting).
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Polls `Info` until `cond` holds (condition wait with a deadline).
+pub async fn wait_info(client: &mut RolloutClient<Channel>, timeout: Duration, cond: impl Fn(&InfoResponse) -> bool) -> InfoResponse {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let info = client.info(InfoRequest {}).await.expect("info").into_inner();
+        if cond(&info) {
+            return info;
+        }
+        assert!(Instant::now() < deadline, "condition not reached within {timeout:?}: {info:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+pub fn token_prompt(ids: Vec<u32>) -> Prompt {
+    Prompt { kind: Some(prompt::Kind::TokenIds(TokenIds { ids })) }
+}
+
+pub fn text_prompt(text: &str) -> Prompt {
+    Prompt { kind: Some(prompt::Kind::Text(text.into())) }
+}
+
+/// A request for `agent` sampling `max_new_tokens` at temperature 1 past EOS.
+pub fn request(agent: &str, prompts: Vec<Prompt>, n: u32, seed: u64, max_new_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        agent: agent.into(),
+        prompts,
+        n,
+        sampling: Some(SamplingParams { temperature: Some(1.0), top_p: Some(1.0), top_k: 0, max_new_tokens, min_p: None }),
+        seed,
+        stop: Some(StopConditions { stop_strings: vec![], stop_token_ids: vec![], ignore_eos: true }),
+        min_policy_version: None,
+        request_id: format!("seed-{seed}"),
+    }
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
