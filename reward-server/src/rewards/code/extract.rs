@@ -286,9 +286,12 @@ fn body_statements(source: &str) -> Vec<Stmt> {
         .collect()
 }
 
-fn calls(skel: &str, aux: &str) -> bool {
-    let re =
-        Regex::new(&format!(r"(?:^|[^\w.])({})\s*\(", regex::escape(aux))).expect("valid regex");
+/// The pattern of a plain call of `aux` (not `obj.aux(`, not `my_aux(`).
+fn call_pattern(aux: &str) -> Regex {
+    Regex::new(&format!(r"(?:^|[^\w.])({})\s*\(", regex::escape(aux))).expect("valid regex")
+}
+
+fn calls(skel: &str, re: &Regex) -> bool {
     re.captures_iter(skel).any(|c| {
         let name_start = c.get(1).map_or(0, |m| m.start());
         let before = skel[..name_start].trim_end();
@@ -380,7 +383,8 @@ pub fn function_facts(source: &str, aux: &str) -> FunctionFacts {
         }
     }
 
-    facts.calls_aux = body.iter().any(|s| calls(&s.skel, aux));
+    let call_re = call_pattern(aux);
+    facts.calls_aux = body.iter().any(|s| calls(&s.skel, &call_re));
     let phys = physical_lines(source);
     facts.ignored_aux_call = body.iter().find(|s| is_bare_call(&s.skel, aux)).map(|s| {
         (
@@ -404,10 +408,10 @@ pub fn function_facts(source: &str, aux: &str) -> FunctionFacts {
                 .then(|| s.skel["return".len()..].trim().to_string())
         };
         facts.thin_wrapper = match direct.as_slice() {
-            [only] => ret_expr(only).is_some_and(|e| calls(&e, aux)),
+            [only] => ret_expr(only).is_some_and(|e| calls(&e, &call_re)),
             [assign, ret] => match (simple_assignment(&assign.skel), ret_expr(ret)) {
                 (Some((name, rhs)), Some(e)) => {
-                    calls(rhs, aux) && (e == name || e == format!("({name})"))
+                    calls(rhs, &call_re) && (e == name || e == format!("({name})"))
                 }
                 _ => false,
             },
@@ -433,6 +437,30 @@ mod tests {
             "@cache\ndef aux(n):\n    \"\"\"doc\nunindented doc line\n\"\"\"\n    def inner(k):\n        return k\n\n    return inner(n)"
         );
         assert_eq!(completion_imports(&clean), vec!["import math".to_string()]);
+    }
+
+    #[test]
+    fn unbalanced_brackets_in_prose_do_not_hide_a_definition() {
+        let text = "Note (see below:\ndef aux(x):\n    return x\nDone [really.\n";
+        let f = find_function(text, "aux").unwrap();
+        assert_eq!(f.source, "def aux(x):\n    return x");
+    }
+
+    #[test]
+    fn many_definitions_are_extracted_in_linear_time() {
+        let text: String = (0..20_000)
+            .map(|i| format!("def f{i}():\n    return {i}\n"))
+            .collect();
+        let start = std::time::Instant::now();
+        let blocks = function_blocks(&text);
+        assert_eq!(blocks.len(), 20_000);
+        assert_eq!(blocks[19_999].source, "def f19999():\n    return 19999");
+        // A rescan of the rest of the text per definition (quadratic) takes minutes here.
+        assert!(
+            start.elapsed().as_secs_f64() < 5.0,
+            "took {:?}",
+            start.elapsed()
+        );
     }
 
     #[test]
