@@ -235,16 +235,16 @@ impl ModelConfig {
                 return err(format!("`{name}` must be positive"));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return err(format!(
                 "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return err(format!("head_dim ({}) must be even for RoPE", self.head_dim));
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return err(format!("rope_theta ({}) must be positive", self.rope_theta));
         }
         Ok(())
@@ -291,10 +291,10 @@ pub fn parse_device(s: &str) -> Result<Device> {
         },
     };
     let available = tch::Cuda::device_count();
-    if let Device::Cuda(i) = device {
-        if i as i64 >= available {
-            return Err(ModelError::DeviceUnavailable(s.to_string(), available));
-        }
+    if let Device::Cuda(i) = device
+        && i as i64 >= available
+    {
+        return Err(ModelError::DeviceUnavailable(s.to_string(), available));
     }
     Ok(device)
 }

@@ -163,10 +163,10 @@ impl TokenLogProbs {
                 let (lp, ent) = self.head_chunk(&h, &tgt);
                 let mut surrogate = Tensor::zeros([], (Kind::Float, lp.device()));
                 if has_lp {
-                    surrogate = surrogate + (lp * g_lp.narrow(0, start, len)).sum(Kind::Float);
+                    surrogate += (lp * g_lp.narrow(0, start, len)).sum(Kind::Float);
                 }
                 if has_ent {
-                    surrogate = surrogate + (ent * g_ent.narrow(0, start, len)).sum(Kind::Float);
+                    surrogate += (ent * g_ent.narrow(0, start, len)).sum(Kind::Float);
                 }
                 surrogate.f_backward()?;
                 start += len;
@@ -193,9 +193,19 @@ fn chunk_logprobs(logits: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
     (lp, ent)
 }
 
-/// Right-padded ids (B, L), the flat positions predicting each completion token, the targets,
-/// and the offsets.
-fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<(Tensor, Vec<i64>, Vec<i64>, Vec<usize>, i64)> {
+/// A batch laid out for one forward.
+struct Layout {
+    /// Right-padded ids (B, L).
+    ids: Tensor,
+    /// Flat (B*L) positions whose logits predict each completion token.
+    positions: Vec<i64>,
+    /// The completion tokens.
+    targets: Vec<i64>,
+    /// Sequence `b` owns `offsets[b]..offsets[b + 1]`.
+    offsets: Vec<usize>,
+}
+
+fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<Layout> {
     let cfg = model.config();
     if batch.is_empty() {
         return Err(ModelError::InvalidBatch("empty batch".into()));
@@ -238,7 +248,7 @@ fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<(Tensor, Vec<i64>, Vec
         offsets.push(offsets.last().copied().unwrap_or(0) + s.completion.len());
     }
     let ids = Tensor::from_slice(&ids).view([batch.len() as i64, l]);
-    Ok((ids, positions, targets, offsets, l))
+    Ok(Layout { ids, positions, targets, offsets })
 }
 
 /// Computes per-token log-probs and entropies of each sequence's completion (see the module
@@ -252,7 +262,7 @@ pub fn completion_logprobs(
         return Err(ModelError::InvalidBatch("chunk_size must be positive".into()));
     }
     let device = model.device();
-    let (ids, positions, targets, offsets, _) = layout(model, batch)?;
+    let Layout { ids, positions, targets, offsets } = layout(model, batch)?;
     let ids = ids.to_device(device);
     let positions = Tensor::from_slice(&positions).to_device(device);
     let targets = Tensor::from_slice(&targets).to_device(device);
@@ -301,7 +311,7 @@ pub fn naive_completion_logprobs(
     batch: &[Sequence],
 ) -> Result<(Tensor, Tensor, Vec<usize>)> {
     let device = model.device();
-    let (ids, positions, targets, offsets, _) = layout(model, batch)?;
+    let Layout { ids, positions, targets, offsets } = layout(model, batch)?;
     let logits = model.forward(&ids.to_device(device))?;
     let flat = logits.flatten(0, 1);
     let pos = Tensor::from_slice(&positions).to_device(device);

@@ -73,8 +73,8 @@ fn cached_batched_decoding_equals_full_forward() {
 fn seeded_sampling_reproduces_and_ignores_batch_composition() {
     let params = SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.9, min_p: 0.0 };
     let target = req(prompt(7, 5), params, 1234, 12);
-    let alone = engine().generate(&[target.clone()]).unwrap().remove(0).remove(0);
-    let again = engine().generate(&[target.clone()]).unwrap().remove(0).remove(0);
+    let alone = engine().generate(std::slice::from_ref(&target)).unwrap().remove(0).remove(0);
+    let again = engine().generate(std::slice::from_ref(&target)).unwrap().remove(0).remove(0);
     assert_eq!(alone, again, "same seed, same tokens");
 
     // Other requests with other params, lengths and seeds around it.
@@ -192,7 +192,7 @@ fn eos_stops_unless_ignored() {
         stop: StopConditions { max_new_tokens: 8, ..Default::default() },
         ..req(p.clone(), SamplingParams::greedy(), 0, 8)
     };
-    let s = e.generate(&[r.clone()]).unwrap().remove(0).remove(0);
+    let s = e.generate(std::slice::from_ref(&r)).unwrap().remove(0).remove(0);
     let first = greedy.iter().position(|&t| t == greedy[2]).unwrap();
     assert_eq!(s.token_ids.len(), first + 1);
     let mut ignoring = r;

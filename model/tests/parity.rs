@@ -30,7 +30,7 @@ fn check_family(name: &str) {
         let x = Tensor::from_slice(&input.iter().map(|&t| t as i64).collect::<Vec<_>>()).unsqueeze(0);
         let logits = tch::no_grad(|| model.forward(&x)).unwrap();
         let want: Vec<f64> =
-            case["logits"].as_array().unwrap().iter().flat_map(|r| floats(r)).collect();
+            case["logits"].as_array().unwrap().iter().flat_map(floats).collect();
         let w = worst(&values(&logits), &want, atol, rtol);
         assert!(w <= 1.0, "{name} case {c}: logits off by {w} x tolerance");
 
@@ -101,4 +101,16 @@ fn qwen2_sharded_matches_transformers() {
 #[test]
 fn qwen3_matches_transformers() {
     check_family("qwen3");
+}
+
+#[test]
+fn f16_runs_and_stays_close_to_f32() {
+    let x = Tensor::from_slice(&[1i64, 40, 7, 200, 13, 99]).unsqueeze(0);
+    let f32_model = tiny("qwen2", &LoadOptions::default());
+    let f16_model = tiny("qwen2", &LoadOptions { kind: Kind::Half, ..Default::default() });
+    assert_eq!(f16_model.model.kind(), Kind::Half);
+    let a = tch::no_grad(|| f32_model.model.forward(&x)).unwrap();
+    let b = tch::no_grad(|| f16_model.model.forward(&x)).unwrap();
+    let w = worst(&values(&b), &values(&a), 3e-2, 3e-2);
+    assert!(w <= 1.0, "f16 logits off by {w} x tolerance");
 }

@@ -50,7 +50,7 @@ impl RolloutSource for EngineRollout {
                             min_p: 0.0,
                         },
                         seed: r.seed,
-                        stop: StopConditions { max_new_tokens: r.sampling.max_new_tokens, ..Default::default() },
+                        stop: StopConditions { max_new_tokens: r.sampling.max_new_tokens, ignore_eos: r.sampling.ignore_eos, ..Default::default() },
                         logprobs: LogprobMode::Raw,
                     }
                 })

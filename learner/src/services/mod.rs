@@ -6,9 +6,10 @@
 //! - [`GrpcReward`]: the reward server's `Score` over gRPC;
 //! - [`embedded`]: a reward server started inside this process on a loopback port (the embedded
 //!   default), talked to over the same gRPC;
-//! - [`EngineRollout`]: the generation engine in this process, without a network hop (the learning
-//!   tests use it, and the embedded default falls back to it when no in-process rollout server
-//!   can be started).
+//! - [`embedded`] also starts a rollout worker (the real gRPC service of `cotrain-rollout-worker`)
+//!   inside this process, driven through the same pool as remote workers;
+//! - [`EngineRollout`]: the generation engine in this process without a network hop, behind the same
+//!   trait (the learning and resume tests use it to test the algorithm in seconds).
 
 pub mod embedded;
 mod engine;

@@ -87,7 +87,7 @@ impl RolloutSource for PoolRollout {
                     min_p: None,
                 }),
                 seed: r.seed,
-                stop: None,
+                stop: r.sampling.ignore_eos.then(|| pb::StopConditions { ignore_eos: true, ..Default::default() }),
                 min_policy_version: Some(r.min_policy_version),
                 request_id: format!("learner-{}-{}", std::process::id(), base + i as u64),
             };

@@ -84,6 +84,8 @@ pub struct Trainer {
     last_checkpoint: Option<PathBuf>,
     /// Stop (as if killed) after this many steps; for resume tests.
     pub stop_after_steps: Option<u64>,
+    /// Sample exactly `max_new_tokens` per completion, ignoring EOS (benchmarks).
+    pub ignore_eos: bool,
 }
 
 /// Mixes values into one seed (SplitMix64 finaliser over a running hash).
@@ -143,6 +145,7 @@ impl Trainer {
             history: Vec::new(),
             last_checkpoint: None,
             stop_after_steps: None,
+            ignore_eos: false,
             s,
         })
     }
@@ -214,7 +217,7 @@ impl Trainer {
 
     fn sampling(&self) -> SamplingSpec {
         let s = self.s.cfg.sampling;
-        SamplingSpec { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, max_new_tokens: s.max_new_tokens }
+        SamplingSpec { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, max_new_tokens: s.max_new_tokens, ignore_eos: self.ignore_eos }
     }
 
     /// Generates and checks that every sample comes from the version the learner last pushed.
@@ -636,4 +639,26 @@ fn progress_bar(mode: ProgressMode, total: u64, start: u64) -> Option<indicatif:
     );
     pb.set_position(start);
     Some(pb)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_seeds_are_stable_and_distinct() {
+        assert_eq!(derive_seed(&[42, TAG_SAMPLE, 3, 1, 7]), derive_seed(&[42, TAG_SAMPLE, 3, 1, 7]));
+        let seeds: std::collections::HashSet<u64> =
+            (0..4).flat_map(|step| (0..2).flat_map(move |a| (0..8).map(move |i| derive_seed(&[42, TAG_SAMPLE, step, a, i])))).collect();
+        assert_eq!(seeds.len(), 64, "every (step, agent, item) gets its own seed");
+        assert_ne!(derive_seed(&[1, 2]), derive_seed(&[2, 1]));
+    }
+
+    #[test]
+    fn per_agent_scores_average_reward_and_levels() {
+        let s = |r: f64| Score { reward: r, levels: [("level_1".to_string(), r)].into_iter().collect(), details: serde_json::Value::Null };
+        let m = mean_score(&[s(1.0), s(0.0)]);
+        assert_eq!(m.reward, 0.5);
+        assert_eq!(m.levels["level_1"], 0.5);
+    }
 }

@@ -26,6 +26,8 @@ pub struct SamplingSpec {
     /// 0 disables top-k.
     pub top_k: u32,
     pub max_new_tokens: usize,
+    /// Keep sampling past EOS up to `max_new_tokens` (benchmarks; training stops at EOS).
+    pub ignore_eos: bool,
 }
 
 /// `n` samples of one prompt for one worker agent.

@@ -337,8 +337,19 @@ impl Engine {
 
     /// Runs requests to completion: samples per request, in request order and sample order.
     pub fn generate(&mut self, requests: &[Request]) -> Result<Vec<Vec<Sample>>> {
-        let handles: Vec<RequestHandle> =
-            requests.iter().map(|r| self.add(r.clone())).collect::<Result<_>>()?;
+        let mut handles = Vec::with_capacity(requests.len());
+        for r in requests {
+            match self.add(r.clone()) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    // All or nothing: withdraw the requests queued so far.
+                    for h in handles {
+                        self.cancel(h);
+                    }
+                    return Err(e);
+                }
+            }
+        }
         let mut out: HashMap<RequestHandle, Vec<Sample>> = HashMap::new();
         let mut missing: usize = requests.iter().map(|r| r.n).sum();
         while missing > 0 {
@@ -554,9 +565,4 @@ impl Engine {
         }
         self.active.swap_remove(row)
     }
-}
-
-/// Tokens/s helper for reports: `tokens / seconds`, 0 when no time passed.
-pub fn tokens_per_second(tokens: u64, seconds: f64) -> f64 {
-    if seconds > 0.0 { tokens as f64 / seconds } else { 0.0 }
 }

@@ -422,6 +422,8 @@ impl Inner {
         let endpoint = Endpoint::from_shared(address.to_string())
             .map_err(|e| PoolError::Config(format!("endpoint `{address}`: {e}")))?
             .connect_timeout(self.cfg.connect_timeout)
+            .initial_stream_window_size(crate::server::STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(crate::server::CONNECTION_WINDOW_BYTES)
             .tcp_nodelay(true);
         let channel = endpoint.connect_lazy();
         let w = Arc::new(Worker {

@@ -1,0 +1,130 @@
+//! One single-turn MAGRPO step on the reference setting of `notes/toolchain.md` — 2 agents (each its
+//! own copy of SmolLM2-135M, f32) × 4 samples × 128 new tokens (EOS ignored) after a ~100-token
+//! prompt, then one update per agent — timed for cotrain (the embedded rollout worker over gRPC, the
+//! chunked log-prob kernel, one batched forward per agent) and, in the same run, for the original
+//! trainer's way with transformers (`scripts/reference/original_step.py`: per agent `generate`, one
+//! forward per completion, backward, AdamW).
+//!
+//! ```sh
+//! cargo run --release -p cotrain-learner --example step_bench [-- --steps 2 --skip-python]
+//! ```
+//! The Python side needs the pyref environment (`scripts/reference/setup-pyref.sh`; `COTRAIN_PYREF_PYTHON`
+//! overrides its interpreter).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use cotrain_learner::algo::AdamWConfig;
+use cotrain_learner::config::{CheckedConfig, LegacyFlags, merged_value};
+use cotrain_learner::services::{PoolRollout, embedded::EmbeddedRollout, runtime};
+use cotrain_learner::trainer::{Policy, RewardSource, Score, ScoreAction, TrainError, TrainItem, Trainer, TrainerSetup};
+
+/// A deterministic stand-in reward (the benchmark times the trainer, not a task): the fraction of
+/// even token ids in agent 0's completion plus agent 1's, so advantages are non-zero.
+struct Parity;
+
+impl RewardSource for Parity {
+    fn score(&mut self, _: &str, actions: &[ScoreAction]) -> Result<Vec<Score>, TrainError> {
+        Ok(actions
+            .iter()
+            .map(|a| {
+                let r: f64 = a.completion_ids.iter().map(|c| c.iter().filter(|t| *t % 2 == 0).count() as f64 / c.len().max(1) as f64).sum();
+                Score { reward: r, levels: BTreeMap::new(), details: serde_json::Value::Null }
+            })
+            .collect())
+    }
+    fn describe(&self) -> String {
+        "parity".into()
+    }
+}
+
+const PROMPT: &str = "You are a careful Python programmer. Write a function `rolling_max(numbers)` that, given a list \
+of integers, returns the list of the running maximum at every position. For example rolling_max([1, 2, 3, 2, 3, 4, 2]) \
+returns [1, 2, 3, 3, 3, 4, 4]. Explain briefly, then give the code.";
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let steps: u64 = args.iter().position(|a| a == "--steps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(2);
+    let skip_python = args.iter().any(|a| a == "--skip-python");
+    let yaml = "model: {name: default, dtype: f32, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 1024}\n\
+                dataset: {name: coophumaneval, train_split: 'test[:1]'}\n\
+                magrpo: {num_agents: 2, num_generations: 4, max_new_tokens: 128, learning_rate: 1.0e-5, rollout_buffer_size: 1, \
+                num_train_epochs: 100, save_steps: 100000, eval_interval: 100000}\n\
+                logging: {tensorboard: false, plots: false, progress: never}\n";
+    let cfg = CheckedConfig::from_value(merged_value(yaml, "bench", &[], &LegacyFlags::default())?, Path::new("bench"))?;
+    let opts = cotrain_model::loader::LoadOptions::default();
+    let adam = AdamWConfig::new(1e-5, 0.0, None);
+    let policies: Vec<Policy> = (0..2)
+        .map(|i| Ok(Policy::new(&format!("agent{i}"), "default", cotrain_model::loader::load("default", &opts)?, None, adam)))
+        .collect::<anyhow::Result<_>>()?;
+    let msgs = vec![cotrain_learner::prompts::ChatMessage::user(PROMPT)];
+    let prompt = cotrain_learner::trainer::items::encode_prompt(&policies[0].model, &msgs, &serde_json::Value::Null)?;
+    let rt = runtime()?;
+    let agents: Vec<(String, String)> = (0..2).map(|i| (format!("agent{i}"), "default".to_string())).collect();
+    let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, tch::Kind::Float)?;
+    let rollout = PoolRollout::connect(
+        rt.clone(),
+        vec![format!("http://{}", worker.grpc)],
+        vec![],
+        std::time::Duration::from_secs(600),
+        1,
+        std::time::Duration::from_secs(5),
+        std::time::Duration::from_secs(60),
+    )?;
+    let tmp = std::env::temp_dir().join(format!("cotrain-step-bench-{}", std::process::id()));
+    let mut trainer = Trainer::new(TrainerSetup {
+        cfg,
+        run_dir: tmp.clone(),
+        task: "parity".into(),
+        is_code: false,
+        policies,
+        agent_policy: vec![0, 1],
+        rollout: Box::new(rollout),
+        reward: Box::new(Parity),
+        train_items: vec![TrainItem { index: 0, item: serde_json::Value::Null, prompts: vec![prompt.clone(), prompt.clone()] }],
+        eval_items: vec![],
+    })?;
+    trainer.ignore_eos = true;
+    trainer.sync_all_weights()?;
+    eprintln!("prompt tokens: {}", prompt.len());
+    let mut times = Vec::new();
+    for s in 0..steps {
+        let t = Instant::now();
+        let m = trainer.train_step(&[0])?;
+        let secs = t.elapsed().as_secs_f64();
+        eprintln!(
+            "cotrain step {}: {secs:.1} s (generate {:.1} s, reward {:.2} s, train {:.1} s, weight sync {:.1} s), {} tokens per completion",
+            s + 1,
+            m["time/generate"],
+            m["time/reward"],
+            m["time/train"],
+            m["time/weight_sync"],
+            m["completion_len/mean"]
+        );
+        times.push(secs);
+    }
+    drop(trainer);
+    drop(worker);
+    let _ = std::fs::remove_dir_all(&tmp);
+    let best = times.iter().cloned().fold(f64::INFINITY, f64::min);
+    println!("{}", serde_json::json!({"impl": "cotrain", "agents": 2, "samples": 4, "new_tokens": 128, "prompt_tokens": prompt.len(), "step_seconds": times, "best_seconds": best}));
+
+    if !skip_python {
+        let python = std::env::var("COTRAIN_PYREF_PYTHON")
+            .unwrap_or_else(|_| format!("{}/.cache/cotrain/pyref/bin/python", std::env::var("HOME").unwrap_or_default()));
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/reference/original_step.py");
+        let out = Command::new(&python).arg(&script).arg("--steps").arg(steps.to_string()).output()?;
+        if !out.status.success() {
+            anyhow::bail!("{} failed: {}", script.display(), String::from_utf8_lossy(&out.stderr));
+        }
+        let line = String::from_utf8_lossy(&out.stdout);
+        print!("{line}");
+        let reference: serde_json::Value = serde_json::from_str(line.trim().lines().last().unwrap_or("{}"))?;
+        if let Some(r) = reference["best_seconds"].as_f64() {
+            println!("speed-up: {:.2}x (cotrain {best:.1} s vs original-style {r:.1} s per step)", r / best);
+        }
+    }
+    Ok(())
+}
