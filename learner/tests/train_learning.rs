@@ -17,7 +17,7 @@ fn same_class(t: &[u32]) -> bool {
 
 /// One agent: reward 1 for a token ≡ 0 mod 4 (chance 0.25).
 fn class_zero(t: &[u32]) -> bool {
-    t[0] % 4 == 0
+    t[0].is_multiple_of(4)
 }
 
 fn yaml(section: &str, agents: usize, epochs: usize) -> String {

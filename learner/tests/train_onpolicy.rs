@@ -48,7 +48,7 @@ grpo:\n  num_generations: 2\n  max_new_tokens: 2\n  num_train_epochs: 1\n  rollo
 logging: {tensorboard: false, plots: false, progress: never}\n";
 
 fn class_zero(t: &[u32]) -> bool {
-    t[0] % 4 == 0
+    t[0].is_multiple_of(4)
 }
 
 fn trainer(tmp: &std::path::Path, stale_calls: usize, pushes: Arc<Mutex<Vec<u64>>>) -> Trainer {

@@ -302,7 +302,7 @@ impl Trainer {
             if s.len() != singles.len() {
                 return Err(TrainError::Reward(format!("{} scores for {} completions", s.len(), singles.len())));
             }
-            s.chunks(n).map(|c| mean_score(c)).collect()
+            s.chunks(n).map(mean_score).collect()
         } else {
             self.s.reward.score(&self.s.task, &batch)?
         };
@@ -529,7 +529,7 @@ impl Trainer {
                 self.epoch += 1;
                 self.position = 0;
             }
-            if cfg.trainer.eval_interval > 0 && self.step % cfg.trainer.eval_interval as u64 == 0 {
+            if cfg.trainer.eval_interval > 0 && self.step.is_multiple_of(cfg.trainer.eval_interval as u64) {
                 values.extend(self.evaluate()?);
             }
             self.log(&values)?;
@@ -541,12 +541,12 @@ impl Trainer {
                     pb.set_message(format!("reward {reward:.3} loss {loss:.3}"));
                 }
                 None => {
-                    if self.step % cfg.trainer.logging_steps.max(1) as u64 == 0 || self.step == total {
+                    if self.step.is_multiple_of(cfg.trainer.logging_steps.max(1) as u64) || self.step == total {
                         info!(step = self.step, total, reward, loss, secs = values.get("time/step").copied().unwrap_or(0.0), "learner step done");
                     }
                 }
             }
-            if cfg.trainer.save_steps > 0 && self.step % cfg.trainer.save_steps as u64 == 0 {
+            if cfg.trainer.save_steps > 0 && self.step.is_multiple_of(cfg.trainer.save_steps as u64) {
                 let dir = self.save_checkpoint()?;
                 info!(step = self.step, checkpoint = %dir.display(), "checkpoint saved");
             }

@@ -294,7 +294,11 @@ impl RolloutPool {
         let mut last: Option<(String, Status)> = None;
         for attempt in 1..=self.inner.cfg.max_attempts {
             let worker = self.inner.pick(&tried).await?;
-            tried.insert(worker.address.clone());
+            if !tried.insert(worker.address.clone()) {
+                // Every healthy worker has failed this request once (all busy, say): back off
+                // before asking one of them again.
+                tokio::time::sleep(Duration::from_millis(50 << attempt.min(6))).await;
+            }
             let guard = InFlight::new(worker.clone());
             let mut request = tonic::Request::new(req.clone());
             if let Some(t) = self.inner.cfg.request_timeout {
