@@ -53,10 +53,12 @@ fn font_available() -> bool {
 }
 
 /// Which metrics go into which picture.
+/// Each entry lists key prefixes in order of priority: a chart holds at most eight lines, so the
+/// headline series (training reward mean) must come before the many per-level and eval keys.
 const GROUPS: &[(&str, &str, &[&str])] = &[
-    ("reward.png", "reward", &["reward"]),
-    ("loss.png", "loss and kl", &["loss", "kl"]),
-    ("throughput.png", "throughput", &["tokens_per_s", "throughput", "time/"]),
+    ("reward.png", "reward", &["reward/mean", "reward/max", "eval/reward/mean", "reward/level_"]),
+    ("loss.png", "loss and kl", &["loss", "kl", "policy"]),
+    ("throughput.png", "throughput", &["tokens_per_s", "train_tokens_per_s", "throughput", "time/"]),
 ];
 
 /// Draws every group that has data to `RUN_DIR/plots/*.png`; returns the files written.
@@ -84,14 +86,18 @@ pub fn plot_run(run_dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
 type Series = Vec<(String, Vec<(f64, f64)>)>;
 
 fn collect(records: &[MetricsRecord], prefixes: &[&str]) -> Series {
-    let mut keys: Vec<String> = records
-        .iter()
-        .flat_map(|r| r.values.keys())
-        .filter(|k| prefixes.iter().any(|p| k.starts_with(p) || k.contains(&format!("/{p}")) || k.as_str().contains(p)))
-        .cloned()
-        .collect();
-    keys.sort();
-    keys.dedup();
+    let mut all: Vec<&String> = records.iter().flat_map(|r| r.values.keys()).collect();
+    all.sort();
+    all.dedup();
+    // Prefix order is priority order; within one prefix, keys sort alphabetically.
+    let mut keys: Vec<String> = Vec::new();
+    for prefix in prefixes {
+        for k in &all {
+            if k.starts_with(prefix) && !keys.iter().any(|x| x == *k) {
+                keys.push((*k).clone());
+            }
+        }
+    }
     keys.truncate(8);
     keys.into_iter()
         .map(|k| {
@@ -181,5 +187,23 @@ mod tests {
             let bytes = std::fs::read(f).unwrap();
             assert_eq!(&bytes[1..4], b"PNG");
         }
+    }
+
+    /// Regression: eval keys sort before `reward/` ones and used to push the training reward
+    /// mean out of the eight lines a chart holds.
+    #[test]
+    fn reward_chart_keeps_training_mean_when_eval_keys_abound() {
+        let mut values = BTreeMap::new();
+        for k in ["reward/mean", "reward/max", "reward/std", "reward/level_1", "reward/level_2"] {
+            values.insert(k.to_string(), 1.0);
+        }
+        for i in 0..12 {
+            values.insert(format!("eval/reward/level_{i}"), 1.0);
+        }
+        values.insert("eval/reward/mean".to_string(), 1.0);
+        let records = vec![MetricsRecord { step: 1, time: 0.0, values }];
+        let keys: Vec<String> = collect(&records, GROUPS[0].2).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(&keys[..3], ["reward/mean", "reward/max", "eval/reward/mean"]);
+        assert!(keys.len() <= 8);
     }
 }

@@ -159,7 +159,7 @@ impl UpdateAssembler {
             return bad(format!("dtype changed between chunks ({:?} then {:?})", t.dtype, dtype));
         }
         let start = chunk.offset;
-        let end = start.checked_add(chunk.data.len() as u64).unwrap_or(u64::MAX);
+        let end = start.saturating_add(chunk.data.len() as u64);
         if chunk.data.is_empty() {
             return bad(format!("empty chunk at offset {start}"));
         }

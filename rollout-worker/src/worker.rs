@@ -22,6 +22,9 @@ use crate::error::{Result, WorkerError};
 use crate::metrics::Metrics;
 use crate::weights::CompleteUpdate;
 
+/// A parameter's name and shape.
+pub type ParameterShape = (String, Vec<i64>);
+
 /// Upper bound accepted for `temperature`.
 pub const MAX_TEMPERATURE: f64 = 100.0;
 
@@ -310,7 +313,7 @@ impl Worker {
     }
 
     /// Parameter names and shapes of `agent`'s model, sorted by name.
-    pub fn parameters(&self, agent: &str) -> Result<(String, Vec<(String, Vec<i64>)>)> {
+    pub fn parameters(&self, agent: &str) -> Result<(String, Vec<ParameterShape>)> {
         let slot = self.slot(agent)?;
         let mut v: Vec<_> = slot.params.iter().map(|(k, s)| (k.clone(), s.clone())).collect();
         v.sort();

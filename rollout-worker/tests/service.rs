@@ -413,7 +413,7 @@ async fn pool_survives_a_killed_worker_and_uses_a_new_one() {
     // worker whatever else it is serving, and a retried request must give exactly the samples
     // the first answer would have had (see the note in the concurrency test).
     let flags = ["--max-batch-size", "1"];
-    let mut workers = vec![
+    let mut workers = [
         WorkerProcess::start(&agents, &flags).await,
         WorkerProcess::start(&agents, &flags).await,
         WorkerProcess::start(&agents, &flags).await,

@@ -159,10 +159,10 @@ pub async fn wait_healthy(addr: SocketAddr, timeout: Duration) {
     loop {
         if let Ok(channel) = Channel::from_shared(format!("http://{addr}")).expect("uri").connect().await {
             let mut h = HealthClient::new(channel);
-            if let Ok(r) = h.check(HealthCheckRequest { service: String::new() }).await {
-                if r.get_ref().status == 1 {
-                    return;
-                }
+            if let Ok(r) = h.check(HealthCheckRequest { service: String::new() }).await
+                && r.get_ref().status == 1
+            {
+                return;
             }
         }
         assert!(Instant::now() < deadline, "worker at {addr} not healthy after {timeout:?}");
