@@ -15,7 +15,9 @@ build: setup
 demo: build
 	$(CARGO) run --release -p cotrain-learner --bin learner -- train --config configs/demo.yaml
 
+# The service binaries are built first: the workspace integration tests start them as processes.
 test: setup
+	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --no-fail-fast
 
 bench-generate: setup

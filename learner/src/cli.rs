@@ -91,16 +91,7 @@ impl ConfigArgs {
 
 /// Refuses configs the single-turn trainer cannot run, naming what is missing.
 pub fn ensure_trainable(cfg: &CheckedConfig) -> anyhow::Result<()> {
-    if cfg.is_multi_turn() {
-        bail!(
-            "{}: {}.num_turns is {}: multi-turn training needs the multi-turn trainer, which is not built yet \
-             (single-turn configs run with num_turns: 1)",
-            cfg.source.display(),
-            cfg.algorithm.section(),
-            cfg.trainer.num_turns
-        );
-    }
-    Ok(())
+    Ok(crate::trainer::check_supported(cfg)?)
 }
 
 /// Runs one parsed command.

@@ -103,3 +103,13 @@ fn multi_turn_configs_are_refused_with_a_clear_error() {
     };
     assert!(err.contains("num_turns is 2") && err.contains("multi-turn trainer is not built yet"), "{err}");
 }
+
+#[test]
+fn asynchronous_rollouts_are_refused_rather_than_run_synchronously() {
+    let cfg = config(&format!("{YAML}rollout: {{max_off_policy_steps: 2}}\n"), &[]);
+    let err = match cotrain_learner::trainer::build(&cfg, std::env::temp_dir().join("never-used")) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("max_off_policy_steps > 0 must be refused"),
+    };
+    assert!(err.contains("rollout.max_off_policy_steps is 2") && err.contains("not built yet"), "{err}");
+}

@@ -35,12 +35,10 @@ pub fn binaries() -> anyhow::Result<PathBuf> {
             let mut cmd = Command::new(cargo);
             cmd.current_dir(workspace_root()).args([
                 "build",
-                "-p",
-                "cotrain-reward-server",
-                "-p",
-                "cotrain-rollout-worker",
-                "-p",
-                "cotrain-learner",
+                // The same command `make test` runs before the tests, so that this one finds
+                // everything fresh: a different package selection would unify features
+                // differently and rebuild half the workspace in the middle of a test.
+                "--workspace",
                 "--bins",
             ]);
             if release {

@@ -178,8 +178,9 @@ fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
     PathBuf::from(&cfg.raw.output.base_dir).join(name)
 }
 
-/// Everything for a run of `cfg` in `run_dir`: policies, data, prompts, services.
-pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceGuard), TrainError> {
+/// Refuses configs that ask for a trainer feature that is not built yet, naming the key, so that
+/// no run silently does something other than what its config says.
+pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
     if cfg.is_multi_turn() {
         return Err(TrainError::NotBuilt(format!(
             "{}: {}.num_turns is {}: the multi-turn trainer is not built yet (single-turn runs use num_turns: 1)",
@@ -188,6 +189,19 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceG
             cfg.trainer.num_turns
         )));
     }
+    if cfg.raw.rollout.max_off_policy_steps > 0 {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: rollout.max_off_policy_steps is {}: asynchronous rollouts are not built yet (use 0, synchronous on-policy)",
+            cfg.source.display(),
+            cfg.raw.rollout.max_off_policy_steps
+        )));
+    }
+    Ok(())
+}
+
+/// Everything for a run of `cfg` in `run_dir`: policies, data, prompts, services.
+pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceGuard), TrainError> {
+    check_supported(cfg)?;
     let kind = DatasetKind::resolve(&cfg.raw.dataset).map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
     let train = load_split(&cfg.raw.dataset, &cfg.train_split).map_err(|e| TrainError::Data(e.to_string()))?;
     let eval = match &cfg.eval_split {

@@ -109,14 +109,7 @@ const TAG_EVAL: u64 = 4;
 impl Trainer {
     /// Validates the setup and opens the run directory's metrics.
     pub fn new(s: TrainerSetup) -> Result<Self, TrainError> {
-        if s.cfg.is_multi_turn() {
-            return Err(TrainError::NotBuilt(format!(
-                "{}: {}.num_turns is {}: the multi-turn trainer is not built yet (single-turn runs use num_turns: 1)",
-                s.cfg.source.display(),
-                s.cfg.algorithm.section(),
-                s.cfg.trainer.num_turns
-            )));
-        }
+        super::check_supported(&s.cfg)?;
         if s.agent_policy.len() != s.cfg.num_agents || s.agent_policy.iter().any(|&p| p >= s.policies.len()) {
             return Err(TrainError::Config(format!(
                 "{} agents mapped onto {} policies: {:?}",
