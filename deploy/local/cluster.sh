@@ -51,7 +51,7 @@ agent_args=()
 for i in $(seq 0 $((AGENTS - 1))); do agent_args+=(--agent "agent$i=$MODEL"); done
 endpoints=()
 for w in $(seq 1 "$WORKERS"); do
-  "$BIN/rollout-worker" serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 "${agent_args[@]}" \
+  "$BIN/rollout-worker" serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 --separate-weights "${agent_args[@]}" \
     >"$LOGS/rollout-worker-$w.log" 2>&1 &
   pids+=($!)
 done

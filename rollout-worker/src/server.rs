@@ -37,7 +37,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1:8061")]
     pub http_addr: SocketAddr,
     /// An agent as NAME=MODEL (repeatable); MODEL is a HF directory, a .gguf file, a cached repo
-    /// id or `default`. Agents naming the same MODEL share one copy of its parameters.
+    /// id or `default`. Agents naming the same MODEL share one copy of its parameters unless
+    /// `--separate-weights` is given.
     #[arg(long = "agent", value_name = "NAME=MODEL", required = true, value_parser = parse_agent)]
     pub agents: Vec<(String, String)>,
     /// Device: cpu, cuda or cuda:N.
@@ -55,6 +56,11 @@ pub struct ServeArgs {
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long)]
     pub threads: Option<i32>,
+    /// Give every agent its own copy of the weights even when agents name the same MODEL (needed
+    /// when a learner trains those agents as separate policies, e.g. MAGRPO without shared
+    /// parameters; the deploy scripts pass it).
+    #[arg(long)]
+    pub separate_weights: bool,
 }
 
 fn parse_agent(s: &str) -> Result<(String, String), String> {
@@ -67,8 +73,13 @@ fn parse_agent(s: &str) -> Result<(String, String), String> {
 impl ServeArgs {
     /// The checked worker configuration.
     pub fn worker_config(&self) -> anyhow::Result<WorkerConfig> {
+        let agents = if self.separate_weights {
+            crate::worker::separate_weight_specs(&self.agents).context("--separate-weights")?
+        } else {
+            self.agents.clone()
+        };
         Ok(WorkerConfig {
-            agents: self.agents.clone(),
+            agents,
             device: cotrain_model::config::parse_device(&self.device).context("--device")?,
             kind: cotrain_model::config::parse_dtype(&self.dtype).context("--dtype")?,
             max_batch_size: self.max_batch_size,

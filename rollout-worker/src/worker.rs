@@ -574,3 +574,68 @@ mod tests {
         assert_ne!(prompt_seed(42, 1), prompt_seed(43, 1));
     }
 }
+
+/// Rewrites `(agent, model spec)` pairs so that every agent gets its own copy of the weights.
+///
+/// The worker shares one model between agents whose specs are equal (shared-parameter agents). When
+/// agents on the same base model are trained as separate policies, each needs its own copy: the
+/// second and later agents on a spec get an equivalent path (`dir/./file`, `dir/././file`, ...) that
+/// loads the same files into a model of its own.
+pub fn separate_weight_specs(agents: &[(String, String)]) -> cotrain_model::Result<Vec<(String, String)>> {
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut out = Vec::with_capacity(agents.len());
+    for (name, spec) in agents {
+        let count = seen.entry(spec.clone()).or_insert(0);
+        let unique = if *count == 0 {
+            spec.clone()
+        } else {
+            let path = match loader::resolve(spec)? {
+                loader::ModelSource::Gguf(p) | loader::ModelSource::HfDir(p) => p,
+            };
+            let mut p = path.parent().map(|p| p.to_path_buf()).unwrap_or_default();
+            for _ in 0..*count {
+                p.push(".");
+            }
+            p.push(path.file_name().unwrap_or_default());
+            p.display().to_string()
+        };
+        *count += 1;
+        out.push((name.clone(), unique));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod separate_weight_tests {
+    use super::*;
+
+    /// Regression: standalone workers shared one model between `agent0=M` and `agent1=M`, so a learner
+    /// training them as separate policies had its second weight push refused.
+    #[test]
+    fn separate_weight_specs_give_each_agent_its_own_equivalent_path() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny/llama");
+        let dir = dir.canonicalize().unwrap();
+        let spec = dir.display().to_string();
+        let other = dir.with_file_name("qwen2").display().to_string();
+        let agents = vec![
+            ("a".to_string(), spec.clone()),
+            ("b".to_string(), spec.clone()),
+            ("c".to_string(), spec.clone()),
+            ("d".to_string(), other.clone()),
+        ];
+        let out = separate_weight_specs(&agents).unwrap();
+        let specs: Vec<&str> = out.iter().map(|(_, s)| s.as_str()).collect();
+        assert_eq!(specs[0], spec);
+        assert_eq!(specs[3], other);
+        // All distinct, so the worker loads one model per agent ...
+        let unique: std::collections::HashSet<&str> = specs.iter().copied().collect();
+        assert_eq!(unique.len(), 4, "{specs:?}");
+        // ... and each resolves to the same files.
+        for s in &specs[1..3] {
+            match loader::resolve(s).unwrap() {
+                loader::ModelSource::HfDir(p) => assert_eq!(p.canonicalize().unwrap(), dir),
+                other => panic!("unexpected source {other:?}"),
+            }
+        }
+    }
+}

@@ -17,8 +17,8 @@ fn learner_trains_against_real_services_and_leaves_metrics_and_a_checkpoint() {
         Duration::from_secs(120),
     )
     .unwrap();
-    // Two agents, each with its own copy of the weights: equal specs would share one model.
-    let second = format!("{}/./{}", model.parent().unwrap().display(), model.file_name().unwrap().to_string_lossy());
+    // Two agents on the same model, trained as separate policies: `--separate-weights` gives each its
+    // own copy (without it the worker shares one, and the learner's second weight push is refused).
     let worker = start_service(
         "rollout-worker",
         &[
@@ -30,7 +30,8 @@ fn learner_trains_against_real_services_and_leaves_metrics_and_a_checkpoint() {
             "--agent".into(),
             format!("agent0={}", model.display()),
             "--agent".into(),
-            format!("agent1={second}"),
+            format!("agent1={}", model.display()),
+            "--separate-weights".into(),
         ],
         Duration::from_secs(120),
     )

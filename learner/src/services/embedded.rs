@@ -84,42 +84,13 @@ pub struct EmbeddedRollout {
     rt: Arc<Runtime>,
 }
 
-/// Model specs for the worker's agents such that agents that must not share weights get distinct
-/// specs: the worker shares one model between agents whose specs are equal, so a second agent on the
-/// same base file is given an equivalent path (`dir/./file`) that loads the same file into its own
-/// copy.
-pub fn distinct_specs(agents: &[(String, String)]) -> Result<Vec<(String, String)>, TrainError> {
-    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-    let mut out = Vec::new();
-    for (name, spec) in agents {
-        let count = seen.entry(spec.clone()).or_insert(0);
-        let unique = if *count == 0 {
-            spec.clone()
-        } else {
-            let path = match cotrain_model::loader::resolve(spec).map_err(|e| TrainError::Model(format!("`{spec}`: {e}")))? {
-                cotrain_model::loader::ModelSource::Gguf(p) | cotrain_model::loader::ModelSource::HfDir(p) => p,
-            };
-            let parent = path.parent().map(|p| p.to_path_buf()).unwrap_or_default();
-            let file = path.file_name().map(|f| f.to_os_string()).unwrap_or_default();
-            let mut p = parent;
-            for _ in 0..*count {
-                p.push(".");
-            }
-            p.push(file);
-            p.display().to_string()
-        };
-        *count += 1;
-        out.push((name.clone(), unique));
-    }
-    Ok(out)
-}
-
 impl EmbeddedRollout {
     /// Starts a worker serving `agents` (`(name, model spec)`, one model copy per agent) on
     /// 127.0.0.1:0.
     pub fn start(rt: Arc<Runtime>, agents: &[(String, String)], device: tch::Device, kind: tch::Kind) -> Result<Self, TrainError> {
         let config = cotrain_rollout_worker::worker::WorkerConfig {
-            agents: distinct_specs(agents)?,
+            agents: cotrain_rollout_worker::worker::separate_weight_specs(agents)
+                .map_err(|e| TrainError::Model(format!("rollout worker agents: {e}")))?,
             device,
             kind,
             max_batch_size: 64,
