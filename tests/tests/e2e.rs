@@ -106,3 +106,56 @@ fn learner_trains_against_real_services_and_leaves_metrics_and_a_checkpoint() {
     drop(worker);
     drop(reward);
 }
+
+/// Regression: a worker started without `--separate-weights` serves both agents from one shared
+/// model; the learner used to fail at its second weight push with an opaque version error.
+#[test]
+fn learner_refuses_a_worker_that_shares_weights_it_trains_separately() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model_dir(tmp.path()).unwrap();
+    let reward = start_service(
+        "reward-server",
+        &["--grpc-addr".into(), "127.0.0.1:0".into(), "--http-addr".into(), "127.0.0.1:0".into()],
+        Duration::from_secs(120),
+    )
+    .unwrap();
+    let worker = start_service(
+        "rollout-worker",
+        &[
+            "serve".into(),
+            "--grpc-addr".into(),
+            "127.0.0.1:0".into(),
+            "--http-addr".into(),
+            "127.0.0.1:0".into(),
+            "--agent".into(),
+            format!("agent0={}", model.display()),
+            "--agent".into(),
+            format!("agent1={}", model.display()),
+        ],
+        Duration::from_secs(120),
+    )
+    .unwrap();
+    let config = tmp.path().join("shared.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model: {{name: '{model}', max_length: 4096}}\n\
+             dataset: {{name: coophumaneval, train_split: 'test[16:18]'}}\n\
+             output: {{base_dir: '{out}'}}\n\
+             magrpo: {{num_agents: 2, num_generations: 2, max_new_tokens: 4, rollout_buffer_size: 2}}\n\
+             logging: {{run_name: shared, progress: never}}\n\
+             rollout: {{endpoints: ['http://{rollout}']}}\n\
+             reward: {{endpoint: 'http://{reward}'}}\n",
+            model = model.display(),
+            out = tmp.path().join("out").display(),
+            rollout = worker.grpc,
+            reward = reward.grpc,
+        ),
+    )
+    .unwrap();
+    let learner = binaries().unwrap().join("learner");
+    let out = Command::new(&learner).args(["train", "--config"]).arg(&config).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "training must be refused\nstderr:\n{stderr}");
+    assert!(stderr.contains("--separate-weights") && stderr.contains("agent0"), "{stderr}");
+}

@@ -54,6 +54,27 @@ impl PoolRollout {
     pub fn pool(&self) -> &RolloutPool {
         &self.pool
     }
+
+    /// Refuses workers that serve two of the learner's separately trained policies (`worker_agents`)
+    /// from one shared model: each weight push would overwrite the other policy, and the worker
+    /// rejects the second push of a version. Checked on the workers healthy at start.
+    pub fn check_separate_models(&self, worker_agents: &[String]) -> Result<(), TrainError> {
+        for (addr, info) in self.rt.block_on(self.pool.info_all()) {
+            let info = info.map_err(|s| TrainError::Rollout(format!("{addr}: Info failed: {}", s.message())))?;
+            for model in &info.models {
+                let trained: Vec<&String> = model.agents.iter().filter(|a| worker_agents.contains(a)).collect();
+                if trained.len() > 1 {
+                    return Err(TrainError::Rollout(format!(
+                        "rollout worker {addr} serves agents {trained:?} from one shared copy of `{}`, but the learner \
+                         trains them as separate policies: start the worker with --separate-weights \
+                         (or train with shared_parameters: true)",
+                        model.id
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Parameters as f32 wire tensors (f32 keeps the workers' policy bit-identical to the learner's).

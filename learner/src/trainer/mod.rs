@@ -164,7 +164,9 @@ pub fn connect_services(cfg: &CheckedConfig, policies: &[Policy]) -> Result<Serv
         info!(grpc = %worker.grpc, "embedded rollout worker started");
         (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new())?), Some(worker))
     } else {
-        (Box::new(pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect())?), None)
+        let remote = pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect())?;
+        remote.check_separate_models(&policies.iter().map(|p| p.worker_agent.clone()).collect::<Vec<_>>())?;
+        (Box::new(remote), None)
     };
     Ok(Services { rollout, reward, guard: ServiceGuard { embedded_reward, embedded_rollout, runtime } })
 }
