@@ -26,7 +26,12 @@ struct Args {
 }
 
 fn parse_args() -> Args {
-    let mut args = Args { batches: vec![1, 8, 32], new_tokens: 128, threads: 2, skip_transformers: false };
+    let mut args = Args {
+        batches: vec![1, 8, 32],
+        new_tokens: 128,
+        threads: 2,
+        skip_transformers: false,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -55,9 +60,18 @@ fn roofline(batch: usize) -> f64 {
 fn run_cotrain(engine: &mut Engine, prompt: &[u32], batch: usize, new_tokens: usize) -> f64 {
     let requests: Vec<Request> = (0..batch)
         .map(|i| Request {
-            params: SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0 },
+            params: SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+            },
             seed: i as u64,
-            stop: StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() },
+            stop: StopConditions {
+                max_new_tokens: new_tokens,
+                ignore_eos: true,
+                ..Default::default()
+            },
             ..Request::new(prompt.to_vec())
         })
         .collect();
@@ -70,36 +84,56 @@ fn run_cotrain(engine: &mut Engine, prompt: &[u32], batch: usize, new_tokens: us
 }
 
 fn run_transformers(args: &Args) -> Result<Vec<(usize, f64)>, String> {
-    let python = std::env::var_os("COTRAIN_PYREF").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/cotrain/pyref/bin/python")
-    });
+    let python = std::env::var_os("COTRAIN_PYREF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/cotrain/pyref/bin/python")
+        });
     if !python.exists() {
         return Err(format!(
             "{} not found (run scripts/reference/setup-pyref.sh)",
             python.display()
         ));
     }
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/reference/bench_generate.py");
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/reference/bench_generate.py");
     let mut cmd = Command::new(&python);
     cmd.arg(&script)
         .args(args.batches.iter().map(|b| b.to_string()))
-        .args(["--new-tokens", &args.new_tokens.to_string(), "--threads", &args.threads.to_string()]);
-    let out = cmd.output().map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+        .args([
+            "--new-tokens",
+            &args.new_tokens.to_string(),
+            "--threads",
+            &args.threads.to_string(),
+        ]);
+    let out = cmd
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
     if !out.status.success() {
-        return Err(format!("bench_generate.py failed: {}", String::from_utf8_lossy(&out.stderr)));
+        return Err(format!(
+            "bench_generate.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
     }
     let mut rows = Vec::new();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("{e}: {line}"))?;
-        rows.push((v["batch"].as_u64().unwrap() as usize, v["tokens_per_s"].as_f64().unwrap()));
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("{e}: {line}"))?;
+        rows.push((
+            v["batch"].as_u64().unwrap() as usize,
+            v["tokens_per_s"].as_f64().unwrap(),
+        ));
     }
     Ok(rows)
 }
 
 fn main() {
     let args = parse_args();
+    cotrain_model::allocator::tune_for_tensors();
     tch::set_num_threads(args.threads);
-    let loaded = loader::load("default", &LoadOptions::default()).expect("the default model loads (run `make setup`)");
+    let loaded = loader::load("default", &LoadOptions::default())
+        .expect("the default model loads (run `make setup`)");
     let prompt = loaded.tokenizer.encode(PROMPT, true).unwrap();
     let mut engine = Engine::new(loaded);
     eprintln!("prompt: {} tokens; warm-up", prompt.len());
@@ -127,11 +161,18 @@ fn main() {
     println!("| batch | cotrain tok/s | transformers tok/s | ratio | fraction of roofline |");
     println!("| ---: | ---: | ---: | ---: | ---: |");
     for (b, tps) in ours {
-        let t = theirs.as_ref().ok().and_then(|rows| rows.iter().find(|r| r.0 == b).map(|r| r.1));
+        let t = theirs
+            .as_ref()
+            .ok()
+            .and_then(|rows| rows.iter().find(|r| r.0 == b).map(|r| r.1));
         let (t_str, ratio) = match t {
             Some(t) => (format!("{t:.1}"), format!("{:.2}x", tps / t)),
             None => ("n/a".into(), "n/a".into()),
         };
-        println!("| {b} | {tps:.1} | {t_str} | {ratio} | {:.0}% of {:.0} |", 100.0 * tps / roofline(b), roofline(b));
+        println!(
+            "| {b} | {tps:.1} | {t_str} | {ratio} | {:.0}% of {:.0} |",
+            100.0 * tps / roofline(b),
+            roofline(b)
+        );
     }
 }

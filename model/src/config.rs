@@ -188,18 +188,20 @@ impl ModelConfig {
             .and_then(|a| a.first().cloned())
             .or(probe.model_type.clone())
             .ok_or_else(|| {
-                ModelError::InvalidConfig("config has neither `architectures` nor `model_type`".into())
+                ModelError::InvalidConfig(
+                    "config has neither `architectures` nor `model_type`".into(),
+                )
             })?;
         let cfg = match arch.as_str() {
-            "LlamaForCausalLM" | "llama" => {
-                serde_json::from_str::<LlamaConfig>(text).map_err(bad)?.into_model_config()?
-            }
-            "Qwen2ForCausalLM" | "qwen2" => {
-                serde_json::from_str::<Qwen2Config>(text).map_err(bad)?.into_model_config()?
-            }
-            "Qwen3ForCausalLM" | "qwen3" => {
-                serde_json::from_str::<Qwen3Config>(text).map_err(bad)?.into_model_config()?
-            }
+            "LlamaForCausalLM" | "llama" => serde_json::from_str::<LlamaConfig>(text)
+                .map_err(bad)?
+                .into_model_config()?,
+            "Qwen2ForCausalLM" | "qwen2" => serde_json::from_str::<Qwen2Config>(text)
+                .map_err(bad)?
+                .into_model_config()?,
+            "Qwen3ForCausalLM" | "qwen3" => serde_json::from_str::<Qwen3Config>(text)
+                .map_err(bad)?
+                .into_model_config()?,
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
         };
         cfg.validate()?;
@@ -208,12 +210,15 @@ impl ModelConfig {
 
     /// Reads and parses a `config.json` file.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Self::from_hf_json(&text).map_err(|e| match e {
-            ModelError::InvalidConfig(message) => {
-                ModelError::InvalidFile { path: path.to_path_buf(), message }
-            }
+            ModelError::InvalidConfig(message) => ModelError::InvalidFile {
+                path: path.to_path_buf(),
+                message,
+            },
             other => other,
         })
     }
@@ -235,14 +240,20 @@ impl ModelConfig {
                 return err(format!("`{name}` must be positive"));
             }
         }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return err(format!(
                 "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
         if !self.head_dim.is_multiple_of(2) {
-            return err(format!("head_dim ({}) must be even for RoPE", self.head_dim));
+            return err(format!(
+                "head_dim ({}) must be even for RoPE",
+                self.head_dim
+            ));
         }
         if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return err(format!("rope_theta ({}) must be positive", self.rope_theta));
@@ -285,7 +296,8 @@ pub fn parse_device(s: &str) -> Result<Device> {
         "cuda" | "gpu" => Device::Cuda(0),
         other => match other.strip_prefix("cuda:") {
             Some(i) => Device::Cuda(
-                i.parse::<usize>().map_err(|_| ModelError::UnknownDevice(s.to_string()))?,
+                i.parse::<usize>()
+                    .map_err(|_| ModelError::UnknownDevice(s.to_string()))?,
             ),
             None => return Err(ModelError::UnknownDevice(s.to_string())),
         },
@@ -314,7 +326,12 @@ mod tests {
     #[test]
     fn parses_devices_and_rejects_unknown_ones() {
         assert_eq!(parse_device("cpu").unwrap(), Device::Cpu);
-        assert!(parse_device("tpu").unwrap_err().to_string().contains("unknown device `tpu`"));
+        assert!(
+            parse_device("tpu")
+                .unwrap_err()
+                .to_string()
+                .contains("unknown device `tpu`")
+        );
         assert!(parse_device("cuda:x").is_err());
         if tch::Cuda::device_count() == 0 {
             let e = parse_device("cuda").unwrap_err().to_string();

@@ -34,7 +34,9 @@ pub enum ModelError {
     #[error("invalid model config: {0}")]
     InvalidConfig(String),
     /// The architecture named by the checkpoint is not one this crate implements.
-    #[error("unsupported architecture `{0}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; GGUF: llama, qwen2, qwen3)")]
+    #[error(
+        "unsupported architecture `{0}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; GGUF: llama, qwen2, qwen3)"
+    )]
     UnsupportedArchitecture(String),
     /// A `rope_scaling` type this crate does not implement.
     #[error("unsupported rope_scaling type `{0}` (supported: default, linear, llama3)")]

@@ -10,10 +10,13 @@ pub mod tokenizer;
 // Models on libtorch.
 pub mod config;
 pub mod engine;
+pub mod error;
 pub mod families;
 pub mod loader;
 pub mod logprobs;
-pub mod error;
+
+// Process set-up for tensor workloads.
+pub mod allocator;
 
 pub use config::{Family, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};

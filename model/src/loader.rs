@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
-use tch::{nn::VarStore, Device, Kind, Tensor};
+use tch::{Device, Kind, Tensor, nn::VarStore};
 
 use crate::chat_template::{ChatTemplate, ChatTemplateError};
 use crate::config::{Family, ModelConfig, OneOrMany, RopeScaling};
@@ -36,7 +36,10 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { device: Device::Cpu, kind: Kind::Float }
+        LoadOptions {
+            device: Device::Cpu,
+            kind: Kind::Float,
+        }
     }
 }
 
@@ -153,7 +156,10 @@ pub fn resolve(spec: &str) -> Result<ModelSource> {
         return source_for_path(spec, path);
     }
     if spec.ends_with(".gguf") || spec.starts_with('/') || spec.starts_with('.') {
-        return Err(ModelError::MissingFile { path: path.to_path_buf(), what: "model".into() });
+        return Err(ModelError::MissingFile {
+            path: path.to_path_buf(),
+            what: "model".into(),
+        });
     }
     let parts: Vec<&str> = spec.split('/').collect();
     if parts.len() == 2 && parts.iter().all(|p| !p.is_empty()) {
@@ -168,7 +174,10 @@ pub fn resolve(spec: &str) -> Result<ModelSource> {
 fn source_for_path(spec: &str, path: &Path) -> Result<ModelSource> {
     if path.is_dir() {
         let ggufs: Vec<PathBuf> = std::fs::read_dir(path)
-            .map_err(|source| ModelError::Io { path: path.into(), source })?
+            .map_err(|source| ModelError::Io {
+                path: path.into(),
+                source,
+            })?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
             .collect();
@@ -205,14 +214,20 @@ fn resolve_default() -> Result<ModelSource> {
 }
 
 fn home_dir() -> PathBuf {
-    std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/"))
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/"))
 }
 
 /// The hub cache directory, in the order `huggingface_hub` uses: `HF_HUB_CACHE`,
 /// `HUGGINGFACE_HUB_CACHE`, `$HF_HOME/hub`, `$XDG_CACHE_HOME/huggingface/hub`,
 /// `~/.cache/huggingface/hub`.
 pub fn hf_hub_cache_dir() -> PathBuf {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(p) = var("HF_HUB_CACHE").or_else(|| var("HUGGINGFACE_HUB_CACHE")) {
         return p;
     }
@@ -230,7 +245,10 @@ pub fn hf_hub_cache_dir() -> PathBuf {
 fn resolve_hf_cache(repo_id: &str) -> Result<ModelSource> {
     let cache = hf_hub_cache_dir();
     let repo_dir = cache.join(format!("models--{}", repo_id.replace('/', "--")));
-    let err = |message: String| ModelError::Resolve { spec: repo_id.into(), message };
+    let err = |message: String| ModelError::Resolve {
+        spec: repo_id.into(),
+        message,
+    };
     if !repo_dir.is_dir() {
         return Err(err(format!(
             "not in the local Hugging Face cache ({} does not exist); download it first, \
@@ -251,14 +269,17 @@ fn resolve_hf_cache(repo_id: &str) -> Result<ModelSource> {
                 .filter_map(|e| e.ok())
                 .filter(|e| e.path().is_dir())
                 .map(|e| {
-                    let t = e.metadata().and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH);
+                    let t = e
+                        .metadata()
+                        .and_then(|m| m.modified())
+                        .unwrap_or(std::time::UNIX_EPOCH);
                     (t, e.path())
                 })
                 .collect();
             dirs.sort();
-            dirs.pop().map(|(_, p)| p).ok_or_else(|| {
-                err(format!("no snapshot under {}", snapshots.display()))
-            })?
+            dirs.pop()
+                .map(|(_, p)| p)
+                .ok_or_else(|| err(format!("no snapshot under {}", snapshots.display())))?
         }
     };
     source_for_path(repo_id, &snapshot)
@@ -308,7 +329,11 @@ struct Filler<'a> {
 
 impl<'a> Filler<'a> {
     fn new(vs: &VarStore, cfg: &'a ModelConfig) -> Self {
-        Filler { vars: vs.variables(), cfg, filled: Default::default() }
+        Filler {
+            vars: vs.variables(),
+            cfg,
+            filled: Default::default(),
+        }
     }
 
     fn put(&mut self, name: &str, t: &Tensor) -> Result<()> {
@@ -325,7 +350,11 @@ impl<'a> Filler<'a> {
         if var.size() != t.size() {
             return Err(ModelError::Weight {
                 name: name.into(),
-                message: format!("checkpoint shape {:?}, config implies {:?}", t.size(), var.size()),
+                message: format!(
+                    "checkpoint shape {:?}, config implies {:?}",
+                    t.size(),
+                    var.size()
+                ),
             });
         }
         let mut var = var.shallow_clone();
@@ -336,13 +365,19 @@ impl<'a> Filler<'a> {
     }
 
     fn finish(self) -> Result<()> {
-        let mut missing: Vec<&String> =
-            self.vars.keys().filter(|k| !self.filled.contains(*k)).collect();
+        let mut missing: Vec<&String> = self
+            .vars
+            .keys()
+            .filter(|k| !self.filled.contains(*k))
+            .collect();
         missing.sort();
         if let Some(first) = missing.first() {
             return Err(ModelError::Weight {
                 name: (*first).clone(),
-                message: format!("missing from the checkpoint ({} parameters missing)", missing.len()),
+                message: format!(
+                    "missing from the checkpoint ({} parameters missing)",
+                    missing.len()
+                ),
             });
         }
         Ok(())
@@ -354,15 +389,23 @@ impl<'a> Filler<'a> {
 
 fn read_text(path: &Path, what: &str) -> Result<String> {
     if !path.exists() {
-        return Err(ModelError::MissingFile { path: path.into(), what: what.into() });
+        return Err(ModelError::MissingFile {
+            path: path.into(),
+            what: what.into(),
+        });
     }
-    std::fs::read_to_string(path).map_err(|source| ModelError::Io { path: path.into(), source })
+    std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.into(),
+        source,
+    })
 }
 
 fn read_json(path: &Path, what: &str) -> Result<serde_json::Value> {
     let text = read_text(path, what)?;
-    serde_json::from_str(&text)
-        .map_err(|e| ModelError::InvalidFile { path: path.into(), message: e.to_string() })
+    serde_json::from_str(&text).map_err(|e| ModelError::InvalidFile {
+        path: path.into(),
+        message: e.to_string(),
+    })
 }
 
 /// The safetensors files of a directory: the shards named by `model.safetensors.index.json`,
@@ -371,12 +414,16 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let json = read_json(&index, "shard index")?;
-        let map = json["weight_map"].as_object().ok_or_else(|| ModelError::InvalidFile {
-            path: index.clone(),
-            message: "no `weight_map` object".into(),
-        })?;
-        let mut files: Vec<String> =
-            map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
+        let map = json["weight_map"]
+            .as_object()
+            .ok_or_else(|| ModelError::InvalidFile {
+                path: index.clone(),
+                message: "no `weight_map` object".into(),
+            })?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|v| v.as_str().map(str::to_string))
+            .collect();
         files.sort();
         files.dedup();
         return files
@@ -386,7 +433,10 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
                 if p.exists() {
                     Ok(p)
                 } else {
-                    Err(ModelError::MissingFile { path: p, what: "weight shard named by the index".into() })
+                    Err(ModelError::MissingFile {
+                        path: p,
+                        what: "weight shard named by the index".into(),
+                    })
                 }
             })
             .collect();
@@ -447,12 +497,18 @@ pub fn hf_generation_defaults(dir: &Path, cfg: &ModelConfig) -> Result<Generatio
     let gen_path = dir.join("generation_config.json");
     let gen_cfg: GenerationConfigJson = if gen_path.exists() {
         serde_json::from_str(&read_text(&gen_path, "generation config")?).map_err(|e| {
-            ModelError::InvalidFile { path: gen_path.clone(), message: e.to_string() }
+            ModelError::InvalidFile {
+                path: gen_path.clone(),
+                message: e.to_string(),
+            }
         })?
     } else {
         GenerationConfigJson::default()
     };
-    let mut eos = gen_cfg.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default();
+    let mut eos = gen_cfg
+        .eos_token_id
+        .map(OneOrMany::into_vec)
+        .unwrap_or_default();
     eos.extend(&cfg.eos_token_ids);
     eos.sort_unstable();
     eos.dedup();
@@ -468,10 +524,14 @@ pub fn hf_generation_defaults(dir: &Path, cfg: &ModelConfig) -> Result<Generatio
 fn load_hf_dir(dir: &Path, opts: &LoadOptions, source: ModelSource) -> Result<LoadedModel> {
     let tok_path = dir.join("tokenizer.json");
     if !tok_path.exists() {
-        return Err(ModelError::MissingFile { path: tok_path, what: "tokenizer".into() });
+        return Err(ModelError::MissingFile {
+            path: tok_path,
+            what: "tokenizer".into(),
+        });
     }
     let (vs, model) = load_hf_weights(dir, opts)?;
-    let tokenizer = Tokenizer::from_hf_dir(dir).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    let tokenizer =
+        Tokenizer::from_hf_dir(dir).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
     let mut generation = hf_generation_defaults(dir, model.config())?;
     generation.eos_token_ids.extend(tokenizer.eos_id());
     generation.eos_token_ids.sort_unstable();
@@ -490,23 +550,37 @@ fn load_hf_dir(dir: &Path, opts: &LoadOptions, source: ModelSource) -> Result<Lo
 // GGUF files
 
 fn gguf_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
-    ModelError::Gguf { path: path.into(), message: e.to_string() }
+    ModelError::Gguf {
+        path: path.into(),
+        message: e.to_string(),
+    }
 }
 
 /// Builds the model config from a GGUF file's `<arch>.*` metadata.
 pub fn gguf_config(gguf: &GgufFile, path: &Path) -> Result<ModelConfig> {
-    let arch = gguf.architecture().map_err(|e| gguf_err(path, e))?.to_string();
+    let arch = gguf
+        .architecture()
+        .map_err(|e| gguf_err(path, e))?
+        .to_string();
     let family = match arch.as_str() {
         "llama" => Family::Llama,
         "qwen2" => Family::Qwen2,
         "qwen3" => Family::Qwen3,
-        other => return Err(ModelError::UnsupportedArchitecture(format!("{other} (gguf)"))),
+        other => {
+            return Err(ModelError::UnsupportedArchitecture(format!(
+                "{other} (gguf)"
+            )));
+        }
     };
     let key = |s: &str| format!("{arch}.{s}");
     let req = |s: &str| -> Result<usize> {
         Ok(gguf.get_u64(&key(s)).map_err(|e| gguf_err(path, e))? as usize)
     };
-    let opt = |s: &str| gguf.get(&key(s)).and_then(|v| v.as_i128()).map(|v| v as usize);
+    let opt = |s: &str| {
+        gguf.get(&key(s))
+            .and_then(|v| v.as_i128())
+            .map(|v| v as usize)
+    };
     let hidden = req("embedding_length")?;
     let heads = req("attention.head_count")?;
     let kv_heads = opt("attention.head_count_kv").unwrap_or(heads);
@@ -521,7 +595,11 @@ pub fn gguf_config(gguf: &GgufFile, path: &Path) -> Result<ModelConfig> {
     let rope_theta = gguf
         .get(&key("rope.freq_base"))
         .and_then(|v| v.as_f64())
-        .unwrap_or(if family == Family::Llama { 10000.0 } else { 1_000_000.0 });
+        .unwrap_or(if family == Family::Llama {
+            10000.0
+        } else {
+            1_000_000.0
+        });
     let eps = gguf
         .get(&key("attention.layer_norm_rms_epsilon"))
         .and_then(|v| v.as_f64())
@@ -543,8 +621,14 @@ pub fn gguf_config(gguf: &GgufFile, path: &Path) -> Result<ModelConfig> {
         ));
     }
     let tie = gguf.tensor_info("output.weight").is_none();
-    let eos = gguf.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_i128()).map(|v| v as u32);
-    let bos = gguf.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_i128()).map(|v| v as u32);
+    let eos = gguf
+        .get("tokenizer.ggml.eos_token_id")
+        .and_then(|v| v.as_i128())
+        .map(|v| v as u32);
+    let bos = gguf
+        .get("tokenizer.ggml.bos_token_id")
+        .and_then(|v| v.as_i128())
+        .map(|v| v as u32);
     let cfg = ModelConfig {
         family,
         vocab_size: vocab,
@@ -602,7 +686,10 @@ pub fn gguf_to_hf_name(name: &str) -> Option<String> {
 
 fn load_gguf(path: &Path, opts: &LoadOptions, source: ModelSource) -> Result<LoadedModel> {
     if !path.exists() {
-        return Err(ModelError::MissingFile { path: path.into(), what: "gguf model".into() });
+        return Err(ModelError::MissingFile {
+            path: path.into(),
+            what: "gguf model".into(),
+        });
     }
     let gguf = GgufFile::open(path).map_err(|e| gguf_err(path, e))?;
     let cfg = gguf_config(&gguf, path)?;
@@ -646,7 +733,14 @@ fn load_gguf(path: &Path, opts: &LoadOptions, source: ModelSource) -> Result<Loa
         bos_token_id: cfg.bos_token_id,
         ..Default::default()
     };
-    Ok(LoadedModel { model, vs, tokenizer, chat_template, generation, source })
+    Ok(LoadedModel {
+        model,
+        vs,
+        tokenizer,
+        chat_template,
+        generation,
+        source,
+    })
 }
 
 #[cfg(test)]
@@ -655,7 +749,10 @@ mod tests {
 
     #[test]
     fn maps_gguf_names_to_hf_names() {
-        assert_eq!(gguf_to_hf_name("token_embd.weight").unwrap(), "model.embed_tokens.weight");
+        assert_eq!(
+            gguf_to_hf_name("token_embd.weight").unwrap(),
+            "model.embed_tokens.weight"
+        );
         assert_eq!(
             gguf_to_hf_name("blk.12.attn_q.bias").unwrap(),
             "model.layers.12.self_attn.q_proj.bias"
@@ -671,11 +768,16 @@ mod tests {
     #[test]
     fn missing_default_model_says_to_run_setup() {
         // Only the resolution logic is exercised: a path that does not exist.
-        let e = ModelError::Resolve { spec: "default".into(), message: "x".into() };
+        let e = ModelError::Resolve {
+            spec: "default".into(),
+            message: "x".into(),
+        };
         assert!(e.to_string().contains("default"));
         let e = resolve("/nonexistent/model.gguf").unwrap_err().to_string();
         assert!(e.contains("missing file"), "{e}");
-        let e = resolve("no-such-org/no-such-model-xyz").unwrap_err().to_string();
+        let e = resolve("no-such-org/no-such-model-xyz")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("local Hugging Face cache"), "{e}");
     }
 }

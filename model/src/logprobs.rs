@@ -58,7 +58,10 @@ pub struct LogProbOptions {
 
 impl Default for LogProbOptions {
     fn default() -> Self {
-        LogProbOptions { chunk_size: 512, with_grad: true }
+        LogProbOptions {
+            chunk_size: 512,
+            with_grad: true,
+        }
     }
 }
 
@@ -107,7 +110,12 @@ impl TokenLogProbs {
     /// Scatters a flat (N,) tensor into (B, Cmax) (zeros beyond each completion), differentiably.
     pub fn pad(&self, flat: &Tensor) -> Tensor {
         let b = self.num_sequences() as i64;
-        let cmax = self.offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0) as i64;
+        let cmax = self
+            .offsets
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0) as i64;
         let idx = self.padded_index(cmax);
         let out = Tensor::zeros([b * cmax], (flat.kind(), flat.device()));
         out.index_put(&[Some(idx)], flat, false).view([b, cmax])
@@ -116,7 +124,12 @@ impl TokenLogProbs {
     /// Log-probs as (B, Cmax) and a (B, Cmax) boolean mask of real tokens.
     pub fn padded(&self) -> (Tensor, Tensor) {
         let b = self.num_sequences() as i64;
-        let cmax = self.offsets.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0) as i64;
+        let cmax = self
+            .offsets
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0) as i64;
         let mask = Tensor::zeros([b * cmax], (Kind::Bool, self.logprobs.device()))
             .index_fill(0, &self.padded_index(cmax), 1)
             .view([b, cmax]);
@@ -174,13 +187,18 @@ impl TokenLogProbs {
         }
         let g_h = st.hidden_leaf.grad();
         if g_h.defined() {
-            (&st.trunk * g_h.to_kind(st.trunk.kind())).sum(Kind::Float).f_backward()?;
+            (&st.trunk * g_h.to_kind(st.trunk.kind()))
+                .sum(Kind::Float)
+                .f_backward()?;
         }
         Ok(())
     }
 
     fn head_chunk(&self, h: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
-        let head = self.head.as_ref().expect("the head is kept whenever backward state is");
+        let head = self
+            .head
+            .as_ref()
+            .expect("the head is kept whenever backward state is");
         chunk_logprobs(&h.linear::<&Tensor>(head, None), targets)
     }
 }
@@ -210,7 +228,11 @@ fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<Layout> {
     if batch.is_empty() {
         return Err(ModelError::InvalidBatch("empty batch".into()));
     }
-    let lmax = batch.iter().map(|s| s.prompt.len() + s.completion.len()).max().unwrap_or(0);
+    let lmax = batch
+        .iter()
+        .map(|s| s.prompt.len() + s.completion.len())
+        .max()
+        .unwrap_or(0);
     for (i, s) in batch.iter().enumerate() {
         if s.prompt.is_empty() || s.completion.is_empty() {
             return Err(ModelError::InvalidBatch(format!(
@@ -224,7 +246,12 @@ fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<Layout> {
                 cfg.max_position_embeddings
             )));
         }
-        if let Some(&t) = s.prompt.iter().chain(&s.completion).find(|&&t| t as usize >= cfg.vocab_size) {
+        if let Some(&t) = s
+            .prompt
+            .iter()
+            .chain(&s.completion)
+            .find(|&&t| t as usize >= cfg.vocab_size)
+        {
             return Err(ModelError::InvalidBatch(format!(
                 "sequence {i} has token {t}, outside the vocabulary of {}",
                 cfg.vocab_size
@@ -248,7 +275,12 @@ fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<Layout> {
         offsets.push(offsets.last().copied().unwrap_or(0) + s.completion.len());
     }
     let ids = Tensor::from_slice(&ids).view([batch.len() as i64, l]);
-    Ok(Layout { ids, positions, targets, offsets })
+    Ok(Layout {
+        ids,
+        positions,
+        targets,
+        offsets,
+    })
 }
 
 /// Computes per-token log-probs and entropies of each sequence's completion (see the module
@@ -259,10 +291,17 @@ pub fn completion_logprobs(
     opts: &LogProbOptions,
 ) -> Result<TokenLogProbs> {
     if opts.chunk_size == 0 {
-        return Err(ModelError::InvalidBatch("chunk_size must be positive".into()));
+        return Err(ModelError::InvalidBatch(
+            "chunk_size must be positive".into(),
+        ));
     }
     let device = model.device();
-    let Layout { ids, positions, targets, offsets } = layout(model, batch)?;
+    let Layout {
+        ids,
+        positions,
+        targets,
+        offsets,
+    } = layout(model, batch)?;
     let ids = ids.to_device(device);
     let positions = Tensor::from_slice(&positions).to_device(device);
     let targets = Tensor::from_slice(&targets).to_device(device);
@@ -278,7 +317,10 @@ pub fn completion_logprobs(
         while start < n {
             let len = chunk.min(n - start);
             let h = flat.index_select(0, &positions.narrow(0, start, len));
-            let (lp, ent) = chunk_logprobs(&h.linear::<&Tensor>(head, None), &targets.narrow(0, start, len));
+            let (lp, ent) = chunk_logprobs(
+                &h.linear::<&Tensor>(head, None),
+                &targets.narrow(0, start, len),
+            );
             lps.push(lp);
             ents.push(ent);
             start += len;
@@ -290,7 +332,13 @@ pub fn completion_logprobs(
         let _guard = tch::no_grad_guard();
         let hidden = model.forward_hidden(&ids)?;
         let (logprobs, entropy) = run_chunks(&hidden);
-        return Ok(TokenLogProbs { logprobs, entropy, offsets, backward_state: None, head: None });
+        return Ok(TokenLogProbs {
+            logprobs,
+            entropy,
+            offsets,
+            backward_state: None,
+            head: None,
+        });
     }
     let trunk = model.forward_hidden(&ids)?;
     let hidden_leaf = trunk.detach().set_requires_grad(true);
@@ -299,7 +347,13 @@ pub fn completion_logprobs(
         logprobs: lp.set_requires_grad(true),
         entropy: ent.set_requires_grad(true),
         offsets,
-        backward_state: Some(BackwardState { trunk, hidden_leaf, positions, targets, chunk_size: chunk }),
+        backward_state: Some(BackwardState {
+            trunk,
+            hidden_leaf,
+            positions,
+            targets,
+            chunk_size: chunk,
+        }),
         head: Some(head.shallow_clone()),
     })
 }
@@ -311,7 +365,12 @@ pub fn naive_completion_logprobs(
     batch: &[Sequence],
 ) -> Result<(Tensor, Tensor, Vec<usize>)> {
     let device = model.device();
-    let Layout { ids, positions, targets, offsets } = layout(model, batch)?;
+    let Layout {
+        ids,
+        positions,
+        targets,
+        offsets,
+    } = layout(model, batch)?;
     let logits = model.forward(&ids.to_device(device))?;
     let flat = logits.flatten(0, 1);
     let pos = Tensor::from_slice(&positions).to_device(device);

@@ -18,8 +18,10 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
 
 #[test]
 fn sharded_and_single_file_checkpoints_load_the_same_names_and_shapes() {
-    let (vs, model) = loader::load_hf_weights(&fixture("tiny/qwen2_sharded"), &LoadOptions::default()).unwrap();
-    let (vs1, _) = loader::load_hf_weights(&fixture("tiny/qwen2"), &LoadOptions::default()).unwrap();
+    let (vs, model) =
+        loader::load_hf_weights(&fixture("tiny/qwen2_sharded"), &LoadOptions::default()).unwrap();
+    let (vs1, _) =
+        loader::load_hf_weights(&fixture("tiny/qwen2"), &LoadOptions::default()).unwrap();
     let a = vs.variables();
     let b = vs1.variables();
     let mut names: Vec<&String> = a.keys().collect();
@@ -38,55 +40,82 @@ fn sharded_and_single_file_checkpoints_load_the_same_names_and_shapes() {
 fn bf16_loading_converts_parameters() {
     let (vs, model) = loader::load_hf_weights(
         &fixture("tiny/llama"),
-        &LoadOptions { kind: tch::Kind::BFloat16, ..Default::default() },
+        &LoadOptions {
+            kind: tch::Kind::BFloat16,
+            ..Default::default()
+        },
     )
     .unwrap();
     assert_eq!(model.kind(), tch::Kind::BFloat16);
-    assert!(vs.variables().values().all(|t| t.kind() == tch::Kind::BFloat16));
+    assert!(
+        vs.variables()
+            .values()
+            .all(|t| t.kind() == tch::Kind::BFloat16)
+    );
 }
 
 #[test]
 fn missing_and_corrupt_files_are_named() {
     let dir = tempfile::tempdir().unwrap();
     // No config.json at all.
-    let e = loader::load(dir.path().to_str().unwrap(), &LoadOptions::default()).unwrap_err().to_string();
+    let e = loader::load(dir.path().to_str().unwrap(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("config.json"), "{e}");
 
     // Corrupt config.json.
     copy_dir(&fixture("tiny/llama"), dir.path());
     std::fs::write(dir.path().join("config.json"), "{ not json").unwrap();
-    let e = loader::load_hf_weights(dir.path(), &LoadOptions::default()).unwrap_err().to_string();
+    let e = loader::load_hf_weights(dir.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("config.json"), "{e}");
 
     // An unsupported architecture is named.
-    std::fs::write(dir.path().join("config.json"), r#"{"architectures": ["GPTNeoXForCausalLM"]}"#).unwrap();
-    let e = loader::load_hf_weights(dir.path(), &LoadOptions::default()).unwrap_err().to_string();
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"architectures": ["GPTNeoXForCausalLM"]}"#,
+    )
+    .unwrap();
+    let e = loader::load_hf_weights(dir.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("GPTNeoXForCausalLM"), "{e}");
 
     // Missing weights.
     copy_dir(&fixture("tiny/llama"), dir.path());
     std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
-    let e = loader::load_hf_weights(dir.path(), &LoadOptions::default()).unwrap_err().to_string();
+    let e = loader::load_hf_weights(dir.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("model.safetensors"), "{e}");
 
     // Corrupt weights.
     std::fs::write(dir.path().join("model.safetensors"), b"garbage").unwrap();
-    let e = loader::load_hf_weights(dir.path(), &LoadOptions::default()).unwrap_err().to_string();
+    let e = loader::load_hf_weights(dir.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("safetensors"), "{e}");
 
     // No tokenizer in an otherwise valid directory.
     copy_dir(&fixture("tiny/llama"), dir.path());
-    let e = loader::load(dir.path().to_str().unwrap(), &LoadOptions::default()).unwrap_err().to_string();
+    let e = loader::load(dir.path().to_str().unwrap(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("tokenizer"), "{e}");
 
     // A missing GGUF file.
-    let e = loader::load("/no/such/model.gguf", &LoadOptions::default()).unwrap_err().to_string();
+    let e = loader::load("/no/such/model.gguf", &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("missing file /no/such/model.gguf"), "{e}");
 
     // A file that is not GGUF.
     let junk = dir.path().join("junk.gguf");
     std::fs::write(&junk, b"definitely not gguf").unwrap();
-    let e = loader::load(junk.to_str().unwrap(), &LoadOptions::default()).unwrap_err().to_string();
+    let e = loader::load(junk.to_str().unwrap(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("gguf"), "{e}");
 }
 
@@ -98,26 +127,47 @@ fn a_checkpoint_with_wrong_shapes_is_rejected() {
     let mut v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
     v["intermediate_size"] = serde_json::json!(v["intermediate_size"].as_u64().unwrap() * 2);
     std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
-    let e = loader::load_hf_weights(dir.path(), &LoadOptions::default()).unwrap_err().to_string();
+    let e = loader::load_hf_weights(dir.path(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("shape"), "{e}");
 }
 
 #[test]
 fn unknown_dtype_and_device_strings() {
-    assert!(parse_dtype("fp8").unwrap_err().to_string().contains("unknown dtype `fp8`"));
-    assert!(parse_device("npu:0").unwrap_err().to_string().contains("unknown device `npu:0`"));
+    assert!(
+        parse_dtype("fp8")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown dtype `fp8`")
+    );
+    assert!(
+        parse_device("npu:0")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown device `npu:0`")
+    );
 }
 
 #[test]
 fn repo_ids_resolve_from_the_local_hub_cache() {
     let cache = tempfile::tempdir().unwrap();
-    let snap = cache.path().join("models--tiny-org--tiny-llama/snapshots/abc123");
+    let snap = cache
+        .path()
+        .join("models--tiny-org--tiny-llama/snapshots/abc123");
     copy_dir(&fixture("tiny/llama"), &snap);
     std::fs::create_dir_all(cache.path().join("models--tiny-org--tiny-llama/refs")).unwrap();
-    std::fs::write(cache.path().join("models--tiny-org--tiny-llama/refs/main"), "abc123").unwrap();
+    std::fs::write(
+        cache.path().join("models--tiny-org--tiny-llama/refs/main"),
+        "abc123",
+    )
+    .unwrap();
     // SAFETY: this test binary's only environment mutation; no other thread reads HF_HUB_CACHE.
     unsafe { std::env::set_var("HF_HUB_CACHE", cache.path()) };
-    assert_eq!(loader::resolve("tiny-org/tiny-llama").unwrap(), ModelSource::HfDir(snap));
+    assert_eq!(
+        loader::resolve("tiny-org/tiny-llama").unwrap(),
+        ModelSource::HfDir(snap)
+    );
     let e = loader::resolve("tiny-org/absent").unwrap_err().to_string();
     assert!(e.contains("not in the local Hugging Face cache"), "{e}");
 }
@@ -179,26 +229,49 @@ fn hf_to_gguf(name: &str) -> String {
 /// Writes a tiny HF fixture as a GGUF file the way llama.cpp's converter would (q/k rows
 /// permuted for the llama architecture, no `output.weight` when tied).
 fn write_gguf(name: &str, arch: &str, path: &std::path::Path) {
-    use cotrain_model::gguf::{writer::GgufWriter, MetaValue as M};
-    let (vs, model) = loader::load_hf_weights(&fixture(&format!("tiny/{name}")), &LoadOptions::default()).unwrap();
+    use cotrain_model::gguf::{MetaValue as M, writer::GgufWriter};
+    let (vs, model) =
+        loader::load_hf_weights(&fixture(&format!("tiny/{name}")), &LoadOptions::default())
+            .unwrap();
     let cfg = model.config();
     let mut w = GgufWriter::new();
     let key = |k: &str| format!("{arch}.{k}");
     w.metadata("general.architecture", M::String(arch.into()))
         .metadata(key("block_count"), M::U32(cfg.num_hidden_layers as u32))
-        .metadata(key("context_length"), M::U32(cfg.max_position_embeddings as u32))
+        .metadata(
+            key("context_length"),
+            M::U32(cfg.max_position_embeddings as u32),
+        )
         .metadata(key("embedding_length"), M::U32(cfg.hidden_size as u32))
-        .metadata(key("feed_forward_length"), M::U32(cfg.intermediate_size as u32))
-        .metadata(key("attention.head_count"), M::U32(cfg.num_attention_heads as u32))
-        .metadata(key("attention.head_count_kv"), M::U32(cfg.num_key_value_heads as u32))
+        .metadata(
+            key("feed_forward_length"),
+            M::U32(cfg.intermediate_size as u32),
+        )
+        .metadata(
+            key("attention.head_count"),
+            M::U32(cfg.num_attention_heads as u32),
+        )
+        .metadata(
+            key("attention.head_count_kv"),
+            M::U32(cfg.num_key_value_heads as u32),
+        )
         .metadata(key("attention.key_length"), M::U32(cfg.head_dim as u32))
         .metadata(key("rope.freq_base"), M::F32(cfg.rope_theta as f32))
-        .metadata(key("attention.layer_norm_rms_epsilon"), M::F32(cfg.rms_norm_eps as f32));
+        .metadata(
+            key("attention.layer_norm_rms_epsilon"),
+            M::F32(cfg.rms_norm_eps as f32),
+        );
     let mut tokens = byte_tokens();
     tokens[255] = "ĠĠ".into();
     w.metadata("tokenizer.ggml.model", M::String("gpt2".into()))
-        .metadata("tokenizer.ggml.tokens", M::Array(tokens.into_iter().map(M::String).collect()))
-        .metadata("tokenizer.ggml.merges", M::Array(vec![M::String("Ġ Ġ".into())]))
+        .metadata(
+            "tokenizer.ggml.tokens",
+            M::Array(tokens.into_iter().map(M::String).collect()),
+        )
+        .metadata(
+            "tokenizer.ggml.merges",
+            M::Array(vec![M::String("Ġ Ġ".into())]),
+        )
         .metadata("tokenizer.ggml.eos_token_id", M::U32(2));
     let mut names: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
     names.sort_by(|a, b| a.0.cmp(&b.0));
@@ -207,7 +280,11 @@ fn write_gguf(name: &str, arch: &str, path: &std::path::Path) {
         let mut data = Vec::<f32>::try_from(&t.detach().flatten(0, -1)).unwrap();
         let g = hf_to_gguf(&hf);
         if arch == "llama" && (g.contains(".attn_q.") || g.contains(".attn_k.")) {
-            let heads = if g.contains(".attn_q.") { cfg.num_attention_heads } else { cfg.num_key_value_heads };
+            let heads = if g.contains(".attn_q.") {
+                cfg.num_attention_heads
+            } else {
+                cfg.num_key_value_heads
+            };
             let cols = shape.get(1).copied().unwrap_or(1);
             data = cotrain_model::gguf::permute_qk_rows(&data, heads, shape[0], cols).unwrap();
         }
@@ -223,27 +300,43 @@ fn gguf_files_of_every_family_load_like_their_hf_checkpoints() {
         let path = dir.path().join(format!("{name}.gguf"));
         write_gguf(name, arch, &path);
         let from_gguf = loader::load(path.to_str().unwrap(), &LoadOptions::default()).unwrap();
-        let (_, from_hf) = loader::load_hf_weights(&fixture(&format!("tiny/{name}")), &LoadOptions::default()).unwrap();
-        assert_eq!(from_gguf.model.config().family, from_hf.config().family, "{name}");
-        assert_eq!(from_gguf.model.config().tie_word_embeddings, from_hf.config().tie_word_embeddings, "{name}");
+        let (_, from_hf) =
+            loader::load_hf_weights(&fixture(&format!("tiny/{name}")), &LoadOptions::default())
+                .unwrap();
+        assert_eq!(
+            from_gguf.model.config().family,
+            from_hf.config().family,
+            "{name}"
+        );
+        assert_eq!(
+            from_gguf.model.config().tie_word_embeddings,
+            from_hf.config().tie_word_embeddings,
+            "{name}"
+        );
         let ids = tch::Tensor::from_slice(&[1i64, 17, 99, 3, 250, 42]).unsqueeze(0);
         let a = tch::no_grad(|| from_gguf.model.forward(&ids)).unwrap();
         let b = tch::no_grad(|| from_hf.forward(&ids)).unwrap();
         let diff = (a - b).abs().max().double_value(&[]);
         assert!(diff < 1e-5, "{name}: gguf and hf logits differ by {diff}");
         let ids = from_gguf.tokenizer.encode("ab  c", false).unwrap();
-        assert_eq!(from_gguf.tokenizer.decode(&ids, false).unwrap(), "ab  c", "{name}: tokenizer from gguf");
+        assert_eq!(
+            from_gguf.tokenizer.decode(&ids, false).unwrap(),
+            "ab  c",
+            "{name}: tokenizer from gguf"
+        );
     }
 }
 
 #[test]
 fn unsupported_gguf_architecture_is_named() {
-    use cotrain_model::gguf::{writer::GgufWriter, MetaValue as M};
+    use cotrain_model::gguf::{MetaValue as M, writer::GgufWriter};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("falcon.gguf");
     let mut w = GgufWriter::new();
     w.metadata("general.architecture", M::String("falcon".into()));
     w.write(&path).unwrap();
-    let e = loader::load(path.to_str().unwrap(), &LoadOptions::default()).unwrap_err().to_string();
+    let e = loader::load(path.to_str().unwrap(), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("falcon"), "{e}");
 }

@@ -4,17 +4,19 @@
 
 mod support;
 
-use cotrain_model::logprobs::{
-    completion_logprobs, naive_completion_logprobs, LogProbOptions, Sequence,
-};
 use cotrain_model::loader::LoadOptions;
+use cotrain_model::logprobs::{
+    LogProbOptions, Sequence, completion_logprobs, naive_completion_logprobs,
+};
 use support::*;
 use tch::{Kind, Tensor};
 
 fn batch() -> Vec<Sequence> {
     let mk = |p: usize, c: usize, salt: u32| Sequence {
         prompt: (0..p as u32).map(|i| 3 + (i * 31 + salt) % 250).collect(),
-        completion: (0..c as u32).map(|i| 3 + (i * 17 + salt * 7) % 250).collect(),
+        completion: (0..c as u32)
+            .map(|i| 3 + (i * 17 + salt * 7) % 250)
+            .collect(),
     };
     vec![mk(5, 7, 1), mk(2, 12, 2), mk(9, 3, 3), mk(1, 1, 4)]
 }
@@ -54,8 +56,15 @@ fn check(name: &str) {
     let g_ref = grads(&loaded);
 
     // Chunked, chunk 4 (several chunks, one crossing sequence boundaries).
-    let out = completion_logprobs(model, &batch, &LogProbOptions { chunk_size: 4, with_grad: true })
-        .unwrap();
+    let out = completion_logprobs(
+        model,
+        &batch,
+        &LogProbOptions {
+            chunk_size: 4,
+            with_grad: true,
+        },
+    )
+    .unwrap();
     assert_eq!(out.offsets, offsets_ref);
     assert_eq!(out.logprobs.size(), vec![n as i64]);
     let wv = worst(&values(&out.logprobs), &values(&lp_ref), 1e-5, 1e-5);
@@ -70,9 +79,15 @@ fn check(name: &str) {
     for ((n1, a), (n2, b)) in g.iter().zip(&g_ref) {
         assert_eq!(n1, n2);
         assert!(b.defined() && a.defined(), "{name}: {n1} has no gradient");
-        let scale = values(b).iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
+        let scale = values(b)
+            .iter()
+            .fold(0.0f64, |m, x| m.max(x.abs()))
+            .max(1e-6);
         let wg = worst(&values(a), &values(b), 1e-5 * scale, 1e-4);
-        assert!(wg <= 1.0, "{name}: gradient of {n1} off by {wg} x tolerance");
+        assert!(
+            wg <= 1.0,
+            "{name}: gradient of {n1} off by {wg} x tolerance"
+        );
     }
 }
 
@@ -90,8 +105,15 @@ fn chunked_kernel_equals_naive_untied_head_with_biases() {
 fn padded_layout_and_mask() {
     let loaded = tiny("llama", &LoadOptions::default());
     let batch = batch();
-    let out = completion_logprobs(&loaded.model, &batch, &LogProbOptions { chunk_size: 3, with_grad: false })
-        .unwrap();
+    let out = completion_logprobs(
+        &loaded.model,
+        &batch,
+        &LogProbOptions {
+            chunk_size: 3,
+            with_grad: false,
+        },
+    )
+    .unwrap();
     let (padded, mask) = out.padded();
     assert_eq!(padded.size(), vec![4, 12]);
     let flat = values(&out.logprobs);
@@ -129,10 +151,18 @@ fn bad_batches_are_rejected() {
     let loaded = tiny("llama", &LoadOptions::default());
     let ctx = loaded.model.config().max_position_embeddings;
     let opts = LogProbOptions::default();
-    let empty = Sequence { prompt: vec![1], completion: vec![] };
+    let empty = Sequence {
+        prompt: vec![1],
+        completion: vec![],
+    };
     assert!(completion_logprobs(&loaded.model, &[empty], &opts).is_err());
-    let long = Sequence { prompt: vec![1; ctx], completion: vec![2] };
-    let e = completion_logprobs(&loaded.model, &[long], &opts).unwrap_err().to_string();
+    let long = Sequence {
+        prompt: vec![1; ctx],
+        completion: vec![2],
+    };
+    let e = completion_logprobs(&loaded.model, &[long], &opts)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("beyond the model's context"), "{e}");
     assert!(completion_logprobs(&loaded.model, &[], &opts).is_err());
 }

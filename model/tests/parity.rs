@@ -6,8 +6,8 @@
 mod support;
 
 use cotrain_model::engine::{Engine, Request, SamplingParams, StopConditions};
-use cotrain_model::logprobs::{completion_logprobs, LogProbOptions, Sequence};
 use cotrain_model::loader::LoadOptions;
+use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs};
 use support::*;
 use tch::{Kind, Tensor};
 
@@ -15,7 +15,13 @@ fn check_family(name: &str) {
     let reference = reference(name);
     let bf16 = reference["dtype"].as_str().unwrap() == "bfloat16";
     let kind = if bf16 { Kind::BFloat16 } else { Kind::Float };
-    let loaded = tiny(name, &LoadOptions { kind, ..Default::default() });
+    let loaded = tiny(
+        name,
+        &LoadOptions {
+            kind,
+            ..Default::default()
+        },
+    );
     // f32 should agree to rounding; bf16 runs in bf16 on both sides with different kernels.
     let (atol, rtol) = if bf16 { (6e-2, 3e-2) } else { (2e-4, 2e-4) };
     let new_tokens = reference["new_tokens"].as_u64().unwrap() as usize;
@@ -27,41 +33,79 @@ fn check_family(name: &str) {
         let model = &engine.loaded().model;
 
         // Full-forward logits.
-        let x = Tensor::from_slice(&input.iter().map(|&t| t as i64).collect::<Vec<_>>()).unsqueeze(0);
+        let x =
+            Tensor::from_slice(&input.iter().map(|&t| t as i64).collect::<Vec<_>>()).unsqueeze(0);
         let logits = tch::no_grad(|| model.forward(&x)).unwrap();
-        let want: Vec<f64> =
-            case["logits"].as_array().unwrap().iter().flat_map(floats).collect();
+        let want: Vec<f64> = case["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(floats)
+            .collect();
         let w = worst(&values(&logits), &want, atol, rtol);
         assert!(w <= 1.0, "{name} case {c}: logits off by {w} x tolerance");
 
         // Log-probs and entropies through the chunked kernel (chunk 5 forces several chunks).
-        let seq = Sequence { prompt: input[..1].to_vec(), completion: input[1..].to_vec() };
+        let seq = Sequence {
+            prompt: input[..1].to_vec(),
+            completion: input[1..].to_vec(),
+        };
         let lp = completion_logprobs(
             model,
             &[seq],
-            &LogProbOptions { chunk_size: 5, with_grad: false },
+            &LogProbOptions {
+                chunk_size: 5,
+                with_grad: false,
+            },
         )
         .unwrap();
-        let w = worst(&values(&lp.logprobs), &floats(&case["token_logprobs"]), atol, rtol);
-        assert!(w <= 1.0, "{name} case {c}: token log-probs off by {w} x tolerance");
+        let w = worst(
+            &values(&lp.logprobs),
+            &floats(&case["token_logprobs"]),
+            atol,
+            rtol,
+        );
+        assert!(
+            w <= 1.0,
+            "{name} case {c}: token log-probs off by {w} x tolerance"
+        );
         let ent = floats(&case["entropy"]);
         let w = worst(&values(&lp.entropy), &ent[..input.len() - 1], atol, rtol);
-        assert!(w <= 1.0, "{name} case {c}: entropies off by {w} x tolerance");
+        assert!(
+            w <= 1.0,
+            "{name} case {c}: entropies off by {w} x tolerance"
+        );
 
         // Greedy continuation through the KV-cached engine.
         let want_ids = ids(&case["greedy_new_ids"]);
         let margins = floats(&case["greedy_top2_margin"]);
         let request = Request {
             params: SamplingParams::greedy(),
-            stop: StopConditions { max_new_tokens: new_tokens, ignore_eos: true, ..Default::default() },
+            stop: StopConditions {
+                max_new_tokens: new_tokens,
+                ignore_eos: true,
+                ..Default::default()
+            },
             ..Request::new(input.clone())
         };
-        let got = engine.generate(&[request]).unwrap().remove(0).remove(0).token_ids;
+        let got = engine
+            .generate(&[request])
+            .unwrap()
+            .remove(0)
+            .remove(0)
+            .token_ids;
         if bf16 {
             // Compare up to the first near-tie, where bf16 rounding may legitimately pick the
             // other token.
-            let safe = margins.iter().position(|&m| m < 0.25).unwrap_or(margins.len());
-            assert_eq!(got[..safe], want_ids[..safe], "{name} case {c}: greedy tokens");
+            let safe = margins
+                .iter()
+                .position(|&m| m < 0.25)
+                .unwrap_or(margins.len());
+            assert_eq!(
+                got[..safe],
+                want_ids[..safe],
+                "{name} case {c}: greedy tokens"
+            );
         } else {
             assert_eq!(got, want_ids, "{name} case {c}: greedy tokens");
         }
@@ -107,7 +151,13 @@ fn qwen3_matches_transformers() {
 fn f16_runs_and_stays_close_to_f32() {
     let x = Tensor::from_slice(&[1i64, 40, 7, 200, 13, 99]).unsqueeze(0);
     let f32_model = tiny("qwen2", &LoadOptions::default());
-    let f16_model = tiny("qwen2", &LoadOptions { kind: Kind::Half, ..Default::default() });
+    let f16_model = tiny(
+        "qwen2",
+        &LoadOptions {
+            kind: Kind::Half,
+            ..Default::default()
+        },
+    );
     assert_eq!(f16_model.model.kind(), Kind::Half);
     let a = tch::no_grad(|| f32_model.model.forward(&x)).unwrap();
     let b = tch::no_grad(|| f16_model.model.forward(&x)).unwrap();

@@ -172,7 +172,9 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch_rows: 256 }
+        EngineConfig {
+            max_batch_rows: 256,
+        }
     }
 }
 
@@ -303,14 +305,20 @@ impl Engine {
                 cfg.max_position_embeddings
             )));
         }
-        if let Some(&bad) = request.prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        if let Some(&bad) = request
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= cfg.vocab_size)
+        {
             return Err(ModelError::InvalidRequest(format!(
                 "prompt token {bad} is outside the vocabulary of {}",
                 cfg.vocab_size
             )));
         }
         if request.stop.max_new_tokens == 0 {
-            return Err(ModelError::InvalidRequest("max_new_tokens must be at least 1".into()));
+            return Err(ModelError::InvalidRequest(
+                "max_new_tokens must be at least 1".into(),
+            ));
         }
         request.params.validate()?;
         let handle = RequestHandle(self.next_id);
@@ -354,7 +362,9 @@ impl Engine {
         let mut missing: usize = requests.iter().map(|r| r.n).sum();
         while missing > 0 {
             if self.is_idle() {
-                return Err(ModelError::InvalidRequest("engine went idle before finishing".into()));
+                return Err(ModelError::InvalidRequest(
+                    "engine went idle before finishing".into(),
+                ));
             }
             for s in self.step()?.finished {
                 if handles.contains(&s.request) {
@@ -412,7 +422,9 @@ impl Engine {
         let first_row = self.active.len();
         let rows_needed = first_row + req.n;
         let cap_needed = self.max_cached().max(len + 1);
-        let cache = self.cache.get_or_insert_with(|| KvCache::new(model, rows_needed, cap_needed));
+        let cache = self
+            .cache
+            .get_or_insert_with(|| KvCache::new(model, rows_needed, cap_needed));
         let keep_len = self.active.iter().map(|s| s.cached).max().unwrap_or(0);
         cache.reserve(rows_needed, cap_needed, first_row, keep_len);
         for i in 0..req.n {
@@ -430,7 +442,11 @@ impl Engine {
             let mut rng = ChaCha8Rng::seed_from_u64(req.seed);
             rng.set_stream(i as u64);
             let uniform: f32 = rng.random();
-            specs.push(RowSpec { params: req.params, logprobs: req.logprobs, uniform });
+            specs.push(RowSpec {
+                params: req.params,
+                logprobs: req.logprobs,
+                uniform,
+            });
             self.active.push(Seq {
                 request: handle,
                 index: i,
@@ -444,8 +460,7 @@ impl Engine {
                 cached: len,
                 generated: Vec::new(),
                 logprobs: Vec::new(),
-                decoder: (!req.stop.stop_strings.is_empty())
-                    .then(|| IncrementalDecoder::new(true)),
+                decoder: (!req.stop.stop_strings.is_empty()).then(|| IncrementalDecoder::new(true)),
                 finished: None,
             });
         }
@@ -464,22 +479,31 @@ impl Engine {
     /// One batched forward over every running sequence's last token.
     fn decode(&mut self, out: &mut StepOutput) -> Result<()> {
         let b = self.active.len();
-        let ids: Vec<i64> =
-            self.active.iter().map(|s| *s.generated.last().expect("has a token") as i64).collect();
+        let ids: Vec<i64> = self
+            .active
+            .iter()
+            .map(|s| *s.generated.last().expect("has a token") as i64)
+            .collect();
         let starts: Vec<i64> = self.active.iter().map(|s| s.cached as i64).collect();
         let need = self.max_cached() + 1;
         let keep_len = self.max_cached();
         let cache = self.cache.as_mut().expect("prefill created the cache");
         cache.reserve(b, need, b, keep_len);
         let model = &self.loaded.model;
-        let ids = Tensor::from_slice(&ids).to_device(model.device()).unsqueeze(1);
+        let ids = Tensor::from_slice(&ids)
+            .to_device(model.device())
+            .unsqueeze(1);
         let hidden = model.forward_hidden_cached(&ids, &starts, cache)?;
         // (B, 1, H) -> (B, V)
         let logits = model.lm_head(&hidden.squeeze_dim(1));
         let specs: Vec<RowSpec> = self
             .active
             .iter_mut()
-            .map(|s| RowSpec { params: s.params, logprobs: s.logprob_mode, uniform: s.rng.random() })
+            .map(|s| RowSpec {
+                params: s.params,
+                logprobs: s.logprob_mode,
+                uniform: s.rng.random(),
+            })
             .collect();
         let (tokens, lps) = sampling::sample(&logits, &specs)?;
         self.stats.decode_steps += 1;
@@ -496,14 +520,20 @@ impl Engine {
         let seq = &mut self.active[row];
         seq.generated.push(token);
         seq.logprobs.push(lp);
-        out.tokens.push(TokenEvent { request: seq.request, index: seq.index, token, logprob: lp });
+        out.tokens.push(TokenEvent {
+            request: seq.request,
+            index: seq.index,
+            token,
+            logprob: lp,
+        });
         if seq.stop_ids.contains(&token) {
             seq.finished = Some((FinishReason::Stop, None));
             return Ok(());
         }
         if let Some(dec) = &mut seq.decoder {
             let before = dec.text().len();
-            dec.push(tokenizer, token).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+            dec.push(tokenizer, token)
+                .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
             let text = dec.text();
             let longest = seq.stop_strings.iter().map(String::len).max().unwrap_or(0);
             let mut from = before.saturating_sub(longest);
@@ -531,10 +561,16 @@ impl Engine {
         let mut row = self.active.len();
         while row > 0 {
             row -= 1;
-            let Some((reason, cut)) = self.active[row].finished else { continue };
+            let Some((reason, cut)) = self.active[row].finished else {
+                continue;
+            };
             let seq = self.remove_row(row);
             let text = match cut {
-                Some(pos) => seq.decoder.as_ref().map(|d| d.text()[..pos].to_string()).unwrap_or_default(),
+                Some(pos) => seq
+                    .decoder
+                    .as_ref()
+                    .map(|d| d.text()[..pos].to_string())
+                    .unwrap_or_default(),
                 None => self
                     .loaded
                     .tokenizer

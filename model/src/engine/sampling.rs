@@ -26,14 +26,22 @@ pub struct SamplingParams {
 impl Default for SamplingParams {
     /// Plain sampling at temperature 1.
     fn default() -> Self {
-        SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0 }
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+        }
     }
 }
 
 impl SamplingParams {
     /// Greedy decoding.
     pub fn greedy() -> Self {
-        SamplingParams { temperature: 0.0, ..Default::default() }
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }
     }
 
     /// Whether this picks the argmax.
@@ -95,13 +103,24 @@ pub(crate) fn sample(logits: &Tensor, rows: &[RowSpec]) -> Result<(Vec<i64>, Vec
         let f = |xs: Vec<f32>| Tensor::from_slice(&xs).to_device(device).unsqueeze(1);
         let temps = f(rows
             .iter()
-            .map(|r| if r.params.is_greedy() { 1.0 } else { r.params.temperature as f32 })
+            .map(|r| {
+                if r.params.is_greedy() {
+                    1.0
+                } else {
+                    r.params.temperature as f32
+                }
+            })
             .collect());
         let mut x = &raw / &temps;
         let neg_inf = f64::NEG_INFINITY;
 
         // top-k: drop values below each row's k-th largest.
-        let kmax = rows.iter().map(|r| r.params.top_k).max().unwrap_or(0).min(v as usize) as i64;
+        let kmax = rows
+            .iter()
+            .map(|r| r.params.top_k)
+            .max()
+            .unwrap_or(0)
+            .min(v as usize) as i64;
         let mut topk_sorted: Option<Tensor> = None;
         if kmax > 0 {
             let (vals, _) = x.topk(kmax, -1, true, true);
@@ -112,15 +131,22 @@ pub(crate) fn sample(logits: &Tensor, rows: &[RowSpec]) -> Result<(Vec<i64>, Vec
             let kidx = Tensor::from_slice(&kidx).to_device(device).unsqueeze(1);
             let has_k: Vec<bool> = rows.iter().map(|r| r.params.top_k > 0).collect();
             let has_k = Tensor::from_slice(&has_k).to_device(device).unsqueeze(1);
-            let thr = vals.gather(1, &kidx, false).where_scalarother(&has_k, neg_inf);
+            let thr = vals
+                .gather(1, &kidx, false)
+                .where_scalarother(&has_k, neg_inf);
             x = x.masked_fill(&x.lt_tensor(&thr), neg_inf);
             let sorted = vals.masked_fill(&vals.lt_tensor(&thr), neg_inf);
             topk_sorted = Some(sorted);
         }
 
         // top-p: keep the sorted prefix whose preceding mass is below p.
-        if rows.iter().any(|r| r.params.top_p < 1.0 && !r.params.is_greedy()) {
-            let covered = rows.iter().all(|r| r.params.top_p >= 1.0 || r.params.top_k > 0);
+        if rows
+            .iter()
+            .any(|r| r.params.top_p < 1.0 && !r.params.is_greedy())
+        {
+            let covered = rows
+                .iter()
+                .all(|r| r.params.top_p >= 1.0 || r.params.top_k > 0);
             let sorted = match (&topk_sorted, covered) {
                 (Some(s), true) => s.shallow_clone(),
                 _ => x.sort(-1, true).0,
@@ -129,9 +155,17 @@ pub(crate) fn sample(logits: &Tensor, rows: &[RowSpec]) -> Result<(Vec<i64>, Vec
             let before = p.cumsum(-1, Kind::Float) - &p;
             let top_p = f(rows
                 .iter()
-                .map(|r| if r.params.top_p >= 1.0 { 2.0 } else { r.params.top_p as f32 })
+                .map(|r| {
+                    if r.params.top_p >= 1.0 {
+                        2.0
+                    } else {
+                        r.params.top_p as f32
+                    }
+                })
                 .collect());
-            let keep = before.lt_tensor(&top_p).sum_dim_intlist(-1, true, Kind::Int64);
+            let keep = before
+                .lt_tensor(&top_p)
+                .sum_dim_intlist(-1, true, Kind::Int64);
             let thr = sorted.gather(1, &(keep - 1).clamp_min(0), false);
             x = x.masked_fill(&x.lt_tensor(&thr), neg_inf);
         }
@@ -172,15 +206,19 @@ pub(crate) fn sample(logits: &Tensor, rows: &[RowSpec]) -> Result<(Vec<i64>, Vec
     let raw_lp = (raw.gather(1, &tokens.unsqueeze(1), false) - &lse).squeeze_dim(1);
     let lp = match sampled_lp {
         Some(s) => {
-            let modes: Vec<bool> =
-                rows.iter().map(|r| r.logprobs == LogprobMode::Sampling).collect();
+            let modes: Vec<bool> = rows
+                .iter()
+                .map(|r| r.logprobs == LogprobMode::Sampling)
+                .collect();
             s.where_self(&Tensor::from_slice(&modes).to_device(device), &raw_lp)
         }
         None => {
             if want_sampling_lp {
                 // All greedy: the sampling distribution is a point mass.
-                let modes: Vec<bool> =
-                    rows.iter().map(|r| r.logprobs == LogprobMode::Sampling).collect();
+                let modes: Vec<bool> = rows
+                    .iter()
+                    .map(|r| r.logprobs == LogprobMode::Sampling)
+                    .collect();
                 raw_lp.where_scalarother(
                     &Tensor::from_slice(&modes).to_device(device).logical_not(),
                     0.0,
@@ -200,7 +238,11 @@ mod tests {
     use super::*;
 
     fn row(params: SamplingParams, uniform: f32) -> RowSpec {
-        RowSpec { params, logprobs: LogprobMode::Raw, uniform }
+        RowSpec {
+            params,
+            logprobs: LogprobMode::Raw,
+            uniform,
+        }
     }
 
     #[test]
@@ -225,24 +267,43 @@ mod tests {
     fn filters_apply_per_row_and_do_not_depend_on_neighbours() {
         let base: Vec<f32> = (0..10).map(|i| i as f32 * 0.3).collect();
         let logits = Tensor::from_slice(&base).unsqueeze(0).repeat([3, 1]);
-        let k2 = SamplingParams { top_k: 2, ..Default::default() };
-        let p_small = SamplingParams { top_p: 0.3, ..Default::default() };
+        let k2 = SamplingParams {
+            top_k: 2,
+            ..Default::default()
+        };
+        let p_small = SamplingParams {
+            top_p: 0.3,
+            ..Default::default()
+        };
         let plain = SamplingParams::default();
         for u in [0.0f32, 0.3, 0.7, 0.99] {
             let alone_k: Vec<i64> = sample(&logits.narrow(0, 0, 1), &[row(k2, u)]).unwrap().0;
             let alone_plain = sample(&logits.narrow(0, 0, 1), &[row(plain, u)]).unwrap().0;
-            let mixed = sample(&logits, &[row(k2, u), row(p_small, u), row(plain, u)]).unwrap().0;
+            let mixed = sample(&logits, &[row(k2, u), row(p_small, u), row(plain, u)])
+                .unwrap()
+                .0;
             assert_eq!(alone_k[0], mixed[0]);
             assert_eq!(alone_plain[0], mixed[2]);
-            assert!(mixed[0] >= 8, "top-k 2 keeps tokens 8 and 9, got {}", mixed[0]);
-            assert!(mixed[1] >= 8, "top-p 0.3 keeps the top two here, got {}", mixed[1]);
+            assert!(
+                mixed[0] >= 8,
+                "top-k 2 keeps tokens 8 and 9, got {}",
+                mixed[0]
+            );
+            assert!(
+                mixed[1] >= 8,
+                "top-p 0.3 keeps the top two here, got {}",
+                mixed[1]
+            );
         }
     }
 
     #[test]
     fn min_p_drops_unlikely_tokens() {
         let logits = Tensor::from_slice(&[0.0f32, 5.0, 4.9]).unsqueeze(0);
-        let p = SamplingParams { min_p: 0.5, ..Default::default() };
+        let p = SamplingParams {
+            min_p: 0.5,
+            ..Default::default()
+        };
         for u in [0.0f32, 0.2, 0.5, 0.999] {
             let (t, _) = sample(&logits, &[row(p, u)]).unwrap();
             assert!(t[0] == 1 || t[0] == 2);

@@ -6,7 +6,7 @@
 
 use serde::Deserialize;
 
-use crate::config::{resolve_rope, Family, ModelConfig, OneOrMany, RopeParams};
+use crate::config::{Family, ModelConfig, OneOrMany, RopeParams, resolve_rope};
 use crate::error::{ModelError, Result};
 
 /// `config.json` of a `LlamaForCausalLM` checkpoint (defaults as in transformers' `LlamaConfig`).
@@ -57,7 +57,9 @@ impl LlamaConfig {
     pub fn into_model_config(self) -> Result<ModelConfig> {
         check_act(&self.hidden_act)?;
         if self.mlp_bias {
-            return Err(ModelError::InvalidConfig("`mlp_bias: true` is not supported".into()));
+            return Err(ModelError::InvalidConfig(
+                "`mlp_bias: true` is not supported".into(),
+            ));
         }
         let (rope_theta, rope_scaling) = resolve_rope(
             self.rope_theta,
@@ -85,7 +87,10 @@ impl LlamaConfig {
             attention_bias: self.attention_bias,
             qk_norm: false,
             bos_token_id: self.bos_token_id,
-            eos_token_ids: self.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default(),
+            eos_token_ids: self
+                .eos_token_id
+                .map(OneOrMany::into_vec)
+                .unwrap_or_default(),
         })
     }
 }

@@ -5,7 +5,7 @@
 use serde::Deserialize;
 
 use super::llama::check_act;
-use crate::config::{resolve_rope, Family, ModelConfig, OneOrMany, RopeParams};
+use crate::config::{Family, ModelConfig, OneOrMany, RopeParams, resolve_rope};
 use crate::error::{ModelError, Result};
 
 /// `config.json` of a `Qwen2ForCausalLM` checkpoint (defaults as in transformers' `Qwen2Config`).
@@ -81,7 +81,10 @@ impl Qwen2Config {
             attention_bias: true,
             qk_norm: false,
             bos_token_id: self.bos_token_id,
-            eos_token_ids: self.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default(),
+            eos_token_ids: self
+                .eos_token_id
+                .map(OneOrMany::into_vec)
+                .unwrap_or_default(),
         })
     }
 }

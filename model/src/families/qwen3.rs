@@ -6,7 +6,7 @@
 use serde::Deserialize;
 
 use super::llama::check_act;
-use crate::config::{resolve_rope, Family, ModelConfig, OneOrMany, RopeParams};
+use crate::config::{Family, ModelConfig, OneOrMany, RopeParams, resolve_rope};
 use crate::error::{ModelError, Result};
 
 /// `config.json` of a `Qwen3ForCausalLM` checkpoint (defaults as in transformers' `Qwen3Config`).
@@ -89,7 +89,10 @@ impl Qwen3Config {
             attention_bias: self.attention_bias,
             qk_norm: true,
             bos_token_id: self.bos_token_id,
-            eos_token_ids: self.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default(),
+            eos_token_ids: self
+                .eos_token_id
+                .map(OneOrMany::into_vec)
+                .unwrap_or_default(),
         })
     }
 }

@@ -11,7 +11,9 @@ use tch::Tensor;
 
 /// `model/tests/fixtures/<rel>`.
 pub fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(rel)
 }
 
 /// The committed reference values of a tiny model.
@@ -22,8 +24,9 @@ pub fn reference(name: &str) -> serde_json::Value {
 
 /// A word-level tokenizer over `t0 .. t{vocab-1}`; decoding joins tokens with spaces.
 pub fn word_tokenizer(vocab: usize) -> Tokenizer {
-    let vocab_json: serde_json::Map<String, serde_json::Value> =
-        (0..vocab).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
+    let vocab_json: serde_json::Map<String, serde_json::Value> = (0..vocab)
+        .map(|i| (format!("t{i}"), serde_json::json!(i)))
+        .collect();
     let json = serde_json::json!({
         "version": "1.0",
         "truncation": null,
@@ -58,12 +61,20 @@ pub fn tiny(name: &str, opts: &LoadOptions) -> LoadedModel {
 
 /// JSON array of numbers -> Vec<f64>.
 pub fn floats(v: &serde_json::Value) -> Vec<f64> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
 }
 
 /// JSON array of integers -> Vec<u32>.
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// A tensor's values as f64.
@@ -74,7 +85,10 @@ pub fn values(t: &Tensor) -> Vec<f64> {
 /// Largest |a - b| / (atol + rtol |b|); <= 1 means within tolerance.
 pub fn worst(a: &[f64], b: &[f64], atol: f64, rtol: f64) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / (atol + rtol * y.abs())).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / (atol + rtol * y.abs()))
+        .fold(0.0, f64::max)
 }
 
 /// The embedded SmolLM2 GGUF; a missing file is a setup error.

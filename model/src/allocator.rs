@@ -1,0 +1,28 @@
+//! Process-wide allocator tuning for the inference and training loops.
+//!
+//! libtorch allocates CPU tensors with glibc `malloc`, which serves blocks above its mmap threshold
+//! (128 KiB, raised dynamically up to 32 MiB) with fresh `mmap`s and gives freed heap tops back to the
+//! kernel. A decode step allocates and frees the same few MiB-sized logits and activations every
+//! step, so each step page-faults them in again and zeroes them: at batch 32, 15% of the cycles went
+//! to page faults and page clearing (perf). Fixing the thresholds keeps that memory in the heap for
+//! reuse: batch-8 decoding of SmolLM2 went from 137 to 154 tokens/s.
+
+use std::sync::Once;
+
+/// Blocks below this come from the heap (glibc's largest allowed mmap threshold).
+const MMAP_THRESHOLD: i32 = 32 << 20;
+/// Freed heap tops below this stay mapped.
+const TRIM_THRESHOLD: i32 = 1 << 30;
+
+/// Applies the tuning once per process (glibc only; a no-op elsewhere). Call it early in `main`.
+pub fn tune_for_tensors() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: mallopt only changes allocator parameters; it is thread-safe in glibc.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD);
+        }
+    });
+}
