@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs a whole cotrain cluster as separate processes on this machine: one reward server,
 # N rollout workers, and the learner driving them over gRPC on loopback.
+# The workers accept weight updates through /dev/shm (--allow-shm-weights): every process is on this host.
 #
 #   deploy/local/cluster.sh [--workers N] [--model MODEL] -- <learner train args...>
 #   deploy/local/cluster.sh --workers 2 -- --config configs/demo.yaml
@@ -51,7 +52,7 @@ agent_args=()
 for i in $(seq 0 $((AGENTS - 1))); do agent_args+=(--agent "agent$i=$MODEL"); done
 endpoints=()
 for w in $(seq 1 "$WORKERS"); do
-  "$BIN/rollout-worker" serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 --separate-weights "${agent_args[@]}" \
+  "$BIN/rollout-worker" serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 --separate-weights --allow-shm-weights "${agent_args[@]}" \
     >"$LOGS/rollout-worker-$w.log" 2>&1 &
   pids+=($!)
 done

@@ -5,8 +5,11 @@
 //!
 //! The transformers side runs `scripts/reference/bench_generate.py` with the pyref Python
 //! (`~/.cache/cotrain/pyref/bin/python`, or `$COTRAIN_PYREF`); it is skipped with a note when
-//! that environment is absent. The roofline is `notes/toolchain.md`'s: 42 tokens/s at batch 1
-//! (memory bound), 670 at large batch (compute bound), min(B * 42, 670) in between.
+//! that environment is absent. The roofline is measured in the same run: weight bytes over the
+//! machine's read bandwidth (a 1 GiB `sum`) bounds batch-1 decoding, model FLOPs over its f32
+//! matmul rate (2048³ `matmul`) bounds large batches, min(B × the first, the second) in between.
+//! `notes/toolchain.md` derives 42 and 670 tokens/s from single-stream figures; two threads reading
+//! the weights measure faster than its 22–25 GB/s, so this run's own figures are used.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -53,8 +56,44 @@ fn parse_args() -> Args {
     args
 }
 
-fn roofline(batch: usize) -> f64 {
-    (batch as f64 * 42.0).min(670.0)
+/// The machine's limits, measured now with the benchmark's thread count.
+struct Roofline {
+    /// Read bandwidth, bytes/s.
+    bandwidth: f64,
+    /// f32 matmul rate, FLOP/s.
+    flops: f64,
+    /// The model's parameters.
+    params: f64,
+}
+
+impl Roofline {
+    fn measure(params: f64) -> Self {
+        use tch::{Device, Kind, Tensor};
+        let _guard = tch::no_grad_guard();
+        let big = Tensor::ones([256 << 20], (Kind::Float, Device::Cpu));
+        let _ = big.sum(Kind::Float).double_value(&[]);
+        let t = Instant::now();
+        for _ in 0..5 {
+            let _ = big.sum(Kind::Float).double_value(&[]);
+        }
+        let bandwidth = 5.0 * 4.0 * (256u64 << 20) as f64 / t.elapsed().as_secs_f64();
+        let a = Tensor::randn([2048, 2048], (Kind::Float, Device::Cpu));
+        let _ = a.matmul(&a);
+        let t = Instant::now();
+        for _ in 0..5 {
+            let _ = a.matmul(&a);
+        }
+        let flops = 5.0 * 2.0 * 2048f64.powi(3) / t.elapsed().as_secs_f64();
+        Roofline { bandwidth, flops, params }
+    }
+
+    /// Tokens/s bound at a batch size: every step streams the f32 weights once and does
+    /// 2 · params FLOPs per row.
+    fn tokens_per_s(&self, batch: usize) -> f64 {
+        let memory = self.bandwidth / (4.0 * self.params);
+        let compute = self.flops / (2.0 * self.params);
+        (batch as f64 * memory).min(compute)
+    }
 }
 
 fn run_cotrain(engine: &mut Engine, prompt: &[u32], batch: usize, new_tokens: usize) -> f64 {
@@ -135,6 +174,15 @@ fn main() {
     let loaded = loader::load("default", &LoadOptions::default())
         .expect("the default model loads (run `make setup`)");
     let prompt = loaded.tokenizer.encode(PROMPT, true).unwrap();
+    let params: f64 = loaded.named_parameters().values().map(|t| t.numel() as f64).sum();
+    let roof = Roofline::measure(params);
+    eprintln!(
+        "machine now: read {:.1} GB/s, f32 matmul {:.0} GFLOP/s; roofline {:.0} tokens/s at batch 1, {:.0} at large batch",
+        roof.bandwidth / 1e9,
+        roof.flops / 1e9,
+        roof.tokens_per_s(1),
+        roof.tokens_per_s(usize::MAX >> 8)
+    );
     let mut engine = Engine::new(loaded);
     eprintln!("prompt: {} tokens; warm-up", prompt.len());
     run_cotrain(&mut engine, &prompt, 2, 16);
@@ -155,8 +203,11 @@ fn main() {
         eprintln!("transformers: {note}");
     }
     println!(
-        "SmolLM2-135M f32, sampling (T=1), {} new tokens, EOS ignored, {} threads",
-        args.new_tokens, args.threads
+        "SmolLM2-135M f32, sampling (T=1), {} new tokens, EOS ignored, {} threads; roofline from this run: read {:.1} GB/s, matmul {:.0} GFLOP/s",
+        args.new_tokens,
+        args.threads,
+        roof.bandwidth / 1e9,
+        roof.flops / 1e9
     );
     println!("| batch | cotrain tok/s | transformers tok/s | ratio | fraction of roofline |");
     println!("| ---: | ---: | ---: | ---: | ---: |");
@@ -171,8 +222,8 @@ fn main() {
         };
         println!(
             "| {b} | {tps:.1} | {t_str} | {ratio} | {:.0}% of {:.0} |",
-            100.0 * tps / roofline(b),
-            roofline(b)
+            100.0 * tps / roof.tokens_per_s(b),
+            roof.tokens_per_s(b)
         );
     }
 }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod families;
+pub mod kernels;
 pub mod loader;
 pub mod logprobs;
 

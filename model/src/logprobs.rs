@@ -25,12 +25,28 @@
 //! exposes the detached hidden states so a value head on the same forward composes: its
 //! gradient lands in `h.grad` and flows through the same single trunk backward.
 //!
+//! # Shared prompts
+//!
+//! GRPO draws G completions of one prompt, and under causal attention the prompt's hidden
+//! states and keys/values do not depend on what follows. When some sequences of a batch share
+//! their prompt, the trunk runs [`CausalLm::forward_hidden_prefixed`]: each distinct prompt once
+//! (batch = distinct prompts), then all completions as one batch attending to their prompt's
+//! keys/values. The first completion token's log-prob comes from the prompt's last hidden
+//! state, the others from the completion rows. The values, entropies and gradients are those of
+//! the per-sequence forward up to float rounding; the prompt's backward runs once, with the
+//! gradients of all its completions summed. A batch of distinct prompts takes the per-sequence
+//! path; [`completion_logprobs_with_sharing`] can turn sharing off.
+//!
 //! # Layout
 //!
 //! Sequences are right-padded (prompt then completion, padding after), so positions start at 0
 //! for every row and padding cannot influence real tokens under causal attention. Log-probs
 //! come back flat, `(N,)` with `N` = total completion tokens, sequence `b` occupying
-//! `offsets[b]..offsets[b + 1]`; [`TokenLogProbs::padded`] gives `(B, Cmax)` plus a mask.
+//! `offsets[b]..offsets[b + 1]` in the caller's order; [`TokenLogProbs::padded`] gives
+//! `(B, Cmax)` plus a mask.
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
 
 use tch::{Kind, Tensor};
 
@@ -83,15 +99,34 @@ pub struct TokenLogProbs {
 
 #[derive(Debug)]
 struct BackwardState {
-    /// The trunk output, attached to the graph: (B, L, H).
+    /// The trunk output, attached to the graph: (B, L, H), or (R, H) rows with shared prompts.
     trunk: Tensor,
-    /// Detached copy of `trunk` that collects gradients: (B, L, H).
+    /// Detached copy of `trunk` that collects gradients, of the same shape.
     hidden_leaf: Tensor,
-    /// (N,) flat indices into (B*L) of the positions predicting each completion token.
+    /// How [`TokenLogProbs::hidden`] sees `hidden_leaf` as (B, L, H).
+    view: HiddenView,
+    /// (N,) flat indices into the trunk's rows of the positions predicting each completion token.
     positions: Tensor,
     /// (N,) target token ids.
     targets: Tensor,
     chunk_size: i64,
+}
+
+/// The per-sequence (B, L, H) hidden states in terms of the trunk's rows.
+#[derive(Debug)]
+enum HiddenView {
+    /// The trunk is (B, L, H) already.
+    Padded,
+    /// The trunk is (R, H) rows of shared prompts and completions: sequence position `i` of the
+    /// (B, L) layout is row `rows[i]`, and padding (`valid[i] == 0`) reads as zeros. Built on
+    /// first use.
+    Gathered {
+        rows: Tensor,
+        valid: Tensor,
+        b: i64,
+        l: i64,
+        hidden: OnceLock<Tensor>,
+    },
 }
 
 impl TokenLogProbs {
@@ -103,8 +138,22 @@ impl TokenLogProbs {
     /// The hidden states (B, L, H) the log-probs were computed from, detached into a leaf whose
     /// gradient [`TokenLogProbs::backward`] propagates through the trunk (for value heads).
     /// `None` without grad.
+    ///
+    /// With shared prompts this is a differentiable gather from that leaf (zeros at padding),
+    /// so each prompt position's gradient still reaches the one shared forward.
     pub fn hidden(&self) -> Option<&Tensor> {
-        self.backward_state.as_ref().map(|s| &s.hidden_leaf)
+        let st = self.backward_state.as_ref()?;
+        Some(match &st.view {
+            HiddenView::Padded => &st.hidden_leaf,
+            HiddenView::Gathered {
+                rows,
+                valid,
+                b,
+                l,
+                hidden,
+            } => hidden
+                .get_or_init(|| (st.hidden_leaf.index_select(0, rows) * valid).view([*b, *l, -1])),
+        })
     }
 
     /// Scatters a flat (N,) tensor into (B, Cmax) (zeros beyond each completion), differentiably.
@@ -165,7 +214,7 @@ impl TokenLogProbs {
         let g_ent = self.entropy.grad();
         let (has_lp, has_ent) = (g_lp.defined(), g_ent.defined());
         let n = st.positions.size()[0];
-        let hidden = st.hidden_leaf.flatten(0, 1);
+        let hidden = rows(&st.hidden_leaf);
         if has_lp || has_ent {
             let mut start = 0;
             while start < n {
@@ -203,6 +252,12 @@ impl TokenLogProbs {
     }
 }
 
+/// Hidden states of any layout as rows (R, H).
+fn rows(hidden: &Tensor) -> Tensor {
+    let h = hidden.size().last().copied().unwrap_or(0);
+    hidden.reshape([-1, h])
+}
+
 /// log-prob of `targets` and entropy from logits (C, V), computed in f32.
 fn chunk_logprobs(logits: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
     let logp = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
@@ -223,16 +278,13 @@ struct Layout {
     offsets: Vec<usize>,
 }
 
-fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<Layout> {
+/// Checks that every sequence has a prompt and a completion, fits the context and the
+/// vocabulary.
+fn validate(model: &CausalLm, batch: &[Sequence]) -> Result<()> {
     let cfg = model.config();
     if batch.is_empty() {
         return Err(ModelError::InvalidBatch("empty batch".into()));
     }
-    let lmax = batch
-        .iter()
-        .map(|s| s.prompt.len() + s.completion.len())
-        .max()
-        .unwrap_or(0);
     for (i, s) in batch.iter().enumerate() {
         if s.prompt.is_empty() || s.completion.is_empty() {
             return Err(ModelError::InvalidBatch(format!(
@@ -258,9 +310,27 @@ fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<Layout> {
             )));
         }
     }
+    Ok(())
+}
+
+fn offsets_of(batch: &[Sequence]) -> Vec<usize> {
+    let mut offsets = vec![0usize];
+    for s in batch {
+        offsets.push(offsets.last().copied().unwrap_or(0) + s.completion.len());
+    }
+    offsets
+}
+
+fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<Layout> {
+    validate(model, batch)?;
+    let lmax = batch
+        .iter()
+        .map(|s| s.prompt.len() + s.completion.len())
+        .max()
+        .unwrap_or(0);
     let l = lmax as i64;
     let mut ids = vec![0i64; batch.len() * lmax];
-    let (mut positions, mut targets, mut offsets) = (Vec::new(), Vec::new(), vec![0usize]);
+    let (mut positions, mut targets) = (Vec::new(), Vec::new());
     for (b, s) in batch.iter().enumerate() {
         let row = &mut ids[b * lmax..(b + 1) * lmax];
         for (j, &t) in s.prompt.iter().chain(&s.completion).enumerate() {
@@ -272,23 +342,194 @@ fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<Layout> {
             positions.push(b as i64 * l + (p + j - 1) as i64);
             targets.push(t as i64);
         }
-        offsets.push(offsets.last().copied().unwrap_or(0) + s.completion.len());
     }
     let ids = Tensor::from_slice(&ids).view([batch.len() as i64, l]);
     Ok(Layout {
         ids,
         positions,
         targets,
-        offsets,
+        offsets: offsets_of(batch),
     })
 }
 
+/// A batch laid out for [`CausalLm::forward_hidden_prefixed`]: distinct prompts once, then every
+/// completion. The trunk's rows are the prompts' (G*P) followed by the completions' (B*C).
+struct SharedLayout {
+    /// Right-padded distinct prompts (G, P).
+    prompt_ids: Tensor,
+    prompt_lens: Vec<i64>,
+    /// Right-padded completions (B, C), in the caller's order.
+    completion_ids: Tensor,
+    /// The prompt of each completion.
+    prompt_of: Vec<i64>,
+    /// Rows predicting each completion token: the prompt's last row for the first token, the
+    /// completion's previous row for the others.
+    positions: Vec<i64>,
+    targets: Vec<i64>,
+    offsets: Vec<usize>,
+    /// The (B, L) per-sequence layout (L = longest prompt + completion) as trunk rows, and 1
+    /// where a position is real.
+    view_rows: Vec<i64>,
+    view_valid: Vec<f32>,
+    view_len: i64,
+}
+
+/// Distinct prompts in order of first appearance, and each sequence's prompt index.
+fn group_prompts(batch: &[Sequence]) -> (Vec<&[u32]>, Vec<i64>) {
+    let mut index: HashMap<&[u32], i64> = HashMap::new();
+    let mut prompts = Vec::new();
+    let prompt_of = batch
+        .iter()
+        .map(|s| {
+            *index.entry(s.prompt.as_slice()).or_insert_with(|| {
+                prompts.push(s.prompt.as_slice());
+                prompts.len() as i64 - 1
+            })
+        })
+        .collect();
+    (prompts, prompt_of)
+}
+
+fn shared_layout(batch: &[Sequence], prompts: &[&[u32]], prompt_of: Vec<i64>) -> SharedLayout {
+    let g = prompts.len();
+    let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
+    let c = batch.iter().map(|s| s.completion.len()).max().unwrap_or(0);
+    let lmax = batch
+        .iter()
+        .map(|s| s.prompt.len() + s.completion.len())
+        .max()
+        .unwrap_or(0);
+    let mut prompt_ids = vec![0i64; g * p];
+    for (k, prompt) in prompts.iter().enumerate() {
+        for (j, &t) in prompt.iter().enumerate() {
+            prompt_ids[k * p + j] = t as i64;
+        }
+    }
+    let base = (g * p) as i64;
+    let mut completion_ids = vec![0i64; batch.len() * c];
+    let (mut positions, mut targets) = (Vec::new(), Vec::new());
+    let mut view_rows = vec![0i64; batch.len() * lmax];
+    let mut view_valid = vec![0f32; batch.len() * lmax];
+    for (b, s) in batch.iter().enumerate() {
+        let (k, pl) = (prompt_of[b], s.prompt.len() as i64);
+        let prompt_row = |j: i64| k * p as i64 + j;
+        let completion_row = |j: i64| base + (b * c) as i64 + j;
+        for (j, &t) in s.completion.iter().enumerate() {
+            completion_ids[b * c + j] = t as i64;
+            let j = j as i64;
+            positions.push(if j == 0 {
+                prompt_row(pl - 1)
+            } else {
+                completion_row(j - 1)
+            });
+            targets.push(t as i64);
+        }
+        for i in 0..s.prompt.len() + s.completion.len() {
+            let t = i as i64;
+            view_rows[b * lmax + i] = if t < pl {
+                prompt_row(t)
+            } else {
+                completion_row(t - pl)
+            };
+            view_valid[b * lmax + i] = 1.0;
+        }
+    }
+    SharedLayout {
+        prompt_ids: Tensor::from_slice(&prompt_ids).view([g as i64, p as i64]),
+        prompt_lens: prompts.iter().map(|x| x.len() as i64).collect(),
+        completion_ids: Tensor::from_slice(&completion_ids).view([batch.len() as i64, c as i64]),
+        prompt_of,
+        positions,
+        targets,
+        offsets: offsets_of(batch),
+        view_rows,
+        view_valid,
+        view_len: lmax as i64,
+    }
+}
+
+/// What the kernel runs the trunk on.
+enum Plan {
+    PerSequence(Layout),
+    Shared(SharedLayout),
+}
+
+impl Plan {
+    fn new(model: &CausalLm, batch: &[Sequence], share_prompts: bool) -> Result<Plan> {
+        if share_prompts {
+            validate(model, batch)?;
+            let (prompts, prompt_of) = group_prompts(batch);
+            if prompts.len() < batch.len() {
+                return Ok(Plan::Shared(shared_layout(batch, &prompts, prompt_of)));
+            }
+        }
+        Ok(Plan::PerSequence(layout(model, batch)?))
+    }
+
+    /// The trunk's hidden states (autograd as the caller's mode): (B, L, H) or (R, H) rows.
+    fn trunk(&self, model: &CausalLm) -> Result<Tensor> {
+        let device = model.device();
+        match self {
+            Plan::PerSequence(lay) => model.forward_hidden(&lay.ids.to_device(device)),
+            Plan::Shared(lay) => {
+                let (xp, xc) = model.forward_hidden_prefixed(
+                    &lay.prompt_ids.to_device(device),
+                    &lay.prompt_lens,
+                    &lay.completion_ids.to_device(device),
+                    &lay.prompt_of,
+                )?;
+                Ok(Tensor::cat(&[rows(&xp), rows(&xc)], 0))
+            }
+        }
+    }
+
+    /// (positions, targets, offsets).
+    fn outputs(&self) -> (&[i64], &[i64], &[usize]) {
+        match self {
+            Plan::PerSequence(l) => (&l.positions, &l.targets, &l.offsets),
+            Plan::Shared(l) => (&l.positions, &l.targets, &l.offsets),
+        }
+    }
+
+    fn view(&self, model: &CausalLm) -> HiddenView {
+        match self {
+            Plan::PerSequence(_) => HiddenView::Padded,
+            Plan::Shared(lay) => {
+                let device = model.device();
+                let n = lay.view_valid.len() as i64;
+                HiddenView::Gathered {
+                    rows: Tensor::from_slice(&lay.view_rows).to_device(device),
+                    valid: Tensor::from_slice(&lay.view_valid)
+                        .to_device(device)
+                        .to_kind(model.kind())
+                        .view([n, 1]),
+                    b: lay.prompt_of.len() as i64,
+                    l: lay.view_len,
+                    hidden: OnceLock::new(),
+                }
+            }
+        }
+    }
+}
+
 /// Computes per-token log-probs and entropies of each sequence's completion (see the module
-/// docs for the memory behaviour and the layout).
+/// docs for the memory behaviour, the shared prompts and the layout).
 pub fn completion_logprobs(
     model: &CausalLm,
     batch: &[Sequence],
     opts: &LogProbOptions,
+) -> Result<TokenLogProbs> {
+    completion_logprobs_with_sharing(model, batch, opts, true)
+}
+
+/// [`completion_logprobs`], choosing whether sequences with the same prompt share its forward
+/// and backward (`share_prompts`; the same values up to float rounding either way), for tests
+/// and benchmarks.
+pub fn completion_logprobs_with_sharing(
+    model: &CausalLm,
+    batch: &[Sequence],
+    opts: &LogProbOptions,
+    share_prompts: bool,
 ) -> Result<TokenLogProbs> {
     if opts.chunk_size == 0 {
         return Err(ModelError::InvalidBatch(
@@ -296,22 +537,18 @@ pub fn completion_logprobs(
         ));
     }
     let device = model.device();
-    let Layout {
-        ids,
-        positions,
-        targets,
-        offsets,
-    } = layout(model, batch)?;
-    let ids = ids.to_device(device);
-    let positions = Tensor::from_slice(&positions).to_device(device);
-    let targets = Tensor::from_slice(&targets).to_device(device);
+    let plan = Plan::new(model, batch, share_prompts)?;
+    let (positions, targets, offsets) = plan.outputs();
+    let positions = Tensor::from_slice(positions).to_device(device);
+    let targets = Tensor::from_slice(targets).to_device(device);
+    let offsets = offsets.to_vec();
     let chunk = opts.chunk_size as i64;
 
     let head = model.lm_head_weight();
     let run_chunks = |hidden: &Tensor| -> (Tensor, Tensor) {
         let _guard = tch::no_grad_guard();
         let n = positions.size()[0];
-        let flat = hidden.flatten(0, 1);
+        let flat = rows(hidden);
         let (mut lps, mut ents) = (Vec::new(), Vec::new());
         let mut start = 0;
         while start < n {
@@ -330,7 +567,7 @@ pub fn completion_logprobs(
 
     if !opts.with_grad {
         let _guard = tch::no_grad_guard();
-        let hidden = model.forward_hidden(&ids)?;
+        let hidden = plan.trunk(model)?;
         let (logprobs, entropy) = run_chunks(&hidden);
         return Ok(TokenLogProbs {
             logprobs,
@@ -340,7 +577,7 @@ pub fn completion_logprobs(
             head: None,
         });
     }
-    let trunk = model.forward_hidden(&ids)?;
+    let trunk = plan.trunk(model)?;
     let hidden_leaf = trunk.detach().set_requires_grad(true);
     let (lp, ent) = run_chunks(&hidden_leaf);
     Ok(TokenLogProbs {
@@ -350,6 +587,7 @@ pub fn completion_logprobs(
         backward_state: Some(BackwardState {
             trunk,
             hidden_leaf,
+            view: plan.view(model),
             positions,
             targets,
             chunk_size: chunk,

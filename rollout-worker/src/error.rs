@@ -44,6 +44,10 @@ pub enum WorkerError {
         /// The version the update carried.
         offered: u64,
     },
+    /// A shared-memory weight update cannot be served here: the transport is not enabled, or the
+    /// named file is not there (the client is on another host); the client should send chunks.
+    #[error("weight update refused: {0}")]
+    ShmUnavailable(String),
     /// The client's stream broke before the update was complete; the old weights stay in place.
     #[error("weight update stream broken: {0}")]
     StreamBroken(String),
@@ -69,7 +73,7 @@ impl WorkerError {
         match self {
             Self::InvalidArgument { .. } | Self::BadUpdate(_) => Code::InvalidArgument,
             Self::Overloaded { .. } => Code::ResourceExhausted,
-            Self::StalePolicy { .. } | Self::VersionNotNewer { .. } => Code::FailedPrecondition,
+            Self::StalePolicy { .. } | Self::VersionNotNewer { .. } | Self::ShmUnavailable(_) => Code::FailedPrecondition,
             Self::StreamBroken(_) => Code::Aborted,
             Self::Unavailable(_) => Code::Unavailable,
             Self::Model(cotrain_model::ModelError::InvalidRequest(_)) => Code::InvalidArgument,

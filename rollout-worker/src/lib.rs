@@ -4,6 +4,7 @@
 //! - [`worker`]: the business logic (agents on models, validation, admission, hand-off).
 //! - `batcher`: one engine loop per model on its own thread (continuous batching, weight swaps).
 //! - [`weights`]: assembling and validating streamed weight updates.
+//! - [`shm`]: the shared-memory weight transport for clients on the worker's host.
 //! - [`service`], [`http`]: the gRPC and OpenAI-compatible HTTP adapters.
 //! - [`server`]: `rollout-worker serve`, in a process or embedded in another one.
 //! - [`pool`]: the load-balancing, retrying client pool.
@@ -16,6 +17,7 @@ pub mod metrics;
 pub mod pool;
 pub mod server;
 pub mod service;
+pub mod shm;
 pub mod weights;
 pub mod worker;
 

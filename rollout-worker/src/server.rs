@@ -61,6 +61,19 @@ pub struct ServeArgs {
     /// parameters; the deploy scripts pass it).
     #[arg(long)]
     pub separate_weights: bool,
+    /// Accept weight updates through files in /dev/shm (`cotrain-weights-*`, regular files only)
+    /// from clients on this host, instead of only as gRPC chunks; much faster for a co-located
+    /// learner. Anyone who can reach the gRPC port and write /dev/shm can then update the weights
+    /// (as anyone who can reach the port already can with chunks).
+    #[arg(long)]
+    pub allow_shm_weights: bool,
+}
+
+/// In-process server options beyond the worker's configuration.
+#[derive(Clone, Debug, Default)]
+pub struct ServeOptions {
+    /// Accept shared-memory weight updates (`--allow-shm-weights`).
+    pub allow_shm_weights: bool,
 }
 
 fn parse_agent(s: &str) -> Result<(String, String), String> {
@@ -128,8 +141,18 @@ impl RunningServer {
     }
 }
 
-/// Loads the models and starts both servers on this runtime.
+/// Loads the models and starts both servers on this runtime (shared-memory weight updates off).
 pub async fn start(config: WorkerConfig, grpc_addr: SocketAddr, http_addr: SocketAddr) -> anyhow::Result<RunningServer> {
+    start_with(config, grpc_addr, http_addr, ServeOptions::default()).await
+}
+
+/// As [`start`], with options.
+pub async fn start_with(
+    config: WorkerConfig,
+    grpc_addr: SocketAddr,
+    http_addr: SocketAddr,
+    options: ServeOptions,
+) -> anyhow::Result<RunningServer> {
     let metrics = Metrics::new();
     let worker = tokio::task::spawn_blocking(move || Worker::start(config, metrics))
         .await
@@ -147,7 +170,7 @@ pub async fn start(config: WorkerConfig, grpc_addr: SocketAddr, http_addr: Socke
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("building gRPC reflection")?;
-    let rollout = RolloutServer::new(RolloutService::new(worker.clone()))
+    let rollout = RolloutServer::new(RolloutService::new(worker.clone()).with_shm_weights(options.allow_shm_weights))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
 
@@ -181,7 +204,7 @@ pub async fn start(config: WorkerConfig, grpc_addr: SocketAddr, http_addr: Socke
         info!("servers stopped");
         Ok(())
     });
-    info!(%grpc_addr, %http_addr, worker_id = worker.id(), "rollout worker serving");
+    info!(%grpc_addr, %http_addr, worker_id = worker.id(), shm_weights = options.allow_shm_weights, "rollout worker serving");
     Ok(RunningServer { grpc_addr, http_addr, worker, stop: Some(stop_tx), task })
 }
 
@@ -199,7 +222,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.worker_config()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
     runtime.block_on(async move {
-        let server = start(config, args.grpc_addr, args.http_addr).await?;
+        let options = ServeOptions { allow_shm_weights: args.allow_shm_weights };
+        let server = start_with(config, args.grpc_addr, args.http_addr, options).await?;
         println!("listening grpc={} http={}", server.grpc_addr, server.http_addr);
         use std::io::Write as _;
         std::io::stdout().flush()?;

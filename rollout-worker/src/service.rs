@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
 use crate::error::WorkerError;
+use crate::shm::{self, ShmPolicy};
 use crate::weights::UpdateAssembler;
 use crate::worker::{GenerateJob, GenerateOutput, PromptInput, Worker};
 
@@ -22,12 +23,19 @@ use crate::worker::{GenerateJob, GenerateOutput, PromptInput, Worker};
 #[derive(Clone)]
 pub struct RolloutService {
     worker: Arc<Worker>,
+    shm: ShmPolicy,
 }
 
 impl RolloutService {
-    /// Wraps a worker.
+    /// Wraps a worker; shared-memory weight updates are refused.
     pub fn new(worker: Arc<Worker>) -> Self {
-        Self { worker }
+        Self { worker, shm: ShmPolicy::new(false) }
+    }
+
+    /// Accepts (or refuses) shared-memory weight updates from [`crate::shm::SHM_DIR`].
+    pub fn with_shm_weights(mut self, allowed: bool) -> Self {
+        self.shm = ShmPolicy::new(allowed);
+        self
     }
 }
 
@@ -134,24 +142,43 @@ impl Rollout for RolloutService {
         let (params, current) = self.worker.update_target(&agent)?;
         let mut assembler = UpdateAssembler::new(header, params, current)?;
         let started = std::time::Instant::now();
+        let mut shm = None;
+        let mut chunks = 0usize;
         while let Some(msg) = stream.next().await {
             let msg = msg.map_err(|e| {
                 warn!(agent, error = %e, "weight update stream broke, old weights kept");
                 WorkerError::StreamBroken(e.to_string())
             })?;
+            if shm.is_some() {
+                return Err(WorkerError::BadUpdate("a message after the shm message".into()).into());
+            }
             match msg.item {
                 Some(Item::Chunk(c)) => {
                     let n = c.data.len() as u64;
                     assembler.push(c)?;
+                    chunks += 1;
                     self.worker.metrics().weight_update_bytes.inc_by(n);
                 }
+                Some(Item::Shm(m)) if chunks == 0 => shm = Some(m),
+                Some(Item::Shm(_)) => return Err(WorkerError::BadUpdate("an shm message after chunks".into()).into()),
                 Some(Item::Header(_)) => return Err(WorkerError::BadUpdate("a second header".into()).into()),
                 None => return Err(WorkerError::BadUpdate("a message with neither header nor chunk".into()).into()),
             }
         }
-        let bytes = assembler.bytes_received();
-        let update = assembler.finish()?;
-        let tensors = update.tensors.len() as u32;
+        let update = match shm {
+            None => assembler.finish()?,
+            Some(m) => {
+                let policy = self.shm.clone();
+                let update = tokio::task::spawn_blocking(move || shm::read_update(&policy, &m, assembler))
+                    .await
+                    .map_err(|e| WorkerError::Internal(format!("reading the shm update panicked: {e}")))?
+                    .inspect_err(|e| warn!(agent, error = %e, "shm weight update refused, old weights kept"))?;
+                self.worker.metrics().weight_update_bytes.inc_by(update.bytes_received);
+                update
+            }
+        };
+        let bytes = update.bytes_received;
+        let tensors = update.len() as u32;
         let (model, version, agents) = self.worker.apply_update(update).await?;
         info!(agent, model, version, tensors, bytes, secs = started.elapsed().as_secs_f64(), "weight update applied");
         Ok(Response::new(UpdateWeightsResponse { agent, model, version, tensors_updated: tensors, bytes_received: bytes, agents }))
@@ -197,6 +224,7 @@ impl Rollout for RolloutService {
             max_queued_requests: cfg.max_queued_requests as u32,
             in_flight_requests: w.in_flight() as u32,
             server_version: env!("CARGO_PKG_VERSION").to_string(),
+            shm_weights: self.shm.allowed,
         }))
     }
 

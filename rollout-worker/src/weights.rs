@@ -85,16 +85,46 @@ pub struct CompleteUpdate {
     pub agent: String,
     /// The policy version the weights become.
     pub version: u64,
-    /// The updated tensors, in the order their first chunk arrived.
+    /// The updated tensors that came as chunks, in the order their first chunk arrived.
     pub tensors: Vec<UpdatedTensor>,
+    /// The updated tensors that came whole (the shared-memory transport), read straight into
+    /// CPU tensors of their wire dtype, in the order they came.
+    pub loaded: Vec<(String, tch::Tensor)>,
     /// Payload bytes received.
     pub bytes_received: u64,
+}
+
+impl CompleteUpdate {
+    /// How many tensors the update replaces.
+    pub fn len(&self) -> usize {
+        self.tensors.len() + self.loaded.len()
+    }
+
+    /// Whether it replaces none (never, once validated).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every tensor, converted to the model's dtype and device (blocking work: call it off the
+    /// async runtime).
+    pub fn into_tensors(self, kind: tch::Kind, device: tch::Device) -> HashMap<String, tch::Tensor> {
+        let chunked = self.tensors.into_iter().map(|t| {
+            let tensor = t.to_tensor();
+            (t.name, tensor)
+        });
+        chunked.chain(self.loaded).map(|(name, t)| (name, t.to_kind(kind).to_device(device))).collect()
+    }
 }
 
 struct PartialTensor {
     dtype: WireDType,
     shape: Vec<i64>,
+    /// The bytes of a chunked tensor (empty for one that came whole).
     data: Vec<u8>,
+    /// A tensor that came whole.
+    whole: Option<tch::Tensor>,
+    /// numel * dtype size.
+    total: u64,
     /// Received byte ranges, start → end, non-overlapping.
     ranges: BTreeMap<u64, u64>,
     received: u64,
@@ -129,28 +159,37 @@ impl UpdateAssembler {
         Ok(Self { header, params, tensors: HashMap::new(), bytes_received: 0 })
     }
 
+    /// Checks a tensor's name, dtype and shape against the model and, for a tensor not seen
+    /// before, against `header.tensor_count`; returns its dtype and byte size.
+    fn check_tensor(&self, name: &str, raw_dtype: i32, shape: &[i64]) -> Result<(WireDType, u64)> {
+        let bad = |msg: String| Err(WorkerError::BadUpdate(format!("tensor `{name}`: {msg}")));
+        let Some(expected) = self.params.get(name) else {
+            return bad("no parameter of that name in the model".into());
+        };
+        let Some(dtype) = WireDType::from_proto(raw_dtype) else {
+            return bad(format!("unsupported dtype {raw_dtype} (expected DTYPE_F32 or DTYPE_BF16)"));
+        };
+        if shape != expected.as_slice() {
+            return bad(format!("shape {shape:?} does not match the model's {expected:?}"));
+        }
+        if !self.tensors.contains_key(name) && self.tensors.len() >= self.header.tensor_count as usize {
+            return bad(format!("more tensors than header.tensor_count ({})", self.header.tensor_count));
+        }
+        let numel: i64 = expected.iter().product();
+        Ok((dtype, numel as u64 * dtype.size() as u64))
+    }
+
     /// Adds one chunk, checking it against the model and against earlier chunks.
     pub fn push(&mut self, chunk: TensorChunk) -> Result<()> {
         let bad = |msg: String| Err(WorkerError::BadUpdate(format!("tensor `{}`: {msg}", chunk.name)));
-        let Some(expected) = self.params.get(&chunk.name) else {
-            return bad("no parameter of that name in the model".into());
-        };
-        let Some(dtype) = WireDType::from_proto(chunk.dtype) else {
-            return bad(format!("unsupported dtype {} (expected DTYPE_F32 or DTYPE_BF16)", chunk.dtype));
-        };
-        if &chunk.shape != expected {
-            return bad(format!("shape {:?} does not match the model's {:?}", chunk.shape, expected));
-        }
-        let numel: i64 = expected.iter().product();
-        let total = numel as u64 * dtype.size() as u64;
+        let (dtype, total) = self.check_tensor(&chunk.name, chunk.dtype, &chunk.shape)?;
         let order = self.tensors.len();
-        if !self.tensors.contains_key(&chunk.name) && order >= self.header.tensor_count as usize {
-            return bad(format!("more tensors than header.tensor_count ({})", self.header.tensor_count));
-        }
         let t = self.tensors.entry(chunk.name.clone()).or_insert_with(|| PartialTensor {
             dtype,
-            shape: expected.clone(),
+            shape: chunk.shape.clone(),
             data: vec![0; total as usize],
+            whole: None,
+            total,
             ranges: BTreeMap::new(),
             received: 0,
             order,
@@ -178,6 +217,53 @@ impl UpdateAssembler {
         Ok(())
     }
 
+    /// Adds a whole tensor at once (the shared-memory transport), with the same checks as
+    /// [`Self::push`]: `fill` gets a buffer of exactly the tensor's byte size, once the name,
+    /// dtype and shape have passed, so nothing is read for a tensor the model would refuse.
+    pub fn push_whole(
+        &mut self,
+        name: &str,
+        raw_dtype: i32,
+        shape: &[i64],
+        fill: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        let (dtype, total) = self.check_tensor(name, raw_dtype, shape)?;
+        if self.tensors.contains_key(name) {
+            return Err(WorkerError::BadUpdate(format!("tensor `{name}`: bytes 0..{total} overlap an earlier chunk")));
+        }
+        let tensor = tch::Tensor::f_empty(shape, (dtype.kind(), tch::Device::Cpu))
+            .map_err(|e| WorkerError::Internal(format!("tensor `{name}`: allocating {total} bytes: {e}")))?;
+        if total > 0 {
+            // SAFETY: a fresh contiguous CPU tensor of `numel * dtype size` = `total` bytes, not
+            // shared with anything; the slice ends before `tensor` is used again. Its bytes start
+            // uninitialised, and `fill` must write them all (an error discards the tensor).
+            let buf = unsafe { std::slice::from_raw_parts_mut(tensor.data_ptr() as *mut u8, total as usize) };
+            fill(buf)?;
+        }
+        let order = self.tensors.len();
+        let ranges = BTreeMap::from([(0, total)]);
+        self.tensors.insert(
+            name.to_string(),
+            PartialTensor {
+                dtype,
+                shape: shape.to_vec(),
+                data: Vec::new(),
+                whole: Some(tensor),
+                total,
+                ranges,
+                received: total,
+                order,
+            },
+        );
+        self.bytes_received += total;
+        Ok(())
+    }
+
+    /// The header this update started with.
+    pub fn header(&self) -> &UpdateHeader {
+        &self.header
+    }
+
     /// Payload bytes received so far.
     pub fn bytes_received(&self) -> u64 {
         self.bytes_received
@@ -195,21 +281,24 @@ impl UpdateAssembler {
         }
         let mut tensors: Vec<(String, PartialTensor)> = self.tensors.into_iter().collect();
         tensors.sort_by_key(|(_, t)| t.order);
-        let mut out = Vec::with_capacity(tensors.len());
+        let (mut out, mut loaded) = (Vec::with_capacity(tensors.len()), Vec::new());
         for (name, t) in tensors {
-            if t.received != t.data.len() as u64 {
+            if t.received != t.total {
                 return Err(WorkerError::BadUpdate(format!(
                     "tensor `{name}` incomplete: {} of {} bytes received",
-                    t.received,
-                    t.data.len()
+                    t.received, t.total
                 )));
             }
-            out.push(UpdatedTensor { name, dtype: t.dtype, shape: t.shape, data: t.data });
+            match t.whole {
+                Some(tensor) => loaded.push((name, tensor)),
+                None => out.push(UpdatedTensor { name, dtype: t.dtype, shape: t.shape, data: t.data }),
+            }
         }
         Ok(CompleteUpdate {
             agent: self.header.agent,
             version: self.header.version,
             tensors: out,
+            loaded,
             bytes_received: self.bytes_received,
         })
     }

@@ -13,7 +13,7 @@ use cotrain_model::chat_template::{ChatMessage, ChatTemplate};
 use cotrain_model::engine::{Engine, EngineConfig, FinishReason, LogprobMode, Request, SamplingParams, StopConditions};
 use cotrain_model::loader::{self, LoadOptions};
 use cotrain_model::tokenizer::Tokenizer;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 use tokio::sync::{mpsc, oneshot};
 use tracing::info;
 
@@ -486,18 +486,9 @@ impl Worker {
         let version = update.version;
         // Conversion to the model's dtype and device happens here, off the engine loop, so the
         // loop pauses only for the copy into the parameters.
-        let tensors = tokio::task::spawn_blocking(move || {
-            update
-                .tensors
-                .into_iter()
-                .map(|t| {
-                    let tensor = t.to_tensor().to_kind(kind).to_device(device);
-                    (t.name, tensor)
-                })
-                .collect::<HashMap<String, Tensor>>()
-        })
-        .await
-        .map_err(|e| WorkerError::Internal(format!("tensor conversion panicked: {e}")))?;
+        let tensors = tokio::task::spawn_blocking(move || update.into_tensors(kind, device))
+            .await
+            .map_err(|e| WorkerError::Internal(format!("tensor conversion panicked: {e}")))?;
         let (reply, rx) = oneshot::channel();
         slot.tx
             .send(Command::Update { update: StagedUpdate { version, tensors }, reply })

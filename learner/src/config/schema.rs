@@ -566,6 +566,23 @@ pub struct RolloutConfig {
     /// 0 = synchronous on-policy; > 0 allows samples up to this many policy versions old.
     #[serde(default)]
     pub max_off_policy_steps: usize,
+    /// How weights reach the workers after each step; see [`WeightTransport`].
+    #[serde(default)]
+    pub weight_transport: WeightTransport,
+}
+
+/// `rollout.weight_transport`: how the learner sends weights to the rollout workers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightTransport {
+    /// `shm` when every worker is on a loopback address and accepts it (`--allow-shm-weights`;
+    /// the embedded worker does), else `grpc`; falls back to `grpc` with a warning if `shm` fails.
+    #[default]
+    Auto,
+    /// Always gRPC chunks.
+    Grpc,
+    /// Always a file in /dev/shm named in the update stream; an error if a worker refuses it.
+    Shm,
 }
 
 impl Default for RolloutConfig {
@@ -577,6 +594,7 @@ impl Default for RolloutConfig {
             request_timeout_secs: default_request_timeout_secs(),
             max_retries: default_max_retries(),
             max_off_policy_steps: 0,
+            weight_transport: WeightTransport::Auto,
         }
     }
 }

@@ -97,8 +97,10 @@ impl EmbeddedRollout {
             max_queued_requests: 1024,
         };
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
+        // Same process, same host: the learner may hand weights over through /dev/shm.
+        let options = cotrain_rollout_worker::server::ServeOptions { allow_shm_weights: true };
         let server = rt
-            .block_on(cotrain_rollout_worker::server::start(config, loopback, loopback))
+            .block_on(cotrain_rollout_worker::server::start_with(config, loopback, loopback, options))
             .map_err(|e| TrainError::Rollout(format!("the embedded rollout worker did not start: {e:#}")))?;
         Ok(Self { grpc: server.grpc_addr, server: Some(server), rt })
     }

@@ -1,15 +1,21 @@
 //! Rollout workers over gRPC through the client pool of `cotrain-rollout-worker`.
+//!
+//! Weights go to the workers as gRPC chunks or, for workers on this host that accept it, through
+//! one file in /dev/shm per push (`rollout.weight_transport`, see [`WeightTransport`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use cotrain_proto::rollout::{self as pb, GenerateRequest, Prompt, prompt::Kind as PromptKind};
 use cotrain_rollout_worker::pool::{PoolConfig, RolloutPool};
+use cotrain_rollout_worker::shm::ShmFile;
 use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
 use tch::{Kind, Tensor};
 use tokio::runtime::Runtime;
+use tracing::{debug, warn};
 
+use crate::config::WeightTransport;
 use crate::trainer::{GenRequest, GenSample, RolloutSource, TrainError};
 
 /// See the module docs.
@@ -19,6 +25,20 @@ pub struct PoolRollout {
     label: String,
     version_timeout: Duration,
     next_request: u64,
+    transport: WeightTransport,
+    /// Set once `auto` saw the shared-memory transport fail: gRPC from then on.
+    shm_failed: bool,
+    /// Deletes the last shared-memory file (freeing 0.5 GB of tmpfs takes ~0.1 s, so it runs
+    /// while training goes on); joined before the next push and on drop.
+    unlinking: Option<std::thread::JoinHandle<()>>,
+    /// Pushes that went through shared memory.
+    shm_pushes: u64,
+}
+
+impl Drop for PoolRollout {
+    fn drop(&mut self) {
+        self.join_unlink();
+    }
 }
 
 impl PoolRollout {
@@ -48,7 +68,84 @@ impl PoolRollout {
             Ok::<_, cotrain_rollout_worker::pool::PoolError>(pool)
         });
         let pool = pool.map_err(|e| TrainError::Rollout(format!("{label}: {e}")))?;
-        Ok(Self { rt, pool, label, version_timeout: Duration::from_secs(120), next_request: 0 })
+        Ok(Self {
+            rt,
+            pool,
+            label,
+            version_timeout: Duration::from_secs(120),
+            next_request: 0,
+            transport: WeightTransport::Auto,
+            shm_failed: false,
+            unlinking: None,
+            shm_pushes: 0,
+        })
+    }
+
+    /// Chooses how weights reach the workers (`rollout.weight_transport`; `auto` by default).
+    pub fn with_weight_transport(mut self, transport: WeightTransport) -> Self {
+        self.transport = transport;
+        self
+    }
+
+    /// How many pushes went through shared memory (the rest went as gRPC chunks).
+    pub fn shm_pushes(&self) -> u64 {
+        self.shm_pushes
+    }
+
+    fn join_unlink(&mut self) {
+        if let Some(t) = self.unlinking.take()
+            && t.join().is_err()
+        {
+            warn!("deleting the shared-memory weight file panicked");
+        }
+    }
+
+    /// Pushes as gRPC chunks to every healthy worker not in `skip`.
+    fn push_grpc(&self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>, skip: &HashSet<String>) -> Result<(), TrainError> {
+        let tensors = Arc::new(wire_tensors(params));
+        let answers = self.rt.block_on(self.pool.push_weights_except(agent, version, false, tensors, skip));
+        if answers.is_empty() && skip.is_empty() {
+            return Err(TrainError::Rollout(format!("{}: no healthy worker to push `{agent}` v{version} to", self.label)));
+        }
+        for (worker, answer) in &answers {
+            if let Err(status) = answer {
+                return Err(TrainError::Rollout(format!("{worker}: weight update of `{agent}` to v{version} failed: {status}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the parameters into one /dev/shm file and names it to every healthy worker. On
+    /// failure, returns the workers that took the update anyway with the error. The file is
+    /// deleted on every path (its guard drops on a thread joined before the next push).
+    fn push_shm(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), (HashSet<String>, String)> {
+        self.join_unlink();
+        let started = std::time::Instant::now();
+        let file = write_shm(agent, version, params).map_err(|e| (HashSet::new(), format!("writing the shared-memory file: {e}")))?;
+        let written = started.elapsed();
+        let answers = self.rt.block_on(self.pool.push_weights_shm(agent, version, false, &file.message()));
+        debug!(agent, version, write_secs = written.as_secs_f64(), total_secs = started.elapsed().as_secs_f64(), "weights pushed through shared memory");
+        self.unlinking = Some(std::thread::spawn(move || drop(file)));
+        if answers.is_empty() {
+            return Err((HashSet::new(), "no healthy worker".into()));
+        }
+        let mut accepted = HashSet::new();
+        let mut failure = None;
+        for (worker, answer) in answers {
+            match answer {
+                Ok(_) => {
+                    accepted.insert(worker);
+                }
+                Err(status) => failure = Some(format!("{worker}: {status}")),
+            }
+        }
+        match failure {
+            None => {
+                self.shm_pushes += 1;
+                Ok(())
+            }
+            Some(f) => Err((accepted, f)),
+        }
     }
 
     pub fn pool(&self) -> &RolloutPool {
@@ -75,6 +172,24 @@ impl PoolRollout {
         }
         Ok(())
     }
+}
+
+/// Writes the parameters as f32 into a new shared-memory file, straight from the tensors' memory.
+fn write_shm(agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> std::io::Result<ShmFile> {
+    let mut file = ShmFile::create(agent, version)?;
+    for (name, t) in params {
+        let t = t.detach().to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous();
+        let len = t.numel() * 4;
+        let bytes: &[u8] = if len == 0 {
+            &[]
+        } else {
+            // SAFETY: `t` is a contiguous f32 CPU tensor that outlives `bytes`; its data pointer
+            // points at its first element and `numel * 4` bytes follow it.
+            unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, len) }
+        };
+        file.write_tensor(name, WireDType::F32, &t.size(), bytes)?;
+    }
+    Ok(file)
 }
 
 /// Parameters as f32 wire tensors (f32 keeps the workers' policy bit-identical to the learner's).
@@ -154,15 +269,30 @@ impl RolloutSource for PoolRollout {
     }
 
     fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
-        let tensors = Arc::new(wire_tensors(params));
-        let answers = self.rt.block_on(self.pool.push_weights(agent, version, false, tensors));
-        if answers.is_empty() {
-            return Err(TrainError::Rollout(format!("{}: no healthy worker to push `{agent}` v{version} to", self.label)));
-        }
-        for (worker, answer) in &answers {
-            if let Err(status) = answer {
-                return Err(TrainError::Rollout(format!("{worker}: weight update of `{agent}` to v{version} failed: {status}")));
-            }
+        let none = HashSet::new();
+        match self.transport {
+            WeightTransport::Grpc => self.push_grpc(agent, version, params, &none)?,
+            WeightTransport::Shm => self.push_shm(agent, version, params).map_err(|(_, e)| {
+                TrainError::Rollout(format!(
+                    "{}: weight update of `{agent}` to v{version} through shared memory \
+                     (rollout.weight_transport: shm) failed: {e}",
+                    self.label
+                ))
+            })?,
+            WeightTransport::Auto if self.shm_failed => self.push_grpc(agent, version, params, &none)?,
+            WeightTransport::Auto => match self.rt.block_on(self.pool.shm_capable()) {
+                Err(why) => {
+                    debug!(why, "weights go over gRPC");
+                    self.push_grpc(agent, version, params, &none)?
+                }
+                Ok(()) => {
+                    if let Err((accepted, e)) = self.push_shm(agent, version, params) {
+                        warn!(error = e, "shared-memory weight update failed, using gRPC from now on");
+                        self.shm_failed = true;
+                        self.push_grpc(agent, version, params, &accepted)?
+                    }
+                }
+            },
         }
         self.rt
             .block_on(self.pool.wait_for_version(agent, version, self.version_timeout))

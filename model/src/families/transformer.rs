@@ -192,18 +192,31 @@ impl Linear {
     }
 }
 
-/// Rows up to which [`linear`] takes the transposed route on CPU in f32.
+/// Rows up to which [`linear`] takes the transposed MKL route on CPU in f32 (when the AVX-512 kernel
+/// cannot serve them).
 const SMALL_LINEAR_ROWS: i64 = 16;
 
-/// `xs · wᵀ + b` for `xs` (..., K) and `w` (N, K): `Tensor::linear`, except for few rows in f32 on
-/// CPU (decoding a small batch), where it computes `(w · xsᵀ)ᵀ`: the same product, but MKL serves a
-/// short *second* operand far faster than the short first operand `linear` hands it. Measured on
-/// SmolLM2's 211 weight matrices (PyTorch 2.13's MKL, 2 threads, output made contiguous): 3.3× at 2
-/// rows, 1.4× at 8, 1.16× at 16, even at 32–64, slower beyond. One row is padded to two, which MKL
-/// also serves faster than its matrix-vector path. Autograd goes through either route.
+/// `xs · wᵀ + b` for `xs` (..., K) and `w` (N, K), by the fastest route measured for the shape:
+/// - 1–64 rows with nothing for autograd to record (decoding), on an AVX-512 CPU in f32: cotrain's
+///   own kernel ([`crate::kernels`]), which streams the weights once; 1.2× to 2.2× faster than the
+///   MKL routes below over SmolLM2's 211 weight matrices.
+/// - Otherwise up to 16 rows in f32 on CPU: `(w · xsᵀ)ᵀ`, the same product, because libtorch's MKL
+///   serves a short *second* operand far faster than the short first operand `Tensor::linear` hands
+///   it (3.3× at 2 rows, 1.4× at 8, 1.16× at 16; even at 32–64, slower beyond). One row is padded to
+///   two, which MKL also serves faster than its matrix-vector path. Autograd goes through it.
+/// - Everything else (training batches, other devices and dtypes): `Tensor::linear`.
 pub(crate) fn linear(xs: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
     let (n, k) = (w.size()[0], w.size()[1]);
     let rows = if k > 0 { xs.numel() as i64 / k } else { 0 };
+    const KERNEL_ROWS: i64 = 64;
+    if (1..=KERNEL_ROWS).contains(&rows)
+        && let Some(mut y) = crate::kernels::linear_nt(xs, w)
+    {
+        if let Some(b) = b {
+            y += b;
+        }
+        return y;
+    }
     if xs.device() != Device::Cpu
         || xs.kind() != Kind::Float
         || rows == 0
@@ -386,9 +399,22 @@ struct CacheStep<'a> {
 struct AttnInputs<'a> {
     cos: Tensor,
     sin: Tensor,
-    /// (B, 1, L, T) boolean, `true` = may attend; `None` means plain causal.
+    /// (B, 1, L, T) boolean (or broadcastable to it), `true` = may attend; `None` means plain
+    /// causal.
     mask: Option<Tensor>,
     cache: Option<CacheStep<'a>>,
+    /// Keys/values of a shared prefix, recorded or attended to (training with shared prompts).
+    prefix: PrefixKv,
+}
+
+/// A shared prefix's per-layer keys and values, for [`CausalLm::forward_hidden_prefixed`].
+enum PrefixKv {
+    /// No shared prefix.
+    None,
+    /// The prefix pass: each layer appends its rotated keys and values (G, Hkv, P, D).
+    Record(Vec<(Tensor, Tensor)>),
+    /// The continuation pass: layer `i` attends to `kv[i]` (B, Hkv, P, D) before its own keys.
+    Attend(Vec<(Tensor, Tensor)>),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -444,6 +470,19 @@ impl Attention {
         let q = apply_rope(&q.transpose(1, 2), &inp.cos, &inp.sin);
         let k = apply_rope(&k.transpose(1, 2), &inp.cos, &inp.sin);
         let v = v.transpose(1, 2);
+        let (k, v) = match &mut inp.prefix {
+            PrefixKv::None => (k, v),
+            PrefixKv::Record(kv) => {
+                kv.push((k.shallow_clone(), v.shallow_clone()));
+                (k, v)
+            }
+            // (B, Hkv, P, D) ++ (B, Hkv, L, D) -> (B, Hkv, P + L, D); the prefix's rows are views
+            // of the one prefix forward, so their gradients accumulate there.
+            PrefixKv::Attend(kv) => {
+                let (pk, pv) = &kv[layer];
+                (Tensor::cat(&[pk, &k], 2), Tensor::cat(&[pv, &v], 2))
+            }
+        };
         let (k, v) = match &mut inp.cache {
             None => (k, v),
             Some(step) => {
@@ -606,12 +645,108 @@ impl CausalLm {
             sin,
             mask: None,
             cache: None,
+            prefix: PrefixKv::None,
         };
         let mut xs = self.embed(input_ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
             xs = layer.forward(&xs, i, &mut inp);
         }
         Ok(self.norm.forward(&xs))
+    }
+
+    /// Final hidden states of continuations after shared prefixes, each prefix computed once:
+    /// the same values as [`CausalLm::forward_hidden`] on every (prefix, continuation) row, for
+    /// GRPO's G samples of one prompt at the cost of one prompt. `prefix_ids` (G, P) holds G
+    /// right-padded prefixes of lengths `prefix_lens`; `cont_ids` (B, L) holds B right-padded
+    /// continuations, row `b` continuing prefix `prefix_of[b]`. Each continuation token attends
+    /// to its prefix's real positions and causally to its own row, at RoPE positions from the
+    /// prefix's length on. Returns (G, P, hidden) and (B, L, hidden). Under autograd the prefix
+    /// keys/values are shared by the rows (selected, not recomputed), so gradients from all
+    /// continuations sum into the one prefix forward.
+    pub fn forward_hidden_prefixed(
+        &self,
+        prefix_ids: &Tensor,
+        prefix_lens: &[i64],
+        cont_ids: &Tensor,
+        prefix_of: &[i64],
+    ) -> Result<(Tensor, Tensor)> {
+        let (g, p) = prefix_ids.size2().map_err(|e| {
+            ModelError::InvalidBatch(format!("prefix ids must be (prefixes, length): {e}"))
+        })?;
+        let (b, l) = cont_ids.size2().map_err(|e| {
+            ModelError::InvalidBatch(format!("continuation ids must be (batch, length): {e}"))
+        })?;
+        if prefix_lens.len() as i64 != g || prefix_lens.iter().any(|&n| n < 1 || n > p) {
+            return Err(ModelError::InvalidBatch(format!(
+                "prefix lengths {prefix_lens:?} do not fit {g} prefixes of {p} positions"
+            )));
+        }
+        if prefix_of.len() as i64 != b || prefix_of.iter().any(|&i| i < 0 || i >= g) {
+            return Err(ModelError::InvalidBatch(format!(
+                "{} prefix indices for {b} continuations of {g} prefixes",
+                prefix_of.len()
+            )));
+        }
+        // The prefixes: a plain causal forward that records each layer's keys and values.
+        let (cos, sin) = self.rotary.prefix(p, self.kind);
+        let mut pre = AttnInputs {
+            cos,
+            sin,
+            mask: None,
+            cache: None,
+            prefix: PrefixKv::Record(Vec::with_capacity(self.layers.len())),
+        };
+        let mut xp = self.embed(prefix_ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            xp = layer.forward(&xp, i, &mut pre);
+        }
+        let PrefixKv::Record(kv) = pre.prefix else {
+            unreachable!("the prefix pass records")
+        };
+        // Each continuation row's view of its prefix's keys/values: (G, ..) -> (B, Hkv, P, D).
+        let rows = Tensor::from_slice(prefix_of).to_device(self.device);
+        let select = |t: &Tensor| {
+            if g == 1 {
+                let mut shape = t.size();
+                shape[0] = b;
+                t.expand(shape.as_slice(), false)
+            } else {
+                t.index_select(0, &rows)
+            }
+        };
+        let kv = kv.iter().map(|(k, v)| (select(k), select(v))).collect();
+
+        // (B, 1) prefix length of each row; (B, L) absolute positions of the continuation.
+        let lens: Vec<i64> = prefix_of.iter().map(|&i| prefix_lens[i as usize]).collect();
+        let lens = Tensor::from_slice(&lens)
+            .to_device(self.device)
+            .unsqueeze(1);
+        let positions = &lens + Tensor::arange(l, (Kind::Int64, self.device)).unsqueeze(0);
+        let max_pos = prefix_lens.iter().copied().max().unwrap_or(0) + l - 1;
+        let (cos, sin) = self.rotary.gather(&positions, max_pos, self.kind);
+        // (B, 1, L, P + L): a prefix key counts up to the row's prefix length (its padding
+        // never), a continuation key causally.
+        let prefix_keys = Tensor::arange(p, (Kind::Int64, self.device))
+            .view([1, 1, 1, p])
+            .lt_tensor(&lens.view([b, 1, 1, 1]))
+            .expand([b, 1, l, p], false);
+        let own_keys = Tensor::ones([l, l], (Kind::Bool, self.device))
+            .tril(0)
+            .view([1, 1, l, l])
+            .expand([b, 1, l, l], false);
+        let mask = Tensor::cat(&[prefix_keys, own_keys], 3);
+        let mut cont = AttnInputs {
+            cos,
+            sin,
+            mask: Some(mask),
+            cache: None,
+            prefix: PrefixKv::Attend(kv),
+        };
+        let mut xc = self.embed(cont_ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            xc = layer.forward(&xc, i, &mut cont);
+        }
+        Ok((self.norm.forward(&xp), self.norm.forward(&xc)))
     }
 
     /// Logits (B, L, vocab) for token ids (B, L), without a cache.
@@ -683,6 +818,7 @@ impl CausalLm {
                 write_index,
                 kv_len,
             }),
+            prefix: PrefixKv::None,
         };
         let mut xs = self.embed(input_ids)?;
         for (i, layer) in self.layers.iter().enumerate() {

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use cotrain_proto::rollout::rollout_client::RolloutClient;
 use cotrain_proto::rollout::{
-    update_weights_request::Item, GenerateRequest, GenerateResponse, InfoRequest, InfoResponse, UpdateHeader,
-    UpdateWeightsRequest, UpdateWeightsResponse,
+    update_weights_request::Item, GenerateRequest, GenerateResponse, InfoRequest, InfoResponse, ShmWeights,
+    UpdateHeader, UpdateWeightsRequest, UpdateWeightsResponse,
 };
 use tokio::sync::Notify;
 use tonic::transport::{Channel, Endpoint};
@@ -348,9 +348,22 @@ impl RolloutPool {
         partial: bool,
         tensors: Arc<Vec<UpdatedTensor>>,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
-        let workers = self.inner.healthy();
+        self.push_weights_except(agent, version, partial, tensors, &HashSet::new()).await
+    }
+
+    /// As [`Self::push_weights`], to every healthy worker but those in `skip` (the ones that
+    /// already took this version another way).
+    pub async fn push_weights_except(
+        &self,
+        agent: &str,
+        version: u64,
+        partial: bool,
+        tensors: Arc<Vec<UpdatedTensor>>,
+        skip: &HashSet<String>,
+    ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
+        let workers = self.inner.healthy().into_iter().filter(|w| !skip.contains(&w.address));
         let chunk = self.inner.cfg.weight_chunk_bytes;
-        let calls = workers.into_iter().map(|w| {
+        let calls = workers.map(|w| {
             let tensors = tensors.clone();
             let header = UpdateHeader { agent: agent.to_string(), version, tensor_count: tensors.len() as u32, partial };
             async move {
@@ -360,6 +373,52 @@ impl RolloutPool {
             }
         });
         futures::future::join_all(calls).await
+    }
+
+    /// Sends a weight update whose tensors are in a shared-memory file (see [`crate::shm`]) to
+    /// every healthy worker at once; returns each worker's answer. The caller keeps the file until
+    /// this returns.
+    pub async fn push_weights_shm(
+        &self,
+        agent: &str,
+        version: u64,
+        partial: bool,
+        shm: &ShmWeights,
+    ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
+        let workers = self.inner.healthy();
+        let calls = workers.into_iter().map(|w| {
+            let header = UpdateHeader { agent: agent.to_string(), version, tensor_count: shm.tensors.len() as u32, partial };
+            let msgs = vec![
+                UpdateWeightsRequest { item: Some(Item::Header(header)) },
+                UpdateWeightsRequest { item: Some(Item::Shm(shm.clone())) },
+            ];
+            async move {
+                let mut c = w.client.clone();
+                let r = c.update_weights(futures::stream::iter(msgs)).await.map(|r| r.into_inner());
+                (w.address.clone(), r)
+            }
+        });
+        futures::future::join_all(calls).await
+    }
+
+    /// Whether every healthy worker (at least one) is on a loopback address and accepts
+    /// shared-memory weight updates (`InfoResponse.shm_weights`); if not, why not.
+    pub async fn shm_capable(&self) -> Result<(), String> {
+        let infos = self.info_all().await;
+        if infos.is_empty() {
+            return Err("no healthy worker".into());
+        }
+        for (addr, info) in infos {
+            if !is_loopback(&addr) {
+                return Err(format!("worker {addr} is not on a loopback address"));
+            }
+            match info {
+                Ok(i) if i.shm_weights => {}
+                Ok(_) => return Err(format!("worker {addr} was not started with {}", crate::shm::SHM_FLAG)),
+                Err(s) => return Err(format!("worker {addr}: Info failed: {}", s.message())),
+            }
+        }
+        Ok(())
     }
 
     /// Waits until every healthy worker reports at least `version` for `agent`.
@@ -383,6 +442,17 @@ impl RolloutPool {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// Whether a worker address (`http://host:port`) is a loopback IP or `localhost`.
+pub fn is_loopback(address: &str) -> bool {
+    let rest = address.split_once("://").map_or(address, |(_, r)| r);
+    let host_port = rest.split('/').next().unwrap_or(rest);
+    if let Ok(sa) = host_port.parse::<SocketAddr>() {
+        return sa.ip().is_loopback();
+    }
+    let host = host_port.rsplit_once(':').map_or(host_port, |(h, _)| h);
+    host.eq_ignore_ascii_case("localhost")
 }
 
 /// The messages of one weight-update stream: the header, then every tensor in chunks of at most
@@ -539,6 +609,17 @@ mod tests {
         assert!(matches!(msgs[0].item, Some(Item::Header(_))));
         let Some(Item::Chunk(c)) = &msgs[3].item else { panic!("expected a chunk") };
         assert_eq!((c.name.as_str(), c.offset, c.data.len()), ("a", 8, 2));
+    }
+
+    #[test]
+    fn loopback_addresses() {
+        assert!(is_loopback("http://127.0.0.1:50061"));
+        assert!(is_loopback("http://127.3.2.1:1"));
+        assert!(is_loopback("http://[::1]:50061"));
+        assert!(is_loopback("http://localhost:50061"));
+        assert!(!is_loopback("http://10.0.0.7:50061"));
+        assert!(!is_loopback("http://worker-0.rollout:50061"));
+        assert!(!is_loopback("http://[::2]:50061"));
     }
 
     #[tokio::test]

@@ -1,0 +1,131 @@
+//! `rollout.weight_transport`: the learner's weight push through /dev/shm to a worker on this
+//! host gives the same policy as gRPC chunks, `auto` picks it only where the worker accepts it,
+//! and no weight file is left behind.
+
+mod train_common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cotrain_learner::config::WeightTransport;
+use cotrain_learner::services::embedded::EmbeddedRollout;
+use cotrain_learner::services::{PoolRollout, runtime};
+use cotrain_learner::trainer::{GenRequest, RolloutSource, SamplingSpec};
+use tch::Tensor;
+use tokio::runtime::Runtime;
+use train_common::{config, tiny_model_dir};
+
+const YAML: &str = "model: {name: unused, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 64}\n\
+dataset: {name: gsm8k, train_split: 'train[:2]'}\n\
+grpo: {num_generations: 2, max_new_tokens: 2}\n\
+logging: {tensorboard: false, plots: false, progress: never}\n";
+
+fn connect(rt: &Arc<Runtime>, grpc: std::net::SocketAddr, transport: WeightTransport) -> PoolRollout {
+    PoolRollout::connect(
+        rt.clone(),
+        vec![format!("http://{grpc}")],
+        vec![],
+        Duration::from_secs(60),
+        1,
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+    )
+    .unwrap()
+    .with_weight_transport(transport)
+}
+
+/// The tiny model's parameters, every one scaled by -0.7 (a clearly different policy).
+fn changed_params(spec: &str) -> BTreeMap<String, Tensor> {
+    let model = cotrain_model::loader::load(spec, &cotrain_model::loader::LoadOptions::default()).unwrap();
+    model.named_parameters().into_iter().map(|(n, t)| (n, t.detach() * -0.7)).collect()
+}
+
+fn greedy(r: &mut PoolRollout, version: u64) -> Vec<u32> {
+    let req = GenRequest {
+        agent: "agent0".into(),
+        prompt: vec![65, 97, 48],
+        n: 1,
+        sampling: SamplingSpec { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 12, ignore_eos: true },
+        seed: 5,
+        min_policy_version: version,
+    };
+    let out = r.generate(&[req]).unwrap();
+    assert_eq!(out[0][0].policy_version, version);
+    out[0][0].token_ids.clone()
+}
+
+fn leftover_weight_files() -> Vec<String> {
+    let prefix = format!("cotrain-weights-{}-", std::process::id());
+    std::fs::read_dir("/dev/shm")
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with(&prefix)).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn the_config_key_parses_and_defaults_to_auto() {
+    assert_eq!(config(YAML, &[]).raw.rollout.weight_transport, WeightTransport::Auto);
+    let cfg = config(&format!("{YAML}rollout: {{weight_transport: shm}}\n"), &[]);
+    assert_eq!(cfg.raw.rollout.weight_transport, WeightTransport::Shm);
+    let v = cotrain_learner::config::merged_value(
+        &format!("{YAML}rollout: {{weight_transport: carrier_pigeon}}\n"),
+        "test.yaml",
+        &[],
+        &Default::default(),
+    );
+    let err = match v.and_then(|v| cotrain_learner::config::CheckedConfig::from_value(v, std::path::Path::new("test.yaml"))) {
+        Ok(_) => panic!("an unknown transport must be refused"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("carrier_pigeon") || err.contains("weight_transport"), "{err}");
+}
+
+#[test]
+fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = tiny_model_dir(dir.path()).display().to_string();
+    let rt = runtime().unwrap();
+    let agents = vec![("agent0".to_string(), spec.clone())];
+    let params = changed_params(&spec);
+
+    // The embedded worker accepts shared memory: `auto` and `shm` both go through /dev/shm.
+    let shm_worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let mut auto = connect(&rt, shm_worker.grpc, WeightTransport::Auto);
+    assert!(rt.block_on(auto.pool().shm_capable()).is_ok());
+    let before = greedy(&mut auto, 0);
+    auto.push_weights("agent0", 1, &params).unwrap();
+    assert_eq!(auto.shm_pushes(), 1, "auto did not use shared memory with a willing loopback worker");
+    assert_eq!(auto.policy_version("agent0").unwrap(), 1);
+    let via_shm = greedy(&mut auto, 1);
+    assert_ne!(via_shm, before, "the pushed weights did not change the policy");
+    let mut shm = connect(&rt, shm_worker.grpc, WeightTransport::Shm);
+    shm.push_weights("agent0", 2, &params).unwrap();
+    assert_eq!(shm.shm_pushes(), 1);
+    assert_eq!(greedy(&mut shm, 2), via_shm);
+
+    // A worker without the opt-in: `shm` fails naming the flag, `auto` and `grpc` use chunks.
+    let config = cotrain_rollout_worker::worker::WorkerConfig {
+        agents: agents.clone(),
+        device: tch::Device::Cpu,
+        kind: tch::Kind::Float,
+        max_batch_size: 8,
+        max_queued_requests: 64,
+    };
+    let loopback = "127.0.0.1:0".parse().unwrap();
+    let plain = rt.block_on(cotrain_rollout_worker::server::start(config, loopback, loopback)).unwrap();
+    let mut forced = connect(&rt, plain.grpc_addr, WeightTransport::Shm);
+    let err = forced.push_weights("agent0", 1, &params).unwrap_err().to_string();
+    assert!(err.contains("--allow-shm-weights") && err.contains("rollout.weight_transport: shm"), "{err}");
+    assert_eq!(forced.policy_version("agent0").unwrap(), 0);
+    let why = rt.block_on(forced.pool().shm_capable()).unwrap_err();
+    assert!(why.contains("--allow-shm-weights"), "{why}");
+    let mut auto_plain = connect(&rt, plain.grpc_addr, WeightTransport::Auto);
+    auto_plain.push_weights("agent0", 1, &params).unwrap();
+    assert_eq!(auto_plain.shm_pushes(), 0, "auto used shared memory with a worker that refuses it");
+    assert_eq!(greedy(&mut auto_plain, 1), via_shm, "the same weights over gRPC give another policy");
+
+    drop((auto, shm, forced, auto_plain));
+    assert_eq!(leftover_weight_files(), Vec::<String>::new(), "weight files left in /dev/shm");
+    rt.block_on(plain.shutdown()).unwrap();
+    drop(shm_worker);
+}

@@ -1,0 +1,138 @@
+//! Decode-step matmuls: libtorch against `kernels::gemm_f32`, over every weight matrix of the
+//! default model (SmolLM2-135M: 211 of them), for a range of batch sizes.
+//!
+//!     cargo run --release -p cotrain-model --example bench_linear [-- --rows 1,2,8,16,32,64]
+//!
+//! Prints milliseconds per decode step (all matrices once, output contiguous), best of the
+//! interleaved repetitions: `torch` is the route `linear()` took before the kernel (`(w·xᵀ)ᵀ` up to
+//! 16 rows, `x.linear(w)` beyond), `mkldnn` is oneDNN's `mkldnn_linear` on a weight converted once,
+//! `kernel` the AVX-512 kernel; then the largest difference from `x.linear(w)`.
+
+use std::time::Instant;
+
+use cotrain_model::kernels::linear_nt;
+use cotrain_model::loader;
+use tch::{Kind, Tensor};
+
+fn torch_route(x: &Tensor, w: &Tensor) -> Tensor {
+    let rows = x.size()[0];
+    if rows == 1 {
+        w.matmul(&x.repeat([2, 1]).tr())
+            .tr()
+            .narrow(0, 0, 1)
+            .contiguous()
+    } else if rows <= 16 {
+        w.matmul(&x.tr()).tr().contiguous()
+    } else {
+        x.linear::<Tensor>(w, None)
+    }
+}
+
+fn time_step(
+    ws: &[Tensor],
+    xs: &dyn Fn(i64) -> Tensor,
+    f: &dyn Fn(&Tensor, &Tensor) -> Tensor,
+) -> f64 {
+    let t = Instant::now();
+    for w in ws {
+        let _ = f(&xs(w.size()[1]), w);
+    }
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut rows = vec![1i64, 2, 8, 16, 32, 64];
+    let mut reps = 5;
+    let mut mkldnn = true;
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--rows" => {
+                rows = it
+                    .next()
+                    .unwrap()
+                    .split(',')
+                    .map(|r| r.parse().unwrap())
+                    .collect()
+            }
+            "--reps" => reps = it.next().unwrap().parse()?,
+            "--no-mkldnn" => mkldnn = false,
+            "--bench" => {}
+            other => anyhow::bail!("unknown argument {other}"),
+        }
+    }
+    tch::set_num_threads(2);
+    let _guard = tch::no_grad_guard();
+    let model = loader::load("default", &Default::default())?;
+    let ws: Vec<Tensor> = model
+        .named_parameters()
+        .into_values()
+        .filter(|t| t.dim() == 2 && t.kind() == Kind::Float)
+        .map(|t| t.detach())
+        .collect();
+    let wk: Vec<Tensor> = if mkldnn {
+        ws.iter().map(|w| w.to_mkldnn()).collect()
+    } else {
+        vec![]
+    };
+    let bytes: i64 = ws.iter().map(|w| w.numel() as i64 * 4).sum();
+    println!(
+        "{} matrices, {:.0} MB, kernel available: {}, threads: {}",
+        ws.len(),
+        bytes as f64 / 1e6,
+        linear_nt(
+            &Tensor::zeros([1, 1], (Kind::Float, tch::Device::Cpu)),
+            &Tensor::zeros([1, 1], (Kind::Float, tch::Device::Cpu))
+        )
+        .is_some(),
+        tch::get_num_threads()
+    );
+    println!(
+        "{:>5} {:>10} {:>10} {:>10} {:>12}",
+        "rows", "torch ms", "mkldnn ms", "kernel ms", "max |diff|"
+    );
+    for &b in &rows {
+        let x576 = Tensor::randn([b, 576], (Kind::Float, tch::Device::Cpu));
+        let x1536 = Tensor::randn([b, 1536], (Kind::Float, tch::Device::Cpu));
+        let xs = |k: i64| {
+            if k == 576 {
+                x576.shallow_clone()
+            } else if k == 1536 {
+                x1536.shallow_clone()
+            } else {
+                Tensor::randn([b, k], (Kind::Float, tch::Device::Cpu))
+            }
+        };
+        let mut diff = 0f64;
+        for w in &ws {
+            let x = xs(w.size()[1]);
+            let d = (linear_nt(&x, w).unwrap() - x.linear::<Tensor>(w, None))
+                .abs()
+                .max()
+                .double_value(&[]);
+            diff = diff.max(d);
+        }
+        let (mut tt, mut tm, mut tk) = (f64::MAX, f64::MAX, f64::MAX);
+        for _ in 0..reps {
+            tt = tt.min(time_step(&ws, &xs, &torch_route));
+            if mkldnn {
+                let t = Instant::now();
+                for w in &wk {
+                    let x = xs(w.size()[1]).to_mkldnn();
+                    let _ = x.mkldnn_linear::<Tensor>(w, None).to_dense(None, false);
+                }
+                tm = tm.min(t.elapsed().as_secs_f64() * 1e3);
+            }
+            tk = tk.min(time_step(&ws, &xs, &|x, w| linear_nt(x, w).unwrap()));
+        }
+        println!(
+            "{b:>5} {tt:>10.1} {:>10} {tk:>10.1} {diff:>12.2e}",
+            if mkldnn {
+                format!("{tm:.1}")
+            } else {
+                "-".into()
+            }
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,173 @@
+//! Hand-written CPU kernels for the spots where libtorch's own are far from the machine's limits.
+//!
+//! [`gemm_f32`]: the decode-step matmuls `x · wᵀ` with a handful of rows of `x` (one per sequence
+//! in the batch), where MKL (through libtorch 2.13) is neither bandwidth- nor compute-bound.
+
+#[cfg(target_arch = "x86_64")]
+pub mod gemm_f32;
+
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
+use tch::{Device, Kind, Tensor};
+
+/// `xs · wᵀ` for `xs` (..., K) and `w` (N, K) through [`gemm_f32::matmul_nt`], or `None` where the
+/// kernel does not apply: no AVX-512F, not f32 on CPU, a weight that is not a contiguous matrix of
+/// matching width, or an input that autograd would record (it requires grad and grad mode is on:
+/// training stays with libtorch). A non-contiguous `xs` is copied first.
+#[cfg(target_arch = "x86_64")]
+pub fn linear_nt(xs: &Tensor, w: &Tensor) -> Option<Tensor> {
+    if !gemm_f32::is_available()
+        || xs.device() != Device::Cpu
+        || w.device() != Device::Cpu
+        || xs.kind() != Kind::Float
+        || w.kind() != Kind::Float
+        || w.dim() != 2
+        || !w.is_contiguous()
+        || xs.dim() == 0
+        || recorded(xs)
+        || recorded(w)
+    {
+        return None;
+    }
+    let (n, k) = (w.size()[0], w.size()[1]);
+    let mut shape = xs.size();
+    let last = shape.last_mut().expect("xs has at least one axis");
+    if *last != k {
+        return None;
+    }
+    *last = n;
+    let xs = xs.contiguous();
+    let m = if k > 0 { xs.numel() as i64 / k } else { 0 };
+    if k == 0 {
+        return Some(Tensor::zeros(shape.as_slice(), (Kind::Float, Device::Cpu)));
+    }
+    let ys = Tensor::empty(shape.as_slice(), (Kind::Float, Device::Cpu));
+    if m == 0 || n == 0 {
+        return Some(ys);
+    }
+    let (m, n, k) = (m as usize, n as usize, k as usize);
+    // SAFETY: `xs` and `w` are contiguous f32 CPU tensors of m·k and n·k elements, and `ys` a fresh
+    // one of m·n that nothing else references; all three live until the end of this function.
+    let (x, w, y) = unsafe {
+        (
+            std::slice::from_raw_parts(xs.data_ptr() as *const f32, m * k),
+            std::slice::from_raw_parts(w.data_ptr() as *const f32, n * k),
+            std::slice::from_raw_parts_mut(ys.data_ptr() as *mut f32, m * n),
+        )
+    };
+    gemm_f32::matmul_nt(x, w, y, m, n, k, tch::get_num_threads().max(1) as usize);
+    Some(ys)
+}
+
+/// Elsewhere there is no kernel: always `None`.
+#[cfg(not(target_arch = "x86_64"))]
+pub fn linear_nt(_xs: &Tensor, _w: &Tensor) -> Option<Tensor> {
+    None
+}
+
+/// Whether autograd would record an op on `t`: it requires grad and grad mode is on. tch does not
+/// expose the grad mode, and a view would not tell (it inherits the flag even under `no_grad`),
+/// so this asks an op on no elements.
+#[cfg(target_arch = "x86_64")]
+fn recorded(t: &Tensor) -> bool {
+    t.requires_grad() && t.narrow(0, 0, 0).neg().requires_grad()
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    fn check(b: i64, n: i64, k: i64) {
+        let x = Tensor::randn([b, k], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05;
+        let want = x.linear::<Tensor>(&w, None);
+        let got = linear_nt(&x, &w).expect("kernel applies");
+        assert_eq!(got.size(), want.size(), "b={b} n={n} k={k}");
+        let diff = (got - want).abs().max().double_value(&[]);
+        assert!(diff <= 1e-4, "b={b} n={n} k={k}: max |diff| {diff}");
+    }
+
+    #[test]
+    fn matches_torch_on_ragged_shapes() {
+        if !gemm_f32::is_available() {
+            return;
+        }
+        tch::manual_seed(0);
+        for b in [1, 2, 3, 5, 6, 7, 8, 13, 16, 31, 32, 64, 70] {
+            for (n, k) in [
+                (1, 1),
+                (3, 15),
+                (4, 16),
+                (5, 17),
+                (17, 33),
+                (193, 600),
+                (576, 576),
+            ] {
+                check(b, n, k);
+            }
+        }
+        for b in 1..=70 {
+            check(b, 66, 40);
+        }
+    }
+
+    #[test]
+    fn keeps_leading_axes_and_copies_non_contiguous_input() {
+        if !gemm_f32::is_available() {
+            return;
+        }
+        let x = Tensor::randn([3, 5, 24], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([10, 24], (Kind::Float, Device::Cpu));
+        let got = linear_nt(&x, &w).unwrap();
+        assert_eq!(got.size(), [3, 5, 10]);
+        assert!(
+            (got - x.linear::<Tensor>(&w, None))
+                .abs()
+                .max()
+                .double_value(&[])
+                <= 1e-4
+        );
+        let xt = Tensor::randn([24, 7], (Kind::Float, Device::Cpu)).tr();
+        assert!(!xt.is_contiguous());
+        let diff = (linear_nt(&xt, &w).unwrap() - xt.linear::<Tensor>(&w, None))
+            .abs()
+            .max();
+        assert!(diff.double_value(&[]) <= 1e-4);
+    }
+
+    #[test]
+    fn declines_what_it_cannot_serve() {
+        let x = Tensor::randn([2, 8], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));
+        assert!(linear_nt(&x.set_requires_grad(true), &w).is_none());
+        assert!(linear_nt(&x, &w.set_requires_grad(true)).is_none());
+        {
+            // Frozen for inference: parameters that require grad, under `no_grad`, are served.
+            let _guard = tch::no_grad_guard();
+            let wg = w.copy().set_requires_grad(true);
+            let xg = x.copy().set_requires_grad(true);
+            assert!(linear_nt(&xg, &wg).is_some_and(|y| !y.requires_grad()));
+        }
+        assert!(linear_nt(&x.to_kind(Kind::Double), &w.to_kind(Kind::Double)).is_none());
+        assert!(linear_nt(&x, &Tensor::randn([8, 4], (Kind::Float, Device::Cpu)).tr()).is_none());
+        assert!(linear_nt(&Tensor::randn([2, 7], (Kind::Float, Device::Cpu)), &w).is_none());
+    }
+
+    #[test]
+    fn zero_rows_and_zero_width() {
+        if !gemm_f32::is_available() {
+            return;
+        }
+        let w = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));
+        assert_eq!(
+            linear_nt(&Tensor::zeros([0, 8], (Kind::Float, Device::Cpu)), &w)
+                .unwrap()
+                .size(),
+            [0, 4]
+        );
+        let y = linear_nt(
+            &Tensor::ones([2, 0], (Kind::Float, Device::Cpu)),
+            &Tensor::ones([4, 0], (Kind::Float, Device::Cpu)),
+        );
+        assert_eq!(y.unwrap().abs().sum(Kind::Float).double_value(&[]), 0.0);
+    }
+}
