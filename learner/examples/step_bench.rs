@@ -47,6 +47,11 @@ returns [1, 2, 3, 3, 3, 4, 4]. Explain briefly, then give the code.";
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     cotrain_model::allocator::tune_for_tensors();
+    // RUST_LOG=debug shows, e.g., how each weight push splits into writing and the worker's swap.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
+        .with_writer(std::io::stderr)
+        .init();
     let steps: u64 = args.iter().position(|a| a == "--steps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(2);
     let skip_python = args.iter().any(|a| a == "--skip-python");
     let yaml = "model: {name: default, dtype: f32, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 1024}\n\
