@@ -89,6 +89,7 @@ pub fn matmul_nt(
             let data = GompData {
                 job: &job,
                 omp_get_thread_num: g.thread_num,
+                omp_get_num_threads: g.num_threads,
                 threads,
             };
             // SAFETY: `GOMP_parallel` runs `gomp_part` on `threads` threads of libgomp's team and
@@ -295,6 +296,7 @@ fn sum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
 struct GompData<'a> {
     job: &'a Job,
     omp_get_thread_num: OmpGetThreadNum,
+    omp_get_num_threads: OmpGetThreadNum,
     threads: usize,
 }
 
@@ -303,13 +305,16 @@ extern "C" fn gomp_part(data: *mut c_void) {
     // SAFETY: `matmul_nt` passes a `GompData` that outlives the parallel region.
     let data = unsafe { &*data.cast::<GompData<'_>>() };
     // SAFETY: called inside a parallel region, as libgomp requires.
-    let t = unsafe { (data.omp_get_thread_num)() }.max(0) as usize;
+    let (t, team) = unsafe { ((data.omp_get_thread_num)(), (data.omp_get_num_threads)()) };
+    let (t, team) = (t.max(0) as usize, team.max(1) as usize);
     let blocks = data.job.n.div_ceil(NR);
     let share = |t: usize| (blocks * t / data.threads * NR).min(data.job.n);
-    if t < data.threads {
-        // SAFETY: shares of different threads are disjoint and within `n`; `matmul_nt` checked
-        // AVX-512F and the buffers.
-        unsafe { run(data.job, share(t), share(t + 1)) };
+    // libgomp may give a smaller team than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC, a nested region):
+    // then a thread takes every `team`-th share, so that every column is still written.
+    for part in (t..data.threads).step_by(team) {
+        // SAFETY: shares of different parts are disjoint and within `n`, and each part runs on one
+        // thread; `matmul_nt` checked AVX-512F and the buffers.
+        unsafe { run(data.job, share(part), share(part + 1)) };
     }
 }
 
@@ -317,11 +322,12 @@ extern "C" fn gomp_part(data: *mut c_void) {
 struct Gomp {
     parallel: GompParallel,
     thread_num: OmpGetThreadNum,
+    num_threads: OmpGetThreadNum,
 }
 
 /// `void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags)`.
 type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
-/// `int omp_get_thread_num(void)`.
+/// `int omp_get_thread_num(void)`, also the signature of `omp_get_num_threads`.
 type OmpGetThreadNum = unsafe extern "C" fn() -> i32;
 
 /// libgomp's `GOMP_parallel` and `omp_get_thread_num`, or `None` when the process has no libgomp
@@ -330,22 +336,73 @@ fn gomp() -> Option<&'static Gomp> {
     static GOMP: OnceLock<Option<Gomp>> = OnceLock::new();
     GOMP.get_or_init(|| {
         // SAFETY: `dlsym` with `RTLD_DEFAULT` only looks names up; both are C strings.
-        let (parallel, thread_num) = unsafe {
+        let (parallel, thread_num, num_threads) = unsafe {
             (
                 libc::dlsym(libc::RTLD_DEFAULT, c"GOMP_parallel".as_ptr()),
                 libc::dlsym(libc::RTLD_DEFAULT, c"omp_get_thread_num".as_ptr()),
+                libc::dlsym(libc::RTLD_DEFAULT, c"omp_get_num_threads".as_ptr()),
             )
         };
-        if parallel.is_null() || thread_num.is_null() {
+        if parallel.is_null() || thread_num.is_null() || num_threads.is_null() {
             return None;
         }
-        // SAFETY: these are libgomp's documented ABI signatures for the two symbols.
+        // SAFETY: these are libgomp's documented ABI signatures for the three symbols.
         unsafe {
             Some(Gomp {
                 parallel: std::mem::transmute::<*mut c_void, GompParallel>(parallel),
                 thread_num: std::mem::transmute::<*mut c_void, OmpGetThreadNum>(thread_num),
+                num_threads: std::mem::transmute::<*mut c_void, OmpGetThreadNum>(num_threads),
             })
         }
     })
     .as_ref()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    struct Outer {
+        x: Vec<f32>,
+        w: Vec<f32>,
+        y: Mutex<Vec<f32>>,
+        shape: (usize, usize, usize),
+        thread_num: OmpGetThreadNum,
+    }
+
+    /// Thread 0 of an outer region calls the kernel, whose own region is then nested and gets a
+    /// team of one thread (libgomp runs nested regions serially by default).
+    extern "C" fn outer(data: *mut c_void) {
+        // SAFETY: the test passes an `Outer` that outlives the region.
+        let o = unsafe { &*data.cast::<Outer>() };
+        // SAFETY: inside a parallel region.
+        if unsafe { (o.thread_num)() } == 0 {
+            let (m, n, k) = o.shape;
+            matmul_nt(&o.x, &o.w, &mut o.y.lock().unwrap(), m, n, k, 4);
+        }
+    }
+
+    #[test]
+    fn a_smaller_team_than_asked_still_writes_every_column() {
+        let (true, Some(g)) = (is_available(), gomp()) else {
+            eprintln!("skipped: no AVX-512F or no libgomp in this process");
+            return;
+        };
+        // Large enough for the kernel to ask for several threads.
+        let (m, n, k) = (4, 256, 256);
+        let x: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 - 3.0).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.5).collect();
+        let o = Outer { x, w, y: Mutex::new(vec![f32::NAN; m * n]), shape: (m, n, k), thread_num: g.thread_num };
+        // SAFETY: `outer` only reads `o`, which outlives the region.
+        unsafe { (g.parallel)(outer, (&raw const o).cast_mut().cast(), 2, 0) };
+        let y = o.y.into_inner().unwrap();
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|q| o.x[i * k + q] * o.w[j * k + q]).sum();
+                assert_eq!(y[i * n + j], want, "row {i}, column {j}");
+            }
+        }
+    }
 }
