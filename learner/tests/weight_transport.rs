@@ -102,6 +102,12 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
     shm.push_weights("agent0", 2, &params).unwrap();
     assert_eq!(shm.shm_pushes(), 1);
     assert_eq!(greedy(&mut shm, 2), via_shm);
+    // The second push overwrites the same file: the worker must see only the new weights.
+    let params2: BTreeMap<String, Tensor> = params.iter().map(|(n, t)| (n.clone(), t * -1.3)).collect();
+    shm.push_weights("agent0", 3, &params2).unwrap();
+    assert_eq!(shm.shm_pushes(), 2);
+    let via_shm2 = greedy(&mut shm, 3);
+    assert_ne!(via_shm2, via_shm, "the second push did not change the policy");
 
     // A worker without the opt-in: `shm` fails naming the flag, `auto` and `grpc` use chunks.
     let config = cotrain_rollout_worker::worker::WorkerConfig {
@@ -123,6 +129,8 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
     auto_plain.push_weights("agent0", 1, &params).unwrap();
     assert_eq!(auto_plain.shm_pushes(), 0, "auto used shared memory with a worker that refuses it");
     assert_eq!(greedy(&mut auto_plain, 1), via_shm, "the same weights over gRPC give another policy");
+    auto_plain.push_weights("agent0", 2, &params2).unwrap();
+    assert_eq!(greedy(&mut auto_plain, 2), via_shm2, "a rewritten shm file and gRPC give different policies");
 
     drop((auto, shm, forced, auto_plain));
     assert_eq!(leftover_weight_files(), Vec::<String>::new(), "weight files left in /dev/shm");

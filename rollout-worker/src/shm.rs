@@ -7,11 +7,14 @@
 //! file directly in that directory (opened with `O_NOFOLLOW`, so a symlink is refused), checks the
 //! file's size against the message and every tensor's range against the file, and loads the
 //! tensors through the same [`UpdateAssembler`] checks as chunks (known names, same shapes,
-//! supported dtype, complete coverage). The client deletes the file once every worker answered;
-//! [`ShmFile`] deletes it when dropped, so no path (error, panic) leaves it behind.
+//! supported dtype, complete coverage). A client that pushes every step keeps one file per agent
+//! and overwrites it ([`ShmFile::rewind`]) once every worker has answered the previous push (the
+//! worker reads the file before it answers), so no step allocates or frees 0.5 GB of tmpfs;
+//! [`ShmFile`] deletes the file when dropped, so no path (error, panic) leaves it behind, and files
+//! of processes that died without dropping theirs are removed by the next [`ShmFile::create`].
 
 use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::io::{Seek, SeekFrom, Write};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -45,6 +48,7 @@ impl ShmFile {
 
     /// As [`Self::create`], in another directory (tests of the refusals).
     pub fn create_in(dir: &Path, agent: &str, version: u64) -> std::io::Result<Self> {
+        remove_stale(dir);
         let agent: String =
             agent.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).take(64).collect();
         let name = format!("{SHM_PREFIX}{}-{agent}-v{version}-{}", std::process::id(), uuid::Uuid::new_v4().simple());
@@ -77,6 +81,21 @@ impl ShmFile {
         Ok(())
     }
 
+    /// Starts the file over for the next update, overwriting the same pages. Only once every
+    /// reader of the previous contents is done: workers read the file before answering the push.
+    pub fn rewind(&mut self) -> std::io::Result<()> {
+        self.file.seek(SeekFrom::Start(0))?;
+        self.size = 0;
+        self.tensors.clear();
+        Ok(())
+    }
+
+    /// Cuts the file to what was written since it was created or rewound (a smaller update after
+    /// a larger one would otherwise leave the old tail and fail the worker's size check).
+    pub fn finish(&mut self) -> std::io::Result<()> {
+        self.file.set_len(self.size)
+    }
+
     /// Tensors written so far.
     pub fn tensor_count(&self) -> usize {
         self.tensors.len()
@@ -94,6 +113,34 @@ impl Drop for ShmFile {
             && e.kind() != std::io::ErrorKind::NotFound
         {
             tracing::warn!(path = %self.path.display(), error = %e, "cannot delete the shared-memory weight file");
+        }
+    }
+}
+
+/// Deletes update files in `dir` left by processes that are gone (killed before their [`ShmFile`]
+/// dropped): the file name carries the writer's pid. Best effort, once per process and directory.
+fn remove_stale(dir: &Path) {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    static SWEPT: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
+    {
+        let mut swept = SWEPT.lock().unwrap_or_else(|e| e.into_inner());
+        if !swept.get_or_insert_with(HashSet::new).insert(dir.to_path_buf()) {
+            return;
+        }
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(SHM_PREFIX)).and_then(|r| r.split('-').next()) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => tracing::info!(path = %entry.path().display(), "removed a weight file left by a dead process"),
+                Err(e) => tracing::debug!(path = %entry.path().display(), error = %e, "cannot remove a stale weight file"),
+            }
         }
     }
 }
@@ -247,6 +294,41 @@ mod tests {
         let path = f.path().to_path_buf();
         drop(f);
         assert!(!path.exists(), "the file outlived its guard");
+    }
+
+    #[test]
+    fn a_rewound_file_carries_only_the_new_update() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut f, _, _) = full_file(dir.path());
+        let path = f.path().to_path_buf();
+        f.rewind().unwrap();
+        let a2: Vec<u8> = (50..74).collect();
+        f.write_tensor("a", WireDType::F32, &[2, 3], &a2).unwrap();
+        f.finish().unwrap();
+        assert_eq!(f.path(), path, "rewinding must keep the file");
+        let msg = f.message();
+        assert_eq!((msg.size, msg.tensors.len()), (24, 1));
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 24, "the old tail must be cut");
+        let header = UpdateHeader { agent: "x".into(), version: 2, tensor_count: 1, partial: true };
+        let done = read_update(&policy(dir.path()), &msg, UpdateAssembler::new(header, params(), 1).unwrap()).unwrap();
+        let mut v = vec![0u8; 24];
+        done.loaded[0].1.copy_data_u8(&mut v, 6);
+        assert_eq!(v, a2, "the worker read stale bytes");
+    }
+
+    #[test]
+    fn files_of_dead_processes_are_removed_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        // Above Linux's largest pid_max, so no process has it.
+        let dead = dir.path().join(format!("{SHM_PREFIX}4194305-agent0-v3-0123"));
+        let alive = dir.path().join(format!("{SHM_PREFIX}1-agent0-v3-4567"));
+        let other = dir.path().join("unrelated-4194305");
+        for p in [&dead, &alive, &other] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        let f = ShmFile::create_in(dir.path(), "agent1", 1).unwrap();
+        assert!(!dead.exists(), "a dead process's file was kept");
+        assert!(alive.exists() && other.exists() && f.path().exists(), "a live or foreign file was removed");
     }
 
     #[test]

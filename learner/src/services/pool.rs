@@ -3,7 +3,8 @@
 //! Weights go to the workers as gRPC chunks or, for workers on this host that accept it, through
 //! one file in /dev/shm per push (`rollout.weight_transport`, see [`WeightTransport`]).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,17 +29,12 @@ pub struct PoolRollout {
     transport: WeightTransport,
     /// Set once `auto` saw the shared-memory transport fail: gRPC from then on.
     shm_failed: bool,
-    /// Deletes the last shared-memory file (freeing 0.5 GB of tmpfs takes ~0.1 s, so it runs
-    /// while training goes on); joined before the next push and on drop.
-    unlinking: Option<std::thread::JoinHandle<()>>,
+    /// One shared-memory file per agent, overwritten by each push (allocating and freeing 0.5 GB
+    /// of tmpfs every step cost 0.2–0.9 s per agent, depending on the kernel's free memory after a
+    /// training step). Deleted when this is dropped, or after a failed push.
+    shm_files: HashMap<String, ShmFile>,
     /// Pushes that went through shared memory.
     shm_pushes: u64,
-}
-
-impl Drop for PoolRollout {
-    fn drop(&mut self) {
-        self.join_unlink();
-    }
 }
 
 impl PoolRollout {
@@ -76,7 +72,7 @@ impl PoolRollout {
             next_request: 0,
             transport: WeightTransport::Auto,
             shm_failed: false,
-            unlinking: None,
+            shm_files: HashMap::new(),
             shm_pushes: 0,
         })
     }
@@ -90,14 +86,6 @@ impl PoolRollout {
     /// How many pushes went through shared memory (the rest went as gRPC chunks).
     pub fn shm_pushes(&self) -> u64 {
         self.shm_pushes
-    }
-
-    fn join_unlink(&mut self) {
-        if let Some(t) = self.unlinking.take()
-            && t.join().is_err()
-        {
-            warn!("deleting the shared-memory weight file panicked");
-        }
     }
 
     /// Pushes as gRPC chunks to every healthy worker not in `skip`.
@@ -115,22 +103,27 @@ impl PoolRollout {
         Ok(())
     }
 
-    /// Writes the parameters into one /dev/shm file and names it to every healthy worker. On
-    /// failure, returns the workers that took the update anyway with the error. The file is
-    /// deleted on every path (its guard drops on a thread joined before the next push).
+    /// Writes the parameters into the agent's /dev/shm file (created on the first push, overwritten
+    /// after) and names it to every healthy worker. On failure, returns the workers that took the
+    /// update anyway with the error, and drops the file.
     fn push_shm(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), (HashSet<String>, String)> {
-        self.join_unlink();
         let started = std::time::Instant::now();
-        let file = write_shm(agent, version, params).map_err(|e| (HashSet::new(), format!("writing the shared-memory file: {e}")))?;
-        let written = started.elapsed();
-        let answers = self.rt.block_on(self.pool.push_weights_shm(agent, version, false, &file.message()));
-        debug!(agent, version, write_secs = written.as_secs_f64(), total_secs = started.elapsed().as_secs_f64(), "weights pushed through shared memory");
-        self.unlinking = Some(std::thread::spawn(move || drop(file)));
-        if answers.is_empty() {
-            return Err((HashSet::new(), "no healthy worker".into()));
+        let file = match self.shm_files.entry(agent.to_string()) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(
+                ShmFile::create(agent, version).map_err(|e| (HashSet::new(), format!("creating the shared-memory file: {e}")))?,
+            ),
+        };
+        if let Err(e) = fill_shm(file, params) {
+            self.shm_files.remove(agent);
+            return Err((HashSet::new(), format!("writing the shared-memory file: {e}")));
         }
+        let written = started.elapsed();
+        let message = file.message();
+        let answers = self.rt.block_on(self.pool.push_weights_shm(agent, version, false, &message));
+        debug!(agent, version, write_secs = written.as_secs_f64(), total_secs = started.elapsed().as_secs_f64(), "weights pushed through shared memory");
         let mut accepted = HashSet::new();
-        let mut failure = None;
+        let mut failure = answers.is_empty().then(|| "no healthy worker".to_string());
         for (worker, answer) in answers {
             match answer {
                 Ok(_) => {
@@ -144,7 +137,12 @@ impl PoolRollout {
                 self.shm_pushes += 1;
                 Ok(())
             }
-            Some(f) => Err((accepted, f)),
+            Some(f) => {
+                // A worker that failed (or timed out) may still be reading: the next push gets a
+                // fresh file, and this one is only unlinked, which open readers do not notice.
+                self.shm_files.remove(agent);
+                Err((accepted, f))
+            }
         }
     }
 
@@ -175,8 +173,9 @@ impl PoolRollout {
 }
 
 /// Writes the parameters as f32 into a new shared-memory file, straight from the tensors' memory.
-fn write_shm(agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> std::io::Result<ShmFile> {
-    let mut file = ShmFile::create(agent, version)?;
+/// Overwrites `file` with the parameters as raw f32.
+fn fill_shm(file: &mut ShmFile, params: &BTreeMap<String, Tensor>) -> std::io::Result<()> {
+    file.rewind()?;
     for (name, t) in params {
         let t = t.detach().to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous();
         let len = t.numel() * 4;
@@ -189,7 +188,7 @@ fn write_shm(agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> st
         };
         file.write_tensor(name, WireDType::F32, &t.size(), bytes)?;
     }
-    Ok(file)
+    file.finish()
 }
 
 /// Parameters as f32 wire tensors (f32 keeps the workers' policy bit-identical to the learner's).
