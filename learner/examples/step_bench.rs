@@ -46,7 +46,7 @@ returns [1, 2, 3, 3, 3, 4, 4]. Explain briefly, then give the code.";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    cotrain_model::allocator::tune_for_tensors();
+    cotrain_model::tune_process();
     // RUST_LOG=debug shows, e.g., how each weight push splits into writing and the worker's swap.
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))

@@ -12,7 +12,7 @@ use cotrain_learner::trainer::RolloutSource;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    cotrain_model::allocator::tune_for_tensors();
+    cotrain_model::tune_process();
     let rounds: u64 = args.iter().position(|a| a == "--rounds").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(3);
     let model = cotrain_model::loader::load("default", &cotrain_model::loader::LoadOptions::default())?;
     let params = model.named_parameters();

@@ -3,7 +3,7 @@
 use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
-    cotrain_model::allocator::tune_for_tensors();
+    cotrain_model::tune_process();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),

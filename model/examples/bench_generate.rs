@@ -169,7 +169,7 @@ fn run_transformers(args: &Args) -> Result<Vec<(usize, f64)>, String> {
 
 fn main() {
     let args = parse_args();
-    cotrain_model::allocator::tune_for_tensors();
+    cotrain_model::tune_process();
     tch::set_num_threads(args.threads);
     let loaded = loader::load("default", &LoadOptions::default())
         .expect("the default model loads (run `make setup`)");

@@ -18,6 +18,14 @@ pub mod logprobs;
 
 // Process set-up for tensor workloads.
 pub mod allocator;
+pub mod mkl_dispatch;
+
+/// Process-wide set-up for tensor work, first thing in `main`: MKL's AVX-512 path on AMD CPUs
+/// ([`mkl_dispatch`]) and glibc's allocator thresholds ([`allocator`]). Idempotent.
+pub fn tune_process() {
+    mkl_dispatch::prefer_avx512();
+    allocator::tune_for_tensors();
+}
 
 pub use config::{Family, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};

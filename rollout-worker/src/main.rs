@@ -23,7 +23,7 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    cotrain_model::allocator::tune_for_tensors();
+    cotrain_model::tune_process();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Serve(args) => cotrain_rollout_worker::server::run(args),

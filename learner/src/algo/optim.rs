@@ -62,24 +62,24 @@ impl AdamW {
         }
     }
 
-    /// The global L2 norm of the current gradients.
+    /// The global L2 norm of the current gradients (accumulated in f64, reading each gradient once
+    /// without temporaries).
     pub fn grad_norm(&self) -> f64 {
         let mut total = 0.0;
         for (_, p) in &self.vars {
             let g = p.grad();
             if g.defined() {
-                total += g.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]);
+                let n = g.norm_scalaropt_dtype(2.0, Kind::Double).double_value(&[]);
+                total += n * n;
             }
         }
         total.sqrt()
     }
 
-    /// True when every gradient is finite.
+    /// True when every gradient is finite (a sum of f32 squares in f64 cannot overflow, so a finite
+    /// norm means finite gradients).
     pub fn grads_finite(&self) -> bool {
-        self.vars.iter().all(|(_, p)| {
-            let g = p.grad();
-            !g.defined() || g.isfinite().all().int64_value(&[]) != 0
-        })
+        self.grad_norm().is_finite()
     }
 
     /// One AdamW step from the accumulated gradients (clipping them first if configured); returns the
@@ -94,24 +94,34 @@ impl AdamW {
         let t = self.step as i32;
         let c = self.cfg;
         let bc1 = 1.0 - c.beta1.powi(t);
-        let bc2 = 1.0 - c.beta2.powi(t);
+        let bc2: f64 = 1.0 - c.beta2.powi(t);
+        // In place, after `torch.optim.AdamW`'s single-tensor path (lerp for the first moment,
+        // addcmul for the second, addcdiv for the update), with two gradient-sized temporaries
+        // instead of eight: for the 113 MB embedding of a 135M model every temporary is a fresh
+        // mapping to fault in. tch's addcmul_/addcdiv_ take no `value`, so the scales are folded
+        // into the second operand.
+        let step_size = c.lr / bc1;
+        let bc2_sqrt = f64::sqrt(bc2);
         tch::no_grad(|| {
             for (i, (_, p)) in self.vars.iter_mut().enumerate() {
-                let g = p.grad();
+                let mut g = p.grad();
                 if !g.defined() {
                     continue;
                 }
-                let g = if clip_coef < 1.0 { g * clip_coef } else { g };
+                if clip_coef < 1.0 {
+                    // The gradients are dropped after the step, so they can be scaled in place.
+                    let _ = g.g_mul_scalar_(clip_coef);
+                }
                 if c.weight_decay != 0.0 {
                     let _ = p.g_mul_scalar_(1.0 - c.lr * c.weight_decay);
                 }
-                let _ = self.m[i].g_mul_scalar_(c.beta1);
-                let _ = self.m[i].g_add_(&(&g * (1.0 - c.beta1)));
+                let _ = self.m[i].lerp_(&g, 1.0 - c.beta1);
                 let _ = self.v[i].g_mul_scalar_(c.beta2);
-                let _ = self.v[i].g_add_(&(g.square() * (1.0 - c.beta2)));
-                let denom = (&self.v[i] / bc2).sqrt() + c.eps;
-                let update = (&self.m[i] / bc1) / denom * c.lr;
-                let _ = p.g_sub_(&update);
+                let _ = self.v[i].addcmul_(&g, &(&g * (1.0 - c.beta2)));
+                // denom = −(sqrt(v)/sqrt(bc2) + eps)/step_size, so that p + m/denom = p − step_size·m/(…).
+                let mut denom = self.v[i].sqrt();
+                let _ = denom.g_div_scalar_(bc2_sqrt).g_add_scalar_(c.eps).g_mul_scalar_(-1.0 / step_size);
+                let _ = p.addcdiv_(&self.m[i], &denom);
             }
         });
         norm
