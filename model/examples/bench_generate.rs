@@ -84,7 +84,11 @@ impl Roofline {
             let _ = a.matmul(&a);
         }
         let flops = 5.0 * 2.0 * 2048f64.powi(3) / t.elapsed().as_secs_f64();
-        Roofline { bandwidth, flops, params }
+        Roofline {
+            bandwidth,
+            flops,
+            params,
+        }
     }
 
     /// Tokens/s bound at a batch size: every step streams the f32 weights once and does
@@ -174,7 +178,11 @@ fn main() {
     let loaded = loader::load("default", &LoadOptions::default())
         .expect("the default model loads (run `make setup`)");
     let prompt = loaded.tokenizer.encode(PROMPT, true).unwrap();
-    let params: f64 = loaded.named_parameters().values().map(|t| t.numel() as f64).sum();
+    let params: f64 = loaded
+        .named_parameters()
+        .values()
+        .map(|t| t.numel() as f64)
+        .sum();
     let roof = Roofline::measure(params);
     eprintln!(
         "machine now: read {:.1} GB/s, f32 matmul {:.0} GFLOP/s; roofline {:.0} tokens/s at batch 1, {:.0} at large batch",

@@ -45,7 +45,10 @@ pub fn prefer_avx512() -> Dispatch {
 #[cfg(target_arch = "x86_64")]
 fn apply() -> Dispatch {
     if let Ok(v) = std::env::var(ENV_SWITCH)
-        && matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "off")
+        && matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "false" | "off"
+        )
     {
         return Dispatch::Unchanged(format!("{ENV_SWITCH}={v}"));
     }
@@ -65,7 +68,9 @@ fn apply() -> Dispatch {
     // SAFETY: `dlsym` with `RTLD_DEFAULT` only looks a name up in the loaded objects.
     let entry = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"mkl_serv_intel_cpu_true".as_ptr()) };
     if entry.is_null() {
-        return Dispatch::Unchanged("libtorch exports no mkl_serv_intel_cpu_true (not an MKL build)".into());
+        return Dispatch::Unchanged(
+            "libtorch exports no mkl_serv_intel_cpu_true (not an MKL build)".into(),
+        );
     }
     // SAFETY: `entry` is the start of a loaded function of at least 6 bytes (it reads a cache, runs
     // cpuid and compares three registers). Its pages are made writable only for the 6-byte store, and
@@ -93,11 +98,23 @@ unsafe fn overwrite_with_return_one(entry: *mut u8) -> Dispatch {
         let page = libc::sysconf(libc::_SC_PAGESIZE) as usize;
         let start = (entry as usize) & !(page - 1);
         let len = (entry as usize + RETURN_ONE.len()) - start;
-        if libc::mprotect(start as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC) != 0 {
-            return Dispatch::Unchanged(format!("mprotect refused: {}", std::io::Error::last_os_error()));
+        if libc::mprotect(
+            start as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC,
+        ) != 0
+        {
+            return Dispatch::Unchanged(format!(
+                "mprotect refused: {}",
+                std::io::Error::last_os_error()
+            ));
         }
         std::ptr::copy_nonoverlapping(RETURN_ONE.as_ptr(), entry, RETURN_ONE.len());
-        libc::mprotect(start as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_EXEC);
+        libc::mprotect(
+            start as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_EXEC,
+        );
         Dispatch::Patched
     }
 }

@@ -11,6 +11,9 @@ use std::cell::RefCell;
 
 use tch::{Device, Kind, Tensor, nn, nn::Init};
 
+#[cfg(target_arch = "x86_64")]
+mod decode_cpu;
+
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 
@@ -314,6 +317,12 @@ impl KvCache {
     /// Positions per row.
     pub fn capacity(&self) -> usize {
         self.capacity as usize
+    }
+
+    /// Layer `i`'s keys and values, each (rows, kv_heads, capacity, head_dim).
+    pub fn layer(&self, i: usize) -> (&Tensor, &Tensor) {
+        let (k, v) = &self.layers[i];
+        (k, v)
     }
 
     /// Grows (copying the live prefix `0..keep_len` of the first `keep_rows` rows) so that it has
@@ -764,6 +773,17 @@ impl CausalLm {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 
+    /// Whether a one-token step of [`CausalLm::forward_hidden_cached`] on this model and cache runs
+    /// through cotrain's own CPU kernels ([`crate::kernels`]) instead of libtorch ops: f32 on CPU
+    /// with AVX-512F, contiguous weights, and nothing for autograd to record (under `no_grad`, or
+    /// with frozen parameters). Both compute the same values.
+    pub fn decodes_in_kernels(&self, cache: &KvCache) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return self.fast_decode_applies(cache);
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
     /// Runs token ids (B, L) through the model with a KV cache: row `b` of the input continues
     /// cache row `b`, whose first `starts[b]` positions are already filled. The new keys/values
     /// are written at positions `starts[b]..starts[b]+L`, and each query attends to its row's
@@ -791,6 +811,12 @@ impl CausalLm {
                 "cache holds {} positions, {kv_len} needed",
                 cache.capacity
             )));
+        }
+        #[cfg(target_arch = "x86_64")]
+        if l == 1
+            && let Some(hidden) = self.decode_step_f32(input_ids, starts, cache)
+        {
+            return hidden;
         }
         // (B, L) absolute positions of the new tokens.
         let offsets = Tensor::arange(l, (Kind::Int64, self.device)).unsqueeze(0);

@@ -34,6 +34,8 @@ use std::arch::x86_64::*;
 use std::ffi::{c_uint, c_void};
 use std::sync::OnceLock;
 
+use super::omp::{OmpGetThreadNum, gomp};
+
 /// Weight rows per tile.
 const NR: usize = 4;
 /// Input rows per tile: `NR · MR` accumulators, `NR` weight vectors and one input vector would
@@ -278,7 +280,7 @@ unsafe fn tile<const R: usize, const C: usize>(
 /// The horizontal sums of four vectors, as one: 512 → 256 bits by halves, then a `hadd` tree.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn sum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
+pub(crate) fn sum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
     let half = |v: __m512| {
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
         _mm256_add_ps(_mm512_castps512_ps256(v), hi)
@@ -318,46 +320,6 @@ extern "C" fn gomp_part(data: *mut c_void) {
     }
 }
 
-/// libgomp's entry points, as libtorch loaded them.
-struct Gomp {
-    parallel: GompParallel,
-    thread_num: OmpGetThreadNum,
-    num_threads: OmpGetThreadNum,
-}
-
-/// `void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags)`.
-type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
-/// `int omp_get_thread_num(void)`, also the signature of `omp_get_num_threads`.
-type OmpGetThreadNum = unsafe extern "C" fn() -> i32;
-
-/// libgomp's `GOMP_parallel` and `omp_get_thread_num`, or `None` when the process has no libgomp
-/// (then the kernel runs on the calling thread alone).
-fn gomp() -> Option<&'static Gomp> {
-    static GOMP: OnceLock<Option<Gomp>> = OnceLock::new();
-    GOMP.get_or_init(|| {
-        // SAFETY: `dlsym` with `RTLD_DEFAULT` only looks names up; both are C strings.
-        let (parallel, thread_num, num_threads) = unsafe {
-            (
-                libc::dlsym(libc::RTLD_DEFAULT, c"GOMP_parallel".as_ptr()),
-                libc::dlsym(libc::RTLD_DEFAULT, c"omp_get_thread_num".as_ptr()),
-                libc::dlsym(libc::RTLD_DEFAULT, c"omp_get_num_threads".as_ptr()),
-            )
-        };
-        if parallel.is_null() || thread_num.is_null() || num_threads.is_null() {
-            return None;
-        }
-        // SAFETY: these are libgomp's documented ABI signatures for the three symbols.
-        unsafe {
-            Some(Gomp {
-                parallel: std::mem::transmute::<*mut c_void, GompParallel>(parallel),
-                thread_num: std::mem::transmute::<*mut c_void, OmpGetThreadNum>(thread_num),
-                num_threads: std::mem::transmute::<*mut c_void, OmpGetThreadNum>(num_threads),
-            })
-        }
-    })
-    .as_ref()
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex;
@@ -394,7 +356,13 @@ mod tests {
         let (m, n, k) = (4, 256, 256);
         let x: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 - 3.0).collect();
         let w: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.5).collect();
-        let o = Outer { x, w, y: Mutex::new(vec![f32::NAN; m * n]), shape: (m, n, k), thread_num: g.thread_num };
+        let o = Outer {
+            x,
+            w,
+            y: Mutex::new(vec![f32::NAN; m * n]),
+            shape: (m, n, k),
+            thread_num: g.thread_num,
+        };
         // SAFETY: `outer` only reads `o`, which outlives the region.
         unsafe { (g.parallel)(outer, (&raw const o).cast_mut().cast(), 2, 0) };
         let y = o.y.into_inner().unwrap();

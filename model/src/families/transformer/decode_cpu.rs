@@ -1,0 +1,231 @@
+//! One decode step (one new token per row) of an f32 model on an AVX-512 CPU, outside libtorch:
+//! the weight matmuls through [`crate::kernels::gemm_f32`] and everything between them through
+//! [`crate::kernels::decode_f32`], on flat buffers in the layout the matmuls produce, so no
+//! transposes, views or per-op tensors are made. It computes what the generic path of
+//! [`CausalLm::forward_hidden_cached`] computes (the tests compare the two), and serves that method
+//! when it applies: f32 on CPU, AVX-512F, nothing for autograd to record, contiguous weights.
+
+use tch::{Device, Kind, Tensor};
+
+use super::{CausalLm, KvCache, Linear, RmsNorm};
+use crate::error::Result;
+use crate::kernels::decode_f32::{self as ops, CacheShape};
+use crate::kernels::gemm_f32;
+
+/// Borrowed f32 contents of a contiguous CPU tensor.
+///
+/// # Safety
+/// `t` must be a contiguous f32 CPU tensor that nothing writes to while the slice lives.
+unsafe fn floats(t: &Tensor) -> &[f32] {
+    // SAFETY: forwarded from the contract; `numel` floats start at `data_ptr`.
+    unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) }
+}
+
+/// As [`floats`], writable.
+///
+/// # Safety
+/// As for [`floats`], and nothing else may read or write `t` while the slice lives.
+#[allow(clippy::mut_from_ref)] // the tensor is a handle; exclusivity is the caller's contract
+unsafe fn floats_mut(t: &Tensor) -> &mut [f32] {
+    // SAFETY: forwarded from the contract.
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel()) }
+}
+
+/// Contiguous f32 on CPU, and not to be recorded: with grad mode on (`grad_mode`), a tensor that
+/// requires grad would be. Only property reads: this runs for every weight at every step.
+fn servable(t: &Tensor, grad_mode: bool) -> bool {
+    t.kind() == Kind::Float
+        && t.device() == Device::Cpu
+        && t.is_contiguous()
+        && !(grad_mode && t.requires_grad())
+}
+
+/// Whether autograd is recording (tch does not expose the grad mode): one op on no elements.
+fn grad_mode_on() -> bool {
+    Tensor::zeros([0], (Kind::Float, Device::Cpu))
+        .set_requires_grad(true)
+        .neg()
+        .requires_grad()
+}
+
+/// Per-step buffers, each rows × width.
+struct Scratch {
+    normed: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    out: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+}
+
+impl CausalLm {
+    /// Whether [`CausalLm::decode_step_f32`] can serve a step on this model and cache.
+    pub(super) fn fast_decode_applies(&self, cache: &KvCache) -> bool {
+        if !gemm_f32::is_available()
+            || self.kind != Kind::Float
+            || self.device != Device::Cpu
+            || cache.kind != Kind::Float
+        {
+            return false;
+        }
+        let grad_mode = grad_mode_on();
+        let servable = |t: &Tensor| servable(t, grad_mode);
+        let linears = |l: &super::DecoderLayer| {
+            let a = &l.self_attn;
+            [
+                &a.q_proj,
+                &a.k_proj,
+                &a.v_proj,
+                &a.o_proj,
+                &l.mlp.gate_proj,
+                &l.mlp.up_proj,
+                &l.mlp.down_proj,
+            ]
+            .into_iter()
+            .all(|lin: &Linear| servable(&lin.weight) && lin.bias.as_ref().is_none_or(&servable))
+        };
+        let norms = |l: &super::DecoderLayer| {
+            let a = &l.self_attn;
+            [
+                Some(&l.input_layernorm),
+                Some(&l.post_attention_layernorm),
+                a.q_norm.as_ref(),
+                a.k_norm.as_ref(),
+            ]
+            .into_iter()
+            .flatten()
+            .all(|n: &RmsNorm| servable(&n.weight))
+        };
+        servable(&self.embed_tokens)
+            && servable(&self.norm.weight)
+            && cache
+                .layers
+                .iter()
+                .all(|(k, v)| k.is_contiguous() && v.is_contiguous())
+            && self.layers.iter().all(|l| linears(l) && norms(l))
+    }
+
+    /// The decode step of [`CausalLm::forward_hidden_cached`] for one token per row (`input_ids`
+    /// (B, 1), row `b` at position `starts[b]`), or `None` when it does not apply (then nothing has
+    /// been written). The caller has checked the shapes against the cache.
+    pub(super) fn decode_step_f32(
+        &self,
+        input_ids: &Tensor,
+        starts: &[i64],
+        cache: &mut KvCache,
+    ) -> Option<Result<Tensor>> {
+        if !self.fast_decode_applies(cache) {
+            return None;
+        }
+        let cfg = &self.cfg;
+        let rows = starts.len();
+        let (hidden, heads, kvh, d) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let threads = tch::get_num_threads().max(1) as usize;
+        let positions: Vec<usize> = starts.iter().map(|&s| s as usize).collect();
+        let lens: Vec<usize> = positions.iter().map(|p| p + 1).collect();
+        let max_pos = positions.iter().copied().max().unwrap_or(0);
+        self.rotary.ensure(max_pos as i64 + 1);
+        let table = self.rotary.table.borrow();
+        let embedded = match self.embed(input_ids) {
+            Ok(t) => t.contiguous(),
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: checked f32 CPU tensors, contiguous (`embedded` by construction, the rotary
+        // tables as built by `Rotary::ensure`); nothing writes them during this step.
+        let (mut x, cos, sin) = unsafe {
+            (
+                floats(&embedded).to_vec(),
+                floats(&table.0),
+                floats(&table.1),
+            )
+        };
+        let mut s = Scratch {
+            normed: vec![0.0; rows * hidden],
+            q: vec![0.0; rows * heads * d],
+            k: vec![0.0; rows * kvh * d],
+            v: vec![0.0; rows * kvh * d],
+            attn: vec![0.0; rows * heads * d],
+            out: vec![0.0; rows * hidden],
+            gate: vec![0.0; rows * cfg.intermediate_size],
+            up: vec![0.0; rows * cfg.intermediate_size],
+        };
+        let shape = CacheShape {
+            kv_heads: kvh,
+            capacity: cache.capacity as usize,
+            dim: d,
+        };
+        let scale = 1.0 / (d as f32).sqrt();
+        for (layer, (ck, cv)) in self.layers.iter().zip(&cache.layers) {
+            let a = &layer.self_attn;
+            norm(&layer.input_layernorm, &x, &mut s.normed);
+            project(&a.q_proj, &s.normed, rows, &mut s.q, threads);
+            project(&a.k_proj, &s.normed, rows, &mut s.k, threads);
+            project(&a.v_proj, &s.normed, rows, &mut s.v, threads);
+            if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+                norm_in_place(qn, &mut s.q);
+                norm_in_place(kn, &mut s.k);
+            }
+            ops::rope(&mut s.q, heads, d, &positions, cos, sin);
+            ops::rope(&mut s.k, kvh, d, &positions, cos, sin);
+            // SAFETY: the cache's tensors are contiguous f32 (checked) and borrowed mutably
+            // through `cache` for the whole step, so nothing else touches them.
+            let (kc, vc) = unsafe { (floats_mut(ck), floats_mut(cv)) };
+            ops::write_cache(kc, vc, shape, &s.k, &s.v, &positions);
+            ops::attend(
+                &s.q,
+                kc,
+                vc,
+                shape,
+                heads,
+                &lens,
+                scale,
+                &mut s.attn,
+                threads,
+            );
+            project(&a.o_proj, &s.attn, rows, &mut s.out, threads);
+            ops::add_assign(&mut x, &s.out);
+            norm(&layer.post_attention_layernorm, &x, &mut s.normed);
+            project(&layer.mlp.gate_proj, &s.normed, rows, &mut s.gate, threads);
+            project(&layer.mlp.up_proj, &s.normed, rows, &mut s.up, threads);
+            ops::silu_mul(&mut s.gate, &s.up);
+            project(&layer.mlp.down_proj, &s.gate, rows, &mut s.out, threads);
+            ops::add_assign(&mut x, &s.out);
+        }
+        norm(&self.norm, &x, &mut s.normed);
+        Some(Ok(Tensor::from_slice(&s.normed).view([
+            rows as i64,
+            1,
+            hidden as i64,
+        ])))
+    }
+}
+
+/// `out = x · wᵀ (+ b)` for `rows` rows.
+fn project(lin: &Linear, x: &[f32], rows: usize, out: &mut [f32], threads: usize) {
+    let (n, k) = (lin.weight.size()[0] as usize, lin.weight.size()[1] as usize);
+    // SAFETY: `fast_decode_applies` checked the weight and bias: contiguous f32 on CPU, not written
+    // during the step.
+    let w = unsafe { floats(&lin.weight) };
+    gemm_f32::matmul_nt(&x[..rows * k], w, &mut out[..rows * n], rows, n, k, threads);
+    if let Some(b) = &lin.bias {
+        // SAFETY: as above.
+        ops::add_bias(&mut out[..rows * n], unsafe { floats(b) });
+    }
+}
+
+fn norm(n: &RmsNorm, x: &[f32], out: &mut [f32]) {
+    // SAFETY: `fast_decode_applies` checked the weight.
+    ops::rms_norm(x, unsafe { floats(&n.weight) }, n.eps, out);
+}
+
+fn norm_in_place(n: &RmsNorm, x: &mut [f32]) {
+    let copy = x.to_vec();
+    norm(n, &copy, x);
+}
