@@ -6,6 +6,13 @@
 //! step, so each step page-faults them in again and zeroes them: at batch 32, 15% of the cycles went
 //! to page faults and page clearing (perf). Fixing the thresholds keeps that memory in the heap for
 //! reuse: batch-8 decoding of SmolLM2 went from 137 to 154 tokens/s.
+//!
+//! Blocks above 32 MiB (glibc's ceiling for the threshold) would still be fresh mappings each time:
+//! a training step of SmolLM2 makes dozens of them (the 113 MB embedding's gradient and optimiser
+//! temporaries, 25–50 MB log-prob chunks), so `mmap` is turned off altogether and they come from
+//! the heap too. The reference MAGRPO step's training part went from 4.6–6.3 s to 4.4 s in warm
+//! steps, and from 9.7 to 5.6 s in the first (`learner/examples/step_bench`). The cost: freed memory
+//! below the heap's top is reused but not returned to the system until the process ends.
 
 use std::sync::Once;
 
@@ -23,6 +30,7 @@ pub fn tune_for_tensors() {
         unsafe {
             libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
             libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD);
+            libc::mallopt(libc::M_MMAP_MAX, 0);
         }
     });
 }
