@@ -20,11 +20,17 @@
 //! | earlier: 6-row tiles (spilling)             | 13.5 | 14.5 | 16.9 | 33.8 | 48.9 |  82.7 |
 //! | earlier: 6-row tiles, no prefetch           | 14.1 | 15.2 | 23.2 | 37.8 | 54.3 |  88.2 |
 //!
-//! Up to 8 rows that is the weights' streaming time; at 64 rows it is 340 GFLOP/s, well above the
-//! 210 GFLOP/s MKL reaches on a 2048³ matmul here. oneDNN's `mkldnn_linear` is the only oneDNN
-//! linear tch reaches (the weight converted to its layout once, the input per call). End to end
-//! (`examples/bench_generate`, 128 tokens) decoding went from 49–50 to 61–63 tokens/s at batch 1,
-//! 144–160 to 324–331 at batch 8 and 235–306 to 571–578 at batch 32.
+//! Up to 8 rows that is the weights' streaming time; at 64 rows it is 340 GFLOP/s. oneDNN's
+//! `mkldnn_linear` is the only oneDNN linear tch reaches (the weight converted to its layout once, the
+//! input per call). End to end (`examples/bench_generate`, 128 tokens) decoding went from 49–50 to
+//! 61–63 tokens/s at batch 1, 144–160 to 324–331 at batch 8 and 235–306 to 571–578 at batch 32.
+//!
+//! Since MKL takes its AVX-512 path here ([`crate::mkl_dispatch`]) its large matmuls run at 470–500
+//! GFLOP/s, but not these shapes: a later run (quieter machine) gave 20.6 / 21.5 / 19.6 / 21.3 / 59.9 /
+//! 61.1 ms for the libtorch route against 9.9 / 11.2 / 12.7 / 20.0 / 29.5 / 48.3 ms for this kernel at
+//! 1 / 2 / 8 / 16 / 32 / 64 rows. The kernel's inner loop tops out near 300 GFLOP/s even with the
+//! weights in cache (8×2 tiles measured the same as 4×4); a packed-weight (broadcast) kernel is the
+//! next step for 32+ rows.
 //!
 //! Threads come from libtorch's own OpenMP team (`GOMP_parallel`, found at run time): the team
 //! spin-waits after each of libtorch's parallel regions, so a thread of our own would compete with
