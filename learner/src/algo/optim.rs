@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use cotrain_model::kernels::adamw_f32::{AdamWStep, adamw_f32};
 use tch::{Kind, Tensor, nn};
 use tracing::warn;
 
@@ -23,7 +24,14 @@ pub struct AdamWConfig {
 
 impl AdamWConfig {
     pub fn new(lr: f64, weight_decay: f64, max_grad_norm: Option<f64>) -> Self {
-        Self { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay, max_grad_norm }
+        Self {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay,
+            max_grad_norm,
+        }
     }
 }
 
@@ -41,19 +49,32 @@ pub struct AdamW {
 
 impl std::fmt::Debug for AdamW {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AdamW").field("cfg", &self.cfg).field("vars", &self.vars.len()).field("step", &self.step).finish()
+        f.debug_struct("AdamW")
+            .field("cfg", &self.cfg)
+            .field("vars", &self.vars.len())
+            .field("step", &self.step)
+            .finish()
     }
 }
 
 impl AdamW {
     /// An optimiser for every trainable variable of `vs` (sorted by name, so the order is stable).
     pub fn new(vs: &nn::VarStore, cfg: AdamWConfig) -> Self {
-        let mut vars: Vec<(String, Tensor)> =
-            vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
+        let mut vars: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| t.requires_grad())
+            .collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         let m = vars.iter().map(|(_, t)| t.zeros_like().detach()).collect();
         let v = vars.iter().map(|(_, t)| t.zeros_like().detach()).collect();
-        Self { cfg, vars, m, v, step: 0 }
+        Self {
+            cfg,
+            vars,
+            m,
+            v,
+            step: 0,
+        }
     }
 
     pub fn zero_grad(&mut self) {
@@ -95,33 +116,26 @@ impl AdamW {
         let c = self.cfg;
         let bc1 = 1.0 - c.beta1.powi(t);
         let bc2: f64 = 1.0 - c.beta2.powi(t);
-        // In place, after `torch.optim.AdamW`'s single-tensor path (lerp for the first moment,
-        // addcmul for the second, addcdiv for the update), with two gradient-sized temporaries
-        // instead of eight: for the 113 MB embedding of a 135M model every temporary is a fresh
-        // mapping to fault in. tch's addcmul_/addcdiv_ take no `value`, so the scales are folded
-        // into the second operand.
-        let step_size = c.lr / bc1;
-        let bc2_sqrt = f64::sqrt(bc2);
+        let scalars = AdamWStep {
+            lr: c.lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            bias_correction1: bc1,
+            bias_correction2: bc2,
+            grad_scale: clip_coef,
+        };
+        let threads = tch::get_num_threads().max(1) as usize;
         tch::no_grad(|| {
             for (i, (_, p)) in self.vars.iter_mut().enumerate() {
-                let mut g = p.grad();
+                let g = p.grad();
                 if !g.defined() {
                     continue;
                 }
-                if clip_coef < 1.0 {
-                    // The gradients are dropped after the step, so they can be scaled in place.
-                    let _ = g.g_mul_scalar_(clip_coef);
+                if !one_pass_update(p, &g, &self.m[i], &self.v[i], &scalars, threads) {
+                    ops_update(p, g, &mut self.m[i], &mut self.v[i], &scalars);
                 }
-                if c.weight_decay != 0.0 {
-                    let _ = p.g_mul_scalar_(1.0 - c.lr * c.weight_decay);
-                }
-                let _ = self.m[i].lerp_(&g, 1.0 - c.beta1);
-                let _ = self.v[i].g_mul_scalar_(c.beta2);
-                let _ = self.v[i].addcmul_(&g, &(&g * (1.0 - c.beta2)));
-                // denom = −(sqrt(v)/sqrt(bc2) + eps)/step_size, so that p + m/denom = p − step_size·m/(…).
-                let mut denom = self.v[i].sqrt();
-                let _ = denom.g_div_scalar_(bc2_sqrt).g_add_scalar_(c.eps).g_mul_scalar_(-1.0 / step_size);
-                let _ = p.addcdiv_(&self.m[i], &denom);
             }
         });
         norm
@@ -138,13 +152,23 @@ impl AdamW {
     }
 
     /// Restores the moment buffers and the step count written by [`AdamW::state_tensors`].
-    pub fn load_state(&mut self, tensors: &BTreeMap<String, Tensor>, step: u64) -> Result<(), String> {
+    pub fn load_state(
+        &mut self,
+        tensors: &BTreeMap<String, Tensor>,
+        step: u64,
+    ) -> Result<(), String> {
         for (i, (name, p)) in self.vars.iter().enumerate() {
             for (suffix, buf) in [("exp_avg", &mut self.m[i]), ("exp_avg_sq", &mut self.v[i])] {
                 let key = format!("{name}.{suffix}");
-                let t = tensors.get(&key).ok_or_else(|| format!("optimiser state lacks `{key}`"))?;
+                let t = tensors
+                    .get(&key)
+                    .ok_or_else(|| format!("optimiser state lacks `{key}`"))?;
                 if t.size() != p.size() {
-                    return Err(format!("optimiser state `{key}` has shape {:?}, the variable {:?}", t.size(), p.size()));
+                    return Err(format!(
+                        "optimiser state `{key}` has shape {:?}, the variable {:?}",
+                        t.size(),
+                        p.size()
+                    ));
                 }
                 *buf = t.to_kind(p.kind()).to_device(p.device()).detach();
             }
@@ -152,6 +176,53 @@ impl AdamW {
         self.step = step;
         Ok(())
     }
+}
+
+/// The update in one pass over contiguous f32 CPU buffers ([`adamw_f32`]); false (nothing done) for
+/// any other tensors.
+fn one_pass_update(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    s: &AdamWStep,
+    threads: usize,
+) -> bool {
+    let fits = |t: &Tensor| {
+        t.kind() == Kind::Float
+            && t.device() == tch::Device::Cpu
+            && t.is_contiguous()
+            && t.numel() == p.numel()
+    };
+    if ![p, g, m, v].into_iter().all(fits) {
+        return false;
+    }
+    let n = p.numel();
+    // SAFETY: four distinct contiguous f32 CPU tensors of n elements (the optimiser owns `m` and `v`;
+    // `p` and its gradient are separate storages), not otherwise touched during the update.
+    unsafe {
+        let slice = |t: &Tensor| std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, n);
+        adamw_f32(slice(p), slice(g), slice(m), slice(v), s, threads);
+    }
+    true
+}
+
+/// The same update through libtorch ops (other dtypes and devices), in `torch.optim.AdamW`'s
+/// single-tensor order (lerp for the first moment, then the second, then the step).
+fn ops_update(p: &mut Tensor, g: Tensor, m: &mut Tensor, v: &mut Tensor, s: &AdamWStep) {
+    let g = if s.grad_scale == 1.0 {
+        g
+    } else {
+        g * s.grad_scale
+    };
+    if s.weight_decay != 0.0 {
+        let _ = p.g_mul_scalar_(1.0 - s.lr * s.weight_decay);
+    }
+    let _ = m.lerp_(&g, 1.0 - s.beta1);
+    let _ = v.g_mul_scalar_(s.beta2);
+    let _ = v.g_add_(&(g.square() * (1.0 - s.beta2)));
+    let denom = v.sqrt() / s.bias_correction2.sqrt() + s.eps;
+    let _ = p.g_sub_(&(&*m / denom * (s.lr / s.bias_correction1)));
 }
 
 /// What one optimiser round did.
@@ -174,7 +245,9 @@ pub fn backward_and_step(opt: &mut AdamW, terms: &[LossTerms], agent: usize) -> 
         if !v.is_finite() {
             opt.zero_grad();
             warn!(agent, loss = v, "non-finite loss, skipping this update");
-            return UpdateOutcome::Skipped { reason: format!("non-finite loss {v}") };
+            return UpdateOutcome::Skipped {
+                reason: format!("non-finite loss {v}"),
+            };
         }
         total += v;
         t.loss.backward();
@@ -182,11 +255,16 @@ pub fn backward_and_step(opt: &mut AdamW, terms: &[LossTerms], agent: usize) -> 
     if !opt.grads_finite() {
         opt.zero_grad();
         warn!(agent, "non-finite gradient, skipping this update");
-        return UpdateOutcome::Skipped { reason: "non-finite gradient".into() };
+        return UpdateOutcome::Skipped {
+            reason: "non-finite gradient".into(),
+        };
     }
     let grad_norm = opt.step();
     opt.zero_grad();
-    UpdateOutcome::Stepped { grad_norm, loss: total }
+    UpdateOutcome::Stepped {
+        grad_norm,
+        loss: total,
+    }
 }
 
 /// Shared parameters: every agent's loss (scaled by 1/N, on top of the loss's 1/K: 1/(num_samples·N))
@@ -204,7 +282,12 @@ impl SharedRound {
     /// Starts a round (zeroes the gradients).
     pub fn begin(opt: &mut AdamW, num_agents: usize) -> Self {
         opt.zero_grad();
-        Self { num_agents, seen: vec![false; num_agents], skipped: None, loss: 0.0 }
+        Self {
+            num_agents,
+            seen: vec![false; num_agents],
+            skipped: None,
+            loss: 0.0,
+        }
     }
 
     /// The factor each agent's loss is multiplied by.
@@ -215,7 +298,10 @@ impl SharedRound {
     /// Back-propagates one agent's (already 1/N-scaled) loss terms.
     pub fn add_agent(&mut self, agent: usize, terms: &[LossTerms]) -> Result<(), String> {
         if agent >= self.num_agents {
-            return Err(format!("agent {agent} out of range for {} agents", self.num_agents));
+            return Err(format!(
+                "agent {agent} out of range for {} agents",
+                self.num_agents
+            ));
         }
         if self.seen[agent] {
             return Err(format!("agent {agent} already contributed to this round"));
@@ -224,8 +310,13 @@ impl SharedRound {
         for t in terms {
             let v = t.loss.double_value(&[]);
             if !v.is_finite() {
-                warn!(agent, loss = v, "non-finite loss, the shared update of this round will be skipped");
-                self.skipped.get_or_insert(format!("non-finite loss {v} (agent {agent})"));
+                warn!(
+                    agent,
+                    loss = v,
+                    "non-finite loss, the shared update of this round will be skipped"
+                );
+                self.skipped
+                    .get_or_insert(format!("non-finite loss {v} (agent {agent})"));
                 continue;
             }
             if self.skipped.is_none() {
@@ -239,7 +330,9 @@ impl SharedRound {
     /// Steps once if every agent contributed; an error if some did not.
     pub fn finish(self, opt: &mut AdamW) -> Result<UpdateOutcome, String> {
         if let Some(missing) = self.seen.iter().position(|s| !s) {
-            return Err(format!("shared round finished before agent {missing} contributed"));
+            return Err(format!(
+                "shared round finished before agent {missing} contributed"
+            ));
         }
         if let Some(reason) = self.skipped {
             opt.zero_grad();
@@ -248,10 +341,15 @@ impl SharedRound {
         if !opt.grads_finite() {
             opt.zero_grad();
             warn!("non-finite gradient, skipping the shared update");
-            return Ok(UpdateOutcome::Skipped { reason: "non-finite gradient".into() });
+            return Ok(UpdateOutcome::Skipped {
+                reason: "non-finite gradient".into(),
+            });
         }
         let grad_norm = opt.step();
         opt.zero_grad();
-        Ok(UpdateOutcome::Stepped { grad_norm, loss: self.loss })
+        Ok(UpdateOutcome::Stepped {
+            grad_norm,
+            loss: self.loss,
+        })
     }
 }

@@ -3,14 +3,14 @@
 //! [`gemm_f32`]: the decode-step matmuls `x · wᵀ` with a handful of rows of `x` (one per sequence
 //! in the batch), where MKL (through libtorch 2.13) is neither bandwidth- nor compute-bound.
 //! [`decode_f32`]: the rest of a decode step (norms, RoPE, the cache write, attention), where
-//! libtorch's per-op overhead outweighs the arithmetic. [`omp`]: libtorch's OpenMP team, which both
-//! run on.
+//! libtorch's per-op overhead outweighs the arithmetic. [`adamw_f32`]: the optimiser update in one
+//! pass. [`omp`]: libtorch's OpenMP team, which they run on.
 
+pub mod adamw_f32;
 #[cfg(target_arch = "x86_64")]
 pub mod decode_f32;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm_f32;
-#[cfg(target_arch = "x86_64")]
 pub(crate) mod omp;
 
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
