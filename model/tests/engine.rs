@@ -433,3 +433,20 @@ fn generation_stops_at_the_end_of_the_context() {
     assert_eq!(s.token_ids.len(), 3);
     assert_eq!(s.finish_reason, FinishReason::Length);
 }
+
+/// Requests admitted together share prefill forwards (right-padded prompts); each still gets what it
+/// gets alone: the same greedy tokens, log-probs within rounding.
+#[test]
+fn prompts_prefilled_together_match_prompts_prefilled_alone() {
+    let requests: Vec<Request> =
+        [3usize, 9, 4, 16, 1, 8].iter().enumerate().map(|(i, &len)| req(prompt(len, i as u32), SamplingParams::greedy(), 0, 6)).collect();
+    let together = engine().generate(&requests).unwrap();
+    for (i, r) in requests.iter().enumerate() {
+        let alone = engine().generate(std::slice::from_ref(r)).unwrap().remove(0).remove(0);
+        let got = &together[i][0];
+        assert_eq!(got.token_ids, alone.token_ids, "request {i}");
+        for (a, b) in got.logprobs.iter().zip(&alone.logprobs) {
+            assert!((a - b).abs() < 1e-5, "request {i}: log-prob {a} vs {b}");
+        }
+    }
+}
