@@ -17,7 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("cotrain_descriptor.bin"))
-        .compile_protos(&files, &[dir.clone()])?;
+        .compile_protos(&files, std::slice::from_ref(&dir))?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

@@ -124,6 +124,7 @@ fn main() -> anyhow::Result<()> {
         kind: cotrain_model::config::parse_dtype(&env_or("BENCH_DTYPE", "f32"))?,
         max_batch_size: 64,
         max_queued_requests: 1024,
+        threads_per_engine: None,
     };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")))

@@ -90,6 +90,8 @@ pub(crate) struct EngineLoop {
     updates: VecDeque<(StagedUpdate, oneshot::Sender<Result<u64>>)>,
     window_start: Instant,
     window_tokens: u64,
+    /// CPU threads for this engine's steps (`WorkerConfig::threads_per_engine`).
+    threads: Option<usize>,
 }
 
 impl EngineLoop {
@@ -117,7 +119,14 @@ impl EngineLoop {
             updates: VecDeque::new(),
             window_start: Instant::now(),
             window_tokens: 0,
+            threads: None,
         }
+    }
+
+    /// Steps on `threads` CPU threads (`None`: libtorch's default).
+    pub(crate) fn with_threads(mut self, threads: Option<usize>) -> Self {
+        self.threads = threads;
+        self
     }
 
     /// Runs the loop on the current thread until the channel closes.
@@ -254,6 +263,10 @@ impl EngineLoop {
     }
 
     fn step(&mut self) {
+        if let Some(n) = self.threads {
+            // Per step, not once: libtorch may reset a thread's count when it first parallelises.
+            cotrain_model::kernels::set_threads_of_this_thread(n);
+        }
         let out = match self.engine.step() {
             Ok(out) => out,
             Err(e) => {

@@ -67,6 +67,10 @@ pub struct ServeArgs {
     /// (as anyone who can reach the port already can with chunks).
     #[arg(long)]
     pub allow_shm_weights: bool,
+    /// CPU threads each model's engine uses (default: every core). With several models on few
+    /// cores, cores / models is usually faster: their engines then do not compete for the cores.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub threads_per_engine: Option<u32>,
 }
 
 /// In-process server options beyond the worker's configuration.
@@ -97,6 +101,7 @@ impl ServeArgs {
             kind: cotrain_model::config::parse_dtype(&self.dtype).context("--dtype")?,
             max_batch_size: self.max_batch_size,
             max_queued_requests: self.max_queued_requests,
+            threads_per_engine: self.threads_per_engine.map(|n| n as usize),
         })
     }
 }

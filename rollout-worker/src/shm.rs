@@ -264,7 +264,10 @@ mod tests {
     }
 
     fn err(r: Result<CompleteUpdate>) -> WorkerError {
-        r.err().expect("expected a refusal")
+        match r {
+            Ok(_) => panic!("expected a refusal"),
+            Err(e) => e,
+        }
     }
 
     #[test]

@@ -88,13 +88,19 @@ impl EmbeddedRollout {
     /// Starts a worker serving `agents` (`(name, model spec)`, one model copy per agent) on
     /// 127.0.0.1:0.
     pub fn start(rt: Arc<Runtime>, agents: &[(String, String)], device: tch::Device, kind: tch::Kind) -> Result<Self, TrainError> {
+        let agents = cotrain_rollout_worker::worker::separate_weight_specs(agents)
+            .map_err(|e| TrainError::Model(format!("rollout worker agents: {e}")))?;
+        // The agents' engines decode at the same time: on the CPU, split the cores between them.
+        let engines = agents.iter().map(|(_, spec)| spec).collect::<std::collections::BTreeSet<_>>().len();
+        let threads_per_engine = (device == tch::Device::Cpu && engines > 1)
+            .then(|| (tch::get_num_threads().max(1) as usize / engines).max(1));
         let config = cotrain_rollout_worker::worker::WorkerConfig {
-            agents: cotrain_rollout_worker::worker::separate_weight_specs(agents)
-                .map_err(|e| TrainError::Model(format!("rollout worker agents: {e}")))?,
+            agents,
             device,
             kind,
             max_batch_size: 64,
             max_queued_requests: 1024,
+            threads_per_engine,
         };
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
         // Same process, same host: the learner may hand weights over through /dev/shm.

@@ -13,6 +13,8 @@ pub mod decode_f32;
 pub mod gemm_f32;
 pub(crate) mod omp;
 
+pub use omp::set_threads_of_this_thread;
+
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
 use tch::{Device, Kind, Tensor};
 

@@ -48,6 +48,28 @@ pub(crate) fn gomp() -> Option<&'static Gomp> {
     .as_ref()
 }
 
+/// Sets the number of OpenMP threads that parallel regions started *from the calling thread* use:
+/// libtorch's ops and MKL calls made on it, and cotrain's kernels (they read
+/// `tch::get_num_threads()`, this thread's value). Unlike `tch::set_num_threads`, it leaves other
+/// threads and the process-wide default alone. False without libgomp.
+pub fn set_threads_of_this_thread(n: usize) -> bool {
+    static SET: OnceLock<Option<unsafe extern "C" fn(i32)>> = OnceLock::new();
+    let set = SET.get_or_init(|| {
+        // SAFETY: `dlsym` only looks the name up.
+        let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"omp_set_num_threads".as_ptr()) };
+        // SAFETY: libgomp's `void omp_set_num_threads(int)`.
+        (!f.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32)>(f) })
+    });
+    match set {
+        Some(f) => {
+            // SAFETY: sets an OpenMP internal control variable of the calling thread.
+            unsafe { f(n.clamp(1, i32::MAX as usize) as i32) };
+            true
+        }
+        None => false,
+    }
+}
+
 /// What each thread of a [`parallel_for`] region gets.
 struct ForData<'a> {
     body: &'a (dyn Fn(usize, usize) + Sync),
@@ -101,6 +123,19 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
+
+    #[test]
+    fn thread_counts_are_per_thread() {
+        let before = tch::get_num_threads();
+        let inner = std::thread::spawn(|| {
+            assert!(set_threads_of_this_thread(1));
+            tch::get_num_threads()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(inner, 1);
+        assert_eq!(tch::get_num_threads(), before, "the calling thread's count is untouched");
+    }
 
     #[test]
     fn every_item_runs_exactly_once() {
