@@ -41,6 +41,7 @@ fn time_step(
 }
 
 fn main() -> anyhow::Result<()> {
+    cotrain_model::tune_process();
     let mut rows = vec![1i64, 2, 8, 16, 32, 64];
     let mut reps = 5;
     let mut mkldnn = true;

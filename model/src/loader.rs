@@ -293,8 +293,6 @@ pub fn load(spec: &str, opts: &LoadOptions) -> Result<LoadedModel> {
 
 /// Loads an already resolved source.
 pub fn load_source(source: ModelSource, opts: &LoadOptions) -> Result<LoadedModel> {
-    // Library users get MKL's AVX-512 path too, if no MKL call came first (binaries do it in `main`).
-    crate::mkl_dispatch::prefer_avx512();
     if !matches!(opts.kind, Kind::Float | Kind::BFloat16 | Kind::Half) {
         return Err(ModelError::UnknownDtype(format!("{:?}", opts.kind)));
     }

@@ -450,3 +450,21 @@ fn prompts_prefilled_together_match_prompts_prefilled_alone() {
         }
     }
 }
+
+/// A request that finishes on its first token (here `max_new_tokens` = 1, or its first token being a
+/// stop token) gets exactly that token, also when other rows keep decoding beside it.
+#[test]
+fn a_request_finishing_on_its_first_token_gets_no_second() {
+    let one = req(prompt(5, 1), SamplingParams::greedy(), 0, 1);
+    let long = req(prompt(6, 2), SamplingParams::greedy(), 0, 8);
+    let out = engine().generate(&[one.clone(), long]).unwrap();
+    assert_eq!(out[0][0].token_ids.len(), 1, "{:?}", out[0][0].token_ids);
+    assert_eq!(out[1][0].token_ids.len(), 8);
+
+    let first = out[0][0].token_ids[0];
+    let mut stopping = req(prompt(5, 1), SamplingParams::greedy(), 0, 8);
+    stopping.stop.stop_token_ids = vec![first];
+    let alone = engine().generate(&[stopping]).unwrap().remove(0).remove(0);
+    assert_eq!(alone.token_ids, vec![first]);
+    assert_eq!(alone.finish_reason, cotrain_model::engine::FinishReason::Stop);
+}

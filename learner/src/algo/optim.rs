@@ -194,7 +194,7 @@ fn one_pass_update(
             && t.is_contiguous()
             && t.numel() == p.numel()
     };
-    if ![p, g, m, v].into_iter().all(fits) {
+    if p.numel() == 0 || ![p, g, m, v].into_iter().all(fits) {
         return false;
     }
     let n = p.numel();

@@ -388,6 +388,9 @@ impl Engine {
         let _guard = tch::no_grad_guard();
         let mut out = StepOutput::default();
         self.admit(&mut out)?;
+        // A request can finish on its first token (EOS, a stop string, `max_new_tokens` of 1, the
+        // end of the context): it must not decode another.
+        self.collect_finished(&mut out)?;
         if !self.active.is_empty() {
             self.decode(&mut out)?;
         }

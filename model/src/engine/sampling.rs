@@ -256,9 +256,13 @@ mod plain {
     use crate::kernels::decode_f32::softmax_row;
 
     pub(super) fn sample(logits: &Tensor, rows: &[RowSpec]) -> Option<(Vec<i64>, Vec<f32>)> {
+        // Temperatures so small that 1/T overflows f32 stay with libtorch too.
         let plain = |r: &RowSpec| {
             r.params.is_greedy()
-                || (r.params.top_k == 0 && r.params.top_p >= 1.0 && r.params.min_p == 0.0)
+                || (r.params.top_k == 0
+                    && r.params.top_p >= 1.0
+                    && r.params.min_p == 0.0
+                    && r.params.temperature >= 1e-6)
         };
         if logits.device() != Device::Cpu
             || logits.kind() != Kind::Float
@@ -268,7 +272,7 @@ mod plain {
             return None;
         }
         let (b, v) = logits.size2().ok()?;
-        if b as usize != rows.len() || v == 0 {
+        if b == 0 || b as usize != rows.len() || v == 0 {
             return None;
         }
         let v = v as usize;

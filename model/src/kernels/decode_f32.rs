@@ -112,7 +112,8 @@ fn exp512(x: __m512) -> __m512 {
     // ln 2 split in a part exact in f32 and the rest, so that n·LN2_HI is exact.
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
-    let x = _mm512_max_ps(x, _mm512_set1_ps(-104.0));
+    // MAXPS returns its second operand when either is NaN: a NaN argument stays NaN.
+    let x = _mm512_max_ps(_mm512_set1_ps(-104.0), x);
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
         _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
     );
@@ -265,6 +266,12 @@ pub fn attend(
     assert!(
         lens.iter().all(|&l| (1..=shape.capacity).contains(&l)),
         "attend: lengths beyond the cache"
+    );
+    // Checked here, outside the parallel region: a panic inside it cannot unwind and would abort.
+    let cache_len = rows * kvh * shape.capacity * d;
+    assert!(
+        k_cache.len() >= cache_len && v_cache.len() >= cache_len,
+        "attend: the cache is smaller than its shape"
     );
     let out_addr = out.as_mut_ptr() as usize;
     let avx512 = is_x86_feature_detected!("avx512f");

@@ -60,10 +60,24 @@ pub fn set_threads_of_this_thread(n: usize) -> bool {
         // SAFETY: libgomp's `void omp_set_num_threads(int)`.
         (!f.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32)>(f) })
     });
+    // MKL's own count, if the process set one (`tch::set_num_threads` does), would otherwise still
+    // apply to this thread's MKL calls.
+    static SET_MKL: OnceLock<Option<unsafe extern "C" fn(i32) -> i32>> = OnceLock::new();
+    let set_mkl = SET_MKL.get_or_init(|| {
+        // SAFETY: `dlsym` only looks the name up.
+        let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"MKL_Set_Num_Threads_Local".as_ptr()) };
+        // SAFETY: MKL's C `int MKL_Set_Num_Threads_Local(int)` (the lower-case name is Fortran's, by pointer).
+        (!f.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32) -> i32>(f) })
+    });
+    let n = n.clamp(1, i32::MAX as usize) as i32;
+    if let Some(f) = set_mkl {
+        // SAFETY: sets MKL's thread count for the calling thread only.
+        unsafe { f(n) };
+    }
     match set {
         Some(f) => {
             // SAFETY: sets an OpenMP internal control variable of the calling thread.
-            unsafe { f(n.clamp(1, i32::MAX as usize) as i32) };
+            unsafe { f(n) };
             true
         }
         None => false,
@@ -80,7 +94,9 @@ struct ForData<'a> {
 
 /// Runs `body(lo, hi)` over `[0, items)` split into `threads` contiguous parts of nearly equal
 /// size, on libtorch's OpenMP team (on the calling thread alone without libgomp, or for one part).
-/// Returns when every part has run. A smaller team than asked still covers every part.
+/// Returns when every part has run. A smaller team than asked still covers every part. `body` must
+/// not panic: a panic cannot unwind out of an OpenMP region and aborts the process, so callers check
+/// their inputs before.
 pub(crate) fn parallel_for(items: usize, threads: usize, body: &(dyn Fn(usize, usize) + Sync)) {
     let parts = threads.clamp(1, items.max(1));
     match gomp() {

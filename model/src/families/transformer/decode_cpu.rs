@@ -4,6 +4,8 @@
 //! transposes, views or per-op tensors are made. It computes what the generic path of
 //! [`CausalLm::forward_hidden_cached`] computes (the tests compare the two), and serves that method
 //! when it applies: f32 on CPU, AVX-512F, nothing for autograd to record, contiguous weights.
+//! Its writes to the cache go through raw pointers and so do not bump libtorch's version counters;
+//! that is sound because decoding runs with nothing recorded (no graph has saved the cache).
 
 use tch::{Device, Kind, Tensor};
 
@@ -17,6 +19,10 @@ use crate::kernels::gemm_f32;
 /// # Safety
 /// `t` must be a contiguous f32 CPU tensor that nothing writes to while the slice lives.
 unsafe fn floats(t: &Tensor) -> &[f32] {
+    if t.numel() == 0 {
+        // An empty tensor's data pointer may be null, which a slice may not be.
+        return &[];
+    }
     // SAFETY: forwarded from the contract; `numel` floats start at `data_ptr`.
     unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) }
 }
@@ -27,6 +33,9 @@ unsafe fn floats(t: &Tensor) -> &[f32] {
 /// As for [`floats`], and nothing else may read or write `t` while the slice lives.
 #[allow(clippy::mut_from_ref)] // the tensor is a handle; exclusivity is the caller's contract
 unsafe fn floats_mut(t: &Tensor) -> &mut [f32] {
+    if t.numel() == 0 {
+        return &mut [];
+    }
     // SAFETY: forwarded from the contract.
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel()) }
 }
@@ -116,7 +125,7 @@ impl CausalLm {
         starts: &[i64],
         cache: &mut KvCache,
     ) -> Option<Result<Tensor>> {
-        if !self.fast_decode_applies(cache) {
+        if starts.is_empty() || !self.fast_decode_applies(cache) {
             return None;
         }
         let cfg = &self.cfg;
