@@ -31,7 +31,7 @@ impl RewardSource for Parity {
             .iter()
             .map(|a| {
                 let r: f64 = a.completion_ids.iter().map(|c| c.iter().filter(|t| *t % 2 == 0).count() as f64 / c.len().max(1) as f64).sum();
-                Score { reward: r, levels: BTreeMap::new(), details: serde_json::Value::Null }
+                Score { reward: r, levels: BTreeMap::new(), details: serde_json::Value::Null, code: None }
             })
             .collect())
     }
@@ -65,8 +65,7 @@ fn main() -> anyhow::Result<()> {
     let policies: Vec<Policy> = (0..2)
         .map(|i| Ok(Policy::new(&format!("agent{i}"), "default", cotrain_model::loader::load("default", &opts)?, None, adam)))
         .collect::<anyhow::Result<_>>()?;
-    let msgs = vec![cotrain_learner::prompts::ChatMessage::user(PROMPT)];
-    let prompt = cotrain_learner::trainer::items::encode_prompt(&policies[0].model, &msgs, &serde_json::Value::Null)?;
+    let prompt = cotrain_learner::trainer::items::encode_text(&policies[0].model.tokenizer, PROMPT)?;
     let rt = runtime()?;
     let agents: Vec<(String, String)> = (0..2).map(|i| (format!("agent{i}"), "default".to_string())).collect();
     let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, tch::Kind::Float)?;

@@ -165,3 +165,16 @@ pub fn load_checkpoint(dir: &Path, agents: &mut [(&mut nn::VarStore, &mut AdamW)
     }
     Ok(state)
 }
+
+/// The non-tensor state of a checkpoint directory (its `state.json`).
+pub fn read_state(dir: &Path) -> Result<TrainState, CheckpointError> {
+    let state_path = dir.join("state.json");
+    let text = std::fs::read_to_string(&state_path).map_err(io(&state_path))?;
+    serde_json::from_str(&text).map_err(|e| CheckpointError::Mismatch { path: state_path, message: e.to_string() })
+}
+
+/// The weights of the `index`-th model of a checkpoint (`agent-{index}/model.safetensors`), by
+/// parameter name, without reading or allocating any optimiser state: what `learner export` needs.
+pub fn read_weights(dir: &Path, index: usize) -> Result<BTreeMap<String, Tensor>, CheckpointError> {
+    read_tensors(&dir.join(format!("agent-{index}")).join("model.safetensors"))
+}

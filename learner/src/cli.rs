@@ -33,17 +33,54 @@ pub enum Command {
         /// Checkpoint directory to evaluate.
         #[arg(long)]
         checkpoint: PathBuf,
+        /// The k of PassOrNot@k, Accuracy@k and MaxCoop@k; the largest k joint samples are drawn per item.
+        #[arg(long, value_delimiter = ',', default_value = "1,5,10")]
+        k: Vec<usize>,
     },
     /// Draw reward, loss and throughput curves of a run directory to PNG files in it.
     Plot {
         /// The run directory (holding metrics.jsonl).
         run_dir: PathBuf,
     },
+    /// Write a checkpoint's policies as Hugging Face model directories (for transformers, vLLM or
+    /// `rollout-worker generate --model DIR`).
+    Export {
+        /// Checkpoint directory (`RUN_DIR/checkpoints/step-N`), or a run directory for its latest
+        /// checkpoint.
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Export only this policy (0-based); its model directory is then `--out` itself.
+        #[arg(long)]
+        policy: Option<usize>,
+        /// Where to write: one model directory per policy under it (`agent-{i}`, or `shared` for
+        /// shared parameters), or with `--policy` the model directory itself.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Print the merged, validated config.
     CheckConfig {
         #[command(flatten)]
         config: ConfigArgs,
     },
+    /// Print, as one JSON line per item and agent, the exact prompt text each agent's model receives
+    /// and its token count: `{"item_index", "agent", "text", "tokens"}`.
+    ShowPrompts {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Which split's items.
+        #[arg(long, value_enum, default_value_t = PromptSplit::Train)]
+        split: PromptSplit,
+        /// Only the first N items.
+        #[arg(long)]
+        limit: Option<usize>,
+    },
+}
+
+/// The split `show-prompts` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PromptSplit {
+    Train,
+    Eval,
 }
 
 /// The config file, overrides and the original scripts' legacy flags.
@@ -52,8 +89,9 @@ pub struct ConfigArgs {
     /// YAML config file.
     #[arg(long)]
     pub config: PathBuf,
-    /// Deep-merged `key.path=value` (value typed as YAML), e.g. `magrpo.learning_rate=1e-5`; repeatable.
-    #[arg(long = "override", value_name = "KEY=VALUE")]
+    /// Deep-merged `key.path=value` pairs (values typed as YAML; Python's `None`/`True`/`False` too),
+    /// e.g. `--override magrpo.learning_rate=1e-5 magrpo.num_train_epochs=2`; the flag may repeat.
+    #[arg(long = "override", value_name = "KEY=VALUE", num_args = 1.., action = clap::ArgAction::Append, allow_hyphen_values = false)]
     pub overrides: Vec<String>,
     /// Legacy: sets `model.name`.
     #[arg(long = "model_name", alias = "model-name")]
@@ -116,23 +154,77 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(c) = &summary.checkpoint {
                 println!("checkpoint: {}", c.display());
             }
+            for m in &summary.final_models {
+                println!("final model: {}", m.display());
+            }
             for p in &summary.plots {
                 println!("plot: {}", p.display());
             }
             Ok(())
         }
-        Command::Eval { config, checkpoint } => {
+        Command::Eval { config, checkpoint, k } => {
+            if k.contains(&0) {
+                bail!("--k: every k must be at least 1, got {k:?}");
+            }
             let cfg = config.load()?;
             if !checkpoint.is_dir() {
                 bail!("--checkpoint {}: no such checkpoint directory", checkpoint.display());
             }
             ensure_trainable(&cfg)?;
-            let metrics = crate::trainer::evaluate_checkpoint(&cfg, &checkpoint)?;
+            let metrics = crate::trainer::evaluate_checkpoint(&cfg, &checkpoint, &k)?;
             println!("{}", serde_json::to_string_pretty(&metrics)?);
             Ok(())
         }
         Command::Plot { run_dir } => plot_command(&run_dir),
+        Command::Export { checkpoint, policy, out } => export_command(&checkpoint, policy, &out),
+        Command::ShowPrompts { config, split, limit } => {
+            let cfg = config.load()?;
+            let mut out = std::io::stdout().lock();
+            show_prompts(&cfg, split, limit, &mut out)
+        }
     }
+}
+
+/// `learner show-prompts`: the prompts exactly as the trainer builds them (templates, then the chat
+/// template if `model.chat_template`, then the agent's tokenizer), without loading any weights.
+pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize>, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
+    use crate::trainer::items::{PromptEncoding, render_prompt};
+    let spec = match split {
+        PromptSplit::Train => &cfg.train_split,
+        PromptSplit::Eval => cfg
+            .eval_split
+            .as_ref()
+            .with_context(|| format!("{}: --split eval but dataset.eval_split is not set", cfg.source.display()))?,
+    };
+    let data = crate::data::load_split(&cfg.raw.dataset, spec)?;
+    let prompter = crate::prompts::Prompter::from_config(cfg).with_context(|| cfg.source.display().to_string())?;
+    let encoding = PromptEncoding::from_config(cfg);
+    let mut models = Vec::new();
+    for name in &cfg.agent_models {
+        let side = cotrain_model::loader::load_text_side(name).with_context(|| format!("model `{name}`"))?;
+        models.push(side);
+    }
+    let count = limit.unwrap_or(data.items.len()).min(data.items.len());
+    for index in 0..count {
+        for (agent, (tokenizer, template)) in models.iter().enumerate() {
+            let p = render_prompt(&data, index, agent, tokenizer, template.as_ref(), &prompter, &encoding)?;
+            let line = serde_json::json!({"item_index": index, "agent": agent, "text": p.text, "tokens": p.ids.len()});
+            writeln!(out, "{line}")?;
+        }
+    }
+    Ok(())
+}
+
+/// `learner export`: see [`crate::export`].
+fn export_command(checkpoint: &Path, policy: Option<usize>, out: &Path) -> anyhow::Result<()> {
+    if !checkpoint.is_dir() {
+        bail!("--checkpoint {}: no such checkpoint directory", checkpoint.display());
+    }
+    let written = crate::export::export_checkpoint(checkpoint, policy, out).with_context(|| format!("exporting {}", checkpoint.display()))?;
+    for dir in written {
+        println!("model: {}", dir.display());
+    }
+    Ok(())
 }
 
 fn plot_command(run_dir: &Path) -> anyhow::Result<()> {

@@ -8,6 +8,7 @@ pub mod algo;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod export;
 pub mod prompts;
 pub mod checkpoint;
 pub mod metrics;

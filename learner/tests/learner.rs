@@ -5,8 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use cotrain_learner::algo::{
-    self, AdamW, AdamWConfig, AdvantageOptions, LossOptions, PolicyBatch, RewardProcessor, SharedRound, UpdateOutcome,
-    backward_and_step, node_advantages, policy_loss,
+    self, AdamW, AdamWConfig, AdvantageOptions, LossOptions, PolicyBatch, RewardProcessor, node_advantages, policy_loss,
 };
 use cotrain_learner::config::{
     AdvantageMode, Algorithm, CheckedConfig, JointMode, KlEstimator, LegacyFlags, LossNormalization, load_config, merged_value,
@@ -64,14 +63,35 @@ fn seed_configs_carry_the_table_values() {
     let che = load("grpo_che_config.yaml");
     assert_eq!((che.trainer.num_train_epochs, che.trainer.learning_rate, che.sampling.temperature), (16, 1e-5, 0.8));
     assert_eq!(che.train_split.to_string(), "test[16:]");
+    assert_eq!((he.trainer.rollout_buffer_size, he.trainer.eval_interval, he.trainer.eval_num_samples), (1, 4, 4));
+    assert!(!he.raw.model.chat_template && !he.raw.dataset.shuffle, "raw prompts in dataset order, as the original");
     let arxiv = load("magrpo_arxiv_config.yaml");
-    assert_eq!(arxiv.raw.model.name, "Qwen/Qwen3-0.6B");
+    assert_eq!(arxiv.raw.model.name, "Qwen/Qwen3-1.7B");
     assert_eq!(arxiv.trainer.learning_rate, 5e-6);
     let grpo_arxiv = load("grpo_arxiv_config.yaml");
     assert_eq!(grpo_arxiv.sampling.max_new_tokens, 512);
     let demo = load("demo.yaml");
     assert_eq!(demo.raw.model.name, "default");
     assert_eq!(demo.sampling.top_k, 50, "the original's top_k default when unset");
+}
+
+#[test]
+fn the_original_projects_own_config_files_load() {
+    let cfg = load_config(&fixture("original/mt_magrpo_he_sep2025.yaml"), &[], &LegacyFlags::default()).unwrap();
+    assert_eq!((cfg.trainer.num_turns, cfg.num_agents), (2, 2));
+    // `reward_shift: -4` is the reward processor's shift.
+    assert!(cfg.raw.reward_processor.enabled);
+    assert_eq!(cfg.raw.reward_processor.shift, -4.0);
+    let cfg = load_config(&fixture("original/magrpo_tldr_aug2025.yaml"), &[], &LegacyFlags::default()).unwrap();
+    assert_eq!(cfg.num_agents, 2);
+    assert_eq!(cfg.trainer.learning_rate, 5e-6);
+    // The original's keys also work as overrides; a key with no meaning is still an error.
+    let cfg = load_config(&fixture("original/magrpo_tldr_aug2025.yaml"), &["magrpo.reward_shift=-3".into()], &LegacyFlags::default()).unwrap();
+    assert_eq!(cfg.raw.reward_processor.shift, -3.0);
+    let e = load_config(&fixture("original/magrpo_tldr_aug2025.yaml"), &["magrpo.reward_shfit=-3".into()], &LegacyFlags::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("magrpo_tldr_aug2025.yaml: unknown key magrpo.reward_shfit"), "{e}");
 }
 
 #[test]
@@ -192,6 +212,35 @@ fn cli_parses_legacy_flags_and_check_config_prints_the_merged_yaml() {
 }
 
 #[test]
+fn one_override_flag_takes_several_pairs_as_the_seed_readme_types_them() {
+    // `python train_grpo.py --config ... --override grpo.num_train_epochs=20 grpo.learning_rate=5e-6`
+    use clap::Parser;
+    let cli = cotrain_learner::cli::Cli::try_parse_from([
+        "learner",
+        "check-config",
+        "--config",
+        repo().join("configs/grpo_he_config.yaml").to_str().unwrap(),
+        "--override",
+        "grpo.num_train_epochs=20",
+        "grpo.learning_rate=5e-6",
+        "dataset.train_split='test[16:20]'",
+        "--override",
+        "grpo.termination_threshold=None",
+        "--num_epochs",
+        "3",
+    ])
+    .unwrap();
+    let cotrain_learner::cli::Command::CheckConfig { config } = &cli.command else { panic!() };
+    assert_eq!(config.overrides.len(), 4);
+    let cfg = config.load().unwrap();
+    assert_eq!(cfg.trainer.learning_rate, 5e-6);
+    assert_eq!(cfg.raw.dataset.train_split, "test[16:20]");
+    assert_eq!(cfg.trainer.termination_threshold, None);
+    // Legacy flags are applied after the overrides, as in the original scripts.
+    assert_eq!(cfg.trainer.num_train_epochs, 3);
+}
+
+#[test]
 fn train_refuses_multi_turn_configs_clearly() {
     use clap::Parser;
     let cli = cotrain_learner::cli::Cli::try_parse_from([
@@ -205,6 +254,27 @@ fn train_refuses_multi_turn_configs_clearly() {
     assert!(e.contains("multi-turn trainer"), "{e}");
 }
 
+#[test]
+fn resume_refuses_a_config_that_changes_the_run_naming_each_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let demo = repo().join("configs/demo.yaml");
+    let started = load_config(&demo, &[], &LegacyFlags::default()).unwrap();
+    std::fs::write(dir.path().join("config.yaml"), started.to_yaml()).unwrap();
+    let changed = load_config(
+        &demo,
+        &["magrpo.learning_rate=1e-3".into(), "model.temperature=0.5".into(), "magrpo.num_train_epochs=3".into()],
+        &LegacyFlags::default(),
+    )
+    .unwrap();
+    let opts = cotrain_learner::trainer::TrainOptions { resume: Some(dir.path().to_path_buf()) };
+    let e = cotrain_learner::trainer::train(&changed, &opts).err().expect("refused").to_string();
+    assert!(e.contains("magrpo.learning_rate: 0.00002 (run) -> 0.001 (given)"), "{e}");
+    assert!(e.contains("model.temperature"), "{e}");
+    assert!(!e.contains("  magrpo.num_train_epochs:"), "epochs may change on resume: {e}");
+    // The run's own config is left as it was.
+    assert_eq!(std::fs::read_to_string(dir.path().join("config.yaml")).unwrap(), started.to_yaml());
+}
+
 // ---------------------------------------------------------------- datasets
 
 fn ds(name: &str) -> cotrain_learner::config::DatasetConfig {
@@ -214,6 +284,7 @@ fn ds(name: &str) -> cotrain_learner::config::DatasetConfig {
         train_split: "train".into(),
         eval_split: None,
         data_dir: Some(repo().join("data").display().to_string()),
+        shuffle: false,
     }
 }
 
@@ -292,16 +363,56 @@ fn local_arxiv_files_load_in_every_supported_format() {
 
 #[test]
 fn prompts_for_each_task_and_agent() {
+    use cotrain_learner::prompts::Prompter;
     let che = load_split(&ds("coophumaneval"), &SplitSpec::parse("test[:1]").unwrap()).unwrap();
     let item = &che.items[0];
-    let helper = cotrain_learner::prompts::first_turn_prompt(item, 0, 2).unwrap();
-    let main = cotrain_learner::prompts::first_turn_prompt(item, 1, 2).unwrap();
-    assert!(helper[0].content.contains("aux"));
-    assert!(main[0].content.contains("def x_or_y(n, x, y):"), "{}", main[0].content);
-    assert!(cotrain_learner::prompts::first_turn_prompt(item, 0, 3).is_err());
+    let two = Prompter::defaults(2);
+    let helper = two.render(item, 0, 0).unwrap();
+    let main = two.render(item, 0, 1).unwrap();
+    assert!(helper.contains("aux"));
+    assert!(main.contains("def x_or_y(n, x, y):"), "{main}");
+    assert!(Prompter::defaults(3).render(item, 0, 0).is_err());
     let gsm = load_split(&ds("gsm8k"), &SplitSpec::parse("test[:1]").unwrap()).unwrap();
-    let p = cotrain_learner::prompts::first_turn_prompt(&gsm.items[0], 1, 3).unwrap();
-    assert!(p[0].content.contains("\\boxed{}"));
+    let p = Prompter::defaults(3).render(&gsm.items[0], 0, 1).unwrap();
+    assert!(p.contains("\\boxed{}"));
+}
+
+fn show_prompts(overrides: &[&str]) -> Vec<serde_json::Value> {
+    let mut args = vec!["learner", "show-prompts", "--config"];
+    let cfg = repo().join("configs/magrpo_che_config.yaml");
+    args.push(cfg.to_str().unwrap());
+    args.extend(["--limit", "2", "--override", "model.name=default"]);
+    args.extend(overrides);
+    use clap::Parser;
+    let cli = cotrain_learner::cli::Cli::try_parse_from(args).unwrap();
+    let cotrain_learner::cli::Command::ShowPrompts { config, split, limit } = &cli.command else { panic!() };
+    let mut out = Vec::new();
+    cotrain_learner::cli::show_prompts(&config.load().unwrap(), *split, *limit, &mut out).unwrap();
+    String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn show_prompts_prints_the_exact_text_and_token_count_per_item_and_agent() {
+    let (tokenizer, _) = cotrain_model::loader::load_text_side("default").unwrap();
+    let raw = show_prompts(&[]);
+    assert_eq!(raw.len(), 4, "2 items x 2 agents");
+    let keys: Vec<(u64, u64)> = raw.iter().map(|l| (l["item_index"].as_u64().unwrap(), l["agent"].as_u64().unwrap())).collect();
+    assert_eq!(keys, vec![(0, 0), (0, 1), (1, 0), (1, 1)]);
+    for l in &raw {
+        let text = l["text"].as_str().unwrap();
+        // The seed configs give the model the raw prompt text, as the original does.
+        assert!(!text.contains("<|im_start|>"), "{text}");
+        assert_eq!(l["tokens"].as_u64().unwrap() as usize, tokenizer.encode(text, false).unwrap().len());
+    }
+    // The configured split starts at test[16]: the same rows the trainer would use.
+    let che = load_split(&ds("coophumaneval"), &SplitSpec::parse("test[16:17]").unwrap()).unwrap();
+    let expected = cotrain_learner::prompts::Prompter::defaults(2).render(&che.items[0], 16, 1).unwrap();
+    assert_eq!(raw[1]["text"].as_str().unwrap(), expected);
+
+    let chat = show_prompts(&["model.chat_template=true", "prompts.agent0.template='Write aux for {{ entry_point }}.'"]);
+    let text = chat[0]["text"].as_str().unwrap();
+    assert!(text.starts_with("<|im_start|>") && text.contains("Write aux for "), "{text}");
+    assert!(chat[1]["text"].as_str().unwrap().contains(&expected), "agent 1 keeps its default template inside the chat template");
 }
 
 // ---------------------------------------------------------------- update math
@@ -416,73 +527,17 @@ fn clipping_and_kl_options_match_hand_computation() {
     let k1 = LossOptions { kl: Some((0.5, KlEstimator::K1)), normalization: LossNormalization::TokenMean, ..LossOptions::original() };
     let out = policy_loss(&b, &k1).unwrap();
     close(out.kl, 0.05);
-    close(out.loss.double_value(&[]), 1.0 + 0.5 * 0.05);
+    // k1 enters as a score-function penalty sg(KL1)·reduce(lp): token-mean reduce(lp) = −1, so the
+    // loss is 1 + 0.5·(0.05·(−1)) = 0.975, and ∂L/∂lp_t = −A/2 + 0.5·0.05·(1/2) = −0.4875 per token
+    // (a k1 added straight to the loss would give a constant 0.5·(1/2) there, zero in expectation).
+    close(out.loss.double_value(&[]), 1.0 - 0.5 * 0.05);
+    out.loss.backward();
+    let g: Vec<f64> = Vec::try_from(lp.grad().reshape([-1])).unwrap();
+    close(g[0], -0.4875);
+    close(g[1], -0.4875);
     // Clipping without behaviour log-probs is an error, not a silent fallback.
     let b2 = PolicyBatch { old_logprobs: None, ..b };
     assert!(policy_loss(&b2, &clip).is_err());
-}
-
-/// A toy policy: logits over a vocabulary of 5 from a one-hot context of 3, one linear layer.
-fn toy_logprobs(model: &nn::Linear, contexts: &[i64], tokens: &[i64], k: i64) -> Tensor {
-    let t = contexts.len() as i64 / k;
-    let x = Tensor::from_slice(contexts).onehot(3).to_kind(Kind::Float);
-    let logp = model.forward(&x).log_softmax(-1, Kind::Float);
-    logp.gather(1, &Tensor::from_slice(tokens).unsqueeze(1), false).squeeze_dim(1).reshape([k, t])
-}
-
-fn grads(vs: &nn::VarStore) -> Vec<Tensor> {
-    let mut v = vs.variables().into_iter().collect::<Vec<_>>();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v.iter().map(|(_, t)| t.grad().copy()).collect()
-}
-
-#[test]
-fn shared_parameter_gradient_is_the_average_of_per_agent_gradients() {
-    tch::manual_seed(0);
-    let vs = nn::VarStore::new(tch::Device::Cpu);
-    let model = nn::linear(vs.root() / "lin", 3, 5, Default::default());
-    // Two agents, each with K = 2 samples of 3 tokens.
-    let data = [
-        (vec![0i64, 1, 2, 2, 1, 0], vec![4i64, 0, 1, 3, 3, 2], [1.0, -1.0]),
-        (vec![1i64, 1, 0, 2, 0, 2], vec![0i64, 2, 2, 1, 4, 4], [-0.5, 0.5]),
-    ];
-    let mask = Tensor::ones([2, 3], (Kind::Float, tch::Device::Cpu));
-    let agent_loss = |i: usize, scale: f64| {
-        let (c, t, a) = &data[i];
-        let lp = toy_logprobs(&model, c, t, 2);
-        let adv = Tensor::from_slice(a);
-        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, ref_logprobs: None };
-        policy_loss(&b, &LossOptions { scale, ..LossOptions::original() }).unwrap()
-    };
-    // Per-agent gradients, each of the unscaled (1/K) loss.
-    let mut per_agent = Vec::new();
-    for i in 0..2 {
-        for (_, mut v) in vs.variables() {
-            v.zero_grad();
-        }
-        agent_loss(i, 1.0).loss.backward();
-        per_agent.push(grads(&vs));
-    }
-    // Shared round: each agent's loss scaled by 1/N, accumulated, one step.
-    let mut opt = AdamW::new(&vs, AdamWConfig::new(1e-2, 0.0, None));
-    let mut round = SharedRound::begin(&mut opt, 2);
-    let scale = SharedRound::loss_scale(2);
-    round.add_agent(0, &[agent_loss(0, scale)]).unwrap();
-    assert!(round.add_agent(0, &[agent_loss(0, scale)]).is_err(), "an agent contributes once per round");
-    round.add_agent(1, &[agent_loss(1, scale)]).unwrap();
-    let shared = grads(&vs);
-    for ((s, g0), g1) in shared.iter().zip(&per_agent[0]).zip(&per_agent[1]) {
-        let avg = (g0 + g1) / 2.0;
-        assert!(s.allclose(&avg, 1e-6, 1e-7, false), "{s} vs {avg}");
-    }
-    let before = opt.step;
-    assert!(matches!(round.finish(&mut opt).unwrap(), UpdateOutcome::Stepped { .. }));
-    assert_eq!(opt.step, before + 1, "exactly one optimiser step per round");
-    // A round missing an agent refuses to step.
-    let mut round = SharedRound::begin(&mut opt, 2);
-    round.add_agent(1, &[agent_loss(1, scale)]).unwrap();
-    assert!(round.finish(&mut opt).is_err());
-    assert_eq!(opt.step, before + 1);
 }
 
 #[test]
@@ -508,24 +563,6 @@ fn adamw_matches_libtorch_adamw() {
         theirs.step();
     }
     assert!(lin_a.ws.allclose(&lin_b.ws, 1e-5, 1e-6, false), "{} vs {}", lin_a.ws, lin_b.ws);
-}
-
-#[test]
-fn nan_loss_skips_the_update_and_leaves_weights_untouched() {
-    let vs = nn::VarStore::new(tch::Device::Cpu);
-    let lin = nn::linear(vs.root() / "lin", 3, 5, Default::default());
-    let before = lin.ws.copy();
-    let mut opt = AdamW::new(&vs, AdamWConfig::new(1e-2, 0.0, None));
-    let lp = toy_logprobs(&lin, &[0, 1], &[1, 2], 1);
-    let mask = Tensor::ones([1, 2], (Kind::Float, tch::Device::Cpu));
-    let adv = Tensor::from_slice(&[f64::NAN]);
-    let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, ref_logprobs: None };
-    let terms = policy_loss(&b, &LossOptions::original()).unwrap();
-    assert!(!terms.is_finite());
-    let out = backward_and_step(&mut opt, &[terms], 0);
-    assert!(matches!(out, UpdateOutcome::Skipped { .. }), "{out:?}");
-    assert_eq!(opt.step, 0);
-    assert!(lin.ws.equal(&before));
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The policy model shared by the rollout worker and the learner: model families on libtorch,
 //! weight loading (Hugging Face directories, GGUF files, the local HF cache, the embedded
-//! default), tokenizers and chat templates, the generation engine and the log-prob kernel.
+//! default), tokenizers and chat templates, the generation engine and the log-prob kernel, and
+//! writing a (trained) model back out as a Hugging Face directory.
 
 // Formats and text: no tensors needed.
 pub mod chat_template;
@@ -11,6 +12,7 @@ pub mod tokenizer;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod export;
 pub mod families;
 pub mod kernels;
 pub mod loader;

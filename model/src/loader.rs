@@ -546,6 +546,22 @@ fn load_hf_dir(dir: &Path, opts: &LoadOptions, source: ModelSource) -> Result<Lo
     })
 }
 
+/// The tokenizer and chat template of a model spec, without loading its weights (for tools that
+/// only render and count prompts).
+pub fn load_text_side(spec: &str) -> Result<(Tokenizer, Option<ChatTemplate>)> {
+    match resolve(spec)? {
+        ModelSource::HfDir(dir) => {
+            let tokenizer = Tokenizer::from_hf_dir(&dir).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+            Ok((tokenizer, optional_template(ChatTemplate::from_hf_dir(&dir, None))?))
+        }
+        ModelSource::Gguf(path) => {
+            let gguf = GgufFile::open(&path).map_err(|e| gguf_err(&path, e))?;
+            let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+            Ok((tokenizer, optional_template(ChatTemplate::from_gguf(&gguf))?))
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // GGUF files
 

@@ -9,17 +9,21 @@ Events are written as they happen, so if the supervisor itself is killed the ser
 outcomes so far.
 
 Modes:
-  tests: compile `code` (syntax report), exec it once in a fresh namespace (setup), then run each
-         test statement separately in that namespace with a per-test wall-clock limit enforced by
-         the supervisor (it kills the worker, which cannot block or swallow that). After a timeout
-         a fresh worker re-runs the setup and continues; after `max_timeouts` timeouts testing stops.
+  tests: parse `code` (syntax report), exec it once in a fresh namespace (setup), then run each
+         test statement separately in that namespace with a per-test wall-clock limit: an alarm
+         inside the worker first (as the original reward's; the namespace survives it), then, if
+         the program ignores or swallows it, the supervisor kills the worker (which cannot block
+         that) and a fresh worker re-runs the setup and continues. After `max_timeouts` timeouts
+         testing stops.
          If the worker dies mid-test (os._exit, a signal), that test fails and testing stops.
   exec:  write `code` to main.py and run it as a child with the sandbox's stdin/stdout/stderr,
          then report its exit code or signal.
 """
 
+import ast
 import json
 import os
+import re
 import resource
 import select
 import signal
@@ -171,6 +175,8 @@ def worker_main(code, cmd_r, res_w):
         return {"error_type": type(exc).__name__, "message": short(exc)}
 
     namespace = {}
+    double_call = WORKER_OPTIONS.get("double_call")
+    signal.signal(signal.SIGALRM, raise_test_timeout)
     try:
         exec(compile(code, "<solution>", "exec"), namespace)
         reply({"kind": "setup", "status": "ok"})
@@ -185,13 +191,38 @@ def worker_main(code, cmd_r, res_w):
             os._exit(0)
         index = int(line)
         try:
+            # The test's own time limit, raised inside the program as the original reward did
+            # (SIGALRM): the namespace survives a timeout, so a function that is slow only on its
+            # first call passes later tests. The supervisor's kill is the backstop.
+            signal.setitimer(signal.ITIMER_REAL, WORKER_OPTIONS["per_test"])
+            call = DOUBLE_CALL.search(tests[index]) if double_call else None
+            if call:
+                # The original reward's way: evaluate the call, then the expected value, then run
+                # the whole assert (the call's function runs twice).
+                eval(call.group(1) + "(" + call.group(2) + ")", namespace)
+                eval(call.group(3), namespace)
             exec(compile(tests[index], "<test>", "exec"), namespace)
+            signal.setitimer(signal.ITIMER_REAL, 0)
             reply({"kind": "test", "index": index, "passed": True})
+        except TestTimeout:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            reply({"kind": "test", "index": index, "passed": False, "timed_out": True})
         except BaseException as exc:  # noqa: BLE001
+            signal.setitimer(signal.ITIMER_REAL, 0)
             reply(dict(kind="test", index=index, passed=False, **describe(exc)))
 
 
+class TestTimeout(Exception):
+    """A test ran past its limit (an Exception, as the original's, so code may catch it)."""
+
+
+def raise_test_timeout(signum, frame):
+    raise TestTimeout("test exceeded its time limit")
+
+
 WORKER_TESTS = []
+WORKER_OPTIONS = {}
+DOUBLE_CALL = re.compile(r"assert\s+(\w+)\(([^)]*)\)\s*==\s*(.+)")
 
 
 def run_tests(job):
@@ -201,9 +232,15 @@ def run_tests(job):
     setup_timeout = float(job.get("setup_timeout_secs") or per_test)
     max_timeouts = int(job["max_timeouts"])
     WORKER_TESTS.extend(tests)
+    WORKER_OPTIONS["double_call"] = bool(job.get("double_call"))
+    WORKER_OPTIONS["per_test"] = per_test
+    # The supervisor waits a little longer than the in-program alarm before it kills the worker.
+    backstop = per_test * 1.5 + 1.0
 
+    # The syntax check is Python's parser (`ast.parse`, as the original reward uses); errors that
+    # only the compiler finds (`return` outside a function, ...) surface when the program is set up.
     try:
-        compile(code, "<solution>", "exec")
+        ast.parse(code)
         emit({"event": "syntax", "status": "ok"})
     except (SyntaxError, ValueError) as exc:
         emit(
@@ -259,7 +296,15 @@ def run_tests(job):
         if not worker.send(index):
             msg = "eof"
         else:
-            msg = worker.receive(per_test)
+            msg = worker.receive(backstop)
+        if isinstance(msg, dict) and msg.get("kind") == "test" and msg.get("index") == index and msg.get("timed_out"):
+            timeouts += 1
+            emit({"event": "test", "index": index, "passed": False, "timed_out": True,
+                  "error_type": "TimeoutError", "message": "test exceeded %gs" % per_test})
+            index += 1
+            if timeouts >= max_timeouts:
+                break
+            continue
         if msg == "timeout":
             worker.kill()
             worker = None

@@ -17,6 +17,11 @@ pub struct ProgramTests {
     pub per_test_timeout_secs: f64,
     /// Stop running further tests after this many timeouts (the original uses 3).
     pub max_timeouts: usize,
+    /// Run a test of the form `assert f(args) == expected` as the original did: evaluate `f(args)`,
+    /// then `expected`, then execute the whole assert (so `f` runs twice, which matters only for
+    /// functions with side effects). False: each test statement runs once.
+    #[serde(default)]
+    pub double_call: bool,
 }
 
 /// Result of parsing the program (Python's own parser, inside the sandbox).

@@ -8,3 +8,5 @@ mod answers;
 mod code;
 #[path = "rewards/writing.rs"]
 mod writing;
+#[path = "rewards/original.rs"]
+mod original;

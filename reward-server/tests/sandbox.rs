@@ -378,7 +378,23 @@ fn program(code: &str, tests: &[&str]) -> ProgramTests {
         tests: tests.iter().map(|t| t.to_string()).collect(),
         per_test_timeout_secs: 1.0,
         max_timeouts: 3,
+        double_call: false,
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_original_double_call_runs_an_equality_test_s_call_twice() {
+    let sb = sandbox().await;
+    // A function with a side effect: the original evaluates `f()` and the expected value, then
+    // executes the whole assert, so `f` has run twice when the assert's own call compares.
+    let code = "calls = []\ndef f():\n    calls.append(1)\n    return len(calls)\n";
+    let mut p = program(code, &["assert f() == 2", "assert len(calls) == 2"]);
+    p.double_call = true;
+    let r = sb.run_tests(p.clone()).await.unwrap();
+    assert_eq!(r.tests.iter().map(|t| t.passed).collect::<Vec<_>>(), vec![true, true], "{r:?}");
+    p.double_call = false;
+    let r = sb.run_tests(p).await.unwrap();
+    assert_eq!(r.tests.iter().map(|t| t.passed).collect::<Vec<_>>(), vec![false, false], "{r:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

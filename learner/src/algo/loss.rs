@@ -57,7 +57,8 @@ impl LossOptions {
 /// The loss and its parts (scalars for logging).
 #[derive(Debug)]
 pub struct LossTerms {
-    /// Scalar tensor to call `backward` on: `scale · (policy_loss + kl_coef · kl)`.
+    /// Scalar tensor to call `backward` on: `scale · (policy_loss + kl_coef · kl_term)`, where the
+    /// KL term is k3 itself or, for k1, its score-function form (see [`policy_loss`]).
     pub loss: Tensor,
     pub policy_loss: f64,
     /// Mean per-sample KL estimate (0 when off).
@@ -106,7 +107,9 @@ fn reduce(x: &Tensor, mask: &Tensor, norm: LossNormalization) -> Result<Tensor, 
     }
 }
 
-/// The loss of one batch: L = scale · [(1/K) Σ_k ℓ_k + kl_coef · (1/K) Σ_k KL_k].
+/// The loss of one batch: L = scale · [(1/K) Σ_k ℓ_k + kl_coef · (1/K) Σ_k P_k], with
+/// P_k = KL3_k (k3) or P_k = sg(KL1_k) · reduce_t(log π_k,t) (k1, whose gradient in expectation is
+/// ∇KL(π_θ‖π_ref)).
 /// Without clipping ℓ_k = −A_k · reduce_t(log π_t); with clipping the per-token term is
 /// −min(A_k·ρ_t, A_k·clip(ρ_t, 1 − low, 1 + high)) with ρ_t = exp(log π_t − log π_old,t), reduced the
 /// same way. At ρ = 1 the clipped loss has the same gradient as the unclipped one.
@@ -159,16 +162,29 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
             }
             // Per token, d = log π_ref − log π_θ.
             let d = lr.detach().f_sub(lp)?;
-            let per_token = match estimator {
-                // k1 = log π_θ − log π_ref (unbiased, high variance).
-                KlEstimator::K1 => d.f_neg()?,
-                // k3 = exp(d) − d − 1 (unbiased, always ≥ 0, low variance).
-                KlEstimator::K3 => d.f_exp()?.f_sub(&d)?.f_sub_scalar(1.0)?,
+            let (kl, penalty) = match estimator {
+                // k1 = log π_θ − log π_ref. Its own gradient is ∇log π, whose expectation under π is
+                // zero, so adding k1 to the loss would regularise nothing. The gradient of
+                // KL(π_θ‖π_ref) is E_π[(Σ_t k1_t) · ∇Σ_t log π_t] (score function), so the
+                // penalty term is kl_coef · (1/K) Σ_k sg(KL1_k) · reduce_t(log π_k,t): exactly the
+                // original REINFORCE loss with the reward shaped as r − kl_coef·KL1 (as later CoMLRL
+                // releases shape it, without the group baseline on the KL part).
+                KlEstimator::K1 => {
+                    let kl_k = reduce(&d.f_neg()?, &mask, opts.normalization)?.detach();
+                    let pen = kl_k.f_mul(&reduce(lp, &mask, opts.normalization)?)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
+                    (kl_k.f_sum(Kind::Double)?.f_div_scalar(k)?, pen)
+                }
+                // k3 = exp(d) − d − 1 (unbiased, always ≥ 0, low variance): differentiated directly,
+                // its expected gradient is that of KL(π_ref‖π_θ), as in GRPO (Shao et al. 2024,
+                // arXiv 2402.03300).
+                KlEstimator::K3 => {
+                    let per_token = d.f_exp()?.f_sub(&d)?.f_sub_scalar(1.0)?;
+                    let kl = reduce(&per_token, &mask, opts.normalization)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
+                    (kl.shallow_clone(), kl)
+                }
             };
-            let kl = reduce(&per_token, &mask, opts.normalization)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
             let kl_value = kl.double_value(&[]);
-            // KL-regularised policy gradient (e.g. Ouyang et al. 2022; GRPO, Shao et al. 2024, arXiv 2402.03300).
-            let loss = policy + kl * coef;
+            let loss = policy + penalty * coef;
             (loss, kl_value)
         }
     };

@@ -13,7 +13,7 @@ pub use advantage::{RewardProcessor, advantages};
 pub use buffer::RolloutBuffer;
 pub use joint::{JointAction, credit_per_agent, joint_actions};
 pub use loss::{LossOptions, LossTerms, PolicyBatch, policy_loss};
-pub use optim::{AdamW, AdamWConfig, SharedRound, UpdateOutcome, backward_and_step};
+pub use optim::{AdamW, AdamWConfig};
 
 use crate::config::{AdvantageMode, JointMode};
 

@@ -6,9 +6,7 @@ use std::collections::BTreeMap;
 
 use cotrain_model::kernels::adamw_f32::{AdamWStep, adamw_f32};
 use tch::{Kind, Tensor, nn};
-use tracing::warn;
 
-use super::loss::LossTerms;
 
 /// AdamW hyper-parameters (PyTorch defaults for betas and eps; weight decay 0 as in the original).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -41,6 +39,8 @@ impl AdamWConfig {
 pub struct AdamW {
     pub cfg: AdamWConfig,
     vars: Vec<(String, Tensor)>,
+    /// The moments, allocated at the first step or restore (empty before): a policy that is only
+    /// evaluated or exported never holds two extra copies of its weights.
     m: Vec<Tensor>,
     v: Vec<Tensor>,
     /// Steps taken.
@@ -66,14 +66,24 @@ impl AdamW {
             .filter(|(_, t)| t.requires_grad())
             .collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let m = vars.iter().map(|(_, t)| t.zeros_like().detach()).collect();
-        let v = vars.iter().map(|(_, t)| t.zeros_like().detach()).collect();
         Self {
             cfg,
             vars,
-            m,
-            v,
+            m: Vec::new(),
+            v: Vec::new(),
             step: 0,
+        }
+    }
+
+    /// True once the moment buffers exist (after a step or a restore).
+    pub fn has_state(&self) -> bool {
+        !self.m.is_empty() || self.vars.is_empty()
+    }
+
+    fn ensure_state(&mut self) {
+        if self.m.len() != self.vars.len() {
+            self.m = self.vars.iter().map(|(_, t)| t.zeros_like().detach()).collect();
+            self.v = self.vars.iter().map(|(_, t)| t.zeros_like().detach()).collect();
         }
     }
 
@@ -111,6 +121,7 @@ impl AdamW {
             Some(max) if norm > max => max / (norm + 1e-6),
             _ => 1.0,
         };
+        self.ensure_state();
         self.step += 1;
         let t = self.step as i32;
         let c = self.cfg;
@@ -141,12 +152,17 @@ impl AdamW {
         norm
     }
 
-    /// The moment buffers by variable name (`{name}.exp_avg`, `{name}.exp_avg_sq`) for checkpoints.
+    /// The moment buffers by variable name (`{name}.exp_avg`, `{name}.exp_avg_sq`) for checkpoints
+    /// (zeros before the first step, as `torch.optim.AdamW` would have them).
     pub fn state_tensors(&self) -> BTreeMap<String, Tensor> {
         let mut out = BTreeMap::new();
-        for (i, (name, _)) in self.vars.iter().enumerate() {
-            out.insert(format!("{name}.exp_avg"), self.m[i].shallow_clone());
-            out.insert(format!("{name}.exp_avg_sq"), self.v[i].shallow_clone());
+        for (i, (name, p)) in self.vars.iter().enumerate() {
+            let (m, v) = match (self.m.get(i), self.v.get(i)) {
+                (Some(m), Some(v)) => (m.shallow_clone(), v.shallow_clone()),
+                _ => (p.zeros_like().detach(), p.zeros_like().detach()),
+            };
+            out.insert(format!("{name}.exp_avg"), m);
+            out.insert(format!("{name}.exp_avg_sq"), v);
         }
         out
     }
@@ -157,6 +173,7 @@ impl AdamW {
         tensors: &BTreeMap<String, Tensor>,
         step: u64,
     ) -> Result<(), String> {
+        self.ensure_state();
         for (i, (name, p)) in self.vars.iter().enumerate() {
             for (suffix, buf) in [("exp_avg", &mut self.m[i]), ("exp_avg_sq", &mut self.v[i])] {
                 let key = format!("{name}.{suffix}");
@@ -223,133 +240,4 @@ fn ops_update(p: &mut Tensor, g: Tensor, m: &mut Tensor, v: &mut Tensor, s: &Ada
     let _ = v.g_add_(&(g.square() * (1.0 - s.beta2)));
     let denom = v.sqrt() / s.bias_correction2.sqrt() + s.eps;
     let _ = p.g_sub_(&(&*m / denom * (s.lr / s.bias_correction1)));
-}
-
-/// What one optimiser round did.
-#[derive(Debug, Clone, PartialEq)]
-pub enum UpdateOutcome {
-    /// The optimiser stepped.
-    Stepped { grad_norm: f64, loss: f64 },
-    /// The loss or gradients were not finite: no step was taken and the gradients were dropped.
-    Skipped { reason: String },
-}
-
-/// Back-propagates each mini-batch loss (already weighted by its share of the samples), then steps once.
-/// A non-finite loss or gradient skips the whole update with a warning, instead of the original's
-/// silent replacement by a constant.
-pub fn backward_and_step(opt: &mut AdamW, terms: &[LossTerms], agent: usize) -> UpdateOutcome {
-    opt.zero_grad();
-    let mut total = 0.0;
-    for t in terms {
-        let v = t.loss.double_value(&[]);
-        if !v.is_finite() {
-            opt.zero_grad();
-            warn!(agent, loss = v, "non-finite loss, skipping this update");
-            return UpdateOutcome::Skipped {
-                reason: format!("non-finite loss {v}"),
-            };
-        }
-        total += v;
-        t.loss.backward();
-    }
-    if !opt.grads_finite() {
-        opt.zero_grad();
-        warn!(agent, "non-finite gradient, skipping this update");
-        return UpdateOutcome::Skipped {
-            reason: "non-finite gradient".into(),
-        };
-    }
-    let grad_norm = opt.step();
-    opt.zero_grad();
-    UpdateOutcome::Stepped {
-        grad_norm,
-        loss: total,
-    }
-}
-
-/// Shared parameters: every agent's loss (scaled by 1/N, on top of the loss's 1/K: 1/(num_samples·N))
-/// accumulates into one set of gradients, and the single optimiser steps exactly once, after the last
-/// agent of the round.
-#[derive(Debug)]
-pub struct SharedRound {
-    num_agents: usize,
-    seen: Vec<bool>,
-    skipped: Option<String>,
-    loss: f64,
-}
-
-impl SharedRound {
-    /// Starts a round (zeroes the gradients).
-    pub fn begin(opt: &mut AdamW, num_agents: usize) -> Self {
-        opt.zero_grad();
-        Self {
-            num_agents,
-            seen: vec![false; num_agents],
-            skipped: None,
-            loss: 0.0,
-        }
-    }
-
-    /// The factor each agent's loss is multiplied by.
-    pub fn loss_scale(num_agents: usize) -> f64 {
-        1.0 / num_agents as f64
-    }
-
-    /// Back-propagates one agent's (already 1/N-scaled) loss terms.
-    pub fn add_agent(&mut self, agent: usize, terms: &[LossTerms]) -> Result<(), String> {
-        if agent >= self.num_agents {
-            return Err(format!(
-                "agent {agent} out of range for {} agents",
-                self.num_agents
-            ));
-        }
-        if self.seen[agent] {
-            return Err(format!("agent {agent} already contributed to this round"));
-        }
-        self.seen[agent] = true;
-        for t in terms {
-            let v = t.loss.double_value(&[]);
-            if !v.is_finite() {
-                warn!(
-                    agent,
-                    loss = v,
-                    "non-finite loss, the shared update of this round will be skipped"
-                );
-                self.skipped
-                    .get_or_insert(format!("non-finite loss {v} (agent {agent})"));
-                continue;
-            }
-            if self.skipped.is_none() {
-                self.loss += v;
-                t.loss.backward();
-            }
-        }
-        Ok(())
-    }
-
-    /// Steps once if every agent contributed; an error if some did not.
-    pub fn finish(self, opt: &mut AdamW) -> Result<UpdateOutcome, String> {
-        if let Some(missing) = self.seen.iter().position(|s| !s) {
-            return Err(format!(
-                "shared round finished before agent {missing} contributed"
-            ));
-        }
-        if let Some(reason) = self.skipped {
-            opt.zero_grad();
-            return Ok(UpdateOutcome::Skipped { reason });
-        }
-        if !opt.grads_finite() {
-            opt.zero_grad();
-            warn!("non-finite gradient, skipping the shared update");
-            return Ok(UpdateOutcome::Skipped {
-                reason: "non-finite gradient".into(),
-            });
-        }
-        let grad_norm = opt.step();
-        opt.zero_grad();
-        Ok(UpdateOutcome::Stepped {
-            grad_norm,
-            loss: self.loss,
-        })
-    }
 }

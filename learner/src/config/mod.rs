@@ -1,6 +1,8 @@
 //! Configs: raw YAML → deep-merged `--override a.b.c=value` → legacy flags → typed [`RawConfig`] →
 //! validation into a [`CheckedConfig`]. Every error names the file and the offending key.
 
+pub mod compat;
+pub mod resume;
 mod schema;
 mod validate;
 
@@ -99,6 +101,19 @@ pub struct CheckedConfig {
     pub agent_models: Vec<String>,
     pub train_split: SplitSpec,
     pub eval_split: Option<SplitSpec>,
+    /// What every scoring call sends to the reward server: `reward.options`, with
+    /// `reward.writing_ratio_version` applied and `split_seed` defaulting to `seed`.
+    pub score_options: cotrain_reward_server::rewards::ScoreOptions,
+    /// Per agent, the configured prompt template (`None`: the task's default).
+    pub prompt_sources: Vec<Option<PromptSource>>,
+}
+
+/// Where an agent's configured prompt template comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptSource {
+    Inline(String),
+    /// A path as written in the config (relative to the config file's directory).
+    File(String),
 }
 
 impl CheckedConfig {
@@ -153,17 +168,59 @@ pub fn merged_value(
         set_path(&mut value, key.trim(), parse_override_value(raw_value))
             .map_err(|message| ConfigError::Override { file: file.to_string(), arg: arg.clone(), message })?;
     }
+    // The original projects' own keys, from the file or an override, before the legacy flags
+    // (which name cotrain's sections).
+    compat::apply(&mut value, file);
     apply_legacy(&mut value, legacy, file)?;
     Ok(value)
 }
 
 /// An override value is YAML (`1e-5`, `[1.5,0.5]`, `'test[16:]'`, `true`); text that is not valid YAML
-/// is taken as a plain string.
+/// is taken as a plain string. Users of the Python originals type Python literals, so the bare words
+/// `None`, `True` and `False` (outside quotes, also inside lists) mean null and the booleans, where
+/// YAML would read `None` as a string; `'None'` stays a string.
 fn parse_override_value(text: &str) -> Value {
     if text.trim().is_empty() {
         return Value::Null;
     }
-    serde_yaml_ng::from_str(text).unwrap_or_else(|_| Value::String(text.to_string()))
+    let yaml = python_literals_to_yaml(text);
+    serde_yaml_ng::from_str(&yaml).unwrap_or_else(|_| Value::String(text.to_string()))
+}
+
+/// Rewrites bare `None` / `True` / `False` words outside quotes as YAML's `null` / `true` / `false`.
+fn python_literals_to_yaml(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut quote: Option<char> = None;
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        out.push_str(match word.as_str() {
+            "None" => "null",
+            "True" => "true",
+            "False" => "false",
+            w => w,
+        });
+        word.clear();
+    };
+    for ch in text.chars() {
+        match quote {
+            Some(q) => {
+                out.push(ch);
+                if ch == q {
+                    quote = None;
+                }
+            }
+            None if ch.is_alphanumeric() || ch == '_' || ch == '.' || ch == '-' => word.push(ch),
+            None => {
+                flush(&mut word, &mut out);
+                if ch == '\'' || ch == '"' {
+                    quote = Some(ch);
+                }
+                out.push(ch);
+            }
+        }
+    }
+    flush(&mut word, &mut out);
+    out
 }
 
 /// Deep-merges `new` at the dotted `key`, creating mappings on the way.
@@ -320,6 +377,31 @@ mod tests {
         assert_eq!(cfg.trainer.num_turns, 2);
         assert!(cfg.raw.reward_processor.enabled);
         assert_eq!(cfg.raw.reward_processor.shift, -4.0);
+    }
+
+    #[test]
+    fn python_literals_in_overrides() {
+        let text = "model: {name: m}\ndataset: {name: humaneval}\nmagrpo: {}\n";
+        let v = merged_value(
+            text,
+            "x.yaml",
+            &[
+                "magrpo.termination_threshold=None".into(),
+                "magrpo.advantage_normalization=True".into(),
+                "output.save_final_model=False".into(),
+                "magrpo.turn_gradient_weights=[1.5]".into(),
+                "model.name='None'".into(),
+            ],
+            &LegacyFlags::default(),
+        )
+        .unwrap();
+        let cfg = CheckedConfig::from_value(v, Path::new("x.yaml")).unwrap();
+        assert_eq!(cfg.trainer.termination_threshold, None);
+        assert!(cfg.trainer.advantage_normalization);
+        assert!(!cfg.raw.output.save_final_model);
+        // A quoted value stays a string.
+        assert_eq!(cfg.raw.model.name, "None");
+        assert_eq!(python_literals_to_yaml("[None, True,'False', Nonesuch]"), "[null, true,'False', Nonesuch]");
     }
 
     #[test]

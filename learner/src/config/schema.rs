@@ -35,6 +35,22 @@ pub struct RawConfig {
     pub rollout: RolloutConfig,
     #[serde(default)]
     pub reward: RewardConfig,
+    /// Per-agent prompt templates (`agent0`, `agent1`, ...); the task's defaults for agents not named.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub prompts: BTreeMap<String, PromptConfig>,
+}
+
+/// `prompts.agentN`: one agent's first-turn prompt template (minijinja; the variables are listed in
+/// `crate::prompts::template`). Exactly one of the two keys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromptConfig {
+    /// The template text itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// A file holding the template, relative to the config file's directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template_file: Option<String>,
 }
 
 fn default_seed() -> u64 {
@@ -65,6 +81,10 @@ pub struct ModelConfig {
     /// One model name per agent, for agents on different base models; `name` is used when absent.
     #[serde(default)]
     pub agents: Option<Vec<String>>,
+    /// Render prompts with the model's chat template. The original tokenises the raw prompt text
+    /// (`false`, the default); `true` wraps each prompt as one user message of the chat template.
+    #[serde(default)]
+    pub chat_template: bool,
     /// Qwen3 chat templates: `false` asks for no thinking block (the writing seeds use no thinking).
     #[serde(default)]
     pub enable_thinking: Option<bool>,
@@ -119,6 +139,10 @@ pub struct DatasetConfig {
     /// Directory with the shipped datasets; overrides `COTRAIN_DATA_DIR` and the repo's `data/`.
     #[serde(default)]
     pub data_dir: Option<String>,
+    /// Beside the original: a fresh seeded order of the train rows every epoch. The original keeps
+    /// the dataset's order (the default).
+    #[serde(default)]
+    pub shuffle: bool,
 }
 
 fn default_train_split() -> String {
@@ -340,11 +364,13 @@ fn default_max_new_tokens() -> usize {
 fn default_discount() -> f64 {
     0.9
 }
+/// The version the seed README documents steps once per item (later releases buffer 2 or 4).
 fn default_rollout_buffer_size() -> usize {
-    2
+    1
 }
+/// The September 2025 trainer evaluates every 4 items, on 4 eval items.
 fn default_eval_interval() -> usize {
-    16
+    4
 }
 fn default_eval_num_samples() -> usize {
     4
@@ -609,7 +635,8 @@ fn default_max_retries() -> usize {
     3
 }
 
-/// `reward`: the reward server; embedded when absent.
+/// `reward`: the reward server (embedded when `endpoint` is absent) and the options every scoring
+/// call carries.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RewardConfig {
@@ -617,13 +644,23 @@ pub struct RewardConfig {
     pub endpoint: Option<String>,
     #[serde(default = "default_request_timeout_secs")]
     pub request_timeout_secs: u64,
-    /// Writing reward: `newest` (from 2025-12-31) or `earlier` length-ratio bands.
+    /// Writing reward: `newest` (from 2025-12-31) or `earlier` length-ratio bands; the same as
+    /// `options.arxiv_ratio`, kept under the name earlier configs used.
     #[serde(default)]
-    pub writing_ratio_version: Option<String>,
+    pub writing_ratio_version: Option<cotrain_reward_server::rewards::writing::ArxivRatioVersion>,
+    /// The reward server's scoring options (the original's behaviour by default; each correction
+    /// beside it is a named option, documented in the README). `split_seed` defaults to `seed`.
+    #[serde(default)]
+    pub options: cotrain_reward_server::rewards::ScoreOptions,
 }
 
 impl Default for RewardConfig {
     fn default() -> Self {
-        Self { endpoint: None, request_timeout_secs: default_request_timeout_secs(), writing_ratio_version: None }
+        Self {
+            endpoint: None,
+            request_timeout_secs: default_request_timeout_secs(),
+            writing_ratio_version: None,
+            options: Default::default(),
+        }
     }
 }

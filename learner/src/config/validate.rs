@@ -178,9 +178,37 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
         return Err(invalid("reward.endpoint", format!("`{e}` must start with http:// or https://")));
     }
 
+    let mut score_options = raw.reward.options.clone();
+    if let Some(v) = raw.reward.writing_ratio_version {
+        score_options.arxiv_ratio = v;
+    }
+    // The single-agent writing split's random fallback is seeded by the run's seed unless set.
+    if score_options.split_seed == 0 {
+        score_options.split_seed = raw.seed;
+    }
+    if !(score_options.per_test_timeout_secs.is_finite() && score_options.per_test_timeout_secs > 0.0) {
+        return Err(invalid("reward.options.per_test_timeout_secs", format!("must be positive, got {}", score_options.per_test_timeout_secs)));
+    }
+
+    let mut prompt_sources = vec![None; num_agents];
+    for (key, p) in &raw.prompts {
+        let agent = key
+            .strip_prefix("agent")
+            .and_then(|i| i.parse::<usize>().ok())
+            .filter(|&i| i < num_agents && key == &format!("agent{i}"))
+            .ok_or_else(|| invalid(&format!("prompts.{key}"), format!("is not an agent of this run (agent0 .. agent{})", num_agents - 1)))?;
+        prompt_sources[agent] = Some(match (&p.template, &p.template_file) {
+            (Some(t), None) => super::PromptSource::Inline(t.clone()),
+            (None, Some(f)) => super::PromptSource::File(f.clone()),
+            _ => return Err(invalid(&format!("prompts.{key}"), "needs exactly one of template and template_file".into())),
+        });
+    }
+
     let mut trainer = section;
     trainer.num_agents = Some(num_agents);
     Ok(CheckedConfig {
+        prompt_sources,
+        score_options,
         source: source.to_path_buf(),
         sampling: Sampling { temperature, top_p, top_k, max_new_tokens: trainer.max_new_tokens },
         raw,

@@ -1,33 +1,8 @@
-//! MaPoRL discussion prompts for GSM8K and ANLI: turn 0 answers the question; later turns show the
-//! agent its own history plus the other agents' answers from the previous turn only, optionally with
-//! the verifier's score and a short verbal reading of it.
+//! MaPoRL discussion prompts for GSM8K and ANLI: turn 0 answers the question (the `gsm8k` / `anli`
+//! templates); later turns show the agent its own history plus the other agents' answers from the
+//! previous turn only, optionally with the verifier's score and a short verbal reading of it.
 
 use super::ChatMessage;
-use crate::data::TaskItem;
-
-fn question_text(item: &TaskItem) -> String {
-    match item {
-        TaskItem::Gsm8k(g) => format!(
-            "Solve the following math problem step by step. Put the final answer, an integer, in \\boxed{{}}.\n\n\
-             Problem: {}",
-            g.question.trim()
-        ),
-        TaskItem::Anli(a) => format!(
-            "Decide whether the hypothesis follows from the premise. Reason step by step, then end with one word as \
-             the final answer: entailment, neutral, or contradiction.\n\nPremise: {}\nHypothesis: {}",
-            a.premise.trim(),
-            a.hypothesis.trim()
-        ),
-        TaskItem::Code(c) => c.prompt.clone(),
-        TaskItem::Arxiv(a) => a.abstract_text.clone(),
-        TaskItem::Tldr(t) => t.prompt.clone(),
-    }
-}
-
-/// Turn 0: every agent answers the question on its own.
-pub fn discussion_first_turn(item: &TaskItem) -> Vec<ChatMessage> {
-    vec![ChatMessage::user(question_text(item))]
-}
 
 /// The verbal reading of a verifier score in [0, 1] (MaPoRL's thresholds).
 pub fn verifier_reading(score: f64) -> &'static str {
@@ -71,13 +46,10 @@ pub fn discussion_followup(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::Gsm8kItem;
 
     #[test]
     fn followup_keeps_history_and_reads_scores() {
-        let item = TaskItem::Gsm8k(Gsm8kItem { question: "1+1?".into(), answer: "#### 2".into(), final_answer: "2".into() });
-        let mut history = discussion_first_turn(&item);
-        assert!(history[0].content.contains("\\boxed{}"));
+        let mut history = vec![ChatMessage::user("1+1? Put the answer in \\boxed{}.")];
         history.push(ChatMessage::assistant("\\boxed{2}"));
         let next = discussion_followup(&history, &["\\boxed{3}".into()], Some(&[0.25]));
         assert_eq!(next.len(), 3);

@@ -8,7 +8,7 @@ use cotrain_proto::reward::{JointAction, ScoreRequest};
 use tokio::runtime::Runtime;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::trainer::{RewardSource, Score, ScoreAction, TrainError};
+use crate::trainer::{CodeOutcome, RewardSource, Score, ScoreAction, TrainError};
 
 /// See the module docs.
 pub struct GrpcReward {
@@ -16,6 +16,8 @@ pub struct GrpcReward {
     client: RewardClient<Channel>,
     endpoint: String,
     timeout: Duration,
+    /// The scoring options every request carries (empty: the server's defaults).
+    options_json: String,
 }
 
 impl GrpcReward {
@@ -27,7 +29,13 @@ impl GrpcReward {
             .block_on(ep.connect_timeout(Duration::from_secs(10)).connect())
             .map_err(|e| TrainError::Reward(format!("cannot reach the reward server at {uri}: {e}")))?;
         let client = RewardClient::new(channel).max_decoding_message_size(usize::MAX).max_encoding_message_size(usize::MAX);
-        Ok(Self { rt, client, endpoint: uri, timeout })
+        Ok(Self { rt, client, endpoint: uri, timeout, options_json: String::new() })
+    }
+
+    /// Sends `options` with every scoring request (the config's `reward.options`).
+    pub fn with_options(mut self, options: &cotrain_reward_server::rewards::ScoreOptions) -> Self {
+        self.options_json = serde_json::to_string(options).unwrap_or_default();
+        self
     }
 }
 
@@ -39,7 +47,7 @@ impl RewardSource for GrpcReward {
                 .iter()
                 .map(|a| JointAction { completions: a.completions.clone(), item_json: a.item.to_string() })
                 .collect(),
-            options_json: String::new(),
+            options_json: self.options_json.clone(),
         };
         let mut request = tonic::Request::new(req);
         request.set_timeout(self.timeout);
@@ -52,10 +60,14 @@ impl RewardSource for GrpcReward {
         Ok(resp
             .results
             .into_iter()
-            .map(|r| Score {
-                reward: r.reward,
-                levels: r.levels.into_iter().collect(),
-                details: serde_json::from_str(&r.details_json).unwrap_or(serde_json::Value::Null),
+            .map(|r| {
+                let details = serde_json::from_str(&r.details_json).unwrap_or(serde_json::Value::Null);
+                Score {
+                    reward: r.reward,
+                    levels: r.levels.into_iter().collect(),
+                    code: (task == "code").then(|| CodeOutcome::from_details(&details)).flatten(),
+                    details,
+                }
             })
             .collect())
     }

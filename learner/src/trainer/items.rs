@@ -1,13 +1,14 @@
-//! Dataset rows turned into what the trainer needs: per agent, the prompt token ids (the task's prompt
-//! formatter, then the model's chat template, then its tokenizer), and the row as the reward server
-//! reads it.
+//! Dataset rows turned into what the trainer needs: per agent, the prompt token ids (the agent's
+//! prompt template, then the model's chat template if the config asks for it, then its tokenizer),
+//! and the row as the reward server reads it.
 
-use cotrain_model::chat_template::ChatMessage as TemplateMessage;
+use cotrain_model::chat_template::{ChatMessage as TemplateMessage, ChatTemplate};
 use cotrain_model::loader::LoadedModel;
+use cotrain_model::tokenizer::Tokenizer;
 
 use super::TrainError;
 use crate::data::{Dataset, DatasetKind, TaskItem};
-use crate::prompts::{ChatMessage, first_turn_prompt};
+use crate::prompts::Prompter;
 
 /// One dataset row, ready to be rolled out.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,21 +37,69 @@ pub fn item_json(item: &TaskItem) -> serde_json::Value {
     serde_json::to_value(item).unwrap_or(serde_json::Value::Null)
 }
 
-/// Renders messages with the model's chat template (plain concatenation when it has none) and
-/// tokenizes them.
-pub fn encode_prompt(model: &LoadedModel, messages: &[ChatMessage], extra: &serde_json::Value) -> Result<Vec<u32>, TrainError> {
-    let text = match &model.chat_template {
-        Some(t) => {
-            let msgs: Vec<TemplateMessage> = messages.iter().map(|m| TemplateMessage::new(m.role.clone(), m.content.clone())).collect();
-            t.render(&msgs, true, extra).map_err(|e| TrainError::Model(format!("chat template: {e}")))?
+/// How a prompt text becomes what the model reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptEncoding {
+    /// `model.chat_template`: wrap the text as one user message of the model's chat template.
+    pub chat_template: bool,
+    /// Extra chat-template variables (`enable_thinking`).
+    pub extra: serde_json::Value,
+}
+
+impl PromptEncoding {
+    pub fn from_config(cfg: &crate::config::CheckedConfig) -> Self {
+        let extra = match cfg.raw.model.enable_thinking {
+            Some(b) => serde_json::json!({ "enable_thinking": b }),
+            None => serde_json::Value::Null,
+        };
+        Self { chat_template: cfg.raw.model.chat_template, extra }
+    }
+
+    /// The exact text the model receives: `text` itself (the original tokenises the raw prompt), or
+    /// `text` as a user message rendered with the model's chat template.
+    pub fn model_text(&self, chat_template: Option<&ChatTemplate>, text: &str) -> Result<String, TrainError> {
+        if !self.chat_template {
+            return Ok(text.to_string());
         }
-        None => messages.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n\n"),
-    };
-    let ids = model.tokenizer.encode(&text, false).map_err(|e| TrainError::Model(format!("tokenizer: {e}")))?;
+        let t = chat_template
+            .ok_or_else(|| TrainError::Config("model.chat_template is true but the model has no chat template".into()))?;
+        let msgs = [TemplateMessage::new("user", text)];
+        t.render(&msgs, true, &self.extra).map_err(|e| TrainError::Model(format!("chat template: {e}")))
+    }
+}
+
+/// Tokenizes the text the model receives (no special tokens added: the chat template, if any, has
+/// them already, and the original's raw prompts get none).
+pub fn encode_text(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, TrainError> {
+    let ids = tokenizer.encode(text, false).map_err(|e| TrainError::Model(format!("tokenizer: {e}")))?;
     if ids.is_empty() {
         return Err(TrainError::Data("a prompt tokenized to nothing".into()));
     }
     Ok(ids)
+}
+
+/// One agent's prompt of one row, as the model receives it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RenderedPrompt {
+    pub text: String,
+    pub ids: Vec<u32>,
+}
+
+/// The prompt of `agent` for row `index` of `data`.
+pub fn render_prompt(
+    data: &Dataset,
+    index: usize,
+    agent: usize,
+    tokenizer: &Tokenizer,
+    chat_template: Option<&ChatTemplate>,
+    prompter: &Prompter,
+    encoding: &PromptEncoding,
+) -> Result<RenderedPrompt, TrainError> {
+    let row = data.row_offset + index;
+    let text = prompter.render(&data.items[index], row, agent).map_err(|e| TrainError::Config(e.to_string()))?;
+    let text = encoding.model_text(chat_template, &text)?;
+    let ids = encode_text(tokenizer, &text)?;
+    Ok(RenderedPrompt { text, ids })
 }
 
 /// Builds every row's per-agent prompts; `models[agent]` is the model agent `agent` samples from.
@@ -59,30 +108,29 @@ pub fn encode_prompt(model: &LoadedModel, messages: &[ChatMessage], extra: &serd
 pub fn prepare_items(
     data: &Dataset,
     models: &[&LoadedModel],
-    extra: &serde_json::Value,
+    prompter: &Prompter,
+    encoding: &PromptEncoding,
     max_prompt_tokens: usize,
 ) -> Result<Vec<TrainItem>, TrainError> {
     let n = models.len();
-    data.items
-        .iter()
-        .enumerate()
-        .map(|(index, item)| {
+    (0..data.items.len())
+        .map(|index| {
             let prompts = (0..n)
                 .map(|agent| {
-                    let messages = first_turn_prompt(item, agent, n).map_err(|e| TrainError::Data(e.to_string()))?;
-                    let ids = encode_prompt(models[agent], &messages, extra)?;
-                    if ids.len() > max_prompt_tokens {
+                    let m = models[agent];
+                    let p = render_prompt(data, index, agent, &m.tokenizer, m.chat_template.as_ref(), prompter, encoding)?;
+                    if p.ids.len() > max_prompt_tokens {
                         return Err(TrainError::Data(format!(
                             "row {} of split {}: agent {agent}'s prompt has {} tokens, more than model.max_length - max_new_tokens = {max_prompt_tokens}",
                             data.row_offset + index,
                             data.split,
-                            ids.len()
+                            p.ids.len()
                         )));
                     }
-                    Ok(ids)
+                    Ok(p.ids)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            Ok(TrainItem { index, item: item_json(item), prompts })
+            Ok(TrainItem { index, item: item_json(&data.items[index]), prompts })
         })
         .collect()
 }

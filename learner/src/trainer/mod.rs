@@ -34,7 +34,7 @@ use tracing::info;
 pub use items::{TrainItem, prepare_items};
 pub use policy::{AgentBatches, Policy, TrainSample, UpdateStats};
 pub use run::{RunSummary, Trainer, TrainerSetup, derive_seed};
-pub use sources::{GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
+pub use sources::{CodeOutcome, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
 
 use crate::algo::AdamWConfig;
 use crate::config::{CheckedConfig, Dtype};
@@ -136,11 +136,15 @@ pub fn connect_services(cfg: &CheckedConfig, policies: &[Policy]) -> Result<Serv
     let runtime = services::runtime().map_err(|e| TrainError::Io(format!("tokio runtime: {e}")))?;
     let r = &cfg.raw.reward;
     let (reward, embedded_reward): (Box<dyn RewardSource>, _) = match &r.endpoint {
-        Some(ep) => (Box::new(GrpcReward::connect(runtime.clone(), ep, Duration::from_secs(r.request_timeout_secs))?), None),
+        Some(ep) => (
+            Box::new(GrpcReward::connect(runtime.clone(), ep, Duration::from_secs(r.request_timeout_secs))?.with_options(&cfg.score_options)),
+            None,
+        ),
         None => {
             let server = EmbeddedReward::start(runtime.clone())?;
             info!(grpc = %server.grpc, http = %server.http, "embedded reward server started");
-            let client = GrpcReward::connect(runtime.clone(), &server.grpc.to_string(), Duration::from_secs(r.request_timeout_secs))?;
+            let client = GrpcReward::connect(runtime.clone(), &server.grpc.to_string(), Duration::from_secs(r.request_timeout_secs))?
+                .with_options(&cfg.score_options);
             (Box::new(client), Some(server))
         }
     };
@@ -212,15 +216,13 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceG
         None => None,
     };
     let (policies, agent_policy) = load_policies(cfg)?;
-    let extra = match cfg.raw.model.enable_thinking {
-        Some(b) => serde_json::json!({ "enable_thinking": b }),
-        None => serde_json::Value::Null,
-    };
+    let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
+    let encoding = items::PromptEncoding::from_config(cfg);
     let max_prompt = cfg.raw.model.max_length.saturating_sub(cfg.sampling.max_new_tokens);
     let models: Vec<&cotrain_model::loader::LoadedModel> = agent_policy.iter().map(|&p| &policies[p].model).collect();
-    let train_items = prepare_items(&train, &models, &extra, max_prompt)?;
+    let train_items = prepare_items(&train, &models, &prompter, &encoding, max_prompt)?;
     let eval_items = match &eval {
-        Some(d) => prepare_items(d, &models, &extra, max_prompt)?,
+        Some(d) => prepare_items(d, &models, &prompter, &encoding, max_prompt)?,
         None => Vec::new(),
     };
     let services = connect_services(cfg, &policies)?;
@@ -240,6 +242,30 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceG
     Ok((Trainer::new(setup)?, guard))
 }
 
+/// Refuses to resume `run_dir` with a config that would change the run (see
+/// [`crate::config::resume`]), naming every key that differs from the run's `config.yaml`.
+fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainError> {
+    let path = run_dir.join("config.yaml");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: cannot read the run's config to compare with: {e}", path.display())))?;
+    // Through the schema, so that keys added since the run started compare as their defaults.
+    let value = serde_yaml_ng::from_str(&text).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    let was = CheckedConfig::from_value(value, &path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+    let to_value = |c: &CheckedConfig| serde_yaml_ng::to_value(&c.raw).unwrap_or(serde_yaml_ng::Value::Null);
+    let changes = crate::config::resume::forbidden_changes(&to_value(&was), &to_value(cfg));
+    if changes.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = changes.iter().map(|c| format!("  {}: {} (run) -> {} (given)", c.key, c.was, c.now)).collect();
+    Err(TrainError::Config(format!(
+        "--resume {}: the given config changes the run:\n{}\nresume with the run's own config ({}); keys that may change on resume: {}",
+        run_dir.display(),
+        list.join("\n"),
+        path.display(),
+        crate::config::resume::RESUMABLE_KEYS.join(", ")
+    )))
+}
+
 /// `learner train`: builds the run (or reopens `opts.resume`), trains, and returns where things are.
 pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, TrainError> {
     let run_dir = match &opts.resume {
@@ -247,6 +273,9 @@ pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, Tra
         None => run_dir_for(cfg),
     };
     std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+    if opts.resume.is_some() {
+        check_resume_config(cfg, &run_dir)?;
+    }
     std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
     let (mut trainer, services) = build(cfg, run_dir.clone())?;
     if opts.resume.is_some() {
@@ -260,15 +289,18 @@ pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, Tra
 
 /// `learner eval`: loads a checkpoint's weights into fresh policies and evaluates them on the eval
 /// split; the scalars are returned (and written to `eval.json` in the checkpoint directory).
-pub fn evaluate_checkpoint(cfg: &CheckedConfig, checkpoint: &Path) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
+/// `ks` are the k of the @k metrics; max(ks) joint samples are drawn per item. No optimiser state is
+/// allocated or read.
+pub fn evaluate_checkpoint(cfg: &CheckedConfig, checkpoint: &Path, ks: &[usize]) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
     if cfg.eval_split.is_none() {
         return Err(TrainError::Config(format!("{}: dataset.eval_split is not set", cfg.source.display())));
     }
+    let samples = ks.iter().copied().max().unwrap_or(1).max(1);
     let tmp_run = std::env::temp_dir().join(format!("cotrain-eval-{}", std::process::id()));
     let (mut trainer, services) = build(cfg, tmp_run.clone())?;
-    trainer.restore(checkpoint)?;
+    trainer.restore_weights(checkpoint)?;
     trainer.sync_all_weights()?;
-    let m = trainer.evaluate()?;
+    let m = trainer.evaluate(samples, ks)?;
     let path = checkpoint.join("eval.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap_or_default()).map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))?;
     drop(trainer);

@@ -34,7 +34,7 @@ use rand_chacha::ChaCha8Rng;
 use tracing::{info, warn};
 
 use super::policy::{AgentBatches, Policy, TrainSample, UpdateStats};
-use super::sources::{GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
+use super::sources::{CodeOutcome, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
 use super::{TrainError, TrainItem};
 use crate::algo::{AdvantageOptions, LossOptions, RewardProcessor, RolloutBuffer, joint_actions, node_advantages};
 use crate::checkpoint::{TrainState, latest_checkpoint, load_checkpoint, save_checkpoint};
@@ -66,6 +66,8 @@ pub struct RunSummary {
     pub steps: u64,
     pub metrics_path: PathBuf,
     pub checkpoint: Option<PathBuf>,
+    /// The Hugging Face model directories written at the end (`output.save_final_model`).
+    pub final_models: Vec<PathBuf>,
     pub plots: Vec<PathBuf>,
     /// Every logged step's scalars, in order (what `metrics.jsonl` got).
     pub history: Vec<BTreeMap<String, f64>>,
@@ -195,6 +197,24 @@ impl Trainer {
         Ok(())
     }
 
+    /// Loads only the weights of a checkpoint (`agent-{i}/model.safetensors`) into the policies, for
+    /// evaluation: optimiser state is neither read nor allocated.
+    pub fn restore_weights(&mut self, dir: &Path) -> Result<(), TrainError> {
+        for (i, p) in self.s.policies.iter().enumerate() {
+            let path = dir.join(format!("agent-{i}")).join("model.safetensors");
+            if !path.is_file() {
+                return Err(TrainError::Checkpoint(format!("{}: no such file (is {} a checkpoint of this config?)", path.display(), dir.display())));
+            }
+            let tensors: std::collections::HashMap<String, tch::Tensor> = tch::Tensor::read_safetensors(&path)
+                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?
+                .into_iter()
+                .collect();
+            p.model.load_named_tensors(&tensors).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+        }
+        info!(checkpoint = %dir.display(), "weights loaded");
+        Ok(())
+    }
+
     /// Pushes every policy's current weights to the rollout workers, as a version above anything
     /// they serve (a remote worker may hold an older run's weights).
     pub fn sync_all_weights(&mut self) -> Result<f64, TrainError> {
@@ -240,8 +260,7 @@ impl Trainer {
         unreachable!("the loop returns on its second attempt")
     }
 
-    fn requests_for(&self, items: &[&TrainItem], seed_tag: u64, seed_step: u64) -> (Vec<GenRequest>, Vec<usize>) {
-        let g = self.s.cfg.trainer.num_generations;
+    fn requests_for(&self, items: &[&TrainItem], n: usize, seed_tag: u64, seed_step: u64) -> (Vec<GenRequest>, Vec<usize>) {
         let sampling = self.sampling();
         let mut reqs = Vec::new();
         let mut agents = Vec::new();
@@ -251,7 +270,7 @@ impl Trainer {
                 reqs.push(GenRequest {
                     agent: p.worker_agent.clone(),
                     prompt: prompt.clone(),
-                    n: g,
+                    n,
                     sampling,
                     seed: derive_seed(&[self.s.cfg.raw.seed, seed_tag, seed_step, a as u64, item.index as u64]),
                     min_policy_version: p.wire_version,
@@ -263,9 +282,8 @@ impl Trainer {
     }
 
     /// Scores every item's joint actions in one batch; per item, the scores in joint-action order.
-    fn score_items(&mut self, items: &[&TrainItem], samples: &[Vec<GenSample>], mode: JointMode) -> Result<Vec<Vec<Score>>, TrainError> {
+    fn score_items(&mut self, items: &[&TrainItem], samples: &[Vec<GenSample>], g: usize, mode: JointMode) -> Result<Vec<Vec<Score>>, TrainError> {
         let n = self.s.cfg.num_agents;
-        let g = self.s.cfg.trainer.num_generations;
         let actions_of = joint_actions(mode, n, g);
         let mut batch = Vec::new();
         for (j, item) in items.iter().enumerate() {
@@ -317,7 +335,7 @@ impl Trainer {
 
         // 1–2. generate, all (item, agent) pairs at once, and check versions.
         let t = Instant::now();
-        let (reqs, agents) = self.requests_for(&item_refs, TAG_SAMPLE, self.step);
+        let (reqs, agents) = self.requests_for(&item_refs, g, TAG_SAMPLE, self.step);
         let samples = self.generate_checked(&reqs, &agents)?;
         let t_generate = t.elapsed().as_secs_f64();
         for (r, s) in reqs.iter().zip(&samples) {
@@ -328,7 +346,7 @@ impl Trainer {
 
         // 3. rewards and advantages.
         let t = Instant::now();
-        let scores = self.score_items(&item_refs, &samples, cfg.trainer.joint_mode)?;
+        let scores = self.score_items(&item_refs, &samples, g, cfg.trainer.joint_mode)?;
         let t_reward = t.elapsed().as_secs_f64();
         let processor = RewardProcessor::from_config(&cfg.raw.reward_processor);
         let adv_opts = AdvantageOptions::from_section(&cfg.trainer);
@@ -420,43 +438,36 @@ impl Trainer {
         Ok(m)
     }
 
-    /// Evaluates on the first `eval_num_samples` eval items: one sampled path per item with G
-    /// aligned joint samples (fixed seeds, so evaluations at different steps are comparable); each
-    /// reward level and, for code, PassOrNot@k, Accuracy@k and MaxCoop@k for k ∈ {1, 5, 10} up to G.
-    pub fn evaluate(&mut self) -> Result<BTreeMap<String, f64>, TrainError> {
+    /// Evaluates on the first `eval_num_samples` eval items with `samples` aligned joint samples per
+    /// item (fixed seeds, so evaluations at different steps are comparable): the mean of the reward
+    /// and of each level over every joint sample and, for code, PassOrNot@k, Accuracy@k and
+    /// MaxCoop@k for each k in `ks` that is at most `samples`. During training the original draws one
+    /// joint sample per item (`samples` = 1); `learner eval --k 1,5,10` draws the largest k.
+    pub fn evaluate(&mut self, samples: usize, ks: &[usize]) -> Result<BTreeMap<String, f64>, TrainError> {
         let count = self.s.cfg.trainer.eval_num_samples.min(self.s.eval_items.len());
         let items: Vec<TrainItem> = self.s.eval_items[..count].to_vec();
         let mut m = BTreeMap::new();
-        if items.is_empty() {
+        if items.is_empty() || samples == 0 {
             return Ok(m);
         }
         let t = Instant::now();
         let refs: Vec<&TrainItem> = items.iter().collect();
-        let (reqs, agents) = self.requests_for(&refs, TAG_EVAL, 0);
-        let samples = self.generate_checked(&reqs, &agents)?;
-        let scores = self.score_items(&refs, &samples, JointMode::Aligned)?;
+        let (reqs, agents) = self.requests_for(&refs, samples, TAG_EVAL, 0);
+        let drawn = self.generate_checked(&reqs, &agents)?;
+        let scores = self.score_items(&refs, &drawn, samples, JointMode::Aligned)?;
         let all: Vec<&Score> = scores.iter().flatten().collect();
         reward_metrics(&mut m, "eval/", &all);
         if self.s.is_code {
-            let g = self.s.cfg.trainer.num_generations;
-            for k in [1usize, 5, 10].into_iter().filter(|&k| k <= g) {
-                let (mut pass, mut acc, mut coop) = (0.0, 0.0, 0.0);
-                for node in &scores {
-                    let first = &node[..k];
-                    let passes = |s: &Score| {
-                        let total = s.details["total_tests"].as_u64().unwrap_or(0);
-                        total > 0 && s.details["passed_tests"].as_u64() == Some(total)
-                    };
-                    pass += first.iter().any(passes) as u8 as f64;
-                    acc += first.iter().map(|s| s.details["passed_rate"].as_f64().unwrap_or(0.0)).fold(0.0, f64::max);
-                    coop += first.iter().map(|s| s.details["bonus"]["total"].as_f64().unwrap_or(0.0)).fold(f64::NEG_INFINITY, f64::max);
-                }
-                let c = scores.len() as f64;
-                m.insert(format!("eval/pass@{k}"), pass / c);
-                m.insert(format!("eval/accuracy@{k}"), acc / c);
-                m.insert(format!("eval/maxcoop@{k}"), coop / c);
+            let outcomes: Vec<Vec<CodeOutcome>> =
+                scores.iter().map(|node| node.iter().map(|s| s.code.unwrap_or_default()).collect()).collect();
+            for &k in ks.iter().filter(|&&k| k >= 1 && k <= samples) {
+                let at = code_at_k(&outcomes, k);
+                m.insert(format!("eval/pass@{k}"), at.pass);
+                m.insert(format!("eval/accuracy@{k}"), at.accuracy);
+                m.insert(format!("eval/maxcoop@{k}"), at.max_coop);
             }
         }
+        m.insert("eval/items".into(), count as f64);
         m.insert("eval/time".into(), t.elapsed().as_secs_f64());
         Ok(m)
     }
@@ -482,9 +493,28 @@ impl Trainer {
         Ok(dir)
     }
 
-    fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+    /// Writes every policy as a Hugging Face model directory (see [`cotrain_model::export`]):
+    /// `RUN_DIR/final_model/agent-{i}`, or one `final_model/shared` for shared parameters.
+    pub fn save_final_models(&self) -> Result<Vec<PathBuf>, TrainError> {
+        let root = self.s.run_dir.join("final_model");
+        self.s
+            .policies
+            .iter()
+            .enumerate()
+            .map(|(pi, p)| {
+                let dir = root.join(crate::export::policy_dir_name(&self.s.agent_policy, pi));
+                cotrain_model::export::save_pretrained(&p.model, &dir).map_err(|e| TrainError::Checkpoint(format!("final model: {e}")))
+            })
+            .collect()
+    }
+
+    /// The rows of one epoch in training order: the dataset's order (as the original), or with
+    /// `dataset.shuffle` a seeded permutation that is a pure function of (seed, epoch).
+    pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.s.train_items.len()).collect();
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[self.s.cfg.raw.seed, TAG_ORDER, epoch])));
+        if self.s.cfg.raw.dataset.shuffle {
+            order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[self.s.cfg.raw.seed, TAG_ORDER, epoch])));
+        }
         order
     }
 
@@ -515,15 +545,17 @@ impl Trainer {
             let order = self.epoch_order(self.epoch);
             let end = (self.position + b).min(n_items);
             let rows: Vec<usize> = order[self.position as usize..end as usize].to_vec();
+            // The original evaluates before training on item i of an epoch when i is a multiple of
+            // eval_interval (so also before the first item); a step of several items evaluates once
+            // when its items contain such an i.
+            let eval = if eval_due(cfg.trainer.eval_interval as u64, self.position, end) { Some(self.evaluate(1, &[1])?) } else { None };
             let mut values = self.train_step(&rows)?;
+            values.extend(eval.unwrap_or_default());
             self.position = end;
             self.step += 1;
             if self.position >= n_items {
                 self.epoch += 1;
                 self.position = 0;
-            }
-            if cfg.trainer.eval_interval > 0 && self.step.is_multiple_of(cfg.trainer.eval_interval as u64) {
-                values.extend(self.evaluate()?);
             }
             self.log(&values)?;
             let reward = values.get("reward/mean").copied().unwrap_or(f64::NAN);
@@ -548,10 +580,18 @@ impl Trainer {
             pb.finish();
         }
         let mut plots = Vec::new();
+        let mut final_models = Vec::new();
         if !stopped_early {
             let saved_now = self.last_checkpoint.as_ref().is_some_and(|d| d.ends_with(format!("step-{}", self.step)));
-            if cfg.raw.output.save_final_model && !saved_now {
-                self.save_checkpoint()?;
+            if cfg.raw.output.save_final_model {
+                // The checkpoint (for resuming) and the models users load, as the original's save_pretrained.
+                if !saved_now {
+                    self.save_checkpoint()?;
+                }
+                final_models = self.save_final_models()?;
+                for dir in &final_models {
+                    info!(model = %dir.display(), "final model saved");
+                }
             }
             if cfg.raw.logging.plots {
                 match crate::plot::plot_run(&self.s.run_dir) {
@@ -565,10 +605,43 @@ impl Trainer {
             steps: self.step,
             metrics_path: self.metrics.path().to_path_buf(),
             checkpoint: self.last_checkpoint.clone(),
+            final_models,
             plots,
             history: self.history.clone(),
         })
     }
+}
+
+/// Whether a step over the epoch's items `[start, end)` contains an item whose index is a multiple of
+/// `interval` (0: never).
+pub fn eval_due(interval: u64, start: u64, end: u64) -> bool {
+    interval > 0 && (start..end).any(|i| i.is_multiple_of(interval))
+}
+
+/// The offline code metrics over items, each with its joint samples in drawing order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AtK {
+    /// PassOrNot@k: the fraction of items where one of the first k samples passes every test.
+    pub pass: f64,
+    /// Accuracy@k: the mean over items of the best fraction of tests passed among the first k.
+    pub accuracy: f64,
+    /// MaxCoop@k: the mean over items of the best cooperation bonus among the first k.
+    pub max_coop: f64,
+}
+
+/// PassOrNot@k, Accuracy@k and MaxCoop@k (algorithms.md, "Evaluation") over `items`, each holding at
+/// least k outcomes (fewer: all it has).
+pub fn code_at_k(items: &[Vec<CodeOutcome>], k: usize) -> AtK {
+    let c = items.len().max(1) as f64;
+    let (mut pass, mut accuracy, mut max_coop) = (0.0, 0.0, 0.0);
+    for node in items {
+        let first = &node[..k.min(node.len())];
+        pass += first.iter().any(CodeOutcome::all_passed) as u8 as f64;
+        accuracy += first.iter().map(CodeOutcome::pass_rate).fold(0.0, f64::max);
+        let best_coop = first.iter().map(|o| o.cooperation_bonus).fold(f64::NEG_INFINITY, f64::max);
+        max_coop += if first.is_empty() { 0.0 } else { best_coop };
+    }
+    AtK { pass: pass / c, accuracy: accuracy / c, max_coop: max_coop / c }
 }
 
 /// Tasks whose reward scores one answer at a time.
@@ -589,6 +662,7 @@ fn mean_score(scores: &[Score]) -> Score {
         reward: scores.iter().map(|s| s.reward).sum::<f64>() / k,
         levels,
         details: serde_json::Value::Array(scores.iter().map(|s| s.details.clone()).collect()),
+        code: None,
     }
 }
 
@@ -648,8 +722,46 @@ mod tests {
     }
 
     #[test]
+    fn evaluation_rhythm_follows_the_items_of_an_epoch() {
+        // One item per step (the original): items 0, 4, 8.
+        let due: Vec<u64> = (0..10).filter(|&i| eval_due(4, i, i + 1)).collect();
+        assert_eq!(due, vec![0, 4, 8]);
+        // Three items per step: steps [0,3) [3,6) [6,9) [9,10) → the first three contain 0, 4, 8.
+        let steps: Vec<bool> = [(0, 3), (3, 6), (6, 9), (9, 10)].iter().map(|&(a, b)| eval_due(4, a, b)).collect();
+        assert_eq!(steps, vec![true, true, true, false]);
+        assert!(!eval_due(0, 0, 10));
+    }
+
+    #[test]
+    fn at_k_metrics_on_known_outcomes() {
+        let o = |p: u64, t: u64, coop: f64| CodeOutcome { passed_tests: p, total_tests: t, cooperation_bonus: coop };
+        // Item A: samples pass 1/4, 4/4, 2/4 with bonuses 0, 1.5, 0.5; item B: 0/3, 3/3 (bonus −0.5
+        // then 1.0), 0/3; item C has no tests (never a pass).
+        let items = vec![
+            vec![o(1, 4, 0.0), o(4, 4, 1.5), o(2, 4, 0.5)],
+            vec![o(0, 3, -0.5), o(0, 3, 0.0), o(3, 3, 1.0)],
+            vec![o(0, 0, 0.0), o(0, 0, 0.0), o(0, 0, 0.0)],
+        ];
+        // k = 1: A 1/4 (no pass, coop 0), B 0 (coop −0.5), C 0.
+        let a1 = code_at_k(&items, 1);
+        assert_eq!(a1.pass, 0.0);
+        assert!((a1.accuracy - 0.25 / 3.0).abs() < 1e-12);
+        assert!((a1.max_coop - (0.0 - 0.5 + 0.0) / 3.0).abs() < 1e-12);
+        // k = 2: A passes (coop 1.5), B best 0/3 (coop 0.0).
+        let a2 = code_at_k(&items, 2);
+        assert!((a2.pass - 1.0 / 3.0).abs() < 1e-12);
+        assert!((a2.accuracy - 1.0 / 3.0).abs() < 1e-12);
+        assert!((a2.max_coop - 1.5 / 3.0).abs() < 1e-12);
+        // k = 3 (and any larger k): both A and B pass.
+        let a3 = code_at_k(&items, 10);
+        assert!((a3.pass - 2.0 / 3.0).abs() < 1e-12);
+        assert!((a3.accuracy - 2.0 / 3.0).abs() < 1e-12);
+        assert!((a3.max_coop - 2.5 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
     fn per_agent_scores_average_reward_and_levels() {
-        let s = |r: f64| Score { reward: r, levels: [("level_1".to_string(), r)].into_iter().collect(), details: serde_json::Value::Null };
+        let s = |r: f64| Score { reward: r, levels: [("level_1".to_string(), r)].into_iter().collect(), ..Default::default() };
         let m = mean_score(&[s(1.0), s(0.0)]);
         assert_eq!(m.reward, 0.5);
         assert_eq!(m.levels["level_1"], 0.5);

@@ -86,8 +86,48 @@ pub struct Score {
     pub reward: f64,
     /// Reward contributed by each level (`level_1`, ...).
     pub levels: BTreeMap<String, f64>,
-    /// Task-specific measurements (tests passed, cooperation bonus, ...).
+    /// Task-specific measurements (tests passed, cooperation bonus, ...), as the server sent them.
     pub details: serde_json::Value,
+    /// For code tasks: the test and cooperation figures the @k metrics read, typed once where the
+    /// reward arrives (see [`CodeOutcome::from_details`]).
+    pub code: Option<CodeOutcome>,
+}
+
+/// What the evaluation metrics need from a code reward.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Deserialize)]
+pub struct CodeOutcome {
+    pub passed_tests: u64,
+    pub total_tests: u64,
+    /// Level 4: the cooperation bonus (0 for a single agent).
+    pub cooperation_bonus: f64,
+}
+
+impl CodeOutcome {
+    /// Reads the code reward's details (`passed_tests`, `total_tests`, `bonus.total`); `None` when
+    /// they are not a code reward's.
+    pub fn from_details(details: &serde_json::Value) -> Option<Self> {
+        #[derive(serde::Deserialize)]
+        struct Bonus {
+            total: f64,
+        }
+        #[derive(serde::Deserialize)]
+        struct Details {
+            passed_tests: u64,
+            total_tests: u64,
+            bonus: Option<Bonus>,
+        }
+        let d: Details = serde_json::from_value(details.clone()).ok()?;
+        Some(Self { passed_tests: d.passed_tests, total_tests: d.total_tests, cooperation_bonus: d.bonus.map_or(0.0, |b| b.total) })
+    }
+
+    /// Every test passed (an item without tests never counts as passed).
+    pub fn all_passed(&self) -> bool {
+        self.total_tests > 0 && self.passed_tests == self.total_tests
+    }
+
+    pub fn pass_rate(&self) -> f64 {
+        if self.total_tests == 0 { 0.0 } else { self.passed_tests as f64 / self.total_tests as f64 }
+    }
 }
 
 /// Where rewards come from.

@@ -82,7 +82,7 @@ impl RewardSource for TokenRule {
                 let ok = (self.rule)(&firsts);
                 let mut levels = BTreeMap::new();
                 levels.insert("level_1".to_string(), if ok { 1.0 } else { 0.0 });
-                Score { reward: if ok { 1.0 } else { 0.0 }, levels, details: serde_json::Value::Null }
+                Score { reward: if ok { 1.0 } else { 0.0 }, levels, details: serde_json::Value::Null, code: None }
             })
             .collect())
     }

@@ -16,6 +16,7 @@
 
 pub mod diagnostics;
 pub mod extract;
+pub mod original;
 pub(crate) mod pysrc;
 
 use std::collections::BTreeMap;
@@ -26,7 +27,7 @@ use self::extract::{
     ExtractedTest, FunctionFacts, FunctionSource, completion_imports, extract_tests, find_function,
     function_facts, prompt_helpers, prompt_imports, strip_fences,
 };
-use super::{RewardError, ScoreOptions, ScoreResult, TaskKind, item_str};
+use super::{CodeFunctions, CodeTests, RewardError, ScoreOptions, ScoreResult, TaskKind, item_str};
 use crate::code_runner::{CodeRunner, ProgramReport, ProgramTests, SetupOutcome, SyntaxCheck};
 
 /// The helper function's name in the two-agent setting.
@@ -90,7 +91,8 @@ pub(crate) fn code_item(item: &serde_json::Value) -> Result<CodeItem<'_>, Reward
     })
 }
 
-/// Pre-processes one joint action (rewards.md "Pre-processing"; details in [`extract`]).
+/// Pre-processes one joint action: finds the functions, builds the program and the tests, with the
+/// original's rules by default and cotrain's corrections where the options ask for them.
 pub fn prepare(
     completions: &[String],
     item: &serde_json::Value,
@@ -108,22 +110,31 @@ pub fn prepare(
         }
     };
     let it = code_item(item)?;
-    let cleaned: Vec<String> = completions.iter().map(|c| strip_fences(c)).collect();
-    let (aux, main) = if single_agent {
-        (None, find_function(&cleaned[0], it.entry_point))
-    } else {
-        (
-            find_function(&cleaned[0], AUX_NAME),
-            find_function(&cleaned[1], it.entry_point),
-        )
+    let main_text = &completions[completions.len() - 1];
+    let (aux, main, aux_facts, main_facts, mut imports, separator) = match opts.code_functions {
+        CodeFunctions::Original => {
+            // The original extracts from the raw completions (its clean-up strips the fences).
+            let found = |text: &str, name: &str| {
+                let source = original::extract_function(text, name);
+                (!source.is_empty()).then(|| FunctionSource { name: name.to_string(), source, start: 0, end: 0 })
+            };
+            let aux = if single_agent { None } else { found(&completions[0], AUX_NAME) };
+            let main = found(main_text, it.entry_point);
+            let facts = |f: &FunctionSource| original_facts(&f.source);
+            let (af, mf) = (aux.as_ref().map(facts), main.as_ref().map(facts));
+            (aux, main, af, mf, original::prompt_imports(it.prompt), "\n\n")
+        }
+        CodeFunctions::Structural => {
+            let aux = if single_agent { None } else { find_function(&strip_fences(&completions[0]), AUX_NAME) };
+            let main = find_function(&strip_fences(main_text), it.entry_point);
+            let af = aux.as_ref().map(|f| function_facts(&f.source, AUX_NAME));
+            let mf = main.as_ref().map(|f| function_facts(&f.source, AUX_NAME));
+            (aux, main, af, mf, prompt_imports(it.prompt), "\n\n\n")
+        }
     };
-    let aux_facts = aux.as_ref().map(|f| function_facts(&f.source, AUX_NAME));
-    let main_facts = main.as_ref().map(|f| function_facts(&f.source, AUX_NAME));
-
-    let mut imports = prompt_imports(it.prompt);
     if opts.completion_imports {
-        for c in &cleaned {
-            for imp in completion_imports(c) {
+        for c in completions {
+            for imp in completion_imports(&strip_fences(c)) {
                 if !imports.contains(&imp) {
                     imports.push(imp);
                 }
@@ -137,10 +148,25 @@ pub fn prepare(
     if opts.prompt_helpers {
         parts.extend(prompt_helpers(it.prompt, it.entry_point));
     }
-    parts.extend(aux.iter().map(|f| f.source.clone()));
-    parts.extend(main.iter().map(|f| f.source.clone()));
-    let mut program = parts.join("\n\n\n");
+    for f in [&aux, &main].into_iter().flatten() {
+        let text = match opts.code_functions {
+            // The original cleans each extracted function once more when it joins them.
+            CodeFunctions::Original => original::cleanup(&f.source),
+            CodeFunctions::Structural => f.source.clone(),
+        };
+        if !text.is_empty() {
+            parts.push(text);
+        }
+    }
+    let mut program = parts.join(separator);
     program.push('\n');
+    let tests = match opts.code_tests {
+        CodeTests::Original => original::tests(it.test, it.entry_point)
+            .into_iter()
+            .map(|t| ExtractedTest { assert_text: t.clone(), code: t })
+            .collect(),
+        CodeTests::Statements => extract_tests(it.test, it.entry_point),
+    };
 
     Ok(Prepared {
         single_agent,
@@ -150,8 +176,18 @@ pub fn prepare(
         main,
         main_facts,
         program,
-        tests: extract_tests(it.test, it.entry_point),
+        tests,
     })
+}
+
+/// Level 1 and 4 facts by the original's text rules.
+fn original_facts(source: &str) -> FunctionFacts {
+    FunctionFacts {
+        has_return: original::has_return(source),
+        calls_aux: original::uses_aux(source),
+        thin_wrapper: original::is_wrapper(source),
+        ignored_aux_call: original::ignored_aux_call(source),
+    }
 }
 
 impl Prepared {
@@ -167,6 +203,7 @@ impl Prepared {
             tests: tests.iter().map(|t| t.code.clone()).collect(),
             per_test_timeout_secs: opts.per_test_timeout_secs,
             max_timeouts: opts.max_timeouts,
+            double_call: !opts.single_call_tests,
         }
     }
 }
@@ -438,16 +475,24 @@ mod tests {
         assert_eq!(r.reward, 3.0);
     }
 
+    fn two_with(aux: &str, main: &str, passed: &[bool], opts: &ScoreOptions) -> ScoreResult {
+        let prep = prepare(&[aux.to_string(), main.to_string()], &item(), opts).unwrap();
+        let r = prep.needs_run().then(|| report(passed));
+        score_report(&prep, r.as_ref())
+    }
+
     #[test]
     fn ignored_aux_result_is_penalised() {
+        // Structural checks: a statement that is only a call of aux.
         // 1.0 + 0.5 + 1.0 + 0.5 + 1.0 − 0.5 = 3.5
-        let r = two(
-            AUX,
-            "def add(a, b):\n    aux(a, b)\n    return a + b\n",
-            &[true; 4],
-        );
+        let main = "def add(a, b):\n    aux(a, b)\n    return a + b\n";
+        let r = two_with(AUX, main, &[true; 4], &ScoreOptions::corrected());
         assert_eq!(r.reward, 3.5);
         assert_eq!(r.details["bonus"]["ignored_result_penalty"], -0.5);
+        // The original's pattern needs `aux`, one space, one character in parentheses.
+        assert_eq!(two(AUX, main, &[true; 4]).reward, 4.0);
+        let r = two(AUX, "def add(a, b):\n    aux (a)\n    return a + b\n", &[true; 4]);
+        assert_eq!(r.reward, 3.5);
     }
 
     #[test]
@@ -493,24 +538,18 @@ mod tests {
 
     #[test]
     fn program_is_imports_then_aux_then_main() {
-        let prep = prepare(
-            &[
-                "```python\nimport math\ndef aux(a, b):\n    return a + b\n```".to_string(),
-                MAIN_COOP.to_string(),
-            ],
-            &item(),
-            &ScoreOptions::default(),
-        )
-        .unwrap();
+        let completions = ["```python\nimport math\ndef aux(a, b):\n    return a + b\n```".to_string(), MAIN_COOP.to_string()];
+        // The original: the prompt's imports only, parts joined by one blank line.
+        let prep = prepare(&completions, &item(), &ScoreOptions::default()).unwrap();
+        assert_eq!(prep.program, format!("from typing import List\n\n{}\n\n{}\n", AUX.trim_end(), MAIN_COOP.trim_end()));
+        assert_eq!(prep.tests.len(), 4);
+        assert_eq!(prep.tests[3].code, "assert add(5, 5) == 10");
+        // With the completion's own imports kept (and cotrain's layout).
+        let prep = prepare(&completions, &item(), &ScoreOptions::corrected()).unwrap();
         assert_eq!(
             prep.program,
-            format!(
-                "from typing import List\nimport math\n\n\n{}\n\n\n{}\n",
-                AUX.trim_end(),
-                MAIN_COOP.trim_end()
-            )
+            format!("from typing import List\nimport math\n\n\n{}\n\n\n{}\n", AUX.trim_end(), MAIN_COOP.trim_end())
         );
-        assert_eq!(prep.tests.len(), 4);
         assert_eq!(prep.tests[3].code, "assert add(5, 5) == 10");
     }
 

@@ -198,33 +198,32 @@ pub enum SplitMethod {
     Random,
 }
 
-/// Splits one completion into agent 1's and agent 2's parts: at the first `[PARAGRAPH_SPLIT]`,
-/// else at the first `Paragraph 2:` (the marker itself removed, everything else kept), else at
-/// character ⌊len/(1 + r)⌋ with r drawn uniformly from [2, 3] by ChaCha8 seeded with `seed`.
-/// Both parts are trimmed.
+static PARAGRAPH_2_RE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?i)Paragraph 2:\s*").expect("valid regex"));
+static LEADING_P1_RE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?i)^Paragraph 1:\s*").expect("valid regex"));
+static LEADING_P2_RE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?i)^Paragraph 2:\s*").expect("valid regex"));
+
+/// Splits one completion into agent 1's and agent 2's parts, as the original's single-agent writing
+/// reward does: the trimmed text at the first `[PARAGRAPH_SPLIT]`; else at the first
+/// `Paragraph 2:` (any case, with the whitespace after it); else at character ⌊len/(1 + r)⌋ with r
+/// drawn uniformly from [2, 3] (ChaCha8 seeded with `seed`). Both parts are trimmed, then a leading
+/// `Paragraph 1:` / `Paragraph 2:` label (any case) is removed from each, so the labels the prompt
+/// asks for are not scored as words.
 pub fn split_single(text: &str, seed: u64) -> (String, String, SplitMethod) {
-    for (marker, method) in [
-        (SPLIT_MARKER, SplitMethod::Marker),
-        (PARAGRAPH_2_MARKER, SplitMethod::Paragraph2),
-    ] {
-        if let Some(p) = text.find(marker) {
-            return (
-                text[..p].trim().to_string(),
-                text[p + marker.len()..].trim().to_string(),
-                method,
-            );
-        }
-    }
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let r: f64 = rng.random_range(2.0..=3.0);
-    let n = char_len(text);
-    let k = (n as f64 / (1.0 + r)).floor() as usize;
-    let byte = text.char_indices().nth(k).map_or(text.len(), |(b, _)| b);
-    (
-        text[..byte].trim().to_string(),
-        text[byte..].trim().to_string(),
-        SplitMethod::Random,
-    )
+    let text = text.trim();
+    let (a, b, method) = if let Some(p) = text.find(SPLIT_MARKER) {
+        (&text[..p], &text[p + SPLIT_MARKER.len()..], SplitMethod::Marker)
+    } else if let Some(m) = PARAGRAPH_2_RE.find(text) {
+        (&text[..m.start()], &text[m.end()..], SplitMethod::Paragraph2)
+    } else {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let r: f64 = rng.random_range(2.0..=3.0);
+        let k = (char_len(text) as f64 / (1.0 + r)).floor() as usize;
+        let byte = text.char_indices().nth(k).map_or(text.len(), |(b, _)| b);
+        (&text[..byte], &text[byte..], SplitMethod::Random)
+    };
+    let a = LEADING_P1_RE.replace(a.trim(), "").to_string();
+    let b = LEADING_P2_RE.replace(b.trim(), "").to_string();
+    (a, b, method)
 }
 
 /// Scores arXiv or TLDR: two completions, or one that is split.
@@ -404,11 +403,11 @@ mod tests {
             (a.as_str(), b.as_str(), m),
             ("one two", "three Paragraph 2: four", SplitMethod::Marker)
         );
-        let (a, b, m) = split_single("Paragraph 1: x\nParagraph 2: y", 0);
-        assert_eq!(
-            (a.as_str(), b.as_str(), m),
-            ("Paragraph 1: x", "y", SplitMethod::Paragraph2)
-        );
+        // Labels are matched in any case and stripped from both parts.
+        let (a, b, m) = split_single("Paragraph 1: x\nparagraph 2:  y", 0);
+        assert_eq!((a.as_str(), b.as_str(), m), ("x", "y", SplitMethod::Paragraph2));
+        let (a, b, _) = split_single(" PARAGRAPH 1: x\n[PARAGRAPH_SPLIT]\nParagraph 2: y ", 0);
+        assert_eq!((a.as_str(), b.as_str()), ("x", "y"));
         let text = "abcdefghij".repeat(10);
         let (a, b, m) = split_single(&text, 42);
         assert_eq!(m, SplitMethod::Random);

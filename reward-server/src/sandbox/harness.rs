@@ -23,6 +23,7 @@ pub enum Job<'a> {
         setup_timeout_secs: f64,
         max_timeouts: usize,
         max_processes: Option<u32>,
+        double_call: bool,
     },
 }
 
@@ -202,6 +203,7 @@ mod tests {
             tests: (0..n).map(|i| format!("assert {i}")).collect(),
             per_test_timeout_secs: 1.0,
             max_timeouts: 3,
+            double_call: false,
         }
     }
 

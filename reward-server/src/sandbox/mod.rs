@@ -502,7 +502,10 @@ impl BwrapSandbox {
         // Every test and every setup (re-run after each timeout) is bounded inside the sandbox;
         // the outer limit is only a backstop covering all of them.
         let n = program.tests.len() as f64;
-        let backstop_secs = per_test * (n + 1.0 + program.max_timeouts as f64) + 5.0;
+        // A timed-out test may take the harness's own backstop (1.5 × per_test + 1 s) plus a
+        // re-run of the setup.
+        let t = program.max_timeouts as f64;
+        let backstop_secs = per_test * (n + 1.0 + 2.5 * t) + t + 5.0;
         let backstop = Duration::from_secs_f64(backstop_secs.min(24.0 * 3600.0));
         let job = serde_json::to_vec(&harness::Job::Tests {
             code: &program.code,
@@ -511,6 +514,7 @@ impl BwrapSandbox {
             setup_timeout_secs: per_test,
             max_timeouts: program.max_timeouts.max(1),
             max_processes: self.max_processes(&policy),
+            double_call: program.double_call,
         })
         .map_err(|e| RunnerError::Sandbox(e.to_string()))?;
         let run_dir = self.run_dir()?;

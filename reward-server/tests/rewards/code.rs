@@ -1,4 +1,7 @@
-//! Code rewards end to end through the real sandbox.
+//! Code rewards end to end through the real sandbox, with cotrain's corrections on
+//! (`ScoreOptions::corrected()`: structural function extraction, whole-statement tests, completion
+//! imports, prompt helpers, one call per test). The original's default rules are checked against the
+//! original's own values in `original.rs`.
 
 use std::io::Read;
 use std::time::Instant;
@@ -69,7 +72,7 @@ async fn canonical_humaneval_solutions_score_full_marks() {
                 &[completion],
                 &row,
                 &sb,
-                &ScoreOptions::default(),
+                &ScoreOptions::corrected(),
             )
             .await
             .expect("scored");
@@ -103,7 +106,7 @@ const HE0_HEADER: &str = "from typing import List\n\n\ndef has_close_elements(nu
 async fn broken_humaneval_solutions_score_what_the_definition_says() {
     let sb = sandbox().await;
     let item = he0();
-    let opts = ScoreOptions::default();
+    let opts = ScoreOptions::corrected();
 
     // Always False: HumanEval/0 expects True, False, True, False, True, True, False, so 3 of
     // the 7 asserts pass: 0.6 + 0.5 + 1.0 * 3/7.
@@ -179,7 +182,7 @@ fn fast() -> ScoreOptions {
     // 1 s instead of the original 10 s per test, to keep the suite quick; the rule is the same.
     ScoreOptions {
         per_test_timeout_secs: 1.0,
-        ..ScoreOptions::default()
+        ..ScoreOptions::corrected()
     }
 }
 
@@ -228,7 +231,7 @@ const AUX_SQ: &str = "def aux(v):\n    return v * v\n";
 async fn two_agent_levels_through_the_sandbox() {
     let sb = sandbox().await;
     let item = add_item();
-    let o = ScoreOptions::default();
+    let o = ScoreOptions::corrected();
 
     // `return aux(a) + aux(b)` is a body of one `return ...aux(...)...`: a thin wrapper by the
     // definition, so no +1.0 although all 4 tests pass: 0.4 + 0.6 + 0.5 + 1.0 + 0.5 = 3.0
@@ -302,6 +305,7 @@ async fn analyze_reports_failures_syntax_and_aux_misuse() {
     let opts = AnalyzeOptions {
         sandbox_slice: TestSlice::All,
         feedback_mode: Some(FeedbackMode::LevelFeedback),
+        score: ScoreOptions::corrected(),
         ..AnalyzeOptions::default()
     };
     // aux(a) is called and ignored; the result is a + b*b, wrong for (1,2)→5 ✓ (1+4), (0,0) ✓,
@@ -341,7 +345,7 @@ async fn analyze_reports_failures_syntax_and_aux_misuse() {
         &[AUX_SQ.into(), main.into()],
         &item,
         &sb,
-        &AnalyzeOptions::default(),
+        &AnalyzeOptions { score: ScoreOptions::corrected(), ..AnalyzeOptions::default() },
     )
     .await
     .unwrap();
@@ -354,6 +358,7 @@ async fn analyze_reports_failures_syntax_and_aux_misuse() {
     );
     let last_opts = AnalyzeOptions {
         sandbox_slice: TestSlice::Last(1),
+        score: ScoreOptions::corrected(),
         ..AnalyzeOptions::default()
     };
     let last = rewards::analyze(
@@ -417,7 +422,7 @@ async fn request_errors_name_the_field() {
         &["x".into()],
         &json!({"prompt": "", "entry_point": "f"}),
         &sb,
-        &ScoreOptions::default(),
+        &ScoreOptions::corrected(),
     )
     .await
     .unwrap_err();
@@ -428,7 +433,7 @@ async fn request_errors_name_the_field() {
         &["a".into(), "b".into(), "c".into()],
         &add_item(),
         &sb,
-        &ScoreOptions::default(),
+        &ScoreOptions::corrected(),
     )
     .await
     .unwrap_err();
@@ -438,7 +443,7 @@ async fn request_errors_name_the_field() {
         &["a".into()],
         &json!({}),
         &sb,
-        &AnalyzeOptions::default(),
+        &AnalyzeOptions { score: ScoreOptions::corrected(), ..AnalyzeOptions::default() },
     )
     .await
     .unwrap_err();
@@ -474,8 +479,8 @@ fn humaneval_test_extraction_counts() {
     ));
     assert_eq!(count("HumanEval/44").len(), 7); // 6 asserts + 1 loop
     assert_eq!(count("HumanEval/53").len(), 6); // 5 asserts + 1 loop
-    assert_eq!(count("HumanEval/87").len(), 7); // 6 + `assert True`
-    assert_eq!(count("HumanEval/113").len(), 4); // 3 + `assert True, ...`
+    assert_eq!(count("HumanEval/87").len(), 6); // `assert True` is no test
+    assert_eq!(count("HumanEval/113").len(), 3); // nor `assert True, ...`
     assert_eq!(count("HumanEval/129").len(), 11);
     let t = count("HumanEval/151");
     assert_eq!(t.len(), 7);

@@ -185,8 +185,8 @@ pub struct ExtractedTest {
 
 /// The tests of a HumanEval-schema `test` field.
 ///
-/// Every statement directly in the body of `check(candidate)` that contains an `assert` is one
-/// test. For the usual one-line `assert candidate(...) == ...` that is exactly "each assert
+/// Every statement directly in the body of `check(candidate)` that contains an `assert` using
+/// `candidate` is one test (`assert True, "..."` lines are not). For the usual one-line `assert candidate(...) == ...` that is exactly "each assert
 /// line"; an assert spanning several physical lines (brackets, continuation) is one test, and a
 /// compound statement holding asserts (`for x in ...: assert ...`, HumanEval/32, /44, /53) is one
 /// test, since its asserts are meaningless without the loop. The other statements of the body
@@ -224,6 +224,7 @@ pub fn extract_tests(test_src: &str, entry_point: &str) -> Vec<ExtractedTest> {
         }
     }
     let assert_re = Regex::new(r"\bassert\b").expect("valid regex");
+    let candidate_re = Regex::new(r"\bcandidate\b").expect("valid regex");
     let mut context: Vec<String> = Vec::new();
     let mut tests = Vec::new();
     for g in groups {
@@ -235,7 +236,13 @@ pub fn extract_tests(test_src: &str, entry_point: &str) -> Vec<ExtractedTest> {
             .collect::<Vec<_>>()
             .join("\n");
         let text = rename_identifier(&text, "candidate", entry_point);
-        if g.iter().any(|l| assert_re.is_match(&l.skeleton)) {
+        let asserts = g.iter().any(|l| assert_re.is_match(&l.skeleton));
+        let uses_candidate = g.iter().any(|l| candidate_re.is_match(&l.skeleton));
+        if asserts && !uses_candidate {
+            // `assert True, "..."`: checks nothing about the solution, so it is no test.
+            continue;
+        }
+        if asserts {
             let mut code = context.join("\n");
             if !code.is_empty() {
                 code.push('\n');

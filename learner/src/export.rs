@@ -1,0 +1,167 @@
+//! `learner export`: a training checkpoint's policies as Hugging Face model directories, which
+//! transformers, vLLM and cotrain's own `--model DIR` load.
+//!
+//! A checkpoint keeps only the learner's tensors; `state.json`'s `extra.policies[i].model` names
+//! the base model each policy was loaded from. Exporting loads that base model (for its config,
+//! tokenizer and chat template) in the dtype the checkpoint's tensors have, replaces its
+//! parameters by the checkpoint's, and writes it with [`cotrain_model::export::save_pretrained`].
+//! The optimiser moments are never read.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use cotrain_model::loader::{LoadOptions, LoadedModel};
+use tch::{Device, Kind};
+
+use crate::checkpoint::{CheckpointError, TrainState, latest_checkpoint, read_state, read_weights};
+
+/// Why a checkpoint could not be exported.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// The path is neither a checkpoint directory nor a run directory with a checkpoint.
+    #[error("{0}: not a checkpoint (no state.json here, nor a run directory's checkpoints/latest)")]
+    NotACheckpoint(PathBuf),
+    /// `state.json` does not say which base model a policy was loaded from.
+    #[error("{path}: {message}")]
+    BadState { path: PathBuf, message: String },
+    /// `--policy` names a policy the checkpoint does not have.
+    #[error("--policy {index}: the checkpoint has {count} policies (indices 0 to {last})", last = .count.saturating_sub(1))]
+    NoSuchPolicy { index: usize, count: usize },
+    /// The base model named by the checkpoint cannot be found or loaded.
+    #[error("policy {index}: cannot load its base model `{spec}`: {source}")]
+    BaseModel {
+        index: usize,
+        spec: String,
+        #[source]
+        source: cotrain_model::ModelError,
+    },
+    /// The checkpoint's tensors do not fit the base model.
+    #[error("policy {index}: the checkpoint's weights do not fit base model `{spec}`: {message}")]
+    WeightsMismatch { index: usize, spec: String, message: String },
+    /// Reading the checkpoint failed.
+    #[error("checkpoint: {0}")]
+    Checkpoint(#[from] CheckpointError),
+    /// Writing a model directory failed.
+    #[error("writing the model: {0}")]
+    Write(#[from] cotrain_model::export::ExportError),
+}
+
+/// One policy of a checkpoint, as `state.json` describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointPolicy {
+    /// Its index: the checkpoint's `agent-{index}` directory.
+    pub index: usize,
+    /// The agent name the rollout workers served it under.
+    pub worker_agent: String,
+    /// The base model spec it was loaded from (`default`, a directory, a `.gguf`, a repo id).
+    pub model: String,
+    /// Its directory name in an export: see [`policy_dir_name`].
+    pub dir_name: String,
+}
+
+/// The directory name of policy `policy` in an export and in `RUN_DIR/final_model`: `agent-{i}`
+/// for the policy of agent `i` alone, `shared` for one that several agents share.
+pub fn policy_dir_name(agent_policy: &[usize], policy: usize) -> String {
+    let agents: Vec<usize> = (0..agent_policy.len()).filter(|&a| agent_policy[a] == policy).collect();
+    match agents.as_slice() {
+        [one] => format!("agent-{one}"),
+        [] => format!("agent-{policy}"),
+        _ => "shared".into(),
+    }
+}
+
+/// Resolves `path` (a checkpoint directory, or a run directory meaning its latest checkpoint) and
+/// reads which policies it holds.
+pub fn checkpoint_policies(path: &Path) -> Result<(PathBuf, Vec<CheckpointPolicy>), ExportError> {
+    let dir = if path.join("state.json").is_file() {
+        path.to_path_buf()
+    } else {
+        latest_checkpoint(path).ok_or_else(|| ExportError::NotACheckpoint(path.to_path_buf()))?
+    };
+    let state = read_state(&dir)?;
+    Ok((dir.clone(), policies_of(&state, &dir.join("state.json"))?))
+}
+
+fn policies_of(state: &TrainState, path: &Path) -> Result<Vec<CheckpointPolicy>, ExportError> {
+    let bad = |message: String| ExportError::BadState { path: path.to_path_buf(), message };
+    let list = state.extra["policies"]
+        .as_array()
+        .ok_or_else(|| bad("no `extra.policies` list naming each policy's base model".into()))?;
+    if list.len() != state.optimizer_steps.len() {
+        return Err(bad(format!("{} policies in `extra.policies`, {} models in the checkpoint", list.len(), state.optimizer_steps.len())));
+    }
+    let agent_policy: Vec<usize> = state.extra["agent_policy"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|v| v.as_u64().map(|v| v as usize)).collect())
+        .unwrap_or_default();
+    list.iter()
+        .enumerate()
+        .map(|(index, p)| {
+            let model = p["model"].as_str().ok_or_else(|| bad(format!("`extra.policies[{index}].model` is missing")))?;
+            Ok(CheckpointPolicy {
+                index,
+                worker_agent: p["worker_agent"].as_str().unwrap_or_default().to_string(),
+                model: model.to_string(),
+                dir_name: policy_dir_name(&agent_policy, index),
+            })
+        })
+        .collect()
+}
+
+/// Loads one policy of the checkpoint at `dir`: its base model in the checkpoint's dtype, with the
+/// checkpoint's weights (every parameter replaced, bit for bit).
+pub fn load_policy(dir: &Path, policy: &CheckpointPolicy) -> Result<LoadedModel, ExportError> {
+    let weights = read_weights(dir, policy.index)?;
+    let mismatch = |message: String| ExportError::WeightsMismatch { index: policy.index, spec: policy.model.clone(), message };
+    let kind = weights.values().next().map(|t| t.kind()).unwrap_or(Kind::Float);
+    if let Some((name, t)) = weights.iter().find(|(_, t)| t.kind() != kind) {
+        return Err(mismatch(format!("`{name}` is {:?}, other tensors {kind:?}", t.kind())));
+    }
+    let opts = LoadOptions { device: Device::Cpu, kind };
+    let model = cotrain_model::loader::load(&policy.model, &opts)
+        .map_err(|source| ExportError::BaseModel { index: policy.index, spec: policy.model.clone(), source })?;
+    let vars = model.vs.variables();
+    if let Some(missing) = vars.keys().find(|k| !weights.contains_key(*k)) {
+        return Err(mismatch(format!("no tensor `{missing}` ({} tensors in the checkpoint, {} parameters in the model)", weights.len(), vars.len())));
+    }
+    let weights: HashMap<String, tch::Tensor> = weights.into_iter().collect();
+    model.load_named_tensors(&weights).map_err(|e| mismatch(e.to_string()))?;
+    Ok(model)
+}
+
+/// `learner export`: writes the checkpoint's policies as model directories, `out/agent-{i}` (or
+/// `out/shared`) each, or only policy `policy` as `out` itself. Returns the directories written.
+pub fn export_checkpoint(checkpoint: &Path, policy: Option<usize>, out: &Path) -> Result<Vec<PathBuf>, ExportError> {
+    let (dir, policies) = checkpoint_policies(checkpoint)?;
+    let chosen: Vec<(&CheckpointPolicy, PathBuf)> = match policy {
+        Some(index) => {
+            let p = policies.get(index).ok_or(ExportError::NoSuchPolicy { index, count: policies.len() })?;
+            vec![(p, out.to_path_buf())]
+        }
+        None => policies.iter().map(|p| (p, out.join(&p.dir_name))).collect(),
+    };
+    let mut written = Vec::new();
+    for (p, target) in chosen {
+        let model = load_policy(&dir, p)?;
+        written.push(cotrain_model::export::save_pretrained(&model, &target)?);
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_are_named_after_their_agents() {
+        assert_eq!(policy_dir_name(&[0, 1, 2], 1), "agent-1");
+        assert_eq!(policy_dir_name(&[0, 0, 0], 0), "shared");
+        assert_eq!(policy_dir_name(&[], 3), "agent-3");
+    }
+
+    #[test]
+    fn a_bad_policy_index_names_the_range() {
+        let e = ExportError::NoSuchPolicy { index: 4, count: 2 };
+        assert_eq!(e.to_string(), "--policy 4: the checkpoint has 2 policies (indices 0 to 1)");
+    }
+}
