@@ -267,7 +267,8 @@ fn resume_refuses_a_config_that_changes_the_run_naming_each_key() {
     )
     .unwrap();
     let opts = cotrain_learner::trainer::TrainOptions { resume: Some(dir.path().to_path_buf()) };
-    let e = cotrain_learner::trainer::train(&changed, &opts).err().expect("refused").to_string();
+    let Err(e) = cotrain_learner::trainer::train(&changed, &opts) else { panic!("resume with a changed config must be refused") };
+    let e = e.to_string();
     assert!(e.contains("magrpo.learning_rate: 0.00002 (run) -> 0.001 (given)"), "{e}");
     assert!(e.contains("model.temperature"), "{e}");
     assert!(!e.contains("  magrpo.num_train_epochs:"), "epochs may change on resume: {e}");

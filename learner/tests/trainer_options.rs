@@ -196,7 +196,7 @@ fn reference_kl_penalties_match_their_formulas() {
                         kl1 * reduce(lp.shallow_clone(), n)
                     }
                 };
-                total = total + (policy_term + kl_term * coef) / k;
+                total += (policy_term + kl_term * coef) / k;
             }
             total
         });

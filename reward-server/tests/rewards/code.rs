@@ -306,7 +306,6 @@ async fn analyze_reports_failures_syntax_and_aux_misuse() {
         sandbox_slice: TestSlice::All,
         feedback_mode: Some(FeedbackMode::LevelFeedback),
         score: ScoreOptions::corrected(),
-        ..AnalyzeOptions::default()
     };
     // aux(a) is called and ignored; the result is a + b*b, wrong for (1,2)→5 ✓ (1+4), (0,0) ✓,
     // (3,0)→3 ✗, (2,2)→6 ✗.
