@@ -553,6 +553,8 @@ fn adamw_matches_libtorch_adamw() {
     let (mut vs_b, lin_b) = make();
     vs_b.copy(&vs_a).unwrap();
     let mut ours = AdamW::new(&vs_a, AdamWConfig::new(1e-2, 0.01, None));
+    // No moment buffers until the first step: evaluation and export hold none.
+    assert!(!ours.has_state());
     let mut theirs = nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.01, eps: 1e-8, amsgrad: false }.build(&vs_b, 1e-2).unwrap();
     let x = Tensor::from_slice(&[0.5f32, -1.0, 2.0, 1.0, 0.0, -0.5]).reshape([2, 3]);
     for _ in 0..5 {
@@ -564,6 +566,7 @@ fn adamw_matches_libtorch_adamw() {
         theirs.step();
     }
     assert!(lin_a.ws.allclose(&lin_b.ws, 1e-5, 1e-6, false), "{} vs {}", lin_a.ws, lin_b.ws);
+    assert!(ours.has_state());
 }
 
 #[test]

@@ -322,3 +322,31 @@ fn a_non_finite_loss_skips_the_update_and_leaves_the_weights() {
     assert_eq!(policy.optimizer.step, 0);
     assert_same_weights(&policy.model, &untouched, &untouched, "skipped update");
 }
+
+#[test]
+fn data_order_and_evaluation_rhythm_follow_the_original() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model_dir(tmp.path());
+    let yaml = "model: {name: unused, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 64}\n\
+                dataset: {name: gsm8k, train_split: 'train[:10]'}\n\
+                seed: 3\n\
+                magrpo:\n  num_agents: 2\n  num_generations: 2\n  max_new_tokens: 2\n  learning_rate: 0.001\n  \
+                num_train_epochs: 1\n  rollout_buffer_size: 1\n  eval_interval: 4\n  eval_num_samples: 2\n  save_steps: 100000\n\
+                logging: {tensorboard: false, plots: false, progress: never}\n";
+    let reward = || Box::new(train_common::TokenRule { rule: |t: &[u32]| t[0] % 2 == 0 });
+    // The dataset's order, as the original's DataLoader(shuffle=False); a seeded permutation only
+    // when asked.
+    let cfg = config(yaml, &[]);
+    let mut trainer = train_common::tiny_trainer(&cfg, &model, &tmp.path().join("a"), reward(), 10);
+    assert_eq!(trainer.epoch_order(0), (0..10).collect::<Vec<_>>());
+    let shuffled = train_common::tiny_trainer(&config(yaml, &["dataset.shuffle=true".into()]), &model, &tmp.path().join("b"), reward(), 10);
+    let order = shuffled.epoch_order(0);
+    assert_ne!(order, (0..10).collect::<Vec<_>>());
+    assert_eq!(order, shuffled.epoch_order(0), "seeded");
+    // Evaluation before items 0, 4 and 8 of the epoch (steps 1, 5, 9 with one item per step), one
+    // joint sample on each of the first eval_num_samples eval items.
+    let summary = trainer.run().unwrap();
+    let evaluated: Vec<usize> = summary.history.iter().enumerate().filter(|(_, m)| m.contains_key("eval/reward/mean")).map(|(i, _)| i + 1).collect();
+    assert_eq!(evaluated, vec![1, 5, 9]);
+    assert_eq!(summary.history[0]["eval/items"], 2.0);
+}
