@@ -242,12 +242,12 @@ fn sample_libtorch(logits: &Tensor, rows: &[RowSpec]) -> Result<(Vec<i64>, Vec<f
     Ok((tokens, lp))
 }
 
-/// Greedy and plain temperature sampling (no top-k, top-p or min-p) of f32 logits on the CPU,
-/// row by row on flat slices: the common case of RL rollouts, where the libtorch route above makes
-/// some ten passes over the (B, V) logits (2 ms of a 47 ms batch-32 step of SmolLM2). The same
-/// semantics: the first maximal logit for greedy rows, otherwise the inverse CDF of the tempered
-/// softmax in vocabulary order at the row's uniform; log-probs under the raw logits, or under the
-/// sampling distribution on request.
+/// Sampling of f32 logits on the CPU, row by row on flat slices: greedy, temperature, and top-k,
+/// top-p and min-p without sorting the vocabulary (see `apply_filters`). The libtorch route above
+/// makes some ten passes over the (B, V) logits and, for top-p without top-k, sorts every row of the
+/// whole vocabulary at every step. The same semantics: the first maximal logit for greedy rows,
+/// otherwise the inverse CDF of the tempered, filtered softmax in vocabulary order at the row's
+/// uniform; log-probs under the raw logits, or under the sampling distribution on request.
 #[cfg(target_arch = "x86_64")]
 mod plain {
     use tch::{Device, Kind, Tensor};
@@ -257,13 +257,7 @@ mod plain {
 
     pub(super) fn sample(logits: &Tensor, rows: &[RowSpec]) -> Option<(Vec<i64>, Vec<f32>)> {
         // Temperatures so small that 1/T overflows f32 stay with libtorch too.
-        let plain = |r: &RowSpec| {
-            r.params.is_greedy()
-                || (r.params.top_k == 0
-                    && r.params.top_p >= 1.0
-                    && r.params.min_p == 0.0
-                    && r.params.temperature >= 1e-6)
-        };
+        let plain = |r: &RowSpec| r.params.is_greedy() || r.params.temperature >= 1e-6;
         if logits.device() != Device::Cpu
             || logits.kind() != Kind::Float
             || !logits.is_contiguous()
@@ -309,11 +303,14 @@ mod plain {
             );
         }
         let temp = spec.params.temperature as f32;
-        let (tmax, tsum) = if temp == 1.0 {
+        let (tmax, mut tsum) = if temp == 1.0 {
             (max, sum)
         } else {
             softmax_row(x, 1.0 / temp, e)
         };
+        if filtered(&spec.params) {
+            tsum = apply_filters(x, &spec.params, e, tsum);
+        }
         let t = inverse_cdf(e, spec.uniform as f64 * tsum);
         let lp = if sampling_lp {
             ((x[t] - tmax) / temp) as f64 - tsum.ln()
@@ -321,6 +318,87 @@ mod plain {
             x[t] as f64 - lse
         };
         (t as i64, lp as f32)
+    }
+
+    fn filtered(p: &crate::engine::SamplingParams) -> bool {
+        p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0.0
+    }
+
+    /// Zeroes the entries of `e` (the tempered, unnormalised probabilities exp((x − max)/T) of the
+    /// row's logits `x`, summing to `sum`) that top-k, then top-p, then min-p drop, exactly as the
+    /// libtorch route does, without sorting the vocabulary: top-k takes the k-th largest logit by
+    /// selection; top-p sorts only the largest candidates, doubling their number until the
+    /// nucleus's mass is covered; min-p compares with the row's top probability. Ties with a
+    /// threshold are kept. Returns the kept mass.
+    fn apply_filters(x: &[f32], p: &crate::engine::SamplingParams, e: &mut [f32], sum: f64) -> f64 {
+        let v = x.len();
+        let desc = |a: &f32, b: &f32| b.total_cmp(a);
+        let mut kept_sum = sum;
+        if p.top_k > 0 && p.top_k < v {
+            // Tempering preserves order, so the k-th largest logit bounds the kept set.
+            let mut c = x.to_vec();
+            let (_, kth, _) = c.select_nth_unstable_by(p.top_k - 1, desc);
+            let thr = *kth;
+            kept_sum = 0.0;
+            for (ei, &xi) in e.iter_mut().zip(x) {
+                if xi < thr {
+                    *ei = 0.0;
+                } else {
+                    kept_sum += *ei as f64;
+                }
+            }
+        }
+        if p.top_p < 1.0 {
+            // The kept probabilities in decreasing order, only as far as the nucleus reaches:
+            // keep the prefix whose preceding mass is below top_p.
+            let kept: Vec<f32> = e.iter().copied().filter(|&q| q > 0.0).collect();
+            let target = p.top_p * kept_sum;
+            let mut m = kept.len().min(256);
+            let thr = loop {
+                let mut c = kept.clone();
+                if m < c.len() {
+                    c.select_nth_unstable_by(m - 1, desc);
+                }
+                let top = &mut c[..m];
+                top.sort_unstable_by(desc);
+                let mut before = 0.0f64;
+                let mut found = None;
+                for (j, &q) in top.iter().enumerate() {
+                    if before >= target {
+                        found = Some(top[j.max(1) - 1]);
+                        break;
+                    }
+                    before += q as f64;
+                }
+                match found {
+                    Some(t) => break t,
+                    None if m == kept.len() => break top[m - 1],
+                    None => m = (m * 4).min(kept.len()),
+                }
+            };
+            kept_sum = 0.0;
+            for q in e.iter_mut() {
+                if *q < thr {
+                    *q = 0.0;
+                } else {
+                    kept_sum += *q as f64;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            // p_i < min_p · p_max  ⇔  e_i < min_p · e_max (the top entry is exp(0) = 1, never dropped).
+            let emax = e.iter().copied().fold(0.0f32, f32::max);
+            let bound = (p.min_p as f32) * emax;
+            kept_sum = 0.0;
+            for q in e.iter_mut() {
+                if *q < bound {
+                    *q = 0.0;
+                } else {
+                    kept_sum += *q as f64;
+                }
+            }
+        }
+        kept_sum
     }
 
     /// The first index whose running sum of `e` exceeds `target` (skipping whole blocks of 16
@@ -450,11 +528,41 @@ mod tests {
         for (a, b) in fast.1.iter().zip(&slow.1) {
             assert!((a - b).abs() < 1e-4, "log-prob {a} vs {b}");
         }
-        let mut filtered = rows.clone();
-        filtered[5].params.top_p = 0.9;
-        assert!(
-            plain::sample(&logits, &filtered).is_none(),
-            "filters stay with libtorch"
-        );
+    }
+
+    /// Top-k, top-p and min-p on slices give the libtorch route's tokens and log-probs, for a grid
+    /// of the settings the seeds and OpenAI clients use, over many uniforms.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn filtered_slice_route_matches_the_libtorch_route() {
+        tch::manual_seed(11);
+        // A peaked row shape like a language model's (a few likely tokens, a long tail).
+        let logits = Tensor::randn([64, 4099], (Kind::Float, tch::Device::Cpu)) * 2.5;
+        let grid: [(f64, usize, f64, f64); 9] = [
+            (0.7, 0, 0.9, 0.0),
+            (0.8, 0, 0.95, 0.0),
+            (0.7, 50, 0.9, 0.0),
+            (1.0, 50, 1.0, 0.0),
+            (0.6, 0, 0.6, 0.0),
+            (1.0, 0, 0.999, 0.0),
+            (1.3, 20, 1.0, 0.05),
+            (0.9, 0, 1.0, 0.1),
+            (1.0, 4099, 0.5, 0.0),
+        ];
+        for (ti, &(temperature, top_k, top_p, min_p)) in grid.iter().enumerate() {
+            let rows: Vec<RowSpec> = (0..64)
+                .map(|i| RowSpec {
+                    params: SamplingParams { temperature, top_k, top_p, min_p, ..Default::default() },
+                    logprobs: if i % 2 == 0 { LogprobMode::Sampling } else { LogprobMode::Raw },
+                    uniform: ((i as f32 + ti as f32 * 0.37) * 0.618_034).fract(),
+                })
+                .collect();
+            let fast = plain::sample(&logits, &rows).expect("CPU f32 rows take the slice route");
+            let slow = sample_libtorch(&logits, &rows).unwrap();
+            assert_eq!(fast.0, slow.0, "tokens for T {temperature} top-k {top_k} top-p {top_p} min-p {min_p}");
+            for (a, b) in fast.1.iter().zip(&slow.1) {
+                assert!((a - b).abs() < 1e-3, "log-prob {a} vs {b} for T {temperature} top-k {top_k} top-p {top_p}");
+            }
+        }
     }
 }
