@@ -552,7 +552,7 @@ mod tests {
         for (ti, &(temperature, top_k, top_p, min_p)) in grid.iter().enumerate() {
             let rows: Vec<RowSpec> = (0..64)
                 .map(|i| RowSpec {
-                    params: SamplingParams { temperature, top_k, top_p, min_p, ..Default::default() },
+                    params: SamplingParams { temperature, top_k, top_p, min_p },
                     logprobs: if i % 2 == 0 { LogprobMode::Sampling } else { LogprobMode::Raw },
                     uniform: ((i as f32 + ti as f32 * 0.37) * 0.618_034).fract(),
                 })
