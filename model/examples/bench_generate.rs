@@ -26,6 +26,9 @@ struct Args {
     new_tokens: usize,
     threads: i32,
     skip_transformers: bool,
+    /// Sampling settings, the same on both sides (pure sampling by default; the seeds use e.g.
+    /// `--temperature 0.7 --top-p 0.9`).
+    sampling: SamplingParams,
 }
 
 fn parse_args() -> Args {
@@ -34,6 +37,7 @@ fn parse_args() -> Args {
         new_tokens: 128,
         threads: 2,
         skip_transformers: false,
+        sampling: SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0 },
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -49,6 +53,9 @@ fn parse_args() -> Args {
             "--new-tokens" => args.new_tokens = it.next().unwrap().parse().unwrap(),
             "--threads" => args.threads = it.next().unwrap().parse().unwrap(),
             "--skip-transformers" => args.skip_transformers = true,
+            "--temperature" => args.sampling.temperature = it.next().unwrap().parse().unwrap(),
+            "--top-p" => args.sampling.top_p = it.next().unwrap().parse().unwrap(),
+            "--top-k" => args.sampling.top_k = it.next().unwrap().parse().unwrap(),
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -107,15 +114,10 @@ fn notes_roofline(batch: usize) -> f64 {
     (42.0 * batch as f64).min(670.0)
 }
 
-fn run_cotrain(engine: &mut Engine, prompt: &[u32], batch: usize, new_tokens: usize) -> f64 {
+fn run_cotrain(engine: &mut Engine, prompt: &[u32], batch: usize, new_tokens: usize, params: SamplingParams) -> f64 {
     let requests: Vec<Request> = (0..batch)
         .map(|i| Request {
-            params: SamplingParams {
-                temperature: 1.0,
-                top_k: 0,
-                top_p: 1.0,
-                min_p: 0.0,
-            },
+            params,
             seed: i as u64,
             stop: StopConditions {
                 max_new_tokens: new_tokens,
@@ -156,6 +158,12 @@ fn run_transformers(args: &Args) -> Result<Vec<(usize, f64)>, String> {
             &args.new_tokens.to_string(),
             "--threads",
             &args.threads.to_string(),
+            "--temperature",
+            &args.sampling.temperature.to_string(),
+            "--top-p",
+            &args.sampling.top_p.to_string(),
+            "--top-k",
+            &args.sampling.top_k.to_string(),
         ]);
     let out = cmd
         .output()
@@ -200,10 +208,10 @@ fn main() {
     );
     let mut engine = Engine::new(loaded);
     eprintln!("prompt: {} tokens; warm-up", prompt.len());
-    run_cotrain(&mut engine, &prompt, 2, 16);
+    run_cotrain(&mut engine, &prompt, 2, 16, args.sampling);
     let mut ours = Vec::new();
     for &b in &args.batches {
-        let tps = run_cotrain(&mut engine, &prompt, b, args.new_tokens);
+        let tps = run_cotrain(&mut engine, &prompt, b, args.new_tokens, args.sampling);
         eprintln!("cotrain batch {b}: {tps:.1} tokens/s");
         ours.push((b, tps));
     }
@@ -217,8 +225,16 @@ fn main() {
     if let Err(note) = &theirs {
         eprintln!("transformers: {note}");
     }
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| t.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
+        .unwrap_or_else(|| "unknown CPU".into());
+    let s = args.sampling;
     println!(
-        "SmolLM2-135M f32, sampling (T=1), {} new tokens, EOS ignored, {} threads; roofline from this run: read {:.1} GB/s, matmul {:.0} GFLOP/s",
+        "SmolLM2-135M f32 on {cpu}, sampling (temperature {}, top-p {}, top-k {}), {} new tokens, EOS ignored, {} threads; roofline from this run: read {:.1} GB/s, matmul {:.0} GFLOP/s",
+        s.temperature,
+        s.top_p,
+        s.top_k,
         args.new_tokens,
         args.threads,
         roof.bandwidth / 1e9,

@@ -32,15 +32,15 @@ def log(msg):
 
 
 @torch.no_grad()
-def sample(model, ids, batch, new_tokens):
+def sample(model, ids, batch, new_tokens, temperature=1.0, top_p=1.0, top_k=0):
     input_ids = torch.tensor([ids] * batch)
     out = model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
         do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
         max_new_tokens=new_tokens,
         eos_token_id=None,
         pad_token_id=2,
@@ -55,6 +55,9 @@ def main():
     ap.add_argument("batches", nargs="*", type=int, default=[1, 8, 32], help="batch sizes to time")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens sampled per sequence")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 disables)")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k (0 disables)")
     ap.add_argument("--model", type=Path,
                     default=Path(os.environ.get("COTRAIN_DEFAULT_MODEL", DEFAULT_MODEL)),
                     help="SmolLM2 GGUF file (default: $COTRAIN_DEFAULT_MODEL)")
@@ -71,11 +74,12 @@ def main():
     model.eval()
     ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
     log(f"prompt: {len(ids)} tokens; warm-up")
-    sample(model, ids, min(args.batches), 16)
+    settings = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    sample(model, ids, min(args.batches), 16, **settings)
 
     for batch in args.batches:
         start = time.perf_counter()
-        sample(model, ids, batch, args.new_tokens)
+        sample(model, ids, batch, args.new_tokens, **settings)
         seconds = time.perf_counter() - start
         print(json.dumps({
             "impl": "transformers",
