@@ -91,7 +91,7 @@ pub struct ConfigArgs {
     pub config: PathBuf,
     /// Deep-merged `key.path=value` pairs (values typed as YAML; Python's `None`/`True`/`False` too),
     /// e.g. `--override magrpo.learning_rate=1e-5 magrpo.num_train_epochs=2`; the flag may repeat.
-    #[arg(long = "override", value_name = "KEY=VALUE", num_args = 1.., action = clap::ArgAction::Append, allow_hyphen_values = false)]
+    #[arg(long = "override", value_name = "KEY=VALUE", num_args = 1.., action = clap::ArgAction::Append)]
     pub overrides: Vec<String>,
     /// Legacy: sets `model.name`.
     #[arg(long = "model_name", alias = "model-name")]
@@ -199,14 +199,18 @@ pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize
     let data = crate::data::load_split(&cfg.raw.dataset, spec)?;
     let prompter = crate::prompts::Prompter::from_config(cfg).with_context(|| cfg.source.display().to_string())?;
     let encoding = PromptEncoding::from_config(cfg);
-    let mut models = Vec::new();
+    // Agents naming the same model share one tokenizer and chat template.
+    let mut sides = std::collections::BTreeMap::new();
     for name in &cfg.agent_models {
-        let side = cotrain_model::loader::load_text_side(name).with_context(|| format!("model `{name}`"))?;
-        models.push(side);
+        if !sides.contains_key(name) {
+            let side = cotrain_model::loader::load_text_side(name).with_context(|| format!("model `{name}`"))?;
+            sides.insert(name.clone(), side);
+        }
     }
     let count = limit.unwrap_or(data.items.len()).min(data.items.len());
     for index in 0..count {
-        for (agent, (tokenizer, template)) in models.iter().enumerate() {
+        for (agent, name) in cfg.agent_models.iter().enumerate() {
+            let (tokenizer, template) = &sides[name];
             let p = render_prompt(&data, index, agent, tokenizer, template.as_ref(), &prompter, &encoding)?;
             let line = serde_json::json!({"item_index": index, "agent": agent, "text": p.text, "tokens": p.ids.len()});
             writeln!(out, "{line}")?;

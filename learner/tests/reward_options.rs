@@ -7,17 +7,18 @@ use std::time::Duration;
 
 use cotrain_learner::config::{CheckedConfig, LegacyFlags, merged_value};
 use cotrain_learner::services::{GrpcReward, embedded::EmbeddedReward};
-use cotrain_learner::trainer::{RewardSource, ScoreAction};
+use cotrain_learner::trainer::{RewardSource, Score, ScoreAction};
 
 fn config(extra: &str) -> CheckedConfig {
     let yaml = format!("model: {{name: m}}\ndataset: {{name: humaneval}}\nmagrpo: {{}}\n{extra}");
     CheckedConfig::from_value(merged_value(&yaml, "t.yaml", &[], &LegacyFlags::default()).unwrap(), Path::new("t.yaml")).unwrap()
 }
 
-fn score(reward: &EmbeddedReward, rt: &std::sync::Arc<tokio::runtime::Runtime>, cfg: &CheckedConfig, task: &str, action: ScoreAction) -> f64 {
+/// Scores one joint action through a client that sends `cfg`'s reward options, as the trainer's does.
+fn score(reward: &EmbeddedReward, rt: &std::sync::Arc<tokio::runtime::Runtime>, cfg: &CheckedConfig, task: &str, action: ScoreAction) -> Score {
     let mut client =
         GrpcReward::connect(rt.clone(), &reward.grpc.to_string(), Duration::from_secs(60)).unwrap().with_options(&cfg.score_options);
-    client.score(task, &[action]).unwrap()[0].reward
+    client.score(task, &[action]).unwrap().remove(0)
 }
 
 #[test]
@@ -25,8 +26,8 @@ fn config_reward_options_change_what_the_reward_server_computes() {
     let rt = cotrain_learner::services::runtime().unwrap();
     let server = EmbeddedReward::start(rt.clone()).unwrap();
 
-    // arXiv length ratio 1.45 (both texts 150 words): the newest table gives level 2 = 1.0, the
-    // earlier one 1 − (1.45 − 1.3)/0.2 = 0.25.
+    // arXiv length ratio ρ ≈ 1.40 (both texts 150 words): the newest table gives level 2 = 1.0,
+    // the earlier one 1 − (ρ − 1.3)/0.2.
     let words = |n: usize, w: &str| vec![w; n].join(" ");
     // 150 words of 4 and of 6 characters: ρ = (150·7 − 1)/(150·5 − 1) ≈ 1.40.
     let first = words(150, "aaaa");
@@ -38,11 +39,7 @@ fn config_reward_options_change_what_the_reward_server_computes() {
         completion_ids: vec![vec![], vec![]],
         item: serde_json::json!({"article_id": "1", "abstract_text": "x"}),
     };
-    let level2 = |cfg: &CheckedConfig| {
-        let mut client =
-            GrpcReward::connect(rt.clone(), &server.grpc.to_string(), Duration::from_secs(60)).unwrap().with_options(&cfg.score_options);
-        client.score("arxiv", &[arxiv()]).unwrap()[0].levels["level_2"]
-    };
+    let level2 = |cfg: &CheckedConfig| score(&server, &rt, cfg, "arxiv", arxiv()).levels["level_2"];
     assert_eq!(level2(&config("")), 1.0);
     let earlier = 1.0 - (rho - 1.3) / 0.2;
     assert!((level2(&config("reward: {writing_ratio_version: earlier}\n")) - earlier).abs() < 1e-9);
@@ -59,7 +56,7 @@ fn config_reward_options_change_what_the_reward_server_computes() {
     });
     let main = "def double(x):\n    def helper(y):\n        return y * 2\n    r = helper(x)\n    return r\n";
     let action = || ScoreAction { completions: vec![main.to_string()], completion_ids: vec![vec![]], item: item.clone() };
-    assert!((score(&server, &rt, &config(""), "code", action()) - 1.1).abs() < 1e-9);
+    assert!((score(&server, &rt, &config(""), "code", action()).reward - 1.1).abs() < 1e-9);
     let structural = config("reward: {options: {code_functions: structural}}\n");
-    assert!((score(&server, &rt, &structural, "code", action()) - 2.1).abs() < 1e-9);
+    assert!((score(&server, &rt, &structural, "code", action()).reward - 2.1).abs() < 1e-9);
 }

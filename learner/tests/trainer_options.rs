@@ -333,7 +333,7 @@ fn data_order_and_evaluation_rhythm_follow_the_original() {
                 magrpo:\n  num_agents: 2\n  num_generations: 2\n  max_new_tokens: 2\n  learning_rate: 0.001\n  \
                 num_train_epochs: 1\n  rollout_buffer_size: 1\n  eval_interval: 4\n  eval_num_samples: 2\n  save_steps: 100000\n\
                 logging: {tensorboard: false, plots: false, progress: never}\n";
-    let reward = || Box::new(train_common::TokenRule { rule: |t: &[u32]| t[0] % 2 == 0 });
+    let reward = || Box::new(train_common::TokenRule { rule: |t: &[u32]| t[0].is_multiple_of(2) });
     // The dataset's order, as the original's DataLoader(shuffle=False); a seeded permutation only
     // when asked.
     let cfg = config(yaml, &[]);

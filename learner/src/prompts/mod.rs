@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 pub use code::signature_params;
 pub use discussion::{discussion_followup, verifier_reading};
 pub use multiturn::{NextTurn, TurnRecord, compose_next_turn};
-pub use template::{Prompter, TemplateError, default_template, default_template_name};
+pub use template::{Prompter, TemplateError, default_template_name};
 
 /// One chat message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

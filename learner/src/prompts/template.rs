@@ -69,11 +69,6 @@ pub fn default_template_name(item: &TaskItem, agent: usize, num_agents: usize) -
     }
 }
 
-/// The embedded text of a default template.
-pub fn default_template(name: &str) -> Option<&'static str> {
-    DEFAULTS.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)
-}
-
 /// The prompt templates of a run: per agent, the config's template or the task default.
 pub struct Prompter {
     env: Environment<'static>,

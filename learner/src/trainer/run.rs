@@ -37,7 +37,7 @@ use super::policy::{AgentBatches, Policy, TrainSample, UpdateStats};
 use super::sources::{CodeOutcome, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
 use super::{TrainError, TrainItem};
 use crate::algo::{AdvantageOptions, LossOptions, RewardProcessor, RolloutBuffer, joint_actions, node_advantages};
-use crate::checkpoint::{TrainState, latest_checkpoint, load_checkpoint, save_checkpoint};
+use crate::checkpoint::{TrainState, latest_checkpoint, load_checkpoint, read_weights, save_checkpoint};
 use crate::config::{CheckedConfig, JointMode, ProgressMode};
 use crate::metrics::MetricsWriter;
 
@@ -201,15 +201,9 @@ impl Trainer {
     /// evaluation: optimiser state is neither read nor allocated.
     pub fn restore_weights(&mut self, dir: &Path) -> Result<(), TrainError> {
         for (i, p) in self.s.policies.iter().enumerate() {
-            let path = dir.join(format!("agent-{i}")).join("model.safetensors");
-            if !path.is_file() {
-                return Err(TrainError::Checkpoint(format!("{}: no such file (is {} a checkpoint of this config?)", path.display(), dir.display())));
-            }
-            let tensors: std::collections::HashMap<String, tch::Tensor> = tch::Tensor::read_safetensors(&path)
-                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?
-                .into_iter()
-                .collect();
-            p.model.load_named_tensors(&tensors).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+            let tensors: std::collections::HashMap<String, tch::Tensor> =
+                read_weights(dir, i).map_err(|e| TrainError::Checkpoint(e.to_string()))?.into_iter().collect();
+            p.model.load_named_tensors(&tensors).map_err(|e| TrainError::Checkpoint(format!("{} policy {i}: {e}", dir.display())))?;
         }
         info!(checkpoint = %dir.display(), "weights loaded");
         Ok(())

@@ -106,6 +106,7 @@ impl CodeOutcome {
     /// Reads the code reward's details (`passed_tests`, `total_tests`, `bonus.total`); `None` when
     /// they are not a code reward's.
     pub fn from_details(details: &serde_json::Value) -> Option<Self> {
+        use serde::Deserialize;
         #[derive(serde::Deserialize)]
         struct Bonus {
             total: f64,
@@ -116,7 +117,7 @@ impl CodeOutcome {
             total_tests: u64,
             bonus: Option<Bonus>,
         }
-        let d: Details = serde_json::from_value(details.clone()).ok()?;
+        let d = Details::deserialize(details).ok()?;
         Some(Self { passed_tests: d.passed_tests, total_tests: d.total_tests, cooperation_bonus: d.bonus.map_or(0.0, |b| b.total) })
     }
 

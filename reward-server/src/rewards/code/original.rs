@@ -158,14 +158,6 @@ pub fn prompt_imports(prompt: &str) -> Vec<String> {
     out
 }
 
-/// The program: imports, then aux, then main, each cleaned again, the non-empty ones joined by a
-/// blank line.
-pub fn program(aux: &str, main: &str, imports: &[String]) -> String {
-    let imports = imports.join("\n");
-    let parts = [imports, cleanup(aux), cleanup(main)];
-    parts.into_iter().filter(|p| !p.is_empty()).collect::<Vec<_>>().join("\n\n")
-}
-
 /// The tests: lines of `check`'s body (up to the next blank-line-then-`def`, or the end) that start
 /// with `assert` plus whitespace and contain `candidate`, stripped, deduplicated, `candidate`
 /// replaced by the entry point everywhere in the line.
@@ -310,6 +302,5 @@ mod tests {
     fn imports_come_from_every_prompt_line() {
         let p = "from typing import List\nimport math\n\ndef f():\n    \"\"\"\n    import os\n    \"\"\"\nfrom typing import List\n";
         assert_eq!(prompt_imports(p), vec!["from typing import List", "import math", "import os"]);
-        assert_eq!(program("def aux():\n    return 1", "", &prompt_imports("import math")), "import math\n\ndef aux():\n    return 1");
     }
 }
