@@ -9,6 +9,7 @@ pub mod cli;
 pub mod config;
 pub mod data;
 pub mod export;
+pub mod external;
 pub mod prompts;
 pub mod checkpoint;
 pub mod metrics;

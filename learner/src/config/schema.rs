@@ -195,9 +195,28 @@ pub struct ExternalConfig {
     /// Model for `expert_edits` (OpenAI-compatible chat API).
     #[serde(default)]
     pub expert_model: Option<String>,
-    /// Base URL of the OpenAI-compatible endpoint for `expert_edits`.
+    /// Base URL of the OpenAI-compatible endpoint for `expert_edits` (`http://host:port/v1`).
     #[serde(default)]
     pub expert_base_url: Option<String>,
+    /// The environment variable holding the expert endpoint's API key (unset variable: no key sent).
+    #[serde(default = "default_expert_api_key_env")]
+    pub expert_api_key_env: String,
+    /// Seconds one expert request may take.
+    #[serde(default = "default_expert_timeout_secs")]
+    pub expert_timeout_secs: u64,
+    /// Tokens the expert may write.
+    #[serde(default = "default_expert_max_tokens")]
+    pub expert_max_tokens: u32,
+}
+
+fn default_expert_api_key_env() -> String {
+    "OPENAI_API_KEY".to_string()
+}
+fn default_expert_timeout_secs() -> u64 {
+    120
+}
+fn default_expert_max_tokens() -> u32 {
+    512
 }
 
 impl Default for ExternalConfig {
@@ -210,6 +229,9 @@ impl Default for ExternalConfig {
             history: false,
             expert_model: None,
             expert_base_url: None,
+            expert_api_key_env: default_expert_api_key_env(),
+            expert_timeout_secs: default_expert_timeout_secs(),
+            expert_max_tokens: default_expert_max_tokens(),
         }
     }
 }
@@ -310,8 +332,12 @@ pub struct TrainerSection {
     #[serde(default = "default_save_steps")]
     pub save_steps: usize,
     /// Multi-turn variant: tree rollout with returns (current) or handoff (September 2025 release).
-    #[serde(default)]
-    pub multi_turn: MultiTurnMode,
+    /// `multi_turn` is accepted as an older spelling.
+    #[serde(default, alias = "multi_turn")]
+    pub rollout: MultiTurnMode,
+    /// Tree rollout: the most nodes one item may grow (G^T aligned, G^(N·T) cross without early stops).
+    #[serde(default = "default_max_nodes_per_item")]
+    pub max_nodes_per_item: usize,
     #[serde(default)]
     pub handoff: Handoff,
     /// Per-turn loss weights; length must equal `num_turns` (all 1.0 when absent).
@@ -380,6 +406,9 @@ fn default_logging_steps() -> usize {
 }
 fn default_save_steps() -> usize {
     200
+}
+fn default_max_nodes_per_item() -> usize {
+    1024
 }
 fn default_early_termination_weight() -> f64 {
     2.0
