@@ -1,0 +1,2 @@
+//! What multi-turn training asks of the outside world between turns: the `expert_edits` transition's
+//! expert model, reached over any OpenAI-compatible chat API ([`expert`]).
