@@ -88,7 +88,7 @@ fn main() -> anyhow::Result<()> {
         agent_policy: vec![0, 1],
         rollout: Box::new(rollout),
         reward: Box::new(Parity),
-        train_items: vec![TrainItem { index: 0, item: serde_json::Value::Null, prompts: vec![prompt.clone(), prompt.clone()] }],
+        train_items: vec![TrainItem { index: 0, item: serde_json::Value::Null, prompts: vec![prompt.clone(), prompt.clone()], texts: vec![PROMPT.into(), PROMPT.into()] }],
         eval_items: vec![],
     })?;
     trainer.ignore_eos = true;

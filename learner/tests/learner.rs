@@ -38,11 +38,9 @@ fn every_file_in_configs_loads_and_validates() {
         if name.starts_with("mt_") {
             assert!(cfg.is_multi_turn(), "{name}");
             assert_eq!(cfg.turn_gradient_weights, vec![1.2, 0.8]);
-            let err = cotrain_learner::cli::ensure_trainable(&cfg).unwrap_err().to_string();
-            assert!(err.contains("multi-turn trainer"), "{err}");
-        } else {
-            cotrain_learner::cli::ensure_trainable(&cfg).unwrap();
+            assert_eq!(cfg.trainer.rollout, cotrain_learner::config::MultiTurnMode::Handoff, "{name}");
         }
+        cotrain_learner::cli::ensure_trainable(&cfg).unwrap_or_else(|e| panic!("{name}: {e}"));
         if name.starts_with("grpo_") {
             assert_eq!((cfg.algorithm, cfg.num_agents), (Algorithm::Grpo, 1), "{name}");
         }
@@ -241,17 +239,20 @@ fn one_override_flag_takes_several_pairs_as_the_seed_readme_types_them() {
 }
 
 #[test]
-fn train_refuses_multi_turn_configs_clearly() {
-    use clap::Parser;
-    let cli = cotrain_learner::cli::Cli::try_parse_from([
-        "learner",
-        "train",
-        "--config",
-        repo().join("configs/mt_magrpo_he_config.yaml").to_str().unwrap(),
-    ])
+fn multi_turn_configs_that_cannot_run_are_refused_naming_the_key() {
+    let mt = repo().join("configs/mt_magrpo_he_config.yaml");
+    // A cross tree of 2 agents x G 4 over 3 turns: 1 + 16 + 256 nodes per item.
+    let big = load_config(
+        &mt,
+        &["magrpo.rollout=tree".into(), "magrpo.joint_mode=cross".into(), "magrpo.num_turns=3".into(), "magrpo.turn_gradient_weights=[1,1,1]".into(), "magrpo.max_nodes_per_item=100".into()],
+        &LegacyFlags::default(),
+    )
     .unwrap();
-    let e = cotrain_learner::cli::run(cli).unwrap_err().to_string();
-    assert!(e.contains("multi-turn trainer"), "{e}");
+    let e = cotrain_learner::cli::ensure_trainable(&big).unwrap_err().to_string();
+    assert!(e.contains("273 nodes") && e.contains("max_nodes_per_item = 100") && e.contains("G^(N*T)"), "{e}");
+    let expert = load_config(&mt, &["external.mode=expert_edits".into()], &LegacyFlags::default()).unwrap();
+    let e = cotrain_learner::cli::ensure_trainable(&expert).unwrap_err().to_string();
+    assert!(e.contains("external.expert_model is not set"), "{e}");
 }
 
 #[test]
@@ -436,7 +437,7 @@ fn loss_of(agent: usize, adv: &[f64]) -> f64 {
     let [a0, a1] = fixed_logprobs();
     let (lp, mask) = if agent == 0 { a0 } else { a1 };
     let adv = Tensor::from_slice(adv);
-    let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, ref_logprobs: None };
+    let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, ref_logprobs: None, weights: None };
     policy_loss(&b, &LossOptions::original()).unwrap().loss.double_value(&[])
 }
 
@@ -509,7 +510,7 @@ fn clipping_and_kl_options_match_hand_computation() {
     let rf = Tensor::from_slice(&[-0.9f64, -1.2]).reshape([1, 2]);
     let mask = Tensor::ones([1, 2], (Kind::Double, tch::Device::Cpu));
     let adv = Tensor::from_slice(&[1.0f64]);
-    let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: Some(&old), ref_logprobs: Some(&rf) };
+    let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: Some(&old), ref_logprobs: Some(&rf), weights: None };
     let clip = LossOptions { clip: Some((0.2, 0.2)), ..LossOptions::original() };
     let out = policy_loss(&b, &clip).unwrap();
     close(out.policy_loss, -(1.2 + (-0.2f64).exp()));

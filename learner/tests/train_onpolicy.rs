@@ -95,16 +95,6 @@ fn stale_samples_twice_in_a_row_stop_the_run() {
 }
 
 #[test]
-fn multi_turn_configs_are_refused_with_a_clear_error() {
-    let cfg = config(&YAML.replace("grpo:\n", "grpo:\n  num_turns: 2\n"), &[]);
-    let err = match cotrain_learner::trainer::build(&cfg, std::env::temp_dir().join("never-used")) {
-        Err(e) => e.to_string(),
-        Ok(_) => panic!("multi-turn must be refused"),
-    };
-    assert!(err.contains("num_turns is 2") && err.contains("multi-turn trainer is not built yet"), "{err}");
-}
-
-#[test]
 fn asynchronous_rollouts_are_refused_rather_than_run_synchronously() {
     let cfg = config(&format!("{YAML}rollout: {{max_off_policy_steps: 2}}\n"), &[]);
     let err = match cotrain_learner::trainer::build(&cfg, std::env::temp_dir().join("never-used")) {

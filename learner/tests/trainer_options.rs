@@ -81,7 +81,7 @@ fn assert_moved(before: &LoadedModel, after: &LoadedModel) {
 }
 
 fn sample(prompt: &[u32], completion: &[u32], advantage: f64) -> TrainSample {
-    TrainSample { prompt: prompt.to_vec(), completion: completion.to_vec(), advantage, old_logprobs: Vec::new() }
+    TrainSample { prompt: prompt.to_vec(), completion: completion.to_vec(), advantage, weight: 1.0, old_logprobs: Vec::new() }
 }
 
 #[test]
@@ -299,7 +299,7 @@ fn cross_mode_scores_every_combination_and_credits_each_completion_with_its_sum(
         let train: Vec<TrainSample> = samples[a]
             .iter()
             .zip(advantages[a])
-            .map(|(s, adv)| TrainSample { prompt: prompts[a].clone(), completion: s.token_ids.clone(), advantage: adv, old_logprobs: Vec::new() })
+            .map(|(s, adv)| TrainSample { prompt: prompts[a].clone(), completion: s.token_ids.clone(), advantage: adv, weight: 1.0, old_logprobs: Vec::new() })
             .collect();
         reference_update(&hand, 1, |m| {
             let k = train.len() as f64;

@@ -23,6 +23,9 @@ pub struct PolicyBatch<'a> {
     pub old_logprobs: Option<&'a Tensor>,
     /// Frozen reference log-probs; required when the KL penalty is on.
     pub ref_logprobs: Option<&'a Tensor>,
+    /// Per-sample loss weights (K,) (multi-turn: the turn weight of each sample's node); all 1 when
+    /// absent.
+    pub weights: Option<&'a Tensor>,
 }
 
 /// How the loss is formed.
@@ -107,7 +110,8 @@ fn reduce(x: &Tensor, mask: &Tensor, norm: LossNormalization) -> Result<Tensor, 
     }
 }
 
-/// The loss of one batch: L = scale · [(1/K) Σ_k ℓ_k + kl_coef · (1/K) Σ_k P_k], with
+/// The loss of one batch: L = scale · [(1/K) Σ_k w_k·ℓ_k + kl_coef · (1/K) Σ_k w_k·P_k] (w_k the
+/// sample weights, 1 when absent), with
 /// P_k = KL3_k (k3) or P_k = sg(KL1_k) · reduce_t(log π_k,t) (k1, whose gradient in expectation is
 /// ∇KL(π_θ‖π_ref)).
 /// Without clipping ℓ_k = −A_k · reduce_t(log π_t); with clipping the per-token term is
@@ -126,6 +130,11 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
         return Err(LossError::Shape(format!("advantages {:?} vs K = {}", batch.advantages.size(), dims[0])));
     }
     let k = dims[0].max(1) as f64;
+    let weights = match batch.weights {
+        Some(w) if w.size() != [dims[0]] => return Err(LossError::Shape(format!("weights {:?} vs K = {}", w.size(), dims[0]))),
+        Some(w) => w.f_to_kind(Kind::Double)?,
+        None => Tensor::f_ones([dims[0]], (Kind::Double, lp.device()))?,
+    };
     let mask = batch.mask.f_to_kind(lp.kind())?;
     let adv = batch.advantages.f_to_kind(Kind::Double)?;
     let tokens = mask.f_sum(Kind::Double)?.double_value(&[]);
@@ -150,7 +159,7 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
             (reduce(&per_token, &mask, opts.normalization)?, frac)
         }
     };
-    let policy = per_sample.f_sum(Kind::Double)?.f_div_scalar(k)?;
+    let policy = per_sample.f_mul(&weights)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
     let policy_value = policy.double_value(&[]);
 
     let (total, kl_value) = match opts.kl {
@@ -171,7 +180,7 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
                 // releases shape it, without the group baseline on the KL part).
                 KlEstimator::K1 => {
                     let kl_k = reduce(&d.f_neg()?, &mask, opts.normalization)?.detach();
-                    let pen = kl_k.f_mul(&reduce(lp, &mask, opts.normalization)?)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
+                    let pen = kl_k.f_mul(&reduce(lp, &mask, opts.normalization)?)?.f_mul(&weights)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
                     (kl_k.f_sum(Kind::Double)?.f_div_scalar(k)?, pen)
                 }
                 // k3 = exp(d) − d − 1 (unbiased, always ≥ 0, low variance): differentiated directly,
@@ -179,8 +188,10 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
                 // arXiv 2402.03300).
                 KlEstimator::K3 => {
                     let per_token = d.f_exp()?.f_sub(&d)?.f_sub_scalar(1.0)?;
-                    let kl = reduce(&per_token, &mask, opts.normalization)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
-                    (kl.shallow_clone(), kl)
+                    let per_sample_kl = reduce(&per_token, &mask, opts.normalization)?;
+                    let kl = per_sample_kl.f_sum(Kind::Double)?.f_div_scalar(k)?;
+                    let pen = per_sample_kl.f_mul(&weights)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
+                    (kl, pen)
                 }
             };
             let kl_value = kl.double_value(&[]);
@@ -210,12 +221,16 @@ mod tests {
         let lp = t2(&[&[-1.0, -2.0], &[-0.5, -9.0]]);
         let mask = t2(&[&[1.0, 1.0], &[1.0, 0.0]]);
         let adv = Tensor::from_slice(&[1.0, -2.0]);
-        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, ref_logprobs: None };
+        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, ref_logprobs: None, weights: None };
         let out = policy_loss(&b, &LossOptions::original()).unwrap();
         assert!((out.loss.double_value(&[]) - 1.0).abs() < 1e-12);
         assert_eq!(out.tokens, 3.0);
         // token-mean: sample 0 −3/2 = −1.5, sample 1 −0.5: L = (1.5 − 1)/2 = 0.25
         let tm = LossOptions { normalization: LossNormalization::TokenMean, ..LossOptions::original() };
         assert!((policy_loss(&b, &tm).unwrap().loss.double_value(&[]) - 0.25).abs() < 1e-12);
+        // Weights 1.2 and 0.8 (turn weights): L = (1/2)·(1.2·3 + 0.8·(−1)) = 1.4.
+        let w = Tensor::from_slice(&[1.2, 0.8]);
+        let wb = PolicyBatch { weights: Some(&w), ..b };
+        assert!((policy_loss(&wb, &LossOptions::original()).unwrap().loss.double_value(&[]) - 1.4).abs() < 1e-12);
     }
 }

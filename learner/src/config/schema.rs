@@ -585,11 +585,15 @@ pub struct LoggingConfig {
     /// Progress bar: `auto` (when stderr is a terminal), `always`, `never`.
     #[serde(default)]
     pub progress: ProgressMode,
+    /// Write `RUN_DIR/rollouts.jsonl`: one line per node (prompts, completions, rewards, returns,
+    /// advantages) of every step.
+    #[serde(default)]
+    pub rollouts: bool,
 }
 
 impl Default for LoggingConfig {
     fn default() -> Self {
-        Self { run_name: None, tensorboard: true, plots: true, progress: ProgressMode::Auto }
+        Self { run_name: None, tensorboard: true, plots: true, progress: ProgressMode::Auto, rollouts: false }
     }
 }
 

@@ -1,14 +1,14 @@
-//! The reward server's `Score` over gRPC.
+//! The reward server's `Score` and `Analyze` (next-turn feedback) over gRPC.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use cotrain_proto::reward::reward_client::RewardClient;
-use cotrain_proto::reward::{JointAction, ScoreRequest};
+use cotrain_proto::reward::{AnalyzeRequest, JointAction, ScoreRequest};
 use tokio::runtime::Runtime;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::trainer::{CodeOutcome, RewardSource, Score, ScoreAction, TrainError};
+use crate::trainer::{CodeOutcome, FeedbackSpec, RewardSource, Score, ScoreAction, TrainError};
 
 /// See the module docs.
 pub struct GrpcReward {
@@ -70,6 +70,48 @@ impl RewardSource for GrpcReward {
                 }
             })
             .collect())
+    }
+
+    fn feedback(&mut self, task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
+        let score: serde_json::Value = if self.options_json.is_empty() {
+            serde_json::json!({})
+        } else {
+            serde_json::from_str(&self.options_json).unwrap_or_else(|_| serde_json::json!({}))
+        };
+        let mode = serde_json::to_value(spec.mode).unwrap_or(serde_json::Value::Null);
+        // The server reads 0 as "all tests".
+        let options = serde_json::json!({ "sandbox_slice": spec.sandbox_slice.unwrap_or(0), "feedback_mode": mode, "score": score });
+        let req = AnalyzeRequest {
+            task: task.to_string(),
+            actions: actions
+                .iter()
+                .map(|a| JointAction { completions: a.completions.clone(), item_json: a.item.to_string() })
+                .collect(),
+            options_json: options.to_string(),
+        };
+        let mut request = tonic::Request::new(req);
+        request.set_timeout(self.timeout);
+        let mut client = self.client.clone();
+        let resp = self
+            .rt
+            .block_on(client.analyze(request))
+            .map_err(|s| TrainError::Reward(format!("{}: Analyze failed: {} ({:?})", self.endpoint, s.message(), s.code())))?
+            .into_inner();
+        if resp.results.len() != actions.len() {
+            return Err(TrainError::Reward(format!("{}: {} analyses for {} joint actions", self.endpoint, resp.results.len(), actions.len())));
+        }
+        resp.results
+            .iter()
+            .map(|r| {
+                #[derive(serde::Deserialize)]
+                struct Analysis {
+                    feedback: Option<Vec<String>>,
+                }
+                let a: Analysis = serde_json::from_str(&r.analysis_json)
+                    .map_err(|e| TrainError::Reward(format!("{}: unreadable analysis: {e}", self.endpoint)))?;
+                a.feedback.ok_or_else(|| TrainError::Reward(format!("{}: the analysis carries no feedback text", self.endpoint)))
+            })
+            .collect()
     }
 
     fn describe(&self) -> String {

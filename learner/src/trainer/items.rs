@@ -19,6 +19,9 @@ pub struct TrainItem {
     pub item: serde_json::Value,
     /// Prompt token ids, one per agent.
     pub prompts: Vec<Vec<u32>>,
+    /// The first-turn user text of each agent, before any chat template (what later turns quote as
+    /// the original problem and keep in the history).
+    pub texts: Vec<String>,
 }
 
 /// The reward server's task name for a dataset kind.
@@ -81,6 +84,9 @@ pub fn encode_text(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, TrainE
 /// One agent's prompt of one row, as the model receives it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RenderedPrompt {
+    /// The agent's prompt template rendered (the user message).
+    pub user_text: String,
+    /// What the model reads (the user text, or it in the model's chat template).
     pub text: String,
     pub ids: Vec<u32>,
 }
@@ -96,10 +102,10 @@ pub fn render_prompt(
     encoding: &PromptEncoding,
 ) -> Result<RenderedPrompt, TrainError> {
     let row = data.row_offset + index;
-    let text = prompter.render(&data.items[index], row, agent).map_err(|e| TrainError::Config(e.to_string()))?;
-    let text = encoding.model_text(chat_template, &text)?;
+    let user_text = prompter.render(&data.items[index], row, agent).map_err(|e| TrainError::Config(e.to_string()))?;
+    let text = encoding.model_text(chat_template, &user_text)?;
     let ids = encode_text(tokenizer, &text)?;
-    Ok(RenderedPrompt { text, ids })
+    Ok(RenderedPrompt { user_text, text, ids })
 }
 
 /// Builds every row's per-agent prompts; `models[agent]` is the model agent `agent` samples from.
@@ -115,7 +121,7 @@ pub fn prepare_items(
     let n = models.len();
     (0..data.items.len())
         .map(|index| {
-            let prompts = (0..n)
+            let rendered = (0..n)
                 .map(|agent| {
                     let m = models[agent];
                     let p = render_prompt(data, index, agent, &m.tokenizer, m.chat_template.as_ref(), prompter, encoding)?;
@@ -127,10 +133,11 @@ pub fn prepare_items(
                             p.ids.len()
                         )));
                     }
-                    Ok(p.ids)
+                    Ok(p)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            Ok(TrainItem { index, item: item_json(&data.items[index]), prompts })
+            let (prompts, texts) = rendered.into_iter().map(|p| (p.ids, p.user_text)).unzip();
+            Ok(TrainItem { index, item: item_json(&data.items[index]), prompts, texts })
         })
         .collect()
 }

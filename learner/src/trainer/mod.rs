@@ -20,8 +20,12 @@
 
 pub mod items;
 pub mod policy;
+pub mod rollout;
+pub mod rollout_log;
 pub mod run;
 pub mod sources;
+pub mod transition;
+pub mod tree;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -34,7 +38,7 @@ use tracing::info;
 pub use items::{TrainItem, prepare_items};
 pub use policy::{AgentBatches, Policy, TrainSample, UpdateStats};
 pub use run::{RunSummary, Trainer, TrainerSetup, derive_seed};
-pub use sources::{CodeOutcome, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
+pub use sources::{CodeOutcome, FeedbackSpec, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
 
 use crate::algo::AdamWConfig;
 use crate::config::{CheckedConfig, Dtype};
@@ -185,16 +189,39 @@ fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
     PathBuf::from(&cfg.raw.output.base_dir).join(name)
 }
 
-/// Refuses configs that ask for a trainer feature that is not built yet, naming the key, so that
-/// no run silently does something other than what its config says.
+/// Refuses configs that ask for a trainer feature that is not built yet, or a run that cannot work
+/// (a rollout tree too large for `max_nodes_per_item`, `expert_edits` without an expert), naming the
+/// key, so that no run silently does something other than what its config says.
 pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
-    if cfg.is_multi_turn() {
-        return Err(TrainError::NotBuilt(format!(
-            "{}: {}.num_turns is {}: the multi-turn trainer is not built yet (single-turn runs use num_turns: 1)",
-            cfg.source.display(),
-            cfg.algorithm.section(),
-            cfg.trainer.num_turns
-        )));
+    let t = &cfg.trainer;
+    let section = cfg.algorithm.section();
+    if cfg.is_multi_turn() && t.rollout == crate::config::MultiTurnMode::Tree {
+        let nodes = tree::max_tree_nodes(t.joint_mode, cfg.num_agents, t.num_generations, t.num_turns);
+        if nodes > t.max_nodes_per_item as u128 {
+            let growth = match t.joint_mode {
+                crate::config::JointMode::Aligned => format!("G^T = {}^{} leaves", t.num_generations, t.num_turns),
+                crate::config::JointMode::Cross => format!("G^(N*T) = {}^({}*{}) leaves", t.num_generations, cfg.num_agents, t.num_turns),
+            };
+            return Err(TrainError::Config(format!(
+                "{}: a {section} tree rollout grows up to {nodes} nodes per item ({growth} without early stops), more than \
+                 {section}.max_nodes_per_item = {}: lower num_generations or num_turns, use joint_mode: aligned or rollout: handoff, \
+                 or raise max_nodes_per_item",
+                cfg.source.display(),
+                t.max_nodes_per_item
+            )));
+        }
+    }
+    let ext = &cfg.raw.external;
+    if cfg.is_multi_turn() && ext.mode == crate::config::ExternalMode::ExpertEdits {
+        for (key, value) in [("expert_model", &ext.expert_model), ("expert_base_url", &ext.expert_base_url)] {
+            if value.is_none() {
+                return Err(TrainError::Config(format!(
+                    "{}: external.mode is expert_edits but external.{key} is not set (any OpenAI-compatible chat endpoint works, \
+                     e.g. a rollout worker's http://HOST:PORT/v1)",
+                    cfg.source.display()
+                )));
+            }
+        }
     }
     if cfg.raw.rollout.max_off_policy_steps > 0 {
         return Err(TrainError::NotBuilt(format!(
@@ -239,7 +266,13 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceG
         train_items,
         eval_items,
     };
-    Ok((Trainer::new(setup)?, guard))
+    let mut trainer = Trainer::new(setup)?;
+    if cfg.is_multi_turn() && cfg.raw.external.mode == crate::config::ExternalMode::ExpertEdits {
+        let expert = crate::external::expert::ExpertClient::from_config(&cfg.raw.external, guard.runtime.clone())
+            .map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
+        trainer = trainer.with_expert(expert);
+    }
+    Ok((trainer, guard))
 }
 
 /// Refuses to resume `run_dir` with a config that would change the run (see

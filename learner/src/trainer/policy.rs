@@ -24,6 +24,8 @@ pub struct TrainSample {
     pub prompt: Vec<u32>,
     pub completion: Vec<u32>,
     pub advantage: f64,
+    /// Multiplies this sample's loss: the turn weight (and early-termination weight) of its node.
+    pub weight: f64,
     /// Behaviour log-probs from the rollout worker (for ratio clipping).
     pub old_logprobs: Vec<f32>,
 }
@@ -132,6 +134,7 @@ impl Policy {
                     let mask = mask.to_kind(Kind::Float);
                     let width = lp.size()[1] as usize;
                     let adv = Tensor::from_slice(&mb.iter().map(|s| s.advantage).collect::<Vec<f64>>());
+                    let weights = Tensor::from_slice(&mb.iter().map(|s| s.weight).collect::<Vec<f64>>());
                     let old = clip.then(|| padded_rows(mb.iter().map(|s| s.old_logprobs.as_slice()), width));
                     let reference = match (&self.reference, loss_opts.kl) {
                         (Some(r), Some(_)) => {
@@ -149,6 +152,7 @@ impl Policy {
                         advantages: &adv,
                         old_logprobs: old.as_ref(),
                         ref_logprobs: reference.as_ref(),
+                        weights: Some(&weights),
                     };
                     let terms = policy_loss(&batch, &opts).map_err(|e| TrainError::Model(format!("loss: {e}")))?;
                     let value = terms.loss.double_value(&[]);

@@ -34,11 +34,14 @@ use rand_chacha::ChaCha8Rng;
 use tracing::{info, warn};
 
 use super::policy::{AgentBatches, Policy, TrainSample, UpdateStats};
-use super::sources::{CodeOutcome, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
+use super::rollout::RolloutPlan;
+use super::sources::{CodeOutcome, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score};
+use super::tree::{Expansion, Forest};
 use super::{TrainError, TrainItem};
-use crate::algo::{AdvantageOptions, LossOptions, RewardProcessor, RolloutBuffer, joint_actions, node_advantages};
+use crate::algo::{AdvantageOptions, LossOptions, RolloutBuffer};
 use crate::checkpoint::{TrainState, latest_checkpoint, load_checkpoint, read_weights, save_checkpoint};
-use crate::config::{CheckedConfig, JointMode, ProgressMode};
+use crate::config::{CheckedConfig, JointMode, MultiTurnMode, ProgressMode};
+use crate::external::expert::ExpertClient;
 use crate::metrics::MetricsWriter;
 
 /// Everything a [`Trainer`] runs with; [`super::build`] makes one from a config, tests assemble their
@@ -75,7 +78,9 @@ pub struct RunSummary {
 
 /// The trainer; see the module docs.
 pub struct Trainer {
-    s: TrainerSetup,
+    pub(super) s: TrainerSetup,
+    /// The expert model of `external.mode: expert_edits`.
+    pub(super) expert: Option<ExpertClient>,
     step: u64,
     epoch: u64,
     position: u64,
@@ -141,6 +146,7 @@ impl Trainer {
             last_checkpoint: None,
             stop_after_steps: None,
             ignore_eos: false,
+            expert: None,
             s,
         })
     }
@@ -222,7 +228,13 @@ impl Trainer {
         Ok(t.elapsed().as_secs_f64())
     }
 
-    fn sampling(&self) -> SamplingSpec {
+    /// Sets the expert client `external.mode: expert_edits` asks for edits.
+    pub fn with_expert(mut self, expert: ExpertClient) -> Self {
+        self.expert = Some(expert);
+        self
+    }
+
+    pub(super) fn sampling(&self) -> SamplingSpec {
         let s = self.s.cfg.sampling;
         SamplingSpec { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, max_new_tokens: s.max_new_tokens, ignore_eos: self.ignore_eos }
     }
@@ -254,68 +266,15 @@ impl Trainer {
         unreachable!("the loop returns on its second attempt")
     }
 
-    fn requests_for(&self, items: &[&TrainItem], n: usize, seed_tag: u64, seed_step: u64) -> (Vec<GenRequest>, Vec<usize>) {
-        let sampling = self.sampling();
-        let mut reqs = Vec::new();
-        let mut agents = Vec::new();
-        for item in items {
-            for (a, prompt) in item.prompts.iter().enumerate() {
-                let p = &self.s.policies[self.s.agent_policy[a]];
-                reqs.push(GenRequest {
-                    agent: p.worker_agent.clone(),
-                    prompt: prompt.clone(),
-                    n,
-                    sampling,
-                    seed: derive_seed(&[self.s.cfg.raw.seed, seed_tag, seed_step, a as u64, item.index as u64]),
-                    min_policy_version: p.wire_version,
-                });
-                agents.push(a);
-            }
-        }
-        (reqs, agents)
-    }
-
-    /// Scores every item's joint actions in one batch; per item, the scores in joint-action order.
-    fn score_items(&mut self, items: &[&TrainItem], samples: &[Vec<GenSample>], g: usize, mode: JointMode) -> Result<Vec<Vec<Score>>, TrainError> {
-        let n = self.s.cfg.num_agents;
-        let actions_of = joint_actions(mode, n, g);
-        let mut batch = Vec::new();
-        for (j, item) in items.iter().enumerate() {
-            for action in &actions_of {
-                let picks: Vec<&GenSample> = action.iter().enumerate().map(|(a, &k)| &samples[j * n + a][k]).collect();
-                batch.push(ScoreAction {
-                    completions: picks.iter().map(|s| s.text.clone()).collect(),
-                    completion_ids: picks.iter().map(|s| s.token_ids.clone()).collect(),
-                    item: item.item.clone(),
-                });
-            }
-        }
-        let scores = if n > 1 && per_agent_task(&self.s.task) {
-            // Tasks scored per answer (GSM8K, ANLI): each agent's completion is scored alone and the
-            // joint reward is the mean over the agents (levels likewise).
-            let singles: Vec<ScoreAction> = batch
-                .iter()
-                .flat_map(|a| {
-                    (0..n).map(move |i| ScoreAction {
-                        completions: vec![a.completions[i].clone()],
-                        completion_ids: vec![a.completion_ids[i].clone()],
-                        item: a.item.clone(),
-                    })
-                })
-                .collect();
-            let s = self.s.reward.score(&self.s.task, &singles)?;
-            if s.len() != singles.len() {
-                return Err(TrainError::Reward(format!("{} scores for {} completions", s.len(), singles.len())));
-            }
-            s.chunks(n).map(mean_score).collect()
-        } else {
-            self.s.reward.score(&self.s.task, &batch)?
+    /// The rollout plan of training: G per node, the configured variant (single-turn: the forest of
+    /// roots only).
+    fn train_plan(&self) -> RolloutPlan {
+        let t = &self.s.cfg.trainer;
+        let expansion = match t.rollout {
+            MultiTurnMode::Tree => Expansion::Tree { termination_threshold: t.termination_threshold },
+            MultiTurnMode::Handoff => Expansion::Handoff { handoff: t.handoff, early_termination_threshold: t.early_termination_threshold },
         };
-        if scores.len() != batch.len() {
-            return Err(TrainError::Reward(format!("{} scores for {} joint actions", scores.len(), batch.len())));
-        }
-        let per = actions_of.len();
-        Ok(scores.chunks(per).map(<[Score]>::to_vec).collect())
+        RolloutPlan { expansion, joint_mode: t.joint_mode, g: t.num_generations, seed_tag: TAG_SAMPLE, seed_step: self.step }
     }
 
     /// One step on the given rows of the train split (see the module docs); returns its scalars.
@@ -323,70 +282,63 @@ impl Trainer {
         let t_step = Instant::now();
         let cfg = self.s.cfg.clone();
         let n = cfg.num_agents;
-        let g = cfg.trainer.num_generations;
         let items: Vec<TrainItem> = rows.iter().map(|&r| self.s.train_items[r].clone()).collect();
         let item_refs: Vec<&TrainItem> = items.iter().collect();
 
-        // 1–2. generate, all (item, agent) pairs at once, and check versions.
-        let t = Instant::now();
-        let (reqs, agents) = self.requests_for(&item_refs, g, TAG_SAMPLE, self.step);
-        let samples = self.generate_checked(&reqs, &agents)?;
-        let t_generate = t.elapsed().as_secs_f64();
-        for (r, s) in reqs.iter().zip(&samples) {
-            if s.len() != g {
-                return Err(TrainError::Rollout(format!("asked agent `{}` for {g} samples, got {}", r.agent, s.len())));
-            }
-        }
+        // 1–3. the forest: generate, check versions, score, grow, depth by depth.
+        let plan = self.train_plan();
+        let (mut forest, times) = self.roll_out(&item_refs, &plan)?;
+        let handoff = cfg.trainer.rollout == MultiTurnMode::Handoff;
+        forest.compute_returns(cfg.trainer.discount, !handoff);
+        forest.compute_advantages(n, &AdvantageOptions::from_section(&cfg.trainer));
+        forest.assign_turn_weights(&cfg.turn_gradient_weights, cfg.trainer.early_termination_weight, handoff);
 
-        // 3. rewards and advantages.
-        let t = Instant::now();
-        let scores = self.score_items(&item_refs, &samples, g, cfg.trainer.joint_mode)?;
-        let t_reward = t.elapsed().as_secs_f64();
-        let processor = RewardProcessor::from_config(&cfg.raw.reward_processor);
-        let adv_opts = AdvantageOptions::from_section(&cfg.trainer);
-
-        // 4. per-agent buffers, one node per item.
-        let mut buffers: Vec<RolloutBuffer<TrainSample>> = (0..n).map(|_| RolloutBuffer::new(items.len())).collect();
-        for (j, item) in items.iter().enumerate() {
-            let rewards: Vec<f64> = scores[j].iter().map(|s| s.reward).collect();
-            let adv = node_advantages(&rewards, n, g, &processor, &adv_opts);
-            for a in 0..n {
-                let node = samples[j * n + a]
-                    .iter()
-                    .enumerate()
-                    .map(|(k, s)| TrainSample {
-                        prompt: item.prompts[a].clone(),
-                        completion: s.token_ids.clone(),
-                        advantage: adv[a][k],
-                        old_logprobs: s.logprobs.clone(),
-                    })
-                    .collect();
-                buffers[a].push_node(node);
-            }
-        }
-
-        // 5. one optimiser round per policy.
+        // 4–5. updates: the groups of nodes the original updates on, one optimiser round per policy each.
         let t = Instant::now();
         let mut loss_opts = LossOptions::from_section(&cfg.trainer);
         loss_opts.scale = 1.0;
         let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
-        let mut per_policy: Vec<UpdateStats> = Vec::new();
-        for pi in 0..self.s.policies.len() {
-            let members: Vec<usize> = (0..n).filter(|&a| self.s.agent_policy[a] == pi).collect();
-            let scale = 1.0 / members.len().max(1) as f64;
-            let batches: Vec<AgentBatches> = members
-                .iter()
-                .map(|&a| AgentBatches { minibatches: buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size), scale })
-                .collect();
-            let stats = self.s.policies[pi].update(&batches, &loss_opts, epochs)?;
-            per_policy.push(stats);
+        let groups = forest.update_groups(items.len(), self.b(), handoff);
+        let mut rounds: Vec<UpdateStats> = Vec::new();
+        let mut updated = vec![false; self.s.policies.len()];
+        for group in &groups {
+            let mut buffers: Vec<RolloutBuffer<TrainSample>> = (0..n).map(|_| RolloutBuffer::new(group.len())).collect();
+            for &id in group {
+                let node = &forest.nodes[id];
+                for (a, buffer) in buffers.iter_mut().enumerate() {
+                    buffer.push_node(
+                        node.samples[a]
+                            .iter()
+                            .enumerate()
+                            .map(|(k, s)| TrainSample {
+                                prompt: node.prompts[a].ids.clone(),
+                                completion: s.token_ids.clone(),
+                                advantage: node.advantages[a][k],
+                                weight: node.turn_weight,
+                                old_logprobs: s.logprobs.clone(),
+                            })
+                            .collect(),
+                    );
+                }
+            }
+            for pi in 0..self.s.policies.len() {
+                let members: Vec<usize> = (0..n).filter(|&a| self.s.agent_policy[a] == pi).collect();
+                let scale = 1.0 / members.len().max(1) as f64;
+                let batches: Vec<AgentBatches> = members
+                    .iter()
+                    .map(|&a| AgentBatches { minibatches: buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size), scale })
+                    .collect();
+                let stats = self.s.policies[pi].update(&batches, &loss_opts, epochs)?;
+                updated[pi] |= stats.steps > 0;
+                rounds.push(stats);
+            }
         }
         let t_train = t.elapsed().as_secs_f64();
 
         // 6. the new weights reach every worker before anything else is sampled.
         let t = Instant::now();
-        for (pi, stats) in per_policy.iter().enumerate() {
-            if stats.steps > 0 {
+        for (pi, changed) in updated.iter().enumerate() {
+            if *changed {
                 let p = &mut self.s.policies[pi];
                 let v = p.wire_version + 1;
                 self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
@@ -395,16 +347,26 @@ impl Trainer {
         }
         let t_sync = t.elapsed().as_secs_f64();
 
+        if cfg.raw.logging.rollouts {
+            let path = self.s.run_dir.join("rollouts.jsonl");
+            crate::trainer::rollout_log::append(&path, self.step, &forest, &item_refs)
+                .map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))?;
+        }
+
         // Metrics.
         let mut m = BTreeMap::new();
-        let all: Vec<&Score> = scores.iter().flatten().collect();
+        let all: Vec<&Score> = forest.nodes.iter().flat_map(|n| &n.scores).collect();
         reward_metrics(&mut m, "", &all);
-        let lens: Vec<f64> = samples.iter().flatten().map(|s| s.token_ids.len() as f64).collect();
+        if cfg.is_multi_turn() {
+            turn_metrics(&mut m, &forest, cfg.trainer.num_turns, items.len());
+        }
+        let samples: Vec<&GenSample> = forest.nodes.iter().flat_map(|n| n.samples.iter().flatten()).collect();
+        let lens: Vec<f64> = samples.iter().map(|s| s.token_ids.len() as f64).collect();
         let gen_tokens: f64 = lens.iter().sum();
         m.insert("completion_len/mean".into(), mean(&lens));
         m.insert("completion_len/max".into(), lens.iter().cloned().fold(0.0, f64::max));
-        m.insert("completion/stopped_frac".into(), mean(&samples.iter().flatten().map(|s| s.stopped as u8 as f64).collect::<Vec<_>>()));
-        let trained: Vec<&UpdateStats> = per_policy.iter().filter(|s| s.skipped.is_none()).collect();
+        m.insert("completion/stopped_frac".into(), mean(&samples.iter().map(|s| s.stopped as u8 as f64).collect::<Vec<_>>()));
+        let trained: Vec<&UpdateStats> = rounds.iter().filter(|s| s.skipped.is_none() && s.steps > 0).collect();
         let avg = |f: fn(&UpdateStats) -> f64| if trained.is_empty() { f64::NAN } else { trained.iter().map(|s| f(s)).sum::<f64>() / trained.len() as f64 };
         m.insert("loss".into(), avg(|s| s.loss));
         m.insert("kl".into(), avg(|s| s.kl));
@@ -413,17 +375,23 @@ impl Trainer {
         if cfg.trainer.ppo_clip.enabled {
             m.insert("clip_fraction".into(), avg(|s| s.clip_fraction));
         }
-        if self.s.policies.len() > 1 {
-            for (pi, s) in per_policy.iter().enumerate() {
-                m.insert(format!("policy{pi}/loss"), if s.skipped.is_some() { f64::NAN } else { s.loss });
+        let policies = self.s.policies.len();
+        if policies > 1 {
+            for pi in 0..policies {
+                let own: Vec<f64> = rounds.iter().skip(pi).step_by(policies).filter(|s| s.skipped.is_none()).map(|s| s.loss).collect();
+                m.insert(format!("policy{pi}/loss"), if own.is_empty() { f64::NAN } else { mean(&own) });
             }
         }
-        m.insert("skipped_updates".into(), per_policy.iter().filter(|s| s.skipped.is_some()).count() as f64);
-        let train_tokens: f64 = per_policy.iter().map(|s| s.tokens).sum();
-        m.insert("tokens_per_s".into(), if t_generate > 0.0 { gen_tokens / t_generate } else { 0.0 });
+        m.insert("skipped_updates".into(), rounds.iter().filter(|s| s.skipped.is_some()).count() as f64);
+        m.insert("optimizer_steps".into(), rounds.iter().map(|s| s.steps as f64).sum::<f64>());
+        let train_tokens: f64 = rounds.iter().map(|s| s.tokens).sum();
+        m.insert("tokens_per_s".into(), if times.generate > 0.0 { gen_tokens / times.generate } else { 0.0 });
         m.insert("train_tokens_per_s".into(), if t_train > 0.0 { train_tokens / t_train } else { 0.0 });
-        m.insert("time/generate".into(), t_generate);
-        m.insert("time/reward".into(), t_reward);
+        m.insert("time/generate".into(), times.generate);
+        m.insert("time/reward".into(), times.reward);
+        if cfg.is_multi_turn() {
+            m.insert("time/transition".into(), times.transition);
+        }
         m.insert("time/train".into(), t_train);
         m.insert("time/weight_sync".into(), t_sync);
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
@@ -432,11 +400,15 @@ impl Trainer {
         Ok(m)
     }
 
-    /// Evaluates on the first `eval_num_samples` eval items with `samples` aligned joint samples per
-    /// item (fixed seeds, so evaluations at different steps are comparable): the mean of the reward
-    /// and of each level over every joint sample and, for code, PassOrNot@k, Accuracy@k and
-    /// MaxCoop@k for each k in `ks` that is at most `samples`. During training the original draws one
-    /// joint sample per item (`samples` = 1); `learner eval --k 1,5,10` draws the largest k.
+    /// Evaluates on the first `eval_num_samples` eval items with `samples` joint samples per item
+    /// (fixed seeds, so evaluations at different steps are comparable). Multi-turn: every joint sample
+    /// is one path through the turns (one sample per agent per turn, the next prompt built from the
+    /// path's previous joint action) that stops at the variant's stopping rule; the path's last turn
+    /// is what the reward and @k metrics read, and each turn's reward is logged. The metrics: the mean
+    /// of the reward and of each level over the paths' last turns and, for code, PassOrNot@k,
+    /// Accuracy@k and MaxCoop@k for each k in `ks` that is at most `samples`. During training the
+    /// original draws one joint sample per item (`samples` = 1); `learner eval --k 1,5,10` draws the
+    /// largest k.
     pub fn evaluate(&mut self, samples: usize, ks: &[usize]) -> Result<BTreeMap<String, f64>, TrainError> {
         let count = self.s.cfg.trainer.eval_num_samples.min(self.s.eval_items.len());
         let items: Vec<TrainItem> = self.s.eval_items[..count].to_vec();
@@ -446,14 +418,29 @@ impl Trainer {
         }
         let t = Instant::now();
         let refs: Vec<&TrainItem> = items.iter().collect();
-        let (reqs, agents) = self.requests_for(&refs, samples, TAG_EVAL, 0);
-        let drawn = self.generate_checked(&reqs, &agents)?;
-        let scores = self.score_items(&refs, &drawn, samples, JointMode::Aligned)?;
-        let all: Vec<&Score> = scores.iter().flatten().collect();
+        let tr = &self.s.cfg.trainer;
+        let expansion = match tr.rollout {
+            MultiTurnMode::Tree => Expansion::Paths { stop_above: tr.termination_threshold, inclusive: false },
+            MultiTurnMode::Handoff => Expansion::Paths { stop_above: tr.early_termination_threshold, inclusive: true },
+        };
+        let plan = RolloutPlan { expansion, joint_mode: JointMode::Aligned, g: samples, seed_tag: TAG_EVAL, seed_step: 0 };
+        let (forest, _) = self.roll_out(&refs, &plan)?;
+        let finals: Vec<Vec<Score>> = (0..items.len()).map(|i| path_final_scores(&forest, i)).collect();
+        let all: Vec<&Score> = finals.iter().flatten().collect();
         reward_metrics(&mut m, "eval/", &all);
+        if self.s.cfg.is_multi_turn() {
+            for turn in 0..self.s.cfg.trainer.num_turns {
+                let at: Vec<&Score> = forest.nodes.iter().filter(|n| n.turn == turn).flat_map(|n| &n.scores).collect();
+                if !at.is_empty() {
+                    reward_metrics(&mut m, &format!("eval/turn_{}/", turn + 1), &at);
+                }
+            }
+            let stopped = forest.nodes.iter().filter(|n| n.early_stop).count() as f64;
+            m.insert("eval/early_terminations".into(), stopped);
+        }
         if self.s.is_code {
             let outcomes: Vec<Vec<CodeOutcome>> =
-                scores.iter().map(|node| node.iter().map(|s| s.code.unwrap_or_default()).collect()).collect();
+                finals.iter().map(|node| node.iter().map(|s| s.code.unwrap_or_default()).collect()).collect();
             for &k in ks.iter().filter(|&&k| k >= 1 && k <= samples) {
                 let at = code_at_k(&outcomes, k);
                 m.insert(format!("eval/pass@{k}"), at.pass);
@@ -638,13 +625,52 @@ pub fn code_at_k(items: &[Vec<CodeOutcome>], k: usize) -> AtK {
     AtK { pass: pass / c, accuracy: accuracy / c, max_coop: max_coop / c }
 }
 
+/// Per turn (from 1): the reward and each level over the turn's joint actions, the mean return, nodes
+/// and early stops; and over the step: nodes per item, early terminations, history truncations.
+fn turn_metrics(m: &mut BTreeMap<String, f64>, forest: &Forest, turns: usize, items: usize) {
+    for turn in 0..turns {
+        let nodes: Vec<&super::tree::Node> = forest.nodes.iter().filter(|n| n.turn == turn).collect();
+        let scores: Vec<&Score> = nodes.iter().flat_map(|n| &n.scores).collect();
+        let prefix = format!("turn_{}/", turn + 1);
+        m.insert(format!("{prefix}nodes"), nodes.len() as f64);
+        if scores.is_empty() {
+            continue;
+        }
+        reward_metrics(m, &prefix, &scores);
+        let returns: Vec<f64> = nodes.iter().flat_map(|n| n.returns.iter().copied()).collect();
+        m.insert(format!("{prefix}return/mean"), mean(&returns));
+        m.insert(format!("{prefix}early_terminations"), nodes.iter().filter(|n| n.early_stop).count() as f64);
+    }
+    m.insert("nodes_per_item".into(), forest.nodes.len() as f64 / items.max(1) as f64);
+    m.insert("early_terminations".into(), forest.nodes.iter().filter(|n| n.early_stop).count() as f64);
+    m.insert("prompt_truncations".into(), forest.nodes.iter().map(|n| n.truncated as f64).sum());
+}
+
+/// The scores of the last turn of each path of an evaluation forest's item, in joint-sample order:
+/// path j starts at the root's joint action j and follows its child (one joint action each) down.
+fn path_final_scores(forest: &Forest, item: usize) -> Vec<Score> {
+    let Some(root) = forest.nodes.iter().find(|n| n.item == item && n.parent.is_none()) else {
+        return Vec::new();
+    };
+    (0..root.scores.len())
+        .map(|j| {
+            let (mut node, mut joint) = (root, j);
+            while let Some(&c) = node.children.iter().find(|&&c| forest.nodes[c].parent_joint == Some(joint)) {
+                node = &forest.nodes[c];
+                joint = 0;
+            }
+            node.scores[joint].clone()
+        })
+        .collect()
+}
+
 /// Tasks whose reward scores one answer at a time.
-fn per_agent_task(task: &str) -> bool {
+pub(super) fn per_agent_task(task: &str) -> bool {
     matches!(task, "gsm8k" | "anli")
 }
 
 /// The mean of several scores (reward and every level); details of each kept in a list.
-fn mean_score(scores: &[Score]) -> Score {
+pub(super) fn mean_score(scores: &[Score]) -> Score {
     let k = scores.len().max(1) as f64;
     let mut levels = BTreeMap::new();
     for s in scores {

@@ -131,10 +131,27 @@ impl CodeOutcome {
     }
 }
 
+/// What a next-turn feedback request asks for (`external.mode`, `external.sandbox_slice`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FeedbackSpec {
+    /// `level_feedback`, `level_passed`, `passed` or `plain` (never `expert_edits`, which the
+    /// learner builds with its expert client).
+    pub mode: crate::config::ExternalMode,
+    /// Tests shown: n > 0 the first n, n < 0 the last |n|, `None` all.
+    pub sandbox_slice: Option<i64>,
+}
+
 /// Where rewards come from.
 pub trait RewardSource: Send {
     /// Scores a batch of joint actions of `task` (`code`, `arxiv`, `tldr`, `gsm8k`, `anli`, or a
     /// test task); results in request order.
     fn score(&mut self, task: &str, actions: &[ScoreAction]) -> Result<Vec<Score>, TrainError>;
+    /// The next-turn feedback text of every agent of every joint action (the reward server's
+    /// `Analyze`): per action, one text per agent, each ending with the request to revise. Sources
+    /// without an analysis refuse, naming themselves.
+    fn feedback(&mut self, task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
+        let _ = (actions, spec);
+        Err(TrainError::Reward(format!("{} gives no next-turn feedback for task `{task}`", self.describe())))
+    }
     fn describe(&self) -> String;
 }

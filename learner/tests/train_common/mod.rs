@@ -98,6 +98,7 @@ pub fn items(rows: usize, agents: usize) -> Vec<TrainItem> {
             index: i,
             item: serde_json::json!({"row": i}),
             prompts: (0..agents).map(|a| vec![65 + a as u32, 97 + i as u32, 48 + (i * 7 % 10) as u32]).collect(),
+            texts: (0..agents).map(|a| format!("{}{}{}", (65 + a as u8) as char, (97 + i as u8) as char, (48 + (i * 7 % 10) as u8) as char)).collect(),
         })
         .collect()
 }

@@ -26,7 +26,8 @@ pub enum FeedbackMode {
 }
 
 /// Optional parts of the next-turn prompt (`external.original_prompt`,
-/// `external.previous_response`). Without a previous response the extracted function is shown.
+/// `external.previous_response`). The learner composes these itself (with the agent's history and
+/// its context budget) and asks for the feedback alone, the default.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct FeedbackContext {
     pub original_prompt: Option<String>,
@@ -91,16 +92,14 @@ fn request(d: &CodeDiagnostics, agent: usize) -> String {
     s
 }
 
-fn preamble(d: &CodeDiagnostics, agent: usize, ctx: &FeedbackContext) -> String {
+fn preamble(ctx: &FeedbackContext) -> String {
     let mut s = String::new();
     if let Some(p) = &ctx.original_prompt {
         let _ = writeln!(s, "Problem:\n{}\n", p.trim_end());
     }
-    let prev = ctx
-        .previous_response
-        .as_deref()
-        .unwrap_or(&d.agents[agent].code);
-    let _ = writeln!(s, "Your previous response:\n{}\n", prev.trim_end());
+    if let Some(prev) = &ctx.previous_response {
+        let _ = writeln!(s, "Your previous response:\n{}\n", prev.trim_end());
+    }
     s
 }
 
@@ -111,7 +110,7 @@ pub fn render(
     agent: usize,
     ctx: &FeedbackContext,
 ) -> String {
-    let mut s = preamble(d, agent, ctx);
+    let mut s = preamble(ctx);
     let is_main = d.agents[agent].role == AgentRole::Main;
     match mode {
         FeedbackMode::LevelFeedback => {
@@ -326,7 +325,8 @@ mod tests {
         d.tests.passed = 2;
         assert!(render(FeedbackMode::Passed, &d, 1, &ctx).contains("All levels passed."));
         let plain = render(FeedbackMode::Plain, &diag(), 0, &FeedbackContext::default());
-        assert!(plain.contains("def aux(a):"));
+        assert!(!plain.contains("def aux(a):"), "without context the feedback is the signals and the request only");
         assert!(!plain.contains("Tests"));
+        assert!(plain.trim_start().starts_with("Revise your function `aux`"));
     }
 }

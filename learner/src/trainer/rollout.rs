@@ -1,0 +1,228 @@
+//! Rolling out one step's forest ([`super::tree`]) depth by depth, batched like a serving system:
+//! every node of one depth (across the step's items) asks the rollout workers in one concurrent
+//! batch, is scored in one reward call, and its children's feedback comes from one analysis call
+//! (or one batch of expert requests).
+
+use std::time::Instant;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use super::items::PromptEncoding;
+use super::run::{Trainer, derive_seed};
+use super::sources::{GenRequest, GenSample, Score, ScoreAction};
+use super::transition::{TransitionInput, extend_history, feedback_texts, fit_prompt};
+use super::tree::{AgentPrompt, Expansion, Forest, Node, expand, node_actions};
+use super::{TrainError, TrainItem};
+use crate::algo::RewardProcessor;
+use crate::config::JointMode;
+use crate::prompts::multiturn::NextTurn;
+
+/// What a rollout is for: training (G per node, the configured variant) or evaluation (k paths).
+#[derive(Debug, Clone, Copy)]
+pub struct RolloutPlan {
+    pub expansion: Expansion,
+    pub joint_mode: JointMode,
+    /// Samples per agent at the roots.
+    pub g: usize,
+    /// Seed tag and step (training: the step; evaluation: 0, so evaluations are comparable).
+    pub seed_tag: u64,
+    pub seed_step: u64,
+}
+
+/// Wall-clock seconds of a rollout's phases.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RolloutTimes {
+    pub generate: f64,
+    pub reward: f64,
+    pub transition: f64,
+}
+
+const TAG_HANDOFF: u64 = 5;
+
+impl Trainer {
+    /// Rolls out `items` to the end of every branch; see the module docs.
+    pub(super) fn roll_out(&mut self, items: &[&TrainItem], plan: &RolloutPlan) -> Result<(Forest, RolloutTimes), TrainError> {
+        let n = self.s.cfg.num_agents;
+        let turns = self.s.cfg.trainer.num_turns;
+        let processor = RewardProcessor::from_config(&self.s.cfg.raw.reward_processor);
+        let mut times = RolloutTimes::default();
+        let mut forest = Forest::default();
+        for (i, item) in items.iter().enumerate() {
+            let prompts = (0..n).map(|a| AgentPrompt { text: item.texts.get(a).cloned().unwrap_or_default(), ids: item.prompts[a].clone() }).collect();
+            forest.nodes.push(Node::new(i, i, 0, 0, plan.g, prompts, vec![Vec::new(); n]));
+        }
+        let mut locals = vec![1usize; items.len()];
+        let mut frontier: Vec<usize> = (0..items.len()).collect();
+        while !frontier.is_empty() {
+            // 1. generate: every (node, agent) of this depth in one batch.
+            let t = Instant::now();
+            let mut reqs = Vec::new();
+            let mut agents = Vec::new();
+            for &id in &frontier {
+                let node = &forest.nodes[id];
+                let item = items[node.item];
+                for a in 0..n {
+                    let p = &self.s.policies[self.s.agent_policy[a]];
+                    // Roots keep the single-turn seed (so single-turn runs draw what they always drew).
+                    let seed = if node.parent.is_none() {
+                        derive_seed(&[self.s.cfg.raw.seed, plan.seed_tag, plan.seed_step, a as u64, item.index as u64])
+                    } else {
+                        derive_seed(&[self.s.cfg.raw.seed, plan.seed_tag, plan.seed_step, a as u64, item.index as u64, node.turn as u64, node.local as u64])
+                    };
+                    reqs.push(GenRequest {
+                        agent: p.worker_agent.clone(),
+                        prompt: node.prompts[a].ids.clone(),
+                        n: node.g,
+                        sampling: self.sampling(),
+                        seed,
+                        min_policy_version: p.wire_version,
+                    });
+                    agents.push(a);
+                }
+            }
+            let mut drawn = self.generate_checked(&reqs, &agents)?.into_iter();
+            for &id in &frontier {
+                let g = forest.nodes[id].g;
+                let per_agent: Vec<Vec<GenSample>> = (0..n).map(|_| drawn.next().unwrap_or_default()).collect();
+                if let Some((a, s)) = per_agent.iter().enumerate().find(|(_, s)| s.len() != g) {
+                    return Err(TrainError::Rollout(format!("asked agent {a} for {g} samples, got {}", s.len())));
+                }
+                forest.nodes[id].samples = per_agent;
+            }
+            times.generate += t.elapsed().as_secs_f64();
+
+            // 2. score: every joint action of this depth in one call.
+            let t = Instant::now();
+            let mut batch = Vec::new();
+            for &id in &frontier {
+                let node = &mut forest.nodes[id];
+                // Evaluation paths pair sample j of every agent; training follows joint_mode.
+                node.actions = node_actions(plan.joint_mode, n, node.g);
+                let item = items[node.item];
+                for action in &node.actions {
+                    let picks: Vec<&GenSample> = action.iter().enumerate().map(|(a, &k)| &node.samples[a][k]).collect();
+                    batch.push(ScoreAction {
+                        completions: picks.iter().map(|s| s.text.clone()).collect(),
+                        completion_ids: picks.iter().map(|s| s.token_ids.clone()).collect(),
+                        item: item.item.clone(),
+                    });
+                }
+            }
+            let mut scores = self.score_actions(&batch)?.into_iter();
+            for &id in &frontier {
+                let node = &mut forest.nodes[id];
+                node.scores = (0..node.actions.len()).map(|_| scores.next().unwrap_or_default()).collect();
+                node.rewards = node.scores.iter().map(|s| processor.apply(s.reward)).collect();
+            }
+            times.reward += t.elapsed().as_secs_f64();
+
+            // 3. grow: leaves and children, their feedback in one call, their prompts.
+            let t = Instant::now();
+            let mut specs = Vec::new();
+            for &id in &frontier {
+                let node = &mut forest.nodes[id];
+                let item = items[node.item];
+                let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(&[
+                    self.s.cfg.raw.seed,
+                    TAG_HANDOFF,
+                    plan.seed_step,
+                    item.index as u64,
+                    node.turn as u64,
+                    node.local as u64,
+                ]));
+                specs.extend(expand(node, turns, plan.expansion, &mut rng));
+            }
+            let inputs: Vec<TransitionInput<'_>> = specs
+                .iter()
+                .map(|c| {
+                    let parent = &forest.nodes[c.parent];
+                    TransitionInput {
+                        item: &items[parent.item].item,
+                        completions: c.picks.iter().enumerate().map(|(a, &k)| parent.samples[a][k].text.clone()).collect(),
+                        completion_ids: c.picks.iter().enumerate().map(|(a, &k)| parent.samples[a][k].token_ids.clone()).collect(),
+                    }
+                })
+                .collect();
+            let texts = feedback_texts(self.s.reward.as_mut(), self.expert.as_ref(), &self.s.task, &self.s.cfg.raw.external, &inputs)?;
+            drop(inputs);
+            let encoding = PromptEncoding::from_config(&self.s.cfg);
+            let max_prompt = self.s.cfg.raw.model.max_length.saturating_sub(self.s.cfg.sampling.max_new_tokens);
+            let mut next = Vec::with_capacity(specs.len());
+            for (spec, feedback) in specs.iter().zip(&texts) {
+                let parent = &forest.nodes[spec.parent];
+                let item = items[parent.item];
+                let mut prompts = Vec::with_capacity(n);
+                let mut history = Vec::with_capacity(n);
+                let mut truncated = 0;
+                for a in 0..n {
+                    let h = extend_history(&parent.history[a], &parent.prompts[a].text, &parent.samples[a][spec.picks[a]].text);
+                    let original = item.texts.get(a).map(String::as_str).unwrap_or_default();
+                    let turn = NextTurn { original_prompt: original, history: &h, feedback: &feedback[a] };
+                    let model = &self.s.policies[self.s.agent_policy[a]].model;
+                    let (prompt, dropped) = fit_prompt(&turn, &self.s.cfg.raw.external, model, &encoding, max_prompt)
+                        .map_err(|e| TrainError::Data(format!("row {} turn {}: agent {a}: {e}", item.index, parent.turn + 2)))?;
+                    truncated += dropped;
+                    prompts.push(prompt);
+                    history.push(h);
+                }
+                let id = forest.nodes.len() + next.len();
+                let local = locals[parent.item];
+                locals[parent.item] += 1;
+                let mut child = Node::new(id, parent.item, local, parent.turn + 1, spec.g, prompts, history);
+                child.parent = Some(spec.parent);
+                child.parent_joint = spec.parent_joint;
+                child.handoff = spec.parent_joint.is_none().then(|| spec.picks.clone());
+                child.truncated = truncated;
+                next.push(child);
+            }
+            frontier = next.iter().map(|c| c.id).collect();
+            for child in next {
+                let parent = child.parent.unwrap_or_default();
+                forest.nodes[parent].children.push(child.id);
+                forest.nodes.push(child);
+            }
+            let limit = self.s.cfg.trainer.max_nodes_per_item;
+            if let Some(i) = (0..items.len()).find(|&i| locals[i] > limit) {
+                return Err(TrainError::Config(format!(
+                    "row {}: the rollout tree grew past {}.max_nodes_per_item = {limit} nodes; a tree has up to G^T leaves (aligned) or \
+                     G^(N*T) (cross) without early stops: lower num_generations or num_turns, use joint_mode: aligned or rollout: handoff, \
+                     or raise max_nodes_per_item",
+                    items[i].index,
+                    self.s.cfg.algorithm.section()
+                )));
+            }
+            times.transition += t.elapsed().as_secs_f64();
+        }
+        Ok((forest, times))
+    }
+
+    /// Scores joint actions in one batch. Tasks scored per answer (GSM8K, ANLI) score each agent's
+    /// completion alone and take the mean over the agents (levels likewise).
+    pub(super) fn score_actions(&mut self, batch: &[ScoreAction]) -> Result<Vec<Score>, TrainError> {
+        let n = self.s.cfg.num_agents;
+        let scores = if n > 1 && super::run::per_agent_task(&self.s.task) {
+            let singles: Vec<ScoreAction> = batch
+                .iter()
+                .flat_map(|a| {
+                    (0..n).map(move |i| ScoreAction {
+                        completions: vec![a.completions[i].clone()],
+                        completion_ids: vec![a.completion_ids[i].clone()],
+                        item: a.item.clone(),
+                    })
+                })
+                .collect();
+            let s = self.s.reward.score(&self.s.task, &singles)?;
+            if s.len() != singles.len() {
+                return Err(TrainError::Reward(format!("{} scores for {} completions", s.len(), singles.len())));
+            }
+            s.chunks(n).map(super::run::mean_score).collect()
+        } else {
+            self.s.reward.score(&self.s.task, batch)?
+        };
+        if scores.len() != batch.len() {
+            return Err(TrainError::Reward(format!("{} scores for {} joint actions", scores.len(), batch.len())));
+        }
+        Ok(scores)
+    }
+}
