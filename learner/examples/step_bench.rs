@@ -5,8 +5,15 @@
 //! trainer's way with transformers (`scripts/reference/original_step.py`: per agent `generate`, one
 //! forward per completion, backward, AdamW).
 //!
+//! With `--turns 2 --variant tree|handoff` the step is a 2-turn MAGRPO step instead (tree: the root
+//! and one child per joint action, 1 + 4 nodes; handoff: two turns of one node), each turn-2 prompt
+//! the turn-1 prompt, the handed-on completion and a fixed stand-in feedback text; the reference is
+//! `scripts/reference/original_mt_step.py` (the original generates node after node, one `generate`
+//! per agent per node, and updates node by node).
+//!
 //! ```sh
 //! cargo run --release -p cotrain-learner --example step_bench [-- --steps 2 --skip-python]
+//! cargo run --release -p cotrain-learner --example step_bench -- --turns 2 --variant tree
 //! ```
 //! The Python side needs the pyref environment (`scripts/reference/setup-pyref.sh`; `COTRAIN_PYREF_PYTHON`
 //! overrides its interpreter).
@@ -19,7 +26,7 @@ use std::time::Instant;
 use cotrain_learner::algo::AdamWConfig;
 use cotrain_learner::config::{CheckedConfig, LegacyFlags, merged_value};
 use cotrain_learner::services::{PoolRollout, embedded::EmbeddedRollout, runtime};
-use cotrain_learner::trainer::{Policy, RewardSource, Score, ScoreAction, TrainError, TrainItem, Trainer, TrainerSetup};
+use cotrain_learner::trainer::{FeedbackSpec, Policy, RewardSource, Score, ScoreAction, TrainError, TrainItem, Trainer, TrainerSetup};
 
 /// A deterministic stand-in reward (the benchmark times the trainer, not a task): the fraction of
 /// even token ids in agent 0's completion plus agent 1's, so advantages are non-zero.
@@ -35,14 +42,37 @@ impl RewardSource for Parity {
             })
             .collect())
     }
+    /// The stand-in next-turn feedback (the benchmark times the trainer, not the sandbox).
+    fn feedback(&mut self, _: &str, actions: &[ScoreAction], _: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
+        Ok(actions.iter().map(|a| vec![FEEDBACK.to_string(); a.completions.len()]).collect())
+    }
     fn describe(&self) -> String {
         "parity".into()
     }
 }
 
+const FEEDBACK: &str = "Feedback: 0 of 1 tests passed. Revise your function and output only the code.";
+
 const PROMPT: &str = "You are a careful Python programmer. Write a function `rolling_max(numbers)` that, given a list \
 of integers, returns the list of the running maximum at every position. For example rolling_max([1, 2, 3, 2, 3, 4, 2]) \
 returns [1, 2, 3, 3, 3, 4, 4]. Explain briefly, then give the code.";
+
+/// `b` merged into `a`, mappings key by key.
+fn deep_merge(a: serde_yaml_ng::Value, b: serde_yaml_ng::Value) -> serde_yaml_ng::Value {
+    match (a, b) {
+        (serde_yaml_ng::Value::Mapping(mut a), serde_yaml_ng::Value::Mapping(b)) => {
+            for (k, v) in b {
+                let merged = match a.remove(&k) {
+                    Some(old) => deep_merge(old, v),
+                    None => v,
+                };
+                a.insert(k, merged);
+            }
+            serde_yaml_ng::Value::Mapping(a)
+        }
+        (_, b) => b,
+    }
+}
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -54,18 +84,42 @@ fn main() -> anyhow::Result<()> {
         .init();
     let steps: u64 = args.iter().position(|a| a == "--steps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(2);
     let skip_python = args.iter().any(|a| a == "--skip-python");
-    let yaml = "model: {name: default, dtype: f32, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 1024}\n\
-                dataset: {name: coophumaneval, train_split: 'test[:1]'}\n\
-                magrpo: {num_agents: 2, num_generations: 4, max_new_tokens: 128, learning_rate: 1.0e-5, rollout_buffer_size: 1, \
-                num_train_epochs: 100, save_steps: 100000, eval_interval: 100000}\n\
-                logging: {tensorboard: false, plots: false, progress: never}\n";
-    let cfg = CheckedConfig::from_value(merged_value(yaml, "bench", &[], &LegacyFlags::default())?, Path::new("bench"))?;
+    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let turns: usize = flag("--turns").and_then(|s| s.parse().ok()).unwrap_or(1);
+    let variant = flag("--variant").unwrap_or_else(|| "tree".into());
+    if !matches!(variant.as_str(), "tree" | "handoff") {
+        anyhow::bail!("--variant must be tree or handoff, got {variant}");
+    }
+    // Multi-turn: the chat template on every turn's prompt (as the reference script renders them),
+    // turn-2 prompts = problem + previous response + feedback; no early stops (the stand-in reward
+    // never reaches them), handoff of the best joint action.
+    let multi = if turns > 1 {
+        format!(
+            "external: {{mode: level_feedback, original_prompt: true, previous_response: true}}\n\
+             magrpo: {{num_turns: {turns}, rollout: {variant}, handoff: best, turn_gradient_weights: [1.2, 0.8], discount: 0.9}}\n"
+        )
+    } else {
+        String::new()
+    };
+    let yaml = format!(
+        "model: {{name: default, dtype: f32, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 1024, chat_template: {}}}\n\
+         dataset: {{name: coophumaneval, train_split: 'test[:1]'}}\n\
+         magrpo: {{num_agents: 2, num_generations: 4, max_new_tokens: 128, learning_rate: 1.0e-5, rollout_buffer_size: 1, \
+         num_train_epochs: 100, save_steps: 100000, eval_interval: 100000}}\n\
+         logging: {{tensorboard: false, plots: false, progress: never}}\n",
+        turns > 1
+    );
+    let base = merged_value(&yaml, "bench", &[], &LegacyFlags::default())?;
+    let value = if multi.is_empty() { base } else { deep_merge(base, serde_yaml_ng::from_str(&multi)?) };
+    let cfg = CheckedConfig::from_value(value, Path::new("bench"))?;
     let opts = cotrain_model::loader::LoadOptions::default();
     let adam = AdamWConfig::new(1e-5, 0.0, None);
     let policies: Vec<Policy> = (0..2)
         .map(|i| Ok(Policy::new(&format!("agent{i}"), "default", cotrain_model::loader::load("default", &opts)?, None, adam)))
         .collect::<anyhow::Result<_>>()?;
-    let prompt = cotrain_learner::trainer::items::encode_text(&policies[0].model.tokenizer, PROMPT)?;
+    let encoding = cotrain_learner::trainer::items::PromptEncoding::from_config(&cfg);
+    let model_text = encoding.model_text(policies[0].model.chat_template.as_ref(), PROMPT)?;
+    let prompt = cotrain_learner::trainer::items::encode_text(&policies[0].model.tokenizer, &model_text)?;
     let rt = runtime()?;
     let agents: Vec<(String, String)> = (0..2).map(|i| (format!("agent{i}"), "default".to_string())).collect();
     let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, tch::Kind::Float)?;
@@ -100,13 +154,15 @@ fn main() -> anyhow::Result<()> {
         let m = trainer.train_step(&[0])?;
         let secs = t.elapsed().as_secs_f64();
         eprintln!(
-            "cotrain step {}: {secs:.1} s (generate {:.1} s, reward {:.2} s, train {:.1} s, weight sync {:.1} s), {} tokens per completion",
+            "cotrain step {}: {secs:.1} s (generate {:.1} s, reward {:.2} s, train {:.1} s, weight sync {:.1} s), {} tokens per completion, {} nodes, {} optimiser steps",
             s + 1,
             m["time/generate"],
             m["time/reward"],
             m["time/train"],
             m["time/weight_sync"],
-            m["completion_len/mean"]
+            m["completion_len/mean"],
+            m.get("nodes_per_item").copied().unwrap_or(1.0),
+            m["optimizer_steps"]
         );
         times.push(secs);
     }
@@ -114,13 +170,19 @@ fn main() -> anyhow::Result<()> {
     drop(worker);
     let _ = std::fs::remove_dir_all(&tmp);
     let best = times.iter().cloned().fold(f64::INFINITY, f64::min);
-    println!("{}", serde_json::json!({"impl": "cotrain", "agents": 2, "samples": 4, "new_tokens": 128, "prompt_tokens": prompt.len(), "step_seconds": times, "best_seconds": best}));
+    println!("{}", serde_json::json!({"impl": "cotrain", "turns": turns, "variant": variant, "agents": 2, "samples": 4, "new_tokens": 128, "prompt_tokens": prompt.len(), "step_seconds": times, "best_seconds": best}));
 
     if !skip_python {
         let python = std::env::var("COTRAIN_PYREF_PYTHON")
             .unwrap_or_else(|_| format!("{}/.cache/cotrain/pyref/bin/python", std::env::var("HOME").unwrap_or_default()));
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/reference/original_step.py");
-        let out = Command::new(&python).arg(&script).arg("--steps").arg(steps.to_string()).output()?;
+        let reference = if turns > 1 { "../scripts/reference/original_mt_step.py" } else { "../scripts/reference/original_step.py" };
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(reference);
+        let mut cmd = Command::new(&python);
+        cmd.arg(&script).arg("--steps").arg(steps.to_string());
+        if turns > 1 {
+            cmd.arg("--variant").arg(&variant);
+        }
+        let out = cmd.output()?;
         if !out.status.success() {
             anyhow::bail!("{} failed: {}", script.display(), String::from_utf8_lossy(&out.stderr));
         }

@@ -1,19 +1,20 @@
-//! The trainer: single-turn GRPO / MAGRPO end to end (algorithms.md), driving rollout workers and a
-//! reward server.
+//! The trainer: GRPO / MAGRPO end to end, single- and multi-turn (algorithms.md), driving rollout
+//! workers and a reward server.
 //!
 //! - [`sources`]: the [`RolloutSource`] and [`RewardSource`] traits the loop talks to (implemented
 //!   over gRPC in [`crate::services`], and in process for tests);
 //! - [`policy`]: a trainable [`Policy`] (weights, AdamW, optional frozen reference) and its update
 //!   through the chunked log-prob kernel;
 //! - [`items`]: dataset rows → per-agent prompt token ids;
+//! - [`tree`]: the rollout forest (nodes, leaves, returns, advantages, turn weights, update order);
+//! - [`rollout`]: rolling the forest out depth by depth; [`transition`]: next-turn prompts;
+//!   [`rollout_log`]: `rollouts.jsonl`;
 //! - [`run`]: the [`Trainer`] loop, evaluation, checkpoints, metrics;
 //! - this module: building all of it from a config ([`build`]) and the `learner train` / `learner
 //!   eval` entry points ([`train`], [`evaluate_checkpoint`]).
 //!
-//! Extension points (not built yet, each named where it plugs in): multi-turn tree rollout and the
-//! handoff variant (a node recursion around [`Trainer::train_step`]'s generate/score; configs with
-//! `num_turns > 1` are refused with a clear error until then), MaPoRL PPO with a critic (a value head
-//! on the kernel's hidden states inside [`Policy::update`]), NCCL data parallelism (a gradient
+//! Extension points (not built yet, each named where it plugs in): MaPoRL PPO with a critic (a value
+//! head on the kernel's hidden states inside [`Policy::update`]), NCCL data parallelism (a gradient
 //! all-reduce between backward and the AdamW step in [`Policy::update`], items split by rank in
 //! [`Trainer::train_step`]), asynchronous rollouts (a [`RolloutSource`] with requests in flight and a
 //! staleness bound instead of [`Trainer::generate_checked`]'s strict check).

@@ -155,10 +155,10 @@ impl Trainer {
                 let mut prompts = Vec::with_capacity(n);
                 let mut history = Vec::with_capacity(n);
                 let mut truncated = 0;
-                for a in 0..n {
+                for (a, agent_feedback) in feedback.iter().enumerate().take(n) {
                     let h = extend_history(&parent.history[a], &parent.prompts[a].text, &parent.samples[a][spec.picks[a]].text);
                     let original = item.texts.get(a).map(String::as_str).unwrap_or_default();
-                    let turn = NextTurn { original_prompt: original, history: &h, feedback: &feedback[a] };
+                    let turn = NextTurn { original_prompt: original, history: &h, feedback: agent_feedback };
                     let model = &self.s.policies[self.s.agent_policy[a]].model;
                     let (prompt, dropped) = fit_prompt(&turn, &self.s.cfg.raw.external, model, &encoding, max_prompt)
                         .map_err(|e| TrainError::Data(format!("row {} turn {}: agent {a}: {e}", item.index, parent.turn + 2)))?;

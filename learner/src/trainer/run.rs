@@ -1,27 +1,25 @@
-//! The single-turn GRPO / MAGRPO loop (algorithms.md, "MAGRPO, single turn").
+//! The GRPO / MAGRPO loop (algorithms.md), single- and multi-turn.
 //!
 //! One *step* consumes `rollout_buffer_size` items of the epoch's seeded order (fewer at the end of an
-//! epoch) and ends with one optimiser round per policy:
+//! epoch):
 //!
-//! 1. generate: every (item, agent) pair asks the rollout source for G samples of the agent's prompt,
-//!    all in one concurrent batch, each with a seed derived from (run seed, step, agent, item) and
-//!    `min_policy_version` = the version the learner last pushed;
-//! 2. check: every sample must come from exactly that version (see [`Trainer::generate_checked`]);
-//! 3. reward: the joint actions (`aligned` or `cross`) of every item go to the reward source in one
-//!    batch; `reward_processor`, credit and advantages per agent follow (`crate::algo`);
-//! 4. buffer: each agent's G samples of each item form one node of its [`RolloutBuffer`]; the buffer is
-//!    drained, shuffled, and cut into `train_batch_size` mini-batches;
-//! 5. update: per policy, the summed-log-prob loss (or the configured options) through the chunked
-//!    log-prob kernel, one AdamW step (shared parameters: every agent's loss scaled by 1/N, one step
-//!    after the last agent); non-finite → skipped with a warning;
-//! 6. sync: the new weights are pushed to every rollout worker as version v + 1 before anything else
-//!    is sampled.
+//! 1. roll out ([`super::rollout`]): the step's forest of nodes, depth by depth; each depth's
+//!    (node, agent) pairs ask the rollout source for G samples in one concurrent batch (seeds derived
+//!    from run seed, step, agent, item and node; `min_policy_version` = the version last pushed), every
+//!    sample is checked to come from exactly that version ([`Trainer::generate_checked`]), the joint
+//!    actions (`aligned` or `cross`) are scored in one batch, and non-leaf nodes get children whose
+//!    prompts the external transition builds ([`super::transition`]). Single-turn: one root per item;
+//! 2. returns, advantages and turn weights over the forest ([`super::tree`]);
+//! 3. update: the nodes in the groups the original updates on ([`Forest::update_groups`]), per group
+//!    and policy one optimiser round: the summed-log-prob loss (or the configured options) through the
+//!    chunked log-prob kernel, each sample weighted by its node's turn weight (shared parameters: every
+//!    agent's loss scaled by 1/N, one step after the last agent); non-finite → skipped with a warning;
+//! 4. sync: the new weights are pushed to every rollout worker as version v + 1 before anything else
+//!    is sampled; with `logging.rollouts` every node goes to `rollouts.jsonl`.
 //!
-//! Where later trainers plug in: multi-turn tree rollout replaces steps 1–3 with a recursion over
-//! nodes (each node is exactly this step's generate + score for one item and one history; the buffer
-//! already groups samples by node) and adds returns; MaPoRL PPO swaps [`Policy::update`]'s loss for the
-//! clipped PPO loss with a value head on the kernel's hidden states; asynchronous rollouts replace the
-//! strict version check of step 2 by a bound on staleness.
+//! Where later trainers plug in: MaPoRL PPO swaps [`Policy::update`]'s loss for the clipped PPO loss
+//! with a value head on the kernel's hidden states and adds a discussion transition; asynchronous
+//! rollouts replace the strict version check by a bound on staleness.
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -321,7 +319,7 @@ impl Trainer {
                     );
                 }
             }
-            for pi in 0..self.s.policies.len() {
+            for (pi, changed) in updated.iter_mut().enumerate() {
                 let members: Vec<usize> = (0..n).filter(|&a| self.s.agent_policy[a] == pi).collect();
                 let scale = 1.0 / members.len().max(1) as f64;
                 let batches: Vec<AgentBatches> = members
@@ -329,7 +327,7 @@ impl Trainer {
                     .map(|&a| AgentBatches { minibatches: buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size), scale })
                     .collect();
                 let stats = self.s.policies[pi].update(&batches, &loss_opts, epochs)?;
-                updated[pi] |= stats.steps > 0;
+                *changed |= stats.steps > 0;
                 rounds.push(stats);
             }
         }
@@ -349,7 +347,7 @@ impl Trainer {
 
         if cfg.raw.logging.rollouts {
             let path = self.s.run_dir.join("rollouts.jsonl");
-            crate::trainer::rollout_log::append(&path, self.step, &forest, &item_refs)
+            crate::trainer::rollout_log::append(&path, self.step + 1, &forest, &item_refs)
                 .map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))?;
         }
 
