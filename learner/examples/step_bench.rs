@@ -154,11 +154,14 @@ fn main() -> anyhow::Result<()> {
         let m = trainer.train_step(&[0])?;
         let secs = t.elapsed().as_secs_f64();
         eprintln!(
-            "cotrain step {}: {secs:.1} s (generate {:.1} s, reward {:.2} s, train {:.1} s, weight sync {:.1} s), {} tokens per completion, {} nodes, {} optimiser steps",
+            "cotrain step {}: {secs:.1} s (generate {:.1} s, reward {:.2} s, train {:.1} s [forward {:.1}, backward {:.1}, optimiser {:.1}], weight sync {:.1} s), {} tokens per completion, {} nodes, {} optimiser steps",
             s + 1,
             m["time/generate"],
             m["time/reward"],
             m["time/train"],
+            m["time/train_forward"],
+            m["time/train_backward"],
+            m["time/train_optimizer"],
             m["time/weight_sync"],
             m["completion_len/mean"],
             m.get("nodes_per_item").copied().unwrap_or(1.0),

@@ -54,6 +54,10 @@ pub struct UpdateStats {
     pub steps: u64,
     /// Why the update was skipped, if it was.
     pub skipped: Option<String>,
+    /// Seconds in the log-prob forward (and the reference's), in backward, and in the optimiser step.
+    pub secs_forward: f64,
+    pub secs_backward: f64,
+    pub secs_optimizer: f64,
 }
 
 /// See the module docs.
@@ -128,6 +132,7 @@ impl Policy {
                     }
                     let seqs: Vec<Sequence> =
                         mb.iter().map(|s| Sequence { prompt: s.prompt.clone(), completion: s.completion.clone() }).collect();
+                    let t_fwd = std::time::Instant::now();
                     let tlp = completion_logprobs(&self.model.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: true })
                         .map_err(|e| TrainError::Model(format!("log-probs: {e}")))?;
                     let (lp, mask) = tlp.padded();
@@ -162,8 +167,11 @@ impl Policy {
                         stats.skipped = Some(format!("non-finite loss {value}"));
                         return Ok(stats);
                     }
+                    stats.secs_forward += t_fwd.elapsed().as_secs_f64();
+                    let t_bwd = std::time::Instant::now();
                     terms.loss.f_backward().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
                     tlp.propagate().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
+                    stats.secs_backward += t_bwd.elapsed().as_secs_f64();
                     let w = mb.len() as f64 / total as f64;
                     loss += value;
                     kl += terms.kl * w * agent.scale;
@@ -178,7 +186,9 @@ impl Policy {
                 stats.skipped = Some("non-finite gradient".into());
                 return Ok(stats);
             }
+            let t_opt = std::time::Instant::now();
             stats.grad_norm = self.optimizer.step();
+            stats.secs_optimizer += t_opt.elapsed().as_secs_f64();
             self.optimizer.zero_grad();
             stats.steps += 1;
             // The figures of the last epoch are reported.

@@ -391,6 +391,9 @@ impl Trainer {
             m.insert("time/transition".into(), times.transition);
         }
         m.insert("time/train".into(), t_train);
+        m.insert("time/train_forward".into(), rounds.iter().map(|s| s.secs_forward).sum::<f64>());
+        m.insert("time/train_backward".into(), rounds.iter().map(|s| s.secs_backward).sum::<f64>());
+        m.insert("time/train_optimizer".into(), rounds.iter().map(|s| s.secs_optimizer).sum::<f64>());
         m.insert("time/weight_sync".into(), t_sync);
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
         m.insert("epoch".into(), self.epoch as f64);
