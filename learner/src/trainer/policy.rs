@@ -172,6 +172,14 @@ impl Policy {
                     terms.loss.f_backward().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
                     tlp.propagate().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
                     stats.secs_backward += t_bwd.elapsed().as_secs_f64();
+                    tracing::debug!(
+                        policy = %self.worker_agent,
+                        sequences = mb.len(),
+                        tokens = seqs.iter().map(|s| s.prompt.len() + s.completion.len()).sum::<usize>(),
+                        forward_secs = t_bwd.duration_since(t_fwd).as_secs_f64(),
+                        backward_secs = t_bwd.elapsed().as_secs_f64(),
+                        "mini-batch trained"
+                    );
                     let w = mb.len() as f64 / total as f64;
                     loss += value;
                     kl += terms.kl * w * agent.scale;

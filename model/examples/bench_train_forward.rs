@@ -1,0 +1,46 @@
+//! Times the training kernel's trunk forward and backward on SmolLM2-135M (f32, CPU) for the shapes
+//! of a multi-turn MAGRPO update (one prompt of P tokens, 4 completions of 128), against one plain
+//! `forward_hidden` of the same tokens as a single sequence.
+//!
+//! ```sh
+//! cargo run --release -p cotrain-model --example bench_train_forward [-- --prompt 280]
+//! ```
+use std::time::Instant;
+
+use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs};
+use tch::{Kind, Tensor};
+
+fn main() -> anyhow::Result<()> {
+    cotrain_model::tune_process();
+    let args: Vec<String> = std::env::args().collect();
+    let p: usize = args.iter().position(|a| a == "--prompt").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(280);
+    let m = cotrain_model::loader::load("default", &cotrain_model::loader::LoadOptions::default())?;
+    let prompt: Vec<u32> = (0..p as u32).map(|i| 100 + i * 7 % 40000).collect();
+    let seqs: Vec<Sequence> =
+        (0..4).map(|k| Sequence { prompt: prompt.clone(), completion: (0..128u32).map(|i| 200 + (i * 13 + k * 101) % 40000).collect() }).collect();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let tlp = completion_logprobs(&m.model, &seqs, &LogProbOptions { chunk_size: 256, with_grad: true })?;
+        let fwd = t.elapsed().as_secs_f64();
+        let (lp, _) = tlp.padded();
+        let t = Instant::now();
+        lp.sum(Kind::Float).backward();
+        tlp.propagate()?;
+        let bwd = t.elapsed().as_secs_f64();
+        m.vs.variables().values().for_each(|v| {
+            let mut g = v.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        });
+        let ids = Tensor::from_slice(&[prompt.as_slice(), seqs[0].completion.as_slice()].concat().iter().map(|&x| x as i64).collect::<Vec<_>>()).unsqueeze(0);
+        let t = Instant::now();
+        let h = m.model.forward_hidden(&ids)?;
+        let single = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        h.sum(Kind::Float).backward();
+        let single_bwd = t.elapsed().as_secs_f64();
+        println!("kernel (1 prompt x {p} + 4 x 128): forward {fwd:.2} s, backward {bwd:.2} s | one sequence of {} tokens: trunk forward {single:.2} s, backward {single_bwd:.2} s", p + 128);
+    }
+    Ok(())
+}
