@@ -253,6 +253,9 @@ fn multi_turn_configs_that_cannot_run_are_refused_naming_the_key() {
     let expert = load_config(&mt, &["external.mode=expert_edits".into()], &LegacyFlags::default()).unwrap();
     let e = cotrain_learner::cli::ensure_trainable(&expert).unwrap_err().to_string();
     assert!(e.contains("external.expert_model is not set"), "{e}");
+    let gsm = load_config(&repo().join("configs/magrpo_tldr_config.yaml"), &["magrpo.num_turns=2".into(), "magrpo.turn_gradient_weights=[1,1]".into()], &LegacyFlags::default()).unwrap();
+    let e = cotrain_learner::cli::ensure_trainable(&gsm).unwrap_err().to_string();
+    assert!(e.contains("code tasks only"), "{e}");
 }
 
 #[test]

@@ -222,7 +222,7 @@ fn hidden_items(rows: usize, agents: usize) -> Vec<TrainItem> {
 fn mt_yaml(agents: usize, rollout: &str, epochs: usize, extra: &str) -> String {
     format!(
         "model: {{name: unused, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 64}}\n\
-         dataset: {{name: gsm8k, train_split: 'train[:4]'}}\n\
+         dataset: {{name: coophumaneval, train_split: 'test[:4]'}}\n\
          seed: 5\n\
          external: {{mode: level_feedback, previous_response: false}}\n\
          magrpo:\n  num_agents: {agents}\n  num_turns: 2\n  rollout: {rollout}\n  handoff: random\n  num_generations: 4\n  \

@@ -212,6 +212,18 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
             )));
         }
     }
+    if cfg.is_multi_turn()
+        && let Ok(kind) = DatasetKind::resolve(&cfg.raw.dataset)
+        && !kind.is_code()
+    {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: {section}.num_turns is {}: the next-turn feedback (external.mode) exists for the code tasks only; \
+             dataset `{}` is not one (the discussion turns of GSM8K/ANLI belong to the MaPoRL trainer, not built yet)",
+            cfg.source.display(),
+            t.num_turns,
+            cfg.raw.dataset.name
+        )));
+    }
     let ext = &cfg.raw.external;
     if cfg.is_multi_turn() && ext.mode == crate::config::ExternalMode::ExpertEdits {
         for (key, value) in [("expert_model", &ext.expert_model), ("expert_base_url", &ext.expert_base_url)] {
