@@ -20,7 +20,7 @@ fn main() -> anyhow::Result<()> {
         (0..4).map(|k| Sequence { prompt: prompt.clone(), completion: (0..128u32).map(|i| 200 + (i * 13 + k * 101) % 40000).collect() }).collect();
     for _ in 0..3 {
         let t = Instant::now();
-        let tlp = completion_logprobs(&m.model, &seqs, &LogProbOptions { chunk_size: 256, with_grad: true })?;
+        let tlp = completion_logprobs(&m.model, &seqs, &LogProbOptions { chunk_size: 256, with_grad: true, temperature: 1.0 })?;
         let fwd = t.elapsed().as_secs_f64();
         let (lp, _) = tlp.padded();
         let t = Instant::now();

@@ -17,6 +17,7 @@ pub mod families;
 pub mod kernels;
 pub mod loader;
 pub mod logprobs;
+pub mod lora;
 
 // Process set-up for tensor workloads.
 pub mod allocator;

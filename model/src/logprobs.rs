@@ -63,13 +63,16 @@ pub struct Sequence {
 }
 
 /// Options of the kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LogProbOptions {
     /// Completion positions per LM-head chunk (bounds the logits held at once).
     pub chunk_size: usize,
     /// Build for training (gradients via [`TokenLogProbs::backward`]); `false` runs under
     /// `no_grad` (behaviour / reference policy log-probs).
     pub with_grad: bool,
+    /// Log-probs of `softmax(logits / temperature)`: 1 for the plain model; MaPoRL scores its
+    /// samples under the sampling temperature.
+    pub temperature: f64,
 }
 
 impl Default for LogProbOptions {
@@ -77,6 +80,7 @@ impl Default for LogProbOptions {
         LogProbOptions {
             chunk_size: 512,
             with_grad: true,
+            temperature: 1.0,
         }
     }
 }
@@ -95,6 +99,8 @@ pub struct TokenLogProbs {
     backward_state: Option<BackwardState>,
     /// The LM head weight (shares storage with the model's parameter).
     head: Option<Tensor>,
+    /// [`LogProbOptions::temperature`], for the backward's recomputation.
+    temperature: f64,
 }
 
 #[derive(Debug)]
@@ -248,7 +254,7 @@ impl TokenLogProbs {
             .head
             .as_ref()
             .expect("the head is kept whenever backward state is");
-        chunk_logprobs(&h.linear::<&Tensor>(head, None), targets)
+        chunk_logprobs(&h.linear::<&Tensor>(head, None), targets, self.temperature)
     }
 }
 
@@ -259,8 +265,10 @@ fn rows(hidden: &Tensor) -> Tensor {
 }
 
 /// log-prob of `targets` and entropy from logits (C, V), computed in f32.
-fn chunk_logprobs(logits: &Tensor, targets: &Tensor) -> (Tensor, Tensor) {
-    let logp = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+fn chunk_logprobs(logits: &Tensor, targets: &Tensor, temperature: f64) -> (Tensor, Tensor) {
+    let logits = logits.to_kind(Kind::Float);
+    let logits = if temperature == 1.0 { logits } else { logits / temperature };
+    let logp = logits.log_softmax(-1, Kind::Float);
     let lp = logp.gather(1, &targets.unsqueeze(1), false).squeeze_dim(1);
     let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
     (lp, ent)
@@ -531,6 +539,9 @@ pub fn completion_logprobs_with_sharing(
     opts: &LogProbOptions,
     share_prompts: bool,
 ) -> Result<TokenLogProbs> {
+    if !(opts.temperature > 0.0 && opts.temperature.is_finite()) {
+        return Err(ModelError::InvalidBatch(format!("temperature {} must be positive", opts.temperature)));
+    }
     if opts.chunk_size == 0 {
         return Err(ModelError::InvalidBatch(
             "chunk_size must be positive".into(),
@@ -557,6 +568,7 @@ pub fn completion_logprobs_with_sharing(
             let (lp, ent) = chunk_logprobs(
                 &h.linear::<&Tensor>(head, None),
                 &targets.narrow(0, start, len),
+                opts.temperature,
             );
             lps.push(lp);
             ents.push(ent);
@@ -575,6 +587,7 @@ pub fn completion_logprobs_with_sharing(
             offsets,
             backward_state: None,
             head: None,
+            temperature: opts.temperature,
         });
     }
     let trunk = plan.trunk(model)?;
@@ -593,6 +606,7 @@ pub fn completion_logprobs_with_sharing(
             chunk_size: chunk,
         }),
         head: Some(head.shallow_clone()),
+        temperature: opts.temperature,
     })
 }
 
@@ -613,6 +627,6 @@ pub fn naive_completion_logprobs(
     let flat = logits.flatten(0, 1);
     let pos = Tensor::from_slice(&positions).to_device(device);
     let tgt = Tensor::from_slice(&targets).to_device(device);
-    let (lp, ent) = chunk_logprobs(&flat.index_select(0, &pos), &tgt);
+    let (lp, ent) = chunk_logprobs(&flat.index_select(0, &pos), &tgt, 1.0);
     Ok((lp, ent, offsets))
 }

@@ -61,7 +61,7 @@ fn check(name: &str) {
         &batch,
         &LogProbOptions {
             chunk_size: 4,
-            with_grad: true,
+            with_grad: true, temperature: 1.0
         },
     )
     .unwrap();
@@ -110,7 +110,7 @@ fn padded_layout_and_mask() {
         &batch,
         &LogProbOptions {
             chunk_size: 3,
-            with_grad: false,
+            with_grad: false, temperature: 1.0
         },
     )
     .unwrap();

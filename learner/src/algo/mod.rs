@@ -7,7 +7,9 @@ pub mod advantage;
 pub mod buffer;
 pub mod joint;
 pub mod loss;
+pub mod maporl;
 pub mod optim;
+pub mod ppo;
 
 pub use advantage::{RewardProcessor, advantages};
 pub use buffer::RolloutBuffer;

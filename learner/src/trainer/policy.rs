@@ -133,7 +133,7 @@ impl Policy {
                     let seqs: Vec<Sequence> =
                         mb.iter().map(|s| Sequence { prompt: s.prompt.clone(), completion: s.completion.clone() }).collect();
                     let t_fwd = std::time::Instant::now();
-                    let tlp = completion_logprobs(&self.model.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: true })
+                    let tlp = completion_logprobs(&self.model.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: true, temperature: 1.0 })
                         .map_err(|e| TrainError::Model(format!("log-probs: {e}")))?;
                     let (lp, mask) = tlp.padded();
                     let mask = mask.to_kind(Kind::Float);
@@ -143,7 +143,7 @@ impl Policy {
                     let old = clip.then(|| padded_rows(mb.iter().map(|s| s.old_logprobs.as_slice()), width));
                     let reference = match (&self.reference, loss_opts.kl) {
                         (Some(r), Some(_)) => {
-                            let t = completion_logprobs(&r.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: false })
+                            let t = completion_logprobs(&r.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: false, temperature: 1.0 })
                                 .map_err(|e| TrainError::Model(format!("reference log-probs: {e}")))?;
                             Some(t.padded().0)
                         }

@@ -15,6 +15,7 @@ use tch::{Device, Kind, Tensor, nn, nn::Init};
 mod decode_cpu;
 
 use crate::config::{ModelConfig, RopeScaling};
+use crate::lora::{LoraAdapter, LoraSlot};
 use crate::error::{ModelError, Result};
 
 /// How fresh parameters are initialised.
@@ -181,17 +182,27 @@ impl RmsNorm {
 pub(crate) struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
+    /// The LoRA pair the next forwards add (see [`CausalLm::set_adapter`]).
+    lora: RefCell<Option<LoraSlot>>,
 }
 
 impl Linear {
     fn new(vs: nn::Path, in_dim: usize, out_dim: usize, bias: bool, init: WeightInit) -> Self {
         let weight = param(&vs, "weight", &[out_dim as i64, in_dim as i64], init);
         let bias = bias.then(|| vs.var("bias", &[out_dim as i64], Init::Const(0.0)));
-        Linear { weight, bias }
+        Linear { weight, bias, lora: RefCell::new(None) }
     }
 
     fn forward(&self, xs: &Tensor) -> Tensor {
-        linear(xs, &self.weight, self.bias.as_ref())
+        let y = linear(xs, &self.weight, self.bias.as_ref());
+        match &*self.lora.borrow() {
+            None => y,
+            // y + scaling · dropout(x)·Aᵀ·Bᵀ (LoRA, Hu et al. 2021), never materialising B·A.
+            Some(s) => {
+                let x = if s.dropout > 0.0 { xs.dropout(s.dropout, true) } else { xs.shallow_clone() };
+                y + x.linear::<&Tensor>(&s.a, None).linear::<&Tensor>(&s.b, None) * s.scaling
+            }
+        }
     }
 }
 
@@ -572,6 +583,8 @@ pub struct CausalLm {
     rotary: Rotary,
     kind: Kind,
     device: Device,
+    /// Whether a LoRA adapter is set (cotrain's decode kernels read the base weights only).
+    adapter_active: std::cell::Cell<bool>,
 }
 
 impl CausalLm {
@@ -612,7 +625,74 @@ impl CausalLm {
             rotary: Rotary::new(cfg, device),
             kind,
             device,
+            adapter_active: std::cell::Cell::new(false),
         })
+    }
+
+    /// (out, in) of a decoder projection (`q_proj`, ..., `down_proj`); panics on another name.
+    pub fn projection_shape(&self, projection: &str) -> (i64, i64) {
+        let w = &self.projection(0, projection).expect("a known projection").weight;
+        (w.size()[0], w.size()[1])
+    }
+
+    fn projection(&self, layer: usize, name: &str) -> Option<&Linear> {
+        let l = self.layers.get(layer)?;
+        Some(match name {
+            "q_proj" => &l.self_attn.q_proj,
+            "k_proj" => &l.self_attn.k_proj,
+            "v_proj" => &l.self_attn.v_proj,
+            "o_proj" => &l.self_attn.o_proj,
+            "gate_proj" => &l.mlp.gate_proj,
+            "up_proj" => &l.mlp.up_proj,
+            "down_proj" => &l.mlp.down_proj,
+            _ => return None,
+        })
+    }
+
+    /// Makes the following forwards add `adapter`'s updates to its projections, or, with `None`,
+    /// run the base alone (the reference policy). `training` turns the adapter's dropout on (for
+    /// forwards that are trained on). The base's weights are never written.
+    pub fn set_adapter(&self, adapter: Option<&LoraAdapter>, training: bool) -> Result<()> {
+        if let Some(a) = adapter {
+            if a.num_layers() != self.layers.len() {
+                return Err(ModelError::InvalidConfig(format!(
+                    "an adapter for {} layers cannot be set on a model of {}",
+                    a.num_layers(),
+                    self.layers.len()
+                )));
+            }
+            for (layer, proj, la, lb) in a.pairs() {
+                let (out_dim, in_dim) = self.projection_shape(proj);
+                if la.size()[1] != in_dim || lb.size()[0] != out_dim {
+                    return Err(ModelError::InvalidConfig(format!(
+                        "adapter of layer {layer} {proj}: A {:?} / B {:?} do not fit the model's ({out_dim}, {in_dim}) projection",
+                        la.size(),
+                        lb.size()
+                    )));
+                }
+            }
+        }
+        for layer in &self.layers {
+            let a = &layer.self_attn;
+            for lin in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &layer.mlp.gate_proj, &layer.mlp.up_proj, &layer.mlp.down_proj] {
+                *lin.lora.borrow_mut() = None;
+            }
+        }
+        self.adapter_active.set(adapter.is_some());
+        if let Some(ad) = adapter {
+            let dropout = if training { ad.config.dropout } else { 0.0 };
+            for (layer, proj, a, b) in ad.pairs() {
+                let lin = self.projection(layer, proj).expect("validated against the config");
+                *lin.lora.borrow_mut() =
+                    Some(LoraSlot { a: a.shallow_clone(), b: b.shallow_clone(), scaling: ad.config.scaling(), dropout });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether an adapter is set.
+    pub fn has_adapter(&self) -> bool {
+        self.adapter_active.get()
     }
 
     /// The model's config.

@@ -73,6 +73,7 @@ impl CausalLm {
     /// Whether [`CausalLm::decode_step_f32`] can serve a step on this model and cache.
     pub(super) fn fast_decode_applies(&self, cache: &KvCache) -> bool {
         if !gemm_f32::is_available()
+            || self.adapter_active.get()
             || self.kind != Kind::Float
             || self.device != Device::Cpu
             || cache.kind != Kind::Float

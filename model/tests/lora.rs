@@ -1,0 +1,198 @@
+//! LoRA adapters on a frozen base: the base stays bit-identical, the on-the-fly adapter equals the
+//! merged model, adapter gradients (through the chunked log-prob kernel the learner trains with)
+//! match finite differences, PEFT files round-trip, and an adapter is a small fraction of the model.
+
+mod support;
+
+use std::collections::HashMap;
+
+use cotrain_model::loader::LoadOptions;
+use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs};
+use cotrain_model::lora::{LoraAdapter, LoraConfig};
+use support::*;
+use tch::{Kind, Tensor};
+
+fn input() -> Tensor {
+    Tensor::from_slice(&[3i64, 17, 42, 9, 101, 7, 55, 12]).view([1, 8])
+}
+
+fn logits(m: &cotrain_model::families::CausalLm) -> Tensor {
+    let _g = tch::no_grad_guard();
+    m.forward(&input()).unwrap()
+}
+
+/// An adapter whose B is random too (a fresh adapter changes nothing, by design).
+fn trained_like(model: &cotrain_model::families::CausalLm, cfg: LoraConfig) -> LoraAdapter {
+    tch::manual_seed(7);
+    let ad = LoraAdapter::new(model, cfg).unwrap();
+    let _g = tch::no_grad_guard();
+    for (name, mut t) in ad.named_tensors() {
+        if name.contains("lora_B") {
+            let _ = t.copy_(&(Tensor::randn(t.size(), (Kind::Float, t.device())) * 0.05));
+        }
+    }
+    ad
+}
+
+fn no_dropout() -> LoraConfig {
+    LoraConfig { dropout: 0.0, ..LoraConfig::default() }
+}
+
+fn batch() -> Vec<Sequence> {
+    vec![
+        Sequence { prompt: vec![5, 9, 13], completion: vec![40, 41, 77, 2] },
+        Sequence { prompt: vec![5, 9, 13], completion: vec![8, 8] },
+        Sequence { prompt: vec![100, 3], completion: vec![60, 61, 62] },
+    ]
+}
+
+fn weighted_loss(model: &cotrain_model::families::CausalLm, with_grad: bool) -> (Tensor, cotrain_model::logprobs::TokenLogProbs) {
+    let opts = LogProbOptions { chunk_size: 3, with_grad, temperature: 0.7 };
+    let tlp = completion_logprobs(model, &batch(), &opts).unwrap();
+    let n = tlp.logprobs.size()[0];
+    let w = Tensor::arange(n, (Kind::Float, tch::Device::Cpu)) * 0.3 - 1.0;
+    ((&tlp.logprobs * w).sum(Kind::Float), tlp)
+}
+
+#[test]
+fn a_fresh_adapter_changes_nothing_and_removing_one_restores_the_base_exactly() {
+    let loaded = tiny("qwen2", &LoadOptions::default());
+    let m = &loaded.model;
+    let base = logits(m);
+    let fresh = LoraAdapter::new(m, no_dropout()).unwrap();
+    m.set_adapter(Some(&fresh), false).unwrap();
+    assert!(m.has_adapter());
+    assert!(logits(m).allclose(&base, 1e-6, 1e-6, false), "B = 0 must leave outputs unchanged");
+    let ad = trained_like(m, no_dropout());
+    m.set_adapter(Some(&ad), false).unwrap();
+    let adapted = logits(m);
+    assert!(!adapted.allclose(&base, 1e-4, 1e-4, false), "a non-zero adapter must change the outputs");
+    m.set_adapter(None, false).unwrap();
+    assert!(!m.has_adapter());
+    assert!(logits(m).equal(&base), "without the adapter the base's outputs must come back bit for bit");
+}
+
+#[test]
+fn training_the_adapter_leaves_the_base_bit_identical() {
+    let loaded = tiny("llama", &LoadOptions::default());
+    let m = &loaded.model;
+    let before: Vec<(String, Tensor)> = loaded.named_parameters().into_iter().map(|(k, v)| (k, v.copy())).collect();
+    let ad = trained_like(m, LoraConfig::default());
+    use tch::nn::OptimizerConfig as _;
+    let mut opt = tch::nn::Adam::default().build(&ad.vs, 1e-2).unwrap();
+    let adapter_before: HashMap<String, Tensor> = ad.named_tensors().into_iter().map(|(k, v)| (k, v.copy())).collect();
+    for _ in 0..3 {
+        m.set_adapter(Some(&ad), true).unwrap();
+        let (loss, tlp) = weighted_loss(m, true);
+        opt.zero_grad();
+        tlp.backward(&loss).unwrap();
+        opt.step();
+    }
+    m.set_adapter(None, false).unwrap();
+    for (name, t) in &before {
+        assert!(loaded.named_parameters()[name].equal(t), "base parameter `{name}` changed");
+    }
+    let moved = ad.named_tensors().iter().filter(|(k, v)| !v.equal(&adapter_before[*k])).count();
+    assert_eq!(moved, ad.named_tensors().len(), "every adapter tensor must have been trained");
+}
+
+#[test]
+fn on_the_fly_adapter_equals_the_merged_model() {
+    for family in ["qwen2", "llama", "qwen3"] {
+        let loaded = tiny(family, &LoadOptions::default());
+        let m = &loaded.model;
+        let ad = trained_like(m, no_dropout());
+        m.set_adapter(Some(&ad), false).unwrap();
+        let on_the_fly = logits(m);
+        let (on_the_fly_lp, _) = weighted_loss(m, false);
+        m.set_adapter(None, false).unwrap();
+
+        let merged_model = tiny(family, &LoadOptions::default());
+        let merged: HashMap<String, Tensor> = ad.merged(&loaded.named_parameters()).unwrap().into_iter().collect();
+        assert_eq!(merged.len(), 7 * m.config().num_hidden_layers, "{family}: one merged weight per projection");
+        merged_model.load_named_tensors(&merged).unwrap();
+        let merged_logits = logits(&merged_model.model);
+        let diff = f64::try_from((&on_the_fly - &merged_logits).abs().max()).unwrap();
+        assert!(diff < 2e-5, "{family}: on-the-fly vs merged logits differ by {diff}");
+        let (merged_lp, _) = weighted_loss(&merged_model.model, false);
+        let d = f64::try_from((on_the_fly_lp - merged_lp).abs()).unwrap();
+        assert!(d < 1e-4, "{family}: log-prob loss differs by {d}");
+    }
+}
+
+#[test]
+fn adapter_gradients_match_finite_differences() {
+    let loaded = tiny("qwen2", &LoadOptions::default());
+    let m = &loaded.model;
+    let mut vs = loaded.vs;
+    vs.freeze();
+    let ad = trained_like(m, no_dropout());
+    m.set_adapter(Some(&ad), false).unwrap();
+    let (loss, tlp) = weighted_loss(m, true);
+    tlp.backward(&loss).unwrap();
+    let tensors = ad.named_tensors();
+    let base_grads: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.grad().defined()).collect();
+    assert!(base_grads.is_empty(), "the frozen base must get no gradient: {:?}", base_grads.iter().map(|(k, _)| k).collect::<Vec<_>>());
+    let mut checked = 0;
+    for name in ["model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.1.mlp.down_proj.lora_B.weight", "model.layers.0.self_attn.v_proj.lora_B.weight"] {
+        let t = &tensors[name];
+        let grad = t.grad().flatten(0, -1);
+        // The three entries with the largest gradient: finite differences in f32 are only
+        // meaningful well above the rounding noise.
+        let (_, idx) = grad.abs().topk(3, 0, true, true);
+        for i in Vec::<i64>::try_from(&idx).unwrap() {
+            let analytic = f64::try_from(grad.get(i)).unwrap();
+            let eps = 1e-2;
+            let mut flat = t.flatten(0, -1);
+            let orig = f64::try_from(flat.get(i)).unwrap();
+            let eval = |v: f64, flat: &mut Tensor| {
+                let _g = tch::no_grad_guard();
+                let _ = flat.get(i).fill_(v);
+                f64::try_from(weighted_loss(m, false).0).unwrap()
+            };
+            let numeric = (eval(orig + eps, &mut flat) - eval(orig - eps, &mut flat)) / (2.0 * eps);
+            eval(orig, &mut flat);
+            let tol = 0.02 * analytic.abs().max(1e-2);
+            assert!((numeric - analytic).abs() < tol, "{name}[{i}]: autograd {analytic} vs finite difference {numeric}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 9);
+}
+
+#[test]
+fn peft_files_round_trip_and_an_adapter_is_a_small_fraction_of_the_model() {
+    let loaded = tiny("qwen2", &LoadOptions::default());
+    let m = &loaded.model;
+    let ad = trained_like(m, no_dropout());
+    let dir = tempfile::tempdir().unwrap();
+    ad.save_peft(dir.path(), "tiny/qwen2").unwrap();
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["r"], 8);
+    assert_eq!(config["lora_alpha"], 16.0);
+    assert_eq!(config["peft_type"], "LORA");
+    let names: Vec<String> = Tensor::read_safetensors(dir.path().join("adapter_model.safetensors")).unwrap().into_iter().map(|(k, _)| k).collect();
+    assert!(names.iter().all(|n| n.starts_with("base_model.model.model.layers.")), "PEFT names: {names:?}");
+    let back = LoraAdapter::load_peft(dir.path(), m).unwrap();
+    for (k, v) in ad.named_tensors() {
+        assert!(back.named_tensors()[&k].equal(&v), "{k} changed through the files");
+    }
+    let full: usize = loaded.named_parameters().values().map(|t| t.numel() * 4).sum();
+    println!("tiny qwen2: adapter {} bytes, full model {full} bytes ({:.1}%)", ad.num_bytes(), 100.0 * ad.num_bytes() as f64 / full as f64);
+    assert!(ad.num_bytes() < full);
+}
+
+#[test]
+fn bad_adapter_configs_are_refused_by_name() {
+    let loaded = tiny("qwen2", &LoadOptions::default());
+    let err = LoraAdapter::new(&loaded.model, LoraConfig { target_modules: vec!["qkv".into()], ..LoraConfig::default() }).unwrap_err();
+    assert!(err.to_string().contains("`qkv`"), "{err}");
+    let err = LoraAdapter::new(&loaded.model, LoraConfig { r: 0, ..LoraConfig::default() }).unwrap_err();
+    assert!(err.to_string().contains("r must be"), "{err}");
+    let other = tiny("llama", &LoadOptions::default());
+    let ad = LoraAdapter::new(&other.model, LoraConfig::default()).unwrap();
+    let same_shapes = other.model.config().num_hidden_layers == loaded.model.config().num_hidden_layers
+        && other.model.projection_shape("q_proj") == loaded.model.projection_shape("q_proj")
+        && other.model.projection_shape("up_proj") == loaded.model.projection_shape("up_proj");
+    assert_eq!(loaded.model.set_adapter(Some(&ad), false).is_ok(), same_shapes, "an adapter must fit the model it is set on");
+}
