@@ -148,6 +148,20 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             {
                 bail!("--resume {}: no such run directory", dir.display());
             }
+            if cfg.algorithm == crate::config::Algorithm::Maporl {
+                if resume.is_some() {
+                    bail!("--resume: resuming a MaPoRL run is not built yet (its adapters are saved in PEFT's layout under checkpoints/)");
+                }
+                let summary = crate::maporl::train(&cfg, crate::trainer::run_dir_for(&cfg))?;
+                println!("run directory: {}", summary.run_dir.display());
+                if let Some(d) = &summary.adapters_dir {
+                    println!("adapters: {}", d.display());
+                }
+                for p in &summary.plots {
+                    println!("plot: {}", p.display());
+                }
+                return Ok(());
+            }
             let summary = crate::trainer::train(&cfg, &crate::trainer::TrainOptions { resume })?;
             println!("run directory: {}", summary.run_dir.display());
             println!("metrics: {}", summary.metrics_path.display());
@@ -171,6 +185,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 bail!("--checkpoint {}: no such checkpoint directory", checkpoint.display());
             }
             ensure_trainable(&cfg)?;
+            if cfg.algorithm == crate::config::Algorithm::Maporl {
+                bail!("learner eval on a maporl config is not built yet: a MaPoRL run evaluates accuracy per turn itself (eval/accuracy/turnT in metrics.jsonl, plots/accuracy_per_turn.png)");
+            }
             let metrics = crate::trainer::evaluate_checkpoint(&cfg, &checkpoint, &k)?;
             println!("{}", serde_json::to_string_pretty(&metrics)?);
             Ok(())

@@ -10,6 +10,7 @@ pub mod config;
 pub mod data;
 pub mod export;
 pub mod external;
+pub mod maporl;
 pub mod prompts;
 pub mod checkpoint;
 pub mod metrics;

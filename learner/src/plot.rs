@@ -57,7 +57,8 @@ fn font_available() -> bool {
 /// headline series (training reward mean) must come before the many per-level and eval keys.
 const GROUPS: &[(&str, &str, &[&str])] = &[
     ("reward.png", "reward", &["reward/mean", "reward/max", "eval/reward/mean", "reward/level_"]),
-    ("loss.png", "loss and kl", &["loss", "kl", "policy"]),
+    ("loss.png", "loss and kl", &["loss", "kl", "policy", "objective/kl"]),
+    ("accuracy.png", "accuracy per turn", &["eval/accuracy/turn", "accuracy/turn"]),
     ("throughput.png", "throughput", &["tokens_per_s", "train_tokens_per_s", "throughput", "time/"]),
 ];
 
@@ -74,7 +75,7 @@ pub fn plot_run(run_dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
             continue;
         }
         let path = out_dir.join(file);
-        draw(&path, title, &series, font_available()).map_err(|message| PlotError::Draw { path: path.clone(), message })?;
+        draw(&path, title, "step", &series, font_available()).map_err(|message| PlotError::Draw { path: path.clone(), message })?;
         written.push(path);
     }
     if written.is_empty() {
@@ -109,7 +110,14 @@ fn collect(records: &[MetricsRecord], prefixes: &[&str]) -> Series {
 }
 
 /// Draws one chart; `text` = false leaves out every piece of text (for machines without fonts).
-fn draw(path: &Path, title: &str, series: &Series, text: bool) -> Result<(), String> {
+/// Draws `series` (name, points) as lines into the PNG `path`, with `x_desc` under the x axis.
+pub fn draw_lines(path: &Path, title: &str, x_desc: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<(), PlotError> {
+    let text = font_available();
+    let series: Series = series.to_vec();
+    draw(path, title, x_desc, &series, text).map_err(|message| PlotError::Draw { path: path.to_path_buf(), message })
+}
+
+fn draw(path: &Path, title: &str, x_desc: &str, series: &Series, text: bool) -> Result<(), String> {
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for (_, pts) in series {
         for (x, y) in pts {
@@ -136,7 +144,7 @@ fn draw(path: &Path, title: &str, series: &Series, text: bool) -> Result<(), Str
     let mut chart = builder.build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad)).map_err(|e| e.to_string())?;
     let mut mesh = chart.configure_mesh();
     if text {
-        mesh.x_desc("step");
+        mesh.x_desc(x_desc);
     } else {
         mesh.x_labels(0).y_labels(0);
     }
@@ -181,7 +189,7 @@ mod tests {
         assert_eq!(names, ["reward.png", "loss.png"]);
         // Without a font the same curves are drawn, textless.
         let bare = dir.path().join("bare.png");
-        draw(&bare, "reward", &vec![("r".to_string(), vec![(0.0, 1.0), (1.0, 2.0)])], false).unwrap();
+        draw(&bare, "reward", "step", &vec![("r".to_string(), vec![(0.0, 1.0), (1.0, 2.0)])], false).unwrap();
         assert_eq!(&std::fs::read(&bare).unwrap()[1..4], b"PNG");
         for f in files {
             let bytes = std::fs::read(f).unwrap();

@@ -96,7 +96,7 @@ async fn weight_update(c: &RolloutClient<Channel>, dtype: WireDType, version: u6
         })
         .collect();
     let bytes: u64 = tensors.iter().map(|t| t.data.len() as u64).sum();
-    let header = UpdateHeader { agent: AGENT.into(), version, tensor_count: tensors.len() as u32, partial: false };
+    let header = UpdateHeader { agent: AGENT.into(), version, tensor_count: tensors.len() as u32, partial: false, lora_scaling: 0.0 };
     let start = Instant::now();
     let r = c.update_weights(update_stream(header, Arc::new(tensors), 4 << 20)).await.expect("update").into_inner();
     assert_eq!(r.version, version);

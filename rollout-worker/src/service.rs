@@ -178,9 +178,11 @@ impl Rollout for RolloutService {
             }
         };
         let bytes = update.bytes_received;
-        let tensors = update.len() as u32;
+        let adapter = update.lora_scaling.is_some();
+        // The parameters replaced: for an adapter, one per (A, B) pair.
+        let tensors = if adapter { update.len() / 2 } else { update.len() } as u32;
         let (model, version, agents) = self.worker.apply_update(update).await?;
-        info!(agent, model, version, tensors, bytes, secs = started.elapsed().as_secs_f64(), "weight update applied");
+        info!(agent, model, version, tensors, bytes, adapter, secs = started.elapsed().as_secs_f64(), "weight update applied");
         Ok(Response::new(UpdateWeightsResponse { agent, model, version, tensors_updated: tensors, bytes_received: bytes, agents }))
     }
 

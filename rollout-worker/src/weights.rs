@@ -6,8 +6,17 @@
 //! and, at the end of the stream, that every announced tensor is complete and, for a full update,
 //! that every parameter came. Only a [`CompleteUpdate`] can be applied, so a broken or partial
 //! stream never touches the model's weights.
+//!
+//! An adapter update (`header.lora_scaling > 0`) carries LoRA pairs instead of parameters:
+//! `X.lora_A.weight` (r × in) and `X.lora_B.weight` (out × r) for 2-D parameters `X.weight`
+//! (out × in), optionally under PEFT's `base_model.model.` prefix. Their shapes follow from the
+//! adapted weight and the update's one rank r, so they are checked as strictly as parameters, and
+//! [`UpdateAssembler::finish`] checks that every `A` came with its `B`. The worker merges them into
+//! its base weights (see [`crate::worker::Worker::apply_update`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use cotrain_model::lora::PEFT_PREFIX;
 
 use cotrain_proto::rollout::{Dtype, TensorChunk, UpdateHeader};
 
@@ -92,6 +101,9 @@ pub struct CompleteUpdate {
     pub loaded: Vec<(String, tch::Tensor)>,
     /// Payload bytes received.
     pub bytes_received: u64,
+    /// Set for an adapter update: the tensors are LoRA pairs, to be merged into the model's base
+    /// weights with this scale (`UpdateHeader.lora_scaling`); `None` for parameters.
+    pub lora_scaling: Option<f64>,
 }
 
 impl CompleteUpdate {
@@ -131,12 +143,66 @@ struct PartialTensor {
     order: usize,
 }
 
+/// Suffix of a LoRA `A` tensor's name (r × in).
+const LORA_A: &str = ".lora_A.weight";
+/// Suffix of a LoRA `B` tensor's name (out × r); as long as [`LORA_A`].
+const LORA_B: &str = ".lora_B.weight";
+
+/// Which half of a LoRA pair a tensor is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum LoraHalf {
+    A,
+    B,
+}
+
+/// Splits an adapter tensor's name into the stem `X` of the parameter `X.weight` it adapts
+/// (without PEFT's prefix) and its half; `None` for any other name.
+fn parse_lora_name(name: &str) -> Option<(&str, LoraHalf)> {
+    let key = name.strip_prefix(PEFT_PREFIX).unwrap_or(name);
+    let (stem, half) = match (key.strip_suffix(LORA_A), key.strip_suffix(LORA_B)) {
+        (Some(stem), _) => (stem, LoraHalf::A),
+        (_, Some(stem)) => (stem, LoraHalf::B),
+        _ => return None,
+    };
+    (!stem.is_empty()).then_some((stem, half))
+}
+
+/// The name of the other half of a LoRA pair, in the same form (prefixed or not).
+fn lora_partner(name: &str, half: LoraHalf) -> String {
+    let (from, to) = match half {
+        LoraHalf::A => (LORA_A, LORA_B),
+        LoraHalf::B => (LORA_B, LORA_A),
+    };
+    format!("{}{to}", name.strip_suffix(from).expect("a parsed LoRA name"))
+}
+
+/// The header's LoRA scaling: `None` for an ordinary update (0), the scale of an adapter update
+/// otherwise, which must be finite and positive (a NaN or infinite scale would poison every merged
+/// weight, a negative one is never what a trainer means).
+fn header_lora_scaling(header: &UpdateHeader) -> Result<Option<f64>> {
+    let s = header.lora_scaling;
+    if s == 0.0 {
+        return Ok(None);
+    }
+    if s.is_finite() && s > 0.0 {
+        Ok(Some(s))
+    } else {
+        Err(WorkerError::BadUpdate(format!(
+            "header.lora_scaling is {s}: an adapter update needs a finite scaling > 0 (0 for an ordinary update)"
+        )))
+    }
+}
+
 /// Collects the chunks of one update stream; see the module docs.
 pub struct UpdateAssembler {
     header: UpdateHeader,
     params: HashMap<String, Vec<i64>>,
     tensors: HashMap<String, PartialTensor>,
     bytes_received: u64,
+    /// `Some` for an adapter update.
+    lora_scaling: Option<f64>,
+    /// An adapter update's rank, set by its first tensor; every pair must use it.
+    lora_rank: Option<i64>,
 }
 
 impl UpdateAssembler {
@@ -149,34 +215,101 @@ impl UpdateAssembler {
         if header.tensor_count == 0 {
             return Err(WorkerError::BadUpdate("header.tensor_count is 0".into()));
         }
-        if !header.partial && header.tensor_count as usize != params.len() {
+        let lora_scaling = header_lora_scaling(&header)?;
+        // An adapter names only some projections whatever `partial` says.
+        if lora_scaling.is_none() && !header.partial && header.tensor_count as usize != params.len() {
             return Err(WorkerError::BadUpdate(format!(
                 "a full update must carry all {} parameters, header.tensor_count is {}",
                 params.len(),
                 header.tensor_count
             )));
         }
-        Ok(Self { header, params, tensors: HashMap::new(), bytes_received: 0 })
+        Ok(Self { header, params, tensors: HashMap::new(), bytes_received: 0, lora_scaling, lora_rank: None })
     }
 
-    /// Checks a tensor's name, dtype and shape against the model and, for a tensor not seen
-    /// before, against `header.tensor_count`; returns its dtype and byte size.
-    fn check_tensor(&self, name: &str, raw_dtype: i32, shape: &[i64]) -> Result<(WireDType, u64)> {
+    /// Checks a tensor's name, dtype and shape against the model (or, for an adapter update,
+    /// against the weight it adapts) and, for a tensor not seen before, against
+    /// `header.tensor_count`; returns its dtype and byte size.
+    fn check_tensor(&mut self, name: &str, raw_dtype: i32, shape: &[i64]) -> Result<(WireDType, u64)> {
         let bad = |msg: String| Err(WorkerError::BadUpdate(format!("tensor `{name}`: {msg}")));
-        let Some(expected) = self.params.get(name) else {
-            return bad("no parameter of that name in the model".into());
+        let rank = match self.lora_scaling {
+            None => {
+                let Some(expected) = self.params.get(name) else {
+                    return bad("no parameter of that name in the model".into());
+                };
+                if shape != expected.as_slice() {
+                    return bad(format!("shape {shape:?} does not match the model's {expected:?}"));
+                }
+                None
+            }
+            Some(_) => Some(self.check_adapter_shape(name, shape)?),
         };
         let Some(dtype) = WireDType::from_proto(raw_dtype) else {
             return bad(format!("unsupported dtype {raw_dtype} (expected DTYPE_F32 or DTYPE_BF16)"));
         };
-        if shape != expected.as_slice() {
-            return bad(format!("shape {shape:?} does not match the model's {expected:?}"));
-        }
         if !self.tensors.contains_key(name) && self.tensors.len() >= self.header.tensor_count as usize {
             return bad(format!("more tensors than header.tensor_count ({})", self.header.tensor_count));
         }
-        let numel: i64 = expected.iter().product();
+        if rank.is_some() {
+            self.lora_rank = rank;
+        }
+        let numel: i64 = shape.iter().product();
         Ok((dtype, numel as u64 * dtype.size() as u64))
+    }
+
+    /// Checks an adapter tensor against the weight `X.weight` (out × in) it adapts: `A` must be
+    /// r × in and `B` out × r, with the update's one rank r in [1, min(out, in)] (a larger rank
+    /// adds nothing, and the bound keeps an adapter tensor no larger than its weight). Returns r.
+    fn check_adapter_shape(&self, name: &str, shape: &[i64]) -> Result<i64> {
+        let bad = |msg: String| Err(WorkerError::BadUpdate(format!("tensor `{name}`: {msg}")));
+        let Some((stem, half)) = parse_lora_name(name) else {
+            return bad(format!("not a LoRA tensor (an adapter update carries `X{LORA_A}` and `X{LORA_B}`)"));
+        };
+        let weight = format!("{stem}.weight");
+        let Some(w) = self.params.get(&weight) else {
+            return bad(format!("adapts `{weight}`, which the model does not have"));
+        };
+        let &[out, inp] = w.as_slice() else {
+            return bad(format!("adapts `{weight}` of shape {w:?}, which is not a 2-D weight"));
+        };
+        let (expected, what) = match (half, shape) {
+            (LoraHalf::A, &[r, _]) => ([r, inp], "lora_A is r × in"),
+            (LoraHalf::B, &[_, r]) => ([out, r], "lora_B is out × r"),
+            _ => return bad(format!("shape {shape:?} is not 2-D")),
+        };
+        let r = if half == LoraHalf::A { expected[0] } else { expected[1] };
+        if shape != expected {
+            return bad(format!("shape {shape:?} does not fit `{weight}` of shape {w:?} ({what})"));
+        }
+        if r < 1 || r > out.min(inp) {
+            return bad(format!("rank {r} is not in [1, {}] for `{weight}` of shape {w:?}", out.min(inp)));
+        }
+        if let Some(rank) = self.lora_rank
+            && rank != r
+        {
+            return bad(format!("rank {r} differs from the rank {rank} of the update's earlier tensors"));
+        }
+        Ok(r)
+    }
+
+    /// Checks that every adapter tensor came with its partner (in the same name form), and that no
+    /// tensor came twice, with and without PEFT's prefix.
+    fn check_adapter_pairs<'a>(names: impl Iterator<Item = &'a str> + Clone) -> Result<()> {
+        let all: HashSet<&str> = names.clone().collect();
+        let mut seen: HashMap<(&str, LoraHalf), &str> = HashMap::new();
+        for name in names {
+            let (stem, half) = parse_lora_name(name).expect("checked on arrival");
+            if let Some(other) = seen.insert((stem, half), name) {
+                return Err(WorkerError::BadUpdate(format!(
+                    "tensors `{other}` and `{name}` are the same adapter tensor (with and without `{PEFT_PREFIX}`)"
+                )));
+            }
+            let partner = lora_partner(name, half);
+            if !all.contains(partner.as_str()) {
+                return Err(WorkerError::BadUpdate(format!("tensor `{name}` came without its partner `{partner}`")));
+            }
+        }
+        Ok(())
     }
 
     /// Adds one chunk, checking it against the model and against earlier chunks.
@@ -269,8 +402,8 @@ impl UpdateAssembler {
         self.bytes_received
     }
 
-    /// Ends the stream: every announced tensor must be complete, and a full update must cover
-    /// every parameter.
+    /// Ends the stream: every announced tensor must be complete, a full update must cover every
+    /// parameter, and an adapter update must pair every `A` with its `B`.
     pub fn finish(self) -> Result<CompleteUpdate> {
         if self.tensors.len() != self.header.tensor_count as usize {
             return Err(WorkerError::BadUpdate(format!(
@@ -281,6 +414,9 @@ impl UpdateAssembler {
         }
         let mut tensors: Vec<(String, PartialTensor)> = self.tensors.into_iter().collect();
         tensors.sort_by_key(|(_, t)| t.order);
+        if self.lora_scaling.is_some() {
+            Self::check_adapter_pairs(tensors.iter().map(|(n, _)| n.as_str()))?;
+        }
         let (mut out, mut loaded) = (Vec::with_capacity(tensors.len()), Vec::new());
         for (name, t) in tensors {
             if t.received != t.total {
@@ -300,6 +436,7 @@ impl UpdateAssembler {
             tensors: out,
             loaded,
             bytes_received: self.bytes_received,
+            lora_scaling: self.lora_scaling,
         })
     }
 }
@@ -336,7 +473,7 @@ mod tests {
     }
 
     fn header(version: u64, tensor_count: u32, partial: bool) -> UpdateHeader {
-        UpdateHeader { agent: "x".into(), version, tensor_count, partial }
+        UpdateHeader { agent: "x".into(), version, tensor_count, partial, lora_scaling: 0.0 }
     }
 
     fn chunk(name: &str, shape: Vec<i64>, offset: u64, data: Vec<u8>) -> TensorChunk {
@@ -386,6 +523,102 @@ mod tests {
         assert!(UpdateAssembler::new(header(1, 1, false), params(), 0).is_err());
         let e = UpdateAssembler::new(header(3, 2, false), params(), 3).err().unwrap();
         assert!(matches!(e, WorkerError::VersionNotNewer { current: 3, offered: 3 }));
+    }
+
+    /// A model with one 4 × 6 projection and one 1-D parameter.
+    fn adapter_params() -> HashMap<String, Vec<i64>> {
+        HashMap::from([("l.q_proj.weight".to_string(), vec![4, 6]), ("l.norm.weight".to_string(), vec![4])])
+    }
+
+    fn adapter_header(tensor_count: u32, lora_scaling: f64) -> UpdateHeader {
+        UpdateHeader { agent: "x".into(), version: 1, tensor_count, partial: false, lora_scaling }
+    }
+
+    fn zeros(name: &str, shape: Vec<i64>) -> TensorChunk {
+        let bytes = shape.iter().product::<i64>() as usize * 4;
+        chunk(name, shape, 0, vec![0; bytes])
+    }
+
+    #[test]
+    fn adapter_update_accepts_a_valid_pair_with_or_without_peft_prefix() {
+        for prefix in ["", "base_model.model."] {
+            // `partial: false` with 2 of 2 parameters' worth of tensors: ignored for an adapter.
+            let mut a = UpdateAssembler::new(adapter_header(2, 2.0), adapter_params(), 0).unwrap();
+            a.push(zeros(&format!("{prefix}l.q_proj.lora_A.weight"), vec![2, 6])).unwrap();
+            a.push(zeros(&format!("{prefix}l.q_proj.lora_B.weight"), vec![4, 2])).unwrap();
+            let done = a.finish().unwrap();
+            assert_eq!(done.lora_scaling, Some(2.0));
+            assert_eq!(done.len(), 2);
+            assert_eq!(done.bytes_received, (12 + 8) * 4);
+        }
+        // An ordinary update carries no scaling.
+        let mut a = UpdateAssembler::new(header(1, 1, true), params(), 0).unwrap();
+        a.push(chunk("b", vec![4], 0, vec![0; 16])).unwrap();
+        assert_eq!(a.finish().unwrap().lora_scaling, None);
+    }
+
+    #[test]
+    fn adapter_update_rejects_wrong_shapes_and_ranks() {
+        let mut a = UpdateAssembler::new(adapter_header(2, 1.0), adapter_params(), 0).unwrap();
+        let e = a.push(zeros("l.q_proj.lora_A.weight", vec![2, 5])).unwrap_err();
+        assert!(matches!(e, WorkerError::BadUpdate(_)));
+        assert!(e.to_string().contains("`l.q_proj.lora_A.weight`") && e.to_string().contains("does not fit"), "{e}");
+        let e = a.push(zeros("l.q_proj.lora_B.weight", vec![5, 2])).unwrap_err();
+        assert!(e.to_string().contains("`l.q_proj.lora_B.weight`") && e.to_string().contains("out × r"), "{e}");
+        let e = a.push(zeros("l.q_proj.lora_A.weight", vec![2, 6, 1])).unwrap_err();
+        assert!(e.to_string().contains("not 2-D"), "{e}");
+        let e = a.push(zeros("l.q_proj.lora_A.weight", vec![0, 6])).unwrap_err();
+        assert!(e.to_string().contains("rank 0"), "{e}");
+        let e = a.push(zeros("l.q_proj.lora_A.weight", vec![5, 6])).unwrap_err();
+        assert!(e.to_string().contains("rank 5 is not in [1, 4]"), "{e}");
+        // The pair's ranks must agree.
+        a.push(zeros("l.q_proj.lora_A.weight", vec![2, 6])).unwrap();
+        let e = a.push(zeros("l.q_proj.lora_B.weight", vec![4, 3])).unwrap_err();
+        assert!(e.to_string().contains("rank 3 differs from the rank 2"), "{e}");
+    }
+
+    #[test]
+    fn adapter_update_rejects_unknown_bases_and_non_lora_names() {
+        let mut a = UpdateAssembler::new(adapter_header(2, 1.0), adapter_params(), 0).unwrap();
+        let e = a.push(zeros("l.k_proj.lora_A.weight", vec![2, 6])).unwrap_err();
+        assert!(e.to_string().contains("`l.k_proj.lora_A.weight`: adapts `l.k_proj.weight`, which the model does not have"), "{e}");
+        let e = a.push(zeros("l.norm.lora_A.weight", vec![2, 4])).unwrap_err();
+        assert!(e.to_string().contains("not a 2-D weight"), "{e}");
+        let e = a.push(zeros("l.q_proj.weight", vec![4, 6])).unwrap_err();
+        assert!(e.to_string().contains("`l.q_proj.weight`: not a LoRA tensor"), "{e}");
+    }
+
+    #[test]
+    fn adapter_update_rejects_unpaired_and_doubled_tensors() {
+        let mut a = UpdateAssembler::new(adapter_header(1, 1.0), adapter_params(), 0).unwrap();
+        a.push(zeros("l.q_proj.lora_A.weight", vec![2, 6])).unwrap();
+        let e = a.finish().unwrap_err();
+        assert!(e.to_string().contains("`l.q_proj.lora_A.weight` came without its partner `l.q_proj.lora_B.weight`"), "{e}");
+        let mut a = UpdateAssembler::new(adapter_header(1, 1.0), adapter_params(), 0).unwrap();
+        a.push(zeros("l.q_proj.lora_B.weight", vec![4, 2])).unwrap();
+        let e = a.finish().unwrap_err();
+        assert!(e.to_string().contains("without its partner `l.q_proj.lora_A.weight`"), "{e}");
+        // A prefixed A does not pair with an unprefixed B.
+        let mut a = UpdateAssembler::new(adapter_header(2, 1.0), adapter_params(), 0).unwrap();
+        a.push(zeros("base_model.model.l.q_proj.lora_A.weight", vec![2, 6])).unwrap();
+        a.push(zeros("l.q_proj.lora_B.weight", vec![4, 2])).unwrap();
+        assert!(a.finish().unwrap_err().to_string().contains("without its partner"));
+        // The same tensor under both name forms.
+        let mut a = UpdateAssembler::new(adapter_header(4, 1.0), adapter_params(), 0).unwrap();
+        for prefix in ["", "base_model.model."] {
+            a.push(zeros(&format!("{prefix}l.q_proj.lora_A.weight"), vec![2, 6])).unwrap();
+            a.push(zeros(&format!("{prefix}l.q_proj.lora_B.weight"), vec![4, 2])).unwrap();
+        }
+        assert!(a.finish().unwrap_err().to_string().contains("the same adapter tensor"));
+    }
+
+    #[test]
+    fn adapter_update_rejects_bad_scaling() {
+        for s in [f64::NAN, -1.0, f64::INFINITY, f64::NEG_INFINITY] {
+            let e = UpdateAssembler::new(adapter_header(2, s), adapter_params(), 0).err().unwrap();
+            assert!(matches!(e, WorkerError::BadUpdate(_)), "{e}");
+            assert!(e.to_string().contains("header.lora_scaling"), "{e}");
+        }
     }
 
     #[test]

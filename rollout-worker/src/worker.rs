@@ -4,16 +4,21 @@
 //! Agents that name the same model spec share one loaded model (one copy of the parameters and
 //! one engine loop). The policy version belongs to the model, so a weight update sent for one of
 //! them changes the policy of all of them; `Info` and the update's answer list who shares.
+//!
+//! Adapter updates (LoRA pairs, see [`crate::weights`]) are merged per adapter: the worker holds
+//! one copy of the base weights per model slot, loaded from the model spec at the first adapter
+//! update, merges each adapter into it (`W0 + scaling·B·A`) and swaps the merged projections in
+//! like a partial update. Agents sharing a model slot share the merged weights too.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cotrain_model::chat_template::{ChatMessage, ChatTemplate};
 use cotrain_model::engine::{Engine, EngineConfig, FinishReason, LogprobMode, Request, SamplingParams, StopConditions};
 use cotrain_model::loader::{self, LoadOptions};
 use cotrain_model::tokenizer::Tokenizer;
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 use tokio::sync::{mpsc, oneshot};
 use tracing::info;
 
@@ -141,7 +146,47 @@ pub(crate) struct ModelSlot {
     pub device: Device,
     pub tx: mpsc::UnboundedSender<Command>,
     pub state: Arc<LoopState>,
+    /// The pristine weights adapter updates are merged into.
+    pub base: Arc<BaseWeights>,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// A model's base weights as loaded from its spec, for merging adapter updates into: the engine's
+/// own parameters cannot serve, since every update overwrites them, and an adapter is relative to
+/// the base, not to the last update. Loaded at the first adapter update (a worker that only gets
+/// ordinary updates never pays for the copy), then kept: one copy per model slot.
+pub(crate) struct BaseWeights {
+    spec: String,
+    opts: LoadOptions,
+    /// The 2-D parameters (the only ones an adapter can target) by name, once loaded. A mutex,
+    /// not a lock-free cell: `Tensor` is `Send` but not `Sync`, and merges run one at a time anyway.
+    weights: Mutex<Option<BTreeMap<String, Tensor>>>,
+}
+
+impl BaseWeights {
+    fn new(spec: &str, opts: LoadOptions) -> Self {
+        Self { spec: spec.to_string(), opts, weights: Mutex::new(None) }
+    }
+
+    /// `W0 + scaling·B·A` for every pair of `adapter`, by base parameter name, in the model's dtype
+    /// and on its device; loads the base first if needed. Blocking: call it off the async runtime.
+    fn merge(&self, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<HashMap<String, Tensor>> {
+        let mut weights = self.weights.lock().unwrap_or_else(|e| e.into_inner());
+        if weights.is_none() {
+            let started = std::time::Instant::now();
+            let loaded = loader::load(&self.spec, &self.opts)
+                .map_err(|e| WorkerError::Internal(format!("loading the base weights of `{}` to merge an adapter: {e}", self.spec)))?;
+            let base: BTreeMap<String, Tensor> =
+                loaded.named_parameters().into_iter().filter(|(_, t)| t.dim() == 2).map(|(k, t)| (k, t.detach())).collect();
+            info!(model = %self.spec, tensors = base.len(), load_ms = started.elapsed().as_millis() as u64,
+                "base weights loaded for adapter merges");
+            *weights = Some(base);
+        }
+        let base = weights.as_ref().expect("loaded above");
+        let merged = cotrain_model::lora::merge_into(|n| base.get(n).map(Tensor::shallow_clone), adapter, scaling)
+            .map_err(|e| WorkerError::BadUpdate(format!("merging the adapter: {e}")))?;
+        Ok(merged.into_iter().collect())
+    }
 }
 
 /// Agent/model status for `Info`.
@@ -267,6 +312,7 @@ impl Worker {
             device: config.device,
             tx,
             state,
+            base: Arc::new(BaseWeights::new(spec, opts)),
             thread: Some(thread),
         })
     }
@@ -487,15 +533,31 @@ impl Worker {
 
     /// Swaps in a validated update between decode steps (after the jobs in the engine finish on
     /// the old weights). Returns the model id, the new version and the agents it changed.
+    ///
+    /// An adapter update is merged per adapter: the worker holds one copy of the base per model
+    /// slot for merging ([`BaseWeights`]), and the merged projections are swapped in like a
+    /// partial update, so every parameter the adapter does not name keeps its current value.
     pub async fn apply_update(&self, update: CompleteUpdate) -> Result<(String, u64, Vec<String>)> {
         let slot = self.slot(&update.agent)?;
         let (kind, device) = (slot.kind, slot.device);
         let version = update.version;
-        // Conversion to the model's dtype and device happens here, off the engine loop, so the
-        // loop pauses only for the copy into the parameters.
-        let tensors = tokio::task::spawn_blocking(move || update.into_tensors(kind, device))
-            .await
-            .map_err(|e| WorkerError::Internal(format!("tensor conversion panicked: {e}")))?;
+        // Conversion to the model's dtype and device (and any merge) happens here, off the engine
+        // loop, so the loop pauses only for the copy into the parameters.
+        let tensors = match update.lora_scaling {
+            None => tokio::task::spawn_blocking(move || update.into_tensors(kind, device))
+                .await
+                .map_err(|e| WorkerError::Internal(format!("tensor conversion panicked: {e}")))?,
+            Some(scaling) => {
+                let base = slot.base.clone();
+                tokio::task::spawn_blocking(move || {
+                    // f32 whatever the model's dtype: the merge computes in f32 and rounds once.
+                    let adapter: BTreeMap<String, Tensor> = update.into_tensors(Kind::Float, device).into_iter().collect();
+                    base.merge(&adapter, scaling)
+                })
+                .await
+                .map_err(|e| WorkerError::Internal(format!("merging the adapter panicked: {e}")))??
+            }
+        };
         let (reply, rx) = oneshot::channel();
         slot.tx
             .send(Command::Update { update: StagedUpdate { version, tensors }, reply })

@@ -68,7 +68,7 @@ async fn metric(w: &WorkerProcess, name: &str) -> f64 {
 }
 
 fn header(version: u64, tensor_count: u32, partial: bool) -> UpdateHeader {
-    UpdateHeader { agent: AGENT.into(), version, tensor_count, partial }
+    UpdateHeader { agent: AGENT.into(), version, tensor_count, partial, lora_scaling: 0.0 }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,12 +2,14 @@
 //! validation into a [`CheckedConfig`]. Every error names the file and the offending key.
 
 pub mod compat;
+mod maporl;
 pub mod resume;
 mod schema;
 mod validate;
 
 use std::path::{Path, PathBuf};
 
+pub use maporl::{AdapterLayout, LoraSection, MaporlSection};
 pub use schema::*;
 use serde_yaml_ng::{Mapping, Value};
 
@@ -60,6 +62,7 @@ pub struct LegacyFlags {
 pub enum Algorithm {
     Grpo,
     Magrpo,
+    Maporl,
 }
 
 impl Algorithm {
@@ -68,6 +71,7 @@ impl Algorithm {
         match self {
             Algorithm::Grpo => "grpo",
             Algorithm::Magrpo => "magrpo",
+            Algorithm::Maporl => "maporl",
         }
     }
 }

@@ -18,12 +18,15 @@ pub struct RawConfig {
     pub output: OutputConfig,
     #[serde(default)]
     pub external: ExternalConfig,
-    /// Multi-agent trainer section (MAGRPO); exactly one of `magrpo` / `grpo` must be present.
+    /// Multi-agent trainer section (MAGRPO); exactly one of `magrpo` / `grpo` / `maporl` must be present.
     #[serde(default)]
     pub magrpo: Option<TrainerSection>,
     /// Single-agent trainer section (GRPO = MAGRPO with one agent).
     #[serde(default)]
     pub grpo: Option<TrainerSection>,
+    /// MaPoRL's multi-agent PPO with a critic and LoRA adapters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub maporl: Option<super::MaporlSection>,
     #[serde(default)]
     pub reward_processor: RewardProcessorConfig,
     /// The original's Weights & Biases section; accepted for compatibility, cotrain logs to files.

@@ -12,16 +12,34 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     let file = source.display().to_string();
     let invalid = |key: &str, message: String| ConfigError::Invalid { file: file.clone(), key: key.to_string(), message };
 
-    let (algorithm, section) = match (&raw.magrpo, &raw.grpo) {
-        (Some(s), None) => (Algorithm::Magrpo, s.clone()),
-        (None, Some(s)) => (Algorithm::Grpo, s.clone()),
-        (Some(_), Some(_)) => {
-            return Err(invalid("magrpo", "and grpo are both present; keep exactly one trainer section".into()));
+    let (algorithm, section) = match (&raw.magrpo, &raw.grpo, &raw.maporl) {
+        (Some(s), None, None) => (Algorithm::Magrpo, s.clone()),
+        (None, Some(s), None) => (Algorithm::Grpo, s.clone()),
+        (None, None, Some(m)) => {
+            m.check().map_err(|(key, message)| invalid(&key, message))?;
+            (Algorithm::Maporl, m.trainer_view())
         }
-        (None, None) => return Err(ConfigError::MissingKey { file: file.clone(), key: "magrpo (or grpo)".into() }),
+        (None, None, None) => return Err(ConfigError::MissingKey { file: file.clone(), key: "magrpo (or grpo, or maporl)".into() }),
+        _ => {
+            let present: Vec<&str> = [("magrpo", raw.magrpo.is_some()), ("grpo", raw.grpo.is_some()), ("maporl", raw.maporl.is_some())]
+                .iter()
+                .filter(|(_, p)| *p)
+                .map(|(n, _)| *n)
+                .collect();
+            return Err(invalid(present[0], format!("and {} are both present; keep exactly one trainer section", present[1..].join(" and "))));
+        }
     };
     let s = algorithm.section();
-    let k = |name: &str| format!("{s}.{name}");
+    // The maporl section spells some shared keys as MaPoRL does.
+    let k = |name: &str| {
+        let name = match (algorithm, name) {
+            (Algorithm::Maporl, "num_agents") => "agent_num",
+            (Algorithm::Maporl, "num_turns") => "round_num",
+            (Algorithm::Maporl, "max_new_tokens") => "max_output_length",
+            _ => name,
+        };
+        format!("{s}.{name}")
+    };
 
     let num_agents = match (algorithm, section.num_agents) {
         (Algorithm::Grpo, None | Some(1)) => 1,
@@ -31,6 +49,7 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
         (Algorithm::Magrpo, None) => 2,
         (Algorithm::Magrpo, Some(0)) => return Err(invalid(&k("num_agents"), "must be at least 1".into())),
         (Algorithm::Magrpo, Some(n)) => n,
+        (Algorithm::Maporl, n) => n.unwrap_or(2),
     };
 
     if raw.model.name.trim().is_empty() {
@@ -45,7 +64,7 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     if !(section.learning_rate.is_finite() && section.learning_rate > 0.0) {
         return Err(invalid(&k("learning_rate"), format!("must be a positive number, got {}", section.learning_rate)));
     }
-    if section.num_generations < 2 {
+    if algorithm != Algorithm::Maporl && section.num_generations < 2 {
         return Err(invalid(
             &k("num_generations"),
             format!("is {} but advantages are taken over at least 2 siblings", section.num_generations),

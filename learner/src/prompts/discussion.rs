@@ -1,10 +1,18 @@
-//! MaPoRL discussion prompts for GSM8K and ANLI: turn 0 answers the question (the `gsm8k` / `anli`
-//! templates); later turns show the agent its own history plus the other agents' answers from the
-//! previous turn only, optionally with the verifier's score and a short verbal reading of it.
+//! The discussion turns of MaPoRL (algorithms.md): at turn t ≥ 1 an agent's history gets one more user
+//! message showing the other agents' answers of turn t − 1, optionally each with its score and the
+//! verbal reading of that score. The message is a minijinja template (`configs/prompts/
+//! discussion_followup.j2` by default, `maporl.followup_template` to replace it) that sees `others`, a
+//! list of `{answer, score, reading}` (`score` is `none` unless scores are shown; it is written with
+//! two decimals).
+
+use minijinja::Environment;
+use serde::Serialize;
 
 use super::ChatMessage;
 
-/// The verbal reading of a verifier score in [0, 1] (MaPoRL's thresholds).
+const DEFAULT_FOLLOWUP: &str = include_str!("../../../configs/prompts/discussion_followup.j2");
+
+/// The verbal reading of a verifier score (algorithms.md bins).
 pub fn verifier_reading(score: f64) -> &'static str {
     if score < 0.3 {
         "likely wrong"
@@ -17,30 +25,53 @@ pub fn verifier_reading(score: f64) -> &'static str {
     }
 }
 
-/// Turn t ≥ 1 for one agent: its own history (`own_history`, the messages of its earlier turns with its
-/// answers) followed by the others' answers of turn t−1, each with its verifier score if given.
-pub fn discussion_followup(
-    own_history: &[ChatMessage],
-    others_previous: &[String],
-    others_scores: Option<&[f64]>,
-) -> Vec<ChatMessage> {
-    let mut text = String::from("These are the solutions to the problem from other agents:\n");
-    for (i, answer) in others_previous.iter().enumerate() {
-        text.push_str(&format!("\nAgent {} solution: {}\n", i + 1, answer.trim()));
-        if let Some(score) = others_scores.and_then(|s| s.get(i)) {
-            text.push_str(&format!(
-                "A verifier rates this solution {score:.2} out of 1: it is {}.\n",
-                verifier_reading(*score)
-            ));
-        }
+#[derive(Serialize)]
+struct Other<'a> {
+    answer: &'a str,
+    score: Option<String>,
+    reading: Option<&'static str>,
+}
+
+/// The next-turn message template.
+pub struct Followup {
+    env: Environment<'static>,
+}
+
+impl std::fmt::Debug for Followup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Followup").finish_non_exhaustive()
     }
-    text.push_str(
-        "\nUsing the other agents' solutions as additional information, give an updated answer to the problem, \
-         in the same answer format as before.",
-    );
-    let mut messages = own_history.to_vec();
-    messages.push(ChatMessage::user(text));
-    messages
+}
+
+impl Followup {
+    /// `template`, or cotrain's default when `None`; a syntax error is reported here.
+    pub fn new(template: Option<&str>) -> Result<Self, String> {
+        let mut env = Environment::new();
+        env.set_keep_trailing_newline(false);
+        env.add_template_owned("followup", template.unwrap_or(DEFAULT_FOLLOWUP).to_string())
+            .map_err(|e| format!("maporl.followup_template: invalid template: {e}"))?;
+        Ok(Self { env })
+    }
+
+    /// `own_history` plus the user message showing `others_previous` (and their scores).
+    pub fn next_turn(&self, own_history: &[ChatMessage], others_previous: &[String], others_scores: Option<&[f64]>) -> Result<Vec<ChatMessage>, String> {
+        let others: Vec<Other<'_>> = others_previous
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                let score = others_scores.and_then(|s| s.get(i)).copied();
+                Other { answer: a.trim(), score: score.map(|s| format!("{s:.2}")), reading: score.map(verifier_reading) }
+            })
+            .collect();
+        let text = self
+            .env
+            .get_template("followup")
+            .and_then(|t| t.render(minijinja::context! { others => others }))
+            .map_err(|e| format!("maporl.followup_template: cannot render: {e}"))?;
+        let mut messages = own_history.to_vec();
+        messages.push(ChatMessage::user(text.trim().to_string()));
+        Ok(messages)
+    }
 }
 
 #[cfg(test)]
@@ -51,12 +82,25 @@ mod tests {
     fn followup_keeps_history_and_reads_scores() {
         let mut history = vec![ChatMessage::user("1+1? Put the answer in \\boxed{}.")];
         history.push(ChatMessage::assistant("\\boxed{2}"));
-        let next = discussion_followup(&history, &["\\boxed{3}".into()], Some(&[0.25]));
+        let f = Followup::new(None).unwrap();
+        let next = f.next_turn(&history, &["\\boxed{3}".into()], Some(&[0.25])).unwrap();
         assert_eq!(next.len(), 3);
-        assert!(next[2].content.contains("Agent 1 solution: \\boxed{3}"));
-        assert!(next[2].content.contains("0.25 out of 1: it is likely wrong"));
+        assert_eq!(next[..2], history[..]);
+        assert!(next[2].content.contains("Agent 1 solution: \\boxed{3}"), "{}", next[2].content);
+        assert!(next[2].content.contains("0.25 out of 1: it is likely wrong"), "{}", next[2].content);
+        let plain = f.next_turn(&history, &["a".into(), "b".into()], None).unwrap();
+        assert!(plain[2].content.contains("Agent 2 solution: b") && !plain[2].content.contains("verifier"), "{}", plain[2].content);
         assert_eq!(verifier_reading(0.3), "might be wrong");
         assert_eq!(verifier_reading(0.79), "seems right");
         assert_eq!(verifier_reading(0.8), "likely right");
+    }
+
+    #[test]
+    fn a_custom_template_replaces_the_default_and_bad_syntax_is_named() {
+        let f = Followup::new(Some("Others said: {% for o in others %}[{{ o.answer }}]{% endfor %}")).unwrap();
+        let next = f.next_turn(&[], &["x".into(), "y".into()], None).unwrap();
+        assert_eq!(next[0].content, "Others said: [x][y]");
+        let err = Followup::new(Some("{% for %}")).unwrap_err();
+        assert!(err.contains("maporl.followup_template"), "{err}");
     }
 }

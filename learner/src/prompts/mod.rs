@@ -11,7 +11,7 @@ pub mod template;
 use serde::{Deserialize, Serialize};
 
 pub use code::signature_params;
-pub use discussion::{discussion_followup, verifier_reading};
+pub use discussion::{Followup, verifier_reading};
 pub use multiturn::{NextTurn, TurnRecord, compose_next_turn, droppable_entries};
 pub use template::{Prompter, TemplateError, default_template_name};
 

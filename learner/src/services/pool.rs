@@ -1,7 +1,9 @@
 //! Rollout workers over gRPC through the client pool of `cotrain-rollout-worker`.
 //!
 //! Weights go to the workers as gRPC chunks or, for workers on this host that accept it, through
-//! one file in /dev/shm per push (`rollout.weight_transport`, see [`WeightTransport`]).
+//! one file in /dev/shm per push (`rollout.weight_transport`, see [`WeightTransport`]). A LoRA
+//! adapter ([`RolloutSource::push_adapter`]) takes the same paths, as a partial update whose header
+//! carries its scaling; the workers merge it into their base weights.
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -88,25 +90,41 @@ impl PoolRollout {
         self.shm_pushes
     }
 
-    /// Pushes as gRPC chunks to every healthy worker not in `skip`.
-    fn push_grpc(&self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>, skip: &HashSet<String>) -> Result<(), TrainError> {
+    /// Pushes as gRPC chunks to every healthy worker not in `skip`; `lora_scaling` is set for an
+    /// adapter (see [`update_header`]).
+    fn push_grpc(
+        &self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+        lora_scaling: Option<f64>,
+        skip: &HashSet<String>,
+    ) -> Result<(), TrainError> {
         let tensors = Arc::new(wire_tensors(params));
-        let answers = self.rt.block_on(self.pool.push_weights_except(agent, version, false, tensors, skip));
+        let header = update_header(agent, version, lora_scaling);
+        let answers = self.rt.block_on(self.pool.push_update_except(header, tensors, skip));
         if answers.is_empty() && skip.is_empty() {
             return Err(TrainError::Rollout(format!("{}: no healthy worker to push `{agent}` v{version} to", self.label)));
         }
+        let what = update_kind(lora_scaling);
         for (worker, answer) in &answers {
             if let Err(status) = answer {
-                return Err(TrainError::Rollout(format!("{worker}: weight update of `{agent}` to v{version} failed: {status}")));
+                return Err(TrainError::Rollout(format!("{worker}: {what} of `{agent}` to v{version} failed: {status}")));
             }
         }
         Ok(())
     }
 
-    /// Writes the parameters into the agent's /dev/shm file (created on the first push, overwritten
-    /// after) and names it to every healthy worker. On failure, returns the workers that took the
-    /// update anyway with the error, and drops the file.
-    fn push_shm(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), (HashSet<String>, String)> {
+    /// Writes the parameters (or an adapter, with `lora_scaling`) into the agent's /dev/shm file
+    /// (created on the first push, overwritten after) and names it to every healthy worker. On
+    /// failure, returns the workers that took the update anyway with the error, and drops the file.
+    fn push_shm(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+        lora_scaling: Option<f64>,
+    ) -> Result<(), (HashSet<String>, String)> {
         let started = std::time::Instant::now();
         let file = match self.shm_files.entry(agent.to_string()) {
             Entry::Occupied(e) => e.into_mut(),
@@ -120,7 +138,7 @@ impl PoolRollout {
         }
         let written = started.elapsed();
         let message = file.message();
-        let answers = self.rt.block_on(self.pool.push_weights_shm(agent, version, false, &message));
+        let answers = self.rt.block_on(self.pool.push_update_shm(update_header(agent, version, lora_scaling), &message));
         debug!(agent, version, write_secs = written.as_secs_f64(), total_secs = started.elapsed().as_secs_f64(), "weights pushed through shared memory");
         let mut accepted = HashSet::new();
         let mut failure = answers.is_empty().then(|| "no healthy worker".to_string());
@@ -144,6 +162,40 @@ impl PoolRollout {
                 Err((accepted, f))
             }
         }
+    }
+
+    /// Sends the parameters (or an adapter, with `lora_scaling`) by the configured transport, falling
+    /// back from shared memory to gRPC under `auto`, and waits until every worker serves `version`.
+    fn push(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>, lora_scaling: Option<f64>) -> Result<(), TrainError> {
+        let none = HashSet::new();
+        match self.transport {
+            WeightTransport::Grpc => self.push_grpc(agent, version, params, lora_scaling, &none)?,
+            WeightTransport::Shm => self.push_shm(agent, version, params, lora_scaling).map_err(|(_, e)| {
+                TrainError::Rollout(format!(
+                    "{}: {} of `{agent}` to v{version} through shared memory \
+                     (rollout.weight_transport: shm) failed: {e}",
+                    self.label,
+                    update_kind(lora_scaling)
+                ))
+            })?,
+            WeightTransport::Auto if self.shm_failed => self.push_grpc(agent, version, params, lora_scaling, &none)?,
+            WeightTransport::Auto => match self.rt.block_on(self.pool.shm_capable()) {
+                Err(why) => {
+                    debug!(why, "weights go over gRPC");
+                    self.push_grpc(agent, version, params, lora_scaling, &none)?
+                }
+                Ok(()) => {
+                    if let Err((accepted, e)) = self.push_shm(agent, version, params, lora_scaling) {
+                        warn!(error = e, "shared-memory weight update failed, using gRPC from now on");
+                        self.shm_failed = true;
+                        self.push_grpc(agent, version, params, lora_scaling, &accepted)?
+                    }
+                }
+            },
+        }
+        self.rt
+            .block_on(self.pool.wait_for_version(agent, version, self.version_timeout))
+            .map_err(|e| TrainError::Rollout(e.to_string()))
     }
 
     pub fn pool(&self) -> &RolloutPool {
@@ -170,6 +222,24 @@ impl PoolRollout {
         }
         Ok(())
     }
+}
+
+/// The header of a push of `agent` as `version`: a full update of every parameter, or, with
+/// `lora_scaling`, an adapter (a partial update the workers merge into their base weights).
+/// `tensor_count` is left to the pool, which counts the tensors it sends.
+fn update_header(agent: &str, version: u64, lora_scaling: Option<f64>) -> pb::UpdateHeader {
+    pb::UpdateHeader {
+        agent: agent.to_string(),
+        version,
+        tensor_count: 0,
+        partial: lora_scaling.is_some(),
+        lora_scaling: lora_scaling.unwrap_or(0.0),
+    }
+}
+
+/// What a push is, for errors.
+fn update_kind(lora_scaling: Option<f64>) -> &'static str {
+    if lora_scaling.is_some() { "adapter update" } else { "weight update" }
 }
 
 /// Writes the parameters as f32 into a new shared-memory file, straight from the tensors' memory.
@@ -268,34 +338,15 @@ impl RolloutSource for PoolRollout {
     }
 
     fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
-        let none = HashSet::new();
-        match self.transport {
-            WeightTransport::Grpc => self.push_grpc(agent, version, params, &none)?,
-            WeightTransport::Shm => self.push_shm(agent, version, params).map_err(|(_, e)| {
-                TrainError::Rollout(format!(
-                    "{}: weight update of `{agent}` to v{version} through shared memory \
-                     (rollout.weight_transport: shm) failed: {e}",
-                    self.label
-                ))
-            })?,
-            WeightTransport::Auto if self.shm_failed => self.push_grpc(agent, version, params, &none)?,
-            WeightTransport::Auto => match self.rt.block_on(self.pool.shm_capable()) {
-                Err(why) => {
-                    debug!(why, "weights go over gRPC");
-                    self.push_grpc(agent, version, params, &none)?
-                }
-                Ok(()) => {
-                    if let Err((accepted, e)) = self.push_shm(agent, version, params) {
-                        warn!(error = e, "shared-memory weight update failed, using gRPC from now on");
-                        self.shm_failed = true;
-                        self.push_grpc(agent, version, params, &accepted)?
-                    }
-                }
-            },
+        self.push(agent, version, params, None)
+    }
+
+    fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
+        // 0 would make the header an ordinary update; the workers refuse NaN, ∞ and negatives.
+        if scaling == 0.0 {
+            return Err(TrainError::Rollout(format!("adapter update of `{agent}` to v{version}: lora scaling is 0")));
         }
-        self.rt
-            .block_on(self.pool.wait_for_version(agent, version, self.version_timeout))
-            .map_err(|e| TrainError::Rollout(e.to_string()))
+        self.push(agent, version, adapter, Some(scaling))
     }
 
     fn describe(&self) -> String {

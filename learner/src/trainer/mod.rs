@@ -100,7 +100,8 @@ pub struct ServiceGuard {
     pub runtime: Arc<tokio::runtime::Runtime>,
 }
 
-fn load_options(cfg: &CheckedConfig) -> LoadOptions {
+/// Device and dtype of the learner's models (`model.dtype`, CUDA when available).
+pub fn load_options(cfg: &CheckedConfig) -> LoadOptions {
     let device = Device::cuda_if_available();
     let kind = match (cfg.raw.model.dtype, device) {
         (Dtype::F32, _) | (Dtype::Auto, Device::Cpu) => Kind::Float,
@@ -136,8 +137,9 @@ pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), T
 }
 
 /// The services a config names, or the embedded default: a reward server and a rollout worker in
-/// this process on loopback ports, used over gRPC.
-pub fn connect_services(cfg: &CheckedConfig, policies: &[Policy]) -> Result<Services, TrainError> {
+/// this process on loopback ports, used over gRPC. `agents` are the (worker agent, model spec) pairs
+/// the learner trains; each must have weights of its own on the workers.
+pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Result<Services, TrainError> {
     let runtime = services::runtime().map_err(|e| TrainError::Io(format!("tokio runtime: {e}")))?;
     let r = &cfg.raw.reward;
     let (reward, embedded_reward): (Box<dyn RewardSource>, _) = match &r.endpoint {
@@ -169,19 +171,18 @@ pub fn connect_services(cfg: &CheckedConfig, policies: &[Policy]) -> Result<Serv
     let (rollout, embedded_rollout): (Box<dyn RolloutSource>, _) = if ro.endpoints.is_empty() && ro.dns_name.is_none() {
         // A rollout worker in this process (one model copy per policy), used over gRPC like a remote one.
         let opts = load_options(cfg);
-        let agents: Vec<(String, String)> = policies.iter().map(|p| (p.worker_agent.clone(), p.model_spec.clone())).collect();
-        let worker = EmbeddedRollout::start(runtime.clone(), &agents, opts.device, opts.kind)?;
+        let worker = EmbeddedRollout::start(runtime.clone(), agents, opts.device, opts.kind)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
         (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new())?), Some(worker))
     } else {
         let remote = pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect())?;
-        remote.check_separate_models(&policies.iter().map(|p| p.worker_agent.clone()).collect::<Vec<_>>())?;
+        remote.check_separate_models(&agents.iter().map(|(a, _)| a.clone()).collect::<Vec<_>>())?;
         (Box::new(remote), None)
     };
     Ok(Services { rollout, reward, guard: ServiceGuard { embedded_reward, embedded_rollout, runtime } })
 }
 
-fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
+pub fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
     let name = cfg.raw.logging.run_name.clone().unwrap_or_else(|| {
         let stem = cfg.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
@@ -196,6 +197,16 @@ fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
 pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
     let t = &cfg.trainer;
     let section = cfg.algorithm.section();
+    if cfg.algorithm == crate::config::Algorithm::Maporl {
+        return match DatasetKind::resolve(&cfg.raw.dataset) {
+            Ok(DatasetKind::Gsm8k | DatasetKind::Anli) => Ok(()),
+            _ => Err(TrainError::NotBuilt(format!(
+                "{}: the maporl trainer discusses GSM8K and ANLI questions (one answer per agent); dataset `{}` is not one",
+                cfg.source.display(),
+                cfg.raw.dataset.name
+            ))),
+        };
+    }
     if cfg.is_multi_turn() && t.rollout == crate::config::MultiTurnMode::Tree {
         let nodes = tree::max_tree_nodes(t.joint_mode, cfg.num_agents, t.num_generations, t.num_turns);
         if nodes > t.max_nodes_per_item as u128 {
@@ -218,7 +229,7 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
     {
         return Err(TrainError::NotBuilt(format!(
             "{}: {section}.num_turns is {}: the next-turn feedback (external.mode) exists for the code tasks only; \
-             dataset `{}` is not one (the discussion turns of GSM8K/ANLI belong to the MaPoRL trainer, not built yet)",
+             dataset `{}` is not one (discussions on GSM8K/ANLI are the MaPoRL trainer's: use a `maporl` section)",
             cfg.source.display(),
             t.num_turns,
             cfg.raw.dataset.name
@@ -265,7 +276,8 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceG
         Some(d) => prepare_items(d, &models, &prompter, &encoding, max_prompt)?,
         None => Vec::new(),
     };
-    let services = connect_services(cfg, &policies)?;
+    let agents: Vec<(String, String)> = policies.iter().map(|p| (p.worker_agent.clone(), p.model_spec.clone())).collect();
+    let services = connect_services(cfg, &agents)?;
     let Services { rollout, reward, guard } = services;
     let setup = TrainerSetup {
         cfg: cfg.clone(),

@@ -710,7 +710,7 @@ fn reward_metrics(m: &mut BTreeMap<String, f64>, prefix: &str, scores: &[&Score]
     }
 }
 
-fn progress_bar(mode: ProgressMode, total: u64, start: u64) -> Option<indicatif::ProgressBar> {
+pub(crate) fn progress_bar(mode: ProgressMode, total: u64, start: u64) -> Option<indicatif::ProgressBar> {
     let show = match mode {
         ProgressMode::Always => true,
         ProgressMode::Never => false,

@@ -67,6 +67,18 @@ pub trait RolloutSource: Send {
     /// Replaces `agent`'s weights on every worker with `params` as `version`, and returns once every
     /// worker serves that version.
     fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError>;
+    /// Sends only a LoRA adapter for `agent` as `version`, and returns once every worker serves that
+    /// version. `adapter` holds pairs `X.lora_A.weight` (r × in) and `X.lora_B.weight` (out × r) for
+    /// base parameters `X.weight` (names as `LoraAdapter::named_tensors` or `peft_tensors` give
+    /// them); the workers serve `X.weight = W0 + scaling·B·A` with `W0` their base weights as loaded
+    /// from the model spec, not the current ones, so each push replaces the previous adapter, and
+    /// every parameter the adapter does not name keeps its value. A push of a few megabytes instead
+    /// of the whole model when only the adapter trains. Sources that cannot merge refuse, naming
+    /// themselves.
+    fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
+        let _ = (agent, version, adapter, scaling);
+        Err(TrainError::Rollout(format!("{} cannot take adapter-only weight updates", self.describe())))
+    }
     /// A short description for logs (`embedded worker at 127.0.0.1:41234`, ...).
     fn describe(&self) -> String;
 }

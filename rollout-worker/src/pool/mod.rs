@@ -361,11 +361,24 @@ impl RolloutPool {
         tensors: Arc<Vec<UpdatedTensor>>,
         skip: &HashSet<String>,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
+        let header = UpdateHeader { agent: agent.to_string(), version, partial, ..UpdateHeader::default() };
+        self.push_update_except(header, tensors, skip).await
+    }
+
+    /// Streams an update with the given header (agent, version, `partial`, `lora_scaling` for an
+    /// adapter; its `tensor_count` is set here from `tensors`) to every healthy worker but those
+    /// in `skip`; returns each worker's answer.
+    pub async fn push_update_except(
+        &self,
+        mut header: UpdateHeader,
+        tensors: Arc<Vec<UpdatedTensor>>,
+        skip: &HashSet<String>,
+    ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
+        header.tensor_count = tensors.len() as u32;
         let workers = self.inner.healthy().into_iter().filter(|w| !skip.contains(&w.address));
         let chunk = self.inner.cfg.weight_chunk_bytes;
         let calls = workers.map(|w| {
-            let tensors = tensors.clone();
-            let header = UpdateHeader { agent: agent.to_string(), version, tensor_count: tensors.len() as u32, partial };
+            let (tensors, header) = (tensors.clone(), header.clone());
             async move {
                 let mut c = w.client.clone();
                 let r = c.update_weights(update_stream(header, tensors, chunk)).await.map(|r| r.into_inner());
@@ -385,11 +398,22 @@ impl RolloutPool {
         partial: bool,
         shm: &ShmWeights,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
+        let header = UpdateHeader { agent: agent.to_string(), version, partial, ..UpdateHeader::default() };
+        self.push_update_shm(header, shm).await
+    }
+
+    /// As [`Self::push_weights_shm`], with the given header (as for [`Self::push_update_except`];
+    /// its `tensor_count` is set here from `shm`).
+    pub async fn push_update_shm(
+        &self,
+        mut header: UpdateHeader,
+        shm: &ShmWeights,
+    ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
+        header.tensor_count = shm.tensors.len() as u32;
         let workers = self.inner.healthy();
         let calls = workers.into_iter().map(|w| {
-            let header = UpdateHeader { agent: agent.to_string(), version, tensor_count: shm.tensors.len() as u32, partial };
             let msgs = vec![
-                UpdateWeightsRequest { item: Some(Item::Header(header)) },
+                UpdateWeightsRequest { item: Some(Item::Header(header.clone())) },
                 UpdateWeightsRequest { item: Some(Item::Shm(shm.clone())) },
             ];
             async move {
@@ -603,7 +627,7 @@ mod tests {
             UpdatedTensor { name: "a".into(), dtype: WireDType::Bf16, shape: vec![5], data: vec![1; 10] },
             UpdatedTensor { name: "b".into(), dtype: WireDType::F32, shape: vec![1], data: vec![2; 4] },
         ]);
-        let header = UpdateHeader { agent: "x".into(), version: 1, tensor_count: 2, partial: true };
+        let header = UpdateHeader { agent: "x".into(), version: 1, tensor_count: 2, partial: true, lora_scaling: 0.0 };
         let msgs: Vec<UpdateWeightsRequest> = futures::executor::block_on(update_stream(header, tensors, 4).collect());
         assert_eq!(msgs.len(), 1 + 3 + 1);
         assert!(matches!(msgs[0].item, Some(Item::Header(_))));

@@ -1,0 +1,347 @@
+//! `maporl`: the multi-agent PPO trainer's section (algorithms.md, "MaPoRL"). Keys carry the names of
+//! MaPoRL's config files (`config/ppo_config/*.py` of chanwoo-park-official/MAPoRL) where one exists:
+//! `agent_num`, `round_num`, `kl_coef`, `vf_coef`, `num_ppo_epochs`, `num_mini_batches`,
+//! `per_device_train_batch_size`, `gradient_accumulation_steps`, `max_output_length`,
+//! `min_output_length`, `penalty_reward_value`, `rule_horizon`, `rule_agent_share`, `rule_discount`,
+//! `task_training`, `reward_feedback`, `value_simplification`. The PPO constants MaPoRL inherits from
+//! TRL's trainer (`cliprange`, `cliprange_value`, `gamma`, `lam`, `temperature`, `whiten_rewards`)
+//! keep TRL's names.
+
+use serde::{Deserialize, Serialize};
+
+use crate::algo::maporl::{AgentShare, Horizon, InfluenceSigns};
+
+/// Which adapter serves which turn of an agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdapterLayout {
+    /// One adapter for turn 0 and one for every later turn (MaPoRL's `collaboration_separation`,
+    /// on in its shipped configs).
+    #[default]
+    FirstAndLater,
+    /// One adapter per turn (MaPoRL's `turn_based_training`).
+    PerTurn,
+    /// One adapter for every turn and every agent (one model, as MaPoRL with
+    /// `collaboration_separation: False` and shared policies).
+    Shared,
+}
+
+/// `maporl.lora`: the adapters' shape (PEFT's `LoraConfig`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraSection {
+    #[serde(default = "default_lora_r")]
+    pub r: usize,
+    #[serde(default = "default_lora_alpha")]
+    pub lora_alpha: f64,
+    #[serde(default = "default_lora_dropout")]
+    pub lora_dropout: f64,
+    #[serde(default = "default_target_modules")]
+    pub target_modules: Vec<String>,
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        Self { r: default_lora_r(), lora_alpha: default_lora_alpha(), lora_dropout: default_lora_dropout(), target_modules: default_target_modules() }
+    }
+}
+
+impl LoraSection {
+    pub fn to_model(&self) -> cotrain_model::lora::LoraConfig {
+        cotrain_model::lora::LoraConfig { r: self.r, alpha: self.lora_alpha, dropout: self.lora_dropout, target_modules: self.target_modules.clone() }
+    }
+}
+
+fn default_lora_r() -> usize {
+    8
+}
+fn default_lora_alpha() -> f64 {
+    16.0
+}
+fn default_lora_dropout() -> f64 {
+    0.05
+}
+fn default_target_modules() -> Vec<String> {
+    ["up_proj", "down_proj", "gate_proj", "k_proj", "q_proj", "v_proj", "o_proj"].iter().map(|s| s.to_string()).collect()
+}
+
+/// `maporl`: see the module docs; defaults are MaPoRL's shipped GSM8K config (2 agents, 3 turns).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MaporlSection {
+    /// Agents N.
+    #[serde(default = "default_agent_num")]
+    pub agent_num: usize,
+    /// Discussion turns T.
+    #[serde(default = "default_round_num")]
+    pub round_num: usize,
+    #[serde(default = "default_epochs")]
+    pub num_train_epochs: usize,
+    /// Questions per step = per_device_train_batch_size × gradient_accumulation_steps.
+    #[serde(default = "default_one")]
+    pub per_device_train_batch_size: usize,
+    #[serde(default = "default_grad_accum")]
+    pub gradient_accumulation_steps: usize,
+    /// Mini-batches each adapter's samples of a step are split into, per PPO epoch.
+    #[serde(default = "default_mini_batches")]
+    pub num_mini_batches: usize,
+    #[serde(default = "default_ppo_epochs")]
+    pub num_ppo_epochs: usize,
+    #[serde(default = "default_lr")]
+    pub learning_rate: f64,
+    /// The learning rate decays linearly from `learning_rate` to this fraction of it over the run.
+    #[serde(default = "default_lr_end_factor")]
+    pub lr_end_factor: f64,
+    #[serde(default)]
+    pub weight_decay: f64,
+    #[serde(default)]
+    pub max_grad_norm: Option<f64>,
+    /// New tokens sampled per answer: exactly this many (EOS ignored while sampling, the answer cut
+    /// at the first EOS afterwards).
+    #[serde(default = "default_max_output_length")]
+    pub max_output_length: usize,
+    /// Longest prompt (question + discussion) in tokens; longer prompts are an error naming the row.
+    #[serde(default)]
+    pub max_input_length: Option<usize>,
+    #[serde(default = "default_temperature")]
+    pub temperature: f64,
+    #[serde(default = "default_kl_coef")]
+    pub kl_coef: f64,
+    #[serde(default = "default_vf_coef")]
+    pub vf_coef: f64,
+    #[serde(default = "default_clip")]
+    pub cliprange: f64,
+    #[serde(default = "default_clip")]
+    pub cliprange_value: f64,
+    #[serde(default = "default_gamma")]
+    pub gamma: f64,
+    #[serde(default = "default_lam")]
+    pub lam: f64,
+    #[serde(default)]
+    pub whiten_rewards: bool,
+    /// Score rule R(t, i).
+    #[serde(default)]
+    pub rule_horizon: Horizon,
+    #[serde(default)]
+    pub rule_agent_share: AgentShare,
+    #[serde(default = "default_rule_discount")]
+    pub rule_discount: f64,
+    /// cotrain option: look at most this many turns ahead in the score rule.
+    #[serde(default)]
+    pub rule_lookahead: Option<usize>,
+    /// Incentive weights α0..α3 (0 = off).
+    #[serde(default)]
+    pub alpha: [f64; 4],
+    #[serde(default)]
+    pub influence_signs: InfluenceSigns,
+    /// Score that replaces an invalid answer's.
+    #[serde(default = "default_penalty")]
+    pub penalty_reward_value: f64,
+    /// Fewer response tokens than this is invalid.
+    #[serde(default = "default_min_output_length")]
+    pub min_output_length: usize,
+    /// Apply the invalid-output penalty at all.
+    #[serde(default = "default_true")]
+    pub invalid_penalty: bool,
+    /// Train on turn-0 answers too (MaPoRL's shipped configs train the discussion turns only).
+    #[serde(default)]
+    pub task_training: bool,
+    /// Show each other agent's score and its verbal reading in the next turn's prompt.
+    #[serde(default)]
+    pub reward_feedback: bool,
+    /// The critic values (question, response) without the discussion history.
+    #[serde(default = "default_true")]
+    pub value_simplification: bool,
+    /// One critic per turn group of the adapter layout (otherwise one per agent).
+    #[serde(default)]
+    pub critic_per_turn: bool,
+    #[serde(default)]
+    pub adapter_layout: AdapterLayout,
+    /// Train every weight instead of adapters (not built yet: refused with a clear error).
+    #[serde(default)]
+    pub full_finetune: bool,
+    #[serde(default)]
+    pub lora: LoraSection,
+    /// The next-turn prompt template (minijinja, see `prompts::discussion`); cotrain's default when absent.
+    #[serde(default)]
+    pub followup_template: Option<String>,
+    #[serde(default = "default_eval_interval")]
+    pub eval_interval: usize,
+    #[serde(default = "default_eval_num_samples")]
+    pub eval_num_samples: usize,
+    #[serde(default = "default_one")]
+    pub logging_steps: usize,
+    #[serde(default = "default_save_steps")]
+    pub save_steps: usize,
+}
+
+fn default_agent_num() -> usize {
+    2
+}
+fn default_round_num() -> usize {
+    3
+}
+fn default_epochs() -> usize {
+    1
+}
+fn default_one() -> usize {
+    1
+}
+fn default_grad_accum() -> usize {
+    4
+}
+fn default_mini_batches() -> usize {
+    8
+}
+fn default_ppo_epochs() -> usize {
+    4
+}
+fn default_lr() -> f64 {
+    1e-5
+}
+fn default_lr_end_factor() -> f64 {
+    0.1
+}
+fn default_max_output_length() -> usize {
+    300
+}
+/// TRL's PPO default sampling temperature, which MaPoRL does not change.
+fn default_temperature() -> f64 {
+    0.7
+}
+fn default_kl_coef() -> f64 {
+    0.002
+}
+fn default_vf_coef() -> f64 {
+    0.1
+}
+fn default_clip() -> f64 {
+    0.2
+}
+fn default_gamma() -> f64 {
+    1.0
+}
+fn default_lam() -> f64 {
+    0.95
+}
+fn default_rule_discount() -> f64 {
+    0.3
+}
+fn default_penalty() -> f64 {
+    -10.0
+}
+fn default_min_output_length() -> usize {
+    50
+}
+fn default_true() -> bool {
+    true
+}
+fn default_eval_interval() -> usize {
+    300
+}
+fn default_eval_num_samples() -> usize {
+    100
+}
+fn default_save_steps() -> usize {
+    100
+}
+
+impl MaporlSection {
+    /// Questions per step.
+    pub fn questions_per_step(&self) -> usize {
+        self.per_device_train_batch_size * self.gradient_accumulation_steps
+    }
+
+    /// The keys the trainer-agnostic parts of the learner read (sampling, turns, schedule), as a
+    /// [`super::TrainerSection`]: one sample per agent and turn, no MAGRPO options.
+    pub fn trainer_view(&self) -> super::TrainerSection {
+        let yaml = format!(
+            "num_agents: {}\nnum_turns: {}\nnum_train_epochs: {}\nlearning_rate: {}\nnum_generations: 1\nmax_new_tokens: {}\n\
+             temperature: {}\ntop_p: 1.0\ntop_k: 0\nrollout_buffer_size: {}\neval_interval: {}\neval_num_samples: {}\n\
+             logging_steps: {}\nsave_steps: {}\nweight_decay: {}\n",
+            self.agent_num,
+            self.round_num,
+            self.num_train_epochs,
+            self.learning_rate,
+            self.max_output_length,
+            self.temperature,
+            self.questions_per_step().max(1),
+            self.eval_interval,
+            self.eval_num_samples,
+            self.logging_steps,
+            self.save_steps,
+            self.weight_decay,
+        );
+        let mut t: super::TrainerSection = serde_yaml_ng::from_str(&yaml).expect("the view's keys are the schema's");
+        t.max_grad_norm = self.max_grad_norm;
+        t
+    }
+
+    /// The checks of the section's own values, as (key, message).
+    pub fn check(&self) -> Result<(), (String, String)> {
+        let bad = |k: &str, m: String| Err((format!("maporl.{k}"), m));
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if self.agent_num == 0 {
+            return bad("agent_num", "must be at least 1".into());
+        }
+        if self.round_num == 0 {
+            return bad("round_num", "must be at least 1".into());
+        }
+        if self.round_num == 1 && !self.task_training {
+            return bad("task_training", "is false but round_num is 1: no turn would be trained".into());
+        }
+        for (k, v) in [
+            ("num_train_epochs", self.num_train_epochs),
+            ("per_device_train_batch_size", self.per_device_train_batch_size),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps),
+            ("num_mini_batches", self.num_mini_batches),
+            ("num_ppo_epochs", self.num_ppo_epochs),
+            ("max_output_length", self.max_output_length),
+            ("logging_steps", self.logging_steps),
+        ] {
+            if v == 0 {
+                return bad(k, "must be at least 1".into());
+            }
+        }
+        if !positive(self.learning_rate) {
+            return bad("learning_rate", format!("must be positive, got {}", self.learning_rate));
+        }
+        if !(self.lr_end_factor.is_finite() && (0.0..=1.0).contains(&self.lr_end_factor)) {
+            return bad("lr_end_factor", format!("must be in [0, 1], got {}", self.lr_end_factor));
+        }
+        if !positive(self.temperature) {
+            return bad("temperature", format!("must be positive, got {}", self.temperature));
+        }
+        for (k, v) in [("kl_coef", self.kl_coef), ("vf_coef", self.vf_coef), ("weight_decay", self.weight_decay)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return bad(k, format!("must be >= 0, got {v}"));
+            }
+        }
+        for (k, v) in [("cliprange", self.cliprange), ("cliprange_value", self.cliprange_value)] {
+            if !positive(v) {
+                return bad(k, format!("must be positive, got {v}"));
+            }
+        }
+        for (k, v) in [("gamma", self.gamma), ("lam", self.lam), ("rule_discount", self.rule_discount)] {
+            if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
+                return bad(k, format!("must be in [0, 1], got {v}"));
+            }
+        }
+        if let Some(a) = self.alpha.iter().find(|a| !a.is_finite()) {
+            return bad("alpha", format!("must be finite, got {a}"));
+        }
+        if !self.penalty_reward_value.is_finite() {
+            return bad("penalty_reward_value", "must be finite".into());
+        }
+        if self.full_finetune {
+            return bad(
+                "full_finetune",
+                "is not built yet: MaPoRL in cotrain trains LoRA adapters on a frozen base (set full_finetune: false)".into(),
+            );
+        }
+        if let Err(e) = self.lora.to_model().validate() {
+            return bad("lora", e.to_string());
+        }
+        Ok(())
+    }
+}

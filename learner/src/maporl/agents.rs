@@ -1,0 +1,205 @@
+//! What MaPoRL trains: LoRA adapters on frozen bases, and critics.
+//!
+//! - [`Bases`]: one frozen model per distinct base (agents may use different base models). The
+//!   reference policy is the base itself with no adapter set, so there is no second copy.
+//! - [`PolicyAdapter`]: one per key of the adapter layout (`agent0.turn0`, `agent0.later`, ... or
+//!   `shared`), with its AdamW. The rollout workers serve each key as its own agent, with the
+//!   adapter merged into a copy of the base (adapter-only weight updates).
+//! - [`Critic`]: an adapter of its own plus a value head (hidden → 1, no bias), per agent or per
+//!   adapter key (`critic_per_turn`), as MaPoRL's separate value model.
+
+use std::collections::BTreeMap;
+
+use cotrain_model::loader::{LoadOptions, LoadedModel};
+use cotrain_model::lora::{LoraAdapter, LoraConfig};
+use tch::{Kind, Tensor, nn};
+
+use crate::algo::{AdamW, AdamWConfig};
+use crate::config::{AdapterLayout, CheckedConfig, MaporlSection};
+use crate::trainer::TrainError;
+
+/// The frozen base models, by spec.
+pub struct Bases {
+    pub specs: Vec<String>,
+    pub models: Vec<LoadedModel>,
+    /// `agent_base[i]`: the base of agent `i`.
+    pub agent_base: Vec<usize>,
+}
+
+impl Bases {
+    /// Loads each distinct spec of `cfg.agent_models` once and freezes it.
+    pub fn load(cfg: &CheckedConfig, opts: &LoadOptions) -> Result<Self, TrainError> {
+        let (mut specs, mut models, mut agent_base) = (Vec::<String>::new(), Vec::new(), Vec::new());
+        for spec in &cfg.agent_models {
+            let idx = match specs.iter().position(|s| s == spec) {
+                Some(i) => i,
+                None => {
+                    let mut m = cotrain_model::loader::load(spec, opts).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+                    m.vs.freeze();
+                    specs.push(spec.clone());
+                    models.push(m);
+                    specs.len() - 1
+                }
+            };
+            agent_base.push(idx);
+        }
+        Ok(Self { specs, models, agent_base })
+    }
+
+    /// Wraps already loaded models (tests); each is frozen.
+    pub fn from_models(specs: Vec<String>, mut models: Vec<LoadedModel>, agent_base: Vec<usize>) -> Self {
+        for m in &mut models {
+            m.vs.freeze();
+        }
+        Self { specs, models, agent_base }
+    }
+}
+
+/// The adapter key of agent `agent` at turn `turn` under `layout`; also the rollout workers'
+/// agent name for it.
+pub fn adapter_key(layout: AdapterLayout, agent: usize, turn: usize) -> String {
+    match layout {
+        AdapterLayout::Shared => "shared".into(),
+        AdapterLayout::PerTurn => format!("agent{agent}.turn{turn}"),
+        AdapterLayout::FirstAndLater if turn == 0 => format!("agent{agent}.turn0"),
+        AdapterLayout::FirstAndLater => format!("agent{agent}.later"),
+    }
+}
+
+/// The critic key of agent `agent` at turn `turn`.
+pub fn critic_key(m: &MaporlSection, agent: usize, turn: usize) -> String {
+    match (m.adapter_layout, m.critic_per_turn) {
+        (AdapterLayout::Shared, _) => "critic.shared".into(),
+        (_, true) => format!("critic.{}", adapter_key(m.adapter_layout, agent, turn)),
+        (_, false) => format!("critic.agent{agent}"),
+    }
+}
+
+/// One trainable policy adapter.
+pub struct PolicyAdapter {
+    pub key: String,
+    pub base: usize,
+    pub adapter: LoraAdapter,
+    pub optimizer: AdamW,
+    /// The version the rollout workers serve it as.
+    pub version: u64,
+}
+
+/// One critic: adapter plus value head.
+pub struct Critic {
+    pub key: String,
+    pub base: usize,
+    pub adapter: LoraAdapter,
+    /// The value head's own store (`v_head.weight`, (1, hidden)).
+    pub head_vs: nn::VarStore,
+    pub head: Tensor,
+    pub adapter_opt: AdamW,
+    pub head_opt: AdamW,
+}
+
+impl Critic {
+    /// Values (B, L) of right-padded token rows (B, L) with the critic adapter set on `base`.
+    /// Values of padding positions are garbage; callers gather real positions.
+    pub fn values(&self, base: &LoadedModel, ids: &Tensor, with_grad: bool) -> Result<Tensor, TrainError> {
+        let _guard = (!with_grad).then(tch::no_grad_guard);
+        base.model.set_adapter(Some(&self.adapter), false).map_err(|e| TrainError::Model(e.to_string()))?;
+        let hidden = base.model.forward_hidden(ids);
+        base.model.set_adapter(None, false).map_err(|e| TrainError::Model(e.to_string()))?;
+        let hidden = hidden.map_err(|e| TrainError::Model(format!("critic forward: {e}")))?;
+        Ok(hidden.to_kind(Kind::Float).matmul(&self.head.to_kind(Kind::Float).transpose(0, 1)).squeeze_dim(-1))
+    }
+}
+
+/// Every adapter and critic of a run, by key.
+pub struct Adapters {
+    pub policies: BTreeMap<String, PolicyAdapter>,
+    pub critics: BTreeMap<String, Critic>,
+}
+
+impl Adapters {
+    /// Fresh adapters (A Kaiming-uniform, B zero: every policy starts as its base) and critics (value
+    /// head zero) for every key the config's layout uses, seeded from the run's seed.
+    pub fn new(cfg: &CheckedConfig, m: &MaporlSection, bases: &Bases) -> Result<Self, TrainError> {
+        let lora: LoraConfig = m.lora.to_model();
+        let adam = AdamWConfig::new(m.learning_rate, m.weight_decay, m.max_grad_norm);
+        if m.adapter_layout == AdapterLayout::Shared && bases.models.len() > 1 {
+            return Err(TrainError::Config(format!(
+                "{}: maporl.adapter_layout is shared but model.agents names {} different base models",
+                cfg.source.display(),
+                bases.models.len()
+            )));
+        }
+        tch::manual_seed(cfg.raw.seed as i64);
+        let (mut policies, mut critics) = (BTreeMap::new(), BTreeMap::new());
+        for agent in 0..cfg.num_agents {
+            let base = bases.agent_base[agent];
+            let model = &bases.models[base].model;
+            for turn in 0..m.round_num {
+                let key = adapter_key(m.adapter_layout, agent, turn);
+                if !policies.contains_key(&key) {
+                    let adapter = LoraAdapter::new(model, lora.clone()).map_err(|e| TrainError::Config(format!("maporl.lora: {e}")))?;
+                    let optimizer = AdamW::new(&adapter.vs, adam);
+                    policies.insert(key.clone(), PolicyAdapter { key, base, adapter, optimizer, version: 0 });
+                }
+                let ckey = critic_key(m, agent, turn);
+                if !critics.contains_key(&ckey) {
+                    let adapter = LoraAdapter::new(model, lora.clone()).map_err(|e| TrainError::Config(format!("maporl.lora: {e}")))?;
+                    let head_vs = nn::VarStore::new(model.device());
+                    let hidden = model.config().hidden_size as i64;
+                    let head = (head_vs.root() / "v_head").var("weight", &[1, hidden], nn::Init::Const(0.0));
+                    let adapter_opt = AdamW::new(&adapter.vs, adam);
+                    let head_opt = AdamW::new(&head_vs, adam);
+                    critics.insert(ckey.clone(), Critic { key: ckey, base, adapter, head_vs, head, adapter_opt, head_opt });
+                }
+            }
+        }
+        Ok(Self { policies, critics })
+    }
+
+    /// Sets every optimiser's learning rate.
+    pub fn set_lr(&mut self, lr: f64) {
+        for p in self.policies.values_mut() {
+            p.optimizer.cfg.lr = lr;
+        }
+        for c in self.critics.values_mut() {
+            c.adapter_opt.cfg.lr = lr;
+            c.head_opt.cfg.lr = lr;
+        }
+    }
+
+    /// The rollout workers' agents: (key, base spec) of every policy adapter.
+    pub fn worker_agents(&self, bases: &Bases) -> Vec<(String, String)> {
+        self.policies.values().map(|p| (p.key.clone(), bases.specs[p.base].clone())).collect()
+    }
+}
+
+/// The linear decay MaPoRL's trainer uses: `lr` at the first update down to `lr·end_factor` at the last.
+pub fn scheduled_lr(lr: f64, end_factor: f64, update: u64, total_updates: u64) -> f64 {
+    if total_updates <= 1 {
+        return lr;
+    }
+    let frac = (update.min(total_updates - 1)) as f64 / (total_updates - 1) as f64;
+    lr * (1.0 - frac * (1.0 - end_factor))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_name_one_adapter_per_turn_group() {
+        assert_eq!(adapter_key(AdapterLayout::FirstAndLater, 1, 0), "agent1.turn0");
+        assert_eq!(adapter_key(AdapterLayout::FirstAndLater, 1, 2), "agent1.later");
+        assert_eq!(adapter_key(AdapterLayout::FirstAndLater, 1, 1), adapter_key(AdapterLayout::FirstAndLater, 1, 2));
+        assert_eq!(adapter_key(AdapterLayout::PerTurn, 0, 2), "agent0.turn2");
+        assert_eq!(adapter_key(AdapterLayout::Shared, 1, 2), adapter_key(AdapterLayout::Shared, 0, 0));
+    }
+
+    #[test]
+    fn learning_rate_decays_linearly_to_the_end_factor() {
+        assert_eq!(scheduled_lr(1e-5, 0.1, 0, 10), 1e-5);
+        assert!((scheduled_lr(1e-5, 0.1, 9, 10) - 1e-6).abs() < 1e-18);
+        assert!((scheduled_lr(1e-5, 0.1, 3, 7) - 1e-5 * (1.0 - 0.5 * 0.9)).abs() < 1e-18);
+        assert_eq!(scheduled_lr(1e-5, 0.1, 0, 1), 1e-5);
+    }
+}

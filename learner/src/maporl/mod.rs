@@ -1,0 +1,63 @@
+//! MaPoRL (Park et al. 2025, arXiv 2502.18439; algorithms.md "MaPoRL"): N agents discuss each question
+//! over T turns and are trained with PPO, with LoRA adapters on frozen bases and a critic per agent.
+//!
+//! - [`agents`]: bases, the adapter layout's keys, policy adapters and critics;
+//! - [`rollout`]: the discussions of a batch through the rollout workers and the reward server;
+//! - [`update`]: the PPO update of a step;
+//! - [`run`]: the loop, evaluation, the rollout log, adapters saved in PEFT's layout;
+//! - [`plot`]: accuracy per turn;
+//! - this module: building a run from a config ([`build`]) and `learner train` on a `maporl` config
+//!   ([`train`]).
+
+pub mod agents;
+pub mod plot;
+pub mod rollout;
+pub mod run;
+pub mod update;
+
+use std::path::PathBuf;
+
+pub use agents::{Adapters, Bases, adapter_key, critic_key};
+pub use run::{MaporlSetup, MaporlSummary, MaporlTrainer};
+
+use crate::config::CheckedConfig;
+use crate::data::{DatasetKind, load_split};
+use crate::trainer::items::{PromptEncoding, prepare_items, reward_task};
+use crate::trainer::{ServiceGuard, Services, TrainError, connect_services};
+
+/// Everything for a MaPoRL run of `cfg` in `run_dir`: bases, adapters, data, services (the rollout
+/// workers serve one agent per adapter key).
+pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(MaporlTrainer, ServiceGuard), TrainError> {
+    let m = cfg.raw.maporl.as_ref().ok_or_else(|| TrainError::Config(format!("{}: no maporl section", cfg.source.display())))?;
+    let kind = DatasetKind::resolve(&cfg.raw.dataset).map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
+    let train = load_split(&cfg.raw.dataset, &cfg.train_split).map_err(|e| TrainError::Data(e.to_string()))?;
+    let eval = match &cfg.eval_split {
+        Some(s) => Some(load_split(&cfg.raw.dataset, s).map_err(|e| TrainError::Data(e.to_string()))?),
+        None => None,
+    };
+    let bases = Bases::load(cfg, &crate::trainer::load_options(cfg))?;
+    let adapters = Adapters::new(cfg, m, &bases)?;
+    let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
+    let encoding = PromptEncoding::from_config(cfg);
+    let max_prompt = cfg.raw.model.max_length.saturating_sub(m.max_output_length);
+    let models: Vec<&cotrain_model::loader::LoadedModel> = bases.agent_base.iter().map(|&b| &bases.models[b]).collect();
+    let train_items = prepare_items(&train, &models, &prompter, &encoding, max_prompt)?;
+    let eval_items = match &eval {
+        Some(d) => prepare_items(d, &models, &prompter, &encoding, max_prompt)?,
+        None => Vec::new(),
+    };
+    let Services { rollout, reward, guard } = connect_services(cfg, &adapters.worker_agents(&bases))?;
+    let setup = MaporlSetup { cfg: cfg.clone(), run_dir, task: reward_task(kind).to_string(), bases, adapters, rollout, reward, train_items, eval_items };
+    Ok((MaporlTrainer::new(setup)?, guard))
+}
+
+/// `learner train` on a `maporl` config.
+pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, TrainError> {
+    std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+    std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+    let (mut trainer, services) = build(cfg, run_dir)?;
+    let summary = trainer.run();
+    drop(trainer);
+    drop(services);
+    summary
+}

@@ -1,0 +1,334 @@
+//! The MaPoRL loop: per step, `questions_per_step` questions of the epoch's seeded order are discussed
+//! ([`super::rollout`]), their answers scored and shaped into training scores R(t, i) (score rule,
+//! incentives, penalties: `crate::algo::maporl`), the adapters updated with PPO ([`super::update`]), and
+//! the new adapters pushed to the rollout workers (adapter tensors only) as version v + 1 before
+//! anything else is sampled. Evaluation discusses the eval split's first `eval_num_samples` questions
+//! and reports accuracy per turn.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+use tracing::{info, warn};
+
+use super::agents::{Adapters, Bases, adapter_key, critic_key, scheduled_lr};
+use super::rollout::{Discussion, DiscussionSetup, discussion_metrics};
+use super::update::{PpoRecord, PpoSample, ppo_update};
+use crate::algo::maporl::{Incentives, ScoreRule, shaped_training_scores};
+use crate::config::{CheckedConfig, MaporlSection};
+use crate::metrics::MetricsWriter;
+use crate::prompts::Followup;
+use crate::trainer::items::PromptEncoding;
+use crate::trainer::{RewardSource, RolloutSource, TrainError, TrainItem, derive_seed};
+
+/// Everything a MaPoRL run needs.
+pub struct MaporlSetup {
+    pub cfg: CheckedConfig,
+    pub run_dir: PathBuf,
+    pub task: String,
+    pub bases: Bases,
+    pub adapters: Adapters,
+    pub rollout: Box<dyn RolloutSource>,
+    pub reward: Box<dyn RewardSource>,
+    pub train_items: Vec<TrainItem>,
+    pub eval_items: Vec<TrainItem>,
+}
+
+/// What a finished run leaves.
+#[derive(Debug, Clone)]
+pub struct MaporlSummary {
+    pub run_dir: PathBuf,
+    pub steps: u64,
+    pub history: Vec<BTreeMap<String, f64>>,
+    /// Evaluations as (step, scalars).
+    pub evals: Vec<(u64, BTreeMap<String, f64>)>,
+    pub adapters_dir: Option<PathBuf>,
+    pub plots: Vec<PathBuf>,
+}
+
+/// The trainer; see the module docs.
+pub struct MaporlTrainer {
+    pub s: MaporlSetup,
+    m: MaporlSection,
+    encoding: PromptEncoding,
+    followup: Followup,
+    metrics: MetricsWriter,
+    rng: ChaCha8Rng,
+    step: u64,
+    history: Vec<BTreeMap<String, f64>>,
+    evals: Vec<(u64, BTreeMap<String, f64>)>,
+}
+
+const TAG_ORDER: u64 = 11;
+const TAG_SAMPLE: u64 = 12;
+const TAG_EVAL: u64 = 13;
+const TAG_PPO: u64 = 14;
+
+impl MaporlTrainer {
+    pub fn new(s: MaporlSetup) -> Result<Self, TrainError> {
+        let m = s.cfg.raw.maporl.clone().ok_or_else(|| TrainError::Config("the config has no maporl section".into()))?;
+        if s.train_items.is_empty() {
+            return Err(TrainError::Data("the train split selects no rows".into()));
+        }
+        std::fs::create_dir_all(&s.run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+        let metrics = MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+        let followup = Followup::new(m.followup_template.as_deref()).map_err(TrainError::Config)?;
+        let encoding = PromptEncoding::from_config(&s.cfg);
+        let rng = ChaCha8Rng::seed_from_u64(derive_seed(&[s.cfg.raw.seed, TAG_PPO]));
+        Ok(Self { m, encoding, followup, metrics, rng, step: 0, history: Vec::new(), evals: Vec::new(), s })
+    }
+
+    fn versions(&self) -> BTreeMap<String, u64> {
+        self.s.adapters.policies.iter().map(|(k, p)| (k.clone(), p.version)).collect()
+    }
+
+    fn max_prompt_tokens(&self) -> usize {
+        let by_length = self.s.cfg.raw.model.max_length.saturating_sub(self.m.max_output_length);
+        self.m.max_input_length.map_or(by_length, |l| l.min(by_length))
+    }
+
+    fn discuss(&mut self, items: &[&TrainItem], seed: u64) -> Result<Vec<Discussion>, TrainError> {
+        let versions = self.versions();
+        let setup = DiscussionSetup {
+            m: &self.m,
+            num_agents: self.s.cfg.num_agents,
+            task: &self.s.task,
+            bases: &self.s.bases,
+            encoding: &self.encoding,
+            followup: &self.followup,
+            versions: &versions,
+            max_prompt_tokens: self.max_prompt_tokens(),
+        };
+        setup.discuss(items, seed, self.s.rollout.as_mut(), self.s.reward.as_mut())
+    }
+
+    /// Steps of one epoch and of the run.
+    pub fn total_steps(&self) -> u64 {
+        let per_epoch = self.s.train_items.len().div_ceil(self.m.questions_per_step()) as u64;
+        per_epoch * self.m.num_train_epochs as u64
+    }
+
+    /// Accuracy per turn (and the other discussion metrics) on the eval split's first
+    /// `eval_num_samples` questions, one discussion each.
+    pub fn evaluate(&mut self) -> Result<BTreeMap<String, f64>, TrainError> {
+        let n = self.m.eval_num_samples.min(self.s.eval_items.len());
+        if n == 0 {
+            return Ok(BTreeMap::new());
+        }
+        let items: Vec<TrainItem> = self.s.eval_items[..n].to_vec();
+        let refs: Vec<&TrainItem> = items.iter().collect();
+        let seed = derive_seed(&[self.s.cfg.raw.seed, TAG_EVAL, self.step]);
+        let d = self.discuss(&refs, seed)?;
+        Ok(discussion_metrics(&d, "eval/"))
+    }
+
+    /// One training step over `items`.
+    pub fn train_step(&mut self, items: &[&TrainItem], total_steps: u64) -> Result<BTreeMap<String, f64>, TrainError> {
+        let t0 = Instant::now();
+        let seed = derive_seed(&[self.s.cfg.raw.seed, TAG_SAMPLE, self.step]);
+        let discussions = self.discuss(items, seed)?;
+        let t_rollout = t0.elapsed().as_secs_f64();
+        let rule = ScoreRule { horizon: self.m.rule_horizon, agent_share: self.m.rule_agent_share, gamma: self.m.rule_discount, lookahead: self.m.rule_lookahead };
+        let inc = Incentives { alpha: self.m.alpha, influence_signs: self.m.influence_signs };
+        let mut samples = Vec::new();
+        let mut where_from = Vec::new();
+        let mut training_scores = Vec::new();
+        for (q, d) in discussions.iter().enumerate() {
+            let r = shaped_training_scores(&d.scores(), &d.correct(), &rule, &inc).map_err(|e| TrainError::Data(e.to_string()))?;
+            for (t, row) in d.answers.iter().enumerate() {
+                for (i, a) in row.iter().enumerate() {
+                    if (t > 0 || self.m.task_training) && !a.tokens.is_empty() {
+                        samples.push(PpoSample {
+                            policy: adapter_key(self.m.adapter_layout, i, t),
+                            critic: critic_key(&self.m, i, t),
+                            prompt: a.prompt.clone(),
+                            value_prompt: a.value_prompt.clone(),
+                            response: a.tokens.clone(),
+                            score: r[t][i],
+                        });
+                        where_from.push((q, t, i));
+                    }
+                }
+            }
+            training_scores.push(r);
+        }
+        let lr = scheduled_lr(self.m.learning_rate, self.m.lr_end_factor, self.step, total_steps);
+        self.s.adapters.set_lr(lr);
+        let t1 = Instant::now();
+        let (records, mut values) = ppo_update(&self.m, &self.s.bases, &mut self.s.adapters, &samples, &mut self.rng)?;
+        let t_update = t1.elapsed().as_secs_f64();
+        let t2 = Instant::now();
+        let trained: std::collections::BTreeSet<&str> = samples.iter().map(|s| s.policy.as_str()).collect();
+        for key in trained {
+            let p = self.s.adapters.policies.get_mut(key).expect("sampled keys exist");
+            let next = p.version + 1;
+            self.s.rollout.push_adapter(key, next, &p.adapter.named_tensors(), p.adapter.config.scaling())?;
+            p.version = next;
+        }
+        let t_sync = t2.elapsed().as_secs_f64();
+        values.extend(discussion_metrics(&discussions, ""));
+        let all_r: Vec<f64> = training_scores.iter().flatten().flatten().copied().collect();
+        values.insert("training_score/mean".into(), all_r.iter().sum::<f64>() / all_r.len().max(1) as f64);
+        values.insert("lr".into(), lr);
+        values.insert("time/rollout".into(), t_rollout);
+        values.insert("time/update".into(), t_update);
+        values.insert("time/weight_sync".into(), t_sync);
+        values.insert("time/step".into(), t0.elapsed().as_secs_f64());
+        if self.s.cfg.raw.logging.rollouts {
+            self.log_rollouts(items, &discussions, &training_scores, &where_from, &records)
+                .map_err(|e| TrainError::Io(format!("rollouts.jsonl: {e}")))?;
+        }
+        Ok(values)
+    }
+
+    /// One line per (step, turn, agent, sample) with the PPO inputs (algorithms.md; issue "rollout log").
+    fn log_rollouts(
+        &self,
+        items: &[&TrainItem],
+        discussions: &[Discussion],
+        training_scores: &[Vec<Vec<f64>>],
+        where_from: &[(usize, usize, usize)],
+        records: &[PpoRecord],
+    ) -> std::io::Result<()> {
+        let by_place: BTreeMap<(usize, usize, usize), &PpoRecord> = where_from.iter().copied().zip(records).collect();
+        let path = self.s.run_dir.join("rollouts.jsonl");
+        let mut f = std::io::BufWriter::new(std::fs::OpenOptions::new().create(true).append(true).open(path)?);
+        for (q, d) in discussions.iter().enumerate() {
+            for (t, row) in d.answers.iter().enumerate() {
+                for (i, a) in row.iter().enumerate() {
+                    let rec = by_place.get(&(q, t, i));
+                    let line = serde_json::json!({
+                        "step": self.step + 1,
+                        "row": items[q].index,
+                        "turn": t,
+                        "agent": i,
+                        "sample": 0,
+                        "adapter": a.adapter,
+                        "prompt_tokens": a.prompt.len(),
+                        "text": a.text,
+                        "tokens": a.tokens,
+                        "correct": a.correct,
+                        "answer": a.extracted,
+                        "invalid": a.invalid.map(|r| r.to_string()),
+                        "score": a.score,
+                        "training_score": training_scores[q][t][i],
+                        "trained": rec.is_some(),
+                        "logprobs": rec.map(|r| &r.logprobs),
+                        "ref_logprobs": rec.map(|r| &r.ref_logprobs),
+                        "values": rec.map(|r| &r.values),
+                        "rewards": rec.map(|r| &r.rewards),
+                        "advantages": rec.map(|r| &r.advantages),
+                        "returns": rec.map(|r| &r.returns),
+                    });
+                    writeln!(f, "{line}")?;
+                }
+            }
+        }
+        f.flush()
+    }
+
+    /// Writes every policy adapter in PEFT's layout (`DIR/<key>/`) and the critics
+    /// (`DIR/<critic key>/` adapter plus `value_head.safetensors`).
+    pub fn save_adapters(&self, dir: &Path) -> Result<PathBuf, TrainError> {
+        for (key, p) in &self.s.adapters.policies {
+            p.adapter
+                .save_peft(&dir.join(key), &self.s.bases.specs[p.base])
+                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))?;
+        }
+        for (key, c) in &self.s.adapters.critics {
+            let d = dir.join(key);
+            c.adapter.save_peft(&d, &self.s.bases.specs[c.base]).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", d.display())))?;
+            tch::Tensor::write_safetensors(&[("v_head.weight", c.head.detach().to_device(tch::Device::Cpu))], d.join("value_head.safetensors"))
+                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", d.display())))?;
+        }
+        Ok(dir.to_path_buf())
+    }
+
+    fn log(&mut self, values: &BTreeMap<String, f64>) -> Result<(), TrainError> {
+        self.metrics.log(self.step, values).map_err(|e| TrainError::Io(format!("metrics: {e}")))?;
+        self.history.push(values.clone());
+        Ok(())
+    }
+
+    /// Pushes every adapter once (version 1), so that the workers serve exactly the learner's
+    /// adapters before the first sample.
+    fn sync_all(&mut self) -> Result<(), TrainError> {
+        for (key, p) in self.s.adapters.policies.iter_mut() {
+            let next = p.version + 1;
+            self.s.rollout.push_adapter(key, next, &p.adapter.named_tensors(), p.adapter.config.scaling())?;
+            p.version = next;
+        }
+        Ok(())
+    }
+
+    /// The whole run.
+    pub fn run(&mut self) -> Result<MaporlSummary, TrainError> {
+        let total = self.total_steps();
+        self.sync_all()?;
+        info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
+            steps = total, adapters = self.s.adapters.policies.len(), critics = self.s.adapters.critics.len(), "MaPoRL training");
+        let bar = crate::trainer::run::progress_bar(self.s.cfg.raw.logging.progress, total, 0);
+        let qps = self.m.questions_per_step();
+        let interval = self.m.eval_interval as u64;
+        for epoch in 0..self.m.num_train_epochs as u64 {
+            let mut order: Vec<usize> = (0..self.s.train_items.len()).collect();
+            order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[self.s.cfg.raw.seed, TAG_ORDER, epoch])));
+            for chunk in order.chunks(qps) {
+                let mut values = BTreeMap::new();
+                if interval > 0 && self.step.is_multiple_of(interval) {
+                    let e = self.evaluate()?;
+                    if !e.is_empty() {
+                        self.evals.push((self.step, e.clone()));
+                    }
+                    values.extend(e);
+                }
+                let items: Vec<TrainItem> = chunk.iter().map(|&k| self.s.train_items[k].clone()).collect();
+                let refs: Vec<&TrainItem> = items.iter().collect();
+                values.extend(self.train_step(&refs, total)?);
+                self.step += 1;
+                self.log(&values)?;
+                let acc_last = values.get(&format!("accuracy/turn{}", self.m.round_num - 1)).copied().unwrap_or(f64::NAN);
+                let kl = values.get("objective/kl").copied().unwrap_or(f64::NAN);
+                match &bar {
+                    Some(pb) => {
+                        pb.set_position(self.step);
+                        pb.set_message(format!("last-turn accuracy {acc_last:.3} kl {kl:.4}"));
+                    }
+                    None if self.step.is_multiple_of(self.m.logging_steps as u64) || self.step == total => {
+                        info!(step = self.step, total, accuracy_last_turn = acc_last, kl, secs = values.get("time/step").copied().unwrap_or(0.0), "MaPoRL step done");
+                    }
+                    None => {}
+                }
+                if self.m.save_steps > 0 && self.step.is_multiple_of(self.m.save_steps as u64) {
+                    let dir = self.save_adapters(&self.s.run_dir.join("checkpoints").join(format!("step-{}", self.step)))?;
+                    info!(step = self.step, checkpoint = %dir.display(), "adapters saved");
+                }
+            }
+        }
+        if let Some(pb) = &bar {
+            pb.finish();
+        }
+        let e = self.evaluate()?;
+        if !e.is_empty() {
+            self.evals.push((self.step, e.clone()));
+            self.metrics.log(self.step, &e).map_err(|err| TrainError::Io(format!("metrics: {err}")))?;
+            self.history.push(e);
+        }
+        let adapters_dir = if self.s.cfg.raw.output.save_final_model { Some(self.save_adapters(&self.s.run_dir.join("adapters"))?) } else { None };
+        let mut plots = Vec::new();
+        if self.s.cfg.raw.logging.plots {
+            match crate::plot::plot_run(&self.s.run_dir) {
+                Ok(p) => plots = p,
+                Err(err) => warn!(error = %err, "plots not drawn"),
+            }
+            if let Some(p) = super::plot::accuracy_per_turn(&self.s.run_dir, &self.evals, self.m.round_num) {
+                plots.push(p);
+            }
+        }
+        Ok(MaporlSummary { run_dir: self.s.run_dir.clone(), steps: self.step, history: self.history.clone(), evals: self.evals.clone(), adapters_dir, plots })
+    }
+}

@@ -1,0 +1,163 @@
+//! Adapter-only weight updates end to end: the real binary on an ephemeral port, LoRA pairs sent
+//! through the client pool as gRPC chunks and through a shared-memory file, merged by the worker
+//! into its base weights.
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+use cotrain_model::engine::{Engine, LogprobMode, Request, SamplingParams as EngineSampling, StopConditions as EngineStop};
+use cotrain_model::loader::{self, LoadOptions};
+use cotrain_proto::rollout::rollout_client::RolloutClient;
+use cotrain_proto::rollout::{ListParametersRequest, ParameterInfo, Sample, UpdateHeader};
+use cotrain_rollout_worker::pool::{update_stream, PoolConfig, RolloutPool};
+use cotrain_rollout_worker::shm::ShmFile;
+use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
+use support::*;
+use tch::Tensor;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const AGENT: &str = "alice";
+const RANK: i64 = 2;
+const SCALING: f64 = 2.0;
+const PROMPT: [u32; 4] = [7, 42, 99, 3];
+const NEW_TOKENS: u32 = 16;
+
+/// Deterministic pseudo-random f32 bytes in [-0.25, 0.25).
+fn random_f32_bytes(numel: usize, seed: u32) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    (0..numel)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            ((x as f32 / u32::MAX as f32 - 0.5) * 0.5).to_le_bytes()
+        })
+        .collect()
+}
+
+/// A rank-[`RANK`] adapter on every attention and MLP projection of the model: `A` random, `B`
+/// random or (with `zero_b`) zeros, which makes the merged weights the base's.
+fn adapter(params: &[ParameterInfo], seed: u32, zero_b: bool) -> Vec<UpdatedTensor> {
+    let mut out = Vec::new();
+    for (i, p) in params.iter().enumerate() {
+        let Some(stem) = p.name.strip_suffix("_proj.weight") else { continue };
+        let (rows, cols) = (p.shape[0], p.shape[1]);
+        let a = random_f32_bytes((RANK * cols) as usize, seed + 2 * i as u32);
+        let b = if zero_b { vec![0; (rows * RANK) as usize * 4] } else { random_f32_bytes((rows * RANK) as usize, seed + 2 * i as u32 + 1) };
+        out.push(UpdatedTensor { name: format!("{stem}_proj.lora_A.weight"), dtype: WireDType::F32, shape: vec![RANK, cols], data: a });
+        out.push(UpdatedTensor { name: format!("{stem}_proj.lora_B.weight"), dtype: WireDType::F32, shape: vec![rows, RANK], data: b });
+    }
+    out
+}
+
+fn adapter_header(version: u64) -> UpdateHeader {
+    // `tensor_count` is set by the pool.
+    UpdateHeader { agent: AGENT.into(), version, tensor_count: 0, partial: true, lora_scaling: SCALING }
+}
+
+/// One greedy sample of [`PROMPT`], with its log-probs.
+async fn probe(c: &mut RolloutClient<Channel>) -> Sample {
+    let mut req = request(AGENT, vec![token_prompt(PROMPT.to_vec())], 1, 11, NEW_TOKENS);
+    req.sampling.as_mut().unwrap().temperature = Some(0.0);
+    let mut resp = c.generate(req).await.expect("generate").into_inner();
+    resp.completions.remove(0).samples.remove(0)
+}
+
+/// The same greedy sample from an engine in this process whose weights are the base merged with
+/// the adapter by `cotrain_model::lora::merge_into`: what the worker must serve.
+fn reference(spec: &str, adapter: &[UpdatedTensor]) -> cotrain_model::engine::Sample {
+    let loaded = loader::load(spec, &LoadOptions::default()).unwrap();
+    let base = loaded.named_parameters();
+    let tensors: BTreeMap<String, Tensor> = adapter.iter().map(|t| (t.name.clone(), t.to_tensor())).collect();
+    let merged = cotrain_model::lora::merge_into(|n| base.get(n).map(Tensor::shallow_clone), &tensors, SCALING).unwrap();
+    loaded.load_named_tensors(&merged.into_iter().collect::<HashMap<_, _>>()).unwrap();
+    let mut engine = Engine::new(loaded);
+    let req = Request {
+        prompt: PROMPT.to_vec(),
+        n: 1,
+        params: EngineSampling { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0 },
+        seed: 11,
+        stop: EngineStop { max_new_tokens: NEW_TOKENS as usize, stop_token_ids: vec![], stop_strings: vec![], ignore_eos: true },
+        logprobs: LogprobMode::Raw,
+    };
+    engine.generate(&[req]).unwrap().remove(0).remove(0)
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapter_updates_merge_into_the_pristine_base_over_grpc_and_shm() {
+    let model = TinyModel::new("llama");
+    let w = WorkerProcess::start(&[(AGENT, &model.spec())], &["--allow-shm-weights"]).await;
+    let mut c = w.client().await;
+    let params = c.list_parameters(ListParametersRequest { agent: AGENT.into() }).await.unwrap().into_inner().parameters;
+    let base = probe(&mut c).await;
+    assert_eq!(base.policy_version, 0);
+
+    let adapted = adapter(&params, 1, false);
+    let pairs = adapted.len() / 2;
+    assert_eq!(pairs, 2 * 7, "every projection of both layers");
+    let adapter_bytes: usize = adapted.iter().map(|t| t.data.len()).sum();
+    let full_bytes: i64 = params.iter().map(|p| p.shape.iter().product::<i64>() * 4).sum();
+    println!(
+        "update bytes for the tiny model (f32): adapter (rank {RANK}, {} tensors) {adapter_bytes}, full ({} tensors) {full_bytes} ({:.1}%)",
+        adapted.len(),
+        params.len(),
+        100.0 * adapter_bytes as f64 / full_bytes as f64
+    );
+
+    // v1: the adapter as gRPC chunks through the pool. The worker serves the merged weights.
+    let pool = RolloutPool::new(PoolConfig { endpoints: vec![w.endpoint()], ..PoolConfig::default() }).await.unwrap();
+    let adapted = Arc::new(adapted);
+    let answers = pool.push_update_except(adapter_header(1), adapted.clone(), &HashSet::new()).await;
+    let ok = answers[0].1.as_ref().expect("adapter update accepted");
+    assert_eq!((ok.version, ok.tensors_updated as usize, ok.bytes_received as usize), (1, pairs, adapter_bytes));
+    let after = probe(&mut c).await;
+    assert_eq!(after.policy_version, 1);
+    assert!(max_abs_diff(&after.logprobs, &base.logprobs) > 1e-2, "the adapter did not change the policy");
+    assert_ne!(after.token_ids, base.token_ids, "the adapter did not change the greedy output");
+    let want = reference(&model.spec(), &adapted);
+    assert_eq!(after.token_ids, want.token_ids, "the worker's merge differs from merge_into");
+    assert!(max_abs_diff(&after.logprobs, &want.logprobs) < 1e-4, "{:?} vs {:?}", after.logprobs, want.logprobs);
+    assert_eq!(w.info().await.agents[0].policy_version, 1);
+
+    // v2: the same A with B = 0, through shared memory. Merged into the pristine base, not into
+    // v1's weights, it restores the base exactly.
+    let zero = adapter(&params, 1, true);
+    let mut file = ShmFile::create(AGENT, 2).expect("create a file in /dev/shm");
+    for t in &zero {
+        file.write_tensor(&t.name, t.dtype, &t.shape, &t.data).unwrap();
+    }
+    file.finish().unwrap();
+    let answers = pool.push_update_shm(adapter_header(2), &file.message()).await;
+    let ok = answers[0].1.as_ref().expect("shm adapter update accepted");
+    assert_eq!((ok.version, ok.tensors_updated as usize), (2, pairs));
+    drop(file);
+    let restored = probe(&mut c).await;
+    assert_eq!(restored.policy_version, 2);
+    assert_eq!(restored.token_ids, base.token_ids);
+    assert_eq!(restored.logprobs, base.logprobs, "a zero adapter must give back the base exactly");
+
+    // v3: a malformed adapter (lora_A one column too wide) is refused, naming the tensor, and
+    // leaves version and weights alone.
+    let mut bad = adapter(&params, 3, false);
+    let t = &mut bad[0];
+    t.shape[1] += 1;
+    t.data = random_f32_bytes((t.shape[0] * t.shape[1]) as usize, 5);
+    let bad_name = t.name.clone();
+    assert!(bad_name.ends_with(".lora_A.weight"), "{bad_name}");
+    let header = UpdateHeader { tensor_count: bad.len() as u32, ..adapter_header(3) };
+    let e = c.update_weights(update_stream(header, Arc::new(bad), 1 << 16)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains(&format!("`{bad_name}`")), "{}", e.message());
+    assert!(e.message().contains("does not fit"), "{}", e.message());
+    assert_eq!(w.info().await.agents[0].policy_version, 2);
+    let still = probe(&mut c).await;
+    assert_eq!((still.policy_version, &still.token_ids, &still.logprobs), (2, &base.token_ids, &base.logprobs));
+}
