@@ -119,6 +119,7 @@ pub fn ppo_update(
     let lp_opts = |with_grad| LogProbOptions { chunk_size: chunk, with_grad, temperature: m.temperature };
 
     // 1. Old log-probs, reference log-probs, old values.
+    let t_prep = std::time::Instant::now();
     let mut by_policy: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
     let mut by_critic: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
     for (k, s) in samples.iter().enumerate() {
@@ -152,6 +153,7 @@ pub fn ppo_update(
         }
     }
 
+    stats.insert("time/ppo_prepare".into(), t_prep.elapsed().as_secs_f64());
     // 2. Rewards, GAE, whitening (per adapter, over its tokens).
     let mut whitened: Vec<Vec<f64>> = vec![Vec::new(); samples.len()];
     let (mut all_values, mut all_returns) = (Vec::new(), Vec::new());
@@ -197,7 +199,9 @@ pub fn ppo_update(
 
     // 3. PPO epochs over shuffled mini-batches.
     let (mut pg_n, mut vf_n) = (0.0f64, 0.0f64);
+    let (mut t_policy, mut t_value) = (0.0, 0.0);
     for _epoch in 0..m.num_ppo_epochs {
+        let t = std::time::Instant::now();
         for (key, idx) in &by_policy {
             let mut order = idx.clone();
             order.shuffle(rng);
@@ -239,6 +243,8 @@ pub fn ppo_update(
                 pg_n += 1.0;
             }
         }
+        t_policy += t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
         for (key, idx) in &by_critic {
             let mut order = idx.clone();
             order.shuffle(rng);
@@ -275,7 +281,10 @@ pub fn ppo_update(
                 vf_n += 1.0;
             }
         }
+        t_value += t.elapsed().as_secs_f64();
     }
+    stats.insert("time/ppo_policy".into(), t_policy);
+    stats.insert("time/ppo_value".into(), t_value);
     for (k, v) in stats.iter_mut() {
         if k.starts_with("loss/policy") || k.starts_with("policy/") && !k.ends_with("skipped") || k == "val/ratio" {
             *v /= pg_n.max(1.0);

@@ -1,0 +1,169 @@
+//! One MaPoRL step, timed: `configs/maporl_gsm8k_config.yaml` on the default model (SmolLM2-135M),
+//! shrunk to a size that runs in minutes on a laptop CPU (2 agents, 2 turns, 4 GSM8K questions,
+//! 64 new tokens per answer, 4 PPO epochs × 2 mini-batches), everything else as shipped: sampling at
+//! temperature 0.7 with top_k 0 / top_p 1 for exactly `max_output_length` tokens (EOS ignored), LoRA
+//! r 8 / alpha 16 on the 7 projections, kl_coef 0.002, vf_coef 0.1, turn 0 not trained.
+//!
+//! The run is built as `learner train` builds it (`cotrain_learner::maporl::build`: the embedded
+//! rollout worker and reward server start in-process and are spoken to over real gRPC), then two
+//! steps run on different questions (rows 0..Q, then Q..2Q: MaPoRL never repeats a step on the same
+//! questions); the second is reported, the first paying for lazy initialisation. The Python side of
+//! the comparison is `scripts/bench/maporl_reference.py`; `scripts/bench/maporl_step.sh` runs both.
+//!
+//! ```sh
+//! cargo run --release -p cotrain-learner --example maporl_step_bench -- [--questions 4] [--tokens 64] \
+//!     [--turns 2] [--config configs/maporl_gsm8k_config.yaml] [--override key=value]...
+//! ```
+//! Progress goes to stderr; the last stdout line is one JSON object (`"impl": "cotrain"`).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use cotrain_learner::config::{LegacyFlags, load_config};
+use cotrain_learner::trainer::TrainItem;
+
+/// `lscpu`'s value of `key` ("Model name", "CPU family"), or "unknown".
+fn lscpu(key: &str) -> String {
+    std::process::Command::new("lscpu")
+        .env("LC_ALL", "C")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .find_map(|l| l.split_once(':').filter(|(k, _)| k.trim() == key).map(|(_, v)| v.trim().to_string()))
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn main() -> anyhow::Result<()> {
+    cotrain_model::tune_process();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
+        .with_writer(std::io::stderr)
+        .init();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut questions = 4usize;
+    let mut tokens = 64usize;
+    let mut turns = 2usize;
+    let mut config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/maporl_gsm8k_config.yaml");
+    let mut extra = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| it.next().cloned().ok_or_else(|| anyhow::anyhow!("{name} needs a value"));
+        match a.as_str() {
+            "--questions" => questions = value(a)?.parse()?,
+            "--tokens" => tokens = value(a)?.parse()?,
+            "--turns" => turns = value(a)?.parse()?,
+            "--config" => config = PathBuf::from(value(a)?),
+            "--override" => extra.push(value(a)?),
+            "-h" | "--help" => {
+                eprintln!("usage: maporl_step_bench [--questions N] [--tokens N] [--turns N] [--config PATH] [--override key=value]...");
+                return Ok(());
+            }
+            other => anyhow::bail!("unknown argument `{other}` (see --help)"),
+        }
+    }
+    anyhow::ensure!(questions > 0 && tokens > 0 && turns >= 2, "--questions and --tokens must be positive, --turns at least 2");
+
+    let tmp = std::env::temp_dir().join(format!("cotrain-maporl-step-bench-{}", std::process::id()));
+    // Questions per step = per_device_train_batch_size × gradient_accumulation_steps.
+    let mut overrides: Vec<String> = vec![
+        "model.name=default".into(),
+        format!("dataset.train_split=train[:{}]", 2 * questions),
+        "dataset.eval_split=test[:1]".into(),
+        format!("maporl.round_num={turns}"),
+        format!("maporl.max_output_length={tokens}"),
+        "maporl.per_device_train_batch_size=1".into(),
+        format!("maporl.gradient_accumulation_steps={questions}"),
+        "maporl.num_mini_batches=2".into(),
+        "maporl.num_ppo_epochs=4".into(),
+        "maporl.eval_interval=0".into(),
+        format!("output.base_dir={}", tmp.display()),
+        "output.save_final_model=false".into(),
+        "logging.progress=never".into(),
+        "logging.plots=false".into(),
+        "logging.tensorboard=false".into(),
+    ];
+    overrides.extend(extra);
+    let cfg = load_config(&config, &overrides, &LegacyFlags::default())?;
+    let m = cfg.raw.maporl.clone().ok_or_else(|| anyhow::anyhow!("{}: not a maporl config", config.display()))?;
+    let qps = m.questions_per_step();
+
+    let t_build = Instant::now();
+    let (mut trainer, guard) = cotrain_learner::maporl::build(&cfg, tmp.join("run"))?;
+    let build_secs = t_build.elapsed().as_secs_f64();
+    anyhow::ensure!(trainer.s.train_items.len() >= 2 * qps, "the train split has {} rows, 2 steps need {}", trainer.s.train_items.len(), 2 * qps);
+    let total = trainer.total_steps();
+    eprintln!(
+        "cotrain: built in {build_secs:.1} s ({} agents, {} turns, {qps} questions per step, {} new tokens, {} PPO epochs x {} mini-batches, \
+         {} policy adapters, {} critics)",
+        cfg.num_agents,
+        m.round_num,
+        m.max_output_length,
+        m.num_ppo_epochs,
+        m.num_mini_batches,
+        trainer.s.adapters.policies.len(),
+        trainer.s.adapters.critics.len()
+    );
+
+    let mut steps: Vec<BTreeMap<String, f64>> = Vec::new();
+    for s in 0..2 {
+        let items: Vec<TrainItem> = trainer.s.train_items[s * qps..(s + 1) * qps].to_vec();
+        let refs: Vec<&TrainItem> = items.iter().collect();
+        let t = Instant::now();
+        let mut v = trainer.train_step(&refs, total)?;
+        v.insert("wall".into(), t.elapsed().as_secs_f64());
+        eprintln!(
+            "cotrain step {} (rows {}..{}): {:.1} s = rollout {:.1} + update {:.1} [prepare {:.1}, policy {:.1}, value {:.1}] + weight sync {:.2}; \
+             turn-1 accuracy {:.2}, {} trained response tokens",
+            s + 1,
+            s * qps,
+            (s + 1) * qps,
+            v["time/step"],
+            v["time/rollout"],
+            v["time/update"],
+            v["time/ppo_prepare"],
+            v["time/ppo_policy"],
+            v["time/ppo_value"],
+            v["time/weight_sync"],
+            v.get("accuracy/turn1").copied().unwrap_or(f64::NAN),
+            v.get("train/response_tokens").copied().unwrap_or(0.0)
+        );
+        steps.push(v);
+    }
+    drop(trainer);
+    drop(guard);
+    let _ = std::fs::remove_dir_all(&tmp);
+
+    let last = &steps[1];
+    let g = |k: &str| last.get(k).copied().unwrap_or(f64::NAN);
+    let generated = qps * cfg.num_agents * m.round_num * m.max_output_length;
+    let line = serde_json::json!({
+        "impl": "cotrain",
+        "cpu_model": lscpu("Model name"),
+        "cpu_family": lscpu("CPU family"),
+        "threads": tch::get_num_threads(),
+        "agents": cfg.num_agents,
+        "turns": m.round_num,
+        "questions": qps,
+        "max_output_length": m.max_output_length,
+        "num_ppo_epochs": m.num_ppo_epochs,
+        "num_mini_batches": m.num_mini_batches,
+        "generated_tokens": generated,
+        "trained_response_tokens": g("train/response_tokens"),
+        "trained_samples": g("train/samples"),
+        "step": g("time/step"),
+        "rollout": g("time/rollout"),
+        "update": g("time/update"),
+        "ppo_prepare": g("time/ppo_prepare"),
+        "ppo_policy": g("time/ppo_policy"),
+        "ppo_value": g("time/ppo_value"),
+        "weight_sync": g("time/weight_sync"),
+        "first_step": steps[0].get("time/step").copied().unwrap_or(f64::NAN),
+        "build": build_secs,
+    });
+    println!("{line}");
+    Ok(())
+}

@@ -1,0 +1,226 @@
+//! MaPoRL end to end.
+//!
+//! 1. `learner train --config configs/maporl_gsm8k_config.yaml`, typed as a user types it with
+//!    overrides that shrink it, on the embedded default model, against a real `reward-server` and a
+//!    real `rollout-worker` serving one agent per adapter key: the PPO inputs in `rollouts.jsonl` obey
+//!    the per-token reward, GAE and return formulas, the workers serve the adapters the learner pushed
+//!    (adapter-only updates, versions counted), and adapters land in PEFT's layout.
+//! 2. A learning test: a toy discussion where only agent 0's question shows the answer, so agent 1 can
+//!    be right at turn 1 only by reading agent 0's turn-0 answer. After training, turn-1 accuracy must
+//!    be above turn-0 accuracy and above its own value before training.
+
+use std::process::Command;
+use std::time::Duration;
+
+use cotrain_tests::{binaries, start_service, workspace_root};
+
+fn read_jsonl(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array().unwrap_or_else(|| panic!("not an array: {v}")).iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn policy_version(metrics: &str, agent: &str) -> f64 {
+    let key = format!("cotrain_rollout_policy_version{{agent=\"{agent}\"}}");
+    metrics.lines().find(|l| l.starts_with(&key)).and_then(|l| l.rsplit(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("{key} not in\n{metrics}"))
+}
+
+#[test]
+fn maporl_gsm8k_config_runs_through_the_real_services() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reward = start_service("reward-server", &["--grpc-addr".into(), "127.0.0.1:0".into(), "--http-addr".into(), "127.0.0.1:0".into()], Duration::from_secs(120)).unwrap();
+    let mut args: Vec<String> = ["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--separate-weights"].iter().map(|s| s.to_string()).collect();
+    for a in ["agent0.turn0", "agent0.later", "agent1.turn0", "agent1.later"] {
+        args.push("--agent".into());
+        args.push(format!("{a}=default"));
+    }
+    let worker = start_service("rollout-worker", &args, Duration::from_secs(300)).unwrap();
+    let out_dir = tmp.path().join("out");
+    let out = Command::new(binaries().unwrap().join("learner"))
+        .current_dir(workspace_root())
+        .args(["train", "--config", "configs/maporl_gsm8k_config.yaml", "--override", "model.name=default"])
+        .args([
+            "dataset.train_split=train[:2]",
+            "dataset.eval_split=test[:1]",
+            "maporl.round_num=2",
+            "maporl.max_output_length=12",
+            "maporl.min_output_length=4",
+            "maporl.gradient_accumulation_steps=1",
+            "maporl.num_ppo_epochs=2",
+            "maporl.num_mini_batches=1",
+            "maporl.eval_interval=1000",
+            "maporl.eval_num_samples=1",
+            "logging.rollouts=true",
+            "logging.progress=never",
+            "logging.run_name=e2e",
+        ])
+        .arg(format!("output.base_dir={}", out_dir.display()))
+        .arg(format!("rollout.endpoints=['http://{}']", worker.grpc))
+        .arg(format!("reward.endpoint=http://{}", reward.grpc))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "learner train failed\n{stderr}");
+    let run = out_dir.join("e2e");
+
+    // Two steps of one question; the final evaluation adds one record.
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    assert_eq!(metrics.len(), 3, "{metrics:?}");
+    for k in [
+        "accuracy/turn0",
+        "accuracy/turn1",
+        "accuracy/turn1/agent1",
+        "majority_accuracy/turn1",
+        "agreement/turn1",
+        "transitions/turn1/wrong_to_correct",
+        "transitions/turn1/correct_to_wrong",
+        "objective/kl",
+        "loss/policy_avg",
+        "loss/value_avg",
+        "policy/clipfrac_avg",
+        "val/clipfrac_avg",
+        "policy/approxkl_avg",
+        "policy/entropy_avg",
+        "val/explained_variance",
+        "lr",
+    ] {
+        assert!(metrics[0][k].is_number(), "{k} missing in {}", metrics[0]);
+    }
+    assert!(metrics[2]["eval/accuracy/turn1"].is_number(), "{}", metrics[2]);
+    assert!(metrics[1]["lr"].as_f64().unwrap() < metrics[0]["lr"].as_f64().unwrap(), "the learning rate decays");
+
+    // One line per (step, turn, agent, sample); turn 0 is not trained (task_training: false).
+    let lines = read_jsonl(&run.join("rollouts.jsonl"));
+    assert_eq!(lines.len(), 2 * 2 * 2);
+    for l in &lines {
+        let turn = l["turn"].as_u64().unwrap();
+        assert_eq!(l["trained"].as_bool().unwrap(), turn == 1, "{l}");
+        assert!(l["tokens"].as_array().unwrap().len() <= 12);
+        if turn == 0 {
+            assert!(l["logprobs"].is_null());
+            continue;
+        }
+        let (lp, lr, v) = (floats(&l["logprobs"]), floats(&l["ref_logprobs"]), floats(&l["values"]));
+        let (r, a, ret) = (floats(&l["rewards"]), floats(&l["advantages"]), floats(&l["returns"]));
+        let n = l["tokens"].as_array().unwrap().len();
+        assert!([lp.len(), lr.len(), v.len(), r.len(), a.len(), ret.len()].iter().all(|&x| x == n), "{l}");
+        let score = l["training_score"].as_f64().unwrap();
+        for t in 0..n {
+            let want = -0.002 * (lp[t] - lr[t]) + if t == n - 1 { score } else { 0.0 };
+            assert!((r[t] - want).abs() < 1e-5, "reward of token {t}: {} vs {want}", r[t]);
+            assert!((ret[t] - (a[t] + v[t])).abs() < 1e-5, "return = advantage + value at {t}");
+            // GAE with γ = 1, λ = 0.95.
+            let next_v = if t + 1 < n { v[t + 1] } else { 0.0 };
+            let next_a = if t + 1 < n { a[t + 1] } else { 0.0 };
+            assert!((a[t] - (r[t] + next_v - v[t] + 0.95 * next_a)).abs() < 1e-4, "GAE at {t}");
+        }
+        // The discussion turn reads the question and the turn-0 answers.
+        let turn0 = lines.iter().find(|o| o["step"] == l["step"] && o["row"] == l["row"] && o["agent"] == l["agent"] && o["turn"] == 0).unwrap();
+        assert!(l["prompt_tokens"].as_u64().unwrap() > turn0["prompt_tokens"].as_u64().unwrap());
+        assert_eq!(l["adapter"], format!("agent{}.later", l["agent"]));
+    }
+
+    // The worker serves what the learner pushed: every adapter once at start, the trained ones
+    // after each of the 2 steps.
+    let text = http_get(&worker.http, "/metrics");
+    assert_eq!(policy_version(&text, "agent0.later"), 3.0);
+    assert_eq!(policy_version(&text, "agent1.later"), 3.0);
+    assert_eq!(policy_version(&text, "agent0.turn0"), 1.0);
+
+    // Adapters in PEFT's layout, critics with their value heads.
+    for key in ["agent0.turn0", "agent0.later", "agent1.later"] {
+        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("adapters").join(key).join("adapter_config.json")).unwrap()).unwrap();
+        assert_eq!((cfg["r"].as_u64(), cfg["lora_alpha"].as_f64()), (Some(8), Some(16.0)));
+        assert!(run.join("adapters").join(key).join("adapter_model.safetensors").is_file());
+    }
+    assert!(run.join("adapters/critic.agent0/value_head.safetensors").is_file());
+    assert!(run.join("plots/accuracy_per_turn.png").is_file());
+    drop(worker);
+    drop(reward);
+}
+
+/// The committed tiny Llama cut to a 16-word vocabulary (`<pad> <s> </s> 0 … 9 ? x y`), so that a
+/// one-token answer is a digit often enough for PPO to learn from the first steps.
+fn digit_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let src = workspace_root().join("model/tests/fixtures/tiny/llama");
+    let out = dir.join("digit-llama");
+    std::fs::create_dir_all(&out).unwrap();
+    let vocab = 16i64;
+    let tensors: Vec<(String, tch::Tensor)> = tch::Tensor::read_safetensors(src.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| if k.contains("embed_tokens") || k.contains("lm_head") { (k, t.narrow(0, 0, vocab).contiguous()) } else { (k, t) })
+        .collect();
+    tch::Tensor::write_safetensors(&tensors, out.join("model.safetensors")).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = serde_json::json!(vocab);
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(out.join("generation_config.json"), r#"{"bos_token_id": 1, "eos_token_id": 2}"#).unwrap();
+    let words = ["<pad>", "<s>", "</s>", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "?", "x", "y"];
+    let vocab_json: serde_json::Map<String, serde_json::Value> = words.iter().enumerate().map(|(i, w)| (w.to_string(), serde_json::json!(i))).collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 2, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab_json, "unk_token": "x"}
+    });
+    std::fs::write(out.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    out
+}
+
+#[test]
+fn training_makes_the_discussion_turn_beat_the_first_turn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = digit_model(tmp.path());
+    let data = tmp.path().join("digits");
+    std::fs::create_dir_all(&data).unwrap();
+    let rows = |n: usize| (0..n).map(|i| format!("{{\"question\": \"q\", \"answer\": \"#### {}\"}}\n", i % 2)).collect::<String>();
+    std::fs::write(data.join("train.jsonl"), rows(20)).unwrap();
+    std::fs::write(data.join("test.jsonl"), rows(10)).unwrap();
+    let out_dir = tmp.path().join("out");
+    let config = tmp.path().join("digits.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model: {{name: '{model}', chat_template: false, max_length: 64}}\n\
+             dataset: {{name: '{data}', type: gsm8k, train_split: train, eval_split: test}}\n\
+             seed: 6\n\
+             output: {{base_dir: '{out}', save_final_model: false}}\n\
+             prompts:\n  agent0: {{template: '{{{{ item.final_answer }}}}'}}\n  agent1: {{template: '?'}}\n\
+             maporl:\n  agent_num: 2\n  round_num: 2\n  num_train_epochs: {epochs}\n  per_device_train_batch_size: 10\n  gradient_accumulation_steps: 1\n  \
+             num_mini_batches: 1\n  num_ppo_epochs: 4\n  learning_rate: {lr}\n  lr_end_factor: 1.0\n  max_output_length: 1\n  temperature: 1.0\n  \
+             kl_coef: 0.0\n  invalid_penalty: false\n  task_training: true\n  rule_horizon: current\n  adapter_layout: per_turn\n  \
+             followup_template: '{{% for o in others %}}{{{{ o.answer }}}}{{% endfor %}}'\n  eval_interval: 1000\n  eval_num_samples: 10\n  save_steps: 0\n\
+             logging: {{run_name: digits, progress: never, plots: false, tensorboard: false}}\n",
+            model = model.display(),
+            data = data.display(),
+            out = out_dir.display(),
+            epochs = 60,
+            lr = 0.001,
+        ),
+    )
+    .unwrap();
+    let out = Command::new(binaries().unwrap().join("learner")).args(["train", "--config"]).arg(&config).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "learner train failed\n{stderr}");
+    let metrics = read_jsonl(&out_dir.join("digits/metrics.jsonl"));
+    let evals: Vec<&serde_json::Value> = metrics.iter().filter(|m| m["eval/accuracy/turn1"].is_number()).collect();
+    let (first, last) = (evals.first().unwrap(), evals.last().unwrap());
+    let acc = |m: &serde_json::Value, k: &str| m[k].as_f64().unwrap();
+    let train_curve: Vec<(f64, f64)> = metrics.iter().filter(|m| m["accuracy/turn1"].is_number()).map(|m| (acc(m, "accuracy/turn0"), acc(m, "accuracy/turn1"))).collect();
+    println!("before: turn0 {} turn1 {}; after: turn0 {} turn1 {}; training (turn0, turn1): {train_curve:?}",
+        acc(first, "eval/accuracy/turn0"), acc(first, "eval/accuracy/turn1"), acc(last, "eval/accuracy/turn0"), acc(last, "eval/accuracy/turn1"));
+    assert!(acc(last, "eval/accuracy/turn1/agent1") >= acc(first, "eval/accuracy/turn1/agent1") + 0.3, "agent 1 did not learn to read agent 0's answer");
+    assert!(acc(last, "eval/accuracy/turn1") > acc(last, "eval/accuracy/turn0") + 0.2, "turn 1 must beat turn 0 after training");
+}
