@@ -53,9 +53,14 @@ pub enum Command {
         #[arg(long)]
         policy: Option<usize>,
         /// Where to write: one model directory per policy under it (`agent-{i}`, or `shared` for
-        /// shared parameters), or with `--policy` the model directory itself.
+        /// shared parameters), or with `--policy` the model directory itself. MaPoRL runs: one
+        /// directory per adapter key (PEFT's layout, or a model with `full_finetune`).
         #[arg(long)]
         out: PathBuf,
+        /// MaPoRL runs: also write each adapter merged into its base as a Hugging Face model
+        /// directory (`<key>-merged`).
+        #[arg(long)]
+        merged: bool,
     },
     /// Print the merged, validated config.
     CheckConfig {
@@ -154,8 +159,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 let summary = crate::maporl::train(&cfg, crate::trainer::run_dir_for(&cfg))?;
                 println!("run directory: {}", summary.run_dir.display());
-                if let Some(d) = &summary.adapters_dir {
-                    println!("adapters: {}", d.display());
+                if let Some(d) = &summary.final_dir {
+                    println!("policies: {}", d.display());
                 }
                 for p in &summary.plots {
                     println!("plot: {}", p.display());
@@ -193,7 +198,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Plot { run_dir } => plot_command(&run_dir),
-        Command::Export { checkpoint, policy, out } => export_command(&checkpoint, policy, &out),
+        Command::Export { checkpoint, policy, out, merged } => export_command(&checkpoint, policy, &out, merged),
         Command::ShowPrompts { config, split, limit } => {
             let cfg = config.load()?;
             let mut out = std::io::stdout().lock();
@@ -237,9 +242,21 @@ pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize
 }
 
 /// `learner export`: see [`crate::export`].
-fn export_command(checkpoint: &Path, policy: Option<usize>, out: &Path) -> anyhow::Result<()> {
+fn export_command(checkpoint: &Path, policy: Option<usize>, out: &Path, merged: bool) -> anyhow::Result<()> {
     if !checkpoint.is_dir() {
         bail!("--checkpoint {}: no such checkpoint directory", checkpoint.display());
+    }
+    if let Some(dir) = crate::export::maporl_dir(checkpoint) {
+        if policy.is_some() {
+            bail!("--policy selects a MAGRPO policy; a MaPoRL run exports every policy (pick one from --out afterwards)");
+        }
+        for d in crate::export::export_maporl(&dir, out, merged).map_err(anyhow::Error::msg)? {
+            println!("{}: {}", if d.join("adapter_config.json").is_file() { "adapter" } else { "model" }, d.display());
+        }
+        return Ok(());
+    }
+    if merged {
+        bail!("--merged applies to MaPoRL runs (LoRA adapters); {} holds full models", checkpoint.display());
     }
     let written = crate::export::export_checkpoint(checkpoint, policy, out).with_context(|| format!("exporting {}", checkpoint.display()))?;
     for dir in written {

@@ -6,6 +6,10 @@
 //! tokenizer and chat template) in the dtype the checkpoint's tensors have, replaces its
 //! parameters by the checkpoint's, and writes it with [`cotrain_model::export::save_pretrained`].
 //! The optimiser moments are never read.
+//!
+//! A MaPoRL run keeps its policies as LoRA adapters in PEFT's layout (or, with `full_finetune`, as
+//! model directories) beside a manifest ([`MAPORL_MANIFEST`]): [`export_maporl`] copies the policies
+//! (not the critics) and, on request, writes each adapter merged into its base as a model directory.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -146,6 +150,99 @@ pub fn export_checkpoint(checkpoint: &Path, policy: Option<usize>, out: &Path) -
         written.push(cotrain_model::export::save_pretrained(&model, &target)?);
     }
     Ok(written)
+}
+
+/// The manifest a MaPoRL run writes beside its saved policies (`adapters/`, `final_model/`,
+/// `checkpoints/step-N/`): which sub-directories are policies, which critics, and whether the
+/// policies are adapters or full models.
+pub const MAPORL_MANIFEST: &str = "maporl_policies.json";
+
+/// [`MAPORL_MANIFEST`]'s content.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MaporlManifest {
+    /// Policy keys (sub-directories): PEFT adapters, or model directories with `full_finetune`.
+    pub policies: Vec<String>,
+    /// Critic keys (sub-directories: adapter plus `value_head.safetensors`).
+    pub critics: Vec<String>,
+    pub full_finetune: bool,
+}
+
+/// The MaPoRL policies directory a run or checkpoint path names: the path itself when it holds the
+/// manifest, else the run's final `adapters/` or `final_model/`, else its latest `checkpoints/step-N`.
+pub fn maporl_dir(path: &Path) -> Option<PathBuf> {
+    let holds = |d: &Path| d.join(MAPORL_MANIFEST).is_file();
+    for d in [path.to_path_buf(), path.join("adapters"), path.join("final_model")] {
+        if holds(&d) {
+            return Some(d);
+        }
+    }
+    std::fs::read_dir(path.join("checkpoints"))
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let n: u64 = e.file_name().to_str()?.strip_prefix("step-")?.parse().ok()?;
+            holds(&e.path()).then(|| (n, e.path()))
+        })
+        .max_by_key(|(n, _)| *n)
+        .map(|(_, p)| p)
+}
+
+/// `learner export` of a MaPoRL run: every policy (critics are left out) copied to `out/<key>/`
+/// (PEFT's layout, or a model directory with `full_finetune`), and with `merged` each adapter also
+/// merged into its base (`W + scaling·B·A`) as a Hugging Face model directory `out/<key>-merged/`.
+/// Returns what was written.
+pub fn export_maporl(dir: &Path, out: &Path, merged: bool) -> Result<Vec<PathBuf>, String> {
+    let manifest_path = dir.join(MAPORL_MANIFEST);
+    let text = std::fs::read_to_string(&manifest_path).map_err(|e| format!("{}: {e}", manifest_path.display()))?;
+    let manifest: MaporlManifest = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", manifest_path.display()))?;
+    if merged && manifest.full_finetune {
+        return Err(format!("--merged: {} holds fully fine-tuned models, which have no adapter to merge", dir.display()));
+    }
+    let mut written = Vec::new();
+    for key in &manifest.policies {
+        let src = dir.join(key);
+        let dst = out.join(key);
+        copy_files(&src, &dst)?;
+        written.push(dst);
+        if merged {
+            let dst = out.join(format!("{key}-merged"));
+            merge_adapter(&src, &dst)?;
+            written.push(dst);
+        }
+    }
+    if written.is_empty() {
+        return Err(format!("{}: the manifest names no policy", dir.display()));
+    }
+    Ok(written)
+}
+
+/// Copies the plain files of `src` into `dst` (created).
+fn copy_files(src: &Path, dst: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dst).map_err(|e| format!("{}: {e}", dst.display()))?;
+    for entry in std::fs::read_dir(src).map_err(|e| format!("{}: {e}", src.display()))? {
+        let path = entry.map_err(|e| format!("{}: {e}", src.display()))?.path();
+        if path.is_file() {
+            let name = path.file_name().expect("a file has a name");
+            std::fs::copy(&path, dst.join(name)).map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Loads the base an adapter directory names, merges the adapter in and writes the model to `dst`.
+fn merge_adapter(src: &Path, dst: &Path) -> Result<(), String> {
+    let config_path = src.join("adapter_config.json");
+    let text = std::fs::read_to_string(&config_path).map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let spec = config["base_model_name_or_path"]
+        .as_str()
+        .ok_or_else(|| format!("{}: names no base_model_name_or_path", config_path.display()))?;
+    let base = cotrain_model::loader::load(spec, &LoadOptions::default()).map_err(|e| format!("loading `{spec}`: {e}"))?;
+    let adapter = cotrain_model::lora::LoraAdapter::load_peft(src, &base.model).map_err(|e| format!("{}: {e}", src.display()))?;
+    let weights: HashMap<String, tch::Tensor> = adapter.merged(&base.named_parameters()).map_err(|e| e.to_string())?.into_iter().collect();
+    base.load_named_tensors(&weights).map_err(|e| e.to_string())?;
+    cotrain_model::export::save_pretrained(&base, dst).map_err(|e| format!("{}: {e}", dst.display()))?;
+    Ok(())
 }
 
 #[cfg(test)]

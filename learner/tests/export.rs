@@ -215,3 +215,72 @@ fn shared_parameters_give_one_shared_final_model() {
     assert_eq!(summary.final_models, vec![run.join("final_model/shared")]);
     assert_weights_equal(&summary.final_models[0], &trainer.policies()[0].parameters(), Kind::Float);
 }
+
+/// A MaPoRL run directory: a trained-looking policy adapter (B non-zero) and a critic, saved in
+/// PEFT's layout by the adapter's own writer, with the manifest, as the trainer saves them (the
+/// end-to-end MaPoRL test exports a real run's).
+fn write_maporl_adapters(run: &Path, base: &Path) -> PathBuf {
+    use cotrain_model::lora::{LoraAdapter, LoraConfig};
+    let model = loader::load(base.to_str().unwrap(), &LoadOptions::default()).unwrap();
+    let dir = run.join("adapters");
+    for (i, key) in ["agent0.turn0", "critic.agent0"].iter().enumerate() {
+        tch::manual_seed(7 + i as i64);
+        let ad = LoraAdapter::new(&model.model, LoraConfig::default()).unwrap();
+        let _g = tch::no_grad_guard();
+        for (name, mut t) in ad.named_tensors() {
+            if name.contains("lora_B") {
+                t.copy_(&(Tensor::randn(t.size(), (Kind::Float, t.device())) * 0.05));
+            }
+        }
+        ad.save_peft(&dir.join(key), base.to_str().unwrap()).unwrap();
+    }
+    let manifest = cotrain_learner::export::MaporlManifest { policies: vec!["agent0.turn0".into()], critics: vec!["critic.agent0".into()], full_finetune: false };
+    std::fs::write(dir.join(cotrain_learner::export::MAPORL_MANIFEST), serde_json::to_string(&manifest).unwrap()).unwrap();
+    dir
+}
+
+#[test]
+fn a_maporl_run_exports_its_policy_adapters_and_the_merged_models() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tiny_model_dir(tmp.path());
+    let run = tmp.path().join("run");
+    let adapters = write_maporl_adapters(&run, &base);
+    let out = tmp.path().join("export");
+    export(&["--checkpoint", run.to_str().unwrap(), "--out", out.to_str().unwrap(), "--merged"]).unwrap();
+
+    // The policy adapter is copied as PEFT wrote it; the critic is not a policy and stays behind.
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        assert_eq!(std::fs::read(out.join("agent0.turn0").join(f)).unwrap(), std::fs::read(adapters.join("agent0.turn0").join(f)).unwrap(), "{f}");
+    }
+    assert!(!out.join("critic.agent0").exists() && !out.join("critic.agent0-merged").exists());
+
+    // The merged model holds W + (alpha / r)·B·A for every targeted projection, computed here from
+    // the two files alone, and the base's other tensors unchanged.
+    let merged: BTreeMap<String, Tensor> = Tensor::read_safetensors(out.join("agent0.turn0-merged/model.safetensors")).unwrap().into_iter().collect();
+    let base_w: BTreeMap<String, Tensor> = Tensor::read_safetensors(base.join("model.safetensors")).unwrap().into_iter().collect();
+    let lora: BTreeMap<String, Tensor> = Tensor::read_safetensors(adapters.join("agent0.turn0/adapter_model.safetensors")).unwrap().into_iter().collect();
+    let mut adapted = 0;
+    for (name, w) in &base_w {
+        let stem = name.strip_suffix(".weight").unwrap_or(name);
+        let a = lora.get(&format!("base_model.model.{stem}.lora_A.weight"));
+        let b = lora.get(&format!("base_model.model.{stem}.lora_B.weight"));
+        let want = match (a, b) {
+            (Some(a), Some(b)) => {
+                adapted += 1;
+                w.to_kind(Kind::Float) + b.matmul(a) * (16.0 / 8.0)
+            }
+            _ => w.to_kind(Kind::Float),
+        };
+        let got = merged.get(name).unwrap_or_else(|| panic!("{name} missing from the merged model")).to_kind(Kind::Float);
+        let diff = (&got - &want).abs().max().double_value(&[]);
+        assert!(diff < 1e-6, "{name}: merged differs from W + scaling·B·A by {diff}");
+    }
+    let layers = loader::load(base.to_str().unwrap(), &LoadOptions::default()).unwrap().model.config().num_hidden_layers;
+    assert_eq!(adapted, 7 * layers, "every attention and MLP projection of every layer is adapted");
+    // A user loads the merged directory like any model.
+    loader::load(out.join("agent0.turn0-merged").to_str().unwrap(), &LoadOptions::default()).unwrap();
+
+    // `--policy` belongs to MAGRPO checkpoints; `--merged` to adapters.
+    let e = export(&["--checkpoint", run.to_str().unwrap(), "--policy", "0", "--out", out.to_str().unwrap()]).unwrap_err();
+    assert!(e.to_string().contains("--policy selects a MAGRPO policy"), "{e}");
+}

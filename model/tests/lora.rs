@@ -28,7 +28,7 @@ fn trained_like(model: &cotrain_model::families::CausalLm, cfg: LoraConfig) -> L
     let _g = tch::no_grad_guard();
     for (name, mut t) in ad.named_tensors() {
         if name.contains("lora_B") {
-            let _ = t.copy_(&(Tensor::randn(t.size(), (Kind::Float, t.device())) * 0.05));
+            t.copy_(&(Tensor::randn(t.size(), (Kind::Float, t.device())) * 0.05));
         }
     }
     ad

@@ -7,7 +7,8 @@
 //!    (adapter-only updates, versions counted), and adapters land in PEFT's layout.
 //! 2. A learning test: a toy discussion where only agent 0's question shows the answer, so agent 1 can
 //!    be right at turn 1 only by reading agent 0's turn-0 answer. After training, turn-1 accuracy must
-//!    be above turn-0 accuracy and above its own value before training.
+//!    be above turn-0 accuracy and above its own value before training; with LoRA adapters and with
+//!    full fine-tuning.
 
 use std::process::Command;
 use std::time::Duration;
@@ -146,6 +147,16 @@ fn maporl_gsm8k_config_runs_through_the_real_services() {
     }
     assert!(run.join("adapters/critic.agent0/value_head.safetensors").is_file());
     assert!(run.join("plots/accuracy_per_turn.png").is_file());
+
+    // `learner export` on the run directory copies the policy adapters (not the critics).
+    let exported = tmp.path().join("exported");
+    let out = Command::new(binaries().unwrap().join("learner")).args(["export", "--checkpoint"]).arg(&run).arg("--out").arg(&exported).output().unwrap();
+    assert!(out.status.success(), "export failed\n{}", String::from_utf8_lossy(&out.stderr));
+    for key in ["agent0.turn0", "agent0.later", "agent1.turn0", "agent1.later"] {
+        let f = "adapter_model.safetensors";
+        assert_eq!(std::fs::read(exported.join(key).join(f)).unwrap(), std::fs::read(run.join("adapters").join(key).join(f)).unwrap(), "{key}");
+    }
+    assert!(!exported.join("critic.agent0").exists());
     drop(worker);
     drop(reward);
 }
@@ -179,42 +190,48 @@ fn digit_model(dir: &std::path::Path) -> std::path::PathBuf {
     out
 }
 
-#[test]
-fn training_makes_the_discussion_turn_beat_the_first_turn() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = digit_model(tmp.path());
-    let data = tmp.path().join("digits");
+/// Trains the toy discussion of [`digit_model`] with `learner train` (one extra line of `maporl`
+/// settings), and returns the run directory and its metrics.
+fn train_digits(tmp: &std::path::Path, maporl_extra: &str, epochs: usize, lr: f64, save_final_model: bool) -> (std::path::PathBuf, Vec<serde_json::Value>) {
+    let model = digit_model(tmp);
+    let data = tmp.join("digits");
     std::fs::create_dir_all(&data).unwrap();
     let rows = |n: usize| (0..n).map(|i| format!("{{\"question\": \"q\", \"answer\": \"#### {}\"}}\n", i % 2)).collect::<String>();
     std::fs::write(data.join("train.jsonl"), rows(20)).unwrap();
     std::fs::write(data.join("test.jsonl"), rows(10)).unwrap();
-    let out_dir = tmp.path().join("out");
-    let config = tmp.path().join("digits.yaml");
+    let out_dir = tmp.join("out");
+    let config = tmp.join("digits.yaml");
     std::fs::write(
         &config,
         format!(
             "model: {{name: '{model}', chat_template: false, max_length: 64}}\n\
              dataset: {{name: '{data}', type: gsm8k, train_split: train, eval_split: test}}\n\
              seed: 6\n\
-             output: {{base_dir: '{out}', save_final_model: false}}\n\
+             output: {{base_dir: '{out}', save_final_model: {save_final_model}}}\n\
              prompts:\n  agent0: {{template: '{{{{ item.final_answer }}}}'}}\n  agent1: {{template: '?'}}\n\
              maporl:\n  agent_num: 2\n  round_num: 2\n  num_train_epochs: {epochs}\n  per_device_train_batch_size: 10\n  gradient_accumulation_steps: 1\n  \
              num_mini_batches: 1\n  num_ppo_epochs: 4\n  learning_rate: {lr}\n  lr_end_factor: 1.0\n  max_output_length: 1\n  temperature: 1.0\n  \
              kl_coef: 0.0\n  invalid_penalty: false\n  task_training: true\n  rule_horizon: current\n  adapter_layout: per_turn\n  \
-             followup_template: '{{% for o in others %}}{{{{ o.answer }}}}{{% endfor %}}'\n  eval_interval: 1000\n  eval_num_samples: 10\n  save_steps: 0\n\
+             followup_template: '{{% for o in others %}}{{{{ o.answer }}}}{{% endfor %}}'\n  eval_interval: 1000\n  eval_num_samples: 10\n  save_steps: 0\n  \
+             {maporl_extra}\n\
              logging: {{run_name: digits, progress: never, plots: false, tensorboard: false}}\n",
             model = model.display(),
             data = data.display(),
             out = out_dir.display(),
-            epochs = 60,
-            lr = 0.001,
         ),
     )
     .unwrap();
     let out = Command::new(binaries().unwrap().join("learner")).args(["train", "--config"]).arg(&config).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "learner train failed\n{stderr}");
-    let metrics = read_jsonl(&out_dir.join("digits/metrics.jsonl"));
+    let run = out_dir.join("digits");
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    (run, metrics)
+}
+
+/// Asserts that agent 1 learned to read agent 0's answer: its turn-1 accuracy rose, and turn 1
+/// beats turn 0 after training.
+fn assert_discussion_learned(metrics: &[serde_json::Value]) {
     let evals: Vec<&serde_json::Value> = metrics.iter().filter(|m| m["eval/accuracy/turn1"].is_number()).collect();
     let (first, last) = (evals.first().unwrap(), evals.last().unwrap());
     let acc = |m: &serde_json::Value, k: &str| m[k].as_f64().unwrap();
@@ -224,3 +241,42 @@ fn training_makes_the_discussion_turn_beat_the_first_turn() {
     assert!(acc(last, "eval/accuracy/turn1/agent1") >= acc(first, "eval/accuracy/turn1/agent1") + 0.3, "agent 1 did not learn to read agent 0's answer");
     assert!(acc(last, "eval/accuracy/turn1") > acc(last, "eval/accuracy/turn0") + 0.2, "turn 1 must beat turn 0 after training");
 }
+
+#[test]
+fn training_makes_the_discussion_turn_beat_the_first_turn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, metrics) = train_digits(tmp.path(), "", 60, 0.001, false);
+    assert_discussion_learned(&metrics);
+}
+
+/// `full_finetune: true`: every weight of each policy trains (a copy of the base per adapter key),
+/// the workers get full weight updates, and the final policies are model directories that
+/// `learner export` copies.
+#[test]
+fn full_fine_tuning_learns_the_discussion_and_saves_models() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (run, metrics) = train_digits(tmp.path(), "full_finetune: true", FULL_FT_EPOCHS, FULL_FT_LR, true);
+    assert_discussion_learned(&metrics);
+    let base: std::collections::BTreeMap<String, tch::Tensor> =
+        tch::Tensor::read_safetensors(tmp.path().join("digit-llama/model.safetensors")).unwrap().into_iter().collect();
+    let trained: std::collections::BTreeMap<String, tch::Tensor> =
+        tch::Tensor::read_safetensors(run.join("final_model/agent1.turn1/model.safetensors")).unwrap().into_iter().collect();
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    assert!(!trained[q].to_kind(tch::Kind::Float).allclose(&base[q].to_kind(tch::Kind::Float), 0.0, 1e-7, false), "the full weights moved");
+    assert!(run.join("final_model/agent1.turn1/config.json").is_file());
+    assert!(!run.join("final_model/agent1.turn1/adapter_config.json").exists(), "no adapter in full fine-tuning");
+    assert!(run.join("final_model/critic.agent1/value_head.safetensors").is_file(), "critics keep their adapters");
+
+    let exported = tmp.path().join("exported");
+    let out = Command::new(binaries().unwrap().join("learner")).args(["export", "--checkpoint"]).arg(&run).arg("--out").arg(&exported).output().unwrap();
+    assert!(out.status.success(), "export failed\n{}", String::from_utf8_lossy(&out.stderr));
+    for key in ["agent0.turn0", "agent0.turn1", "agent1.turn0", "agent1.turn1"] {
+        assert_eq!(std::fs::read(exported.join(key).join("model.safetensors")).unwrap(), std::fs::read(run.join("final_model").join(key).join("model.safetensors")).unwrap(), "{key}");
+    }
+    assert!(!exported.join("critic.agent1").exists(), "critics are not exported");
+    let out = Command::new(binaries().unwrap().join("learner")).args(["export", "--merged", "--checkpoint"]).arg(&run).arg("--out").arg(&exported).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no adapter to merge"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+const FULL_FT_EPOCHS: usize = 30;
+const FULL_FT_LR: f64 = 1e-3;

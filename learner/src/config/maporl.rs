@@ -157,7 +157,8 @@ pub struct MaporlSection {
     pub critic_per_turn: bool,
     #[serde(default)]
     pub adapter_layout: AdapterLayout,
-    /// Train every weight instead of adapters (not built yet: refused with a clear error).
+    /// Train every weight of each policy (a whole copy of the base per adapter key) instead of
+    /// LoRA adapters; the base stays the reference policy, and critics keep their adapters.
     #[serde(default)]
     pub full_finetune: bool,
     #[serde(default)]
@@ -332,12 +333,6 @@ impl MaporlSection {
         }
         if !self.penalty_reward_value.is_finite() {
             return bad("penalty_reward_value", "must be finite".into());
-        }
-        if self.full_finetune {
-            return bad(
-                "full_finetune",
-                "is not built yet: MaPoRL in cotrain trains LoRA adapters on a frozen base (set full_finetune: false)".into(),
-            );
         }
         if let Err(e) = self.lora.to_model().validate() {
             return bad("lora", e.to_string());

@@ -3,13 +3,16 @@
 //! - [`Bases`]: one frozen model per distinct base (agents may use different base models). The
 //!   reference policy is the base itself with no adapter set, so there is no second copy.
 //! - [`PolicyAdapter`]: one per key of the adapter layout (`agent0.turn0`, `agent0.later`, ... or
-//!   `shared`), with its AdamW. The rollout workers serve each key as its own agent, with the
-//!   adapter merged into a copy of the base (adapter-only weight updates).
+//!   `shared`), with its AdamW. Its trained weights ([`PolicyWeights`]) are a LoRA adapter set on
+//!   the frozen base for each forward, or with `full_finetune` a whole trainable copy of the base.
+//!   The rollout workers serve each key as its own agent: with the adapter merged into a copy of
+//!   the base (adapter-only weight updates), or with the full weights pushed as MAGRPO pushes them.
 //! - [`Critic`]: an adapter of its own plus a value head (hidden → 1, no bias), per agent or per
 //!   adapter key (`critic_per_turn`), as MaPoRL's separate value model.
 
 use std::collections::BTreeMap;
 
+use cotrain_model::families::CausalLm;
 use cotrain_model::loader::{LoadOptions, LoadedModel};
 use cotrain_model::lora::{LoraAdapter, LoraConfig};
 use tch::{Kind, Tensor, nn};
@@ -24,6 +27,8 @@ pub struct Bases {
     pub models: Vec<LoadedModel>,
     /// `agent_base[i]`: the base of agent `i`.
     pub agent_base: Vec<usize>,
+    /// How they were loaded (full fine-tuning loads its trainable copies the same way).
+    pub opts: LoadOptions,
 }
 
 impl Bases {
@@ -43,15 +48,15 @@ impl Bases {
             };
             agent_base.push(idx);
         }
-        Ok(Self { specs, models, agent_base })
+        Ok(Self { specs, models, agent_base, opts: opts.clone() })
     }
 
-    /// Wraps already loaded models (tests); each is frozen.
-    pub fn from_models(specs: Vec<String>, mut models: Vec<LoadedModel>, agent_base: Vec<usize>) -> Self {
+    /// Wraps already loaded models (tests, benchmarks); each is frozen.
+    pub fn from_models(specs: Vec<String>, mut models: Vec<LoadedModel>, agent_base: Vec<usize>, opts: LoadOptions) -> Self {
         for m in &mut models {
             m.vs.freeze();
         }
-        Self { specs, models, agent_base }
+        Self { specs, models, agent_base, opts }
     }
 }
 
@@ -75,14 +80,66 @@ pub fn critic_key(m: &MaporlSection, agent: usize, turn: usize) -> String {
     }
 }
 
-/// One trainable policy adapter.
+/// What a policy trains.
+pub enum PolicyWeights {
+    /// A LoRA adapter, set on the shared frozen base for the policy's forwards.
+    Lora(LoraAdapter),
+    /// A whole trainable copy of the base (`maporl.full_finetune`); the base stays the reference.
+    Full(Box<LoadedModel>),
+}
+
+/// One trainable policy: an adapter key of the layout, its weights and its AdamW.
 pub struct PolicyAdapter {
     pub key: String,
     pub base: usize,
-    pub adapter: LoraAdapter,
+    pub weights: PolicyWeights,
     pub optimizer: AdamW,
     /// The version the rollout workers serve it as.
     pub version: u64,
+}
+
+impl PolicyAdapter {
+    /// Runs `f` on the policy's network: the base with the adapter set (and unset afterwards, even
+    /// when `f` fails), or the policy's own full copy.
+    pub fn with_model<R>(&self, bases: &Bases, f: impl FnOnce(&CausalLm) -> R) -> Result<R, TrainError> {
+        match &self.weights {
+            PolicyWeights::Lora(adapter) => {
+                let model = &bases.models[self.base].model;
+                model.set_adapter(Some(adapter), false).map_err(|e| TrainError::Model(format!("adapter `{}`: {e}", self.key)))?;
+                let out = f(model);
+                model.set_adapter(None, false).map_err(|e| TrainError::Model(format!("adapter `{}`: {e}", self.key)))?;
+                Ok(out)
+            }
+            PolicyWeights::Full(m) => Ok(f(&m.model)),
+        }
+    }
+
+    /// Sends the policy to the rollout workers as `version`: the adapter tensors alone, or every
+    /// parameter of a fully fine-tuned copy.
+    pub fn push(&self, rollout: &mut dyn crate::trainer::RolloutSource, version: u64) -> Result<(), TrainError> {
+        match &self.weights {
+            PolicyWeights::Lora(a) => rollout.push_adapter(&self.key, version, &a.named_tensors(), a.config.scaling()),
+            PolicyWeights::Full(m) => rollout.push_weights(&self.key, version, &m.named_parameters()),
+        }
+    }
+
+    /// Writes the policy into `dir`: PEFT's layout for an adapter (naming `base_spec` as its base),
+    /// a Hugging Face model directory for a full copy.
+    pub fn save(&self, dir: &std::path::Path, base_spec: &str) -> Result<(), TrainError> {
+        let written = match &self.weights {
+            PolicyWeights::Lora(a) => a.save_peft(dir, base_spec).map_err(|e| e.to_string()),
+            PolicyWeights::Full(m) => cotrain_model::export::save_pretrained(m, dir).map_err(|e| e.to_string()),
+        };
+        written.map(|_| ()).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))
+    }
+
+    /// The bytes one push sends.
+    pub fn push_bytes(&self) -> usize {
+        match &self.weights {
+            PolicyWeights::Lora(a) => a.num_bytes(),
+            PolicyWeights::Full(m) => m.named_parameters().values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum(),
+        }
+    }
 }
 
 /// One critic: adapter plus value head.
@@ -137,9 +194,17 @@ impl Adapters {
             for turn in 0..m.round_num {
                 let key = adapter_key(m.adapter_layout, agent, turn);
                 if !policies.contains_key(&key) {
-                    let adapter = LoraAdapter::new(model, lora.clone()).map_err(|e| TrainError::Config(format!("maporl.lora: {e}")))?;
-                    let optimizer = AdamW::new(&adapter.vs, adam);
-                    policies.insert(key.clone(), PolicyAdapter { key, base, adapter, optimizer, version: 0 });
+                    let (weights, optimizer) = if m.full_finetune {
+                        let spec = &bases.specs[base];
+                        let copy = cotrain_model::loader::load(spec, &bases.opts).map_err(|e| TrainError::Model(format!("loading `{spec}` for `{key}`: {e}")))?;
+                        let optimizer = AdamW::new(&copy.vs, adam);
+                        (PolicyWeights::Full(Box::new(copy)), optimizer)
+                    } else {
+                        let adapter = LoraAdapter::new(model, lora.clone()).map_err(|e| TrainError::Config(format!("maporl.lora: {e}")))?;
+                        let optimizer = AdamW::new(&adapter.vs, adam);
+                        (PolicyWeights::Lora(adapter), optimizer)
+                    };
+                    policies.insert(key.clone(), PolicyAdapter { key, base, weights, optimizer, version: 0 });
                 }
                 let ckey = critic_key(m, agent, turn);
                 if !critics.contains_key(&ckey) {

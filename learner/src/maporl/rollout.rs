@@ -99,6 +99,7 @@ impl DiscussionSetup<'_> {
 
     /// Runs the discussions of `items` through every turn. `seed` is the step's seed; each request's
     /// seed is derived from it, the item's row and the agent and turn.
+    #[allow(clippy::needless_range_loop)] // (question, agent) index several parallel tables
     pub fn discuss(
         &self,
         items: &[&TrainItem],

@@ -46,7 +46,8 @@ pub struct MaporlSummary {
     pub history: Vec<BTreeMap<String, f64>>,
     /// Evaluations as (step, scalars).
     pub evals: Vec<(u64, BTreeMap<String, f64>)>,
-    pub adapters_dir: Option<PathBuf>,
+    /// Where the final policies went (`adapters/`, or `final_model/` with `full_finetune`).
+    pub final_dir: Option<PathBuf>,
     pub plots: Vec<PathBuf>,
 }
 
@@ -166,7 +167,7 @@ impl MaporlTrainer {
         for key in trained {
             let p = self.s.adapters.policies.get_mut(key).expect("sampled keys exist");
             let next = p.version + 1;
-            self.s.rollout.push_adapter(key, next, &p.adapter.named_tensors(), p.adapter.config.scaling())?;
+            p.push(self.s.rollout.as_mut(), next)?;
             p.version = next;
         }
         let t_sync = t2.elapsed().as_secs_f64();
@@ -231,13 +232,11 @@ impl MaporlTrainer {
         f.flush()
     }
 
-    /// Writes every policy adapter in PEFT's layout (`DIR/<key>/`) and the critics
-    /// (`DIR/<critic key>/` adapter plus `value_head.safetensors`).
-    pub fn save_adapters(&self, dir: &Path) -> Result<PathBuf, TrainError> {
+    /// Writes every policy (`DIR/<key>/`: PEFT's layout, or a model directory with
+    /// `full_finetune`) and the critics (`DIR/<critic key>/` adapter plus `value_head.safetensors`).
+    pub fn save_policies(&self, dir: &Path) -> Result<PathBuf, TrainError> {
         for (key, p) in &self.s.adapters.policies {
-            p.adapter
-                .save_peft(&dir.join(key), &self.s.bases.specs[p.base])
-                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))?;
+            p.save(&dir.join(key), &self.s.bases.specs[p.base])?;
         }
         for (key, c) in &self.s.adapters.critics {
             let d = dir.join(key);
@@ -245,6 +244,14 @@ impl MaporlTrainer {
             tch::Tensor::write_safetensors(&[("v_head.weight", c.head.detach().to_device(tch::Device::Cpu))], d.join("value_head.safetensors"))
                 .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", d.display())))?;
         }
+        // Last, so that a directory cut short by a killed process is never taken for a saved one.
+        let manifest = crate::export::MaporlManifest {
+            policies: self.s.adapters.policies.keys().cloned().collect(),
+            critics: self.s.adapters.critics.keys().cloned().collect(),
+            full_finetune: self.m.full_finetune,
+        };
+        let text = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
+        std::fs::write(dir.join(crate::export::MAPORL_MANIFEST), text).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))?;
         Ok(dir.to_path_buf())
     }
 
@@ -257,9 +264,9 @@ impl MaporlTrainer {
     /// Pushes every adapter once (version 1), so that the workers serve exactly the learner's
     /// adapters before the first sample.
     fn sync_all(&mut self) -> Result<(), TrainError> {
-        for (key, p) in self.s.adapters.policies.iter_mut() {
+        for p in self.s.adapters.policies.values_mut() {
             let next = p.version + 1;
-            self.s.rollout.push_adapter(key, next, &p.adapter.named_tensors(), p.adapter.config.scaling())?;
+            p.push(self.s.rollout.as_mut(), next)?;
             p.version = next;
         }
         Ok(())
@@ -304,8 +311,8 @@ impl MaporlTrainer {
                     None => {}
                 }
                 if self.m.save_steps > 0 && self.step.is_multiple_of(self.m.save_steps as u64) {
-                    let dir = self.save_adapters(&self.s.run_dir.join("checkpoints").join(format!("step-{}", self.step)))?;
-                    info!(step = self.step, checkpoint = %dir.display(), "adapters saved");
+                    let dir = self.save_policies(&self.s.run_dir.join("checkpoints").join(format!("step-{}", self.step)))?;
+                    info!(step = self.step, checkpoint = %dir.display(), "policies saved");
                 }
             }
         }
@@ -318,7 +325,8 @@ impl MaporlTrainer {
             self.metrics.log(self.step, &e).map_err(|err| TrainError::Io(format!("metrics: {err}")))?;
             self.history.push(e);
         }
-        let adapters_dir = if self.s.cfg.raw.output.save_final_model { Some(self.save_adapters(&self.s.run_dir.join("adapters"))?) } else { None };
+        let final_name = if self.m.full_finetune { "final_model" } else { "adapters" };
+        let final_dir = if self.s.cfg.raw.output.save_final_model { Some(self.save_policies(&self.s.run_dir.join(final_name))?) } else { None };
         let mut plots = Vec::new();
         if self.s.cfg.raw.logging.plots {
             match crate::plot::plot_run(&self.s.run_dir) {
@@ -329,6 +337,6 @@ impl MaporlTrainer {
                 plots.push(p);
             }
         }
-        Ok(MaporlSummary { run_dir: self.s.run_dir.clone(), steps: self.step, history: self.history.clone(), evals: self.evals.clone(), adapters_dir, plots })
+        Ok(MaporlSummary { run_dir: self.s.run_dir.clone(), steps: self.step, history: self.history.clone(), evals: self.evals.clone(), final_dir, plots })
     }
 }

@@ -128,13 +128,10 @@ pub fn ppo_update(
     }
     for (key, idx) in &by_policy {
         let p = adapters.policies.get(*key).ok_or_else(|| TrainError::Config(format!("no adapter `{key}`")))?;
-        let model = &bases.models[p.base].model;
         let seqs: Vec<Sequence> = idx.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
-        model.set_adapter(Some(&p.adapter), false).map_err(model_err("adapter"))?;
-        let old = completion_logprobs(model, &seqs, &lp_opts(false));
-        model.set_adapter(None, false).map_err(model_err("adapter"))?;
-        let old = old.map_err(model_err("behaviour log-probs"))?;
-        let reference = completion_logprobs(model, &seqs, &lp_opts(false)).map_err(model_err("reference log-probs"))?;
+        let old = p.with_model(bases, |model| completion_logprobs(model, &seqs, &lp_opts(false)))?.map_err(model_err("behaviour log-probs"))?;
+        // The reference policy is the frozen base itself.
+        let reference = completion_logprobs(&bases.models[p.base].model, &seqs, &lp_opts(false)).map_err(model_err("reference log-probs"))?;
         for ((&k, lp), lr) in idx.iter().zip(split(&old.logprobs, &old.offsets)).zip(split(&reference.logprobs, &reference.offsets)) {
             records[k].logprobs = lp;
             records[k].ref_logprobs = lr;
@@ -209,17 +206,13 @@ pub fn ppo_update(
             let size = order.len().div_ceil(parts);
             for mb in order.chunks(size) {
                 let p = adapters.policies.get_mut(*key).expect("checked above");
-                let model = &bases.models[p.base].model;
                 let seqs: Vec<Sequence> = mb.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
                 let cmax = mb.iter().map(|&k| samples[k].response.len()).max().unwrap_or(0);
                 let old_rows: Vec<Vec<f64>> = mb.iter().map(|&k| records[k].logprobs.iter().map(|x| f64::from(*x)).collect()).collect();
                 let old = pad(&old_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
                 let adv = pad(&mb.iter().map(|&k| whitened[k].as_slice()).collect::<Vec<_>>(), cmax);
                 p.optimizer.zero_grad();
-                model.set_adapter(Some(&p.adapter), false).map_err(model_err("adapter"))?;
-                let tlp = completion_logprobs(model, &seqs, &lp_opts(true));
-                model.set_adapter(None, false).map_err(model_err("adapter"))?;
-                let tlp = tlp.map_err(model_err("policy log-probs"))?;
+                let tlp = p.with_model(bases, |model| completion_logprobs(model, &seqs, &lp_opts(true)))?.map_err(model_err("policy log-probs"))?;
                 let (lp, mask) = tlp.padded();
                 let mask = mask.to_kind(Kind::Float);
                 let device = lp.device();
