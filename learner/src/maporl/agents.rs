@@ -48,7 +48,7 @@ impl Bases {
             };
             agent_base.push(idx);
         }
-        Ok(Self { specs, models, agent_base, opts: opts.clone() })
+        Ok(Self { specs, models, agent_base, opts: *opts })
     }
 
     /// Wraps already loaded models (tests, benchmarks); each is frozen.
