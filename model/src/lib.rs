@@ -18,6 +18,7 @@ pub mod kernels;
 pub mod loader;
 pub mod logprobs;
 pub mod lora;
+pub mod verifier;
 
 // Process set-up for tensor workloads.
 pub mod allocator;

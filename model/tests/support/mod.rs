@@ -22,12 +22,12 @@ pub fn reference(name: &str) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
-/// A word-level tokenizer over `t0 .. t{vocab-1}`; decoding joins tokens with spaces.
-pub fn word_tokenizer(vocab: usize) -> Tokenizer {
+/// `tokenizer.json` text of a word-level tokenizer over `t0 .. t{vocab-1}`.
+pub fn word_tokenizer_json(vocab: usize) -> String {
     let vocab_json: serde_json::Map<String, serde_json::Value> = (0..vocab)
         .map(|i| (format!("t{i}"), serde_json::json!(i)))
         .collect();
-    let json = serde_json::json!({
+    serde_json::json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
@@ -37,8 +37,13 @@ pub fn word_tokenizer(vocab: usize) -> Tokenizer {
         "post_processor": null,
         "decoder": null,
         "model": {"type": "WordLevel", "vocab": vocab_json, "unk_token": "t0"}
-    });
-    let inner: tokenizers::Tokenizer = json.to_string().parse().unwrap();
+    })
+    .to_string()
+}
+
+/// A word-level tokenizer over `t0 .. t{vocab-1}`; decoding joins tokens with spaces.
+pub fn word_tokenizer(vocab: usize) -> Tokenizer {
+    let inner: tokenizers::Tokenizer = word_tokenizer_json(vocab).parse().unwrap();
     Tokenizer::from_inner(inner)
 }
 
