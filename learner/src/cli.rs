@@ -62,6 +62,9 @@ pub enum Command {
         #[arg(long)]
         merged: bool,
     },
+    /// MaPoRL's learned verifier: balance its data and train it.
+    #[command(subcommand)]
+    Verifier(VerifierCommand),
     /// Print the merged, validated config.
     CheckConfig {
         #[command(flatten)]
@@ -78,6 +81,39 @@ pub enum Command {
         /// Only the first N items.
         #[arg(long)]
         limit: Option<usize>,
+    },
+}
+
+/// `learner verifier ...`.
+#[derive(Debug, Subcommand)]
+pub enum VerifierCommand {
+    /// Give every question the same number of correct and incorrect answers (MaPoRL: 10 each);
+    /// questions short of one kind are dropped (or kept with `--keep-short`). Prints what happened
+    /// to each question and in total.
+    Balance {
+        /// MaPoRL's data file (question → original_answer, generated_answers, rewards).
+        #[arg(long = "in")]
+        input: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        /// Answers of each kind per question.
+        #[arg(long, default_value_t = 10)]
+        per_type: usize,
+        /// Keep questions short of one kind with what they have instead of dropping them.
+        #[arg(long)]
+        keep_short: bool,
+    },
+    /// Train a verifier (`model.name` with the `verifier` section's settings) on a data file and
+    /// write the directory `rollout-worker serve --verifier NAME=DIR` loads.
+    Train {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// The (balanced) data file.
+        #[arg(long)]
+        data: PathBuf,
+        /// The verifier directory to write (with metrics.jsonl and plots/).
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -198,6 +234,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Plot { run_dir } => plot_command(&run_dir),
+        Command::Verifier(cmd) => verifier_command(cmd),
         Command::Export { checkpoint, policy, out, merged } => export_command(&checkpoint, policy, &out, merged),
         Command::ShowPrompts { config, split, limit } => {
             let cfg = config.load()?;
@@ -239,6 +276,46 @@ pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize
         }
     }
     Ok(())
+}
+
+/// `learner verifier ...`: see [`crate::verifier`].
+fn verifier_command(cmd: VerifierCommand) -> anyhow::Result<()> {
+    match cmd {
+        VerifierCommand::Balance { input, out, per_type, keep_short } => {
+            if per_type == 0 {
+                bail!("--per-type must be at least 1");
+            }
+            let data = crate::verifier::VerifierData::read(&input).map_err(anyhow::Error::msg)?;
+            let (balanced, report) = crate::verifier::balance::balance(&data, per_type, keep_short);
+            for q in &report.questions {
+                let short: String = q.question.chars().take(70).collect();
+                println!("{:>4} correct {:>4} incorrect  {}  {short:?}", q.correct, q.incorrect, q.outcome);
+            }
+            println!(
+                "{} questions kept, {} dropped; {} answers in, {} out ({per_type} correct + {per_type} incorrect per balanced question)",
+                report.kept, report.dropped, report.answers_in, report.answers_out
+            );
+            if balanced.questions.is_empty() {
+                bail!("no question has {per_type} correct and {per_type} incorrect answers: nothing written (lower --per-type or pass --keep-short)");
+            }
+            balanced.write(&out).map_err(anyhow::Error::msg)?;
+            println!("wrote {}", out.display());
+            Ok(())
+        }
+        VerifierCommand::Train { config, data, out } => {
+            let cfg = config.load()?;
+            let data = crate::verifier::VerifierData::read(&data).map_err(anyhow::Error::msg)?;
+            let summary = crate::verifier::train::train_verifier(&cfg, &data, &out)?;
+            println!("verifier: {} ({} optimiser steps)", summary.out_dir.display(), summary.optimizer_steps);
+            for (k, v) in &summary.heldout {
+                println!("{k}: {v:.4}");
+            }
+            for p in &summary.plots {
+                println!("plot: {}", p.display());
+            }
+            Ok(())
+        }
+    }
 }
 
 /// `learner export`: see [`crate::export`].

@@ -17,3 +17,4 @@ pub mod metrics;
 pub mod plot;
 pub mod services;
 pub mod trainer;
+pub mod verifier;

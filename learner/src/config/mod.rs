@@ -3,6 +3,7 @@
 
 pub mod compat;
 mod maporl;
+mod verifier;
 pub mod resume;
 mod schema;
 mod validate;
@@ -10,6 +11,7 @@ mod validate;
 use std::path::{Path, PathBuf};
 
 pub use maporl::{AdapterLayout, LoraSection, MaporlSection};
+pub use verifier::VerifierSection;
 pub use schema::*;
 use serde_yaml_ng::{Mapping, Value};
 

@@ -27,6 +27,9 @@ pub struct RawConfig {
     /// MaPoRL's multi-agent PPO with a critic and LoRA adapters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub maporl: Option<super::MaporlSection>,
+    /// MaPoRL's learned verifier: data generation and training (`learner verifier`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verifier: Option<super::VerifierSection>,
     #[serde(default)]
     pub reward_processor: RewardProcessorConfig,
     /// The original's Weights & Biases section; accepted for compatibility, cotrain logs to files.
