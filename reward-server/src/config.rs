@@ -36,6 +36,7 @@ pub struct Overrides {
     pub max_concurrency: Option<usize>,
     pub queue_limit: Option<usize>,
     pub insecure_no_sandbox: bool,
+    pub verifier_endpoint: Option<String>,
 }
 
 /// The checked configuration the server runs with.
@@ -46,6 +47,8 @@ pub struct ServerConfig {
     /// Largest accepted request body (HTTP) or message (gRPC).
     pub max_body_bytes: usize,
     pub sandbox: SandboxConfig,
+    /// The rollout worker hosting the learned verifier (`--verifier-endpoint`), for `/predict`.
+    pub verifier_endpoint: Option<String>,
 }
 
 /// A configuration that cannot be used; names the key and the file.
@@ -132,6 +135,7 @@ impl ServerConfig {
                 .unwrap_or_else(|| DEFAULT_HTTP_ADDR.parse().expect("valid default")),
             max_body_bytes,
             sandbox,
+            verifier_endpoint: overrides.verifier_endpoint,
         })
     }
 }

@@ -34,6 +34,10 @@ struct Args {
     /// with untrusted code; every run logs a warning.
     #[arg(long)]
     insecure_no_sandbox: bool,
+    /// The gRPC address of a rollout worker serving a learned verifier (`rollout-worker serve
+    /// --verifier NAME=DIR`); enables MaPoRL's `POST /predict` and `POST /v1/verify`.
+    #[arg(long, value_name = "URL")]
+    verifier_endpoint: Option<String>,
 }
 
 async fn shutdown_signal() {
@@ -73,6 +77,7 @@ fn run() -> anyhow::Result<()> {
             max_concurrency: args.max_concurrency,
             queue_limit: args.queue_limit,
             insecure_no_sandbox: args.insecure_no_sandbox,
+            verifier_endpoint: args.verifier_endpoint,
         },
     )?;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;

@@ -334,19 +334,15 @@ async fn http_native_routes_metrics_and_health() {
     assert_eq!(body["exit_code"], 3);
     assert_eq!(body["stdout"], "hi\n");
 
-    let (status, body) = post(
-        &http,
-        server.url("/predict"),
-        json!({"query_responses": [["q", "a"]]}),
-    )
-    .await;
-    assert_eq!(status, 501);
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("verifier")
-    );
+    // MaPoRL's /predict: a malformed conversation is a 400 naming it; a good one without a
+    // verifier endpoint is a 503 saying how to configure one (both in MaPoRL's error shape).
+    let (status, body) = post(&http, server.url("/predict"), json!({"query_responses": [["q", "a"]]})).await;
+    assert_eq!(status, 400);
+    assert!(body["error"].as_str().unwrap().contains("query_responses[0][0].role"), "{body}");
+    let conv = json!([{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "\\boxed{2}"}]);
+    let (status, body) = post(&http, server.url("/predict"), json!({"query_responses": [conv]})).await;
+    assert_eq!(status, 503);
+    assert!(body["error"].as_str().unwrap().contains("--verifier-endpoint"), "{body}");
 
     let health: Value = http
         .get(server.url("/health"))

@@ -18,6 +18,7 @@ pub mod pool;
 pub mod server;
 pub mod service;
 pub mod shm;
+pub mod verifier;
 pub mod weights;
 pub mod worker;
 

@@ -28,6 +28,8 @@ pub struct Metrics {
     pub policy_version: IntGaugeVec,
     /// Weight updates received, per model and outcome (`applied`, `rejected`).
     pub weight_updates: IntCounterVec,
+    /// Conversations a learned verifier scored, per verifier.
+    pub verifier_conversations: IntCounterVec,
     /// Weight-update payload bytes accepted into assemblies.
     pub weight_update_bytes: prometheus::IntCounter,
 }
@@ -64,6 +66,7 @@ impl Metrics {
             tokens_per_second: fgauge("tokens_per_second", "completion tokens per second, last second", &["model"]),
             policy_version: gauge("policy_version", "current policy version", &["agent"]),
             weight_updates: counter("weight_updates_total", "weight updates received", &["model", "outcome"]),
+            verifier_conversations: counter("verifier_conversations_total", "conversations scored by a learned verifier", &["verifier"]),
             weight_update_bytes: reg(
                 &registry,
                 prometheus::IntCounter::new("weight_update_bytes_total", "weight-update payload bytes received")

@@ -71,6 +71,11 @@ pub struct ServeArgs {
     /// cores, cores / models is usually faster: their engines then do not compete for the cores.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub threads_per_engine: Option<u32>,
+    /// A learned verifier to serve on `ScoreVerifier` (and, through a reward server started with
+    /// `--verifier-endpoint`, on MaPoRL's `/predict`): a directory written by `learner verifier
+    /// train`. Repeatable.
+    #[arg(long = "verifier", value_name = "NAME=DIR", value_parser = parse_verifier)]
+    pub verifiers: Vec<(String, std::path::PathBuf)>,
 }
 
 /// In-process server options beyond the worker's configuration.
@@ -78,6 +83,13 @@ pub struct ServeArgs {
 pub struct ServeOptions {
     /// Accept shared-memory weight updates (`--allow-shm-weights`).
     pub allow_shm_weights: bool,
+}
+
+fn parse_verifier(s: &str) -> Result<(String, std::path::PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, dir)) if !name.is_empty() && !dir.is_empty() => Ok((name.to_string(), dir.into())),
+        _ => Err(format!("expected NAME=DIR, got `{s}`")),
+    }
 }
 
 fn parse_agent(s: &str) -> Result<(String, String), String> {
@@ -102,6 +114,7 @@ impl ServeArgs {
             max_batch_size: self.max_batch_size,
             max_queued_requests: self.max_queued_requests,
             threads_per_engine: self.threads_per_engine.map(|n| n as usize),
+            verifiers: self.verifiers.clone(),
         })
     }
 }

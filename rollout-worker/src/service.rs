@@ -6,6 +6,7 @@ use cotrain_model::chat_template::ChatMessage;
 use cotrain_model::engine::{FinishReason as EngineFinish, SamplingParams, StopConditions};
 use cotrain_proto::rollout::rollout_server::Rollout;
 use cotrain_proto::rollout::{
+    ScoreVerifierRequest, ScoreVerifierResponse,
     prompt, update_weights_request::Item, AgentInfo, Completion, FinishReason, GenerateRequest, GenerateResponse,
     InfoRequest, InfoResponse, ListParametersRequest, ListParametersResponse, ModelInfo, ParameterInfo, Sample,
     UpdateWeightsRequest, UpdateWeightsResponse,
@@ -227,7 +228,16 @@ impl Rollout for RolloutService {
             in_flight_requests: w.in_flight() as u32,
             server_version: env!("CARGO_PKG_VERSION").to_string(),
             shm_weights: self.shm.allowed,
+            verifiers: w.verifier_names(),
         }))
+    }
+
+    #[tracing::instrument(skip_all)]
+    async fn score_verifier(&self, request: Request<ScoreVerifierRequest>) -> Result<Response<ScoreVerifierResponse>, Status> {
+        let req = request.into_inner();
+        let conversations = req.conversations.into_iter().map(|c| (c.user, c.assistant)).collect();
+        let (verifier, scores) = self.worker.score_verifier(&req.verifier, conversations).await?;
+        Ok(Response::new(ScoreVerifierResponse { scores, verifier }))
     }
 
     #[tracing::instrument(skip_all)]

@@ -53,6 +53,8 @@ pub struct WorkerConfig {
     /// faster (MAGRPO's two batch-4 decodes on 2 cores, alternating runs: 3.2–4.2 s, mostly 4.0–4.1,
     /// against 4.3–4.7 s).
     pub threads_per_engine: Option<usize>,
+    /// `(name, directory)` of each learned verifier to load (`serve --verifier NAME=DIR`).
+    pub verifiers: Vec<(String, std::path::PathBuf)>,
 }
 
 /// A prompt as a client gives it.
@@ -223,6 +225,8 @@ pub struct Worker {
     in_flight: AtomicUsize,
     next_job: AtomicU64,
     metrics: Metrics,
+    /// Learned verifiers by name.
+    verifiers: std::collections::BTreeMap<String, crate::verifier::VerifierHost>,
 }
 
 impl Worker {
@@ -257,6 +261,15 @@ impl Worker {
             }
             models.push(slot);
         }
+        let mut verifiers = std::collections::BTreeMap::new();
+        for (name, dir) in &config.verifiers {
+            if name.is_empty() || verifiers.contains_key(name) {
+                return Err(WorkerError::invalid("verifier", format!("verifier name `{name}` is empty or repeated")));
+            }
+            let opts = LoadOptions { device: config.device, kind: config.kind };
+            let host = crate::verifier::VerifierHost::start(name, dir.clone(), opts, config.max_batch_size.min(16), metrics.clone())?;
+            verifiers.insert(name.clone(), host);
+        }
         Ok(Self {
             id: uuid::Uuid::new_v4().to_string(),
             config,
@@ -266,7 +279,32 @@ impl Worker {
             in_flight: AtomicUsize::new(0),
             next_job: AtomicU64::new(0),
             metrics,
+            verifiers,
         })
+    }
+
+    /// The learned verifiers' names.
+    pub fn verifier_names(&self) -> Vec<String> {
+        self.verifiers.keys().cloned().collect()
+    }
+
+    /// Scores (user, assistant) conversations with the verifier `name` (empty: the only one).
+    pub async fn score_verifier(&self, name: &str, conversations: Vec<(String, String)>) -> Result<(String, Vec<f32>)> {
+        if conversations.is_empty() {
+            return Err(WorkerError::invalid("conversations", "at least one conversation is needed"));
+        }
+        let host = if name.is_empty() {
+            match self.verifiers.len() {
+                1 => self.verifiers.values().next().expect("one"),
+                0 => return Err(WorkerError::invalid("verifier", "this worker serves no verifier (start it with --verifier NAME=DIR)")),
+                _ => return Err(WorkerError::invalid("verifier", format!("name one of {:?}", self.verifier_names()))),
+            }
+        } else {
+            self.verifiers.get(name).ok_or_else(|| WorkerError::invalid("verifier", format!("no verifier `{name}` here (serving {:?})", self.verifier_names())))?
+        };
+        let rx = host.submit(conversations)?;
+        let scores = rx.await.map_err(|_| WorkerError::Unavailable(format!("verifier `{}` stopped", host.name)))??;
+        Ok((host.name.clone(), scores))
     }
 
     fn start_model(spec: &str, agents: Vec<String>, config: &WorkerConfig, metrics: &Metrics) -> Result<ModelSlot> {

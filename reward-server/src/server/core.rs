@@ -63,6 +63,8 @@ impl CodeRunner for MeteredRunner<'_> {
 pub struct RewardApi {
     pub sandbox: BwrapSandbox,
     pub metrics: Arc<Metrics>,
+    /// The learned verifier's rollout worker (`--verifier-endpoint`), if any.
+    pub verifier: Option<super::verifier::VerifierClient>,
 }
 
 fn parse_task(task: &str) -> Result<TaskKind, ApiError> {
@@ -84,7 +86,18 @@ pub fn parse_options<T: serde::de::DeserializeOwned + Default>(
 
 impl RewardApi {
     pub fn new(sandbox: BwrapSandbox, metrics: Arc<Metrics>) -> Self {
-        Self { sandbox, metrics }
+        Self { sandbox, metrics, verifier: None }
+    }
+
+    /// Scores (user, assistant) conversations with the learned verifier.
+    pub async fn verify(&self, name: &str, conversations: Vec<(String, String)>) -> Result<(String, Vec<f32>), ApiError> {
+        if conversations.is_empty() {
+            return Err(ApiError::invalid("conversations", "must not be empty"));
+        }
+        let client = self.verifier.as_ref().ok_or_else(|| {
+            ApiError::Unavailable("no verifier is configured: start reward-server with --verifier-endpoint URL (a rollout worker serving --verifier NAME=DIR)".into())
+        })?;
+        client.score(name, conversations).await
     }
 
     /// How many joint actions of one request are worked on at once: enough to fill the

@@ -12,7 +12,11 @@
 //!   not start with the prompt); for a multi-agent task it is inserted at `agent_index`
 //!   (default: last) among `other_completions`, the other agents' completions of the joint action.
 //! - `POST /run_code`   SandboxFusion's request/response shape (python only)
-//! - `POST /predict`    MaPoRL's verifier protocol: 501 until the verifier model exists
+//! - `POST /predict`    MaPoRL's verifier protocol: `{"query_responses": [[user_msg, assistant_msg], ..]}`
+//!   (messages `{"role", "content"}`) → `{"result": [score, ..]}`, scores in [0, 1]; errors in
+//!   MaPoRL's shape `{"error": "..."}`: 400 for a bad body, 503 when no verifier is reachable
+//! - `POST /v1/verify`  the native form: `{"verifier"?, "conversations": [{"user", "assistant"}]}`
+//!   → `{"verifier", "scores"}`
 //! - `GET /metrics`     Prometheus; `GET /health`
 //!
 //! Every error is `{"error": {"code", "message", "field"}}` with 400 (naming the field), 429
@@ -87,6 +91,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/get_reward", post(get_reward))
         .route("/run_code", post(run_code))
         .route("/predict", post(predict))
+        .route("/v1/verify", post(verify))
         .route("/metrics", get(metrics))
         .route("/health", get(health))
         .layer(DefaultBodyLimit::max(limit))
@@ -406,15 +411,82 @@ async fn sandbox_fusion(
 
 // ------------------------------------------------------------------------------------- the rest
 
-async fn predict(State(state): State<HttpState>) -> Response {
-    let err = ApiError::NotImplemented(
-        "the MaPoRL verifier model is not built into this server yet (it arrives with the PPO work)".into(),
-    );
-    state
-        .api
-        .metrics
-        .observe_request("http.predict", err.kind(), 0.0);
-    err.into_response()
+/// MaPoRL's `/predict`, with its error shape.
+async fn predict(State(state): State<HttpState>, body: axum::body::Bytes) -> Response {
+    let started = Instant::now();
+    let result = match predict_conversations(&body) {
+        Ok(c) => state.api.verify("", c).await.map(|(_, s)| s),
+        Err(e) => Err(e),
+    };
+    observe(&state, "http.predict", started, &result);
+    match result {
+        Ok(scores) => Json(serde_json::json!({ "result": scores })).into_response(),
+        Err(e) => {
+            let status = match e {
+                ApiError::InvalidArgument { .. } => StatusCode::BAD_REQUEST,
+                ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+                ref other => other.http_status(),
+            };
+            (status, Json(serde_json::json!({ "error": e.to_string() }))).into_response()
+        }
+    }
+}
+
+/// `query_responses` of a `/predict` body as (user, assistant) pairs: each entry must be exactly
+/// `[{"role": "user", ..}, {"role": "assistant", ..}]`, as MaPoRL's trainer sends them.
+fn predict_conversations(body: &[u8]) -> Result<Vec<(String, String)>, ApiError> {
+    let v: serde_json::Value = serde_json::from_slice(body).map_err(|e| ApiError::invalid("body", format!("not JSON: {e}")))?;
+    let list = v
+        .get("query_responses")
+        .ok_or_else(|| ApiError::invalid("query_responses", "missing from the request body"))?
+        .as_array()
+        .filter(|a| !a.is_empty())
+        .ok_or_else(|| ApiError::invalid("query_responses", "must be a non-empty list"))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, conv)| {
+            let field = format!("query_responses[{i}]");
+            let msgs = conv.as_array().ok_or_else(|| ApiError::invalid(&field, "must be a list of messages"))?;
+            let text = |j: usize, role: &str| -> Result<String, ApiError> {
+                let m = msgs.get(j).ok_or_else(|| ApiError::invalid(&field, "must hold a user message and an assistant message"))?;
+                let got = m.get("role").and_then(|r| r.as_str());
+                if got != Some(role) {
+                    return Err(ApiError::invalid(format!("{field}[{j}].role"), format!("must be `{role}`, got {}", got.map_or("nothing".into(), |g| format!("`{g}`")))));
+                }
+                m.get("content").and_then(|c| c.as_str()).map(str::to_string).ok_or_else(|| ApiError::invalid(format!("{field}[{j}].content"), "must be a string"))
+            };
+            if msgs.len() != 2 {
+                return Err(ApiError::invalid(&field, format!("must be [user, assistant], got {} messages", msgs.len())));
+            }
+            Ok((text(0, "user")?, text(1, "assistant")?))
+        })
+        .collect()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VerifyRequest {
+    #[serde(default)]
+    verifier: String,
+    conversations: Vec<VerifyConversation>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VerifyConversation {
+    user: String,
+    assistant: String,
+}
+
+async fn verify(State(state): State<HttpState>, ApiJson(req): ApiJson<VerifyRequest>) -> Response {
+    let started = Instant::now();
+    let conversations = req.conversations.into_iter().map(|c| (c.user, c.assistant)).collect();
+    let result = state.api.verify(&req.verifier, conversations).await;
+    observe(&state, "http.verify", started, &result);
+    match result {
+        Ok((verifier, scores)) => Json(serde_json::json!({ "verifier": verifier, "scores": scores })).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn metrics(State(state): State<HttpState>) -> Response {

@@ -8,6 +8,7 @@ pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod metrics;
+pub mod verifier;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -49,7 +50,12 @@ pub async fn serve(
     };
 
     let metrics = Arc::new(metrics::Metrics::new());
-    let api = Arc::new(core::RewardApi::new(sandbox.clone(), metrics));
+    let mut api = core::RewardApi::new(sandbox.clone(), metrics);
+    if let Some(endpoint) = &cfg.verifier_endpoint {
+        api.verifier = Some(verifier::VerifierClient::new(endpoint).map_err(anyhow::Error::msg)?);
+        tracing::info!(endpoint = %endpoint, "learned verifier forwarded to a rollout worker");
+    }
+    let api = Arc::new(api);
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move |mut rx: tokio::sync::watch::Receiver<bool>| async move {

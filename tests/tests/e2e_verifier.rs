@@ -1,0 +1,182 @@
+//! The learned verifier end to end, every piece a real process: `learner verifier balance` and
+//! `learner verifier train` on a toy data file (an answer is correct when it contains the word
+//! `h`), a `rollout-worker` serving the trained directory (`--verifier toy=DIR`), and a
+//! `reward-server --verifier-endpoint` answering MaPoRL's `POST /predict` to a plain HTTP client:
+//! the scores equal the directory's own scores, correct answers score higher, bad bodies get 400
+//! with MaPoRL's error shape, concurrent clients get the same scores, and a dead worker gives 503.
+
+use std::io::{Read, Write};
+use std::process::Command;
+use std::time::Duration;
+
+use cotrain_tests::{binaries, start_service, workspace_root};
+use serde_json::{Value, json};
+
+const WORDS: [&str; 12] = ["<pad>", "<s>", "</s>", "a", "b", "c", "d", "e", "f", "g", "h", "q"];
+
+/// The committed tiny Llama cut to the 12 words above, with a word-level tokenizer.
+fn word_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let src = workspace_root().join("model/tests/fixtures/tiny/llama");
+    let out = dir.join("word-llama");
+    std::fs::create_dir_all(&out).unwrap();
+    let vocab = 16i64;
+    let tensors: Vec<(String, tch::Tensor)> = tch::Tensor::read_safetensors(src.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| if k.contains("embed_tokens") || k.contains("lm_head") { (k, t.narrow(0, 0, vocab).contiguous()) } else { (k, t) })
+        .collect();
+    tch::Tensor::write_safetensors(&tensors, out.join("model.safetensors")).unwrap();
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = json!(vocab);
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(out.join("generation_config.json"), r#"{"bos_token_id": 1, "eos_token_id": 2}"#).unwrap();
+    let vocab_json: serde_json::Map<String, Value> = WORDS.iter().enumerate().map(|(i, w)| (w.to_string(), json!(i))).collect();
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 2, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab_json, "unk_token": "q"}
+    });
+    std::fs::write(out.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    out
+}
+
+/// `n` questions with 10 answers each (six space-separated letters a–h), correct iff one is `h`.
+fn toy_data(n: usize) -> Value {
+    let mut state = 12345u64;
+    let mut next = || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) as usize
+    };
+    let mut obj = serde_json::Map::new();
+    for q in 0..n {
+        let answers: Vec<String> = (0..10).map(|_| (0..6).map(|_| WORDS[3 + next() % 8]).collect::<Vec<_>>().join(" ")).collect();
+        let rewards: Vec<i32> = answers.iter().map(|a| i32::from(a.contains('h'))).collect();
+        obj.insert(format!("q {q}"), json!({"original_answer": "", "generated_answers": answers, "rewards": rewards}));
+    }
+    Value::Object(obj)
+}
+
+/// POSTs `body` to `http://addr/path` with a plain HTTP/1.0 client; (status, JSON body).
+fn post(addr: &str, path: &str, body: &str) -> (u16, Value) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "POST {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split(' ').nth(1).unwrap().parse().unwrap();
+    let json = out.split_once("\r\n\r\n").map(|(_, b)| serde_json::from_str(b).unwrap_or(Value::Null)).unwrap();
+    (status, json)
+}
+
+fn get(addr: &str, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn learner(args: &[&str]) -> String {
+    let out = Command::new(binaries().unwrap().join("learner")).args(args).output().unwrap();
+    assert!(out.status.success(), "learner {args:?} failed\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn a_trained_verifier_is_served_on_predict() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = word_model(tmp.path());
+    let raw = tmp.path().join("raw.json");
+    std::fs::write(&raw, serde_json::to_string(&toy_data(48)).unwrap()).unwrap();
+
+    // Balance to 3 + 3 per question, then train.
+    let balanced = tmp.path().join("balanced.json");
+    let report = learner(&["verifier", "balance", "--in", raw.to_str().unwrap(), "--out", balanced.to_str().unwrap(), "--per-type", "3"]);
+    assert!(report.contains("questions kept"), "{report}");
+    let config = tmp.path().join("v.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model: {{name: '{}', chat_template: false}}\ndataset: {{name: gsm8k, type: gsm8k}}\nseed: 3\nmaporl: {{}}\n\
+             logging: {{progress: never, tensorboard: false}}\n\
+             verifier: {{user_template: '{{{{ question }}}}', test_questions: 8, num_train_epochs: 12, learning_rate: 0.003, \
+             per_device_train_batch_size: 8, gradient_accumulation_steps: 1, warmup_steps: 1, max_length: 32}}\n",
+            model.display()
+        ),
+    )
+    .unwrap();
+    let vdir = tmp.path().join("verifier");
+    let printed = learner(&["verifier", "train", "--config", config.to_str().unwrap(), "--data", balanced.to_str().unwrap(), "--out", vdir.to_str().unwrap()]);
+    println!("{printed}");
+
+    let worker_args: Vec<String> = ["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--agent"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("a={}", model.display()), "--verifier".into(), format!("toy={}", vdir.display())])
+        .collect();
+    let worker = start_service("rollout-worker", &worker_args, Duration::from_secs(120)).unwrap();
+    let reward_args: Vec<String> = ["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--verifier-endpoint"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("http://{}", worker.grpc)])
+        .collect();
+    let reward = start_service("reward-server", &reward_args, Duration::from_secs(60)).unwrap();
+
+    // MaPoRL's request: [user, assistant] message pairs.
+    let answers = ["a b c d e f", "a h c d e f", "g g g g g g", "h b h d h f", "b c d e f g", "h a a a a a"];
+    let body = json!({"query_responses": answers.iter().map(|a| json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": a}])).collect::<Vec<_>>()});
+    let (status, reply) = post(&reward.http, "/predict", &body.to_string());
+    assert_eq!(status, 200, "{reply}");
+    let scores: Vec<f64> = reply["result"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    assert_eq!(scores.len(), answers.len());
+    assert!(scores.iter().all(|s| (0.0..=1.0).contains(s)), "{scores:?}");
+    // The same numbers as the directory scores itself.
+    let v = cotrain_model::verifier::Verifier::load(&vdir, &cotrain_model::loader::LoadOptions::default()).unwrap();
+    let enc: Vec<_> = answers.iter().map(|a| v.encode("q", a).unwrap()).collect();
+    let direct = v.score(&enc.iter().collect::<Vec<_>>()).unwrap();
+    for (s, d) in scores.iter().zip(&direct) {
+        assert!((s - f64::from(*d)).abs() < 1e-5, "{scores:?} vs {direct:?}");
+    }
+    let (with_h, without): (Vec<(usize, &f64)>, Vec<(usize, &f64)>) = scores.iter().enumerate().partition(|(i, _)| answers[*i].contains('h'));
+    let min_h = with_h.iter().map(|(_, s)| **s).fold(f64::MAX, f64::min);
+    let max_no = without.iter().map(|(_, s)| **s).fold(f64::MIN, f64::max);
+    assert!(min_h > max_no, "every answer with h scores above every answer without: {scores:?}");
+
+    // Bad bodies: 400 with MaPoRL's {"error": "..."}.
+    for (bad, says) in [
+        ("not json", "not JSON"),
+        (r#"{"queries": []}"#, "query_responses"),
+        (r#"{"query_responses": []}"#, "non-empty"),
+        (r#"{"query_responses": [[{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]]}"#, "query_responses[0][0].role"),
+        (r#"{"query_responses": [[{"role": "user", "content": "x"}]]}"#, "[user, assistant]"),
+    ] {
+        let (status, reply) = post(&reward.http, "/predict", bad);
+        assert_eq!(status, 400, "{bad}: {reply}");
+        assert!(reply["error"].as_str().unwrap().contains(says), "{bad}: {reply}");
+    }
+
+    // Concurrent clients get what a lone client gets.
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let (addr, body) = (reward.http.clone(), body.to_string());
+            std::thread::spawn(move || post(&addr, "/predict", &body))
+        })
+        .collect();
+    for t in threads {
+        let (status, r) = t.join().unwrap();
+        assert_eq!(status, 200);
+        let got: Vec<f64> = r["result"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        assert!(got.iter().zip(&scores).all(|(a, b)| (a - b).abs() < 1e-6), "{got:?} vs {scores:?}");
+    }
+    // The native form names the verifier.
+    let (status, r) = post(&reward.http, "/v1/verify", &json!({"conversations": [{"user": "q", "assistant": "h h"}]}).to_string());
+    assert_eq!((status, r["verifier"].as_str()), (200, Some("toy")), "{r}");
+    assert!(get(&reward.http, "/metrics").contains("http.predict"));
+    assert!(get(&worker.http, "/metrics").contains("cotrain_rollout_verifier_conversations_total{verifier=\"toy\"} "));
+
+    // The worker dies: 503.
+    drop(worker);
+    let (status, r) = post(&reward.http, "/predict", &body.to_string());
+    assert_eq!(status, 503, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("cannot be reached"), "{r}");
+}
