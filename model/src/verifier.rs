@@ -218,7 +218,7 @@ impl Verifier {
         let last: Vec<i64> = batch.iter().map(|e| e.ids.len() as i64 - 1).collect();
         let index = Tensor::from_slice(&last).to_device(logits.device()).unsqueeze(1);
         let s = logits.gather(1, &index, false).squeeze_dim(1).sigmoid().to_device(Device::Cpu);
-        Ok(Vec::<f32>::try_from(s).map_err(|e| ModelError::InvalidBatch(e.to_string()))?)
+        Vec::<f32>::try_from(s).map_err(|e| ModelError::InvalidBatch(e.to_string()))
     }
 
     /// The training loss of `batch` with `labels` (0 or 1): per conversation the mean binary

@@ -137,9 +137,9 @@ fn a_trained_verifier_is_served_on_predict() {
     for (s, d) in scores.iter().zip(&direct) {
         assert!((s - f64::from(*d)).abs() < 1e-5, "{scores:?} vs {direct:?}");
     }
-    let (with_h, without): (Vec<(usize, &f64)>, Vec<(usize, &f64)>) = scores.iter().enumerate().partition(|(i, _)| answers[*i].contains('h'));
-    let min_h = with_h.iter().map(|(_, s)| **s).fold(f64::MAX, f64::min);
-    let max_no = without.iter().map(|(_, s)| **s).fold(f64::MIN, f64::max);
+    let with_h = |want: bool| scores.iter().zip(&answers).filter(move |(_, a)| a.contains('h') == want).map(|(s, _)| *s);
+    let min_h = with_h(true).fold(f64::MAX, f64::min);
+    let max_no = with_h(false).fold(f64::MIN, f64::max);
     assert!(min_h > max_no, "every answer with h scores above every answer without: {scores:?}");
 
     // Bad bodies: 400 with MaPoRL's {"error": "..."}.

@@ -52,10 +52,10 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
         (Algorithm::Maporl, n) => n.unwrap_or(2),
     };
 
-    if let Some(v) = &raw.verifier {
-        if let Err((key, message)) = v.validate() {
-            return Err(invalid(&format!("verifier.{key}"), message));
-        }
+    if let Some(v) = &raw.verifier
+        && let Err((key, message)) = v.validate()
+    {
+        return Err(invalid(&format!("verifier.{key}"), message));
     }
     if raw.model.name.trim().is_empty() {
         return Err(invalid("model.name", "must not be empty".into()));

@@ -97,10 +97,10 @@ impl VerifierSection {
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
             return bad("learning_rate", format!("must be positive, got {}", self.learning_rate));
         }
-        if !self.full_finetune {
-            if let Err(e) = self.lora.to_model().validate() {
-                return bad("lora", e.to_string());
-            }
+        if !self.full_finetune
+            && let Err(e) = self.lora.to_model().validate()
+        {
+            return bad("lora", e.to_string());
         }
         Ok(())
     }
