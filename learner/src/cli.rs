@@ -62,7 +62,7 @@ pub enum Command {
         #[arg(long)]
         merged: bool,
     },
-    /// MaPoRL's learned verifier: balance its data and train it.
+    /// MaPoRL's learned verifier: sample and label its data, balance it, train it.
     #[command(subcommand)]
     Verifier(VerifierCommand),
     /// Print the merged, validated config.
@@ -87,6 +87,16 @@ pub enum Command {
 /// `learner verifier ...`.
 #[derive(Debug, Subcommand)]
 pub enum VerifierCommand {
+    /// Sample answers to every question of the config's train split through the rollout workers
+    /// (`verifier.samples_per_question` each, temperature from U(temperature_min, temperature_max),
+    /// top-p `verifier.top_p`) and label them with the reward server; resumes a partial file.
+    Generate {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// The data file to write (or to resume).
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Give every question the same number of correct and incorrect answers (MaPoRL: 10 each);
     /// questions short of one kind are dropped (or kept with `--keep-short`). Prints what happened
     /// to each question and in total.
@@ -281,6 +291,22 @@ pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize
 /// `learner verifier ...`: see [`crate::verifier`].
 fn verifier_command(cmd: VerifierCommand) -> anyhow::Result<()> {
     match cmd {
+        VerifierCommand::Generate { config, out } => {
+            let cfg = config.load()?;
+            let s = crate::verifier::generate::generate(&cfg, &out)?;
+            println!(
+                "{} questions sampled ({} already in the file), {} answers, {} correct ({:.1}%), {:.1} s, {:.2} answers/s",
+                s.questions,
+                s.resumed,
+                s.answers,
+                s.correct,
+                100.0 * s.correct as f64 / s.answers.max(1) as f64,
+                s.seconds,
+                s.answers as f64 / s.seconds.max(1e-9)
+            );
+            println!("wrote {}", out.display());
+            Ok(())
+        }
         VerifierCommand::Balance { input, out, per_type, keep_short } => {
             if per_type == 0 {
                 bail!("--per-type must be at least 1");

@@ -180,3 +180,89 @@ fn a_trained_verifier_is_served_on_predict() {
     assert_eq!(status, 503, "{r}");
     assert!(r["error"].as_str().unwrap().contains("cannot be reached"), "{r}");
 }
+
+/// The pipeline on a few GSM8K questions with the embedded default model, every step the
+/// `learner` binary as a user runs it: generate (and resume), balance, train, then a short MaPoRL
+/// run whose s(t, i) is the verifier's probability, served by the embedded rollout worker.
+#[test]
+fn generate_balance_train_and_a_maporl_run_scored_by_the_verifier() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = workspace_root();
+    let cfg = root.join("configs/maporl_gsm8k_config.yaml");
+    let raw = tmp.path().join("raw.json");
+    let common = ["model.name=default", "verifier.samples_per_question=4", "verifier.max_new_tokens=16", "logging.progress=never"];
+    let generate = |split: &str| {
+        let mut args = vec!["verifier", "generate", "--config", cfg.to_str().unwrap(), "--out", raw.to_str().unwrap(), "--override"];
+        let split = format!("dataset.train_split={split}");
+        args.extend(common.iter().copied());
+        args.push(&split);
+        learner(&args)
+    };
+    let first = generate("train[:3]");
+    assert!(first.contains("3 questions sampled (0 already in the file), 12 answers"), "{first}");
+    // Interrupted and rerun on a larger split: only the new question is sampled.
+    let second = generate("train[:4]");
+    assert!(second.contains("1 questions sampled (3 already in the file), 4 answers"), "{second}");
+    let data: Value = serde_json::from_str(&std::fs::read_to_string(&raw).unwrap()).unwrap();
+    let entries = data.as_object().unwrap();
+    assert_eq!(entries.len(), 4);
+    for (q, e) in entries {
+        assert!(!q.is_empty() && e["original_answer"].as_str().unwrap().contains("####"), "{q}: {e}");
+        assert_eq!(e["generated_answers"].as_array().unwrap().len(), 4);
+        assert!(e["rewards"].as_array().unwrap().iter().all(|r| r == 0.0 || r == 1.0), "{e}");
+    }
+
+    let balanced = tmp.path().join("balanced.json");
+    learner(&["verifier", "balance", "--in", raw.to_str().unwrap(), "--out", balanced.to_str().unwrap(), "--per-type", "2", "--keep-short"]);
+    let vdir = tmp.path().join("verifier");
+    learner(&[
+        "verifier", "train", "--config", cfg.to_str().unwrap(), "--data", balanced.to_str().unwrap(), "--out", vdir.to_str().unwrap(),
+        "--override", "model.name=default", "verifier.test_questions=1", "verifier.max_length=160", "logging.progress=never",
+    ]);
+    assert!(vdir.join("verifier.json").is_file() && vdir.join("adapter/adapter_config.json").is_file());
+
+    let out_dir = tmp.path().join("runs");
+    let out = Command::new(binaries().unwrap().join("learner"))
+        .current_dir(&root)
+        .args(["train", "--config", cfg.to_str().unwrap(), "--override", "model.name=default", "maporl.score=verifier"])
+        .arg(format!("maporl.verifier_path={}", vdir.display()))
+        .args([
+            "dataset.train_split=train[:1]",
+            "dataset.eval_split=test[:1]",
+            "maporl.round_num=2",
+            "maporl.max_output_length=12",
+            "maporl.invalid_penalty=false",
+            "maporl.gradient_accumulation_steps=1",
+            "maporl.num_ppo_epochs=1",
+            "maporl.num_mini_batches=1",
+            "maporl.eval_interval=1000",
+            "maporl.eval_num_samples=1",
+            "logging.rollouts=true",
+            "logging.progress=never",
+            "logging.run_name=scored",
+            "output.save_final_model=false",
+        ])
+        .arg(format!("output.base_dir={}", out_dir.display()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "learner train failed\n{}", String::from_utf8_lossy(&out.stderr));
+
+    // s(t, i) of every answer is the verifier's probability for (user message of the question, answer).
+    let v = cotrain_model::verifier::Verifier::load(&vdir, &cotrain_model::loader::LoadOptions::default()).unwrap();
+    let question = entries.iter().find(|(_, e)| e["row"] == 0).map(|(q, _)| q).unwrap();
+    let lines: Vec<Value> = std::fs::read_to_string(out_dir.join("scored/rollouts.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2 * 2);
+    let template = "Question: {{ question }}\n\nReason step by step, then give the final answer as \\boxed{ANSWER}.";
+    let user = template.replace("{{ question }}", question);
+    // The worker scores a turn's answers (one per agent) in one batch: score them the same way.
+    for turn in 0..2 {
+        let row: Vec<&Value> = (0..2).map(|a| lines.iter().find(|l| l["turn"] == turn && l["agent"] == a).unwrap()).collect();
+        let enc: Vec<_> = row.iter().map(|l| v.encode(&user, l["text"].as_str().unwrap()).unwrap()).collect();
+        let want = v.score(&enc.iter().collect::<Vec<_>>()).unwrap();
+        for (l, w) in row.iter().zip(&want) {
+            let score = l["score"].as_f64().unwrap();
+            assert!((score - f64::from(*w)).abs() < 1e-5, "logged s(t, i) {score}, the verifier says {w}: {l}");
+            assert!(score > 0.0 && score < 1.0, "a probability, not 0/1 correctness: {score}");
+        }
+    }
+}

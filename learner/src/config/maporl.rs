@@ -26,6 +26,19 @@ pub enum AdapterLayout {
     Shared,
 }
 
+/// Where s(t, i) comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MaporlScore {
+    /// 0/1 correctness from the reward server (MaPoRL without a verifier).
+    #[default]
+    Correctness,
+    /// The learned verifier's probability that the answer is correct, from a rollout worker that
+    /// serves it (`maporl.verifier_path` for the embedded worker, `maporl.verifier_name` for
+    /// remote ones).
+    Verifier,
+}
+
 /// `maporl.lora`: the adapters' shape (PEFT's `LoraConfig`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -146,6 +159,17 @@ pub struct MaporlSection {
     /// Train on turn-0 answers too (MaPoRL's shipped configs train the discussion turns only).
     #[serde(default)]
     pub task_training: bool,
+    /// s(t, i): `correctness` or `verifier`.
+    #[serde(default)]
+    pub score: MaporlScore,
+    /// A verifier directory (`learner verifier train`) the embedded rollout worker loads for
+    /// `score: verifier`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verifier_path: Option<String>,
+    /// The verifier's name on remote rollout workers (`serve --verifier NAME=DIR`); unset: the
+    /// worker's only verifier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verifier_name: Option<String>,
     /// Show each other agent's score and its verbal reading in the next turn's prompt.
     #[serde(default)]
     pub reward_feedback: bool,

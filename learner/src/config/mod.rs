@@ -10,7 +10,7 @@ mod validate;
 
 use std::path::{Path, PathBuf};
 
-pub use maporl::{AdapterLayout, LoraSection, MaporlSection};
+pub use maporl::{AdapterLayout, LoraSection, MaporlScore, MaporlSection};
 pub use verifier::VerifierSection;
 pub use schema::*;
 use serde_yaml_ng::{Mapping, Value};

@@ -25,6 +25,38 @@ use crate::data::{DatasetKind, load_split};
 use crate::trainer::items::{PromptEncoding, prepare_items, reward_task};
 use crate::trainer::{ServiceGuard, Services, TrainError, connect_services};
 
+/// The name the embedded rollout worker serves `maporl.verifier_path` under.
+pub const EMBEDDED_VERIFIER: &str = "maporl";
+
+/// The verifier name `score: verifier` asks the workers for, after checking that one will be
+/// served: `maporl.verifier_path` is loaded by the embedded worker only, remote workers serve
+/// theirs by name.
+pub fn verifier_name(cfg: &CheckedConfig, m: &crate::config::MaporlSection) -> Result<Option<String>, TrainError> {
+    let remote = !cfg.raw.rollout.endpoints.is_empty() || cfg.raw.rollout.dns_name.is_some();
+    let file = cfg.source.display();
+    match (m.score, &m.verifier_path, remote) {
+        (crate::config::MaporlScore::Correctness, Some(_), _) => {
+            Err(TrainError::Config(format!("{file}: maporl.verifier_path is set but maporl.score is correctness (set maporl.score: verifier)")))
+        }
+        (crate::config::MaporlScore::Correctness, None, _) => Ok(None),
+        (crate::config::MaporlScore::Verifier, Some(_), true) => Err(TrainError::Config(format!(
+            "{file}: maporl.verifier_path is loaded by the embedded rollout worker, but rollout.endpoints/dns_name name remote workers: \
+             start them with --verifier NAME=DIR and set maporl.verifier_name"
+        ))),
+        (crate::config::MaporlScore::Verifier, Some(dir), false) => {
+            let manifest = std::path::Path::new(dir).join(cotrain_model::verifier::MANIFEST);
+            if !manifest.is_file() {
+                return Err(TrainError::Config(format!("{file}: maporl.verifier_path {dir}: no {} (train one with `learner verifier train`)", manifest.display())));
+            }
+            Ok(Some(m.verifier_name.clone().unwrap_or_else(|| EMBEDDED_VERIFIER.to_string())))
+        }
+        (crate::config::MaporlScore::Verifier, None, false) => Err(TrainError::Config(format!(
+            "{file}: maporl.score is verifier: set maporl.verifier_path to a directory from `learner verifier train` (or use remote workers serving one)"
+        ))),
+        (crate::config::MaporlScore::Verifier, None, true) => Ok(Some(m.verifier_name.clone().unwrap_or_default())),
+    }
+}
+
 /// Everything for a MaPoRL run of `cfg` in `run_dir`: bases, adapters, data, services (the rollout
 /// workers serve one agent per adapter key).
 pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(MaporlTrainer, ServiceGuard), TrainError> {
@@ -35,6 +67,7 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(MaporlTrainer, Se
         Some(s) => Some(load_split(&cfg.raw.dataset, s).map_err(|e| TrainError::Data(e.to_string()))?),
         None => None,
     };
+    verifier_name(cfg, m)?;
     let bases = Bases::load(cfg, &crate::trainer::load_options(cfg))?;
     let adapters = Adapters::new(cfg, m, &bases)?;
     let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;

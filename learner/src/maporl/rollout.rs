@@ -27,11 +27,11 @@ pub struct Answer {
     pub tokens: Vec<u32>,
     /// The response text (without the EOS).
     pub text: String,
-    /// The reward server's 0/1 correctness.
+    /// The reward server's 0/1 correctness (the incentives and accuracy metrics read it).
     pub correct: bool,
     /// The extracted answer (`null` when none), for agreement and majority votes.
     pub extracted: serde_json::Value,
-    /// s(t, i): correctness, or the penalty for an invalid answer.
+    /// s(t, i): correctness or the verifier's probability, or the penalty for an invalid answer.
     pub score: f64,
     pub invalid: Option<InvalidReason>,
     pub adapter: String,
@@ -70,6 +70,15 @@ pub struct DiscussionSetup<'a> {
     pub versions: &'a BTreeMap<String, u64>,
     /// Longest prompt in tokens.
     pub max_prompt_tokens: usize,
+    /// With `score: verifier`, the verifier that gives s(t, i).
+    pub verifier: Option<VerifierScoring>,
+}
+
+/// How `score: verifier` asks the learned verifier: its name on the rollout workers and the user
+/// message template (`verifier.user_template`, the one it was trained with).
+pub struct VerifierScoring {
+    pub name: String,
+    pub user_template: String,
 }
 
 impl DiscussionSetup<'_> {
@@ -182,6 +191,21 @@ impl DiscussionSetup<'_> {
                 })
                 .collect();
             let scores = reward.score(self.task, &actions)?;
+            // s(t, i) from the learned verifier: (question, answer) as it was trained on them.
+            let probabilities = match &self.verifier {
+                Some(v) => {
+                    let conversations = answers
+                        .iter()
+                        .enumerate()
+                        .map(|(k, (_, _, _, text))| {
+                            let question = crate::verifier::question_text(self.task, &items[k / n].item);
+                            Ok((crate::verifier::user_message(&v.user_template, &question).map_err(TrainError::Config)?, text.clone()))
+                        })
+                        .collect::<Result<Vec<_>, TrainError>>()?;
+                    Some(rollout.score_verifier(&v.name, &conversations)?)
+                }
+                None => None,
+            };
             let rule = InvalidOutputRule {
                 min_tokens: self.m.min_output_length,
                 require_boxed: self.task == "gsm8k" && boxed_required(turn, self.m.task_training),
@@ -205,7 +229,11 @@ impl DiscussionSetup<'_> {
                         text,
                         correct,
                         extracted: sc.details.get("answer").cloned().unwrap_or(serde_json::Value::Null),
-                        score: apply_invalid_penalty(if correct { 1.0 } else { 0.0 }, invalid, &rule),
+                        score: apply_invalid_penalty(
+                            probabilities.as_ref().map_or(if correct { 1.0 } else { 0.0 }, |p| f64::from(p[k])),
+                            invalid,
+                            &rule,
+                        ),
                         invalid,
                         adapter,
                     });

@@ -62,6 +62,8 @@ pub struct MaporlTrainer {
     step: u64,
     history: Vec<BTreeMap<String, f64>>,
     evals: Vec<(u64, BTreeMap<String, f64>)>,
+    /// The verifier scoring s(t, i) (`score: verifier`), by name.
+    verifier: Option<String>,
 }
 
 const TAG_ORDER: u64 = 11;
@@ -80,7 +82,8 @@ impl MaporlTrainer {
         let followup = Followup::new(m.followup_template.as_deref()).map_err(TrainError::Config)?;
         let encoding = PromptEncoding::from_config(&s.cfg);
         let rng = ChaCha8Rng::seed_from_u64(derive_seed(&[s.cfg.raw.seed, TAG_PPO]));
-        Ok(Self { m, encoding, followup, metrics, rng, step: 0, history: Vec::new(), evals: Vec::new(), s })
+        let verifier = super::verifier_name(&s.cfg, &m)?;
+        Ok(Self { m, encoding, followup, metrics, rng, step: 0, history: Vec::new(), evals: Vec::new(), verifier, s })
     }
 
     fn versions(&self) -> BTreeMap<String, u64> {
@@ -103,6 +106,10 @@ impl MaporlTrainer {
             followup: &self.followup,
             versions: &versions,
             max_prompt_tokens: self.max_prompt_tokens(),
+            verifier: self.verifier.as_ref().map(|name| super::rollout::VerifierScoring {
+                name: name.clone(),
+                user_template: self.s.cfg.raw.verifier.clone().unwrap_or_default().user_template,
+            }),
         };
         setup.discuss(items, seed, self.s.rollout.as_mut(), self.s.reward.as_mut())
     }

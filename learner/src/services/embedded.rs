@@ -88,6 +88,17 @@ impl EmbeddedRollout {
     /// Starts a worker serving `agents` (`(name, model spec)`, one model copy per agent) on
     /// 127.0.0.1:0.
     pub fn start(rt: Arc<Runtime>, agents: &[(String, String)], device: tch::Device, kind: tch::Kind) -> Result<Self, TrainError> {
+        Self::start_with_verifiers(rt, agents, device, kind, Vec::new())
+    }
+
+    /// As [`EmbeddedRollout::start`], also serving learned verifiers (`(name, directory)`).
+    pub fn start_with_verifiers(
+        rt: Arc<Runtime>,
+        agents: &[(String, String)],
+        device: tch::Device,
+        kind: tch::Kind,
+        verifiers: Vec<(String, std::path::PathBuf)>,
+    ) -> Result<Self, TrainError> {
         let agents = cotrain_rollout_worker::worker::separate_weight_specs(agents)
             .map_err(|e| TrainError::Model(format!("rollout worker agents: {e}")))?;
         // The agents' engines decode at the same time: on the CPU, split the cores between them.
@@ -101,7 +112,7 @@ impl EmbeddedRollout {
             max_batch_size: 64,
             max_queued_requests: 1024,
             threads_per_engine,
-            verifiers: Vec::new(),
+            verifiers,
         };
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
         // Same process, same host: the learner may hand weights over through /dev/shm.

@@ -324,6 +324,18 @@ impl RolloutSource for PoolRollout {
             .collect()
     }
 
+    fn score_verifier(&mut self, name: &str, conversations: &[(String, String)]) -> Result<Vec<f32>, TrainError> {
+        let req = pb::ScoreVerifierRequest {
+            verifier: name.to_string(),
+            conversations: conversations.iter().map(|(user, assistant)| pb::Conversation { user: user.clone(), assistant: assistant.clone() }).collect(),
+        };
+        let resp = self.rt.block_on(self.pool.score_verifier(req)).map_err(|e| TrainError::Rollout(format!("verifier `{name}`: {e}")))?;
+        if resp.scores.len() != conversations.len() {
+            return Err(TrainError::Rollout(format!("verifier `{name}`: {} scores for {} conversations", resp.scores.len(), conversations.len())));
+        }
+        Ok(resp.scores)
+    }
+
     fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
         let infos = self.rt.block_on(self.pool.info_all());
         let mut best = 0;

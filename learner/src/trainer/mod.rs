@@ -171,7 +171,14 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
     let (rollout, embedded_rollout): (Box<dyn RolloutSource>, _) = if ro.endpoints.is_empty() && ro.dns_name.is_none() {
         // A rollout worker in this process (one model copy per policy), used over gRPC like a remote one.
         let opts = load_options(cfg);
-        let worker = EmbeddedRollout::start(runtime.clone(), agents, opts.device, opts.kind)?;
+        let verifiers = cfg
+            .raw
+            .maporl
+            .as_ref()
+            .and_then(|m| m.verifier_path.as_ref())
+            .map(|dir| vec![(crate::maporl::EMBEDDED_VERIFIER.to_string(), std::path::PathBuf::from(dir))])
+            .unwrap_or_default();
+        let worker = EmbeddedRollout::start_with_verifiers(runtime.clone(), agents, opts.device, opts.kind, verifiers)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
         (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new())?), Some(worker))
     } else {

@@ -79,6 +79,12 @@ pub trait RolloutSource: Send {
         let _ = (agent, version, adapter, scaling);
         Err(TrainError::Rollout(format!("{} cannot take adapter-only weight updates", self.describe())))
     }
+    /// Scores (user, assistant) conversations with the learned verifier `name` (empty: a worker's
+    /// only verifier) that a rollout worker serves: the probability each answer is correct.
+    fn score_verifier(&mut self, name: &str, conversations: &[(String, String)]) -> Result<Vec<f32>, TrainError> {
+        let _ = (name, conversations);
+        Err(TrainError::Rollout(format!("{} serves no learned verifier", self.describe())))
+    }
     /// A short description for logs (`embedded worker at 127.0.0.1:41234`, ...).
     fn describe(&self) -> String;
 }

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use cotrain_proto::rollout::rollout_client::RolloutClient;
 use cotrain_proto::rollout::{
-    update_weights_request::Item, GenerateRequest, GenerateResponse, InfoRequest, InfoResponse, ShmWeights,
-    UpdateHeader, UpdateWeightsRequest, UpdateWeightsResponse,
+    update_weights_request::Item, GenerateRequest, GenerateResponse, InfoRequest, InfoResponse, ScoreVerifierRequest,
+    ScoreVerifierResponse, ShmWeights, UpdateHeader, UpdateWeightsRequest, UpdateWeightsResponse,
 };
 use tokio::sync::Notify;
 use tonic::transport::{Channel, Endpoint};
@@ -325,6 +325,43 @@ impl RolloutPool {
         }
         let (worker, status) = last.expect("at least one attempt");
         Err(PoolError::AttemptsExhausted { attempts: self.inner.cfg.max_attempts, worker, status })
+    }
+
+    /// Scores conversations with the learned verifier `name` on a healthy worker that serves it:
+    /// workers are tried least-loaded first; one that does not serve it, or fails, passes the call on.
+    pub async fn score_verifier(&self, req: ScoreVerifierRequest) -> Result<ScoreVerifierResponse, PoolError> {
+        let mut tried = HashSet::new();
+        let mut last: Option<(String, Status)> = None;
+        while let Ok(worker) = self.inner.pick(&tried).await {
+            if !tried.insert(worker.address.clone()) {
+                break;
+            }
+            let guard = InFlight::new(worker.clone());
+            let mut request = tonic::Request::new(req.clone());
+            if let Some(t) = self.inner.cfg.request_timeout {
+                request.set_timeout(t);
+            }
+            let mut client = worker.client.clone();
+            let result = client.score_verifier(request).await;
+            drop(guard);
+            match result {
+                Ok(resp) => return Ok(resp.into_inner()),
+                Err(status) => {
+                    let elsewhere = retryable(&status) || (status.code() == tonic::Code::InvalidArgument && status.message().contains("verifier"));
+                    if !elsewhere {
+                        return Err(PoolError::Rejected { worker: worker.address.clone(), status });
+                    }
+                    if worker_failed(&status) {
+                        worker.healthy.store(false, Ordering::SeqCst);
+                    }
+                    last = Some((worker.address.clone(), status));
+                }
+            }
+        }
+        match last {
+            Some((worker, status)) => Err(PoolError::AttemptsExhausted { attempts: tried.len(), worker, status }),
+            None => Err(PoolError::NoWorker(self.inner.cfg.wait_for_worker)),
+        }
     }
 
     /// `Info` from every healthy worker.
