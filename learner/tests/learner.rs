@@ -44,9 +44,13 @@ fn every_file_in_configs_loads_and_validates() {
         if name.starts_with("grpo_") {
             assert_eq!((cfg.algorithm, cfg.num_agents), (Algorithm::Grpo, 1), "{name}");
         }
+        if name.starts_with("maporl_") {
+            let m = cfg.raw.maporl.as_ref().unwrap();
+            assert_eq!((cfg.algorithm, m.agent_num, m.round_num, m.kl_coef, m.vf_coef), (Algorithm::Maporl, 2, 3, 0.002, 0.1), "{name}");
+        }
         n += 1;
     }
-    assert_eq!(n, 11, "10 seed configs and the demo");
+    assert_eq!(n, 13, "10 MAGRPO/GRPO seed configs, 2 MaPoRL seed configs and the demo");
 }
 
 #[test]
