@@ -152,6 +152,12 @@ async fn grpc_score_analyze_execute_and_info() {
     let server = Server::start(&[]).await;
     let mut client = server.grpc().await;
 
+    // Verify without --verifier-endpoint: UNAVAILABLE, saying how to configure one.
+    let conv = cotrain_proto::reward::VerifyConversation { user: "1+1?".into(), assistant: "2".into() };
+    let err = client.verify(cotrain_proto::reward::VerifyRequest { verifier: String::new(), conversations: vec![conv] }).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("--verifier-endpoint"), "{err:?}");
+
     // Reflection lists the service.
     let mut reflection = ServerReflectionClient::new(server.channel().await);
     let request = ServerReflectionRequest {

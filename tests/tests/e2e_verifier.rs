@@ -3,7 +3,9 @@
 //! `h`), a `rollout-worker` serving the trained directory (`--verifier toy=DIR`), and a
 //! `reward-server --verifier-endpoint` answering MaPoRL's `POST /predict` to a plain HTTP client:
 //! the scores equal the directory's own scores, correct answers score higher, bad bodies get 400
-//! with MaPoRL's error shape, concurrent clients get the same scores, and a dead worker gives 503.
+//! with MaPoRL's error shape, concurrent clients get the same scores, OpenRLHF's `/get_reward` with
+//! verifier labels and the native `/v1/verify` agree, and a dead worker gives 503. Then the whole
+//! pipeline on GSM8K with the default model, ending in a MaPoRL run scored by the verifier.
 
 use std::io::{Read, Write};
 use std::process::Command;
@@ -168,6 +170,13 @@ fn a_trained_verifier_is_served_on_predict() {
         let got: Vec<f64> = r["result"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
         assert!(got.iter().zip(&scores).all(|(a, b)| (a - b).abs() < 1e-6), "{got:?} vs {scores:?}");
     }
+    // OpenRLHF's /get_reward with verifier labels: the query minus its prompt is the answer.
+    let queries: Vec<String> = answers.iter().map(|a| format!("PROMPT {a}")).collect();
+    let labels: Vec<String> = answers.iter().map(|_| json!({"task": "verifier", "item": {"user": "q"}}).to_string()).collect();
+    let (status, r) = post(&reward.http, "/get_reward", &json!({"query": queries, "prompts": vec!["PROMPT "; answers.len()], "labels": labels}).to_string());
+    assert_eq!(status, 200, "{r}");
+    let rewards: Vec<f64> = r["rewards"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    assert!(rewards.iter().zip(&scores).all(|(a, b)| (a - b).abs() < 1e-6), "{rewards:?} vs {scores:?}");
     // The native form names the verifier.
     let (status, r) = post(&reward.http, "/v1/verify", &json!({"conversations": [{"user": "q", "assistant": "h h"}]}).to_string());
     assert_eq!((status, r["verifier"].as_str()), (200, Some("toy")), "{r}");

@@ -15,6 +15,8 @@
 //! - `POST /predict`    MaPoRL's verifier protocol: `{"query_responses": [[user_msg, assistant_msg], ..]}`
 //!   (messages `{"role", "content"}`) → `{"result": [score, ..]}`, scores in [0, 1]; errors in
 //!   MaPoRL's shape `{"error": "..."}`: 400 for a bad body, 503 when no verifier is reachable
+//!   OpenRLHF's `/get_reward` scores with the verifier when every label is
+//!   `{"task": "verifier", "item": {"user": "...", "verifier"?: "name"}}`.
 //! - `POST /v1/verify`  the native form: `{"verifier"?, "conversations": [{"user", "assistant"}]}`
 //!   → `{"verifier", "scores"}`
 //! - `GET /metrics`     Prometheus; `GET /health`
@@ -247,7 +249,7 @@ async fn get_reward(
 
 async fn openrlhf(state: &HttpState, req: OpenRlhfRequest) -> Result<OpenRlhfResponse, ApiError> {
     let n = req.query.len();
-    let labels = req.labels.ok_or_else(|| {
+    let labels = req.labels.clone().ok_or_else(|| {
         ApiError::invalid(
             "labels",
             "required: one label per query carrying the task and dataset item",
@@ -266,6 +268,14 @@ async fn openrlhf(state: &HttpState, req: OpenRlhfRequest) -> Result<OpenRlhfRes
             "prompts",
             format!("{} prompts for {n} queries", p.len()),
         ));
+    }
+    let parsed: Vec<RewardLabel> = labels.iter().enumerate().map(|(i, l)| parse_label(i, l)).collect::<Result<_, _>>()?;
+    let verifier_labels = parsed.iter().filter(|l| l.task == "verifier").count();
+    if verifier_labels > 0 {
+        if verifier_labels != n {
+            return Err(ApiError::invalid("labels", "a batch is either all `verifier` labels or none"));
+        }
+        return openrlhf_verifier(state, &req, &parsed).await;
     }
     let mut jobs = Vec::with_capacity(n);
     for (i, query) in req.query.iter().enumerate() {
@@ -321,6 +331,28 @@ async fn openrlhf(state: &HttpState, req: OpenRlhfRequest) -> Result<OpenRlhfRes
         rewards,
         extra_logs,
     })
+}
+
+/// OpenRLHF with `{"task": "verifier", "item": {"user": "...", "verifier"?: "name"}}` labels: the
+/// learned verifier's probability of each response (the query without its prompt) as the reward.
+async fn openrlhf_verifier(state: &HttpState, req: &OpenRlhfRequest, labels: &[RewardLabel]) -> Result<OpenRlhfResponse, ApiError> {
+    let mut conversations = Vec::with_capacity(labels.len());
+    let mut name: Option<&str> = None;
+    for (i, (query, label)) in req.query.iter().zip(labels).enumerate() {
+        let user = label.item.get("user").and_then(|u| u.as_str()).ok_or_else(|| {
+            ApiError::invalid(format!("labels[{i}].item.user"), "a verifier label carries the user message: {\"task\": \"verifier\", \"item\": {\"user\": \"...\"}}")
+        })?;
+        let this = label.item.get("verifier").and_then(|v| v.as_str()).unwrap_or("");
+        if name.is_some_and(|n| n != this) {
+            return Err(ApiError::invalid(format!("labels[{i}].item.verifier"), "one batch asks one verifier"));
+        }
+        name = Some(this);
+        let prompt = req.prompts.as_ref().map(|p| p[i].as_str()).unwrap_or("");
+        conversations.push((user.to_string(), query.strip_prefix(prompt).unwrap_or(query).to_string()));
+    }
+    let (_, scores) = state.api.verify(name.unwrap_or(""), conversations).await?;
+    let rewards: Vec<f64> = scores.iter().map(|s| f64::from(*s)).collect();
+    Ok(OpenRlhfResponse { scores: rewards.clone(), rewards, extra_logs: Default::default() })
 }
 
 // -------------------------------------------------------------------------------- SandboxFusion
