@@ -16,9 +16,10 @@ use super::LoraSection;
 pub struct VerifierSection {
     /// The user message of every (question, answer) pair the verifier reads, generation and
     /// scoring alike (minijinja; `question` is the dataset row's question or premise/hypothesis
-    /// text). cotrain's default asks for a reasoned answer ending in `\boxed{}`.
-    #[serde(default = "default_user_template")]
-    pub user_template: String,
+    /// text). Unset: cotrain's default for the task, asking for a reasoned answer ending in
+    /// `\boxed{}` (a number for GSM8K, the relation for ANLI).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_template: Option<String>,
     /// Answers sampled per question by `verifier generate`.
     #[serde(default = "default_samples")]
     pub samples_per_question: usize,
@@ -106,8 +107,19 @@ impl VerifierSection {
     }
 }
 
-fn default_user_template() -> String {
-    "Question: {{ question }}\n\nReason step by step, then give the final answer as \\boxed{ANSWER}.".into()
+impl VerifierSection {
+    /// The user-message template for `task` (the reward server's task name).
+    pub fn template(&self, task: &str) -> String {
+        if let Some(t) = &self.user_template {
+            return t.clone();
+        }
+        match task {
+            "anli" => "{{ question }}\n\nDoes the premise entail the hypothesis, contradict it, or neither? Reason briefly, then give \
+                       \\boxed{entailment}, \\boxed{contradiction} or \\boxed{neutral}."
+                .into(),
+            _ => "Question: {{ question }}\n\nReason step by step, then give the final answer as \\boxed{ANSWER}.".into(),
+        }
+    }
 }
 fn default_samples() -> usize {
     100

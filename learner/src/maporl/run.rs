@@ -108,7 +108,7 @@ impl MaporlTrainer {
             max_prompt_tokens: self.max_prompt_tokens(),
             verifier: self.verifier.as_ref().map(|name| super::rollout::VerifierScoring {
                 name: name.clone(),
-                user_template: self.s.cfg.raw.verifier.clone().unwrap_or_default().user_template,
+                user_template: self.s.cfg.raw.verifier.clone().unwrap_or_default().template(&self.s.task),
             }),
         };
         setup.discuss(items, seed, self.s.rollout.as_mut(), self.s.reward.as_mut())

@@ -45,6 +45,7 @@ pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, Trai
     if !matches!(kind, DatasetKind::Gsm8k | DatasetKind::Anli) {
         return Err(TrainError::Config(format!("verifier data needs right/wrong answers: GSM8K or ANLI, not {}", kind.name())));
     }
+    let user_template = v.template(task);
     let split = load_split(&cfg.raw.dataset, &cfg.train_split).map_err(|e| TrainError::Data(e.to_string()))?;
     let spec = cfg.raw.model.name.clone();
     let (tokenizer, template) = cotrain_model::loader::load_text_side(&spec).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
@@ -73,7 +74,7 @@ pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, Trai
     for round in todo.chunks(QUESTIONS_PER_ROUND) {
         let mut requests = Vec::with_capacity(round.len());
         for (row, _, q) in round {
-            let user = super::user_message(&v.user_template, q).map_err(TrainError::Config)?;
+            let user = super::user_message(&user_template, q).map_err(TrainError::Config)?;
             let text = match (&template, cfg.raw.model.chat_template) {
                 (Some(t), true) => t
                     .render(&[cotrain_model::chat_template::ChatMessage::user(user)], true, &serde_json::Value::Null)

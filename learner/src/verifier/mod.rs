@@ -16,6 +16,13 @@ pub mod train;
 
 pub use data::{Example, QuestionEntry, VerifierData};
 
+/// The reward server's task name of the config's dataset (`gsm8k`, `anli`, ...).
+pub fn task_of(cfg: &crate::config::CheckedConfig) -> Result<String, crate::trainer::TrainError> {
+    let kind = crate::data::DatasetKind::resolve(&cfg.raw.dataset)
+        .map_err(|e| crate::trainer::TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
+    Ok(crate::trainer::items::reward_task(kind).to_string())
+}
+
 /// The user message the verifier reads for `question` (the `verifier.user_template`).
 pub fn user_message(template: &str, question: &str) -> Result<String, String> {
     let env = minijinja::Environment::new();

@@ -81,8 +81,9 @@ pub fn train_verifier(cfg: &CheckedConfig, data: &VerifierData, out: &Path) -> R
     tch::manual_seed(cfg.raw.seed as i64);
     let lora = (!vcfg.full_finetune).then(|| vcfg.lora.to_model());
     let v = Verifier::new(base, &spec, lora, vcfg.max_length).map_err(|e| TrainError::Model(e.to_string()))?;
-    let train = encode_all(&v, &vcfg.user_template, &train_data.examples())?;
-    let test = encode_all(&v, &vcfg.user_template, &test_data.examples())?;
+    let template = vcfg.template(&super::task_of(cfg)?);
+    let train = encode_all(&v, &template, &train_data.examples())?;
+    let test = encode_all(&v, &template, &test_data.examples())?;
     if train.is_empty() {
         return Err(TrainError::Data("the training questions hold no answer".into()));
     }
