@@ -112,6 +112,18 @@ pub enum VerifierCommand {
         /// Keep questions short of one kind with what they have instead of dropping them.
         #[arg(long)]
         keep_short: bool,
+        /// Fill short questions first: the dataset's reference solution, rewrites of correct
+        /// answers and plausible wrong answers, sampled through the rollout workers this config
+        /// names (or embedded ones) and labelled by the reward server. The questions must come from
+        /// the config's train split.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Overrides of `--config`.
+        #[arg(long = "override", value_name = "KEY=VALUE", num_args = 1.., action = clap::ArgAction::Append, requires = "config")]
+        overrides: Vec<String>,
+        /// Sampling rounds when filling.
+        #[arg(long, default_value_t = 3, requires = "config")]
+        fill_rounds: usize,
     },
     /// Train a verifier (`model.name` with the `verifier` section's settings) on a data file and
     /// write the directory `rollout-worker serve --verifier NAME=DIR` loads.
@@ -307,11 +319,29 @@ fn verifier_command(cmd: VerifierCommand) -> anyhow::Result<()> {
             println!("wrote {}", out.display());
             Ok(())
         }
-        VerifierCommand::Balance { input, out, per_type, keep_short } => {
+        VerifierCommand::Balance { input, out, per_type, keep_short, config, overrides, fill_rounds } => {
             if per_type == 0 {
                 bail!("--per-type must be at least 1");
             }
-            let data = crate::verifier::VerifierData::read(&input).map_err(anyhow::Error::msg)?;
+            let mut data = crate::verifier::VerifierData::read(&input).map_err(anyhow::Error::msg)?;
+            if let Some(path) = config {
+                let cfg = load_config(&path, &overrides, &LegacyFlags::default())?;
+                let mut sampler = crate::verifier::generate::Sampler::connect(&cfg)?;
+                let split = crate::data::load_split(&cfg.raw.dataset, &cfg.train_split)?;
+                let items: std::collections::HashMap<String, serde_json::Value> = split
+                    .items
+                    .iter()
+                    .map(|it| {
+                        let item = crate::trainer::items::item_json(it);
+                        (crate::verifier::question_text(&sampler.task, &item), item)
+                    })
+                    .collect();
+                let r = crate::verifier::balance::fill(&mut data, per_type, fill_rounds, &mut sampler, &items)?;
+                println!(
+                    "filled: {} reference solutions, {} correct rewrites, {} wrong answers added; {} short questions not in the config's train split",
+                    r.references, r.correct_added, r.incorrect_added, r.not_found
+                );
+            }
             let (balanced, report) = crate::verifier::balance::balance(&data, per_type, keep_short);
             for q in &report.questions {
                 let short: String = q.question.chars().take(70).collect();

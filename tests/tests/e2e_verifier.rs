@@ -221,8 +221,29 @@ fn generate_balance_train_and_a_maporl_run_scored_by_the_verifier() {
         assert!(e["rewards"].as_array().unwrap().iter().all(|r| r == 0.0 || r == 1.0), "{e}");
     }
 
+    // Balance with filling: one question is made to hold only its reference solution (no wrong
+    // answer), so filling must sample a wrong one; the others get their reference as the correct one.
+    let mut edited = data.clone();
+    let first = edited.as_object_mut().unwrap().values_mut().next().unwrap();
+    let reference = first["original_answer"].clone();
+    first["generated_answers"] = json!([reference]);
+    first["rewards"] = json!([1]);
+    first.as_object_mut().unwrap().remove("generated_label");
+    let edited_path = tmp.path().join("edited.json");
+    std::fs::write(&edited_path, edited.to_string()).unwrap();
     let balanced = tmp.path().join("balanced.json");
-    learner(&["verifier", "balance", "--in", raw.to_str().unwrap(), "--out", balanced.to_str().unwrap(), "--per-type", "2", "--keep-short"]);
+    let report = learner(&[
+        "verifier", "balance", "--in", edited_path.to_str().unwrap(), "--out", balanced.to_str().unwrap(), "--per-type", "1",
+        "--config", cfg.to_str().unwrap(), "--override", "model.name=default", "verifier.max_new_tokens=24", "logging.progress=never",
+    ]);
+    println!("{report}");
+    assert!(report.contains("filled: 3 reference solutions"), "{report}");
+    assert!(report.contains("4 questions kept, 0 dropped"), "{report}");
+    let filled: Value = serde_json::from_str(&std::fs::read_to_string(&balanced).unwrap()).unwrap();
+    for (q, e) in filled.as_object().unwrap() {
+        let r: Vec<f64> = e["rewards"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        assert_eq!(r, [1.0, 0.0], "{q}: one correct and one incorrect answer");
+    }
     let vdir = tmp.path().join("verifier");
     learner(&[
         "verifier", "train", "--config", cfg.to_str().unwrap(), "--data", balanced.to_str().unwrap(), "--out", vdir.to_str().unwrap(),

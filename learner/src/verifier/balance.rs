@@ -102,3 +102,105 @@ mod tests {
         assert_eq!(out.questions[1].1.rewards, [1.0, 0.0, 0.0]);
     }
 }
+
+/// What filling added to the questions short of one kind.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FillReport {
+    /// Reference solutions added as correct answers.
+    pub references: usize,
+    /// Correct rewrites added.
+    pub correct_added: usize,
+    /// Plausible wrong answers added.
+    pub incorrect_added: usize,
+    /// Short questions that are not in the config's train split (nothing to score against).
+    pub not_found: usize,
+}
+
+/// Fills questions short of `per_type` answers of one kind before [`balance`] (MaPoRL's balancing
+/// step): the dataset's reference solution counts as a correct answer when the reward agrees;
+/// missing correct answers are sampled as rewrites of a correct one (a correct sample, else the
+/// reference), missing incorrect ones as plausible but wrong solutions; every new answer is labelled
+/// by the reward server and kept only on the side it was asked for. Up to `rounds` rounds of
+/// `2 × per_type` samples per short question; the sampler's questions are the config's train split.
+pub fn fill(
+    data: &mut VerifierData,
+    per_type: usize,
+    rounds: usize,
+    sampler: &mut super::generate::Sampler,
+    items: &std::collections::HashMap<String, serde_json::Value>,
+) -> Result<FillReport, crate::trainer::TrainError> {
+    use super::generate::Ask;
+    let mut report = FillReport::default();
+    let count = |e: &QuestionEntry, want: bool| (0..e.rewards.len()).filter(|&i| e.correct(i) == want).count();
+    // The reference solution first.
+    let short: Vec<usize> = (0..data.questions.len()).filter(|&k| count(&data.questions[k].1, true) < per_type).collect();
+    let mut refs = Vec::new();
+    for &k in &short {
+        let (q, e) = &data.questions[k];
+        if let Some(item) = items.get(q)
+            && !e.original_answer.is_empty()
+            && !e.generated_answers.contains(&e.original_answer)
+        {
+            refs.push((k, item, e.original_answer.clone()));
+        }
+    }
+    let labelled = sampler.label(&refs.iter().map(|(_, item, _)| *item).collect::<Vec<_>>(), &refs.iter().map(|(_, _, a)| vec![a.clone()]).collect::<Vec<_>>())?;
+    for ((k, _, answer), l) in refs.iter().zip(labelled) {
+        if l[0].correct {
+            push(&mut data.questions[*k].1, answer.clone(), &l[0]);
+            report.references += 1;
+        }
+    }
+    for round in 0..rounds {
+        let mut asks = Vec::new();
+        let mut wants = Vec::new();
+        for (k, (q, e)) in data.questions.iter().enumerate() {
+            let Some(item) = items.get(q) else { continue };
+            let user = sampler.user_message(q)?;
+            for want in [true, false] {
+                if count(e, want) >= per_type {
+                    continue;
+                }
+                let prompt = if want {
+                    let solution = (0..e.rewards.len()).find(|&i| e.correct(i)).map_or(e.original_answer.as_str(), |i| e.generated_answers[i].as_str());
+                    if solution.is_empty() {
+                        continue;
+                    }
+                    format!("{user}\n\nA correct solution:\n{solution}\n\nWrite your own solution that reaches the same final answer, in different words, and end with it in the same format.")
+                } else {
+                    format!("{user}\n\nWrite a solution that sounds convincing but reaches a WRONG final answer, and end with that wrong answer in the requested format.")
+                };
+                asks.push(Ask { item: item.clone(), user: prompt, n: 2 * per_type, seed_parts: vec![k as u64, round as u64, u64::from(want), 77], temperature: Some(0.9) });
+                wants.push((k, want));
+            }
+        }
+        if asks.is_empty() {
+            break;
+        }
+        for ((k, want), got) in wants.into_iter().zip(sampler.sample(&asks)?) {
+            for a in got.iter().filter(|a| a.correct == want) {
+                let e = &mut data.questions[k].1;
+                if count(e, want) >= per_type || e.generated_answers.contains(&a.text) {
+                    continue;
+                }
+                push(e, a.text.clone(), a);
+                if want {
+                    report.correct_added += 1;
+                } else {
+                    report.incorrect_added += 1;
+                }
+            }
+        }
+    }
+    report.not_found = data.questions.iter().filter(|(q, e)| !items.contains_key(q) && (count(e, true) < per_type || count(e, false) < per_type)).count();
+    Ok(report)
+}
+
+fn push(e: &mut QuestionEntry, text: String, l: &super::generate::Labelled) {
+    let has_labels = e.generated_label.len() == e.generated_answers.len();
+    e.generated_answers.push(text);
+    e.rewards.push(if l.correct { 1.0 } else { 0.0 });
+    if has_labels {
+        e.generated_label.push(l.label.clone());
+    }
+}

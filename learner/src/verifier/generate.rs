@@ -5,10 +5,14 @@
 //! top-p `verifier.top_p`, at most `max_new_tokens`; each answer's correctness (1/0) from the task's
 //! reward. The file (MaPoRL's layout, [`super::data`]) is rewritten atomically after every batch of
 //! questions, and a rerun skips the questions it already holds, so an interrupted run resumes.
+//!
+//! [`Sampler`] is the part `verifier balance --config` reuses to fill short questions.
 
 use std::path::Path;
 use std::time::Instant;
 
+use cotrain_model::chat_template::{ChatMessage, ChatTemplate};
+use cotrain_model::tokenizer::Tokenizer;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tracing::info;
@@ -17,13 +21,144 @@ use super::data::{QuestionEntry, VerifierData};
 use crate::config::{CheckedConfig, VerifierSection};
 use crate::data::{DatasetKind, load_split};
 use crate::trainer::items::{encode_text, item_json, reward_task};
-use crate::trainer::{GenRequest, SamplingSpec, ScoreAction, TrainError, connect_services, derive_seed};
+use crate::trainer::{GenRequest, RewardSource, RolloutSource, SamplingSpec, ScoreAction, ServiceGuard, TrainError, connect_services, derive_seed};
 
 /// The worker agent that samples the answers (remote workers: `--agent agent0=MODEL`).
 pub const AGENT: &str = "agent0";
 /// Questions per generate/score round (and per rewrite of the file).
 const QUESTIONS_PER_ROUND: usize = 8;
 const TAG_GENERATE: u64 = 31;
+
+/// One request for answers: the dataset row, the user message, how many, and a seed tag.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    pub item: serde_json::Value,
+    pub user: String,
+    pub n: usize,
+    /// Distinguishes the seeds of different asks about the same row.
+    pub seed_parts: Vec<u64>,
+    /// `None`: drawn from the section's range.
+    pub temperature: Option<f64>,
+}
+
+/// One labelled answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Labelled {
+    pub text: String,
+    pub correct: bool,
+    /// The final answer the reward read (empty when none).
+    pub label: String,
+}
+
+/// Samples answers through the rollout workers and labels them with the reward server.
+pub struct Sampler {
+    pub task: String,
+    section: VerifierSection,
+    seed: u64,
+    chat: bool,
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    // Declared before `_guard`: fields drop in order, so the clients close before the embedded
+    // services they talk to stop.
+    rollout: Box<dyn RolloutSource>,
+    reward: Box<dyn RewardSource>,
+    _guard: ServiceGuard,
+}
+
+impl Sampler {
+    /// Connects to (or starts) the services `cfg` names, serving `model.name` as [`AGENT`].
+    pub fn connect(cfg: &CheckedConfig) -> Result<Self, TrainError> {
+        let kind = DatasetKind::resolve(&cfg.raw.dataset).map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
+        if !matches!(kind, DatasetKind::Gsm8k | DatasetKind::Anli) {
+            return Err(TrainError::Config(format!("verifier data needs right/wrong answers: GSM8K or ANLI, not {}", kind.name())));
+        }
+        let spec = cfg.raw.model.name.clone();
+        let (tokenizer, template) = cotrain_model::loader::load_text_side(&spec).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+        if cfg.raw.model.chat_template && template.is_none() {
+            return Err(TrainError::Config("model.chat_template is true but the model has no chat template".into()));
+        }
+        let services = connect_services(cfg, &[(AGENT.to_string(), spec)])?;
+        Ok(Self {
+            task: reward_task(kind).to_string(),
+            section: cfg.raw.verifier.clone().unwrap_or_default(),
+            seed: cfg.raw.seed,
+            chat: cfg.raw.model.chat_template,
+            tokenizer,
+            template,
+            rollout: services.rollout,
+            reward: services.reward,
+            _guard: services.guard,
+        })
+    }
+
+    /// The verifier's user message for `question`.
+    pub fn user_message(&self, question: &str) -> Result<String, TrainError> {
+        super::user_message(&self.section.template(&self.task), question).map_err(TrainError::Config)
+    }
+
+    fn prompt(&self, user: &str) -> Result<Vec<u32>, TrainError> {
+        let text = match (&self.template, self.chat) {
+            (Some(t), true) => t.render(&[ChatMessage::user(user)], true, &serde_json::Value::Null).map_err(|e| TrainError::Model(format!("chat template: {e}")))?,
+            _ => user.to_string(),
+        };
+        encode_text(&self.tokenizer, &text)
+    }
+
+    /// Samples every ask (one concurrent batch) and labels every answer (one reward call).
+    pub fn sample(&mut self, asks: &[Ask]) -> Result<Vec<Vec<Labelled>>, TrainError> {
+        let v = &self.section;
+        let mut requests = Vec::with_capacity(asks.len());
+        for a in asks {
+            let mut parts = vec![self.seed, TAG_GENERATE];
+            parts.extend(&a.seed_parts);
+            let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(&parts));
+            let drawn = if v.temperature_max > v.temperature_min { rng.random_range(v.temperature_min..=v.temperature_max) } else { v.temperature_min };
+            requests.push(GenRequest {
+                agent: AGENT.into(),
+                prompt: self.prompt(&a.user)?,
+                n: a.n,
+                sampling: SamplingSpec { temperature: a.temperature.unwrap_or(drawn), top_p: v.top_p, top_k: 0, max_new_tokens: v.max_new_tokens, ignore_eos: false },
+                seed: rng.random(),
+                min_policy_version: 0,
+            });
+        }
+        let samples = self.rollout.generate(&requests)?;
+        let texts: Vec<Vec<String>> = samples.iter().map(|got| got.iter().map(|s| s.text.clone()).collect()).collect();
+        self.label(&asks.iter().map(|a| &a.item).collect::<Vec<_>>(), &texts)
+    }
+
+    /// Labels `texts[k]` (answers to `items[k]`) with the task's reward: correct above 0.5.
+    pub fn label(&mut self, items: &[&serde_json::Value], texts: &[Vec<String>]) -> Result<Vec<Vec<Labelled>>, TrainError> {
+        let actions: Vec<ScoreAction> = items
+            .iter()
+            .zip(texts)
+            .flat_map(|(item, got)| got.iter().map(move |t| ScoreAction { completions: vec![t.clone()], completion_ids: vec![Vec::new()], item: (*item).clone() }))
+            .collect();
+        let scores = if actions.is_empty() { Vec::new() } else { self.reward.score(&self.task, &actions)? };
+        let mut at = 0;
+        Ok(texts
+            .iter()
+            .map(|got| {
+                let out = got
+                    .iter()
+                    .zip(&scores[at..at + got.len()])
+                    .map(|(t, s)| Labelled {
+                        text: t.clone(),
+                        correct: s.reward > 0.5,
+                        label: s.details.get("answer").and_then(|a| a.as_str().map(str::to_string)).unwrap_or_default(),
+                    })
+                    .collect();
+                at += got.len();
+                out
+            })
+            .collect())
+    }
+}
+
+/// The dataset's reference answer of a row (GSM8K's worked solution, ANLI's label).
+pub fn reference_answer(item: &serde_json::Value) -> String {
+    item.get("answer").or_else(|| item.get("label")).map(|a| a.as_str().map_or_else(|| a.to_string(), str::to_string)).unwrap_or_default()
+}
 
 /// What a generation run did.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,16 +175,9 @@ pub struct GenerateSummary {
 /// Samples and labels answers for every question of the config's train split into `out`.
 pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, TrainError> {
     let v: VerifierSection = cfg.raw.verifier.clone().unwrap_or_default();
-    let kind = DatasetKind::resolve(&cfg.raw.dataset).map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
-    let task = reward_task(kind);
-    if !matches!(kind, DatasetKind::Gsm8k | DatasetKind::Anli) {
-        return Err(TrainError::Config(format!("verifier data needs right/wrong answers: GSM8K or ANLI, not {}", kind.name())));
-    }
-    let user_template = v.template(task);
     let split = load_split(&cfg.raw.dataset, &cfg.train_split).map_err(|e| TrainError::Data(e.to_string()))?;
-    let spec = cfg.raw.model.name.clone();
-    let (tokenizer, template) = cotrain_model::loader::load_text_side(&spec).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
     let mut data = if out.exists() { VerifierData::read(out).map_err(TrainError::Data)? } else { VerifierData::default() };
+    let mut sampler = Sampler::connect(cfg)?;
     let done: std::collections::HashSet<String> = data.questions.iter().map(|(q, _)| q.clone()).collect();
     let todo: Vec<(usize, serde_json::Value, String)> = split
         .items
@@ -57,7 +185,7 @@ pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, Trai
         .enumerate()
         .map(|(i, it)| {
             let item = item_json(it);
-            let q = super::question_text(task, &item);
+            let q = super::question_text(&sampler.task, &item);
             (split.row_offset + i, item, q)
         })
         .filter(|(_, _, q)| !done.contains(q))
@@ -66,58 +194,27 @@ pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, Trai
     if resumed > 0 {
         info!(resumed, remaining = todo.len(), file = %out.display(), "resuming: questions already in the file are skipped");
     }
-    let services = connect_services(cfg, &[(AGENT.to_string(), spec.clone())])?;
-    let (mut rollout, mut reward) = (services.rollout, services.reward);
     let pb = crate::trainer::run::progress_bar(cfg.raw.logging.progress, todo.len() as u64, 0);
     let started = Instant::now();
     let mut summary = GenerateSummary { questions: 0, resumed, answers: 0, correct: 0, seconds: 0.0 };
     for round in todo.chunks(QUESTIONS_PER_ROUND) {
-        let mut requests = Vec::with_capacity(round.len());
-        for (row, _, q) in round {
-            let user = super::user_message(&user_template, q).map_err(TrainError::Config)?;
-            let text = match (&template, cfg.raw.model.chat_template) {
-                (Some(t), true) => t
-                    .render(&[cotrain_model::chat_template::ChatMessage::user(user)], true, &serde_json::Value::Null)
-                    .map_err(|e| TrainError::Model(format!("chat template: {e}")))?,
-                (None, true) => return Err(TrainError::Config("model.chat_template is true but the model has no chat template".into())),
-                (_, false) => user,
-            };
-            // One temperature per question, drawn from its own seeded stream.
-            let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(&[cfg.raw.seed, TAG_GENERATE, *row as u64]));
-            let temperature = if v.temperature_max > v.temperature_min { rng.random_range(v.temperature_min..=v.temperature_max) } else { v.temperature_min };
-            requests.push(GenRequest {
-                agent: AGENT.into(),
-                prompt: encode_text(&tokenizer, &text)?,
-                n: v.samples_per_question,
-                sampling: SamplingSpec { temperature, top_p: v.top_p, top_k: 0, max_new_tokens: v.max_new_tokens, ignore_eos: false },
-                seed: rng.random(),
-                min_policy_version: 0,
-            });
-        }
-        let samples = rollout.generate(&requests)?;
-        let actions: Vec<ScoreAction> = round
+        let asks = round
             .iter()
-            .zip(&samples)
-            .flat_map(|((_, item, _), got)| {
-                got.iter().map(move |s| ScoreAction { completions: vec![s.text.clone()], completion_ids: vec![s.token_ids.clone()], item: item.clone() })
+            .map(|(row, item, q)| {
+                Ok(Ask { item: item.clone(), user: sampler.user_message(q)?, n: v.samples_per_question, seed_parts: vec![*row as u64], temperature: None })
             })
-            .collect();
-        let scores = reward.score(task, &actions)?;
-        let mut at = 0;
-        for ((row, item, q), got) in round.iter().zip(&samples) {
-            let sc = &scores[at..at + got.len()];
-            at += got.len();
-            let rewards: Vec<f64> = sc.iter().map(|s| if s.reward > 0.5 { 1.0 } else { 0.0 }).collect();
-            summary.correct += rewards.iter().filter(|&&r| r > 0.5).count();
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        let answers = sampler.sample(&asks)?;
+        for ((row, item, q), got) in round.iter().zip(answers) {
+            summary.correct += got.iter().filter(|a| a.correct).count();
             summary.answers += got.len();
-            let original = item.get("answer").or_else(|| item.get("label")).map(|a| a.as_str().map_or_else(|| a.to_string(), str::to_string)).unwrap_or_default();
             data.questions.push((
                 q.clone(),
                 QuestionEntry {
-                    original_answer: original,
-                    generated_answers: got.iter().map(|s| s.text.clone()).collect(),
-                    rewards,
-                    generated_label: sc.iter().map(|s| s.details.get("answer").and_then(|a| a.as_str().map(str::to_string)).unwrap_or_default()).collect(),
+                    original_answer: reference_answer(item),
+                    rewards: got.iter().map(|a| if a.correct { 1.0 } else { 0.0 }).collect(),
+                    generated_label: got.iter().map(|a| a.label.clone()).collect(),
+                    generated_answers: got.into_iter().map(|a| a.text).collect(),
                     row: Some(*row),
                 },
             ));
@@ -136,8 +233,5 @@ pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, Trai
         data.write(out).map_err(TrainError::Io)?;
     }
     summary.seconds = started.elapsed().as_secs_f64();
-    drop(rollout);
-    drop(reward);
-    drop(services.guard);
     Ok(summary)
 }
