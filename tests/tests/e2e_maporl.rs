@@ -192,7 +192,14 @@ fn digit_model(dir: &std::path::Path) -> std::path::PathBuf {
 
 /// Trains the toy discussion of [`digit_model`] with `learner train` (one extra line of `maporl`
 /// settings), and returns the run directory and its metrics.
-fn train_digits(tmp: &std::path::Path, maporl_extra: &str, epochs: usize, lr: f64, save_final_model: bool) -> (std::path::PathBuf, Vec<serde_json::Value>) {
+fn train_digits(
+    tmp: &std::path::Path,
+    maporl_extra: &str,
+    epochs: usize,
+    lr: f64,
+    save_final_model: bool,
+    overrides: &[String],
+) -> (std::path::PathBuf, Vec<serde_json::Value>) {
     let model = digit_model(tmp);
     let data = tmp.join("digits");
     std::fs::create_dir_all(&data).unwrap();
@@ -221,7 +228,12 @@ fn train_digits(tmp: &std::path::Path, maporl_extra: &str, epochs: usize, lr: f6
         ),
     )
     .unwrap();
-    let out = Command::new(binaries().unwrap().join("learner")).args(["train", "--config"]).arg(&config).output().unwrap();
+    let mut cmd = Command::new(binaries().unwrap().join("learner"));
+    cmd.args(["train", "--config"]).arg(&config);
+    if !overrides.is_empty() {
+        cmd.arg("--override").args(overrides);
+    }
+    let out = cmd.output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "learner train failed\n{stderr}");
     let run = out_dir.join("digits");
@@ -245,7 +257,7 @@ fn assert_discussion_learned(metrics: &[serde_json::Value]) {
 #[test]
 fn training_makes_the_discussion_turn_beat_the_first_turn() {
     let tmp = tempfile::tempdir().unwrap();
-    let (_, metrics) = train_digits(tmp.path(), "", 60, 0.001, false);
+    let (_, metrics) = train_digits(tmp.path(), "", 60, 0.001, false, &[]);
     assert_discussion_learned(&metrics);
 }
 
@@ -255,7 +267,7 @@ fn training_makes_the_discussion_turn_beat_the_first_turn() {
 #[test]
 fn full_fine_tuning_learns_the_discussion_and_saves_models() {
     let tmp = tempfile::tempdir().unwrap();
-    let (run, metrics) = train_digits(tmp.path(), "full_finetune: true", FULL_FT_EPOCHS, FULL_FT_LR, true);
+    let (run, metrics) = train_digits(tmp.path(), "full_finetune: true", FULL_FT_EPOCHS, FULL_FT_LR, true, &[]);
     assert_discussion_learned(&metrics);
     let base: std::collections::BTreeMap<String, tch::Tensor> =
         tch::Tensor::read_safetensors(tmp.path().join("digit-llama/model.safetensors")).unwrap().into_iter().collect();
@@ -280,3 +292,27 @@ fn full_fine_tuning_learns_the_discussion_and_saves_models() {
 
 const FULL_FT_EPOCHS: usize = 30;
 const FULL_FT_LR: f64 = 1e-3;
+
+/// Agents on different base models (`model.agents`): each base is loaded once, each agent's
+/// adapters are made for and saved against its own base, and the run learns as with one base.
+#[test]
+fn agents_on_different_base_models_train_their_own_adapters() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A second base: the digit model with its attention projections scaled (another model).
+    let other = tmp.path().join("other");
+    let b = digit_model(&other);
+    let tensors: Vec<(String, tch::Tensor)> = tch::Tensor::read_safetensors(b.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| if k.contains("q_proj") { (k, &t * 1.5) } else { (k, t) })
+        .collect();
+    tch::Tensor::write_safetensors(&tensors, b.join("model.safetensors")).unwrap();
+    let a = tmp.path().join("digit-llama");
+    let agents = format!("model.agents=['{}', '{}']", a.display(), b.display());
+    let (run, metrics) = train_digits(tmp.path(), "", 60, 0.001, true, &[agents]);
+    assert_discussion_learned(&metrics);
+    for (key, base) in [("agent0.turn1", &a), ("agent1.turn1", &b), ("agent1.turn0", &b)] {
+        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("adapters").join(key).join("adapter_config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["base_model_name_or_path"].as_str().unwrap(), base.to_str().unwrap(), "{key}");
+    }
+}
