@@ -221,14 +221,15 @@ impl Verifier {
         Vec::<f32>::try_from(s).map_err(|e| ModelError::InvalidBatch(e.to_string()))
     }
 
-    /// The training loss of `batch` with `labels` (0 or 1): per conversation the mean binary
-    /// cross-entropy of every response token's sigmoid against the label, then the mean over
-    /// conversations. Returns the loss (with autograd) and each conversation's score.
-    pub fn loss(&self, batch: &[&Encoded], labels: &[f32]) -> Result<(Tensor, Vec<f32>)> {
+    /// The loss of `batch` with `labels` (0 or 1): per conversation the mean binary cross-entropy
+    /// of every response token's sigmoid against the label, then the mean over conversations.
+    /// Returns the loss and each conversation's score. `training`: LoRA dropout on and autograd
+    /// recording (for an optimiser step); off for held-out evaluation.
+    pub fn loss(&self, batch: &[&Encoded], labels: &[f32], training: bool) -> Result<(Tensor, Vec<f32>)> {
         if labels.len() != batch.len() {
             return Err(ModelError::InvalidBatch(format!("{} labels for {} conversations", labels.len(), batch.len())));
         }
-        let (logits, mask) = self.token_logits(batch, true)?;
+        let (logits, mask) = self.token_logits(batch, training)?;
         let y = Tensor::from_slice(labels).to_device(logits.device()).unsqueeze(1).expand_as(&logits);
         // log σ(x) and log(1 − σ(x)) = log σ(−x), stable for large |x|.
         let pos: Tensor = &y * logits.log_sigmoid();

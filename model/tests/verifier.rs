@@ -70,7 +70,7 @@ fn loss_and_scores_match_a_hand_computation() {
             want_scores.push(sigmoid(*logits.last().unwrap()));
         }
         let refs: Vec<&Encoded> = convs.iter().collect();
-        let (loss, scores) = v.loss(&refs, &labels).unwrap();
+        let (loss, scores) = v.loss(&refs, &labels, true).unwrap();
         assert!((loss.double_value(&[]) - want_loss).abs() < 1e-5, "lora {lora}: loss {} vs {want_loss}", loss.double_value(&[]));
         let served = v.score(&refs).unwrap();
         for k in 0..2 {
