@@ -215,10 +215,7 @@ impl Verifier {
     /// Scores (probability of being correct, the sigmoid at each conversation's last token).
     pub fn score(&self, batch: &[&Encoded]) -> Result<Vec<f32>> {
         let (logits, _) = self.token_logits(batch, false)?;
-        let last: Vec<i64> = batch.iter().map(|e| e.ids.len() as i64 - 1).collect();
-        let index = Tensor::from_slice(&last).to_device(logits.device()).unsqueeze(1);
-        let s = logits.gather(1, &index, false).squeeze_dim(1).sigmoid().to_device(Device::Cpu);
-        Vec::<f32>::try_from(s).map_err(|e| ModelError::InvalidBatch(e.to_string()))
+        last_token_scores(&logits, batch)
     }
 
     /// The loss of `batch` with `labels` (0 or 1): per conversation the mean binary cross-entropy
@@ -237,10 +234,7 @@ impl Verifier {
         let bce = (pos + neg).neg();
         let per_row = (bce * &mask).sum_dim_intlist([1i64].as_slice(), false, Kind::Float) / mask.sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
         let loss = per_row.mean(Kind::Float);
-        let last: Vec<i64> = batch.iter().map(|e| e.ids.len() as i64 - 1).collect();
-        let index = Tensor::from_slice(&last).to_device(logits.device()).unsqueeze(1);
-        let s = logits.detach().gather(1, &index, false).squeeze_dim(1).sigmoid().to_device(Device::Cpu);
-        Ok((loss, Vec::<f32>::try_from(s).map_err(|e| ModelError::InvalidBatch(e.to_string()))?))
+        Ok((loss, last_token_scores(&logits.detach(), batch)?))
     }
 
     /// The trainable stores: the adapter's (LoRA) or the whole model's (full), and the head's.
@@ -259,6 +253,14 @@ impl Trunk {
             Trunk::Full(m) => m.as_ref(),
         }
     }
+}
+
+/// The sigmoid of each row's logit at its last real token (rows are right-padded).
+fn last_token_scores(logits: &Tensor, batch: &[&Encoded]) -> Result<Vec<f32>> {
+    let last: Vec<i64> = batch.iter().map(|e| e.ids.len() as i64 - 1).collect();
+    let index = Tensor::from_slice(&last).to_device(logits.device()).unsqueeze(1);
+    let s = logits.gather(1, &index, false).squeeze_dim(1).sigmoid().to_device(Device::Cpu);
+    Vec::<f32>::try_from(s).map_err(|e| ModelError::InvalidBatch(e.to_string()))
 }
 
 fn encode(m: &LoadedModel, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {

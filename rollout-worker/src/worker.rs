@@ -156,7 +156,8 @@ pub(crate) struct ModelSlot {
 /// A model's base weights as loaded from its spec, for merging adapter updates into: the engine's
 /// own parameters cannot serve, since every update overwrites them, and an adapter is relative to
 /// the base, not to the last update. Loaded at the first adapter update (a worker that only gets
-/// ordinary updates never pays for the copy), then kept: one copy per model slot.
+/// ordinary updates never pays for the copy), then kept: one copy per model file, shared by the
+/// slots that load that file.
 pub(crate) struct BaseWeights {
     spec: String,
     opts: LoadOptions,
@@ -243,6 +244,7 @@ impl Worker {
         let mut agent_order = Vec::new();
         let mut by_spec: HashMap<String, Vec<String>> = HashMap::new();
         let mut spec_order = Vec::new();
+        let mut bases: HashMap<std::path::PathBuf, Arc<BaseWeights>> = HashMap::new();
         for (name, spec) in &config.agents {
             if name.is_empty() || agents.insert(name.clone(), usize::MAX).is_some() {
                 return Err(WorkerError::invalid("agent", format!("agent name `{name}` is empty or repeated")));
@@ -255,7 +257,8 @@ impl Worker {
         }
         for spec in spec_order {
             let names = by_spec.remove(&spec).expect("collected above");
-            let slot = Self::start_model(&spec, names.clone(), &config, &metrics)?;
+            let base = Self::shared_base(&mut bases, &spec, &config);
+            let slot = Self::start_model(&spec, names.clone(), &config, &metrics, base)?;
             for n in names {
                 agents.insert(n, models.len());
             }
@@ -307,7 +310,21 @@ impl Worker {
         Ok((host.name.clone(), scores))
     }
 
-    fn start_model(spec: &str, agents: Vec<String>, config: &WorkerConfig, metrics: &Metrics) -> Result<ModelSlot> {
+    /// The base weights for adapter merges of the model at `spec`, one copy per file: slots that
+    /// hold separate copies of the same model (`--separate-weights`, one per MaPoRL adapter key)
+    /// merge into the same pristine base instead of each loading their own.
+    fn shared_base(bases: &mut HashMap<std::path::PathBuf, Arc<BaseWeights>>, spec: &str, config: &WorkerConfig) -> Arc<BaseWeights> {
+        let opts = LoadOptions { device: config.device, kind: config.kind };
+        let file = loader::resolve(spec).ok().map(|s| match s {
+            loader::ModelSource::Gguf(p) | loader::ModelSource::HfDir(p) => std::fs::canonicalize(&p).unwrap_or(p),
+        });
+        match file {
+            Some(f) => bases.entry(f).or_insert_with(|| Arc::new(BaseWeights::new(spec, opts))).clone(),
+            None => Arc::new(BaseWeights::new(spec, opts)),
+        }
+    }
+
+    fn start_model(spec: &str, agents: Vec<String>, config: &WorkerConfig, metrics: &Metrics, base: Arc<BaseWeights>) -> Result<ModelSlot> {
         let opts = LoadOptions { device: config.device, kind: config.kind };
         let started = std::time::Instant::now();
         let loaded = loader::load(spec, &opts)?;
@@ -350,7 +367,7 @@ impl Worker {
             device: config.device,
             tx,
             state,
-            base: Arc::new(BaseWeights::new(spec, opts)),
+            base,
             thread: Some(thread),
         })
     }

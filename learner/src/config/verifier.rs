@@ -105,9 +105,7 @@ impl VerifierSection {
         }
         Ok(())
     }
-}
 
-impl VerifierSection {
     /// The user-message template for `task` (the reward server's task name).
     pub fn template(&self, task: &str) -> String {
         if let Some(t) = &self.user_template {
@@ -121,6 +119,7 @@ impl VerifierSection {
         }
     }
 }
+
 fn default_samples() -> usize {
     100
 }

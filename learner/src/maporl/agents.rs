@@ -50,14 +50,6 @@ impl Bases {
         }
         Ok(Self { specs, models, agent_base, opts: *opts })
     }
-
-    /// Wraps already loaded models (tests, benchmarks); each is frozen.
-    pub fn from_models(specs: Vec<String>, mut models: Vec<LoadedModel>, agent_base: Vec<usize>, opts: LoadOptions) -> Self {
-        for m in &mut models {
-            m.vs.freeze();
-        }
-        Self { specs, models, agent_base, opts }
-    }
 }
 
 /// The adapter key of agent `agent` at turn `turn` under `layout`; also the rollout workers'
@@ -131,14 +123,6 @@ impl PolicyAdapter {
             PolicyWeights::Full(m) => cotrain_model::export::save_pretrained(m, dir).map_err(|e| e.to_string()),
         };
         written.map(|_| ()).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))
-    }
-
-    /// The bytes one push sends.
-    pub fn push_bytes(&self) -> usize {
-        match &self.weights {
-            PolicyWeights::Lora(a) => a.num_bytes(),
-            PolicyWeights::Full(m) => m.named_parameters().values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum(),
-        }
     }
 }
 

@@ -194,14 +194,13 @@ impl DiscussionSetup<'_> {
             // s(t, i) from the learned verifier: (question, answer) as it was trained on them.
             let probabilities = match &self.verifier {
                 Some(v) => {
-                    let conversations = answers
+                    let users = items
                         .iter()
-                        .enumerate()
-                        .map(|(k, (_, _, _, text))| {
-                            let question = crate::verifier::question_text(self.task, &items[k / n].item);
-                            Ok((crate::verifier::user_message(&v.user_template, &question).map_err(TrainError::Config)?, text.clone()))
-                        })
-                        .collect::<Result<Vec<_>, TrainError>>()?;
+                        .map(|it| crate::verifier::user_message(&v.user_template, &crate::verifier::question_text(self.task, &it.item)))
+                        .collect::<Result<Vec<_>, String>>()
+                        .map_err(TrainError::Config)?;
+                    let conversations: Vec<(String, String)> =
+                        answers.iter().enumerate().map(|(k, (_, _, _, text))| (users[k / n].clone(), text.clone())).collect();
                     Some(rollout.score_verifier(&v.name, &conversations)?)
                 }
                 None => None,

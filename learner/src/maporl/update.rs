@@ -21,7 +21,8 @@ use tch::{Kind, Tensor};
 use tracing::warn;
 
 use super::agents::{Adapters, Bases, Critic};
-use crate::algo::ppo::{clipped_policy_loss, clipped_value_loss, explained_variance, gae, token_rewards, whiten};
+use crate::algo::ppo::{clipped_policy_loss, clipped_value_loss, explained_variance, gae, kl_per_token, token_rewards, whiten};
+use crate::trainer::policy::padded_rows as pad_f32;
 use crate::config::MaporlSection;
 use crate::trainer::TrainError;
 
@@ -74,11 +75,10 @@ fn response_values(critic: &Critic, bases: &Bases, rows: &[(&[u32], &[u32])], wi
     let l = v.size()[1];
     let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0) as i64;
     let (mut src, mut dst) = (Vec::new(), Vec::new());
-    for (b, (p, r)) in rows.iter().enumerate() {
+    for (b, (_, r)) in rows.iter().enumerate() {
         for t in 0..r.len() {
             src.push(b as i64 * l + (prompt_lens[b] + t - 1) as i64);
             dst.push(b as i64 * cmax + t as i64);
-            let _ = p;
         }
     }
     let device = v.device();
@@ -157,11 +157,10 @@ pub fn ppo_update(
     for idx in by_policy.values() {
         let mut rewards: Vec<Vec<f64>> =
             idx.iter().map(|&k| token_rewards(&records[k].logprobs, &records[k].ref_logprobs, samples[k].score, m.kl_coef)).collect();
-        for (&k, r) in idx.iter().zip(&rewards) {
-            let kl: f64 = records[k].logprobs.iter().zip(&records[k].ref_logprobs).map(|(a, b)| f64::from(*a) - f64::from(*b)).sum();
+        for &k in idx {
+            let kl: f64 = kl_per_token(&records[k].logprobs, &records[k].ref_logprobs).iter().sum();
             acc("objective/kl", kl / samples.len() as f64, &mut stats);
             acc("objective/rlhf_reward", (samples[k].score - m.kl_coef * kl) / samples.len() as f64, &mut stats);
-            let _ = r;
         }
         if m.whiten_rewards {
             let flat: Vec<f64> = rewards.iter().flatten().copied().collect();
@@ -174,13 +173,13 @@ pub fn ppo_update(
             }
         }
         let mut flat_adv = Vec::new();
-        for (&k, r) in idx.iter().zip(&rewards) {
+        for (&k, r) in idx.iter().zip(rewards) {
             let values: Vec<f64> = records[k].values.iter().map(|v| f64::from(*v)).collect();
-            let (adv, ret) = gae(r, &values, m.gamma, m.lam);
+            let (adv, ret) = gae(&r, &values, m.gamma, m.lam);
             all_values.extend(values);
             all_returns.extend(ret.iter().copied());
             flat_adv.extend(adv.iter().copied());
-            records[k].rewards = r.clone();
+            records[k].rewards = r;
             records[k].advantages = adv;
             records[k].returns = ret;
         }
@@ -208,8 +207,7 @@ pub fn ppo_update(
                 let p = adapters.policies.get_mut(*key).expect("checked above");
                 let seqs: Vec<Sequence> = mb.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
                 let cmax = mb.iter().map(|&k| samples[k].response.len()).max().unwrap_or(0);
-                let old_rows: Vec<Vec<f64>> = mb.iter().map(|&k| records[k].logprobs.iter().map(|x| f64::from(*x)).collect()).collect();
-                let old = pad(&old_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
+                let old = pad_f32(mb.iter().map(|&k| records[k].logprobs.as_slice()), cmax);
                 let adv = pad(&mb.iter().map(|&k| whitened[k].as_slice()).collect::<Vec<_>>(), cmax);
                 p.optimizer.zero_grad();
                 let tlp = p.with_model(bases, |model| completion_logprobs(model, &seqs, &lp_opts(true)))?.map_err(model_err("policy log-probs"))?;
@@ -249,8 +247,7 @@ pub fn ppo_update(
                 let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
                 let mask_rows: Vec<Vec<f64>> = mb.iter().map(|&k| vec![1.0; samples[k].response.len()]).collect();
                 let mask = pad(&mask_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
-                let old_rows: Vec<Vec<f64>> = mb.iter().map(|&k| records[k].values.iter().map(|x| f64::from(*x)).collect()).collect();
-                let old = pad(&old_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
+                let old = pad_f32(mb.iter().map(|&k| records[k].values.as_slice()), cmax);
                 let ret = pad(&mb.iter().map(|&k| records[k].returns.as_slice()).collect::<Vec<_>>(), cmax);
                 c.adapter_opt.zero_grad();
                 c.head_opt.zero_grad();

@@ -211,7 +211,7 @@ impl Policy {
 }
 
 /// Right-pads rows of per-token values into a (K, width) f32 tensor.
-fn padded_rows<'a>(rows: impl Iterator<Item = &'a [f32]>, width: usize) -> Tensor {
+pub(crate) fn padded_rows<'a>(rows: impl Iterator<Item = &'a [f32]>, width: usize) -> Tensor {
     let rows: Vec<&[f32]> = rows.collect();
     let mut flat = vec![0f32; rows.len() * width];
     for (i, r) in rows.iter().enumerate() {

@@ -156,11 +156,12 @@ pub fn fill(
         let mut wants = Vec::new();
         for (k, (q, e)) in data.questions.iter().enumerate() {
             let Some(item) = items.get(q) else { continue };
+            let short_of: Vec<bool> = [true, false].into_iter().filter(|&want| count(e, want) < per_type).collect();
+            if short_of.is_empty() {
+                continue;
+            }
             let user = sampler.user_message(q)?;
-            for want in [true, false] {
-                if count(e, want) >= per_type {
-                    continue;
-                }
+            for want in short_of {
                 let prompt = if want {
                     let solution = (0..e.rewards.len()).find(|&i| e.correct(i)).map_or(e.original_answer.as_str(), |i| e.generated_answers[i].as_str());
                     if solution.is_empty() {
