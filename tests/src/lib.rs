@@ -44,6 +44,9 @@ pub fn binaries() -> anyhow::Result<PathBuf> {
             if release {
                 cmd.arg("--release");
             }
+            if cfg!(feature = "cuda") {
+                cmd.args(["--features", "cotrain-learner/cuda"]);
+            }
             let status = cmd.status().map_err(|e| format!("running cargo build: {e}"))?;
             if !status.success() {
                 return Err(format!("cargo build of the service binaries failed: {status}"));
@@ -157,5 +160,41 @@ pub fn tiny_model_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     config["max_position_embeddings"] = serde_json::json!(4096);
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     std::fs::write(out.join("tokenizer.json"), byte_tokenizer_json())?;
+    Ok(out)
+}
+
+/// The tiny Llama with a word-level tokenizer: id i ≥ 3 decodes to the word `w{i}` followed by
+/// i mod 60 `x`s, so that a random model's completions are words of very different lengths. The
+/// writing rewards (TLDR: at least 8 words per agent, then the ratio of the agents' lengths) then
+/// vary between samples, which gives the trainer non-zero advantages to learn from. Prompt words
+/// outside the vocabulary read as `[UNK]`.
+pub fn tiny_word_model_dir(dir: &Path) -> anyhow::Result<PathBuf> {
+    let src = workspace_root().join("model/tests/fixtures/tiny/llama");
+    let out = dir.join("tiny-llama-words");
+    std::fs::create_dir_all(&out)?;
+    for f in ["model.safetensors", "generation_config.json", "config.json"] {
+        std::fs::copy(src.join(f), out.join(f))?;
+    }
+    let mut vocab = serde_json::Map::new();
+    for (i, special) in ["[UNK]", "<s>", "</s>"].iter().enumerate() {
+        vocab.insert(special.to_string(), serde_json::json!(i));
+    }
+    for i in 3..256usize {
+        vocab.insert(format!("w{i}{}", "x".repeat(i % 60)), serde_json::json!(i));
+    }
+    let added: Vec<serde_json::Value> = ["[UNK]", "<s>", "</s>"]
+        .iter()
+        .enumerate()
+        .map(|(id, content)| {
+            serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+                               "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(out.join("tokenizer.json"), tokenizer.to_string())?;
     Ok(out)
 }

@@ -87,6 +87,18 @@ impl AdamW {
         }
     }
 
+    /// The trainable variables, sorted by name (shallow handles).
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.vars.iter().map(|(_, t)| t.shallow_clone()).collect()
+    }
+
+    /// The moment buffers (allocated as zeros if they do not exist yet), as shallow handles that
+    /// write through: what the learner's ranks broadcast after a resume.
+    pub fn moments_mut(&mut self) -> Vec<Tensor> {
+        self.ensure_state();
+        self.m.iter().chain(&self.v).map(Tensor::shallow_clone).collect()
+    }
+
     pub fn zero_grad(&mut self) {
         for (_, p) in &mut self.vars {
             p.zero_grad();

@@ -41,6 +41,9 @@ pub struct RawConfig {
     pub rollout: RolloutConfig,
     #[serde(default)]
     pub reward: RewardConfig,
+    /// How the learner's ranks work together (`learner launch`, torchrun/Slurm/MPI environments).
+    #[serde(default)]
+    pub learner: LearnerConfig,
     /// Per-agent prompt templates (`agent0`, `agent1`, ...); the task's defaults for agents not named.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub prompts: BTreeMap<String, PromptConfig>,
@@ -634,6 +637,56 @@ pub struct RolloutConfig {
     /// How weights reach the workers after each step; see [`WeightTransport`].
     #[serde(default)]
     pub weight_transport: WeightTransport,
+}
+
+/// `learner`: the learner's ranks (learner/src/dist). One process is one rank; the launcher
+/// (`learner launch`, `mpirun`, `srun --mpi=pmix`, torchrun for the NCCL backend) says how many.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LearnerConfig {
+    /// The collective library the ranks reduce gradients with.
+    #[serde(default)]
+    pub backend: DistBackend,
+    /// What the ranks split: the step's items (`data`) or the agents' policies (`agent`).
+    #[serde(default)]
+    pub placement: Placement,
+    /// Every this many steps the ranks compare a checksum of their weights (0: never).
+    #[serde(default = "default_checksum_steps")]
+    pub checksum_steps: u64,
+}
+
+impl Default for LearnerConfig {
+    fn default() -> Self {
+        Self { backend: DistBackend::default(), placement: Placement::default(), checksum_steps: default_checksum_steps() }
+    }
+}
+
+fn default_checksum_steps() -> u64 {
+    10
+}
+
+/// `learner.backend`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DistBackend {
+    /// NCCL when the learner's device is CUDA, MPI otherwise.
+    #[default]
+    Auto,
+    /// Open MPI (or any MPI the `mpi` crate links): CPU tensors.
+    Mpi,
+    /// NCCL through cudarc: CUDA tensors (the `cuda` build feature).
+    Nccl,
+}
+
+/// `learner.placement`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// Every rank holds every policy and trains on its share of each step's items.
+    #[default]
+    Data,
+    /// Each agent's policy on its own group of ranks.
+    Agent,
 }
 
 /// `rollout.weight_transport`: how the learner sends weights to the rollout workers.

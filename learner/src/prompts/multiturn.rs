@@ -10,7 +10,7 @@
 use crate::config::ExternalConfig;
 
 /// One earlier turn of one agent.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TurnRecord {
     /// The user text the agent saw.
     pub prompt: String,

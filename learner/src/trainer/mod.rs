@@ -76,6 +76,9 @@ pub enum TrainError {
     /// A filesystem error.
     #[error("io: {0}")]
     Io(String),
+    /// The learner's ranks failed to work together (a collective, diverged weights).
+    #[error("{0}")]
+    Dist(String),
 }
 
 /// How `learner train` runs.
@@ -189,6 +192,40 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
     Ok(Services { rollout, reward, guard: ServiceGuard { embedded_reward, embedded_rollout, runtime } })
 }
 
+/// Rank 0 connects to the services (starting the embedded ones); the other ranks connect to the
+/// same endpoints, which rank 0 sends them.
+fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, String)], dist: &dyn crate::dist::Collective) -> Result<Services, TrainError> {
+    let dist_err = |e: crate::dist::DistError| TrainError::Dist(e.to_string());
+    let (services, mut endpoints) = if dist.is_root() {
+        let services = connect_services(cfg, agents)?;
+        let g = &services.guard;
+        let ro = &cfg.raw.rollout;
+        let rollout = match &g.embedded_rollout {
+            Some(w) => vec![format!("http://{}", w.grpc)],
+            None => ro.endpoints.clone(),
+        };
+        let reward = match &g.embedded_reward {
+            Some(r) => Some(format!("http://{}", r.grpc)),
+            None => cfg.raw.reward.endpoint.clone(),
+        };
+        let ep = serde_json::json!({"rollout": rollout, "dns_name": ro.dns_name, "reward": reward});
+        (Some(services), serde_json::to_vec(&ep).map_err(|e| TrainError::Dist(e.to_string()))?)
+    } else {
+        (None, Vec::new())
+    };
+    dist.broadcast_bytes(&mut endpoints, 0).map_err(dist_err)?;
+    if let Some(s) = services {
+        return Ok(s);
+    }
+    let ep: serde_json::Value = serde_json::from_slice(&endpoints).map_err(|e| TrainError::Dist(format!("rank 0's service endpoints: {e}")))?;
+    let mut own = cfg.clone();
+    own.raw.rollout.endpoints = ep["rollout"].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(String::from)).collect();
+    own.raw.rollout.dns_name = ep["dns_name"].as_str().map(String::from);
+    own.raw.reward.endpoint = ep["reward"].as_str().map(String::from);
+    info!(rank = dist.rank(), rollout = ?own.raw.rollout.endpoints, reward = ?own.raw.reward.endpoint, "using rank 0's services");
+    connect_services(&own, agents)
+}
+
 pub fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
     let name = cfg.raw.logging.run_name.clone().unwrap_or_else(|| {
         let stem = cfg.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
@@ -264,8 +301,38 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
     Ok(())
 }
 
+/// Refuses what data-parallel ranks do not do yet, naming the key: with `world` > 1 ranks, the
+/// multi-turn `tree` rollout (the original's update groups chunk nodes across items, which ranks
+/// holding different items cannot reproduce) and agent placement.
+pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> {
+    if world == 1 {
+        return Ok(());
+    }
+    let section = cfg.algorithm.section();
+    if cfg.raw.learner.placement == crate::config::Placement::Agent {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: learner.placement: agent (each agent's policy on its own ranks) is not built yet; use learner.placement: data",
+            cfg.source.display()
+        )));
+    }
+    if cfg.is_multi_turn() && cfg.trainer.rollout == crate::config::MultiTurnMode::Tree {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: {world} learner ranks with a multi-turn `tree` rollout are not built yet (its update groups span items that \
+             different ranks hold); use {section}.rollout: handoff, or one rank",
+            cfg.source.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Everything for a run of `cfg` in `run_dir`: policies, data, prompts, services.
 pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceGuard), TrainError> {
+    build_ranked(cfg, run_dir, Box::new(crate::dist::SingleRank))
+}
+
+/// [`build`] as one rank of `dist`: rank 0 connects to (or starts) the services and tells the other
+/// ranks where they are, so that the embedded services are started once per job.
+pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::dist::Collective>) -> Result<(Trainer, ServiceGuard), TrainError> {
     check_supported(cfg)?;
     let kind = DatasetKind::resolve(&cfg.raw.dataset).map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
     let train = load_split(&cfg.raw.dataset, &cfg.train_split).map_err(|e| TrainError::Data(e.to_string()))?;
@@ -284,7 +351,7 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceG
         None => Vec::new(),
     };
     let agents: Vec<(String, String)> = policies.iter().map(|p| (p.worker_agent.clone(), p.model_spec.clone())).collect();
-    let services = connect_services(cfg, &agents)?;
+    let services = if dist.world() == 1 { connect_services(cfg, &agents)? } else { connect_services_ranked(cfg, &agents, dist.as_ref())? };
     let Services { rollout, reward, guard } = services;
     let setup = TrainerSetup {
         cfg: cfg.clone(),
@@ -298,7 +365,7 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceG
         train_items,
         eval_items,
     };
-    let mut trainer = Trainer::new(setup)?;
+    let mut trainer = Trainer::new_ranked(setup, dist)?;
     if cfg.is_multi_turn() && cfg.raw.external.mode == crate::config::ExternalMode::ExpertEdits {
         let expert = crate::external::expert::ExpertClient::from_config(&cfg.raw.external, guard.runtime.clone())
             .map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
@@ -332,18 +399,34 @@ fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainE
 }
 
 /// `learner train`: builds the run (or reopens `opts.resume`), trains, and returns where things are.
+///
+/// Launched as one of several ranks (see [`crate::dist`]), this process trains its share of every
+/// step; rank 0 names the run directory, writes it, and resumes from it (the other ranks receive
+/// its state).
 pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, TrainError> {
-    let run_dir = match &opts.resume {
+    let dist = crate::dist::init(cfg.raw.learner.backend, load_options(cfg).device).map_err(|e| TrainError::Dist(e.to_string()))?;
+    check_ranks(cfg, dist.world())?;
+    let root = dist.is_root();
+    let mut run_dir = match &opts.resume {
         Some(dir) => dir.clone(),
         None => run_dir_for(cfg),
     };
-    std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
-    if opts.resume.is_some() {
-        check_resume_config(cfg, &run_dir)?;
+    if dist.world() > 1 {
+        // A run name made of the start time differs between ranks: rank 0's is the run's.
+        let mut name = run_dir.to_string_lossy().into_owned().into_bytes();
+        dist.broadcast_bytes(&mut name, 0).map_err(|e| TrainError::Dist(e.to_string()))?;
+        run_dir = PathBuf::from(String::from_utf8_lossy(&name).into_owned());
+        info!(rank = dist.rank(), world = dist.world(), backend = dist.backend(), run_dir = %run_dir.display(), "learner rank started");
     }
-    std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
-    let (mut trainer, services) = build(cfg, run_dir.clone())?;
-    if opts.resume.is_some() {
+    if root {
+        std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+        if opts.resume.is_some() {
+            check_resume_config(cfg, &run_dir)?;
+        }
+        std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+    }
+    let (mut trainer, services) = build_ranked(cfg, run_dir.clone(), dist)?;
+    if opts.resume.is_some() && root {
         trainer.resume(&run_dir)?;
     }
     let summary = trainer.run();

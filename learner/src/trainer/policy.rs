@@ -58,6 +58,8 @@ pub struct UpdateStats {
     pub secs_forward: f64,
     pub secs_backward: f64,
     pub secs_optimizer: f64,
+    /// Seconds summing gradients over the learner's ranks.
+    pub secs_allreduce: f64,
 }
 
 /// See the module docs.
@@ -119,13 +121,31 @@ impl Policy {
     /// samples, as the original's (1/K) Σ_k), then one AdamW step. A non-finite loss or gradient
     /// skips the step with a warning and drops the gradients.
     pub fn update(&mut self, agents: &[AgentBatches], loss_opts: &LossOptions, epochs: usize) -> Result<UpdateStats, TrainError> {
+        let totals: Vec<usize> = agents.iter().map(|a| a.minibatches.iter().map(Vec::len).sum()).collect();
+        self.update_ranked(agents, &totals, loss_opts, epochs, &crate::dist::SingleRank)
+    }
+
+    /// [`Policy::update`] as one of the data-parallel ranks of `dist`: `totals[i]` is agent i's
+    /// sample count over all ranks, so that each rank's losses are scaled by the global count; the
+    /// gradients and the statistics are summed over the ranks before the AdamW step, and the decision
+    /// to skip (a non-finite loss on any rank, a non-finite summed gradient) is the same everywhere.
+    /// Every rank calls this for the same rounds, also with no samples of its own.
+    pub fn update_ranked(
+        &mut self,
+        agents: &[AgentBatches],
+        totals: &[usize],
+        loss_opts: &LossOptions,
+        epochs: usize,
+        dist: &dyn crate::dist::Collective,
+    ) -> Result<UpdateStats, TrainError> {
         let mut stats = UpdateStats::default();
         let clip = loss_opts.clip.is_some();
+        let dist_err = |e: crate::dist::DistError| TrainError::Dist(e.to_string());
         for _ in 0..epochs.max(1) {
             self.optimizer.zero_grad();
             let (mut loss, mut kl, mut clip_tok, mut ent_sum, mut tokens) = (0.0, 0.0, 0.0, 0.0, 0.0);
-            for agent in agents {
-                let total: usize = agent.minibatches.iter().map(Vec::len).sum();
+            let mut bad_loss: Option<f64> = None;
+            'agents: for (agent, &total) in agents.iter().zip(totals) {
                 for mb in &agent.minibatches {
                     if mb.is_empty() {
                         continue;
@@ -150,7 +170,7 @@ impl Policy {
                         _ => None,
                     };
                     let mut opts = *loss_opts;
-                    opts.scale = loss_opts.scale * agent.scale * mb.len() as f64 / total as f64;
+                    opts.scale = loss_opts.scale * agent.scale * mb.len() as f64 / total.max(1) as f64;
                     let batch = PolicyBatch {
                         logprobs: &lp,
                         mask: &mask,
@@ -162,10 +182,8 @@ impl Policy {
                     let terms = policy_loss(&batch, &opts).map_err(|e| TrainError::Model(format!("loss: {e}")))?;
                     let value = terms.loss.double_value(&[]);
                     if !value.is_finite() {
-                        self.optimizer.zero_grad();
-                        warn!(policy = %self.worker_agent, loss = value, "non-finite loss, skipping this update");
-                        stats.skipped = Some(format!("non-finite loss {value}"));
-                        return Ok(stats);
+                        bad_loss = Some(value);
+                        break 'agents;
                     }
                     stats.secs_forward += t_fwd.elapsed().as_secs_f64();
                     let t_bwd = std::time::Instant::now();
@@ -180,13 +198,33 @@ impl Policy {
                         backward_secs = t_bwd.elapsed().as_secs_f64(),
                         "mini-batch trained"
                     );
-                    let w = mb.len() as f64 / total as f64;
+                    let w = mb.len() as f64 / total.max(1) as f64;
                     loss += value;
                     kl += terms.kl * w * agent.scale;
                     clip_tok += terms.clip_fraction * terms.tokens;
                     ent_sum += tlp.entropy.detach().sum(Kind::Double).double_value(&[]);
                     tokens += terms.tokens;
                 }
+            }
+            // Every rank takes part in the same reductions, whatever its own samples did.
+            let summed = dist
+                .sum_f64(&[loss, kl, clip_tok, ent_sum, tokens, bad_loss.is_some() as u8 as f64])
+                .map_err(dist_err)?;
+            let [loss, kl, clip_tok, ent_sum, tokens, bad] = summed[..] else { unreachable!("six values were summed") };
+            if bad > 0.0 {
+                self.optimizer.zero_grad();
+                let why = match bad_loss {
+                    Some(v) => format!("non-finite loss {v}"),
+                    None => "non-finite loss on another rank".to_string(),
+                };
+                warn!(policy = %self.worker_agent, reason = %why, "skipping this update");
+                stats.skipped = Some(why);
+                return Ok(stats);
+            }
+            if dist.world() > 1 {
+                let t_comm = std::time::Instant::now();
+                crate::dist::all_reduce_grads(dist, &self.optimizer.parameters()).map_err(dist_err)?;
+                stats.secs_allreduce += t_comm.elapsed().as_secs_f64();
             }
             if !self.optimizer.grads_finite() {
                 self.optimizer.zero_grad();

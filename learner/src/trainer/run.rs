@@ -39,6 +39,7 @@ use super::{TrainError, TrainItem};
 use crate::algo::{AdvantageOptions, LossOptions, RolloutBuffer};
 use crate::checkpoint::{TrainState, latest_checkpoint, load_checkpoint, read_weights, save_checkpoint};
 use crate::config::{CheckedConfig, JointMode, MultiTurnMode, ProgressMode};
+use crate::dist::{Collective, DistError, SingleRank};
 use crate::external::expert::ExpertClient;
 use crate::metrics::MetricsWriter;
 
@@ -84,7 +85,10 @@ pub struct Trainer {
     position: u64,
     rng: ChaCha8Rng,
     rng_seed: u64,
-    metrics: MetricsWriter,
+    /// `None` on ranks other than 0: rank 0 alone writes the run's files.
+    metrics: Option<MetricsWriter>,
+    /// The learner's ranks (one rank: [`crate::dist::SingleRank`]).
+    dist: Box<dyn Collective>,
     history: Vec<BTreeMap<String, f64>>,
     last_checkpoint: Option<PathBuf>,
     /// Stop (as if killed) after this many steps; for resume tests.
@@ -114,7 +118,14 @@ const TAG_EVAL: u64 = 4;
 impl Trainer {
     /// Validates the setup and opens the run directory's metrics.
     pub fn new(s: TrainerSetup) -> Result<Self, TrainError> {
+        Self::new_ranked(s, Box::new(SingleRank))
+    }
+
+    /// A trainer that is one of the data-parallel ranks of `dist` (see [`crate::dist`]): it trains
+    /// on its share of each step's items; rank 0 alone pushes weights and writes the run's files.
+    pub fn new_ranked(s: TrainerSetup, dist: Box<dyn Collective>) -> Result<Self, TrainError> {
         super::check_supported(&s.cfg)?;
+        super::check_ranks(&s.cfg, dist.world())?;
         if s.agent_policy.len() != s.cfg.num_agents || s.agent_policy.iter().any(|&p| p >= s.policies.len()) {
             return Err(TrainError::Config(format!(
                 "{} agents mapped onto {} policies: {:?}",
@@ -129,9 +140,12 @@ impl Trainer {
         if s.train_items.iter().chain(&s.eval_items).any(|it| it.prompts.len() != s.cfg.num_agents) {
             return Err(TrainError::Data("every item needs one prompt per agent".into()));
         }
-        std::fs::create_dir_all(&s.run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
-        let metrics = MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard)
-            .map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+        let metrics = if dist.is_root() {
+            std::fs::create_dir_all(&s.run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+            Some(MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?)
+        } else {
+            None
+        };
         let rng_seed = derive_seed(&[s.cfg.raw.seed, TAG_BUFFER]);
         Ok(Self {
             step: 0,
@@ -140,6 +154,7 @@ impl Trainer {
             rng: ChaCha8Rng::seed_from_u64(rng_seed),
             rng_seed,
             metrics,
+            dist,
             history: Vec::new(),
             last_checkpoint: None,
             stop_after_steps: None,
@@ -214,16 +229,69 @@ impl Trainer {
     }
 
     /// Pushes every policy's current weights to the rollout workers, as a version above anything
-    /// they serve (a remote worker may hold an older run's weights).
+    /// they serve (a remote worker may hold an older run's weights). With several ranks, rank 0
+    /// pushes and every rank learns the version.
     pub fn sync_all_weights(&mut self) -> Result<f64, TrainError> {
         let t = Instant::now();
-        for p in &mut self.s.policies {
-            let served = self.s.rollout.policy_version(&p.worker_agent)?;
-            let v = served.max(p.wire_version) + 1;
-            self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
-            p.wire_version = v;
+        for pi in 0..self.s.policies.len() {
+            let mut v = 0;
+            if self.dist.is_root() {
+                let p = &self.s.policies[pi];
+                let served = self.s.rollout.policy_version(&p.worker_agent)?;
+                v = served.max(p.wire_version) + 1;
+                self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
+            }
+            self.s.policies[pi].wire_version = self.dist.broadcast_u64(v, 0).map_err(dist_err)?;
         }
         Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// The learner's ranks.
+    pub fn collective(&self) -> &dyn Collective {
+        self.dist.as_ref()
+    }
+
+    /// Gives every rank rank 0's weights, optimiser moments (when rank 0 has them: after a resume)
+    /// and train state, so that all ranks start identical.
+    pub fn sync_ranks(&mut self) -> Result<(), TrainError> {
+        if self.dist.world() == 1 {
+            return Ok(());
+        }
+        let d = self.dist.as_ref();
+        let mut state = serde_json::to_vec(&serde_json::json!({
+            "step": self.step, "epoch": self.epoch, "position": self.position,
+            "rng_seed": self.rng_seed, "rng_word_pos": self.rng.get_word_pos().to_string(),
+            "moments": self.s.policies.iter().map(|p| p.optimizer.has_state() && p.optimizer.step > 0).collect::<Vec<_>>(),
+            "optimizer_steps": self.s.policies.iter().map(|p| p.optimizer.step).collect::<Vec<_>>(),
+        }))
+        .map_err(|e| TrainError::Dist(e.to_string()))?;
+        d.broadcast_bytes(&mut state, 0).map_err(dist_err)?;
+        let st: serde_json::Value = serde_json::from_slice(&state).map_err(|e| TrainError::Dist(format!("rank 0's train state: {e}")))?;
+        let num = |k: &str| st[k].as_u64().ok_or_else(|| TrainError::Dist(format!("rank 0's train state lacks {k}")));
+        self.step = num("step")?;
+        self.epoch = num("epoch")?;
+        self.position = num("position")?;
+        self.rng_seed = num("rng_seed")?;
+        self.rng = ChaCha8Rng::seed_from_u64(self.rng_seed);
+        self.rng.set_word_pos(st["rng_word_pos"].as_str().and_then(|w| w.parse().ok()).unwrap_or(0));
+        for (pi, p) in self.s.policies.iter_mut().enumerate() {
+            crate::dist::broadcast_tensors(d, &p.optimizer.parameters(), 0).map_err(dist_err)?;
+            if st["moments"][pi].as_bool() == Some(true) {
+                crate::dist::broadcast_tensors(d, &p.optimizer.moments_mut(), 0).map_err(dist_err)?;
+                p.optimizer.step = st["optimizer_steps"][pi].as_u64().unwrap_or(p.optimizer.step);
+            }
+        }
+        info!(rank = d.rank(), world = d.world(), backend = d.backend(), step = self.step, "ranks start from rank 0's state");
+        Ok(())
+    }
+
+    /// Compares the policies' weights over the ranks (see [`crate::dist::check_same`]).
+    fn check_ranks_agree(&self) -> Result<(), TrainError> {
+        for p in &self.s.policies {
+            crate::dist::check_same(self.dist.as_ref(), &format!("policy `{}` after step {}", p.worker_agent, self.step), &p.optimizer.parameters())
+                .map_err(dist_err)?;
+        }
+        Ok(())
     }
 
     /// Sets the expert client `external.mode: expert_edits` asks for edits.
@@ -280,7 +348,9 @@ impl Trainer {
         let t_step = Instant::now();
         let cfg = self.s.cfg.clone();
         let n = cfg.num_agents;
-        let items: Vec<TrainItem> = rows.iter().map(|&r| self.s.train_items[r].clone()).collect();
+        let world = self.dist.world();
+        // This rank's share of the step's items: every world-th, from its rank on.
+        let items: Vec<TrainItem> = rank_share(rows, self.dist.rank(), world).iter().map(|&r| self.s.train_items[r].clone()).collect();
         let item_refs: Vec<&TrainItem> = items.iter().collect();
 
         // 1–3. the forest: generate, check versions, score, grow, depth by depth.
@@ -296,7 +366,9 @@ impl Trainer {
         let mut loss_opts = LossOptions::from_section(&cfg.trainer);
         loss_opts.scale = 1.0;
         let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
-        let groups = forest.update_groups(items.len(), self.b(), handoff);
+        // Ranks run the same optimiser rounds: one per turn, also where a rank has no node.
+        let groups =
+            if world > 1 { forest.groups_by_turn(items.len(), cfg.trainer.num_turns) } else { forest.update_groups(items.len(), self.b(), handoff) };
         let mut rounds: Vec<UpdateStats> = Vec::new();
         let mut updated = vec![false; self.s.policies.len()];
         for group in &groups {
@@ -326,24 +398,42 @@ impl Trainer {
                     .iter()
                     .map(|&a| AgentBatches { minibatches: buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size), scale })
                     .collect();
-                let stats = self.s.policies[pi].update(&batches, &loss_opts, epochs)?;
+                let local: Vec<f64> = batches.iter().map(|b| b.minibatches.iter().map(Vec::len).sum::<usize>() as f64).collect();
+                let totals: Vec<usize> = self.dist.sum_f64(&local).map_err(dist_err)?.iter().map(|&c| c as usize).collect();
+                if totals.iter().all(|&c| c == 0) {
+                    continue;
+                }
+                let stats = self.s.policies[pi].update_ranked(&batches, &totals, &loss_opts, epochs, self.dist.as_ref())?;
                 *changed |= stats.steps > 0;
                 rounds.push(stats);
             }
         }
         let t_train = t.elapsed().as_secs_f64();
 
-        // 6. the new weights reach every worker before anything else is sampled.
+        // 6. the new weights reach every worker before anything else is sampled (rank 0 pushes; the
+        // other ranks wait for it).
         let t = Instant::now();
         for (pi, changed) in updated.iter().enumerate() {
             if *changed {
                 let p = &mut self.s.policies[pi];
                 let v = p.wire_version + 1;
-                self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
+                if self.dist.is_root() {
+                    self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
+                }
                 p.wire_version = v;
             }
         }
+        if world > 1 {
+            self.dist.barrier().map_err(dist_err)?;
+        }
         let t_sync = t.elapsed().as_secs_f64();
+
+        // Rank 0 reports the whole step: every rank's nodes, its items in the same order.
+        let (forest, items) = if world > 1 { self.gather_step(forest, rows)? } else { (forest, items) };
+        if forest.nodes.is_empty() && !self.dist.is_root() {
+            return Ok(BTreeMap::new());
+        }
+        let item_refs: Vec<&TrainItem> = items.iter().collect();
 
         if cfg.raw.logging.rollouts {
             let path = self.s.run_dir.join("rollouts.jsonl");
@@ -394,11 +484,32 @@ impl Trainer {
         m.insert("time/train_forward".into(), rounds.iter().map(|s| s.secs_forward).sum::<f64>());
         m.insert("time/train_backward".into(), rounds.iter().map(|s| s.secs_backward).sum::<f64>());
         m.insert("time/train_optimizer".into(), rounds.iter().map(|s| s.secs_optimizer).sum::<f64>());
+        if world > 1 {
+            m.insert("time/train_allreduce".into(), rounds.iter().map(|s| s.secs_allreduce).sum::<f64>());
+            m.insert("ranks".into(), world as f64);
+        }
         m.insert("time/weight_sync".into(), t_sync);
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
         m.insert("epoch".into(), self.epoch as f64);
         m.insert("policy_version".into(), self.s.policies.iter().map(|p| p.wire_version).max().unwrap_or(0) as f64);
         Ok(m)
+    }
+
+    /// Rank 0 receives every rank's forest of this step (merged in rank order, with the items of
+    /// [`rank_share`] in the same order); other ranks get an empty forest back.
+    fn gather_step(&self, forest: Forest, rows: &[usize]) -> Result<(Forest, Vec<TrainItem>), TrainError> {
+        let bytes = serde_json::to_vec(&forest).map_err(|e| TrainError::Dist(format!("serialising the step's rollouts: {e}")))?;
+        let all = self.dist.all_gather_bytes(&bytes).map_err(dist_err)?;
+        if !self.dist.is_root() {
+            return Ok((Forest::default(), Vec::new()));
+        }
+        let (mut merged, mut items) = (Forest::default(), Vec::new());
+        for (rank, b) in all.iter().enumerate() {
+            let part: Forest = serde_json::from_slice(b).map_err(|e| TrainError::Dist(format!("rank {rank}'s rollouts: {e}")))?;
+            merged.absorb(part, items.len());
+            items.extend(rank_share(rows, rank, self.dist.world()).iter().map(|&r| self.s.train_items[r].clone()));
+        }
+        Ok((merged, items))
     }
 
     /// Evaluates on the first `eval_num_samples` eval items with `samples` joint samples per item
@@ -501,7 +612,9 @@ impl Trainer {
     }
 
     fn log(&mut self, values: &BTreeMap<String, f64>) -> Result<(), TrainError> {
-        self.metrics.log(self.step, values).map_err(|e| TrainError::Io(format!("{}: {e}", self.metrics.path().display())))?;
+        if let Some(metrics) = &mut self.metrics {
+            metrics.log(self.step, values).map_err(|e| TrainError::Io(format!("{}: {e}", metrics.path().display())))?;
+        }
         self.history.push(values.clone());
         Ok(())
     }
@@ -511,10 +624,13 @@ impl Trainer {
     pub fn run(&mut self) -> Result<RunSummary, TrainError> {
         let cfg = self.s.cfg.clone();
         let total = self.total_steps();
+        let root = self.dist.is_root();
+        self.sync_ranks()?;
         let t_sync = self.sync_all_weights()?;
         info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
-            steps = total, start_step = self.step, sync_secs = t_sync, "training");
-        let bar = progress_bar(cfg.raw.logging.progress, total, self.step);
+            steps = total, start_step = self.step, sync_secs = t_sync, rank = self.dist.rank(), ranks = self.dist.world(), "training");
+        let bar = if root { progress_bar(cfg.raw.logging.progress, total, self.step) } else { None };
+        let checksum_steps = cfg.raw.learner.checksum_steps;
         let n_items = self.s.train_items.len() as u64;
         let b = self.b() as u64;
         let mut stopped_early = false;
@@ -530,7 +646,8 @@ impl Trainer {
             // The original evaluates before training on item i of an epoch when i is a multiple of
             // eval_interval (so also before the first item); a step of several items evaluates once
             // when its items contain such an i.
-            let eval = if eval_due(cfg.trainer.eval_interval as u64, self.position, end) { Some(self.evaluate(1, &[1])?) } else { None };
+            // Rank 0 evaluates; the other ranks go on to their share of the step.
+            let eval = if root && eval_due(cfg.trainer.eval_interval as u64, self.position, end) { Some(self.evaluate(1, &[1])?) } else { None };
             let mut values = self.train_step(&rows)?;
             values.extend(eval.unwrap_or_default());
             self.position = end;
@@ -538,6 +655,12 @@ impl Trainer {
             if self.position >= n_items {
                 self.epoch += 1;
                 self.position = 0;
+            }
+            if checksum_steps > 0 && self.step.is_multiple_of(checksum_steps) {
+                self.check_ranks_agree()?;
+            }
+            if !root {
+                continue;
             }
             self.log(&values)?;
             let reward = values.get("reward/mean").copied().unwrap_or(f64::NAN);
@@ -563,7 +686,11 @@ impl Trainer {
         }
         let mut plots = Vec::new();
         let mut final_models = Vec::new();
-        if !stopped_early {
+        if self.dist.world() > 1 && !stopped_early {
+            // The ranks end agreeing, or the run says they did not.
+            self.check_ranks_agree()?;
+        }
+        if !stopped_early && root {
             let saved_now = self.last_checkpoint.as_ref().is_some_and(|d| d.ends_with(format!("step-{}", self.step)));
             if cfg.raw.output.save_final_model {
                 // The checkpoint (for resuming) and the models users load, as the original's save_pretrained.
@@ -585,13 +712,22 @@ impl Trainer {
         Ok(RunSummary {
             run_dir: self.s.run_dir.clone(),
             steps: self.step,
-            metrics_path: self.metrics.path().to_path_buf(),
+            metrics_path: self.s.run_dir.join(crate::metrics::METRICS_FILE),
             checkpoint: self.last_checkpoint.clone(),
             final_models,
             plots,
             history: self.history.clone(),
         })
     }
+}
+
+/// The rows of a step that rank `rank` of `world` rolls out and trains on: every world-th.
+pub fn rank_share(rows: &[usize], rank: usize, world: usize) -> Vec<usize> {
+    rows.iter().copied().skip(rank).step_by(world.max(1)).collect()
+}
+
+fn dist_err(e: DistError) -> TrainError {
+    TrainError::Dist(e.to_string())
 }
 
 /// Whether a step over the epoch's items `[start, end)` contains an item whose index is a multiple of

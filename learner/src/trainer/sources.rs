@@ -46,7 +46,7 @@ pub struct GenRequest {
 }
 
 /// One sampled completion.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GenSample {
     pub token_ids: Vec<u32>,
     pub text: String,
@@ -99,7 +99,7 @@ pub struct ScoreAction {
 }
 
 /// The score of one joint action.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Score {
     pub reward: f64,
     /// Reward contributed by each level (`level_1`, ...).
@@ -112,7 +112,7 @@ pub struct Score {
 }
 
 /// What the evaluation metrics need from a code reward.
-#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct CodeOutcome {
     pub passed_tests: u64,
     pub total_tests: u64,

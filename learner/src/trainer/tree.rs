@@ -26,7 +26,7 @@ use crate::config::{Handoff, JointMode};
 use crate::prompts::multiturn::TurnRecord;
 
 /// One agent's prompt at a node.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AgentPrompt {
     /// The user text (before any chat template).
     pub text: String,
@@ -35,7 +35,7 @@ pub struct AgentPrompt {
 }
 
 /// One node of the forest; see the module docs.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Node {
     pub id: usize,
     /// Position of the node's item in the step's items.
@@ -194,12 +194,32 @@ pub fn handoff_picks<R: Rng + ?Sized>(node: &Node, handoff: Handoff, rng: &mut R
 }
 
 /// The forest of one step, nodes in creation order (a child is always created after its parent).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Forest {
     pub nodes: Vec<Node>,
 }
 
 impl Forest {
+    /// Appends another forest (another rank's share of a step): its node ids, parents and children
+    /// move past this forest's nodes and its items past `item_offset`.
+    pub fn absorb(&mut self, other: Forest, item_offset: usize) {
+        let base = self.nodes.len();
+        for mut n in other.nodes {
+            n.id += base;
+            n.item += item_offset;
+            n.parent = n.parent.map(|p| p + base);
+            n.children.iter_mut().for_each(|c| *c += base);
+            self.nodes.push(n);
+        }
+    }
+
+    /// The update groups of data-parallel ranks: one per turn, every turn of the run present (empty
+    /// when this rank has no node of it), so that every rank runs the same optimiser rounds.
+    pub fn groups_by_turn(&self, items: usize, turns: usize) -> Vec<Vec<usize>> {
+        let order: Vec<usize> = (0..items).flat_map(|i| self.preorder(i)).collect();
+        (0..turns.max(1)).map(|t| order.iter().copied().filter(|&i| self.nodes[i].turn == t).collect()).collect()
+    }
+
     /// Returns of every node: `discounted` (tree) R_j = r_j + γ·mean(returns of child j), R_j = r_j
     /// at leaves and for joint actions without a child; otherwise (handoff) R = r.
     pub fn compute_returns(&mut self, gamma: f64, discounted: bool) {

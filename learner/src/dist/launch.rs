@@ -1,0 +1,137 @@
+//! `learner launch --nproc-per-node N -- train --config FILE [...]`: starts N ranks of the learner
+//! on this machine, as torchrun does, and stops all of them when one fails.
+//!
+//! - MPI backend (the default on CPU): through Open MPI's `mpirun`, which starts the ranks, tags
+//!   their output with the rank, and aborts the job naming the rank that failed.
+//! - NCCL backend: the ranks are started here with torchrun's environment (`RANK`, `WORLD_SIZE`,
+//!   `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`); when one exits with an error
+//!   the others are killed and the failing rank is named.
+
+use std::process::{Child, Command, ExitStatus};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+
+use crate::config::DistBackend;
+
+/// What `learner launch` was asked for.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    pub nproc: usize,
+    pub backend: DistBackend,
+    pub master_port: Option<u16>,
+    /// The learner arguments after `--` (`train --config FILE ...`).
+    pub args: Vec<String>,
+}
+
+/// Runs the job to its end; `Ok` when every rank succeeded.
+pub fn launch(spec: &LaunchSpec) -> anyhow::Result<()> {
+    if spec.nproc == 0 {
+        bail!("--nproc-per-node must be at least 1");
+    }
+    if spec.args.first().map(String::as_str) != Some("train") {
+        bail!("learner launch runs `train`: give `learner launch --nproc-per-node N -- train --config FILE [...]`");
+    }
+    let exe = std::env::current_exe().context("locating the learner binary")?;
+    let backend = match spec.backend {
+        DistBackend::Auto if tch::Cuda::is_available() => DistBackend::Nccl,
+        DistBackend::Auto => DistBackend::Mpi,
+        b => b,
+    };
+    match backend {
+        DistBackend::Mpi => launch_mpi(spec, &exe),
+        _ => launch_torchrun_style(spec, &exe),
+    }
+}
+
+/// `mpirun -np N ... learner train ...`.
+pub fn mpirun_command(spec: &LaunchSpec, exe: &std::path::Path, as_root: bool) -> Command {
+    let mut cmd = Command::new("mpirun");
+    cmd.arg("-np").arg(spec.nproc.to_string());
+    // More ranks than cores is allowed (a 2-core machine running 2 ranks and their services), each
+    // rank's threads are not pinned to one core, and output lines carry their rank.
+    cmd.args(["--oversubscribe", "--bind-to", "none", "--tag-output"]);
+    // Open MPI refuses to run as root unless told; containers and CI machines often are root.
+    if as_root {
+        cmd.arg("--allow-run-as-root");
+    }
+    // Shared-memory transport without the ptrace-based single copy, which containers often forbid.
+    cmd.args(["--mca", "btl", "self,vader", "--mca", "btl_vader_single_copy_mechanism", "none"]);
+    cmd.arg(exe).args(&spec.args);
+    cmd
+}
+
+fn is_root() -> bool {
+    // The effective uid from /proc, without a libc dependency.
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).and_then(|l| l.split_whitespace().nth(2)).map(|u| u == "0"))
+        .unwrap_or(false)
+}
+
+fn launch_mpi(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Result<()> {
+    let mut cmd = mpirun_command(spec, exe, is_root());
+    let status = cmd.status().map_err(|e| {
+        anyhow::anyhow!("cannot start `mpirun` ({e}): the MPI backend needs Open MPI (Debian: apt-get install openmpi-bin; `make setup` installs it)")
+    })?;
+    if !status.success() {
+        bail!("the learner job failed ({status}); mpirun's report above names the rank that failed");
+    }
+    Ok(())
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn launch_torchrun_style(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Result<()> {
+    let port = match spec.master_port {
+        Some(p) => p,
+        None => free_port()?,
+    };
+    let mut children: Vec<Child> = Vec::new();
+    for rank in 0..spec.nproc {
+        let child = Command::new(exe)
+            .args(&spec.args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", spec.nproc.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", spec.nproc.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .spawn()
+            .with_context(|| format!("starting rank {rank}"))?;
+        children.push(child);
+    }
+    let failed = supervise(&mut children)?;
+    match failed {
+        None => Ok(()),
+        Some((rank, status)) => bail!("rank {rank} failed ({status}); the other ranks were stopped. Its error is in the output above."),
+    }
+}
+
+/// Waits for every child; on the first failure kills the rest and returns (rank, status).
+fn supervise(children: &mut [Child]) -> anyhow::Result<Option<(usize, ExitStatus)>> {
+    let mut done = vec![false; children.len()];
+    while done.iter().any(|d| !d) {
+        for (rank, child) in children.iter_mut().enumerate() {
+            if done[rank] {
+                continue;
+            }
+            if let Some(status) = child.try_wait()? {
+                done[rank] = true;
+                if !status.success() {
+                    for (r, other) in children.iter_mut().enumerate() {
+                        if r != rank {
+                            let _ = other.kill();
+                            let _ = other.wait();
+                        }
+                    }
+                    return Ok(Some((rank, status)));
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(None)
+}

@@ -1,0 +1,265 @@
+//! Learner ranks: one process per rank, started by a launcher ([`env`]), working together through a
+//! [`Collective`] on an existing library: MPI (Open MPI, through the `mpi` crate) for CPU tensors,
+//! NCCL (through cudarc, the `cuda` feature) for CUDA tensors. `learner launch` ([`launch`]) starts
+//! the ranks of one machine.
+//!
+//! What the trainers do with it ([`crate::trainer`]): every rank holds the same policies (broadcast
+//! from rank 0 at start and after a resume), rolls out and trains on its share of each step's items,
+//! and all-reduces the gradients (scaled by the global sample count) before the optimiser step, so
+//! that every rank takes the same step as one process would on all the items. Rank 0 alone pushes
+//! weights to the rollout workers and writes metrics, plots and checkpoints.
+
+pub mod env;
+pub mod launch;
+#[cfg(feature = "mpi")]
+mod mpi_backend;
+#[cfg(feature = "cuda")]
+mod nccl;
+#[cfg(feature = "cuda")]
+mod rendezvous;
+
+use tch::{Device, Kind, Tensor};
+
+pub use env::{Launcher, RankEnv};
+
+use crate::config::DistBackend;
+
+/// A failed collective, or ranks that cannot be joined.
+#[derive(Debug, thiserror::Error)]
+#[error("learner ranks: {0}")]
+pub struct DistError(pub String);
+
+/// The collectives the trainers need. Every rank must call the same operations in the same order
+/// (as with MPI and NCCL themselves).
+pub trait Collective {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// `mpi`, `nccl` or `single`.
+    fn backend(&self) -> &'static str;
+    /// Where the tensors given to this collective must live.
+    fn device(&self) -> Device;
+    /// Element-wise sum over the ranks, in place (a contiguous f32, f64 or i64 tensor).
+    fn all_reduce_sum(&self, t: &mut Tensor) -> Result<(), DistError>;
+    /// Rank `root`'s values into every rank's `t` (same shape and kind everywhere).
+    fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), DistError>;
+    /// Every rank's `t` (same shape everywhere), stacked in rank order.
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor, DistError>;
+
+    fn is_root(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// Rank `root`'s bytes into every rank's `bytes`.
+    fn broadcast_bytes(&self, bytes: &mut Vec<u8>, root: usize) -> Result<(), DistError> {
+        if self.world() == 1 {
+            return Ok(());
+        }
+        let mut len = Tensor::from_slice(&[bytes.len() as i64]).to_device(self.device());
+        self.broadcast(&mut len, root)?;
+        let n = len.int64_value(&[0]) as usize;
+        let mut data = if self.rank() == root { Tensor::from_slice(bytes.as_slice()) } else { Tensor::zeros([n as i64], (Kind::Uint8, Device::Cpu)) }
+            .to_device(self.device());
+        self.broadcast(&mut data, root)?;
+        *bytes = tensor_bytes(&data.to_device(Device::Cpu));
+        Ok(())
+    }
+
+    /// Every rank's bytes, in rank order.
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
+        if self.world() == 1 {
+            return Ok(vec![mine.to_vec()]);
+        }
+        let lens = self.all_gather(&Tensor::from_slice(&[mine.len() as i64]).to_device(self.device()))?.to_device(Device::Cpu);
+        let lens: Vec<usize> = (0..self.world()).map(|r| lens.int64_value(&[r as i64, 0]) as usize).collect();
+        let width = lens.iter().copied().max().unwrap_or(0);
+        let mut padded = mine.to_vec();
+        padded.resize(width, 0);
+        let all = self.all_gather(&Tensor::from_slice(&padded).to_device(self.device()))?.to_device(Device::Cpu);
+        Ok(lens.iter().enumerate().map(|(r, &n)| tensor_bytes(&all.get(r as i64).narrow(0, 0, n as i64))).collect())
+    }
+
+    /// Waits for every rank.
+    fn barrier(&self) -> Result<(), DistError> {
+        let mut t = Tensor::zeros([1], (Kind::Float, self.device()));
+        self.all_reduce_sum(&mut t)
+    }
+
+    /// Rank `root`'s value on every rank.
+    fn broadcast_u64(&self, v: u64, root: usize) -> Result<u64, DistError> {
+        if self.world() == 1 {
+            return Ok(v);
+        }
+        let mut t = Tensor::from_slice(&[v as i64]).to_device(self.device());
+        self.broadcast(&mut t, root)?;
+        Ok(t.to_device(Device::Cpu).int64_value(&[0]) as u64)
+    }
+
+    /// Sums f64 scalars over the ranks (counts, flags, statistics).
+    fn sum_f64(&self, values: &[f64]) -> Result<Vec<f64>, DistError> {
+        if self.world() == 1 {
+            return Ok(values.to_vec());
+        }
+        let mut t = Tensor::from_slice(values).to_device(self.device());
+        self.all_reduce_sum(&mut t)?;
+        Vec::<f64>::try_from(&t.to_device(Device::Cpu)).map_err(|e| DistError(e.to_string()))
+    }
+}
+
+fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.contiguous();
+    let mut out = vec![0u8; t.numel()];
+    t.copy_data_u8(&mut out, t.numel());
+    out
+}
+
+/// The one-process "job": every collective is the identity.
+pub struct SingleRank;
+
+impl Collective for SingleRank {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn backend(&self) -> &'static str {
+        "single"
+    }
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn all_reduce_sum(&self, _t: &mut Tensor) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn broadcast(&self, _t: &mut Tensor, _root: usize) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor, DistError> {
+        Ok(t.unsqueeze(0))
+    }
+}
+
+/// Joins the job this process was launched into (one rank when no launcher is in the environment).
+/// `device` is where the learner's tensors live; `backend` the config's `learner.backend`.
+pub fn init(backend: DistBackend, device: Device) -> Result<Box<dyn Collective>, DistError> {
+    let env = RankEnv::from_env().map_err(DistError)?;
+    if env.world == 1 && env.launcher != Launcher::Mpi {
+        return Ok(Box::new(SingleRank));
+    }
+    let backend = match backend {
+        DistBackend::Auto if device.is_cuda() => DistBackend::Nccl,
+        DistBackend::Auto => DistBackend::Mpi,
+        b => b,
+    };
+    match backend {
+        DistBackend::Mpi => init_mpi(&env),
+        DistBackend::Nccl => init_nccl(&env, device),
+        DistBackend::Auto => unreachable!("resolved above"),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn init_mpi(env: &RankEnv) -> Result<Box<dyn Collective>, DistError> {
+    if env.launcher != Launcher::Mpi {
+        return Err(DistError(format!(
+            "{} ranks from the {:?} environment, but learner.backend mpi needs ranks started by an MPI launcher: \
+             `learner launch --nproc-per-node N -- train ...`, `mpirun -np N learner train ...`, or `srun --mpi=pmix learner train ...` \
+             (torchrun-style environments work with learner.backend: nccl)",
+            env.world, env.launcher
+        )));
+    }
+    Ok(Box::new(mpi_backend::MpiCollective::init(env)?))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn init_mpi(env: &RankEnv) -> Result<Box<dyn Collective>, DistError> {
+    Err(DistError(format!("{} ranks need the MPI backend, and this learner was built without the `mpi` feature", env.world)))
+}
+
+#[cfg(feature = "cuda")]
+fn init_nccl(env: &RankEnv, device: Device) -> Result<Box<dyn Collective>, DistError> {
+    Ok(Box::new(nccl::NcclCollective::init(env, device)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn init_nccl(env: &RankEnv, _device: Device) -> Result<Box<dyn Collective>, DistError> {
+    Err(DistError(format!(
+        "{} ranks with learner.backend nccl, but this learner was built without the `cuda` feature (cargo build --features cuda)",
+        env.world
+    )))
+}
+
+/// Sums the gradients of `params` over the ranks in one message (the parameters' gradients are
+/// flattened into one buffer of the collective's device and copied back). Parameters without a
+/// gradient on this rank contribute zeros.
+pub fn all_reduce_grads(coll: &dyn Collective, params: &[Tensor]) -> Result<(), DistError> {
+    if coll.world() == 1 || params.is_empty() {
+        return Ok(());
+    }
+    // A rank without samples has no gradients yet: give them zeros (a backward of 0·Σp) so that
+    // the other ranks' sum has somewhere to land.
+    let missing: Vec<&Tensor> = params.iter().filter(|p| !p.grad().defined()).collect();
+    if !missing.is_empty() {
+        let zero = missing.iter().map(|p| p.sum(Kind::Float) * 0.0).fold(Tensor::zeros([], (Kind::Float, missing[0].device())), |a, b| a + b);
+        zero.f_backward().map_err(|e| DistError(format!("zero gradients: {e}")))?;
+    }
+    tch::no_grad(|| {
+        let flats: Vec<Tensor> = params.iter().map(|p| p.grad().to_kind(Kind::Float).reshape([-1])).collect();
+        let mut flat = Tensor::cat(&flats, 0).to_device(coll.device());
+        coll.all_reduce_sum(&mut flat)?;
+        let mut offset = 0i64;
+        for p in params {
+            let n = p.numel() as i64;
+            let part = flat.narrow(0, offset, n).view(p.size().as_slice()).to_device(p.device()).to_kind(p.kind());
+            p.grad().copy_(&part);
+            offset += n;
+        }
+        Ok(())
+    })
+}
+
+/// Copies rank `root`'s values of `tensors` into every rank's (weights, optimiser moments).
+pub fn broadcast_tensors(coll: &dyn Collective, tensors: &[Tensor], root: usize) -> Result<(), DistError> {
+    if coll.world() == 1 {
+        return Ok(());
+    }
+    tch::no_grad(|| {
+        for t in tensors {
+            let mut buf = t.detach().to_kind(Kind::Float).to_device(coll.device()).contiguous();
+            coll.broadcast(&mut buf, root)?;
+            t.detach().copy_(&buf.to_device(t.device()).to_kind(t.kind()));
+        }
+        Ok(())
+    })
+}
+
+/// Checks that every rank holds the same `tensors` (a sum and a sum of squares compared over the
+/// ranks); an error names the ranks that differ from rank 0.
+pub fn check_same(coll: &dyn Collective, what: &str, tensors: &[Tensor]) -> Result<(), DistError> {
+    if coll.world() == 1 {
+        return Ok(());
+    }
+    let (mut sum, mut sq) = (0f64, 0f64);
+    for t in tensors {
+        let d = t.detach().to_kind(Kind::Double);
+        sum += d.sum(Kind::Double).double_value(&[]);
+        sq += (&d * &d).sum(Kind::Double).double_value(&[]);
+    }
+    let all = coll.all_gather(&Tensor::from_slice(&[sum, sq]).to_device(coll.device()))?.to_device(Device::Cpu);
+    let at = |r: usize, k: usize| all.double_value(&[r as i64, k as i64]);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1e-12);
+    let differ: Vec<String> = (1..coll.world())
+        .filter(|&r| !(close(at(r, 0), at(0, 0)) && close(at(r, 1), at(0, 1))))
+        .map(|r| format!("rank {r} (sum {:.9e}, sum of squares {:.9e})", at(r, 0), at(r, 1)))
+        .collect();
+    if differ.is_empty() {
+        Ok(())
+    } else {
+        Err(DistError(format!(
+            "{what} diverged between ranks: rank 0 has sum {:.9e}, sum of squares {:.9e}; {}",
+            at(0, 0),
+            at(0, 1),
+            differ.join("; ")
+        )))
+    }
+}

@@ -1,0 +1,117 @@
+//! The NCCL backend (the `cuda` feature): cudarc's NCCL bindings, loaded at run time, on the CUDA
+//! tensors libtorch owns. Torch's device memory is lent to cudarc for each call (never freed by it),
+//! and both sides synchronise around the call so that NCCL's stream and torch's agree.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::safe::{Comm, Id, ReduceOp};
+use tch::{Device, Kind, Tensor};
+
+use super::{Collective, DistError, RankEnv, rendezvous};
+
+pub struct NcclCollective {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+    device: Device,
+}
+
+fn err(e: impl std::fmt::Debug) -> DistError {
+    DistError(format!("NCCL: {e:?}"))
+}
+
+impl NcclCollective {
+    pub fn init(env: &RankEnv, device: Device) -> Result<Self, DistError> {
+        let Device::Cuda(ordinal) = device else {
+            return Err(DistError(format!("learner.backend nccl needs CUDA tensors, the learner's device is {device:?}")));
+        };
+        let (addr, port) = env.master.clone().ok_or_else(|| {
+            DistError("learner.backend nccl needs MASTER_ADDR/MASTER_PORT (torchrun, Slurm or `learner launch --backend nccl`)".into())
+        })?;
+        let id = if env.rank == 0 {
+            let id = Id::new().map_err(err)?;
+            let bytes: [u8; 128] = id.internal().map(|c| c as u8);
+            rendezvous::serve(&addr, port, &bytes, env.world - 1)?;
+            id
+        } else {
+            Id::uninit(rendezvous::fetch(&addr, port)?.map(|b| b as core::ffi::c_char))
+        };
+        let ctx = CudaContext::new(ordinal).map_err(err)?;
+        let stream = ctx.default_stream();
+        let comm = Comm::from_rank(stream.clone(), env.rank, env.world, id).map_err(err)?;
+        Ok(Self { comm, stream, device })
+    }
+
+    /// Runs `f` on `t`'s memory as a cudarc slice of `T`, synchronising torch before and NCCL after.
+    fn on_slice<T>(&self, t: &Tensor, f: impl FnOnce(&mut cudarc::driver::CudaSlice<T>) -> Result<(), DistError>) -> Result<(), DistError> {
+        if t.device() != self.device || !t.is_contiguous() {
+            return Err(DistError(format!("the NCCL backend works on contiguous tensors on {:?}, got one on {:?}", self.device, t.device())));
+        }
+        tch::Cuda::synchronize(match self.device {
+            Device::Cuda(i) => i as i64,
+            _ => 0,
+        });
+        // SAFETY: `t` is a live contiguous allocation of `numel` elements of `T` on this device; the
+        // slice is leaked back below, so cudarc never frees torch's memory.
+        let mut slice = unsafe { self.stream.upgrade_device_ptr::<T>(t.data_ptr() as u64, t.numel()) };
+        let out = f(&mut slice);
+        slice.leak();
+        self.stream.synchronize().map_err(err)?;
+        out
+    }
+}
+
+impl Collective for NcclCollective {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn world(&self) -> usize {
+        self.comm.world_size()
+    }
+    fn backend(&self) -> &'static str {
+        "nccl"
+    }
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn all_reduce_sum(&self, t: &mut Tensor) -> Result<(), DistError> {
+        match t.kind() {
+            Kind::Float => self.on_slice::<f32>(t, |s| self.comm.all_reduce_in_place(s, &ReduceOp::Sum).map(|_| ()).map_err(err)),
+            Kind::Double => self.on_slice::<f64>(t, |s| self.comm.all_reduce_in_place(s, &ReduceOp::Sum).map(|_| ()).map_err(err)),
+            Kind::Int64 => self.on_slice::<i64>(t, |s| self.comm.all_reduce_in_place(s, &ReduceOp::Sum).map(|_| ()).map_err(err)),
+            k => Err(DistError(format!("the NCCL backend sums f32, f64 and i64 tensors, got {k:?}"))),
+        }
+    }
+
+    fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), DistError> {
+        let root = root as i32;
+        match t.kind() {
+            Kind::Float => self.on_slice::<f32>(t, |s| self.comm.broadcast_in_place(s, root).map(|_| ()).map_err(err)),
+            Kind::Double => self.on_slice::<f64>(t, |s| self.comm.broadcast_in_place(s, root).map(|_| ()).map_err(err)),
+            Kind::Int64 => self.on_slice::<i64>(t, |s| self.comm.broadcast_in_place(s, root).map(|_| ()).map_err(err)),
+            Kind::Uint8 => self.on_slice::<u8>(t, |s| self.comm.broadcast_in_place(s, root).map(|_| ()).map_err(err)),
+            k => Err(DistError(format!("the NCCL backend broadcasts f32, f64, i64 and u8 tensors, got {k:?}"))),
+        }
+    }
+
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor, DistError> {
+        let t = t.contiguous();
+        let mut size = t.size();
+        size.insert(0, self.world() as i64);
+        let out = Tensor::zeros(size.as_slice(), (t.kind(), self.device));
+        macro_rules! gather {
+            ($ty:ty) => {
+                self.on_slice::<$ty>(&t, |src| self.on_slice::<$ty>(&out, |dst| self.comm.all_gather(src, dst).map(|_| ()).map_err(err)))
+            };
+        }
+        match t.kind() {
+            Kind::Float => gather!(f32),
+            Kind::Double => gather!(f64),
+            Kind::Int64 => gather!(i64),
+            Kind::Uint8 => gather!(u8),
+            k => return Err(DistError(format!("the NCCL backend gathers f32, f64, i64 and u8 tensors, got {k:?}"))),
+        }?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,219 @@
+//! Learner ranks end to end: `learner launch --nproc-per-node 2` (two `learner train` processes
+//! joined by Open MPI, the embedded reward server and rollout worker started once, by rank 0) against
+//! one `learner train` process on the same config and seed: the same weights after 3 steps, for
+//! separate and for shared parameters; a rank killed mid-run stops the job with the rank named, and
+//! the last checkpoint resumes (on 2 ranks) to the same weights as an uninterrupted run.
+//!
+//! The model is the tiny Llama with a word-level tokenizer (see [`tiny_word_model_dir`]) and the
+//! task TLDR with its real reward, so that rewards vary and every step changes the weights.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use cotrain_tests::{binaries, tiny_word_model_dir};
+use tch::{Kind, Tensor};
+
+fn write_config(dir: &Path, model: &Path, name: &str, rows: usize, extra: &str) -> PathBuf {
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(
+        &path,
+        format!(
+            "model: {{name: '{model}', dtype: f32, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 512}}\n\
+             dataset: {{name: tldr, train_split: 'train[:{rows}]'}}\n\
+             seed: 3\n\
+             output: {{base_dir: '{out}', save_final_model: true}}\n\
+             magrpo:\n  num_agents: 2\n  num_generations: 3\n  max_new_tokens: 8\n  learning_rate: 0.0005\n  \
+             num_train_epochs: 1\n  rollout_buffer_size: 4\n  save_steps: 1\n  logging_steps: 1\n{extra}\
+             logging: {{run_name: {name}, progress: never}}\n",
+            model = model.display(),
+            out = dir.join("out").display(),
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn learner(args: &[&str], config: &Path) -> Output {
+    let out = Command::new(binaries().unwrap().join("learner")).args(args).arg("--config").arg(config).output().unwrap();
+    assert!(
+        out.status.success(),
+        "learner {args:?} failed\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn weights(path: &Path) -> BTreeMap<String, Tensor> {
+    Tensor::read_safetensors(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).into_iter().collect()
+}
+
+/// Over the tensors: the largest ‖a − b‖ / ‖a‖ (relative difference), the largest
+/// ‖a − b‖ / ‖a − base‖ (difference relative to the training update), and the largest
+/// ‖a − base‖ / ‖base‖ (how far training moved the weights).
+fn relative_difference(a: &Path, b: &Path, base: &Path) -> (f64, f64, f64) {
+    let (a, b, base) = (weights(a), weights(b), weights(base));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let (mut rel, mut of_update, mut moved) = (0f64, 0f64, 0f64);
+    for (k, ta) in &a {
+        let norm = |t: Tensor| t.to_kind(Kind::Double).norm().double_value(&[]);
+        let diff = norm(ta - &b[k]);
+        let update = norm(ta - &base[k]);
+        rel = rel.max(diff / norm(ta.shallow_clone()).max(1e-12));
+        if update > 0.0 {
+            of_update = of_update.max(diff / update);
+        }
+        moved = moved.max(update / norm(base[k].shallow_clone()).max(1e-12));
+    }
+    (rel, of_update, moved)
+}
+
+fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// Trains `extra` once on one rank and once on two; asserts the same steps, rewards and weights.
+fn one_rank_equals_two(extra: &str, policy_dirs: &[&str]) {
+    one_rank_equals_two_on(extra, policy_dirs, &[]);
+}
+
+/// [`one_rank_equals_two`] with `launch_flags` given to `learner launch` (e.g. `--backend nccl`).
+fn one_rank_equals_two_on(extra: &str, policy_dirs: &[&str], launch_flags: &[&str]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_word_model_dir(tmp.path()).unwrap();
+    let one = write_config(tmp.path(), &model, "one", 12, extra);
+    let two = write_config(tmp.path(), &model, "two", 12, extra);
+    learner(&["train"], &one);
+    let mut args = vec!["launch", "--nproc-per-node", "2"];
+    args.extend_from_slice(launch_flags);
+    args.extend(["--", "train"]);
+    let out = learner(&args, &two);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // Rank 0 reports the run; the other rank prints nothing of its own.
+    assert!(stdout.contains("run directory: "), "{stdout}");
+    assert!(!stdout.contains("[1,1]<stdout>:run directory"), "{stdout}");
+
+    let (m1, m2) = (metrics(&tmp.path().join("out/one")), metrics(&tmp.path().join("out/two")));
+    assert_eq!(m1.len(), 3, "12 rows, 4 per step");
+    assert_eq!(m2.len(), 3, "rank 0 alone writes metrics: {m2:?}");
+    for (a, b) in m1.iter().zip(&m2) {
+        assert_eq!(b["ranks"], 2.0);
+        for k in ["reward/mean", "reward/std", "loss", "grad_norm"] {
+            let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "step {}: {k} {x} on one rank, {y} on two", a["step"]);
+        }
+    }
+    assert!(m1.iter().any(|m| m["reward/std"].as_f64().unwrap() > 0.0), "rewards must vary for the comparison to mean anything");
+    for dir in policy_dirs {
+        let file = format!("final_model/{dir}/model.safetensors");
+        let (rel, of_update, moved) = relative_difference(
+            &tmp.path().join("out/one").join(&file),
+            &tmp.path().join("out/two").join(&file),
+            &model.join("model.safetensors"),
+        );
+        assert!(moved > 1e-3, "{dir}: training moved no weight (largest change {moved})");
+        assert!(rel <= 1e-5, "{dir}: weights differ by {rel} (relative) between one and two ranks");
+        // Adam turns the last bits of a gradient summed in another order into visible differences
+        // on its smallest components; a rank that trained alone would differ by the whole update.
+        assert!(of_update <= 5e-3, "{dir}: the ranks' weights differ by {of_update} of the update");
+    }
+}
+
+#[test]
+fn two_cpu_ranks_train_the_same_weights_as_one_with_separate_policies() {
+    one_rank_equals_two("", &["agent-0", "agent-1"]);
+}
+
+#[test]
+fn two_cpu_ranks_train_the_same_weights_as_one_with_shared_parameters() {
+    one_rank_equals_two("  shared_parameters: true\n", &["shared"]);
+}
+
+/// The pid of the `learner train` process that is rank `rank` of the job training `config`.
+fn rank_pid(rank: usize, config: &Path) -> Option<u32> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        let environ = std::fs::read(e.path().join("environ")).ok()?;
+        let has = |hay: &[u8], needle: &[u8]| hay.split(|&b| b == 0).any(|part| part == needle);
+        let cmd = String::from_utf8_lossy(&cmdline);
+        (cmd.contains(config.to_str()?) && cmd.contains("train") && has(&environ, want.as_bytes())).then_some(pid)
+    })
+}
+
+#[test]
+fn a_rank_killed_mid_run_stops_the_job_and_its_checkpoint_resumes_to_the_same_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_word_model_dir(tmp.path()).unwrap();
+    // 8 steps, so that the job is still running when its first checkpoint appears.
+    let whole = write_config(tmp.path(), &model, "whole", 32, "");
+    let cut = write_config(tmp.path(), &model, "cut", 32, "");
+    learner(&["launch", "--nproc-per-node", "2", "--", "train"], &whole);
+
+    let child = Command::new(binaries().unwrap().join("learner"))
+        .args(["launch", "--nproc-per-node", "2", "--", "train", "--config"])
+        .arg(&cut)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let run_dir = tmp.path().join("out/cut");
+    let start = Instant::now();
+    while !run_dir.join("checkpoints/step-1/state.json").exists() {
+        assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint appeared");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Freeze rank 1 (rank 0 then waits in the next collective, mid-step), then kill it.
+    let pid = rank_pid(1, &cut).expect("rank 1 is running");
+    assert!(Command::new("kill").args(["-STOP", &pid.to_string()]).status().unwrap().success());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the job must fail when a rank dies");
+    assert!(stderr.contains("rank 1") && stderr.contains("Killed"), "the error names the rank and its signal:\n{stderr}");
+    assert!(stderr.contains("the learner job failed"), "{stderr}");
+    let done = metrics(&run_dir).len();
+    assert!(done < 8, "the job was cut short (it logged {done} of 8 steps)");
+
+    // The last complete checkpoint resumes, on two ranks, to the weights of the uninterrupted run.
+    learner(&["launch", "--nproc-per-node", "2", "--", "train", "--resume", run_dir.to_str().unwrap()], &cut);
+    for dir in ["agent-0", "agent-1"] {
+        let file = format!("final_model/{dir}/model.safetensors");
+        let (rel, _, moved) = relative_difference(&tmp.path().join("out/whole").join(&file), &run_dir.join(&file), &model.join("model.safetensors"));
+        assert!(moved > 1e-3);
+        assert!(rel <= 1e-5, "{dir}: the resumed run differs by {rel} from the uninterrupted one");
+    }
+}
+
+#[test]
+fn a_torchrun_environment_without_an_mpi_launcher_is_refused_with_the_commands_that_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_word_model_dir(tmp.path()).unwrap();
+    let cfg = write_config(tmp.path(), &model, "torchrun", 4, "");
+    let out = Command::new(binaries().unwrap().join("learner"))
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .envs([("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("learner launch --nproc-per-node N") && stderr.contains("mpirun"), "{stderr}");
+}
+
+/// On a machine with two GPUs and the `cuda` feature (`cargo test -p cotrain-tests --features cuda
+/// --test e2e_ranks`): the NCCL backend, ranks started with torchrun's environment.
+#[cfg(feature = "cuda")]
+#[test]
+fn two_nccl_ranks_train_the_same_weights_as_one() {
+    let gpus = tch::Cuda::device_count();
+    if gpus < 2 {
+        eprintln!("skipped: NCCL ranks need two GPUs, this machine has {gpus}");
+        return;
+    }
+    one_rank_equals_two_on("", &["agent-0", "agent-1"], &["--backend", "nccl"]);
+}
