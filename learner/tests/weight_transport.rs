@@ -139,3 +139,47 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
     rt.block_on(plain.shutdown()).unwrap();
     drop(shm_worker);
 }
+
+/// `rollout.weight_dtype: bf16`: half the bytes per push, over gRPC and shared memory, and the
+/// worker serves exactly the learner's weights rounded to bf16 (what an f32 push of the rounded
+/// weights gives).
+#[test]
+fn bf16_on_the_wire_halves_the_bytes_and_serves_the_rounded_weights() {
+    use cotrain_learner::config::WeightDtype;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = tiny_model_dir(dir.path()).display().to_string();
+    let rt = runtime().unwrap();
+    let agents = vec![("agent0".to_string(), spec.clone())];
+    let params = changed_params(&spec);
+    let rounded: BTreeMap<String, Tensor> = params.iter().map(|(n, t)| (n.clone(), t.to_kind(tch::Kind::BFloat16).to_kind(tch::Kind::Float))).collect();
+    // The behaviour log-probs of a greedy completion tell the served weights apart to the last bit.
+    let served = |r: &mut PoolRollout, version: u64| -> Vec<f32> {
+        let req = GenRequest {
+            agent: "agent0".into(),
+            prompt: vec![65, 97, 48],
+            n: 1,
+            sampling: SamplingSpec { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 12, ignore_eos: true },
+            seed: 5,
+            min_policy_version: version,
+        };
+        r.generate(&[req]).unwrap()[0][0].logprobs.clone()
+    };
+    let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, tch::Kind::Float).unwrap();
+
+    let mut f32_grpc = connect(&rt, worker.grpc, WeightTransport::Grpc);
+    f32_grpc.push_weights("agent0", 1, &rounded).unwrap();
+    let f32_push = f32_grpc.last_push().unwrap();
+    let want = served(&mut f32_grpc, 1);
+    f32_grpc.push_weights("agent0", 2, &params).unwrap();
+    assert_ne!(served(&mut f32_grpc, 2), want, "rounding to bf16 must change this policy for the test to mean anything");
+
+    for (v, transport) in [(3, WeightTransport::Grpc), (4, WeightTransport::Shm)] {
+        let mut bf16 = connect(&rt, worker.grpc, transport).with_weight_dtype(WeightDtype::Bf16);
+        bf16.push_weights("agent0", v, &params).unwrap();
+        let push = bf16.last_push().unwrap();
+        assert_eq!(push.bytes * 2, f32_push.bytes, "{transport:?}");
+        assert_eq!(push.workers, 1);
+        assert!(push.secs > 0.0);
+        assert_eq!(served(&mut bf16, v), want, "{transport:?}: the worker does not serve the bf16-rounded weights");
+    }
+}

@@ -637,6 +637,19 @@ pub struct RolloutConfig {
     /// How weights reach the workers after each step; see [`WeightTransport`].
     #[serde(default)]
     pub weight_transport: WeightTransport,
+    /// The element type of pushed weights: `f32` (the workers' policy is bit-identical to the
+    /// learner's) or `bf16` (half the bytes; the workers convert to their own dtype).
+    #[serde(default)]
+    pub weight_dtype: WeightDtype,
+}
+
+/// `rollout.weight_dtype`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDtype {
+    #[default]
+    F32,
+    Bf16,
 }
 
 /// `learner`: the learner's ranks (learner/src/dist). One process is one rank; the launcher
@@ -713,6 +726,7 @@ impl Default for RolloutConfig {
             max_retries: default_max_retries(),
             max_off_policy_steps: 0,
             weight_transport: WeightTransport::Auto,
+            weight_dtype: WeightDtype::F32,
         }
     }
 }

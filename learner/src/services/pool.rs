@@ -14,11 +14,12 @@ use cotrain_proto::rollout::{self as pb, GenerateRequest, Prompt, prompt::Kind a
 use cotrain_rollout_worker::pool::{PoolConfig, RolloutPool};
 use cotrain_rollout_worker::shm::ShmFile;
 use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 use tokio::runtime::Runtime;
 use tracing::{debug, warn};
 
-use crate::config::WeightTransport;
+use crate::config::{WeightDtype, WeightTransport};
+use crate::trainer::sources::PushStats;
 use crate::trainer::{GenRequest, GenSample, RolloutSource, TrainError};
 
 /// See the module docs.
@@ -37,6 +38,9 @@ pub struct PoolRollout {
     shm_files: HashMap<String, ShmFile>,
     /// Pushes that went through shared memory.
     shm_pushes: u64,
+    /// The element type weights travel in (`rollout.weight_dtype`).
+    wire: WireDType,
+    last_push: Option<PushStats>,
 }
 
 impl PoolRollout {
@@ -76,12 +80,23 @@ impl PoolRollout {
             shm_failed: false,
             shm_files: HashMap::new(),
             shm_pushes: 0,
+            wire: WireDType::F32,
+            last_push: None,
         })
     }
 
     /// Chooses how weights reach the workers (`rollout.weight_transport`; `auto` by default).
     pub fn with_weight_transport(mut self, transport: WeightTransport) -> Self {
         self.transport = transport;
+        self
+    }
+
+    /// Chooses the element type of pushed weights (`rollout.weight_dtype`; f32 by default).
+    pub fn with_weight_dtype(mut self, dtype: WeightDtype) -> Self {
+        self.wire = match dtype {
+            WeightDtype::F32 => WireDType::F32,
+            WeightDtype::Bf16 => WireDType::Bf16,
+        };
         self
     }
 
@@ -100,7 +115,7 @@ impl PoolRollout {
         lora_scaling: Option<f64>,
         skip: &HashSet<String>,
     ) -> Result<(), TrainError> {
-        let tensors = Arc::new(wire_tensors(params));
+        let tensors = Arc::new(wire_tensors(params, self.wire));
         let header = update_header(agent, version, lora_scaling);
         let answers = self.rt.block_on(self.pool.push_update_except(header, tensors, skip));
         if answers.is_empty() && skip.is_empty() {
@@ -132,7 +147,7 @@ impl PoolRollout {
                 ShmFile::create(agent, version).map_err(|e| (HashSet::new(), format!("creating the shared-memory file: {e}")))?,
             ),
         };
-        if let Err(e) = fill_shm(file, params) {
+        if let Err(e) = fill_shm(file, params, self.wire) {
             self.shm_files.remove(agent);
             return Err((HashSet::new(), format!("writing the shared-memory file: {e}")));
         }
@@ -167,6 +182,16 @@ impl PoolRollout {
     /// Sends the parameters (or an adapter, with `lora_scaling`) by the configured transport, falling
     /// back from shared memory to gRPC under `auto`, and waits until every worker serves `version`.
     fn push(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>, lora_scaling: Option<f64>) -> Result<(), TrainError> {
+        let started = std::time::Instant::now();
+        self.push_once(agent, version, params, lora_scaling)?;
+        let bytes: u64 = params.values().map(|t| (t.numel() * self.wire.size()) as u64).sum();
+        let stats = PushStats { bytes, workers: self.pool.workers().iter().filter(|w| w.healthy).count(), secs: started.elapsed().as_secs_f64() };
+        debug!(agent, version, bytes = stats.bytes, workers = stats.workers, secs = stats.secs, "weights pushed");
+        self.last_push = Some(stats);
+        Ok(())
+    }
+
+    fn push_once(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>, lora_scaling: Option<f64>) -> Result<(), TrainError> {
         let none = HashSet::new();
         match self.transport {
             WeightTransport::Grpc => self.push_grpc(agent, version, params, lora_scaling, &none)?,
@@ -242,35 +267,40 @@ fn update_kind(lora_scaling: Option<f64>) -> &'static str {
     if lora_scaling.is_some() { "adapter update" } else { "weight update" }
 }
 
-/// Writes the parameters as f32 into a new shared-memory file, straight from the tensors' memory.
-/// Overwrites `file` with the parameters as raw f32.
-fn fill_shm(file: &mut ShmFile, params: &BTreeMap<String, Tensor>) -> std::io::Result<()> {
+/// A parameter as a contiguous CPU tensor of the wire's element type.
+fn wire_tensor(t: &Tensor, wire: WireDType) -> Tensor {
+    t.detach().to_device(tch::Device::Cpu).to_kind(wire.kind()).contiguous()
+}
+
+/// Overwrites `file` with the parameters in the wire's element type, straight from the tensors' memory.
+fn fill_shm(file: &mut ShmFile, params: &BTreeMap<String, Tensor>, wire: WireDType) -> std::io::Result<()> {
     file.rewind()?;
     for (name, t) in params {
-        let t = t.detach().to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous();
-        let len = t.numel() * 4;
+        let t = wire_tensor(t, wire);
+        let len = t.numel() * wire.size();
         let bytes: &[u8] = if len == 0 {
             &[]
         } else {
-            // SAFETY: `t` is a contiguous f32 CPU tensor that outlives `bytes`; its data pointer
-            // points at its first element and `numel * 4` bytes follow it.
+            // SAFETY: `t` is a contiguous CPU tensor of `wire`'s element type that outlives
+            // `bytes`; its data pointer points at its first element and `numel * size` bytes follow.
             unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, len) }
         };
-        file.write_tensor(name, WireDType::F32, &t.size(), bytes)?;
+        file.write_tensor(name, wire, &t.size(), bytes)?;
     }
     file.finish()
 }
 
-/// Parameters as f32 wire tensors (f32 keeps the workers' policy bit-identical to the learner's).
-fn wire_tensors(params: &BTreeMap<String, Tensor>) -> Vec<UpdatedTensor> {
+/// Parameters as wire tensors, serialised once for every worker (f32 keeps the workers' policy
+/// bit-identical to the learner's; bf16 halves the bytes).
+fn wire_tensors(params: &BTreeMap<String, Tensor>, wire: WireDType) -> Vec<UpdatedTensor> {
     params
         .iter()
         .map(|(name, t)| {
-            let t = t.detach().to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous();
-            let numel = t.numel();
-            let mut data = vec![0u8; numel * 4];
-            t.copy_data_u8(&mut data, numel);
-            UpdatedTensor { name: name.clone(), dtype: WireDType::F32, shape: t.size(), data }
+            let t = wire_tensor(t, wire);
+            let len = t.numel() * wire.size();
+            let mut data = vec![0u8; len];
+            t.copy_data_u8(&mut data, t.numel());
+            UpdatedTensor { name: name.clone(), dtype: wire, shape: t.size(), data }
         })
         .collect()
 }
@@ -363,5 +393,9 @@ impl RolloutSource for PoolRollout {
 
     fn describe(&self) -> String {
         self.label.clone()
+    }
+
+    fn last_push(&self) -> Option<PushStats> {
+        self.last_push
     }
 }

@@ -169,7 +169,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             Duration::from_secs(ro.dns_refresh_secs.max(1)),
             Duration::from_secs(120),
         )
-        .map(|p| p.with_weight_transport(ro.weight_transport))
+        .map(|p| p.with_weight_transport(ro.weight_transport).with_weight_dtype(ro.weight_dtype))
     };
     let (rollout, embedded_rollout): (Box<dyn RolloutSource>, _) = if ro.endpoints.is_empty() && ro.dns_name.is_none() {
         // A rollout worker in this process (one model copy per policy), used over gRPC like a remote one.

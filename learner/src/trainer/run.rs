@@ -413,12 +413,17 @@ impl Trainer {
         // 6. the new weights reach every worker before anything else is sampled (rank 0 pushes; the
         // other ranks wait for it).
         let t = Instant::now();
+        let (mut push_bytes, mut push_workers) = (0u64, 0usize);
         for (pi, changed) in updated.iter().enumerate() {
             if *changed {
                 let p = &mut self.s.policies[pi];
                 let v = p.wire_version + 1;
                 if self.dist.is_root() {
                     self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
+                    if let Some(push) = self.s.rollout.last_push() {
+                        push_bytes += push.bytes;
+                        push_workers = push_workers.max(push.workers);
+                    }
                 }
                 p.wire_version = v;
             }
@@ -489,6 +494,10 @@ impl Trainer {
             m.insert("ranks".into(), world as f64);
         }
         m.insert("time/weight_sync".into(), t_sync);
+        if push_workers > 0 {
+            m.insert("weight_sync/bytes".into(), push_bytes as f64);
+            m.insert("weight_sync/workers".into(), push_workers as f64);
+        }
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
         m.insert("epoch".into(), self.epoch as f64);
         m.insert("policy_version".into(), self.s.policies.iter().map(|p| p.wire_version).max().unwrap_or(0) as f64);

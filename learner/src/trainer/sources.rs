@@ -59,6 +59,17 @@ pub struct GenSample {
 }
 
 /// Where samples come from.
+/// What the last weight push cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PushStats {
+    /// Payload bytes sent to each worker (one serialisation, streamed to all of them at once).
+    pub bytes: u64,
+    /// Workers that took it.
+    pub workers: usize,
+    /// Seconds from the start of serialising to every worker serving the new version.
+    pub secs: f64,
+}
+
 pub trait RolloutSource: Send {
     /// Runs every request; returns, per request and in order, its `n` samples.
     fn generate(&mut self, requests: &[GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError>;
@@ -75,6 +86,10 @@ pub trait RolloutSource: Send {
     /// every parameter the adapter does not name keeps its value. A push of a few megabytes instead
     /// of the whole model when only the adapter trains. Sources that cannot merge refuse, naming
     /// themselves.
+    /// The cost of the last push, when the source measures it.
+    fn last_push(&self) -> Option<PushStats> {
+        None
+    }
     fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
         let _ = (agent, version, adapter, scaling);
         Err(TrainError::Rollout(format!("{} cannot take adapter-only weight updates", self.describe())))
