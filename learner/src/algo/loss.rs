@@ -38,12 +38,17 @@ pub struct LossOptions {
     pub kl: Option<(f64, KlEstimator)>,
     /// Multiplies the final loss: turn weight × early-termination weight × 1/N for shared parameters.
     pub scale: f64,
+    /// Truncated importance sampling against the behaviour policy (asynchronous rollouts): each
+    /// token's policy term is weighted by w_t = min(π_θ(y_t)/μ(y_t), cap), computed without
+    /// gradient from the behaviour log-probs μ (Ionides 2008; as in verl's TIS for off-policy
+    /// rollouts). `None`: no correction (the original).
+    pub truncated_is: Option<f64>,
 }
 
 impl LossOptions {
     /// The original's loss: summed log-probs, no clipping, no KL, scale 1.
     pub fn original() -> Self {
-        Self { normalization: LossNormalization::Sum, clip: None, kl: None, scale: 1.0 }
+        Self { normalization: LossNormalization::Sum, clip: None, kl: None, scale: 1.0, truncated_is: None }
     }
 
     /// The options a trainer section asks for (scale 1; the trainer sets turn/shared scaling).
@@ -53,6 +58,7 @@ impl LossOptions {
             clip: s.ppo_clip.enabled.then_some((s.ppo_clip.clip_low, s.ppo_clip.clip_high)),
             kl: s.reference_kl.enabled.then_some((s.reference_kl.coef, s.reference_kl.estimator)),
             scale: 1.0,
+            truncated_is: None,
         }
     }
 }
@@ -70,6 +76,13 @@ pub struct LossTerms {
     pub clip_fraction: f64,
     /// Number of completion tokens in the batch.
     pub tokens: f64,
+    /// With behaviour log-probs: the mean |log π_θ − log μ| per token (how far the trained policy
+    /// is from the one that sampled: staleness and rollout/training precision), else 0.
+    pub logprob_gap: f64,
+    /// With truncated importance sampling: the mean weight per token, and the fraction of tokens
+    /// whose weight was cut to the cap (0 when off).
+    pub is_weight_mean: f64,
+    pub is_truncated_fraction: f64,
 }
 
 impl LossTerms {
@@ -138,22 +151,49 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
     let mask = batch.mask.f_to_kind(lp.kind())?;
     let adv = batch.advantages.f_to_kind(Kind::Double)?;
     let tokens = mask.f_sum(Kind::Double)?.double_value(&[]);
+    let mean_over_tokens = |x: &Tensor| -> Result<f64, tch::TchError> {
+        Ok(if tokens > 0.0 { x.f_to_kind(Kind::Double)?.f_mul(&mask.f_to_kind(Kind::Double)?)?.f_sum(Kind::Double)?.double_value(&[]) / tokens } else { 0.0 })
+    };
+    let old = match batch.old_logprobs {
+        Some(old) if old.size() != dims => return Err(LossError::Shape(format!("old_logprobs {:?} vs logprobs {dims:?}", old.size()))),
+        Some(old) => Some(old.detach()),
+        None => None,
+    };
+    let logprob_gap = match &old {
+        Some(old) => mean_over_tokens(&lp.detach().f_sub(old)?.f_abs()?)?,
+        None => 0.0,
+    };
+    // Truncated importance weights (no gradient), 1 without correction.
+    let (is_weights, is_weight_mean, is_truncated_fraction) = match opts.truncated_is {
+        None => (None, 0.0, 0.0),
+        Some(cap) => {
+            let old = old.as_ref().ok_or(LossError::MissingOldLogprobs)?;
+            let raw = lp.detach().f_sub(old)?.f_exp()?;
+            let cut = raw.f_gt(cap)?.f_to_kind(lp.kind())?;
+            let w = raw.f_clamp_max(cap)?;
+            let (mean, frac) = (mean_over_tokens(&w)?, mean_over_tokens(&cut)?);
+            (Some(w), mean, frac)
+        }
+    };
+    let weighted = |x: Tensor| -> Result<Tensor, tch::TchError> {
+        match &is_weights {
+            Some(w) => x.f_mul(w),
+            None => Ok(x),
+        }
+    };
 
     let (per_sample, clip_fraction) = match opts.clip {
         None => {
-            let s = reduce(lp, &mask, opts.normalization)?;
+            let s = reduce(&weighted(lp.shallow_clone())?, &mask, opts.normalization)?;
             (adv.f_neg()?.f_mul(&s)?, 0.0)
         }
         Some((low, high)) => {
-            let old = batch.old_logprobs.ok_or(LossError::MissingOldLogprobs)?;
-            if old.size() != dims {
-                return Err(LossError::Shape(format!("old_logprobs {:?} vs logprobs {dims:?}", old.size())));
-            }
-            let ratio = lp.f_sub(&old.detach())?.f_exp()?;
+            let old = old.as_ref().ok_or(LossError::MissingOldLogprobs)?;
+            let ratio = lp.f_sub(old)?.f_exp()?;
             let a = adv.f_unsqueeze(1)?.f_to_kind(lp.kind())?;
             let unclipped = ratio.f_mul(&a)?;
             let clipped = ratio.f_clamp(1.0 - low, 1.0 + high)?.f_mul(&a)?;
-            let per_token = unclipped.f_minimum(&clipped)?.f_neg()?;
+            let per_token = weighted(unclipped.f_minimum(&clipped)?.f_neg()?)?;
             let was_clipped = unclipped.f_gt_tensor(&clipped)?.f_to_kind(Kind::Double)?.f_mul(&mask.f_to_kind(Kind::Double)?)?;
             let frac = if tokens > 0.0 { was_clipped.f_sum(Kind::Double)?.double_value(&[]) / tokens } else { 0.0 };
             (reduce(&per_token, &mask, opts.normalization)?, frac)
@@ -200,7 +240,7 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
         }
     };
     let loss = total.f_mul_scalar(opts.scale)?;
-    Ok(LossTerms { loss, policy_loss: policy_value, kl: kl_value, clip_fraction, tokens })
+    Ok(LossTerms { loss, policy_loss: policy_value, kl: kl_value, clip_fraction, tokens, logprob_gap, is_weight_mean, is_truncated_fraction })
 }
 
 #[cfg(test)]
@@ -232,5 +272,35 @@ mod tests {
         let w = Tensor::from_slice(&[1.2, 0.8]);
         let wb = PolicyBatch { weights: Some(&w), ..b };
         assert!((policy_loss(&wb, &LossOptions::original()).unwrap().loss.double_value(&[]) - 1.4).abs() < 1e-12);
+    }
+
+    #[test]
+    fn truncated_importance_weights_scale_each_token_up_to_the_cap() {
+        // Sample 0: log π = −1, −2 against behaviour −1.5, −1 → ratios e^0.5 = 1.6487, e^−1 = 0.3679;
+        // sample 1: −0.5 against −2.5 → e^2 = 7.389, cut to the cap 2; its second token is padding.
+        let lp = t2(&[&[-1.0, -2.0], &[-0.5, -9.0]]);
+        let old = t2(&[&[-1.5, -1.0], &[-2.5, 0.0]]);
+        let mask = t2(&[&[1.0, 1.0], &[1.0, 0.0]]);
+        let adv = Tensor::from_slice(&[1.0, -2.0]);
+        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: Some(&old), ref_logprobs: None, weights: None };
+        let opts = LossOptions { truncated_is: Some(2.0), ..LossOptions::original() };
+        let out = policy_loss(&b, &opts).unwrap();
+        let (w0, w1) = (0.5f64.exp(), (-1.0f64).exp());
+        // L = (1/2)·(−1·(w0·(−1) + w1·(−2)) + 2·(2·(−0.5))) = (w0 + 2·w1 − 2)/2.
+        let want = (w0 + 2.0 * w1 - 2.0) / 2.0;
+        assert!((out.loss.double_value(&[]) - want).abs() < 1e-12, "{} vs {want}", out.loss.double_value(&[]));
+        assert!((out.is_weight_mean - (w0 + w1 + 2.0) / 3.0).abs() < 1e-12);
+        assert!((out.is_truncated_fraction - 1.0 / 3.0).abs() < 1e-12);
+        assert!((out.logprob_gap - (0.5 + 1.0 + 2.0) / 3.0).abs() < 1e-12);
+        // The weights carry no gradient: d L / d log π_t = −A·w_t.
+        let lpg = lp.detach().set_requires_grad(true);
+        let b = PolicyBatch { logprobs: &lpg, ..b };
+        policy_loss(&b, &opts).unwrap().loss.backward();
+        let g = lpg.grad();
+        assert!((g.double_value(&[0, 0]) - (-w0 / 2.0)).abs() < 1e-12);
+        assert!((g.double_value(&[1, 0]) - (2.0 * 2.0 / 2.0)).abs() < 1e-12);
+        // Without behaviour log-probs there is nothing to correct against.
+        let nb = PolicyBatch { old_logprobs: None, ..b };
+        assert!(matches!(policy_loss(&nb, &opts), Err(LossError::MissingOldLogprobs)));
     }
 }

@@ -631,9 +631,15 @@ pub struct RolloutConfig {
     pub request_timeout_secs: u64,
     #[serde(default = "default_max_retries")]
     pub max_retries: usize,
-    /// 0 = synchronous on-policy; > 0 allows samples up to this many policy versions old.
+    /// 0 = synchronous on-policy (the original); k > 0: the next step's rollout is drawn while a
+    /// step trains, and samples more than k policy versions older than the trained policy are
+    /// dropped and redrawn.
     #[serde(default)]
     pub max_off_policy_steps: usize,
+    /// With max_off_policy_steps > 0: the cap of the truncated importance weights that correct the
+    /// loss for the behaviour policy (`null`: no correction).
+    #[serde(default = "default_importance_weight_cap")]
+    pub importance_weight_cap: Option<f64>,
     /// How weights reach the workers after each step; see [`WeightTransport`].
     #[serde(default)]
     pub weight_transport: WeightTransport,
@@ -725,10 +731,15 @@ impl Default for RolloutConfig {
             request_timeout_secs: default_request_timeout_secs(),
             max_retries: default_max_retries(),
             max_off_policy_steps: 0,
+            importance_weight_cap: default_importance_weight_cap(),
             weight_transport: WeightTransport::Auto,
             weight_dtype: WeightDtype::F32,
         }
     }
+}
+
+fn default_importance_weight_cap() -> Option<f64> {
+    Some(2.0)
 }
 
 fn default_dns_refresh_secs() -> u64 {

@@ -242,6 +242,14 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
     let t = &cfg.trainer;
     let section = cfg.algorithm.section();
     if cfg.algorithm == crate::config::Algorithm::Maporl {
+        if cfg.raw.rollout.max_off_policy_steps > 0 {
+            return Err(TrainError::NotBuilt(format!(
+                "{}: rollout.max_off_policy_steps is {}: the maporl trainer samples on-policy (asynchronous rollouts are built for \
+                 the GRPO/MAGRPO trainer)",
+                cfg.source.display(),
+                cfg.raw.rollout.max_off_policy_steps
+            )));
+        }
         return match DatasetKind::resolve(&cfg.raw.dataset) {
             Ok(DatasetKind::Gsm8k | DatasetKind::Anli) => Ok(()),
             _ => Err(TrainError::NotBuilt(format!(
@@ -291,12 +299,25 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
             }
         }
     }
-    if cfg.raw.rollout.max_off_policy_steps > 0 {
-        return Err(TrainError::NotBuilt(format!(
-            "{}: rollout.max_off_policy_steps is {}: asynchronous rollouts are not built yet (use 0, synchronous on-policy)",
-            cfg.source.display(),
-            cfg.raw.rollout.max_off_policy_steps
-        )));
+    let ro = &cfg.raw.rollout;
+    if ro.max_off_policy_steps > 0 {
+        if cfg.is_multi_turn() {
+            return Err(TrainError::NotBuilt(format!(
+                "{}: rollout.max_off_policy_steps is {} with {section}.num_turns {}: asynchronous rollouts are built for \
+                 single-turn training so far (use 0, synchronous on-policy)",
+                cfg.source.display(),
+                ro.max_off_policy_steps,
+                t.num_turns
+            )));
+        }
+        if let Some(cap) = ro.importance_weight_cap
+            && !(cap.is_finite() && cap > 0.0)
+        {
+            return Err(TrainError::Config(format!(
+                "{}: rollout.importance_weight_cap must be a positive number (or null for no correction), got {cap}",
+                cfg.source.display()
+            )));
+        }
     }
     Ok(())
 }
@@ -309,6 +330,12 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
         return Ok(());
     }
     let section = cfg.algorithm.section();
+    if cfg.raw.rollout.max_off_policy_steps > 0 {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: {world} learner ranks with rollout.max_off_policy_steps > 0: asynchronous rollouts run on one rank so far",
+            cfg.source.display()
+        )));
+    }
     if cfg.raw.learner.placement == crate::config::Placement::Agent {
         return Err(TrainError::NotBuilt(format!(
             "{}: learner.placement: agent (each agent's policy on its own ranks) is not built yet; use learner.placement: data",

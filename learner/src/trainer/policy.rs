@@ -60,6 +60,12 @@ pub struct UpdateStats {
     pub secs_optimizer: f64,
     /// Seconds summing gradients over the learner's ranks.
     pub secs_allreduce: f64,
+    /// Mean |log π_θ − log μ| per token against the behaviour log-probs (see
+    /// [`crate::algo::LossTerms::logprob_gap`]), when they were used.
+    pub logprob_gap: f64,
+    /// Truncated importance sampling: mean weight per token and the fraction cut to the cap.
+    pub is_weight_mean: f64,
+    pub is_truncated_fraction: f64,
 }
 
 /// See the module docs.
@@ -139,11 +145,12 @@ impl Policy {
         dist: &dyn crate::dist::Collective,
     ) -> Result<UpdateStats, TrainError> {
         let mut stats = UpdateStats::default();
-        let clip = loss_opts.clip.is_some();
+        let behaviour = loss_opts.clip.is_some() || loss_opts.truncated_is.is_some();
         let dist_err = |e: crate::dist::DistError| TrainError::Dist(e.to_string());
         for _ in 0..epochs.max(1) {
             self.optimizer.zero_grad();
             let (mut loss, mut kl, mut clip_tok, mut ent_sum, mut tokens) = (0.0, 0.0, 0.0, 0.0, 0.0);
+            let (mut gap_tok, mut isw_tok, mut cut_tok) = (0.0, 0.0, 0.0);
             let mut bad_loss: Option<f64> = None;
             'agents: for (agent, &total) in agents.iter().zip(totals) {
                 for mb in &agent.minibatches {
@@ -160,7 +167,7 @@ impl Policy {
                     let width = lp.size()[1] as usize;
                     let adv = Tensor::from_slice(&mb.iter().map(|s| s.advantage).collect::<Vec<f64>>());
                     let weights = Tensor::from_slice(&mb.iter().map(|s| s.weight).collect::<Vec<f64>>());
-                    let old = clip.then(|| padded_rows(mb.iter().map(|s| s.old_logprobs.as_slice()), width));
+                    let old = behaviour.then(|| padded_rows(mb.iter().map(|s| s.old_logprobs.as_slice()), width));
                     let reference = match (&self.reference, loss_opts.kl) {
                         (Some(r), Some(_)) => {
                             let t = completion_logprobs(&r.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: false, temperature: 1.0 })
@@ -202,15 +209,18 @@ impl Policy {
                     loss += value;
                     kl += terms.kl * w * agent.scale;
                     clip_tok += terms.clip_fraction * terms.tokens;
+                    gap_tok += terms.logprob_gap * terms.tokens;
+                    isw_tok += terms.is_weight_mean * terms.tokens;
+                    cut_tok += terms.is_truncated_fraction * terms.tokens;
                     ent_sum += tlp.entropy.detach().sum(Kind::Double).double_value(&[]);
                     tokens += terms.tokens;
                 }
             }
             // Every rank takes part in the same reductions, whatever its own samples did.
             let summed = dist
-                .sum_f64(&[loss, kl, clip_tok, ent_sum, tokens, bad_loss.is_some() as u8 as f64])
+                .sum_f64(&[loss, kl, clip_tok, ent_sum, tokens, gap_tok, isw_tok, cut_tok, bad_loss.is_some() as u8 as f64])
                 .map_err(dist_err)?;
-            let [loss, kl, clip_tok, ent_sum, tokens, bad] = summed[..] else { unreachable!("six values were summed") };
+            let [loss, kl, clip_tok, ent_sum, tokens, gap_tok, isw_tok, cut_tok, bad] = summed[..] else { unreachable!("nine values were summed") };
             if bad > 0.0 {
                 self.optimizer.zero_grad();
                 let why = match bad_loss {
@@ -241,7 +251,11 @@ impl Policy {
             stats.loss = loss;
             stats.kl = kl;
             stats.entropy = if tokens > 0.0 { ent_sum / tokens } else { 0.0 };
-            stats.clip_fraction = if tokens > 0.0 { clip_tok / tokens } else { 0.0 };
+            let per_token = |x: f64| if tokens > 0.0 { x / tokens } else { 0.0 };
+            stats.clip_fraction = per_token(clip_tok);
+            stats.logprob_gap = per_token(gap_tok);
+            stats.is_weight_mean = per_token(isw_tok);
+            stats.is_truncated_fraction = per_token(cut_tok);
             stats.tokens = tokens;
         }
         Ok(stats)

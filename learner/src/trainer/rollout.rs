@@ -63,7 +63,7 @@ impl Trainer {
                 let node = &forest.nodes[id];
                 let item = items[node.item];
                 for a in 0..n {
-                    let p = &self.s.policies[self.s.agent_policy[a]];
+                    let (worker_agent, version) = self.target(a);
                     // Roots keep the single-turn seed (so single-turn runs draw what they always drew).
                     let seed = if node.parent.is_none() {
                         derive_seed(&[self.s.cfg.raw.seed, plan.seed_tag, plan.seed_step, a as u64, item.index as u64])
@@ -71,12 +71,12 @@ impl Trainer {
                         derive_seed(&[self.s.cfg.raw.seed, plan.seed_tag, plan.seed_step, a as u64, item.index as u64, node.turn as u64, node.local as u64])
                     };
                     reqs.push(GenRequest {
-                        agent: p.worker_agent.clone(),
+                        agent: worker_agent,
                         prompt: node.prompts[a].ids.clone(),
                         n: node.g,
                         sampling: self.sampling(),
                         seed,
-                        min_policy_version: p.wire_version,
+                        min_policy_version: version,
                     });
                     agents.push(a);
                 }

@@ -32,7 +32,7 @@ use rand_chacha::ChaCha8Rng;
 use tracing::{info, warn};
 
 use super::policy::{AgentBatches, Policy, TrainSample, UpdateStats};
-use super::rollout::RolloutPlan;
+use super::rollout::{RolloutPlan, RolloutTimes};
 use super::sources::{CodeOutcome, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score};
 use super::tree::{Expansion, Forest};
 use super::{TrainError, TrainItem};
@@ -95,6 +95,36 @@ pub struct Trainer {
     pub stop_after_steps: Option<u64>,
     /// Sample exactly `max_new_tokens` per completion, ignoring EOS (benchmarks).
     pub ignore_eos: bool,
+    /// Asynchronous rollouts: the next step's rollout, drawn while this step trained.
+    pending: Option<StepRollout>,
+    /// While the policies train on another thread: each policy's (worker agent, served version),
+    /// what rollouts read instead of the policies.
+    lent: Option<Vec<(String, u64)>>,
+}
+
+/// One step's rollout on this rank: its rows, this rank's share of their items, the forest.
+struct StepRollout {
+    rows: Vec<usize>,
+    items: Vec<TrainItem>,
+    forest: Forest,
+    times: RolloutTimes,
+}
+
+/// One optimiser round of one policy: its agents' mini-batches and their sample counts over all ranks.
+struct Round {
+    policy: usize,
+    batches: Vec<AgentBatches>,
+    totals: Vec<usize>,
+}
+
+/// What an asynchronous step reports beside the usual metrics.
+#[derive(Debug, Default)]
+struct AsyncReport {
+    staleness: Vec<f64>,
+    dropped: usize,
+    redrawn: usize,
+    overlap_secs: f64,
+    lookahead_generate_secs: f64,
 }
 
 /// Mixes values into one seed (SplitMix64 finaliser over a running hash).
@@ -159,6 +189,8 @@ impl Trainer {
             last_checkpoint: None,
             stop_after_steps: None,
             ignore_eos: false,
+            pending: None,
+            lent: None,
             expert: None,
             s,
         })
@@ -305,6 +337,15 @@ impl Trainer {
         SamplingSpec { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, max_new_tokens: s.max_new_tokens, ignore_eos: self.ignore_eos }
     }
 
+    /// The worker agent and the policy version agent `a` samples from.
+    pub(super) fn target(&self, a: usize) -> (String, u64) {
+        let pi = self.s.agent_policy[a];
+        match &self.lent {
+            Some(view) => view[pi].clone(),
+            None => (self.s.policies[pi].worker_agent.clone(), self.s.policies[pi].wire_version),
+        }
+    }
+
     /// Generates and checks that every sample comes from the version the learner last pushed.
     ///
     /// On-policy means on-policy: a sample from any other version is never trained on. A stale
@@ -312,7 +353,12 @@ impl Trainer {
     /// push) makes the learner push the current weights to every worker again and redraw the whole
     /// batch once with the same seeds; a second stale sample stops the run with an error naming the
     /// agent and both versions.
+    /// Asynchronous rollouts (`rollout.max_off_policy_steps` > 0) bound staleness at training time
+    /// instead (see [`Trainer::train_step_async`]).
     pub fn generate_checked(&mut self, requests: &[GenRequest], agents: &[usize]) -> Result<Vec<Vec<GenSample>>, TrainError> {
+        if self.s.cfg.raw.rollout.max_off_policy_steps > 0 {
+            return self.s.rollout.generate(requests);
+        }
         for attempt in 0..2 {
             let out = self.s.rollout.generate(requests)?;
             let stale = requests.iter().zip(&out).zip(agents).find_map(|((r, samples), &a)| {
@@ -334,28 +380,89 @@ impl Trainer {
 
     /// The rollout plan of training: G per node, the configured variant (single-turn: the forest of
     /// roots only).
-    fn train_plan(&self) -> RolloutPlan {
+    fn train_plan(&self, step: u64) -> RolloutPlan {
         let t = &self.s.cfg.trainer;
         let expansion = match t.rollout {
             MultiTurnMode::Tree => Expansion::Tree { termination_threshold: t.termination_threshold },
             MultiTurnMode::Handoff => Expansion::Handoff { handoff: t.handoff, early_termination_threshold: t.early_termination_threshold },
         };
-        RolloutPlan { expansion, joint_mode: t.joint_mode, g: t.num_generations, seed_tag: TAG_SAMPLE, seed_step: self.step }
+        RolloutPlan { expansion, joint_mode: t.joint_mode, g: t.num_generations, seed_tag: TAG_SAMPLE, seed_step: step }
     }
 
     /// One step on the given rows of the train split (see the module docs); returns its scalars.
     pub fn train_step(&mut self, rows: &[usize]) -> Result<BTreeMap<String, f64>, TrainError> {
         let t_step = Instant::now();
+        let batch = self.roll_out_rows(rows, self.step)?;
+        self.update_and_report(batch, t_step, None, AsyncReport::default())
+    }
+
+    /// This rank's share of `rows` rolled out as step `step` (its seeds).
+    fn roll_out_rows(&mut self, rows: &[usize], step: u64) -> Result<StepRollout, TrainError> {
+        // This rank's share of the step's items: every world-th, from its rank on.
+        let items: Vec<TrainItem> =
+            rank_share(rows, self.dist.rank(), self.dist.world()).iter().map(|&r| self.s.train_items[r].clone()).collect();
+        let plan = self.train_plan(step);
+        let refs: Vec<&TrainItem> = items.iter().collect();
+        let (forest, times) = self.roll_out(&refs, &plan)?;
+        Ok(StepRollout { rows: rows.to_vec(), items, forest, times })
+    }
+
+    /// One step with asynchronous rollouts (`rollout.max_off_policy_steps` = k > 0): trains on the
+    /// rollout drawn while the previous step trained (or draws it now), after redrawing every item
+    /// with a sample more than k policy versions older than the policy it trains; while it trains
+    /// (on another thread), the rollout of `next` is drawn from the weights the workers serve now.
+    /// The loss corrects for the behaviour policy with truncated importance weights
+    /// (`rollout.importance_weight_cap`). A checkpoint holds no rollout: a resumed run draws the
+    /// rollout of its next step anew, from the restored policy.
+    pub fn train_step_async(&mut self, rows: &[usize], next: Option<&[usize]>) -> Result<BTreeMap<String, f64>, TrainError> {
+        let t_step = Instant::now();
+        let k = self.s.cfg.raw.rollout.max_off_policy_steps as u64;
+        let mut batch = match self.pending.take() {
+            Some(b) if b.rows == rows => b,
+            _ => self.roll_out_rows(rows, self.step)?,
+        };
+        let mut report = AsyncReport::default();
+        let current: Vec<u64> = (0..self.s.cfg.num_agents).map(|a| self.target(a).1).collect();
+        let stale = stale_items(&batch.forest, &current, k);
+        if !stale.is_empty() {
+            let t = Instant::now();
+            report.dropped = stale.iter().map(|&(_, n)| n).sum();
+            let redo_rows: Vec<usize> = stale.iter().map(|&(i, _)| batch.items[i].index).collect();
+            warn!(items = stale.len(), samples = report.dropped, bound = k, "samples staler than max_off_policy_steps: redrawing their items");
+            let refs: Vec<&TrainItem> = stale.iter().map(|&(i, _)| &batch.items[i]).collect();
+            let plan = self.train_plan(self.step);
+            let (fresh, _) = self.roll_out(&refs, &plan)?;
+            for (j, mut node) in fresh.nodes.into_iter().enumerate() {
+                let (i, _) = stale[j];
+                report.redrawn += node.samples.iter().map(Vec::len).sum::<usize>();
+                node.id = i;
+                node.item = i;
+                batch.forest.nodes[i] = node;
+            }
+            debug_assert_eq!(redo_rows.len(), stale.len());
+            batch.times.generate += t.elapsed().as_secs_f64();
+        }
+        for node in &batch.forest.nodes {
+            for (a, samples) in node.samples.iter().enumerate() {
+                report.staleness.extend(samples.iter().map(|s| current[a].saturating_sub(s.policy_version) as f64));
+            }
+        }
+        self.update_and_report(batch, t_step, next, report)
+    }
+
+    /// Advantages, the optimiser rounds (on another thread while `lookahead`'s rollout is drawn
+    /// here, for asynchronous rollouts), the weight push and the step's metrics.
+    fn update_and_report(
+        &mut self,
+        batch: StepRollout,
+        t_step: Instant,
+        lookahead: Option<&[usize]>,
+        mut report: AsyncReport,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
         let cfg = self.s.cfg.clone();
         let n = cfg.num_agents;
         let world = self.dist.world();
-        // This rank's share of the step's items: every world-th, from its rank on.
-        let items: Vec<TrainItem> = rank_share(rows, self.dist.rank(), world).iter().map(|&r| self.s.train_items[r].clone()).collect();
-        let item_refs: Vec<&TrainItem> = items.iter().collect();
-
-        // 1–3. the forest: generate, check versions, score, grow, depth by depth.
-        let plan = self.train_plan();
-        let (mut forest, times) = self.roll_out(&item_refs, &plan)?;
+        let StepRollout { rows, items, mut forest, times } = batch;
         let handoff = cfg.trainer.rollout == MultiTurnMode::Handoff;
         forest.compute_returns(cfg.trainer.discount, !handoff);
         forest.compute_advantages(n, &AdvantageOptions::from_section(&cfg.trainer));
@@ -365,49 +472,37 @@ impl Trainer {
         let t = Instant::now();
         let mut loss_opts = LossOptions::from_section(&cfg.trainer);
         loss_opts.scale = 1.0;
-        let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
-        // Ranks run the same optimiser rounds: one per turn, also where a rank has no node.
-        let groups =
-            if world > 1 { forest.groups_by_turn(items.len(), cfg.trainer.num_turns) } else { forest.update_groups(items.len(), self.b(), handoff) };
-        let mut rounds: Vec<UpdateStats> = Vec::new();
-        let mut updated = vec![false; self.s.policies.len()];
-        for group in &groups {
-            let mut buffers: Vec<RolloutBuffer<TrainSample>> = (0..n).map(|_| RolloutBuffer::new(group.len())).collect();
-            for &id in group {
-                let node = &forest.nodes[id];
-                for (a, buffer) in buffers.iter_mut().enumerate() {
-                    buffer.push_node(
-                        node.samples[a]
-                            .iter()
-                            .enumerate()
-                            .map(|(k, s)| TrainSample {
-                                prompt: node.prompts[a].ids.clone(),
-                                completion: s.token_ids.clone(),
-                                advantage: node.advantages[a][k],
-                                weight: node.turn_weight,
-                                old_logprobs: s.logprobs.clone(),
-                            })
-                            .collect(),
-                    );
-                }
-            }
-            for (pi, changed) in updated.iter_mut().enumerate() {
-                let members: Vec<usize> = (0..n).filter(|&a| self.s.agent_policy[a] == pi).collect();
-                let scale = 1.0 / members.len().max(1) as f64;
-                let batches: Vec<AgentBatches> = members
-                    .iter()
-                    .map(|&a| AgentBatches { minibatches: buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size), scale })
-                    .collect();
-                let local: Vec<f64> = batches.iter().map(|b| b.minibatches.iter().map(Vec::len).sum::<usize>() as f64).collect();
-                let totals: Vec<usize> = self.dist.sum_f64(&local).map_err(dist_err)?.iter().map(|&c| c as usize).collect();
-                if totals.iter().all(|&c| c == 0) {
-                    continue;
-                }
-                let stats = self.s.policies[pi].update_ranked(&batches, &totals, &loss_opts, epochs, self.dist.as_ref())?;
-                *changed |= stats.steps > 0;
-                rounds.push(stats);
-            }
+        if cfg.raw.rollout.max_off_policy_steps > 0 {
+            loss_opts.truncated_is = cfg.raw.rollout.importance_weight_cap;
         }
+        let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
+        let plans = self.plan_rounds(&forest, items.len(), handoff)?;
+        let (rounds, updated) = match lookahead {
+            None => run_rounds(&mut self.s.policies, &plans, &loss_opts, epochs, self.dist.as_ref())?,
+            Some(next) => {
+                // The policies train on another thread; rollouts meanwhile read the served versions.
+                let mut policies = std::mem::take(&mut self.s.policies);
+                self.lent = Some(policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect());
+                let (trained, drawn) = std::thread::scope(|scope| {
+                    let worker = scope.spawn(|| {
+                        let t = Instant::now();
+                        (run_rounds(&mut policies, &plans, &loss_opts, epochs, &SingleRank), t.elapsed().as_secs_f64())
+                    });
+                    let t = Instant::now();
+                    let drawn = self.roll_out_rows(next, self.step + 1);
+                    let gen_secs = t.elapsed().as_secs_f64();
+                    (worker.join(), (drawn, gen_secs))
+                });
+                self.s.policies = policies;
+                self.lent = None;
+                let (trained, train_secs) = trained.map_err(|_| TrainError::Model("the update thread panicked".into()))?;
+                let (drawn, gen_secs) = drawn;
+                self.pending = Some(drawn?);
+                report.overlap_secs = train_secs.min(gen_secs);
+                report.lookahead_generate_secs = gen_secs;
+                trained?
+            }
+        };
         let t_train = t.elapsed().as_secs_f64();
 
         // 6. the new weights reach every worker before anything else is sampled (rank 0 pushes; the
@@ -434,7 +529,7 @@ impl Trainer {
         let t_sync = t.elapsed().as_secs_f64();
 
         // Rank 0 reports the whole step: every rank's nodes, its items in the same order.
-        let (forest, items) = if world > 1 { self.gather_step(forest, rows)? } else { (forest, items) };
+        let (forest, items) = if world > 1 { self.gather_step(forest, &rows)? } else { (forest, items) };
         if forest.nodes.is_empty() && !self.dist.is_root() {
             return Ok(BTreeMap::new());
         }
@@ -494,6 +589,19 @@ impl Trainer {
             m.insert("ranks".into(), world as f64);
         }
         m.insert("time/weight_sync".into(), t_sync);
+        if cfg.raw.rollout.max_off_policy_steps > 0 {
+            m.insert("async/staleness_mean".into(), mean(&report.staleness));
+            m.insert("async/staleness_max".into(), report.staleness.iter().cloned().fold(0.0, f64::max));
+            m.insert("async/dropped_samples".into(), report.dropped as f64);
+            m.insert("async/redrawn_samples".into(), report.redrawn as f64);
+            m.insert("async/overlap_secs".into(), report.overlap_secs);
+            m.insert("time/generate_next".into(), report.lookahead_generate_secs);
+            m.insert("is/weight_mean".into(), avg(|s| s.is_weight_mean));
+            m.insert("is/truncated_frac".into(), avg(|s| s.is_truncated_fraction));
+        }
+        if trained.iter().any(|s| s.logprob_gap > 0.0) {
+            m.insert("logprob_gap".into(), avg(|s| s.logprob_gap));
+        }
         if push_workers > 0 {
             m.insert("weight_sync/bytes".into(), push_bytes as f64);
             m.insert("weight_sync/workers".into(), push_workers as f64);
@@ -502,6 +610,56 @@ impl Trainer {
         m.insert("epoch".into(), self.epoch as f64);
         m.insert("policy_version".into(), self.s.policies.iter().map(|p| p.wire_version).max().unwrap_or(0) as f64);
         Ok(m)
+    }
+
+    /// The optimiser rounds of a step: per update group (see [`Forest::update_groups`]; with several
+    /// ranks one group per turn, so that every rank runs the same rounds) and policy, the policy's
+    /// agents' samples in mini-batches and their counts over all ranks. Groups no rank has samples
+    /// in are left out.
+    fn plan_rounds(&mut self, forest: &Forest, items: usize, handoff: bool) -> Result<Vec<Round>, TrainError> {
+        let cfg = &self.s.cfg;
+        let n = cfg.num_agents;
+        let groups = if self.dist.world() > 1 {
+            forest.groups_by_turn(items, cfg.trainer.num_turns)
+        } else {
+            forest.update_groups(items, cfg.trainer.rollout_buffer_size, handoff)
+        };
+        let mut rounds = Vec::new();
+        for group in &groups {
+            let mut buffers: Vec<RolloutBuffer<TrainSample>> = (0..n).map(|_| RolloutBuffer::new(group.len())).collect();
+            for &id in group {
+                let node = &forest.nodes[id];
+                for (a, buffer) in buffers.iter_mut().enumerate() {
+                    buffer.push_node(
+                        node.samples[a]
+                            .iter()
+                            .enumerate()
+                            .map(|(k, s)| TrainSample {
+                                prompt: node.prompts[a].ids.clone(),
+                                completion: s.token_ids.clone(),
+                                advantage: node.advantages[a][k],
+                                weight: node.turn_weight,
+                                old_logprobs: s.logprobs.clone(),
+                            })
+                            .collect(),
+                    );
+                }
+            }
+            for policy in 0..self.s.policies.len() {
+                let members: Vec<usize> = (0..n).filter(|&a| self.s.agent_policy[a] == policy).collect();
+                let scale = 1.0 / members.len().max(1) as f64;
+                let batches: Vec<AgentBatches> = members
+                    .iter()
+                    .map(|&a| AgentBatches { minibatches: buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size), scale })
+                    .collect();
+                let local: Vec<f64> = batches.iter().map(|b| b.minibatches.iter().map(Vec::len).sum::<usize>() as f64).collect();
+                let totals: Vec<usize> = self.dist.sum_f64(&local).map_err(dist_err)?.iter().map(|&c| c as usize).collect();
+                if totals.iter().any(|&c| c > 0) {
+                    rounds.push(Round { policy, batches, totals });
+                }
+            }
+        }
+        Ok(rounds)
     }
 
     /// Rank 0 receives every rank's forest of this step (merged in rank order, with the items of
@@ -620,6 +778,21 @@ impl Trainer {
         order
     }
 
+    /// The rows of the step after the one ending at `end` of the current epoch's order (the next
+    /// epoch's first step at the end of an epoch), or `None` after the last step of the run.
+    fn rows_after(&self, end: u64) -> Option<Vec<usize>> {
+        let (n, b) = (self.s.train_items.len() as u64, self.b() as u64);
+        if self.stop_after_steps.is_some_and(|s| self.step + 1 >= s) {
+            return None;
+        }
+        let (epoch, start) = if end >= n { (self.epoch + 1, 0) } else { (self.epoch, end) };
+        if epoch >= self.s.cfg.trainer.num_train_epochs as u64 {
+            return None;
+        }
+        let order = self.epoch_order(epoch);
+        Some(order[start as usize..(start + b).min(n) as usize].to_vec())
+    }
+
     fn log(&mut self, values: &BTreeMap<String, f64>) -> Result<(), TrainError> {
         if let Some(metrics) = &mut self.metrics {
             metrics.log(self.step, values).map_err(|e| TrainError::Io(format!("{}: {e}", metrics.path().display())))?;
@@ -657,7 +830,12 @@ impl Trainer {
             // when its items contain such an i.
             // Rank 0 evaluates; the other ranks go on to their share of the step.
             let eval = if root && eval_due(cfg.trainer.eval_interval as u64, self.position, end) { Some(self.evaluate(1, &[1])?) } else { None };
-            let mut values = self.train_step(&rows)?;
+            let mut values = if cfg.raw.rollout.max_off_policy_steps > 0 {
+                let next = self.rows_after(end);
+                self.train_step_async(&rows, next.as_deref())?
+            } else {
+                self.train_step(&rows)?
+            };
             values.extend(eval.unwrap_or_default());
             self.position = end;
             self.step += 1;
@@ -728,6 +906,42 @@ impl Trainer {
             history: self.history.clone(),
         })
     }
+}
+
+/// Runs the rounds in order; returns their statistics and which policies took an optimiser step.
+fn run_rounds(
+    policies: &mut [Policy],
+    rounds: &[Round],
+    loss_opts: &LossOptions,
+    epochs: usize,
+    dist: &dyn Collective,
+) -> Result<(Vec<UpdateStats>, Vec<bool>), TrainError> {
+    let mut stats = Vec::with_capacity(rounds.len());
+    let mut updated = vec![false; policies.len()];
+    for r in rounds {
+        let s = policies[r.policy].update_ranked(&r.batches, &r.totals, loss_opts, epochs, dist)?;
+        updated[r.policy] |= s.steps > 0;
+        stats.push(s);
+    }
+    Ok((stats, updated))
+}
+
+/// The items of a single-turn forest with a sample more than `k` versions older than the version
+/// its agent trains now (`current[agent]`), with how many such samples each has.
+pub(super) fn stale_items(forest: &Forest, current: &[u64], k: u64) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for node in forest.nodes.iter().filter(|n| n.parent.is_none()) {
+        let stale: usize = node
+            .samples
+            .iter()
+            .enumerate()
+            .map(|(a, samples)| samples.iter().filter(|s| current[a].saturating_sub(s.policy_version) > k).count())
+            .sum();
+        if stale > 0 {
+            out.push((node.item, stale));
+        }
+    }
+    out
 }
 
 /// The rows of a step that rank `rank` of `world` rolls out and trains on: every world-th.
