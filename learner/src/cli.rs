@@ -56,9 +56,17 @@ pub enum Command {
         k: Vec<usize>,
     },
     /// Draw reward, loss and throughput curves of a run directory to PNG files in it.
+    /// With several run directories: one chart of `--key` for all of them (`--out`).
     Plot {
-        /// The run directory (holding metrics.jsonl).
-        run_dir: PathBuf,
+        /// The run directory (holding metrics.jsonl), or several to compare.
+        #[arg(required = true)]
+        run_dirs: Vec<PathBuf>,
+        /// Comparing runs: the metric to draw, against the step.
+        #[arg(long, default_value = "reward/mean")]
+        key: String,
+        /// Comparing runs: the PNG to write.
+        #[arg(long, default_value = "compare.png")]
+        out: PathBuf,
     },
     /// Write a checkpoint's policies as Hugging Face model directories (for transformers, vLLM or
     /// `rollout-worker generate --model DIR`).
@@ -281,7 +289,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&metrics)?);
             Ok(())
         }
-        Command::Plot { run_dir } => plot_command(&run_dir),
+        Command::Plot { run_dirs, key, out } => match run_dirs.as_slice() {
+            [one] => plot_command(one),
+            many => compare_command(many, &key, &out),
+        },
         Command::Launch { nproc_per_node, backend, master_port, args } => {
             let backend = match backend.as_str() {
                 "mpi" => crate::config::DistBackend::Mpi,
@@ -429,6 +440,26 @@ fn export_command(checkpoint: &Path, policy: Option<usize>, out: &Path, merged: 
     for dir in written {
         println!("model: {}", dir.display());
     }
+    Ok(())
+}
+
+/// `learner plot RUN_A RUN_B ... --key K --out F`: K against the step for every run, one line each
+/// (named by the run directory).
+fn compare_command(run_dirs: &[PathBuf], key: &str, out: &Path) -> anyhow::Result<()> {
+    let mut series = Vec::new();
+    for dir in run_dirs {
+        let path = dir.join(crate::metrics::METRICS_FILE);
+        let records = crate::metrics::read_metrics(&path).with_context(|| format!("reading {}", path.display()))?;
+        let points: Vec<(f64, f64)> =
+            records.iter().filter_map(|r| r.values.get(key).map(|v| (r.step as f64, *v))).filter(|(_, v)| v.is_finite()).collect();
+        if points.is_empty() {
+            bail!("{}: no `{key}` in any step", path.display());
+        }
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| dir.display().to_string());
+        series.push((name, points));
+    }
+    crate::plot::draw_lines(out, key, "step", &series).with_context(|| format!("drawing {}", out.display()))?;
+    println!("{}", out.display());
     Ok(())
 }
 

@@ -354,7 +354,8 @@ fn only_the_turn_two_feedback_makes_the_task_learnable_tree() {
 }
 
 /// Several learner ranks: the handoff rollout splits by item and is allowed; the tree rollout (whose
-/// update groups span items) and agent placement are refused with the key named; one rank allows all.
+/// update groups span items) is refused with the key named, and agent placement needs several
+/// policies and a multiple of their count in ranks; one rank allows all.
 #[test]
 fn learner_ranks_refuse_what_they_cannot_reproduce() {
     use cotrain_learner::trainer::check_ranks;
@@ -365,6 +366,10 @@ fn learner_ranks_refuse_what_they_cannot_reproduce() {
     let err = check_ranks(&tree, 2).unwrap_err().to_string();
     assert!(err.contains("tree") && err.contains("rollout: handoff"), "{err}");
     let agent = config(&mt_yaml(2, "handoff", 1, ""), &["learner.placement=agent".to_string()]);
-    let err = check_ranks(&agent, 2).unwrap_err().to_string();
-    assert!(err.contains("learner.placement: agent"), "{err}");
+    assert!(check_ranks(&agent, 2).is_ok() && check_ranks(&agent, 4).is_ok());
+    let err = check_ranks(&agent, 3).unwrap_err().to_string();
+    assert!(err.contains("multiple of 2 ranks"), "{err}");
+    let shared = config(&mt_yaml(2, "handoff", 1, ""), &["learner.placement=agent".to_string(), "magrpo.shared_parameters=true".to_string()]);
+    let err = check_ranks(&shared, 2).unwrap_err().to_string();
+    assert!(err.contains("one policy") && err.contains("placement: data"), "{err}");
 }

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use cotrain_tests::{binaries, tiny_word_model_dir};
 use tch::{Kind, Tensor};
 
-fn write_config(dir: &Path, model: &Path, name: &str, rows: usize, extra: &str) -> PathBuf {
+/// A TLDR config of `rows` items, 4 per step; `extra` goes into the `magrpo` section, `top` at the top level.
+fn write_config(dir: &Path, model: &Path, name: &str, rows: usize, extra: &str, top: &str) -> PathBuf {
     let path = dir.join(format!("{name}.yaml"));
     std::fs::write(
         &path,
@@ -26,7 +27,7 @@ fn write_config(dir: &Path, model: &Path, name: &str, rows: usize, extra: &str) 
              output: {{base_dir: '{out}', save_final_model: true}}\n\
              magrpo:\n  num_agents: 2\n  num_generations: 3\n  max_new_tokens: 8\n  learning_rate: 0.0005\n  \
              num_train_epochs: 1\n  rollout_buffer_size: 4\n  save_steps: 1\n  logging_steps: 1\n{extra}\
-             logging: {{run_name: {name}, progress: never}}\n",
+             logging: {{run_name: {name}, progress: never}}\n{top}",
             model = model.display(),
             out = dir.join("out").display(),
         ),
@@ -76,17 +77,19 @@ fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
 
 /// Trains `extra` once on one rank and once on two; asserts the same steps, rewards and weights.
 fn one_rank_equals_two(extra: &str, policy_dirs: &[&str]) {
-    one_rank_equals_two_on(extra, policy_dirs, &[]);
+    one_rank_equals_many(extra, "", 2, policy_dirs, &[]);
 }
 
-/// [`one_rank_equals_two`] with `launch_flags` given to `learner launch` (e.g. `--backend nccl`).
-fn one_rank_equals_two_on(extra: &str, policy_dirs: &[&str], launch_flags: &[&str]) {
+/// [`one_rank_equals_two`] on `ranks` ranks, with `top` added to the ranks' config (e.g.
+/// `learner.placement`) and `launch_flags` given to `learner launch` (e.g. `--backend nccl`).
+fn one_rank_equals_many(extra: &str, top: &str, ranks: usize, policy_dirs: &[&str], launch_flags: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_word_model_dir(tmp.path()).unwrap();
-    let one = write_config(tmp.path(), &model, "one", 12, extra);
-    let two = write_config(tmp.path(), &model, "two", 12, extra);
+    let one = write_config(tmp.path(), &model, "one", 12, extra, "");
+    let two = write_config(tmp.path(), &model, "two", 12, extra, top);
     learner(&["train"], &one);
-    let mut args = vec!["launch", "--nproc-per-node", "2"];
+    let ranks = ranks.to_string();
+    let mut args = vec!["launch", "--nproc-per-node", ranks.as_str()];
     args.extend_from_slice(launch_flags);
     args.extend(["--", "train"]);
     let out = learner(&args, &two);
@@ -99,7 +102,7 @@ fn one_rank_equals_two_on(extra: &str, policy_dirs: &[&str], launch_flags: &[&st
     assert_eq!(m1.len(), 3, "12 rows, 4 per step");
     assert_eq!(m2.len(), 3, "rank 0 alone writes metrics: {m2:?}");
     for (a, b) in m1.iter().zip(&m2) {
-        assert_eq!(b["ranks"], 2.0);
+        assert_eq!(b["ranks"].as_f64(), ranks.parse().ok());
         for k in ["reward/mean", "reward/std", "loss", "grad_norm"] {
             let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
             assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "step {}: {k} {x} on one rank, {y} on two", a["step"]);
@@ -131,6 +134,16 @@ fn two_cpu_ranks_train_the_same_weights_as_one_with_shared_parameters() {
     one_rank_equals_two("  shared_parameters: true\n", &["shared"]);
 }
 
+#[test]
+fn two_agents_placed_on_two_ranks_train_the_same_weights_as_one_rank() {
+    one_rank_equals_many("", "learner: {placement: agent}\n", 2, &["agent-0", "agent-1"], &[]);
+}
+
+#[test]
+fn two_agents_times_two_data_ranks_train_the_same_weights_as_one_rank() {
+    one_rank_equals_many("", "learner: {placement: agent}\n", 4, &["agent-0", "agent-1"], &[]);
+}
+
 /// The pid of the `learner train` process that is rank `rank` of the job training `config`.
 fn rank_pid(rank: usize, config: &Path) -> Option<u32> {
     let want = format!("OMPI_COMM_WORLD_RANK={rank}");
@@ -149,8 +162,8 @@ fn a_rank_killed_mid_run_stops_the_job_and_its_checkpoint_resumes_to_the_same_we
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_word_model_dir(tmp.path()).unwrap();
     // 8 steps, so that the job is still running when its first checkpoint appears.
-    let whole = write_config(tmp.path(), &model, "whole", 32, "");
-    let cut = write_config(tmp.path(), &model, "cut", 32, "");
+    let whole = write_config(tmp.path(), &model, "whole", 32, "", "");
+    let cut = write_config(tmp.path(), &model, "cut", 32, "", "");
     learner(&["launch", "--nproc-per-node", "2", "--", "train"], &whole);
 
     let child = Command::new(binaries().unwrap().join("learner"))
@@ -193,7 +206,7 @@ fn a_rank_killed_mid_run_stops_the_job_and_its_checkpoint_resumes_to_the_same_we
 fn a_torchrun_environment_without_an_mpi_launcher_is_refused_with_the_commands_that_work() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_word_model_dir(tmp.path()).unwrap();
-    let cfg = write_config(tmp.path(), &model, "torchrun", 4, "");
+    let cfg = write_config(tmp.path(), &model, "torchrun", 4, "", "");
     let out = Command::new(binaries().unwrap().join("learner"))
         .args(["train", "--config"])
         .arg(&cfg)
@@ -215,5 +228,5 @@ fn two_nccl_ranks_train_the_same_weights_as_one() {
         eprintln!("skipped: NCCL ranks need two GPUs, this machine has {gpus}");
         return;
     }
-    one_rank_equals_two_on("", &["agent-0", "agent-1"], &["--backend", "nccl"]);
+    one_rank_equals_many("", "", 2, &["agent-0", "agent-1"], &["--backend", "nccl"]);
 }

@@ -337,10 +337,21 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
         )));
     }
     if cfg.raw.learner.placement == crate::config::Placement::Agent {
-        return Err(TrainError::NotBuilt(format!(
-            "{}: learner.placement: agent (each agent's policy on its own ranks) is not built yet; use learner.placement: data",
-            cfg.source.display()
-        )));
+        let policies = if cfg.trainer.shared_parameters { 1 } else { cfg.num_agents };
+        if policies < 2 {
+            return Err(TrainError::Config(format!(
+                "{}: learner.placement: agent places each agent's policy on its own ranks, but this run trains one policy \
+                 ({}); use learner.placement: data",
+                cfg.source.display(),
+                if cfg.trainer.shared_parameters { "shared_parameters: true" } else { "one agent" }
+            )));
+        }
+        if world % policies != 0 {
+            return Err(TrainError::Config(format!(
+                "{}: learner.placement: agent with {policies} policies needs a multiple of {policies} ranks, got {world}",
+                cfg.source.display()
+            )));
+        }
     }
     if cfg.is_multi_turn() && cfg.trainer.rollout == crate::config::MultiTurnMode::Tree {
         return Err(TrainError::NotBuilt(format!(

@@ -110,6 +110,19 @@ struct StepRollout {
     times: RolloutTimes,
 }
 
+/// Where a rank's work lies. Data placement: the step's items are split into one shard per rank and
+/// every rank trains every policy on its shard. Agent placement (`learner.placement: agent`, P
+/// policies on P·D ranks): rank r computes only policy r / D's gradients, on shard r mod D of D; every
+/// rank still holds every policy and applies every policy's summed gradients, so all ranks stay
+/// identical.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    shards: usize,
+    shard: usize,
+    /// Agent placement: the one policy this rank computes gradients for.
+    own: Option<usize>,
+}
+
 /// One optimiser round of one policy: its agents' mini-batches and their sample counts over all ranks.
 struct Round {
     policy: usize,
@@ -398,13 +411,38 @@ impl Trainer {
 
     /// This rank's share of `rows` rolled out as step `step` (its seeds).
     fn roll_out_rows(&mut self, rows: &[usize], step: u64) -> Result<StepRollout, TrainError> {
-        // This rank's share of the step's items: every world-th, from its rank on.
-        let items: Vec<TrainItem> =
-            rank_share(rows, self.dist.rank(), self.dist.world()).iter().map(|&r| self.s.train_items[r].clone()).collect();
+        let layout = self.layout();
+        // This rank's shard of the step's items: every shards-th, from its shard on.
+        let items: Vec<TrainItem> = rank_share(rows, layout.shard, layout.shards).iter().map(|&r| self.s.train_items[r].clone()).collect();
         let plan = self.train_plan(step);
-        let refs: Vec<&TrainItem> = items.iter().collect();
-        let (forest, times) = self.roll_out(&refs, &plan)?;
+        if layout.own.is_none() {
+            let refs: Vec<&TrainItem> = items.iter().collect();
+            let (forest, times) = self.roll_out(&refs, &plan)?;
+            return Ok(StepRollout { rows: rows.to_vec(), items, forest, times });
+        }
+        // Agent placement: the ranks of policy 0 (ranks 0..shards) roll their shards out for every
+        // agent; every other rank receives its shard's rollout from them.
+        let (mut forest, mut times) = (Forest::default(), RolloutTimes::default());
+        if self.dist.rank() < layout.shards {
+            let refs: Vec<&TrainItem> = items.iter().collect();
+            (forest, times) = self.roll_out(&refs, &plan)?;
+        }
+        let bytes = serde_json::to_vec(&forest).map_err(|e| TrainError::Dist(format!("serialising the step's rollouts: {e}")))?;
+        let all = self.dist.all_gather_bytes(&bytes).map_err(dist_err)?;
+        let forest = serde_json::from_slice(&all[layout.shard]).map_err(|e| TrainError::Dist(format!("rank {}'s rollouts: {e}", layout.shard)))?;
         Ok(StepRollout { rows: rows.to_vec(), items, forest, times })
+    }
+
+    /// How this rank's work is placed (see [`Layout`]).
+    fn layout(&self) -> Layout {
+        let (rank, world) = (self.dist.rank(), self.dist.world());
+        match self.s.cfg.raw.learner.placement {
+            crate::config::Placement::Agent if world > 1 => {
+                let shards = (world / self.s.policies.len().max(1)).max(1);
+                Layout { shards, shard: rank % shards, own: Some(rank / shards) }
+            }
+            _ => Layout { shards: world, shard: rank, own: None },
+        }
     }
 
     /// One step with asynchronous rollouts (`rollout.max_off_policy_steps` = k > 0): trains on the
@@ -645,12 +683,18 @@ impl Trainer {
                     );
                 }
             }
+            let own = self.layout().own;
             for policy in 0..self.s.policies.len() {
                 let members: Vec<usize> = (0..n).filter(|&a| self.s.agent_policy[a] == policy).collect();
                 let scale = 1.0 / members.len().max(1) as f64;
+                // Agent placement: another rank computes this policy's gradients (this one adds zeros).
+                let mine = own.is_none_or(|o| o == policy);
                 let batches: Vec<AgentBatches> = members
                     .iter()
-                    .map(|&a| AgentBatches { minibatches: buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size), scale })
+                    .map(|&a| AgentBatches {
+                        minibatches: if mine { buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size) } else { Vec::new() },
+                        scale,
+                    })
                     .collect();
                 let local: Vec<f64> = batches.iter().map(|b| b.minibatches.iter().map(Vec::len).sum::<usize>() as f64).collect();
                 let totals: Vec<usize> = self.dist.sum_f64(&local).map_err(dist_err)?.iter().map(|&c| c as usize).collect();
@@ -670,11 +714,13 @@ impl Trainer {
         if !self.dist.is_root() {
             return Ok((Forest::default(), Vec::new()));
         }
+        let shards = self.layout().shards;
         let (mut merged, mut items) = (Forest::default(), Vec::new());
-        for (rank, b) in all.iter().enumerate() {
+        // Ranks 0..shards hold one shard each (under agent placement the others hold copies).
+        for (rank, b) in all.iter().enumerate().take(shards) {
             let part: Forest = serde_json::from_slice(b).map_err(|e| TrainError::Dist(format!("rank {rank}'s rollouts: {e}")))?;
             merged.absorb(part, items.len());
-            items.extend(rank_share(rows, rank, self.dist.world()).iter().map(|&r| self.s.train_items[r].clone()));
+            items.extend(rank_share(rows, rank, shards).iter().map(|&r| self.s.train_items[r].clone()));
         }
         Ok((merged, items))
     }
