@@ -238,14 +238,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 bail!("--resume {}: no such run directory", dir.display());
             }
             if cfg.algorithm == crate::config::Algorithm::Maporl {
-                let ranks = crate::dist::RankEnv::from_env().map_err(anyhow::Error::msg)?;
-                if ranks.world > 1 {
-                    bail!("{} learner ranks: the maporl trainer runs as one process so far (data-parallel MaPoRL is not built yet)", ranks.world);
-                }
                 if resume.is_some() {
                     bail!("--resume: resuming a MaPoRL run is not built yet (its adapters are saved in PEFT's layout under checkpoints/)");
                 }
                 let summary = crate::maporl::train(&cfg, crate::trainer::run_dir_for(&cfg))?;
+                if crate::dist::RankEnv::from_env().is_ok_and(|r| r.rank != 0) {
+                    return Ok(());
+                }
                 println!("run directory: {}", summary.run_dir.display());
                 if let Some(d) = &summary.final_dir {
                     println!("policies: {}", d.display());

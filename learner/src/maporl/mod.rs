@@ -60,6 +60,11 @@ pub fn verifier_name(cfg: &CheckedConfig, m: &crate::config::MaporlSection) -> R
 /// Everything for a MaPoRL run of `cfg` in `run_dir`: bases, adapters, data, services (the rollout
 /// workers serve one agent per adapter key).
 pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(MaporlTrainer, ServiceGuard), TrainError> {
+    build_ranked(cfg, run_dir, Box::new(crate::dist::SingleRank))
+}
+
+/// [`build`] as one rank of `dist` (rank 0 starts or connects to the services and tells the others).
+pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::dist::Collective>) -> Result<(MaporlTrainer, ServiceGuard), TrainError> {
     let m = cfg.raw.maporl.as_ref().ok_or_else(|| TrainError::Config(format!("{}: no maporl section", cfg.source.display())))?;
     let kind = DatasetKind::resolve(&cfg.raw.dataset).map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
     let train = load_split(&cfg.raw.dataset, &cfg.train_split).map_err(|e| TrainError::Data(e.to_string()))?;
@@ -79,16 +84,31 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(MaporlTrainer, Se
         Some(d) => prepare_items(d, &models, &prompter, &encoding, max_prompt)?,
         None => Vec::new(),
     };
-    let Services { rollout, reward, guard } = connect_services(cfg, &adapters.worker_agents(&bases))?;
+    let agents = adapters.worker_agents(&bases);
+    let Services { rollout, reward, guard } =
+        if dist.world() == 1 { connect_services(cfg, &agents)? } else { crate::trainer::connect_services_ranked(cfg, &agents, dist.as_ref())? };
     let setup = MaporlSetup { cfg: cfg.clone(), run_dir, task: reward_task(kind).to_string(), bases, adapters, rollout, reward, train_items, eval_items };
-    Ok((MaporlTrainer::new(setup)?, guard))
+    Ok((MaporlTrainer::new_ranked(setup, dist)?, guard))
 }
 
 /// `learner train` on a `maporl` config.
+///
+/// Launched as one of several ranks, each discusses its share of every step's questions and takes
+/// its share of every PPO mini-batch (see [`update::ppo_update`]); rank 0 writes the run.
 pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, TrainError> {
-    std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
-    std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
-    let (mut trainer, services) = build(cfg, run_dir)?;
+    let dist = crate::dist::init(cfg.raw.learner.backend, crate::trainer::load_options(cfg).device).map_err(|e| TrainError::Dist(e.to_string()))?;
+    if dist.world() > 1 && cfg.raw.learner.placement == crate::config::Placement::Agent {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: learner.placement: agent is built for the GRPO/MAGRPO trainer; the maporl trainer splits data (learner.placement: data)",
+            cfg.source.display()
+        )));
+    }
+    let run_dir = crate::trainer::shared_run_dir(dist.as_ref(), run_dir)?;
+    if dist.is_root() {
+        std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+        std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+    }
+    let (mut trainer, services) = build_ranked(cfg, run_dir, dist)?;
     let summary = trainer.run();
     drop(trainer);
     drop(services);

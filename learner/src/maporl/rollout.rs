@@ -18,6 +18,7 @@ use crate::trainer::{GenRequest, RewardSource, RolloutSource, SamplingSpec, Scor
 
 /// One agent's answer at one turn.
 #[derive(Debug, Clone, PartialEq)]
+#[derive(serde::Serialize, serde::Deserialize)]
 pub struct Answer {
     /// The tokens the policy read (question and discussion so far).
     pub prompt: Vec<u32>,
@@ -38,7 +39,7 @@ pub struct Answer {
 }
 
 /// One question's discussion: `answers[turn][agent]`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Discussion {
     /// Index into the items the batch was given.
     pub item: usize,

@@ -20,6 +20,7 @@ use super::rollout::{Discussion, DiscussionSetup, discussion_metrics};
 use super::update::{PpoRecord, PpoSample, ppo_update};
 use crate::algo::maporl::{Incentives, ScoreRule, shaped_training_scores};
 use crate::config::{CheckedConfig, MaporlSection};
+use crate::dist::{Collective, SingleRank};
 use crate::metrics::MetricsWriter;
 use crate::prompts::Followup;
 use crate::trainer::items::PromptEncoding;
@@ -57,7 +58,11 @@ pub struct MaporlTrainer {
     m: MaporlSection,
     encoding: PromptEncoding,
     followup: Followup,
-    metrics: MetricsWriter,
+    /// `None` on ranks other than 0: rank 0 alone writes the run's files.
+    metrics: Option<MetricsWriter>,
+    /// The learner's ranks (see [`crate::dist`]): questions are split between them, PPO's
+    /// mini-batches too (see [`ppo_update`]).
+    dist: Box<dyn Collective>,
     rng: ChaCha8Rng,
     step: u64,
     history: Vec<BTreeMap<String, f64>>,
@@ -71,19 +76,32 @@ const TAG_SAMPLE: u64 = 12;
 const TAG_EVAL: u64 = 13;
 const TAG_PPO: u64 = 14;
 
+fn dist_err(e: crate::dist::DistError) -> TrainError {
+    TrainError::Dist(e.to_string())
+}
+
 impl MaporlTrainer {
     pub fn new(s: MaporlSetup) -> Result<Self, TrainError> {
+        Self::new_ranked(s, Box::new(SingleRank))
+    }
+
+    /// A trainer that is one of the data-parallel ranks of `dist`.
+    pub fn new_ranked(s: MaporlSetup, dist: Box<dyn Collective>) -> Result<Self, TrainError> {
         let m = s.cfg.raw.maporl.clone().ok_or_else(|| TrainError::Config("the config has no maporl section".into()))?;
         if s.train_items.is_empty() {
             return Err(TrainError::Data("the train split selects no rows".into()));
         }
-        std::fs::create_dir_all(&s.run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
-        let metrics = MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+        let metrics = if dist.is_root() {
+            std::fs::create_dir_all(&s.run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+            Some(MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?)
+        } else {
+            None
+        };
         let followup = Followup::new(m.followup_template.as_deref()).map_err(TrainError::Config)?;
         let encoding = PromptEncoding::from_config(&s.cfg);
         let rng = ChaCha8Rng::seed_from_u64(derive_seed(&[s.cfg.raw.seed, TAG_PPO]));
         let verifier = super::verifier_name(&s.cfg, &m)?;
-        Ok(Self { m, encoding, followup, metrics, rng, step: 0, history: Vec::new(), evals: Vec::new(), verifier, s })
+        Ok(Self { m, encoding, followup, metrics, dist, rng, step: 0, history: Vec::new(), evals: Vec::new(), verifier, s })
     }
 
     fn versions(&self) -> BTreeMap<String, u64> {
@@ -138,7 +156,7 @@ impl MaporlTrainer {
     pub fn train_step(&mut self, items: &[&TrainItem], total_steps: u64) -> Result<BTreeMap<String, f64>, TrainError> {
         let t0 = Instant::now();
         let seed = derive_seed(&[self.s.cfg.raw.seed, TAG_SAMPLE, self.step]);
-        let discussions = self.discuss(items, seed)?;
+        let discussions = self.discuss_ranked(items, seed)?;
         let t_rollout = t0.elapsed().as_secs_f64();
         let rule = ScoreRule { horizon: self.m.rule_horizon, agent_share: self.m.rule_agent_share, gamma: self.m.rule_discount, lookahead: self.m.rule_lookahead };
         let inc = Incentives { alpha: self.m.alpha, influence_signs: self.m.influence_signs };
@@ -167,15 +185,21 @@ impl MaporlTrainer {
         let lr = scheduled_lr(self.m.learning_rate, self.m.lr_end_factor, self.step, total_steps);
         self.s.adapters.set_lr(lr);
         let t1 = Instant::now();
-        let (records, mut values) = ppo_update(&self.m, &self.s.bases, &mut self.s.adapters, &samples, &mut self.rng)?;
+        let (records, mut values) = ppo_update(&self.m, &self.s.bases, &mut self.s.adapters, &samples, &mut self.rng, self.dist.as_ref())?;
         let t_update = t1.elapsed().as_secs_f64();
         let t2 = Instant::now();
         let trained: std::collections::BTreeSet<&str> = samples.iter().map(|s| s.policy.as_str()).collect();
         for key in trained {
             let p = self.s.adapters.policies.get_mut(key).expect("sampled keys exist");
             let next = p.version + 1;
-            p.push(self.s.rollout.as_mut(), next)?;
+            if self.dist.is_root() {
+                p.push(self.s.rollout.as_mut(), next)?;
+            }
             p.version = next;
+        }
+        if self.dist.world() > 1 {
+            // No rank samples before rank 0's pushes are served.
+            self.dist.barrier().map_err(dist_err)?;
         }
         let t_sync = t2.elapsed().as_secs_f64();
         values.extend(discussion_metrics(&discussions, ""));
@@ -186,7 +210,7 @@ impl MaporlTrainer {
         values.insert("time/update".into(), t_update);
         values.insert("time/weight_sync".into(), t_sync);
         values.insert("time/step".into(), t0.elapsed().as_secs_f64());
-        if self.s.cfg.raw.logging.rollouts {
+        if self.s.cfg.raw.logging.rollouts && self.dist.is_root() {
             self.log_rollouts(items, &discussions, &training_scores, &where_from, &records)
                 .map_err(|e| TrainError::Io(format!("rollouts.jsonl: {e}")))?;
         }
@@ -262,8 +286,49 @@ impl MaporlTrainer {
         Ok(dir.to_path_buf())
     }
 
+    /// This rank's share of `items` discussed (every world-th question), then every rank's
+    /// discussions in the items' order, on every rank.
+    fn discuss_ranked(&mut self, items: &[&TrainItem], seed: u64) -> Result<Vec<Discussion>, TrainError> {
+        let (rank, world) = (self.dist.rank(), self.dist.world());
+        if world == 1 {
+            return self.discuss(items, seed);
+        }
+        let positions: Vec<usize> = crate::trainer::run::rank_share(&(0..items.len()).collect::<Vec<_>>(), rank, world);
+        let mine: Vec<&TrainItem> = positions.iter().map(|&q| items[q]).collect();
+        let own = if mine.is_empty() { Vec::new() } else { self.discuss(&mine, seed)? };
+        let bytes = serde_json::to_vec(&own).map_err(|e| TrainError::Dist(format!("serialising discussions: {e}")))?;
+        let mut all: Vec<Option<Discussion>> = vec![None; items.len()];
+        for (r, part) in self.dist.all_gather_bytes(&bytes).map_err(dist_err)?.iter().enumerate() {
+            let theirs: Vec<Discussion> = serde_json::from_slice(part).map_err(|e| TrainError::Dist(format!("rank {r}'s discussions: {e}")))?;
+            let at = crate::trainer::run::rank_share(&(0..items.len()).collect::<Vec<_>>(), r, world);
+            for (mut d, q) in theirs.into_iter().zip(at) {
+                d.item = q;
+                all[q] = Some(d);
+            }
+        }
+        all.into_iter().enumerate().map(|(q, d)| d.ok_or_else(|| TrainError::Dist(format!("no rank discussed question {q} of the step")))).collect()
+    }
+
+    /// Gives every rank rank 0's adapters and critics (weights only: the run starts here).
+    fn sync_ranks(&mut self) -> Result<(), TrainError> {
+        if self.dist.world() == 1 {
+            return Ok(());
+        }
+        let d = self.dist.as_ref();
+        for p in self.s.adapters.policies.values() {
+            crate::dist::broadcast_tensors(d, &p.optimizer.parameters(), 0).map_err(dist_err)?;
+        }
+        for c in self.s.adapters.critics.values() {
+            crate::dist::broadcast_tensors(d, &c.adapter_opt.parameters(), 0).map_err(dist_err)?;
+            crate::dist::broadcast_tensors(d, &c.head_opt.parameters(), 0).map_err(dist_err)?;
+        }
+        Ok(())
+    }
+
     fn log(&mut self, values: &BTreeMap<String, f64>) -> Result<(), TrainError> {
-        self.metrics.log(self.step, values).map_err(|e| TrainError::Io(format!("metrics: {e}")))?;
+        if let Some(metrics) = &mut self.metrics {
+            metrics.log(self.step, values).map_err(|e| TrainError::Io(format!("metrics: {e}")))?;
+        }
         self.history.push(values.clone());
         Ok(())
     }
@@ -273,19 +338,23 @@ impl MaporlTrainer {
     fn sync_all(&mut self) -> Result<(), TrainError> {
         for p in self.s.adapters.policies.values_mut() {
             let next = p.version + 1;
-            p.push(self.s.rollout.as_mut(), next)?;
+            if self.dist.is_root() {
+                p.push(self.s.rollout.as_mut(), next)?;
+            }
             p.version = next;
         }
-        Ok(())
+        self.dist.barrier().map_err(dist_err)
     }
 
     /// The whole run.
     pub fn run(&mut self) -> Result<MaporlSummary, TrainError> {
         let total = self.total_steps();
+        let root = self.dist.is_root();
+        self.sync_ranks()?;
         self.sync_all()?;
         info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
             steps = total, adapters = self.s.adapters.policies.len(), critics = self.s.adapters.critics.len(), "MaPoRL training");
-        let bar = crate::trainer::run::progress_bar(self.s.cfg.raw.logging.progress, total, 0);
+        let bar = if root { crate::trainer::run::progress_bar(self.s.cfg.raw.logging.progress, total, 0) } else { None };
         let qps = self.m.questions_per_step();
         let interval = self.m.eval_interval as u64;
         for epoch in 0..self.m.num_train_epochs as u64 {
@@ -293,7 +362,7 @@ impl MaporlTrainer {
             order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[self.s.cfg.raw.seed, TAG_ORDER, epoch])));
             for chunk in order.chunks(qps) {
                 let mut values = BTreeMap::new();
-                if interval > 0 && self.step.is_multiple_of(interval) {
+                if root && interval > 0 && self.step.is_multiple_of(interval) {
                     let e = self.evaluate()?;
                     if !e.is_empty() {
                         self.evals.push((self.step, e.clone()));
@@ -317,7 +386,7 @@ impl MaporlTrainer {
                     }
                     None => {}
                 }
-                if self.m.save_steps > 0 && self.step.is_multiple_of(self.m.save_steps as u64) {
+                if root && self.m.save_steps > 0 && self.step.is_multiple_of(self.m.save_steps as u64) {
                     let dir = self.save_policies(&self.s.run_dir.join("checkpoints").join(format!("step-{}", self.step)))?;
                     info!(step = self.step, checkpoint = %dir.display(), "policies saved");
                 }
@@ -326,11 +395,18 @@ impl MaporlTrainer {
         if let Some(pb) = &bar {
             pb.finish();
         }
+        if self.dist.world() > 1 {
+            for (key, p) in &self.s.adapters.policies {
+                crate::dist::check_same(self.dist.as_ref(), &format!("adapter `{key}` at the end"), &p.optimizer.parameters()).map_err(dist_err)?;
+            }
+        }
+        if !root {
+            return Ok(MaporlSummary { run_dir: self.s.run_dir.clone(), steps: self.step, history: Vec::new(), evals: Vec::new(), final_dir: None, plots: Vec::new() });
+        }
         let e = self.evaluate()?;
         if !e.is_empty() {
             self.evals.push((self.step, e.clone()));
-            self.metrics.log(self.step, &e).map_err(|err| TrainError::Io(format!("metrics: {err}")))?;
-            self.history.push(e);
+            self.log(&e)?;
         }
         let final_name = if self.m.full_finetune { "final_model" } else { "adapters" };
         let final_dir = if self.s.cfg.raw.output.save_final_model { Some(self.save_policies(&self.s.run_dir.join(final_name))?) } else { None };

@@ -21,6 +21,7 @@ use tch::{Kind, Tensor};
 use tracing::warn;
 
 use super::agents::{Adapters, Bases, Critic};
+use crate::dist::Collective;
 use crate::algo::ppo::{clipped_policy_loss, clipped_value_loss, explained_variance, gae, kl_per_token, token_rewards, whiten};
 use crate::trainer::policy::padded_rows as pad_f32;
 use crate::config::MaporlSection;
@@ -39,7 +40,7 @@ pub struct PpoSample {
 }
 
 /// The PPO inputs of one sample, as `rollouts.jsonl` records them.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PpoRecord {
     pub logprobs: Vec<f32>,
     pub ref_logprobs: Vec<f32>,
@@ -105,13 +106,24 @@ fn split(flat: &Tensor, offsets: &[usize]) -> Vec<Vec<f32>> {
 
 /// Runs the update of one step over `samples`; returns each sample's record (in order) and the
 /// step's training scalars.
+///
+/// As one of the data-parallel ranks of `dist`, every rank holds all of the step's samples (in the
+/// same order) and the same `rng`: each computes the behaviour/reference log-probs and old values of
+/// every world-th sample and they exchange them; GAE and whitening run on every rank alike; and in
+/// every mini-batch each rank back-propagates every world-th of its samples with the loss scaled by
+/// its share of the mini-batch's tokens, so that the gradients summed over the ranks (before each
+/// AdamW step) and the statistics are those of the whole mini-batch.
 pub fn ppo_update(
     m: &MaporlSection,
     bases: &Bases,
     adapters: &mut Adapters,
     samples: &[PpoSample],
     rng: &mut ChaCha8Rng,
+    dist: &dyn Collective,
 ) -> Result<(Vec<PpoRecord>, BTreeMap<String, f64>), TrainError> {
+    let (rank, world) = (dist.rank(), dist.world());
+    let mine = |k: usize| k % world == rank;
+    let dist_err = |e: crate::dist::DistError| TrainError::Dist(e.to_string());
     let mut records = vec![PpoRecord::default(); samples.len()];
     let mut stats: BTreeMap<String, f64> = BTreeMap::new();
     let acc = |k: &str, v: f64, stats: &mut BTreeMap<String, f64>| *stats.entry(k.to_string()).or_insert(0.0) += v;
@@ -128,6 +140,10 @@ pub fn ppo_update(
     }
     for (key, idx) in &by_policy {
         let p = adapters.policies.get(*key).ok_or_else(|| TrainError::Config(format!("no adapter `{key}`")))?;
+        let idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
+        if idx.is_empty() {
+            continue;
+        }
         let seqs: Vec<Sequence> = idx.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
         let old = p.with_model(bases, |model| completion_logprobs(model, &seqs, &lp_opts(false)))?.map_err(model_err("behaviour log-probs"))?;
         // The reference policy is the frozen base itself.
@@ -139,6 +155,7 @@ pub fn ppo_update(
     }
     for (key, idx) in &by_critic {
         let c = &adapters.critics[*key];
+        let idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
         for part in idx.chunks(16) {
             let rows: Vec<(&[u32], &[u32])> = part.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
             let v = response_values(c, bases, &rows, false)?;
@@ -150,6 +167,17 @@ pub fn ppo_update(
         }
     }
 
+    if world > 1 {
+        // Every rank gets every sample's inputs.
+        let own: Vec<(usize, &PpoRecord)> = records.iter().enumerate().filter(|&(k, _)| mine(k)).collect();
+        let bytes = serde_json::to_vec(&own).map_err(|e| TrainError::Dist(format!("serialising PPO inputs: {e}")))?;
+        for (r, part) in dist.all_gather_bytes(&bytes).map_err(dist_err)?.iter().enumerate() {
+            let theirs: Vec<(usize, PpoRecord)> = serde_json::from_slice(part).map_err(|e| TrainError::Dist(format!("rank {r}'s PPO inputs: {e}")))?;
+            for (k, rec) in theirs {
+                records[k] = rec;
+            }
+        }
+    }
     stats.insert("time/ppo_prepare".into(), t_prep.elapsed().as_secs_f64());
     // 2. Rewards, GAE, whitening (per adapter, over its tokens).
     let mut whitened: Vec<Vec<f64>> = vec![Vec::new(); samples.len()];
@@ -205,32 +233,45 @@ pub fn ppo_update(
             let size = order.len().div_ceil(parts);
             for mb in order.chunks(size) {
                 let p = adapters.policies.get_mut(*key).expect("checked above");
-                let seqs: Vec<Sequence> = mb.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
-                let cmax = mb.iter().map(|&k| samples[k].response.len()).max().unwrap_or(0);
-                let old = pad_f32(mb.iter().map(|&k| records[k].logprobs.as_slice()), cmax);
-                let adv = pad(&mb.iter().map(|&k| whitened[k].as_slice()).collect::<Vec<_>>(), cmax);
+                // This rank's share of the mini-batch and its share of the mini-batch's tokens.
+                let all_tokens: usize = mb.iter().map(|&k| samples[k].response.len()).sum();
+                let part: Vec<usize> = mb.iter().enumerate().filter(|&(j, _)| j % world == rank).map(|(_, &k)| k).collect();
+                let share = part.iter().map(|&k| samples[k].response.len()).sum::<usize>() as f64 / all_tokens.max(1) as f64;
                 p.optimizer.zero_grad();
-                let tlp = p.with_model(bases, |model| completion_logprobs(model, &seqs, &lp_opts(true)))?.map_err(model_err("policy log-probs"))?;
-                let (lp, mask) = tlp.padded();
-                let mask = mask.to_kind(Kind::Float);
-                let device = lp.device();
-                let terms = clipped_policy_loss(&lp, &old.to_device(device), &adv.to_device(device), &mask, m.cliprange)
-                    .map_err(|e| TrainError::Model(format!("policy loss: {e}")))?;
-                let loss = terms.loss.double_value(&[]);
-                tlp.backward(&terms.loss).map_err(model_err("policy backward"))?;
-                if loss.is_finite() && p.optimizer.grads_finite() {
+                let mut local = [0.0f64; 6]; // loss, clip fraction, approx kl, entropy, ratio, non-finite
+                if !part.is_empty() {
+                    let seqs: Vec<Sequence> =
+                        part.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
+                    let cmax = part.iter().map(|&k| samples[k].response.len()).max().unwrap_or(0);
+                    let old = pad_f32(part.iter().map(|&k| records[k].logprobs.as_slice()), cmax);
+                    let adv = pad(&part.iter().map(|&k| whitened[k].as_slice()).collect::<Vec<_>>(), cmax);
+                    let tlp = p.with_model(bases, |model| completion_logprobs(model, &seqs, &lp_opts(true)))?.map_err(model_err("policy log-probs"))?;
+                    let (lp, mask) = tlp.padded();
+                    let mask = mask.to_kind(Kind::Float);
+                    let device = lp.device();
+                    let terms = clipped_policy_loss(&lp, &old.to_device(device), &adv.to_device(device), &mask, m.cliprange)
+                        .map_err(|e| TrainError::Model(format!("policy loss: {e}")))?;
+                    let loss = terms.loss.double_value(&[]);
+                    tlp.backward(&(&terms.loss * share)).map_err(model_err("policy backward"))?;
+                    let entropy = tlp.entropy.mean(Kind::Float).double_value(&[]);
+                    local = [loss * share, terms.clip_fraction * share, terms.approx_kl * share, entropy * share, terms.ratio_mean * share, !loss.is_finite() as u8 as f64];
+                }
+                let [loss, clipfrac, approxkl, entropy, ratio, bad] = dist.sum_f64(&local).map_err(dist_err)?[..] else { unreachable!("six values") };
+                if world > 1 {
+                    crate::dist::all_reduce_grads(dist, &p.optimizer.parameters()).map_err(dist_err)?;
+                }
+                if bad == 0.0 && p.optimizer.grads_finite() {
                     p.optimizer.step();
                 } else {
                     warn!(adapter = %key, loss, "non-finite policy loss or gradient: mini-batch skipped");
                     acc("policy/skipped", 1.0, &mut stats);
                 }
                 p.optimizer.zero_grad();
-                let entropy = tlp.entropy.mean(Kind::Float).double_value(&[]);
                 acc("loss/policy_avg", loss, &mut stats);
-                acc("policy/clipfrac_avg", terms.clip_fraction, &mut stats);
-                acc("policy/approxkl_avg", terms.approx_kl, &mut stats);
+                acc("policy/clipfrac_avg", clipfrac, &mut stats);
+                acc("policy/approxkl_avg", approxkl, &mut stats);
                 acc("policy/entropy_avg", entropy, &mut stats);
-                acc("val/ratio", terms.ratio_mean, &mut stats);
+                acc("val/ratio", ratio, &mut stats);
                 pg_n += 1.0;
             }
         }
@@ -243,21 +284,34 @@ pub fn ppo_update(
             let size = order.len().div_ceil(parts);
             for mb in order.chunks(size) {
                 let c = adapters.critics.get_mut(*key).expect("keys come from the adapters");
-                let rows: Vec<(&[u32], &[u32])> = mb.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
-                let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
-                let mask_rows: Vec<Vec<f64>> = mb.iter().map(|&k| vec![1.0; samples[k].response.len()]).collect();
-                let mask = pad(&mask_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
-                let old = pad_f32(mb.iter().map(|&k| records[k].values.as_slice()), cmax);
-                let ret = pad(&mb.iter().map(|&k| records[k].returns.as_slice()).collect::<Vec<_>>(), cmax);
+                let all_tokens: usize = mb.iter().map(|&k| samples[k].response.len()).sum();
+                let part: Vec<usize> = mb.iter().enumerate().filter(|&(j, _)| j % world == rank).map(|(_, &k)| k).collect();
+                let share = part.iter().map(|&k| samples[k].response.len()).sum::<usize>() as f64 / all_tokens.max(1) as f64;
                 c.adapter_opt.zero_grad();
                 c.head_opt.zero_grad();
-                let v = response_values(c, bases, &rows, true)?;
-                let device = v.device();
-                let terms = clipped_value_loss(&v, &old.to_device(device), &ret.to_device(device), &mask.to_device(device), m.cliprange_value)
-                    .map_err(|e| TrainError::Model(format!("value loss: {e}")))?;
-                let loss = terms.loss.double_value(&[]);
-                (&terms.loss * m.vf_coef).backward();
-                if loss.is_finite() && c.adapter_opt.grads_finite() && c.head_opt.grads_finite() {
+                let mut local = [0.0f64; 3]; // loss, clip fraction, non-finite
+                if !part.is_empty() {
+                    let rows: Vec<(&[u32], &[u32])> = part.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
+                    let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
+                    let mask_rows: Vec<Vec<f64>> = part.iter().map(|&k| vec![1.0; samples[k].response.len()]).collect();
+                    let mask = pad(&mask_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
+                    let old = pad_f32(part.iter().map(|&k| records[k].values.as_slice()), cmax);
+                    let ret = pad(&part.iter().map(|&k| records[k].returns.as_slice()).collect::<Vec<_>>(), cmax);
+                    let v = response_values(c, bases, &rows, true)?;
+                    let device = v.device();
+                    let terms = clipped_value_loss(&v, &old.to_device(device), &ret.to_device(device), &mask.to_device(device), m.cliprange_value)
+                        .map_err(|e| TrainError::Model(format!("value loss: {e}")))?;
+                    let loss = terms.loss.double_value(&[]);
+                    (&terms.loss * (m.vf_coef * share)).backward();
+                    local = [loss * share, terms.clip_fraction * share, !loss.is_finite() as u8 as f64];
+                }
+                let [loss, clipfrac, bad] = dist.sum_f64(&local).map_err(dist_err)?[..] else { unreachable!("three values") };
+                if world > 1 {
+                    let mut params = c.adapter_opt.parameters();
+                    params.extend(c.head_opt.parameters());
+                    crate::dist::all_reduce_grads(dist, &params).map_err(dist_err)?;
+                }
+                if bad == 0.0 && c.adapter_opt.grads_finite() && c.head_opt.grads_finite() {
                     c.adapter_opt.step();
                     c.head_opt.step();
                 } else {
@@ -267,7 +321,7 @@ pub fn ppo_update(
                 c.adapter_opt.zero_grad();
                 c.head_opt.zero_grad();
                 acc("loss/value_avg", loss, &mut stats);
-                acc("val/clipfrac_avg", terms.clip_fraction, &mut stats);
+                acc("val/clipfrac_avg", clipfrac, &mut stats);
                 vf_n += 1.0;
             }
         }

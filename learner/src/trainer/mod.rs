@@ -192,9 +192,21 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
     Ok(Services { rollout, reward, guard: ServiceGuard { embedded_reward, embedded_rollout, runtime } })
 }
 
+/// The run directory of a job: rank 0's (a run name made of the start time differs between ranks).
+pub(crate) fn shared_run_dir(dist: &dyn crate::dist::Collective, run_dir: PathBuf) -> Result<PathBuf, TrainError> {
+    if dist.world() == 1 {
+        return Ok(run_dir);
+    }
+    let mut name = run_dir.to_string_lossy().into_owned().into_bytes();
+    dist.broadcast_bytes(&mut name, 0).map_err(|e| TrainError::Dist(e.to_string()))?;
+    let run_dir = PathBuf::from(String::from_utf8_lossy(&name).into_owned());
+    info!(rank = dist.rank(), world = dist.world(), backend = dist.backend(), run_dir = %run_dir.display(), "learner rank started");
+    Ok(run_dir)
+}
+
 /// Rank 0 connects to the services (starting the embedded ones); the other ranks connect to the
 /// same endpoints, which rank 0 sends them.
-fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, String)], dist: &dyn crate::dist::Collective) -> Result<Services, TrainError> {
+pub(crate) fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, String)], dist: &dyn crate::dist::Collective) -> Result<Services, TrainError> {
     let dist_err = |e: crate::dist::DistError| TrainError::Dist(e.to_string());
     let (services, mut endpoints) = if dist.is_root() {
         let services = connect_services(cfg, agents)?;
@@ -346,7 +358,7 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
                 if cfg.trainer.shared_parameters { "shared_parameters: true" } else { "one agent" }
             )));
         }
-        if world % policies != 0 {
+        if !world.is_multiple_of(policies) {
             return Err(TrainError::Config(format!(
                 "{}: learner.placement: agent with {policies} policies needs a multiple of {policies} ranks, got {world}",
                 cfg.source.display()
@@ -449,13 +461,7 @@ pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, Tra
         Some(dir) => dir.clone(),
         None => run_dir_for(cfg),
     };
-    if dist.world() > 1 {
-        // A run name made of the start time differs between ranks: rank 0's is the run's.
-        let mut name = run_dir.to_string_lossy().into_owned().into_bytes();
-        dist.broadcast_bytes(&mut name, 0).map_err(|e| TrainError::Dist(e.to_string()))?;
-        run_dir = PathBuf::from(String::from_utf8_lossy(&name).into_owned());
-        info!(rank = dist.rank(), world = dist.world(), backend = dist.backend(), run_dir = %run_dir.display(), "learner rank started");
-    }
+    run_dir = shared_run_dir(dist.as_ref(), run_dir)?;
     if root {
         std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
         if opts.resume.is_some() {
