@@ -16,8 +16,11 @@ demo: build
 	$(CARGO) run --release -p cotrain-learner --bin learner -- train --config configs/demo.yaml
 
 # The service binaries are built first: the workspace integration tests start them as processes.
+# The NCCL backend (the `cuda` feature, CUDA loaded at run time) is compiled too, so that it keeps
+# building on machines without a GPU; its GPU-only test needs `--features cuda` and two GPUs.
 test: setup
 	$(CARGO) build --workspace --bins
+	$(CARGO) build -p cotrain-learner --features cuda --lib
 	$(CARGO) test --workspace --no-fail-fast
 
 bench-generate: setup
