@@ -33,7 +33,12 @@ command -v unzip >/dev/null || need_pkgs+=(unzip)
 # the crate's generated bindings.
 command -v mpirun >/dev/null || need_pkgs+=(openmpi-bin)
 [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] || [ -e /usr/include/mpi.h ] || need_pkgs+=(libopenmpi-dev)
-ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 || need_pkgs+=(libclang-dev)
+# (the development package: the runtime library alone lacks the headers bindgen needs)
+if command -v dpkg >/dev/null; then
+  dpkg -s libclang-dev >/dev/null 2>&1 || need_pkgs+=(libclang-dev)
+else
+  ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need_pkgs+=(libclang-dev)
+fi
 # The sandbox runs model-written code with the system interpreter: a user-installed one (pyenv,
 # conda) usually lives under a home directory the unprivileged sandbox user cannot read.
 [ -x /usr/bin/python3 ] || need_pkgs+=(python3)
