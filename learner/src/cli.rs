@@ -14,6 +14,10 @@ use crate::config::{CheckedConfig, LegacyFlags, load_config};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// A file holding the cluster token, sent with every weight update (rollout workers started with
+    /// a token refuse updates without it; the embedded worker then requires it too).
+    #[arg(long, global = true, env = cotrain_proto::auth::TOKEN_FILE_ENV, value_name = "PATH")]
+    pub cluster_token_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -223,6 +227,8 @@ pub fn ensure_trainable(cfg: &CheckedConfig) -> anyhow::Result<()> {
 
 /// Runs one parsed command.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
+    let token = cotrain_proto::auth::ClusterToken::from_flag_or_env(cli.cluster_token_file.as_deref()).map_err(anyhow::Error::msg)?;
+    crate::services::set_cluster_token(token);
     match cli.command {
         Command::CheckConfig { config } => {
             let cfg = config.load()?;
@@ -298,7 +304,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 "nccl" => crate::config::DistBackend::Nccl,
                 _ => crate::config::DistBackend::Auto,
             };
-            crate::dist::launch::launch(&crate::dist::launch::LaunchSpec { nproc: nproc_per_node, backend, master_port, args })
+            let token_file = cli.cluster_token_file.clone();
+            crate::dist::launch::launch(&crate::dist::launch::LaunchSpec { nproc: nproc_per_node, backend, master_port, args, token_file })
         }
         Command::Verifier(cmd) => verifier_command(cmd),
         Command::Export { checkpoint, policy, out, merged } => export_command(&checkpoint, policy, &out, merged),

@@ -1,6 +1,8 @@
 //! cotrain's gRPC protocols. Each service's `.proto` lives in `proto/proto/`; the generated
 //! code is included here and never committed.
 
+pub mod auth;
+
 /// Encoded `FileDescriptorSet` of every cotrain proto, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("cotrain_descriptor");
 

@@ -76,6 +76,10 @@ pub struct ServeArgs {
     /// train`. Repeatable.
     #[arg(long = "verifier", value_name = "NAME=DIR", value_parser = parse_verifier)]
     pub verifiers: Vec<(String, std::path::PathBuf)>,
+    /// A file holding the cluster token: weight and adapter updates must then carry it (the learner
+    /// reads the same file). Without one, anyone who can reach the gRPC port can replace the weights.
+    #[arg(long, env = cotrain_proto::auth::TOKEN_FILE_ENV, value_name = "PATH")]
+    pub cluster_token_file: Option<std::path::PathBuf>,
 }
 
 /// In-process server options beyond the worker's configuration.
@@ -83,6 +87,8 @@ pub struct ServeArgs {
 pub struct ServeOptions {
     /// Accept shared-memory weight updates (`--allow-shm-weights`).
     pub allow_shm_weights: bool,
+    /// Weight updates must carry this token (`--cluster-token-file`).
+    pub cluster_token: Option<cotrain_proto::auth::ClusterToken>,
 }
 
 fn parse_verifier(s: &str) -> Result<(String, std::path::PathBuf), String> {
@@ -188,7 +194,12 @@ pub async fn start_with(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("building gRPC reflection")?;
-    let rollout = RolloutServer::new(RolloutService::new(worker.clone()).with_shm_weights(options.allow_shm_weights))
+    if options.cluster_token.is_none() && !grpc_addr.ip().is_loopback() {
+        tracing::warn!(%grpc_addr, "serving on a non-loopback address without a cluster token: anyone who reaches this port can replace the weights (--cluster-token-file)");
+    }
+    let rollout = RolloutServer::new(
+        RolloutService::new(worker.clone()).with_shm_weights(options.allow_shm_weights).with_cluster_token(options.cluster_token.clone()),
+    )
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
 
@@ -222,7 +233,8 @@ pub async fn start_with(
         info!("servers stopped");
         Ok(())
     });
-    info!(%grpc_addr, %http_addr, worker_id = worker.id(), shm_weights = options.allow_shm_weights, "rollout worker serving");
+    info!(%grpc_addr, %http_addr, worker_id = worker.id(), shm_weights = options.allow_shm_weights,
+        cluster_token = options.cluster_token.is_some(), "rollout worker serving");
     Ok(RunningServer { grpc_addr, http_addr, worker, stop: Some(stop_tx), task })
 }
 
@@ -238,9 +250,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tch::set_num_threads(t);
     }
     let config = args.worker_config()?;
+    let cluster_token = cotrain_proto::auth::ClusterToken::from_flag_or_env(args.cluster_token_file.as_deref()).map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
     runtime.block_on(async move {
-        let options = ServeOptions { allow_shm_weights: args.allow_shm_weights };
+        let options = ServeOptions { allow_shm_weights: args.allow_shm_weights, cluster_token };
         let server = start_with(config, args.grpc_addr, args.http_addr, options).await?;
         println!("listening grpc={} http={}", server.grpc_addr, server.http_addr);
         use std::io::Write as _;

@@ -25,12 +25,20 @@ use crate::worker::{GenerateJob, GenerateOutput, PromptInput, Worker};
 pub struct RolloutService {
     worker: Arc<Worker>,
     shm: ShmPolicy,
+    /// Weight updates must carry it, when set.
+    token: Option<cotrain_proto::auth::ClusterToken>,
 }
 
 impl RolloutService {
     /// Wraps a worker; shared-memory weight updates are refused.
     pub fn new(worker: Arc<Worker>) -> Self {
-        Self { worker, shm: ShmPolicy::new(false) }
+        Self { worker, shm: ShmPolicy::new(false), token: None }
+    }
+
+    /// Requires the cluster token on weight updates (none: updates are not authenticated).
+    pub fn with_cluster_token(mut self, token: Option<cotrain_proto::auth::ClusterToken>) -> Self {
+        self.token = token;
+        self
     }
 
     /// Accepts (or refuses) shared-memory weight updates from [`crate::shm::SHM_DIR`].
@@ -132,6 +140,18 @@ impl Rollout for RolloutService {
         &self,
         request: Request<Streaming<UpdateWeightsRequest>>,
     ) -> Result<Response<UpdateWeightsResponse>, Status> {
+        if let Some(token) = &self.token {
+            let given = request.metadata().get(cotrain_proto::auth::METADATA_KEY).and_then(|v| v.to_str().ok());
+            if !token.verify(given) {
+                let why = if given.is_none() { "the request carried none" } else { "the request carried another one" };
+                warn!(why, "weight update refused: no valid cluster token");
+                return Err(Status::unauthenticated(format!(
+                    "this rollout worker requires the cluster token for weight updates and {why}: give the learner the worker's token file \
+                     (--cluster-token-file PATH or {})",
+                    cotrain_proto::auth::TOKEN_FILE_ENV
+                )));
+            }
+        }
         let mut stream = request.into_inner();
         let header = match stream.next().await {
             Some(Ok(UpdateWeightsRequest { item: Some(Item::Header(h)) })) => h,

@@ -22,6 +22,8 @@ pub struct LaunchSpec {
     pub master_port: Option<u16>,
     /// The learner arguments after `--` (`train --config FILE ...`).
     pub args: Vec<String>,
+    /// The cluster token file, handed to every rank as `COTRAIN_CLUSTER_TOKEN_FILE`.
+    pub token_file: Option<std::path::PathBuf>,
 }
 
 /// Runs the job to its end; `Ok` when every rank succeeded.
@@ -57,6 +59,9 @@ pub fn mpirun_command(spec: &LaunchSpec, exe: &std::path::Path, as_root: bool) -
     }
     // Shared-memory transport without the ptrace-based single copy, which containers often forbid.
     cmd.args(["--mca", "btl", "self,vader", "--mca", "btl_vader_single_copy_mechanism", "none"]);
+    if let Some(file) = &spec.token_file {
+        cmd.env(cotrain_proto::auth::TOKEN_FILE_ENV, file).args(["-x", cotrain_proto::auth::TOKEN_FILE_ENV]);
+    }
     cmd.arg(exe).args(&spec.args);
     cmd
 }
@@ -99,6 +104,7 @@ fn launch_torchrun_style(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Re
             .env("LOCAL_WORLD_SIZE", spec.nproc.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .envs(spec.token_file.iter().map(|f| (cotrain_proto::auth::TOKEN_FILE_ENV, f)))
             .spawn()
             .with_context(|| format!("starting rank {rank}"))?;
         children.push(child);

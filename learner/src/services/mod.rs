@@ -20,6 +20,20 @@ pub use engine::EngineRollout;
 pub use pool::PoolRollout;
 pub use reward_grpc::GrpcReward;
 
+static CLUSTER_TOKEN: std::sync::OnceLock<Option<cotrain_proto::auth::ClusterToken>> = std::sync::OnceLock::new();
+
+/// Sets the cluster token this process sends with weight updates and requires from its embedded
+/// rollout worker's clients (the CLI reads it once from `--cluster-token-file` or
+/// `COTRAIN_CLUSTER_TOKEN_FILE`). Later calls are ignored.
+pub fn set_cluster_token(token: Option<cotrain_proto::auth::ClusterToken>) {
+    let _ = CLUSTER_TOKEN.set(token);
+}
+
+/// The cluster token set by [`set_cluster_token`], if any.
+pub fn cluster_token() -> Option<cotrain_proto::auth::ClusterToken> {
+    CLUSTER_TOKEN.get().cloned().flatten()
+}
+
 /// A multi-threaded tokio runtime for the gRPC clients and embedded servers; the trainer's own
 /// thread blocks on it and keeps the tensor work off it.
 pub fn runtime() -> std::io::Result<std::sync::Arc<tokio::runtime::Runtime>> {

@@ -62,6 +62,7 @@ impl PoolRollout {
             request_timeout: Some(request_timeout),
             max_attempts: max_attempts.max(1),
             wait_for_worker: wait,
+            cluster_token: super::cluster_token(),
             ..PoolConfig::default()
         };
         let pool = rt.block_on(async {

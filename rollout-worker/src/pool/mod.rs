@@ -52,6 +52,8 @@ pub struct PoolConfig {
     pub wait_for_worker: Duration,
     /// Payload bytes per weight-update chunk message.
     pub weight_chunk_bytes: usize,
+    /// Sent with every weight update (workers started with a cluster token refuse updates without it).
+    pub cluster_token: Option<cotrain_proto::auth::ClusterToken>,
 }
 
 impl Default for PoolConfig {
@@ -65,6 +67,7 @@ impl Default for PoolConfig {
             max_attempts: 5,
             wait_for_worker: Duration::from_secs(60),
             weight_chunk_bytes: 4 << 20,
+            cluster_token: None,
         }
     }
 }
@@ -416,9 +419,10 @@ impl RolloutPool {
         let chunk = self.inner.cfg.weight_chunk_bytes;
         let calls = workers.map(|w| {
             let (tensors, header) = (tensors.clone(), header.clone());
+            let request = self.authorised(update_stream(header, tensors, chunk));
             async move {
                 let mut c = w.client.clone();
-                let r = c.update_weights(update_stream(header, tensors, chunk)).await.map(|r| r.into_inner());
+                let r = c.update_weights(request).await.map(|r| r.into_inner());
                 (w.address.clone(), r)
             }
         });
@@ -453,13 +457,25 @@ impl RolloutPool {
                 UpdateWeightsRequest { item: Some(Item::Header(header.clone())) },
                 UpdateWeightsRequest { item: Some(Item::Shm(shm.clone())) },
             ];
+            let request = self.authorised(futures::stream::iter(msgs));
             async move {
                 let mut c = w.client.clone();
-                let r = c.update_weights(futures::stream::iter(msgs)).await.map(|r| r.into_inner());
+                let r = c.update_weights(request).await.map(|r| r.into_inner());
                 (w.address.clone(), r)
             }
         });
         futures::future::join_all(calls).await
+    }
+
+    /// A weight-update request carrying the cluster token, when the pool has one.
+    fn authorised<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let Some(token) = &self.inner.cfg.cluster_token
+            && let Ok(value) = token.bearer().parse()
+        {
+            request.metadata_mut().insert(cotrain_proto::auth::METADATA_KEY, value);
+        }
+        request
     }
 
     /// Whether every healthy worker (at least one) is on a loopback address and accepts
