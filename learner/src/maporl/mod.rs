@@ -96,7 +96,7 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
 /// Launched as one of several ranks, each discusses its share of every step's questions and takes
 /// its share of every PPO mini-batch (see [`update::ppo_update`]); rank 0 writes the run.
 pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, TrainError> {
-    let dist = crate::dist::init(cfg.raw.learner.backend, crate::trainer::load_options(cfg).device).map_err(|e| TrainError::Dist(e.to_string()))?;
+    let dist = crate::dist::init(cfg.raw.learner.backend, crate::trainer::load_options(cfg).device)?;
     if dist.world() > 1 && cfg.raw.learner.placement == crate::config::Placement::Agent {
         return Err(TrainError::NotBuilt(format!(
             "{}: learner.placement: agent is built for the GRPO/MAGRPO trainer; the maporl trainer splits data (learner.placement: data)",

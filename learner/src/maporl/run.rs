@@ -76,10 +76,6 @@ const TAG_SAMPLE: u64 = 12;
 const TAG_EVAL: u64 = 13;
 const TAG_PPO: u64 = 14;
 
-fn dist_err(e: crate::dist::DistError) -> TrainError {
-    TrainError::Dist(e.to_string())
-}
-
 impl MaporlTrainer {
     pub fn new(s: MaporlSetup) -> Result<Self, TrainError> {
         Self::new_ranked(s, Box::new(SingleRank))
@@ -199,7 +195,7 @@ impl MaporlTrainer {
         }
         if self.dist.world() > 1 {
             // No rank samples before rank 0's pushes are served.
-            self.dist.barrier().map_err(dist_err)?;
+            self.dist.barrier()?;
         }
         let t_sync = t2.elapsed().as_secs_f64();
         values.extend(discussion_metrics(&discussions, ""));
@@ -298,7 +294,7 @@ impl MaporlTrainer {
         let own = if mine.is_empty() { Vec::new() } else { self.discuss(&mine, seed)? };
         let bytes = serde_json::to_vec(&own).map_err(|e| TrainError::Dist(format!("serialising discussions: {e}")))?;
         let mut all: Vec<Option<Discussion>> = vec![None; items.len()];
-        for (r, part) in self.dist.all_gather_bytes(&bytes).map_err(dist_err)?.iter().enumerate() {
+        for (r, part) in self.dist.all_gather_bytes(&bytes)?.iter().enumerate() {
             let theirs: Vec<Discussion> = serde_json::from_slice(part).map_err(|e| TrainError::Dist(format!("rank {r}'s discussions: {e}")))?;
             let at = crate::trainer::run::rank_share(&(0..items.len()).collect::<Vec<_>>(), r, world);
             for (mut d, q) in theirs.into_iter().zip(at) {
@@ -316,11 +312,11 @@ impl MaporlTrainer {
         }
         let d = self.dist.as_ref();
         for p in self.s.adapters.policies.values() {
-            crate::dist::broadcast_tensors(d, &p.optimizer.parameters(), 0).map_err(dist_err)?;
+            crate::dist::broadcast_tensors(d, &p.optimizer.parameters(), 0)?;
         }
         for c in self.s.adapters.critics.values() {
-            crate::dist::broadcast_tensors(d, &c.adapter_opt.parameters(), 0).map_err(dist_err)?;
-            crate::dist::broadcast_tensors(d, &c.head_opt.parameters(), 0).map_err(dist_err)?;
+            crate::dist::broadcast_tensors(d, &c.adapter_opt.parameters(), 0)?;
+            crate::dist::broadcast_tensors(d, &c.head_opt.parameters(), 0)?;
         }
         Ok(())
     }
@@ -343,7 +339,7 @@ impl MaporlTrainer {
             }
             p.version = next;
         }
-        self.dist.barrier().map_err(dist_err)
+        Ok(self.dist.barrier()?)
     }
 
     /// The whole run.
@@ -397,7 +393,7 @@ impl MaporlTrainer {
         }
         if self.dist.world() > 1 {
             for (key, p) in &self.s.adapters.policies {
-                crate::dist::check_same(self.dist.as_ref(), &format!("adapter `{key}` at the end"), &p.optimizer.parameters()).map_err(dist_err)?;
+                crate::dist::check_same(self.dist.as_ref(), &format!("adapter `{key}` at the end"), &p.optimizer.parameters())?;
             }
         }
         if !root {

@@ -123,7 +123,6 @@ pub fn ppo_update(
 ) -> Result<(Vec<PpoRecord>, BTreeMap<String, f64>), TrainError> {
     let (rank, world) = (dist.rank(), dist.world());
     let mine = |k: usize| k % world == rank;
-    let dist_err = |e: crate::dist::DistError| TrainError::Dist(e.to_string());
     let mut records = vec![PpoRecord::default(); samples.len()];
     let mut stats: BTreeMap<String, f64> = BTreeMap::new();
     let acc = |k: &str, v: f64, stats: &mut BTreeMap<String, f64>| *stats.entry(k.to_string()).or_insert(0.0) += v;
@@ -171,7 +170,7 @@ pub fn ppo_update(
         // Every rank gets every sample's inputs.
         let own: Vec<(usize, &PpoRecord)> = records.iter().enumerate().filter(|&(k, _)| mine(k)).collect();
         let bytes = serde_json::to_vec(&own).map_err(|e| TrainError::Dist(format!("serialising PPO inputs: {e}")))?;
-        for (r, part) in dist.all_gather_bytes(&bytes).map_err(dist_err)?.iter().enumerate() {
+        for (r, part) in dist.all_gather_bytes(&bytes)?.iter().enumerate() {
             let theirs: Vec<(usize, PpoRecord)> = serde_json::from_slice(part).map_err(|e| TrainError::Dist(format!("rank {r}'s PPO inputs: {e}")))?;
             for (k, rec) in theirs {
                 records[k] = rec;
@@ -256,9 +255,9 @@ pub fn ppo_update(
                     let entropy = tlp.entropy.mean(Kind::Float).double_value(&[]);
                     local = [loss * share, terms.clip_fraction * share, terms.approx_kl * share, entropy * share, terms.ratio_mean * share, !loss.is_finite() as u8 as f64];
                 }
-                let [loss, clipfrac, approxkl, entropy, ratio, bad] = dist.sum_f64(&local).map_err(dist_err)?[..] else { unreachable!("six values") };
+                let [loss, clipfrac, approxkl, entropy, ratio, bad] = dist.sum_f64(&local)?[..] else { unreachable!("six values") };
                 if world > 1 {
-                    crate::dist::all_reduce_grads(dist, &p.optimizer.parameters()).map_err(dist_err)?;
+                    crate::dist::all_reduce_grads(dist, &p.optimizer.parameters())?;
                 }
                 if bad == 0.0 && p.optimizer.grads_finite() {
                     p.optimizer.step();
@@ -305,11 +304,11 @@ pub fn ppo_update(
                     (&terms.loss * (m.vf_coef * share)).backward();
                     local = [loss * share, terms.clip_fraction * share, !loss.is_finite() as u8 as f64];
                 }
-                let [loss, clipfrac, bad] = dist.sum_f64(&local).map_err(dist_err)?[..] else { unreachable!("three values") };
+                let [loss, clipfrac, bad] = dist.sum_f64(&local)?[..] else { unreachable!("three values") };
                 if world > 1 {
                     let mut params = c.adapter_opt.parameters();
                     params.extend(c.head_opt.parameters());
-                    crate::dist::all_reduce_grads(dist, &params).map_err(dist_err)?;
+                    crate::dist::all_reduce_grads(dist, &params)?;
                 }
                 if bad == 0.0 && c.adapter_opt.grads_finite() && c.head_opt.grads_finite() {
                     c.adapter_opt.step();

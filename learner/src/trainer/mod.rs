@@ -13,11 +13,10 @@
 //! - this module: building all of it from a config ([`build`]) and the `learner train` / `learner
 //!   eval` entry points ([`train`], [`evaluate_checkpoint`]).
 //!
-//! Extension points (not built yet, each named where it plugs in): MaPoRL PPO with a critic (a value
-//! head on the kernel's hidden states inside [`Policy::update`]), NCCL data parallelism (a gradient
-//! all-reduce between backward and the AdamW step in [`Policy::update`], items split by rank in
-//! [`Trainer::train_step`]), asynchronous rollouts (a [`RolloutSource`] with requests in flight and a
-//! staleness bound instead of [`Trainer::generate_checked`]'s strict check).
+//! Learner ranks: items split by rank in [`Trainer::train_step`], gradients summed over the ranks
+//! between backward and AdamW in [`Policy::update_ranked`] (see [`crate::dist`]). Asynchronous
+//! rollouts: [`Trainer::train_step_async`] with a staleness bound instead of
+//! [`Trainer::generate_checked`]'s strict check.
 
 pub mod items;
 pub mod policy;
@@ -79,6 +78,12 @@ pub enum TrainError {
     /// The learner's ranks failed to work together (a collective, diverged weights).
     #[error("{0}")]
     Dist(String),
+}
+
+impl From<crate::dist::DistError> for TrainError {
+    fn from(e: crate::dist::DistError) -> Self {
+        TrainError::Dist(e.to_string())
+    }
 }
 
 /// How `learner train` runs.
@@ -198,7 +203,7 @@ pub(crate) fn shared_run_dir(dist: &dyn crate::dist::Collective, run_dir: PathBu
         return Ok(run_dir);
     }
     let mut name = run_dir.to_string_lossy().into_owned().into_bytes();
-    dist.broadcast_bytes(&mut name, 0).map_err(|e| TrainError::Dist(e.to_string()))?;
+    dist.broadcast_bytes(&mut name, 0)?;
     let run_dir = PathBuf::from(String::from_utf8_lossy(&name).into_owned());
     info!(rank = dist.rank(), world = dist.world(), backend = dist.backend(), run_dir = %run_dir.display(), "learner rank started");
     Ok(run_dir)
@@ -207,7 +212,6 @@ pub(crate) fn shared_run_dir(dist: &dyn crate::dist::Collective, run_dir: PathBu
 /// Rank 0 connects to the services (starting the embedded ones); the other ranks connect to the
 /// same endpoints, which rank 0 sends them.
 pub(crate) fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, String)], dist: &dyn crate::dist::Collective) -> Result<Services, TrainError> {
-    let dist_err = |e: crate::dist::DistError| TrainError::Dist(e.to_string());
     let (services, mut endpoints) = if dist.is_root() {
         let services = connect_services(cfg, agents)?;
         let g = &services.guard;
@@ -225,7 +229,7 @@ pub(crate) fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, St
     } else {
         (None, Vec::new())
     };
-    dist.broadcast_bytes(&mut endpoints, 0).map_err(dist_err)?;
+    dist.broadcast_bytes(&mut endpoints, 0)?;
     if let Some(s) = services {
         return Ok(s);
     }
@@ -454,7 +458,7 @@ fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainE
 /// step; rank 0 names the run directory, writes it, and resumes from it (the other ranks receive
 /// its state).
 pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, TrainError> {
-    let dist = crate::dist::init(cfg.raw.learner.backend, load_options(cfg).device).map_err(|e| TrainError::Dist(e.to_string()))?;
+    let dist = crate::dist::init(cfg.raw.learner.backend, load_options(cfg).device)?;
     check_ranks(cfg, dist.world())?;
     let root = dist.is_root();
     let mut run_dir = match &opts.resume {

@@ -146,7 +146,6 @@ impl Policy {
     ) -> Result<UpdateStats, TrainError> {
         let mut stats = UpdateStats::default();
         let behaviour = loss_opts.clip.is_some() || loss_opts.truncated_is.is_some();
-        let dist_err = |e: crate::dist::DistError| TrainError::Dist(e.to_string());
         for _ in 0..epochs.max(1) {
             self.optimizer.zero_grad();
             let (mut loss, mut kl, mut clip_tok, mut ent_sum, mut tokens) = (0.0, 0.0, 0.0, 0.0, 0.0);
@@ -217,9 +216,7 @@ impl Policy {
                 }
             }
             // Every rank takes part in the same reductions, whatever its own samples did.
-            let summed = dist
-                .sum_f64(&[loss, kl, clip_tok, ent_sum, tokens, gap_tok, isw_tok, cut_tok, bad_loss.is_some() as u8 as f64])
-                .map_err(dist_err)?;
+            let summed = dist.sum_f64(&[loss, kl, clip_tok, ent_sum, tokens, gap_tok, isw_tok, cut_tok, bad_loss.is_some() as u8 as f64])?;
             let [loss, kl, clip_tok, ent_sum, tokens, gap_tok, isw_tok, cut_tok, bad] = summed[..] else { unreachable!("nine values were summed") };
             if bad > 0.0 {
                 self.optimizer.zero_grad();
@@ -233,7 +230,7 @@ impl Policy {
             }
             if dist.world() > 1 {
                 let t_comm = std::time::Instant::now();
-                crate::dist::all_reduce_grads(dist, &self.optimizer.parameters()).map_err(dist_err)?;
+                crate::dist::all_reduce_grads(dist, &self.optimizer.parameters())?;
                 stats.secs_allreduce += t_comm.elapsed().as_secs_f64();
             }
             if !self.optimizer.grads_finite() {

@@ -17,9 +17,8 @@
 //! 4. sync: the new weights are pushed to every rollout worker as version v + 1 before anything else
 //!    is sampled; with `logging.rollouts` every node goes to `rollouts.jsonl`.
 //!
-//! Where later trainers plug in: MaPoRL PPO swaps [`Policy::update`]'s loss for the clipped PPO loss
-//! with a value head on the kernel's hidden states and adds a discussion transition; asynchronous
-//! rollouts replace the strict version check by a bound on staleness.
+//! With `rollout.max_off_policy_steps` > 0, [`Trainer::train_step_async`] replaces the strict version
+//! check by a bound on staleness and draws the next step's rollout while this one trains.
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -39,7 +38,7 @@ use super::{TrainError, TrainItem};
 use crate::algo::{AdvantageOptions, LossOptions, RolloutBuffer};
 use crate::checkpoint::{TrainState, latest_checkpoint, load_checkpoint, read_weights, save_checkpoint};
 use crate::config::{CheckedConfig, JointMode, MultiTurnMode, ProgressMode};
-use crate::dist::{Collective, DistError, SingleRank};
+use crate::dist::{Collective, SingleRank};
 use crate::external::expert::ExpertClient;
 use crate::metrics::MetricsWriter;
 
@@ -286,7 +285,7 @@ impl Trainer {
                 v = served.max(p.wire_version) + 1;
                 self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
             }
-            self.s.policies[pi].wire_version = self.dist.broadcast_u64(v, 0).map_err(dist_err)?;
+            self.s.policies[pi].wire_version = self.dist.broadcast_u64(v, 0)?;
         }
         Ok(t.elapsed().as_secs_f64())
     }
@@ -310,7 +309,7 @@ impl Trainer {
             "optimizer_steps": self.s.policies.iter().map(|p| p.optimizer.step).collect::<Vec<_>>(),
         }))
         .map_err(|e| TrainError::Dist(e.to_string()))?;
-        d.broadcast_bytes(&mut state, 0).map_err(dist_err)?;
+        d.broadcast_bytes(&mut state, 0)?;
         let st: serde_json::Value = serde_json::from_slice(&state).map_err(|e| TrainError::Dist(format!("rank 0's train state: {e}")))?;
         let num = |k: &str| st[k].as_u64().ok_or_else(|| TrainError::Dist(format!("rank 0's train state lacks {k}")));
         self.step = num("step")?;
@@ -320,9 +319,9 @@ impl Trainer {
         self.rng = ChaCha8Rng::seed_from_u64(self.rng_seed);
         self.rng.set_word_pos(st["rng_word_pos"].as_str().and_then(|w| w.parse().ok()).unwrap_or(0));
         for (pi, p) in self.s.policies.iter_mut().enumerate() {
-            crate::dist::broadcast_tensors(d, &p.optimizer.parameters(), 0).map_err(dist_err)?;
+            crate::dist::broadcast_tensors(d, &p.optimizer.parameters(), 0)?;
             if st["moments"][pi].as_bool() == Some(true) {
-                crate::dist::broadcast_tensors(d, &p.optimizer.moments_mut(), 0).map_err(dist_err)?;
+                crate::dist::broadcast_tensors(d, &p.optimizer.moments_mut(), 0)?;
                 p.optimizer.step = st["optimizer_steps"][pi].as_u64().unwrap_or(p.optimizer.step);
             }
         }
@@ -334,7 +333,7 @@ impl Trainer {
     fn check_ranks_agree(&self) -> Result<(), TrainError> {
         for p in &self.s.policies {
             crate::dist::check_same(self.dist.as_ref(), &format!("policy `{}` after step {}", p.worker_agent, self.step), &p.optimizer.parameters())
-                .map_err(dist_err)?;
+                ?;
         }
         Ok(())
     }
@@ -428,7 +427,7 @@ impl Trainer {
             (forest, times) = self.roll_out(&refs, &plan)?;
         }
         let bytes = serde_json::to_vec(&forest).map_err(|e| TrainError::Dist(format!("serialising the step's rollouts: {e}")))?;
-        let all = self.dist.all_gather_bytes(&bytes).map_err(dist_err)?;
+        let all = self.dist.all_gather_bytes(&bytes)?;
         let forest = serde_json::from_slice(&all[layout.shard]).map_err(|e| TrainError::Dist(format!("rank {}'s rollouts: {e}", layout.shard)))?;
         Ok(StepRollout { rows: rows.to_vec(), items, forest, times })
     }
@@ -562,7 +561,7 @@ impl Trainer {
             }
         }
         if world > 1 {
-            self.dist.barrier().map_err(dist_err)?;
+            self.dist.barrier()?;
         }
         let t_sync = t.elapsed().as_secs_f64();
 
@@ -697,7 +696,7 @@ impl Trainer {
                     })
                     .collect();
                 let local: Vec<f64> = batches.iter().map(|b| b.minibatches.iter().map(Vec::len).sum::<usize>() as f64).collect();
-                let totals: Vec<usize> = self.dist.sum_f64(&local).map_err(dist_err)?.iter().map(|&c| c as usize).collect();
+                let totals: Vec<usize> = self.dist.sum_f64(&local)?.iter().map(|&c| c as usize).collect();
                 if totals.iter().any(|&c| c > 0) {
                     rounds.push(Round { policy, batches, totals });
                 }
@@ -710,7 +709,7 @@ impl Trainer {
     /// [`rank_share`] in the same order); other ranks get an empty forest back.
     fn gather_step(&self, forest: Forest, rows: &[usize]) -> Result<(Forest, Vec<TrainItem>), TrainError> {
         let bytes = serde_json::to_vec(&forest).map_err(|e| TrainError::Dist(format!("serialising the step's rollouts: {e}")))?;
-        let all = self.dist.all_gather_bytes(&bytes).map_err(dist_err)?;
+        let all = self.dist.all_gather_bytes(&bytes)?;
         if !self.dist.is_root() {
             return Ok((Forest::default(), Vec::new()));
         }
@@ -993,10 +992,6 @@ pub(super) fn stale_items(forest: &Forest, current: &[u64], k: u64) -> Vec<(usiz
 /// The rows of a step that rank `rank` of `world` rolls out and trains on: every world-th.
 pub fn rank_share(rows: &[usize], rank: usize, world: usize) -> Vec<usize> {
     rows.iter().copied().skip(rank).step_by(world.max(1)).collect()
-}
-
-fn dist_err(e: DistError) -> TrainError {
-    TrainError::Dist(e.to_string())
 }
 
 /// Whether a step over the epoch's items `[start, end)` contains an item whose index is a multiple of
