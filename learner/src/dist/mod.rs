@@ -1,4 +1,4 @@
-//! Learner ranks: one process per rank, started by a launcher ([`env`]), working together through a
+//! Learner ranks: one process per rank, started by a launcher ([`env`](mod@env)), working together through a
 //! [`Collective`] on an existing library: MPI (Open MPI, through the `mpi` crate) for CPU tensors,
 //! NCCL (through cudarc, the `cuda` feature) for CUDA tensors. `learner launch` ([`launch`]) starts
 //! the ranks of one machine.

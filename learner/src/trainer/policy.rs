@@ -3,10 +3,8 @@
 //!
 //! One `Policy` per distinct set of weights: one per agent by default (each agent fine-tunes its own
 //! copy, on the same or on different base models), a single one for all agents with
-//! `shared_parameters`. A PPO critic (MaPoRL) would live beside the policy as a value head on
-//! [`cotrain_model::logprobs::TokenLogProbs::hidden`], whose gradient flows through the same trunk
-//! backward; an NCCL data-parallel learner would all-reduce the gradients between the backward
-//! passes and [`AdamW::step`] in [`Policy::update`].
+//! `shared_parameters`. Learner ranks sum the gradients between the backward passes and
+//! [`AdamW::step`] in [`Policy::update_ranked`].
 
 use std::collections::BTreeMap;
 
