@@ -100,6 +100,13 @@ pub enum Command {
         #[command(flatten)]
         config: ConfigArgs,
     },
+    /// Print the `--agent NAME=MODEL` arguments (one per line) a standalone `rollout-worker serve`
+    /// needs to serve this config's policies, each with weights of its own; deploy scripts pass them
+    /// on together with `--separate-weights`.
+    WorkerArgs {
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
     /// Print, as one JSON line per item and agent, the exact prompt text each agent's model receives
     /// and its token count: `{"item_index", "agent", "text", "tokens"}`.
     ShowPrompts {
@@ -233,6 +240,14 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::CheckConfig { config } => {
             let cfg = config.load()?;
             print!("{}", cfg.to_yaml());
+            Ok(())
+        }
+        Command::WorkerArgs { config } => {
+            let cfg = config.load()?;
+            for (agent, spec) in crate::trainer::worker_agents(&cfg) {
+                println!("--agent");
+                println!("{agent}={spec}");
+            }
             Ok(())
         }
         Command::Train { config, resume } => {

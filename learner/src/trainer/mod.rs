@@ -121,6 +121,29 @@ pub fn load_options(cfg: &CheckedConfig) -> LoadOptions {
 
 /// The policies a config asks for and which agent uses which: one per agent (each fine-tunes its own
 /// copy, on the same or different base models), or one for all with `shared_parameters`.
+/// The rollout workers' agents a run of `cfg` trains, as `(agent name, model spec)`, each needing
+/// weights of its own on every worker: `shared` with shared parameters, `agent{i}` otherwise, and
+/// MaPoRL's adapter keys. `learner worker-args` prints them for the deploy scripts.
+pub fn worker_agents(cfg: &CheckedConfig) -> Vec<(String, String)> {
+    if let Some(m) = cfg.raw.maporl.as_ref().filter(|_| cfg.algorithm == crate::config::Algorithm::Maporl) {
+        let mut agents: Vec<(String, String)> = Vec::new();
+        for (agent, spec) in cfg.agent_models.iter().enumerate().take(cfg.num_agents) {
+            for turn in 0..m.round_num {
+                let key = crate::maporl::adapter_key(m.adapter_layout, agent, turn);
+                if !agents.iter().any(|(k, _)| *k == key) {
+                    agents.push((key, spec.clone()));
+                }
+            }
+        }
+        agents.sort();
+        return agents;
+    }
+    if cfg.trainer.shared_parameters {
+        return vec![("shared".into(), cfg.agent_models[0].clone())];
+    }
+    cfg.agent_models.iter().enumerate().map(|(i, spec)| (format!("agent{i}"), spec.clone())).collect()
+}
+
 pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), TrainError> {
     let opts = load_options(cfg);
     let t = &cfg.trainer;
@@ -134,14 +157,10 @@ pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), T
                 cfg.source.display()
             )));
         }
-        let p = Policy::load("shared", first, &opts, adam, with_ref)?;
-        return Ok((vec![p], vec![0; cfg.num_agents]));
     }
-    let mut policies = Vec::new();
-    for (i, spec) in cfg.agent_models.iter().enumerate() {
-        policies.push(Policy::load(&format!("agent{i}"), spec, &opts, adam, with_ref)?);
-    }
-    Ok((policies, (0..cfg.num_agents).collect()))
+    let policies = worker_agents(cfg).iter().map(|(agent, spec)| Policy::load(agent, spec, &opts, adam, with_ref)).collect::<Result<Vec<_>, _>>()?;
+    let agent_policy = if t.shared_parameters { vec![0; cfg.num_agents] } else { (0..cfg.num_agents).collect() };
+    Ok((policies, agent_policy))
 }
 
 /// The services a config names, or the embedded default: a reward server and a rollout worker in
