@@ -66,7 +66,7 @@ impl WireDType {
 }
 
 /// One fully received tensor.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct UpdatedTensor {
     /// Parameter name as the model knows it.
     pub name: String,

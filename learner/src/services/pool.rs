@@ -122,11 +122,15 @@ impl PoolRollout {
         if answers.is_empty() && skip.is_empty() {
             return Err(TrainError::Rollout(format!("{}: no healthy worker to push `{agent}` v{version} to", self.label)));
         }
+        // Workers that refused are out of rotation until the pool catches them up; the run goes on
+        // as long as one worker took the update.
         let what = update_kind(lora_scaling);
-        for (worker, answer) in &answers {
-            if let Err(status) = answer {
-                return Err(TrainError::Rollout(format!("{worker}: {what} of `{agent}` to v{version} failed: {status}")));
-            }
+        let refused: Vec<String> = answers.iter().filter_map(|(w, a)| a.as_ref().err().map(|s| format!("{w}: {s}"))).collect();
+        if refused.len() == answers.len() && skip.is_empty() {
+            return Err(TrainError::Rollout(format!("{what} of `{agent}` to v{version} refused by every worker: {}", refused.join("; "))));
+        }
+        for r in refused {
+            warn!(refusal = r, "{what} of `{agent}` to v{version} refused; that worker is out of rotation until it catches up");
         }
         Ok(())
     }
@@ -142,6 +146,9 @@ impl PoolRollout {
         lora_scaling: Option<f64>,
     ) -> Result<(), (HashSet<String>, String)> {
         let started = std::time::Instant::now();
+        // Workers catching up read this agent's file: rewrite it only while holding its lock.
+        let lock = self.pool.shm_lock(agent);
+        let _writing = self.rt.block_on(lock.lock());
         let file = match self.shm_files.entry(agent.to_string()) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => e.insert(

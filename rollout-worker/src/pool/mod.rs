@@ -1,37 +1,52 @@
-//! A client pool that treats many rollout workers as one.
+//! A client pool that treats many rollout workers as one, and keeps them at the learner's policy.
 //!
-//! Workers come from a static list of endpoints and from DNS names (`host:port`) whose addresses
-//! are re-resolved every refresh (a Kubernetes headless service has one A record per pod). A
-//! background task health-checks every worker on the same schedule; addresses that leave DNS are
-//! dropped, new ones are added. [`RolloutPool::generate`] sends a request to the healthy worker
-//! with the fewest requests in flight. A request is an atomic unit carrying its seed, so when a
-//! worker fails the pool sends the same request to another worker and returns exactly one answer,
-//! with the same samples the failed worker would have produced at the same policy version.
+//! Workers come from a static list of endpoints, from DNS names (`host:port`, A and AAAA records,
+//! re-resolved every refresh: a Kubernetes headless service has one record per pod) and from
+//! [`RolloutPool::add_endpoint`] (workers that registered themselves). A background task
+//! health-checks every worker on the same schedule; addresses that leave DNS are dropped, new ones
+//! are added.
 //!
-//! The pool also pushes weight updates to every healthy worker
-//! ([`RolloutPool::push_weights`]) and waits until all report a version
-//! ([`RolloutPool::wait_for_version`]).
+//! A worker gets generate requests only while it is *in rotation*: healthy and at the current
+//! version of every agent. The pool keeps the latest weight update of every agent (see
+//! [`replay`]); a worker that appears, comes back after failing, or refuses a request as stale is
+//! first brought to the current versions by replaying those updates to it alone, then put in
+//! rotation. Workers that fail are retried with exponential backoff.
+//!
+//! [`RolloutPool::generate`] sends a request to the in-rotation worker with the fewest requests in
+//! flight. A request is an atomic unit carrying its seed, so when a worker fails the pool sends the
+//! same request to another worker and returns exactly one answer, with the same samples the failed
+//! worker would have produced at the same policy version.
+//!
+//! The pool pushes weight updates to every healthy worker ([`RolloutPool::push_weights`]); one that
+//! refuses or fails is taken out of rotation, not waited on. [`RolloutPool::wait_for_version`]
+//! waits on the workers in rotation.
+
+mod member;
+mod replay;
+pub mod resolve;
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use cotrain_proto::rollout::rollout_client::RolloutClient;
 use cotrain_proto::rollout::{
     update_weights_request::Item, GenerateRequest, GenerateResponse, InfoRequest, InfoResponse, ScoreVerifierRequest,
     ScoreVerifierResponse, ShmWeights, UpdateHeader, UpdateWeightsRequest, UpdateWeightsResponse,
 };
 use tokio::sync::Notify;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 use tracing::{debug, info, warn};
 
 use crate::weights::UpdatedTensor;
+use member::{InFlight, Worker};
+pub use member::{Origin, WorkerSnapshot};
+use replay::{Body, Replay};
+pub use resolve::{Resolve, SystemResolver};
 
 /// How the pool finds and talks to workers.
 #[derive(Clone, Debug)]
@@ -54,6 +69,11 @@ pub struct PoolConfig {
     pub weight_chunk_bytes: usize,
     /// Sent with every weight update (workers started with a cluster token refuse updates without it).
     pub cluster_token: Option<cotrain_proto::auth::ClusterToken>,
+    /// Resolves `dns_names` (the system resolver by default).
+    pub resolver: Arc<dyn Resolve>,
+    /// The longest wait between attempts to bring back a failed worker (the first waits
+    /// `refresh_interval`, each next one twice as long).
+    pub max_backoff: Duration,
 }
 
 impl Default for PoolConfig {
@@ -68,6 +88,8 @@ impl Default for PoolConfig {
             wait_for_worker: Duration::from_secs(60),
             weight_chunk_bytes: 4 << 20,
             cluster_token: None,
+            resolver: Arc::new(SystemResolver),
+            max_backoff: Duration::from_secs(30),
         }
     }
 }
@@ -113,61 +135,6 @@ pub enum PoolError {
     },
 }
 
-/// A worker as the pool sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WorkerSnapshot {
-    /// `http://host:port`.
-    pub address: String,
-    /// Passed its last health check and has not failed since.
-    pub healthy: bool,
-    /// Requests this pool has in flight on it.
-    pub in_flight: usize,
-    /// Requests it answered for this pool.
-    pub completed: u64,
-    /// Attempts on it that failed.
-    pub failed: u64,
-}
-
-struct Worker {
-    address: String,
-    client: RolloutClient<Channel>,
-    health: HealthClient<Channel>,
-    healthy: AtomicBool,
-    in_flight: AtomicUsize,
-    completed: AtomicU64,
-    failed: AtomicU64,
-    /// From DNS (dropped when it leaves) rather than configured or added by hand.
-    from_dns: bool,
-}
-
-impl Worker {
-    fn snapshot(&self) -> WorkerSnapshot {
-        WorkerSnapshot {
-            address: self.address.clone(),
-            healthy: self.healthy.load(Ordering::SeqCst),
-            in_flight: self.in_flight.load(Ordering::SeqCst),
-            completed: self.completed.load(Ordering::SeqCst),
-            failed: self.failed.load(Ordering::SeqCst),
-        }
-    }
-}
-
-/// Counts a request in flight on a worker for as long as it lives.
-struct InFlight(Arc<Worker>);
-
-impl InFlight {
-    fn new(w: Arc<Worker>) -> Self {
-        w.in_flight.fetch_add(1, Ordering::SeqCst);
-        Self(w)
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 struct Inner {
     cfg: PoolConfig,
     workers: RwLock<HashMap<String, Arc<Worker>>>,
@@ -175,6 +142,8 @@ struct Inner {
     changed: Notify,
     /// Rotates ties between equally loaded workers.
     tie_breaker: AtomicUsize,
+    /// The latest update of every agent, replayed to workers that fall behind.
+    replay: Replay,
 }
 
 /// A load-balancing, retrying client for many rollout workers; see the module docs.
@@ -212,6 +181,16 @@ fn worker_failed(status: &Status) -> bool {
     matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled)
 }
 
+/// A refusal because the worker's policy is older than the request needs.
+fn stale_refusal(status: &Status) -> bool {
+    status.code() == Code::FailedPrecondition && status.message().contains("is at policy version")
+}
+
+/// A weight update refused because the worker already has that version (or a newer one).
+fn already_current(status: &Status) -> bool {
+    status.code() == Code::FailedPrecondition && status.message().contains("is not newer than")
+}
+
 impl RolloutPool {
     /// Builds the pool, resolves and health-checks once, and starts the background refresh.
     pub async fn new(cfg: PoolConfig) -> Result<Self, PoolError> {
@@ -226,9 +205,10 @@ impl RolloutPool {
             workers: RwLock::new(HashMap::new()),
             changed: Notify::new(),
             tie_breaker: AtomicUsize::new(0),
+            replay: Replay::default(),
         });
         for e in inner.cfg.endpoints.clone() {
-            inner.add(&normalise(&e), false)?;
+            inner.add(&normalise(&e), Origin::Static)?;
         }
         inner.refresh().await;
         let weak = Arc::downgrade(&inner);
@@ -246,13 +226,17 @@ impl RolloutPool {
         Ok(Self { inner, refresher })
     }
 
-    /// Adds a worker by hand (a worker that registered itself); kept until removed.
-    pub async fn add_endpoint(&self, endpoint: &str) -> Result<(), PoolError> {
+    /// Adds a worker by hand (a worker that registered itself; kept until removed), health-checks
+    /// it and brings it to the current policy versions; returns whether it is now in rotation.
+    pub async fn add_endpoint(&self, endpoint: &str) -> Result<bool, PoolError> {
         let address = normalise(endpoint);
-        let w = self.inner.add(&address, false)?;
+        let w = self.inner.add(&address, Origin::Registered)?;
         self.inner.check(&w).await;
+        if w.healthy.load(Ordering::SeqCst) {
+            self.inner.clone().catch_up(w.clone()).await;
+        }
         self.inner.changed.notify_waiters();
-        Ok(())
+        Ok(w.serving())
     }
 
     /// Removes a worker; requests in flight on it finish or fail over as usual.
@@ -272,14 +256,14 @@ impl RolloutPool {
         self.inner.refresh().await;
     }
 
-    /// Waits until at least `n` workers are healthy.
+    /// Waits until at least `n` workers are in rotation (healthy and current).
     pub async fn wait_for_healthy(&self, n: usize, timeout: Duration) -> Result<(), PoolError> {
         let deadline = Instant::now() + timeout;
         loop {
             let notified = self.inner.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.workers().iter().filter(|w| w.healthy).count() >= n {
+            if self.workers().iter().filter(|w| w.in_rotation).count() >= n {
                 return Ok(());
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -318,7 +302,12 @@ impl RolloutPool {
                 Err(status) if retryable(&status) => {
                     worker.failed.fetch_add(1, Ordering::SeqCst);
                     if worker_failed(&status) {
-                        worker.healthy.store(false, Ordering::SeqCst);
+                        self.inner.mark_failed(&worker);
+                    } else if stale_refusal(&status) {
+                        // Restarted, or missed a push: out of rotation until it is caught up.
+                        worker.stale_refusals.fetch_add(1, Ordering::SeqCst);
+                        worker.bench();
+                        tokio::spawn(self.inner.clone().catch_up(worker.clone()));
                     }
                     warn!(worker = %worker.address, attempt, code = ?status.code(), message = status.message(), "generate attempt failed, retrying elsewhere");
                     last = Some((worker.address.clone(), status));
@@ -355,7 +344,7 @@ impl RolloutPool {
                         return Err(PoolError::Rejected { worker: worker.address.clone(), status });
                     }
                     if worker_failed(&status) {
-                        worker.healthy.store(false, Ordering::SeqCst);
+                        self.inner.mark_failed(&worker);
                     }
                     last = Some((worker.address.clone(), status));
                 }
@@ -369,14 +358,7 @@ impl RolloutPool {
 
     /// `Info` from every healthy worker.
     pub async fn info_all(&self) -> Vec<(String, Result<InfoResponse, Status>)> {
-        let workers: Vec<Arc<Worker>> = self.inner.healthy();
-        let calls = workers.into_iter().map(|w| async move {
-            let mut c = w.client.clone();
-            let mut r = tonic::Request::new(InfoRequest {});
-            r.set_timeout(self.inner.cfg.connect_timeout);
-            (w.address.clone(), c.info(r).await.map(|r| r.into_inner()))
-        });
-        futures::future::join_all(calls).await
+        self.inner.info_of(self.inner.healthy()).await
     }
 
     /// Streams a weight update (all or some parameters of `agent`'s model, as `version`) to every
@@ -407,7 +389,8 @@ impl RolloutPool {
 
     /// Streams an update with the given header (agent, version, `partial`, `lora_scaling` for an
     /// adapter; its `tensor_count` is set here from `tensors`) to every healthy worker but those
-    /// in `skip`; returns each worker's answer.
+    /// in `skip`; returns each worker's answer. The update is kept for workers that join later;
+    /// workers that refuse it leave rotation until they are caught up.
     pub async fn push_update_except(
         &self,
         mut header: UpdateHeader,
@@ -415,18 +398,11 @@ impl RolloutPool {
         skip: &HashSet<String>,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
         header.tensor_count = tensors.len() as u32;
-        let workers = self.inner.healthy().into_iter().filter(|w| !skip.contains(&w.address));
-        let chunk = self.inner.cfg.weight_chunk_bytes;
-        let calls = workers.map(|w| {
-            let (tensors, header) = (tensors.clone(), header.clone());
-            let request = self.authorised(update_stream(header, tensors, chunk));
-            async move {
-                let mut c = w.client.clone();
-                let r = c.update_weights(request).await.map(|r| r.into_inner());
-                (w.address.clone(), r)
-            }
-        });
-        futures::future::join_all(calls).await
+        self.inner.replay.record(&header, Body::Chunks(tensors.clone()));
+        let workers: Vec<Arc<Worker>> = self.inner.healthy().into_iter().filter(|w| !skip.contains(&w.address)).collect();
+        let calls = workers.iter().map(|w| self.inner.send_chunks(w, &header, &tensors));
+        let answers = futures::future::join_all(calls).await;
+        self.inner.clone().settle_push(&workers, answers)
     }
 
     /// Sends a weight update whose tensors are in a shared-memory file (see [`crate::shm`]) to
@@ -440,42 +416,32 @@ impl RolloutPool {
         shm: &ShmWeights,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
         let header = UpdateHeader { agent: agent.to_string(), version, partial, ..UpdateHeader::default() };
+        let lock = self.shm_lock(agent);
+        let _writing = lock.lock().await;
         self.push_update_shm(header, shm).await
     }
 
     /// As [`Self::push_weights_shm`], with the given header (as for [`Self::push_update_except`];
-    /// its `tensor_count` is set here from `shm`).
+    /// its `tensor_count` is set here from `shm`). The caller holds [`Self::shm_lock`] from before
+    /// it writes the file until this returns, and keeps the file (it is replayed to workers that
+    /// fall behind) until it next writes it under the lock.
     pub async fn push_update_shm(
         &self,
         mut header: UpdateHeader,
         shm: &ShmWeights,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
         header.tensor_count = shm.tensors.len() as u32;
+        self.inner.replay.record(&header, Body::Shm(shm.clone()));
         let workers = self.inner.healthy();
-        let calls = workers.into_iter().map(|w| {
-            let msgs = vec![
-                UpdateWeightsRequest { item: Some(Item::Header(header.clone())) },
-                UpdateWeightsRequest { item: Some(Item::Shm(shm.clone())) },
-            ];
-            let request = self.authorised(futures::stream::iter(msgs));
-            async move {
-                let mut c = w.client.clone();
-                let r = c.update_weights(request).await.map(|r| r.into_inner());
-                (w.address.clone(), r)
-            }
-        });
-        futures::future::join_all(calls).await
+        let calls = workers.iter().map(|w| self.inner.send_shm(w, &header, shm));
+        let answers = futures::future::join_all(calls).await;
+        self.inner.clone().settle_push(&workers, answers)
     }
 
-    /// A weight-update request carrying the cluster token, when the pool has one.
-    fn authorised<T>(&self, message: T) -> tonic::Request<T> {
-        let mut request = tonic::Request::new(message);
-        if let Some(token) = &self.inner.cfg.cluster_token
-            && let Ok(value) = token.bearer().parse()
-        {
-            request.metadata_mut().insert(cotrain_proto::auth::METADATA_KEY, value);
-        }
-        request
+    /// The lock a writer of `agent`'s shared-memory weight file holds while it rewrites the file
+    /// and pushes it (catch-ups replaying that file to a worker hold it too).
+    pub fn shm_lock(&self, agent: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.inner.replay.lock(agent)
     }
 
     /// Whether every healthy worker (at least one) is on a loopback address and accepts
@@ -498,12 +464,14 @@ impl RolloutPool {
         Ok(())
     }
 
-    /// Waits until every healthy worker reports at least `version` for `agent`.
+    /// Waits until every worker in rotation reports at least `version` for `agent` (workers that
+    /// refused the push are out of rotation and not waited on).
     pub async fn wait_for_version(&self, agent: &str, version: u64, timeout: Duration) -> Result<(), PoolError> {
         let start = Instant::now();
         loop {
             let mut laggards = Vec::new();
-            for (addr, info) in self.info_all().await {
+            let serving: Vec<Arc<Worker>> = self.inner.healthy().into_iter().filter(|w| w.serving()).collect();
+            for (addr, info) in self.inner.info_of(serving).await {
                 let v = info.ok().and_then(|i| i.agents.iter().find(|a| a.name == agent).map(|a| a.policy_version));
                 if v.is_none_or(|v| v < version) {
                     laggards.push((addr, v));
@@ -566,7 +534,7 @@ pub fn update_stream(
 use futures::StreamExt as _;
 
 impl Inner {
-    fn add(&self, address: &str, from_dns: bool) -> Result<Arc<Worker>, PoolError> {
+    fn add(&self, address: &str, origin: Origin) -> Result<Arc<Worker>, PoolError> {
         if let Some(w) = self.workers.read().expect("pool lock").get(address) {
             return Ok(w.clone());
         }
@@ -576,26 +544,160 @@ impl Inner {
             .initial_stream_window_size(crate::server::STREAM_WINDOW_BYTES)
             .initial_connection_window_size(crate::server::CONNECTION_WINDOW_BYTES)
             .tcp_nodelay(true);
-        let channel = endpoint.connect_lazy();
-        let w = Arc::new(Worker {
-            address: address.to_string(),
-            client: RolloutClient::new(channel.clone()).max_decoding_message_size(usize::MAX).max_encoding_message_size(usize::MAX),
-            health: HealthClient::new(channel),
-            healthy: AtomicBool::new(false),
-            in_flight: AtomicUsize::new(0),
-            completed: AtomicU64::new(0),
-            failed: AtomicU64::new(0),
-            from_dns,
-        });
-        info!(worker = address, from_dns, "rollout worker added to the pool");
-        self.workers.write().expect("pool lock").entry(address.to_string()).or_insert(w.clone());
-        Ok(w)
+        let w = Arc::new(Worker::new(address, endpoint.connect_lazy(), origin));
+        info!(worker = address, ?origin, "rollout worker added to the pool");
+        Ok(self.workers.write().expect("pool lock").entry(address.to_string()).or_insert(w).clone())
     }
 
     fn healthy(&self) -> Vec<Arc<Worker>> {
         self.workers.read().expect("pool lock").values().filter(|w| w.healthy.load(Ordering::SeqCst)).cloned().collect()
     }
 
+    async fn info(&self, w: &Worker) -> (String, Result<InfoResponse, Status>) {
+        let mut c = w.client.clone();
+        let mut r = tonic::Request::new(InfoRequest {});
+        r.set_timeout(self.cfg.connect_timeout);
+        (w.address.clone(), c.info(r).await.map(|r| r.into_inner()))
+    }
+
+    async fn info_of(&self, workers: Vec<Arc<Worker>>) -> Vec<(String, Result<InfoResponse, Status>)> {
+        futures::future::join_all(workers.iter().map(|w| self.info(w))).await
+    }
+
+    /// A weight-update request carrying the cluster token, when the pool has one.
+    fn authorised<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        if let Some(token) = &self.cfg.cluster_token
+            && let Ok(value) = token.bearer().parse()
+        {
+            request.metadata_mut().insert(cotrain_proto::auth::METADATA_KEY, value);
+        }
+        request
+    }
+
+    async fn send_chunks(
+        &self,
+        w: &Worker,
+        header: &UpdateHeader,
+        tensors: &Arc<Vec<UpdatedTensor>>,
+    ) -> (String, Result<UpdateWeightsResponse, Status>) {
+        let request = self.authorised(update_stream(header.clone(), tensors.clone(), self.cfg.weight_chunk_bytes));
+        let mut c = w.client.clone();
+        (w.address.clone(), c.update_weights(request).await.map(|r| r.into_inner()))
+    }
+
+    async fn send_shm(&self, w: &Worker, header: &UpdateHeader, shm: &ShmWeights) -> (String, Result<UpdateWeightsResponse, Status>) {
+        let msgs = vec![
+            UpdateWeightsRequest { item: Some(Item::Header(header.clone())) },
+            UpdateWeightsRequest { item: Some(Item::Shm(shm.clone())) },
+        ];
+        let mut c = w.client.clone();
+        (w.address.clone(), c.update_weights(self.authorised(futures::stream::iter(msgs))).await.map(|r| r.into_inner()))
+    }
+
+    /// After a push: workers that refused it leave rotation (failed ones also lose their health
+    /// until a check passes); those that took it and were out of rotation are checked for rotation.
+    fn settle_push(
+        self: Arc<Self>,
+        workers: &[Arc<Worker>],
+        answers: Vec<(String, Result<UpdateWeightsResponse, Status>)>,
+    ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
+        for (w, (_, answer)) in workers.iter().zip(&answers) {
+            match answer {
+                Ok(_) if !w.serving() => {
+                    tokio::spawn(self.clone().catch_up(w.clone()));
+                }
+                Ok(_) => {}
+                Err(status) if already_current(status) => {}
+                Err(status) => {
+                    warn!(worker = %w.address, code = ?status.code(), message = status.message(), "weight update refused, worker out of rotation");
+                    if worker_failed(status) {
+                        self.mark_failed(w);
+                    } else {
+                        w.bench();
+                    }
+                }
+            }
+        }
+        answers
+    }
+
+    /// A worker failed a call: it is unhealthy and out of rotation until a health check (after its
+    /// backoff) and a catch-up bring it back.
+    fn mark_failed(&self, w: &Worker) {
+        w.healthy.store(false, Ordering::SeqCst);
+        w.bench();
+        let wait = w.backoff.lock().expect("backoff lock").fail(self.cfg.refresh_interval, self.cfg.max_backoff);
+        debug!(worker = %w.address, ?wait, "worker failed, next attempt after backoff");
+    }
+
+    /// Brings `w` to the latest version of every agent it serves and puts it in rotation; on
+    /// failure it stays out and is retried after its backoff.
+    async fn catch_up(self: Arc<Self>, w: Arc<Worker>) {
+        if w.catching_up.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let result = self.replay_to(&w).await;
+        match result {
+            Ok(replayed) => {
+                w.backoff.lock().expect("backoff lock").reset();
+                if replayed > 0 {
+                    w.catch_ups.fetch_add(1, Ordering::SeqCst);
+                }
+                if !w.in_rotation.swap(true, Ordering::SeqCst) {
+                    info!(worker = %w.address, replayed, "rollout worker at the current policy, in rotation");
+                }
+                self.changed.notify_waiters();
+            }
+            Err(why) => {
+                let wait = w.backoff.lock().expect("backoff lock").fail(self.cfg.refresh_interval, self.cfg.max_backoff);
+                warn!(worker = %w.address, why, retry_in = ?wait, "cannot bring rollout worker to the current policy");
+            }
+        }
+        w.catching_up.store(false, Ordering::SeqCst);
+    }
+
+    /// Replays the kept updates `w` is behind on; returns how many. Goes round again when a push
+    /// recorded a newer update meanwhile.
+    async fn replay_to(&self, w: &Worker) -> Result<usize, String> {
+        let mut replayed = 0;
+        for _round in 0..5 {
+            let generation = self.replay.generation();
+            let latest = self.replay.all();
+            if latest.is_empty() {
+                return Ok(replayed);
+            }
+            let (_, info) = self.info(w).await;
+            let info = info.map_err(|s| format!("Info failed: {}", s.message()))?;
+            for l in latest {
+                let Some(served) = info.agents.iter().find(|a| a.name == l.header.agent).map(|a| a.policy_version) else {
+                    continue;
+                };
+                if served >= l.header.version {
+                    continue;
+                }
+                let (_, answer) = match &l.body {
+                    Body::Chunks(tensors) => self.send_chunks(w, &l.header, tensors).await,
+                    Body::Shm(shm) => {
+                        let lock = self.replay.lock(&l.header.agent);
+                        let _reading = lock.lock().await;
+                        self.send_shm(w, &l.header, shm).await
+                    }
+                };
+                match answer {
+                    Ok(_) => replayed += 1,
+                    Err(s) if already_current(&s) => {}
+                    Err(s) => return Err(format!("replaying `{}` v{}: {}", l.header.agent, l.header.version, s.message())),
+                }
+            }
+            if self.replay.generation() == generation {
+                return Ok(replayed);
+            }
+        }
+        Err("updates kept arriving while catching up".into())
+    }
+
+    /// Health-checks `w`; a worker that passes after being out of rotation is caught up.
     async fn check(&self, w: &Worker) {
         let mut h = w.health.clone();
         let mut req = tonic::Request::new(HealthCheckRequest { service: String::new() });
@@ -608,14 +710,19 @@ impl Inner {
         if was != ok {
             info!(worker = %w.address, healthy = ok, "rollout worker health changed");
         }
+        if !ok {
+            // It may come back restarted, at version 0.
+            w.bench();
+            w.backoff.lock().expect("backoff lock").fail(self.cfg.refresh_interval, self.cfg.max_backoff);
+        }
     }
 
-    async fn refresh(&self) {
+    async fn refresh(self: &Arc<Self>) {
         let mut resolved: HashSet<String> = HashSet::new();
         let mut dns_ok = true;
         for name in &self.cfg.dns_names {
-            match tokio::net::lookup_host(name.as_str()).await {
-                Ok(addrs) => resolved.extend(addrs.filter(SocketAddr::is_ipv4).map(|a| format!("http://{a}"))),
+            match self.cfg.resolver.resolve(name).await {
+                Ok(addrs) => resolved.extend(addrs.iter().map(resolve::worker_address)),
                 Err(e) => {
                     dns_ok = false;
                     warn!(name, error = %e, "dns resolution failed, keeping the known workers");
@@ -623,34 +730,39 @@ impl Inner {
             }
         }
         for a in &resolved {
-            if let Err(e) = self.add(a, true) {
+            if let Err(e) = self.add(a, Origin::Dns) {
                 warn!(address = a, error = %e, "cannot add resolved worker");
             }
         }
         if dns_ok {
             self.workers.write().expect("pool lock").retain(|addr, w| {
-                let keep = !w.from_dns || resolved.contains(addr);
+                let keep = w.origin != Origin::Dns || resolved.contains(addr);
                 if !keep {
                     info!(worker = addr, "rollout worker left dns, dropped from the pool");
                 }
                 keep
             });
         }
-        let all: Vec<Arc<Worker>> = self.workers.read().expect("pool lock").values().cloned().collect();
-        futures::future::join_all(all.iter().map(|w| self.check(w))).await;
+        // Workers in their backoff are left alone; the others are checked, and caught up when
+        // they pass while out of rotation.
+        let due: Vec<Arc<Worker>> =
+            self.workers.read().expect("pool lock").values().filter(|w| w.serving() || w.backoff_due()).cloned().collect();
+        futures::future::join_all(due.iter().map(|w| self.check(w))).await;
+        let behind = due.into_iter().filter(|w| w.healthy.load(Ordering::SeqCst) && !w.serving());
+        futures::future::join_all(behind.map(|w| self.clone().catch_up(w))).await;
         self.changed.notify_waiters();
     }
 
-    /// The least-loaded healthy worker, preferring ones not yet tried for this request.
+    /// The least-loaded worker in rotation, preferring ones not yet tried for this request.
     async fn pick(&self, tried: &HashSet<String>) -> Result<Arc<Worker>, PoolError> {
         let deadline = Instant::now() + self.cfg.wait_for_worker;
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let healthy = self.healthy();
-            let untried: Vec<_> = healthy.iter().filter(|w| !tried.contains(&w.address)).cloned().collect();
-            let candidates = if untried.is_empty() { healthy } else { untried };
+            let serving: Vec<Arc<Worker>> = self.healthy().into_iter().filter(|w| w.serving()).collect();
+            let untried: Vec<_> = serving.iter().filter(|w| !tried.contains(&w.address)).cloned().collect();
+            let candidates = if untried.is_empty() { serving } else { untried };
             if !candidates.is_empty() {
                 let turn = self.tie_breaker.fetch_add(1, Ordering::Relaxed);
                 let n = candidates.len();
@@ -661,7 +773,7 @@ impl Inner {
                 return Ok(best.clone());
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            debug!(?left, "no healthy rollout worker, waiting");
+            debug!(?left, "no rollout worker in rotation, waiting");
             if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
                 return Err(PoolError::NoWorker(self.cfg.wait_for_worker));
             }

@@ -91,8 +91,14 @@ impl WorkerProcess {
     /// Starts the binary with `--agent NAME=MODEL` for each pair plus `extra` flags, reads the
     /// `listening` line and waits until the health check says serving.
     pub async fn start(agents: &[(&str, &str)], extra: &[&str]) -> Self {
+        Self::start_on("127.0.0.1:0", agents, extra).await
+    }
+
+    /// As [`Self::start`], with the gRPC listener on `grpc_addr` (a restarted worker takes its old port).
+    pub async fn start_on(grpc_addr: &str, agents: &[(&str, &str)], extra: &[&str]) -> Self {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_rollout-worker"));
-        cmd.args(["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--threads", "1"]);
+        let http_addr = if grpc_addr.starts_with('[') { "[::1]:0" } else { "127.0.0.1:0" };
+        cmd.args(["serve", "--grpc-addr", grpc_addr, "--http-addr", http_addr, "--threads", "1"]);
         for (name, model) in agents {
             cmd.arg("--agent").arg(format!("{name}={model}"));
         }

@@ -1,0 +1,181 @@
+//! The client pool as an elastic pool: workers that join, restart, fall behind or leave DNS, on real
+//! worker processes. Each test checks that every request is answered exactly once, by a worker at
+//! the version the request needs.
+
+mod support;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cotrain_proto::rollout::rollout_client::RolloutClient;
+use cotrain_proto::rollout::ListParametersRequest;
+use cotrain_rollout_worker::pool::{PoolConfig, Resolve, RolloutPool, WorkerSnapshot};
+use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
+use futures::future::BoxFuture;
+use support::*;
+use tonic::transport::Channel;
+
+const AGENT: &str = "alice";
+
+fn pool_config(endpoints: Vec<String>) -> PoolConfig {
+    PoolConfig {
+        endpoints,
+        refresh_interval: Duration::from_millis(200),
+        connect_timeout: Duration::from_secs(2),
+        wait_for_worker: Duration::from_secs(60),
+        max_backoff: Duration::from_secs(1),
+        ..PoolConfig::default()
+    }
+}
+
+/// A full-size replacement of `lm_head.weight` (a partial update), deterministic in `seed`.
+async fn lm_head_update(c: &mut RolloutClient<Channel>, seed: u32) -> Arc<Vec<UpdatedTensor>> {
+    let params = c.list_parameters(ListParametersRequest { agent: AGENT.into() }).await.unwrap().into_inner();
+    let p = params.parameters.iter().find(|p| p.name == "lm_head.weight").expect("lm_head.weight");
+    let numel = p.shape.iter().product::<i64>() as usize;
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    let data = (0..numel)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            ((x as f32 / u32::MAX as f32 - 0.5) * 0.5).to_le_bytes()
+        })
+        .collect();
+    Arc::new(vec![UpdatedTensor { name: p.name.clone(), dtype: WireDType::F32, shape: p.shape.clone(), data }])
+}
+
+async fn version_of(w: &WorkerProcess) -> u64 {
+    w.info().await.agents.iter().find(|a| a.name == AGENT).expect("agent").policy_version
+}
+
+fn snapshot(pool: &RolloutPool, address: &str) -> WorkerSnapshot {
+    pool.workers().into_iter().find(|s| s.address == address).unwrap_or_else(|| panic!("{address} not in the pool"))
+}
+
+async fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Runs `n` requests needing `min_version` concurrently; every one must be answered, each exactly once.
+async fn run_requests(pool: &Arc<RolloutPool>, n: u64, min_version: u64) {
+    let before: u64 = pool.workers().iter().map(|s| s.completed).sum();
+    let calls: Vec<_> = (0..n)
+        .map(|i| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let mut req = request(AGENT, vec![token_prompt(vec![2 + i as u32, 3])], 1, 500 + i, 24);
+                req.min_policy_version = Some(min_version);
+                pool.generate(req).await
+            })
+        })
+        .collect();
+    for (i, c) in calls.into_iter().enumerate() {
+        let r = c.await.unwrap().unwrap_or_else(|e| panic!("request {i} lost: {e}"));
+        let v = r.completions[0].samples[0].policy_version;
+        assert!(v >= min_version, "request {i} answered at version {v} < {min_version}");
+    }
+    let after: u64 = pool.workers().iter().map(|s| s.completed).sum();
+    assert_eq!(after - before, n, "each request answered exactly once: {:?}", pool.workers());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
+    let model = TinyModel::new("llama");
+    let spec = model.spec();
+    let agents = [(AGENT, spec.as_str())];
+    let a = WorkerProcess::start(&agents, &[]).await;
+    let mut b = WorkerProcess::start(&agents, &[]).await;
+    let pool = Arc::new(RolloutPool::new(pool_config(vec![a.endpoint(), b.endpoint()])).await.unwrap());
+    pool.wait_for_healthy(2, Duration::from_secs(30)).await.unwrap();
+
+    // Two versions; the second is a partial update the pool merges into what it replays.
+    let mut c = a.client().await;
+    for v in 1..=2 {
+        let answers = pool.push_weights(AGENT, v, true, lm_head_update(&mut c, v as u32).await).await;
+        assert!(answers.iter().all(|(_, r)| r.is_ok()), "{answers:?}");
+        pool.wait_for_version(AGENT, v, Duration::from_secs(10)).await.unwrap();
+    }
+    run_requests(&pool, 6, 2).await;
+
+    // A worker that joins mid-run is at version 0: it is brought to v2 before it is in rotation.
+    let joiner = WorkerProcess::start(&agents, &[]).await;
+    assert_eq!(version_of(&joiner).await, 0);
+    assert!(pool.add_endpoint(&joiner.endpoint()).await.unwrap(), "joiner not in rotation: {:?}", pool.workers());
+    assert_eq!(version_of(&joiner).await, 2);
+    assert_eq!(snapshot(&pool, &joiner.endpoint()).catch_ups, 1);
+    // The replayed weights are the learner's: the joiner answers exactly as a worker that took both pushes.
+    let mut req = request(AGENT, vec![token_prompt(vec![7, 3])], 2, 99, 24);
+    req.min_policy_version = Some(2);
+    let on_a = a.client().await.generate(req.clone()).await.unwrap().into_inner();
+    let on_joiner = joiner.client().await.generate(req).await.unwrap().into_inner();
+    let ids = |r: &cotrain_proto::rollout::GenerateResponse| r.completions[0].samples.iter().map(|s| s.token_ids.clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&on_a), ids(&on_joiner));
+
+    // A worker killed and restarted on its port comes back at version 0 and is caught up.
+    let b_addr = b.grpc.to_string();
+    b.kill();
+    let b = WorkerProcess::start_on(&b_addr, &agents, &[]).await;
+    assert_eq!(version_of(&b).await, 0);
+    run_requests(&pool, 12, 2).await;
+    wait_until("the restarted worker is back in rotation", Duration::from_secs(30), || snapshot(&pool, &b.endpoint()).in_rotation).await;
+    assert_eq!(version_of(&b).await, 2);
+    let s = snapshot(&pool, &b.endpoint());
+    assert!(s.catch_ups >= 1, "{s:?}");
+    run_requests(&pool, 12, 2).await;
+    assert!(snapshot(&pool, &b.endpoint()).completed > s.completed, "restarted worker got no requests: {:?}", pool.workers());
+
+    // A push that a worker refuses takes it out of rotation instead of failing: the others serve v3.
+    let mut joiner = joiner;
+    joiner.kill();
+    let answers = pool.push_weights(AGENT, 3, true, lm_head_update(&mut c, 3).await).await;
+    assert!(answers.iter().filter(|(_, r)| r.is_ok()).count() >= 2, "{answers:?}");
+    pool.wait_for_version(AGENT, 3, Duration::from_secs(10)).await.unwrap();
+    run_requests(&pool, 6, 3).await;
+    assert!(!snapshot(&pool, &joiner.endpoint()).in_rotation);
+}
+
+/// Name resolution the test controls: what `rollout.dns` resolves to, changed while the pool runs.
+#[derive(Debug, Default)]
+struct TestResolver(Mutex<HashMap<String, Vec<SocketAddr>>>);
+
+impl Resolve for TestResolver {
+    fn resolve<'a>(&'a self, name: &'a str) -> BoxFuture<'a, std::io::Result<Vec<SocketAddr>>> {
+        let r = self.0.lock().unwrap().get(name).cloned().ok_or_else(|| std::io::Error::other(format!("{name}: no such name")));
+        Box::pin(async move { r })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_workers_on_ipv4_and_ipv6_join_and_leave() {
+    let model = TinyModel::new("llama");
+    let spec = model.spec();
+    let agents = [(AGENT, spec.as_str())];
+    let v4 = WorkerProcess::start(&agents, &[]).await;
+    let v6 = WorkerProcess::start_on("[::1]:0", &agents, &[]).await;
+    assert!(v6.grpc.is_ipv6());
+    let resolver = Arc::new(TestResolver::default());
+    resolver.0.lock().unwrap().insert("rollout:50061".into(), vec![v4.grpc, v6.grpc]);
+    let cfg = PoolConfig { dns_names: vec!["rollout:50061".into()], resolver: resolver.clone(), ..pool_config(vec![]) };
+    let pool = Arc::new(RolloutPool::new(cfg).await.unwrap());
+    pool.wait_for_healthy(2, Duration::from_secs(30)).await.unwrap();
+    let addresses: Vec<String> = pool.workers().into_iter().map(|s| s.address).collect();
+    assert!(addresses.contains(&format!("http://[::1]:{}", v6.grpc.port())), "{addresses:?}");
+    run_requests(&pool, 8, 0).await;
+    assert!(pool.workers().iter().all(|s| s.completed > 0), "both families serve: {:?}", pool.workers());
+
+    // The IPv4 worker leaves the name: it is dropped, and requests go on.
+    resolver.0.lock().unwrap().insert("rollout:50061".into(), vec![v6.grpc]);
+    wait_until("the worker that left dns is dropped", Duration::from_secs(10), || pool.workers().len() == 1).await;
+    run_requests(&pool, 4, 0).await;
+    // A failed lookup keeps the known workers.
+    resolver.0.lock().unwrap().clear();
+    pool.refresh().await;
+    assert_eq!(pool.workers().len(), 1);
+}
