@@ -16,12 +16,16 @@ demo: build
 	$(CARGO) run --release -p cotrain-learner --bin learner -- train --config configs/demo.yaml
 
 # The service binaries are built first: the workspace integration tests start them as processes.
+# deploy/test.sh then runs the deploy scripts for real: a Slurm cluster of three nodes on this
+# machine (slurm-wlm, installed by the script) and the Kubernetes manifests through kustomize and a
+# schema validator.
 # The NCCL backend (the `cuda` feature, CUDA loaded at run time) is compiled too, so that it keeps
 # building on machines without a GPU; its GPU-only test needs `--features cuda` and two GPUs.
 test: setup
 	$(CARGO) build --workspace --bins
 	$(CARGO) build -p cotrain-learner --features cuda --lib
 	$(CARGO) test --workspace --no-fail-fast
+	COTRAIN_BIN=target/debug bash deploy/test.sh
 
 bench-generate: setup
 	$(CARGO) run --release -p cotrain-model --example bench_generate

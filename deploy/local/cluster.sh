@@ -1,67 +1,98 @@
 #!/usr/bin/env bash
 # Runs a whole cotrain cluster as separate processes on this machine: one reward server,
-# N rollout workers, and the learner driving them over gRPC on loopback.
+# N rollout workers, and the learner (one rank, or several under `learner launch`) driving them over
+# gRPC on loopback. The workers serve the agents and models of the learner's config: their
+# `--agent` arguments come from `learner worker-args` with the same config and overrides.
 # The workers accept weight updates through /dev/shm (--allow-shm-weights): every process is on this host.
 #
-#   deploy/local/cluster.sh [--workers N] [--model MODEL] -- <learner train args...>
+#   deploy/local/cluster.sh [--workers N] [--learner-ranks N] -- <learner train args...>
 #   deploy/local/cluster.sh --workers 2 -- --config configs/demo.yaml
+#   deploy/local/cluster.sh --workers 1 --learner-ranks 2 -- --config configs/demo.yaml --override magrpo.max_new_tokens=32
 #
 # Every process logs to $RUN_LOGS (default runs/cluster-logs/). Ctrl-C stops them all.
+# COTRAIN_BIN picks the binaries (default target/release); COTRAIN_CLUSTER_TOKEN_FILE, if set, is
+# required by the workers and sent by the learner.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 BIN=${COTRAIN_BIN:-$ROOT/target/release}
 WORKERS=2
-MODEL=default
-AGENTS=2
+RANKS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --workers) WORKERS=$2; shift 2 ;;
-    --model) MODEL=$2; shift 2 ;;
-    --agents) AGENTS=$2; shift 2 ;;
+    --learner-ranks) RANKS=$2; shift 2 ;;
+    --model|--agents) echo "error: $1 is gone: the workers serve the config's agents (learner worker-args); change the model with -- --override model.name=MODEL" >&2; exit 2 ;;
     --) shift; break ;;
     *) echo "unknown option $1 (learner arguments go after --)" >&2; exit 2 ;;
   esac
 done
+[ $# -gt 0 ] || { echo "usage: $0 [--workers N] [--learner-ranks N] -- --config FILE [learner train args...]" >&2; exit 2; }
 for b in reward-server rollout-worker learner; do
   [ -x "$BIN/$b" ] || { echo "error: $BIN/$b not found; run 'make build' first" >&2; exit 1; }
 done
 LOGS=${RUN_LOGS:-$ROOT/runs/cluster-logs}
 mkdir -p "$LOGS"
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT INT TERM
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# The learner arguments that describe the config (all but --resume) give the workers' agents.
+config_args=()
+skip=0
+for a in "$@"; do
+  if [ $skip = 1 ]; then skip=0; continue; fi
+  case "$a" in
+    --resume) skip=1 ;;
+    --resume=*) ;;
+    *) config_args+=("$a") ;;
+  esac
+done
+agent_out=$("$BIN/learner" worker-args "${config_args[@]}") || {
+  echo "error: '$BIN/learner worker-args' failed (an old binary without it? run 'make build')" >&2; exit 1; }
+mapfile -t agent_args <<<"$agent_out"
+echo "workers serve: ${agent_args[*]}"
 
 # Wait until a process prints its "listening grpc=... http=..." line and echo the grpc address.
 wait_listening() {
-  local log=$1 name=$2
+  local log=$1 name=$2 pid=$3
   for _ in $(seq 1 600); do
     if line=$(grep -m1 '^listening ' "$log" 2>/dev/null); then
       sed -E 's/.*grpc=([^ ]+).*/\1/' <<<"$line"; return 0
     fi
+    kill -0 "$pid" 2>/dev/null || break
     sleep 0.5
   done
-  echo "error: $name did not start; see $log" >&2; exit 1
+  echo "error: $name did not start; see $log" >&2; tail -n 20 "$log" >&2; return 1
 }
 
 "$BIN/reward-server" --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 >"$LOGS/reward-server.log" 2>&1 &
-pids+=($!)
-reward=$(wait_listening "$LOGS/reward-server.log" reward-server)
+reward_pid=$!
+pids+=("$reward_pid")
+reward=$(wait_listening "$LOGS/reward-server.log" reward-server "$reward_pid")
 echo "reward server at $reward"
 
-agent_args=()
-for i in $(seq 0 $((AGENTS - 1))); do agent_args+=(--agent "agent$i=$MODEL"); done
 endpoints=()
+worker_pids=()
 for w in $(seq 1 "$WORKERS"); do
   "$BIN/rollout-worker" serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 --separate-weights --allow-shm-weights "${agent_args[@]}" \
     >"$LOGS/rollout-worker-$w.log" 2>&1 &
   pids+=($!)
+  worker_pids+=($!)
 done
 for w in $(seq 1 "$WORKERS"); do
-  ep=$(wait_listening "$LOGS/rollout-worker-$w.log" "rollout-worker-$w")
+  ep=$(wait_listening "$LOGS/rollout-worker-$w.log" "rollout-worker-$w" "${worker_pids[$((w - 1))]}")
   echo "rollout worker $w at $ep"
   endpoints+=("http://$ep")
 done
 list=$(IFS=,; echo "${endpoints[*]}")
-"$BIN/learner" train "$@" \
-  --override "rollout.endpoints=[$list]" \
-  --override "reward.endpoint=http://$reward"
+services=(--override "rollout.endpoints=[$list]" --override "reward.endpoint=http://$reward")
+if [ "$RANKS" -gt 1 ]; then
+  echo "learner: $RANKS ranks (learner launch)"
+  "$BIN/learner" launch --nproc-per-node "$RANKS" -- train "$@" "${services[@]}"
+else
+  "$BIN/learner" train "$@" "${services[@]}"
+fi

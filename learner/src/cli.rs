@@ -95,6 +95,25 @@ pub enum Command {
     /// MaPoRL's learned verifier: sample and label its data, balance it, train it.
     #[command(subcommand)]
     Verifier(VerifierCommand),
+    /// Print how a running learner is going (its `learner.control_addr`): step, epoch, reward, ETA,
+    /// and every rollout worker with its policy versions and load.
+    Status {
+        /// The learner's control address, HOST:PORT.
+        #[arg(long)]
+        addr: String,
+        /// Print the status as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Ask a running learner (its `learner.control_addr`) to write a checkpoint now, or to stop
+    /// gracefully (a checkpoint, then exit; as SIGTERM does).
+    Control {
+        #[arg(value_enum)]
+        action: ControlAction,
+        /// The learner's control address, HOST:PORT.
+        #[arg(long)]
+        addr: String,
+    },
     /// Print the merged, validated config.
     CheckConfig {
         #[command(flatten)]
@@ -119,6 +138,15 @@ pub enum Command {
         #[arg(long)]
         limit: Option<usize>,
     },
+}
+
+/// `learner control ACTION`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum ControlAction {
+    /// Write a checkpoint at the end of the current step (returns once it is on disk).
+    Checkpoint,
+    /// Write a checkpoint at the end of the current step and exit.
+    Stop,
 }
 
 /// `learner verifier ...`.
@@ -235,8 +263,27 @@ pub fn ensure_trainable(cfg: &CheckedConfig) -> anyhow::Result<()> {
 /// Runs one parsed command.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     let token = cotrain_proto::auth::ClusterToken::from_flag_or_env(cli.cluster_token_file.as_deref()).map_err(anyhow::Error::msg)?;
-    crate::services::set_cluster_token(token);
+    crate::services::set_cluster_token(token.clone());
     match cli.command {
+        Command::Status { addr, json } => {
+            let status = crate::control::client::call(&addr, token.as_ref(), crate::control::client::Call::Status)?.map_err(anyhow::Error::msg)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&crate::control::server::status_json(&status))?);
+            } else {
+                print!("{}", crate::control::client::format_status(&status));
+            }
+            Ok(())
+        }
+        Command::Control { action, addr } => {
+            let call = match action {
+                ControlAction::Checkpoint => crate::control::client::Call::Checkpoint,
+                ControlAction::Stop => crate::control::client::Call::Stop,
+            };
+            if let Err(message) = crate::control::client::call(&addr, token.as_ref(), call)? {
+                println!("{message}");
+            }
+            Ok(())
+        }
         Command::CheckConfig { config } => {
             let cfg = config.load()?;
             print!("{}", cfg.to_yaml());
@@ -275,10 +322,16 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 return Ok(());
             }
+            // SIGTERM/SIGINT and the control plane (`learner.control_addr`) stop the run after a checkpoint.
+            let control = crate::control::install();
+            crate::control::handle_signals(control)?;
             let summary = crate::trainer::train(&cfg, &crate::trainer::TrainOptions { resume })?;
             if crate::dist::RankEnv::from_env().is_ok_and(|r| r.rank != 0) {
                 // Rank 0 reports the run.
                 return Ok(());
+            }
+            if summary.stopped {
+                println!("stopped on request after step {}; continue with --resume {}", summary.steps, summary.run_dir.display());
             }
             println!("run directory: {}", summary.run_dir.display());
             println!("metrics: {}", summary.metrics_path.display());

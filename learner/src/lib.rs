@@ -7,6 +7,7 @@
 pub mod algo;
 pub mod cli;
 pub mod config;
+pub mod control;
 pub mod data;
 pub mod dist;
 pub mod export;

@@ -15,3 +15,8 @@ pub mod reward {
 pub mod rollout {
     tonic::include_proto!("cotrain.rollout.v1");
 }
+
+/// The learner's control plane: worker registration, run status, checkpoint and stop.
+pub mod control {
+    tonic::include_proto!("cotrain.control.v1");
+}

@@ -15,6 +15,7 @@ pub mod error;
 pub mod http;
 pub mod metrics;
 pub mod pool;
+pub mod register;
 pub mod server;
 pub mod service;
 pub mod shm;

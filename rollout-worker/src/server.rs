@@ -80,6 +80,15 @@ pub struct ServeArgs {
     /// reads the same file). Without one, anyone who can reach the gRPC port can replace the weights.
     #[arg(long, env = cotrain_proto::auth::TOKEN_FILE_ENV, value_name = "PATH")]
     pub cluster_token_file: Option<std::path::PathBuf>,
+    /// Register with a learner's control plane (`learner.control_addr`, e.g.
+    /// http://learner-0:7070): the learner brings this worker to its current policy and sends it
+    /// requests; the worker heartbeats, and on SIGTERM drains its requests and deregisters.
+    #[arg(long, value_name = "URL")]
+    pub register: Option<String>,
+    /// With --register: the gRPC address the learner should dial (default: the bound address, with
+    /// 0.0.0.0 replaced by this host's address on the route to the learner).
+    #[arg(long, value_name = "HOST:PORT", requires = "register")]
+    pub advertise_addr: Option<String>,
 }
 
 /// In-process server options beyond the worker's configuration.
@@ -156,13 +165,19 @@ impl RunningServer {
 
     /// Serves until the process gets SIGINT or SIGTERM, then shuts down.
     pub async fn run_until_signal(self) -> anyhow::Result<()> {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => info!("sigint, shutting down"),
-            _ = term.recv() => info!("sigterm, shutting down"),
-        }
+        wait_for_signal().await?;
         self.shutdown().await
     }
+}
+
+/// Returns on SIGINT or SIGTERM.
+async fn wait_for_signal() -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => info!("sigint, shutting down"),
+        _ = term.recv() => info!("sigterm, shutting down"),
+    }
+    Ok(())
 }
 
 /// Loads the models and starts both servers on this runtime (shared-memory weight updates off).
@@ -253,11 +268,26 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cluster_token = cotrain_proto::auth::ClusterToken::from_flag_or_env(args.cluster_token_file.as_deref()).map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
     runtime.block_on(async move {
-        let options = ServeOptions { allow_shm_weights: args.allow_shm_weights, cluster_token };
+        let options = ServeOptions { allow_shm_weights: args.allow_shm_weights, cluster_token: cluster_token.clone() };
+        let agents: Vec<String> = config.agents.iter().map(|(a, _)| a.clone()).collect();
         let server = start_with(config, args.grpc_addr, args.http_addr, options).await?;
         println!("listening grpc={} http={}", server.grpc_addr, server.http_addr);
         use std::io::Write as _;
         std::io::stdout().flush()?;
-        server.run_until_signal().await
+        let registration = match &args.register {
+            Some(url) => {
+                let address = crate::register::advertised_address(args.advertise_addr.as_deref(), server.grpc_addr, url)?;
+                Some(crate::register::Registration::start(url, address, agents, server.worker().id().to_string(), cluster_token))
+            }
+            None => None,
+        };
+        wait_for_signal().await?;
+        // Drain first (the learner's pool fails requests over while this worker refuses new ones),
+        // then leave the learner's pool.
+        let result = server.shutdown().await;
+        if let Some(r) = registration {
+            r.deregister().await;
+        }
+        result
     })
 }

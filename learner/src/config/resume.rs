@@ -25,6 +25,10 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "rollout.request_timeout_secs",
     "rollout.max_retries",
     "rollout.weight_transport",
+    "rollout.wait_for_registration",
+    "rollout.min_workers",
+    "rollout.registration_timeout_secs",
+    "learner.control_addr",
     "reward.endpoint",
     "reward.request_timeout_secs",
 ];

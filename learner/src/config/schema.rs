@@ -647,6 +647,24 @@ pub struct RolloutConfig {
     /// learner's) or `bf16` (half the bytes; the workers convert to their own dtype).
     #[serde(default)]
     pub weight_dtype: WeightDtype,
+    /// Start no embedded worker and wait for workers to register with `learner.control_addr`
+    /// (`rollout-worker serve --register URL`), next to any `endpoints`/`dns_name`.
+    #[serde(default)]
+    pub wait_for_registration: bool,
+    /// With wait_for_registration: how many workers must be in rotation before training starts.
+    #[serde(default = "default_min_workers")]
+    pub min_workers: usize,
+    /// With wait_for_registration: how long to wait for them before giving up.
+    #[serde(default = "default_registration_timeout_secs")]
+    pub registration_timeout_secs: u64,
+}
+
+fn default_min_workers() -> usize {
+    1
+}
+
+fn default_registration_timeout_secs() -> u64 {
+    600
 }
 
 /// `rollout.weight_dtype`.
@@ -672,11 +690,16 @@ pub struct LearnerConfig {
     /// Every this many steps the ranks compare a checksum of their weights (0: never).
     #[serde(default = "default_checksum_steps")]
     pub checksum_steps: u64,
+    /// `host:port` of the control plane (gRPC and HTTP: status, checkpoint, stop, worker
+    /// registration, /metrics); none by default. Bind loopback unless other hosts must reach it,
+    /// and then set a cluster token.
+    #[serde(default)]
+    pub control_addr: Option<String>,
 }
 
 impl Default for LearnerConfig {
     fn default() -> Self {
-        Self { backend: DistBackend::default(), placement: Placement::default(), checksum_steps: default_checksum_steps() }
+        Self { backend: DistBackend::default(), placement: Placement::default(), checksum_steps: default_checksum_steps(), control_addr: None }
     }
 }
 
@@ -734,6 +757,9 @@ impl Default for RolloutConfig {
             importance_weight_cap: default_importance_weight_cap(),
             weight_transport: WeightTransport::Auto,
             weight_dtype: WeightDtype::F32,
+            wait_for_registration: false,
+            min_workers: default_min_workers(),
+            registration_timeout_secs: default_registration_timeout_secs(),
         }
     }
 }

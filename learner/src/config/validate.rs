@@ -196,6 +196,17 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
             return Err(invalid(&format!("rollout.endpoints[{i}]"), format!("`{e}` must start with http:// or https://")));
         }
     }
+    if let Some(a) = &raw.learner.control_addr
+        && a.parse::<std::net::SocketAddr>().is_err()
+    {
+        return Err(invalid("learner.control_addr", format!("`{a}` must be IP:PORT, e.g. 127.0.0.1:7070 (0.0.0.0:7070 for other hosts)")));
+    }
+    if raw.rollout.wait_for_registration && raw.learner.control_addr.is_none() {
+        return Err(invalid("rollout.wait_for_registration", "workers register with learner.control_addr, which is not set".to_string()));
+    }
+    if raw.rollout.min_workers == 0 {
+        return Err(invalid("rollout.min_workers", "must be at least 1".to_string()));
+    }
     if let Some(e) = &raw.reward.endpoint
         && !(e.starts_with("http://") || e.starts_with("https://"))
     {

@@ -44,6 +44,32 @@ impl MetricsWriter {
         &self.path
     }
 
+    /// Drops the records of steps after `step` (and a torn last line): a run resumed from the
+    /// checkpoint of `step` logs those steps again, and the file must hold each step once. The file
+    /// is rewritten through a temporary file and a rename, so a kill leaves the old or the new one.
+    pub fn truncate_after(&mut self, step: u64) -> std::io::Result<usize> {
+        let text = std::fs::read_to_string(&self.path)?;
+        let keep: Vec<&str> = text
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64())).is_some_and(|s| s <= step)
+            })
+            .collect();
+        let dropped = text.lines().count() - keep.len();
+        if dropped > 0 {
+            let tmp = self.path.with_extension("jsonl.tmp");
+            let mut body = keep.join("\n");
+            if !body.is_empty() {
+                body.push('\n');
+            }
+            std::fs::write(&tmp, body)?;
+            File::open(&tmp)?.sync_all()?;
+            std::fs::rename(&tmp, &self.path)?;
+            self.jsonl = OpenOptions::new().append(true).open(&self.path)?;
+        }
+        Ok(dropped)
+    }
+
     /// Appends one step. Non-finite values are written as JSON null in the JSONL file (JSON has no NaN)
     /// and skipped in TensorBoard.
     pub fn log(&mut self, step: u64, values: &BTreeMap<String, f64>) -> std::io::Result<()> {
@@ -119,5 +145,24 @@ mod tests {
             .filter(|e| e.file_name().to_string_lossy().starts_with("events.out.tfevents."))
             .collect();
         assert_eq!(events.len(), 1);
+    }
+
+    #[test]
+    fn a_resumed_run_drops_the_steps_after_its_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = MetricsWriter::create(dir.path(), false).unwrap();
+        let v: BTreeMap<String, f64> = [("reward/mean".to_string(), 1.0)].into();
+        for step in 1..=5 {
+            w.log(step, &v).unwrap();
+        }
+        drop(w);
+        let path = dir.path().join(METRICS_FILE);
+        // A kill in the middle of a line.
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"step\":6,\"ti").unwrap();
+        let mut w = MetricsWriter::create(dir.path(), false).unwrap();
+        assert_eq!(w.truncate_after(3).unwrap(), 3);
+        w.log(4, &v).unwrap();
+        let steps: Vec<u64> = read_metrics(&path).unwrap().iter().map(|r| r.step).collect();
+        assert_eq!(steps, vec![1, 2, 3, 4]);
     }
 }

@@ -16,16 +16,16 @@ use cotrain_rollout_worker::shm::ShmFile;
 use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
 use tch::Tensor;
 use tokio::runtime::Runtime;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::config::{WeightDtype, WeightTransport};
-use crate::trainer::sources::PushStats;
+use crate::trainer::sources::{PoolStats, PushStats};
 use crate::trainer::{GenRequest, GenSample, RolloutSource, TrainError};
 
 /// See the module docs.
 pub struct PoolRollout {
     rt: Arc<Runtime>,
-    pool: RolloutPool,
+    pool: Arc<RolloutPool>,
     label: String,
     version_timeout: Duration,
     next_request: u64,
@@ -44,7 +44,7 @@ pub struct PoolRollout {
 }
 
 impl PoolRollout {
-    /// Connects to `endpoints` and/or `dns_names` and waits (up to `wait`) for one healthy worker.
+    /// Connects to `endpoints` and/or `dns_names` and waits (up to `wait`) for one worker in rotation.
     pub fn connect(
         rt: Arc<Runtime>,
         endpoints: Vec<String>,
@@ -54,7 +54,6 @@ impl PoolRollout {
         refresh: Duration,
         wait: Duration,
     ) -> Result<Self, TrainError> {
-        let label = format!("rollout pool {:?}", endpoints.iter().chain(&dns_names).collect::<Vec<_>>());
         let cfg = PoolConfig {
             endpoints,
             dns_names,
@@ -65,9 +64,44 @@ impl PoolRollout {
             cluster_token: super::cluster_token(),
             ..PoolConfig::default()
         };
+        Self::connect_with(rt, cfg, None, 1, wait)
+    }
+
+    /// As [`Self::connect`] from a pool config; with `control`, workers that register with the
+    /// learner's control plane join the pool (which may then start empty), and the connection
+    /// waits up to `wait` for `min_workers` workers in rotation, saying what it waits for.
+    pub fn connect_with(
+        rt: Arc<Runtime>,
+        cfg: PoolConfig,
+        control: Option<(&crate::control::ControlState, String)>,
+        min_workers: usize,
+        wait: Duration,
+    ) -> Result<Self, TrainError> {
+        let label = format!("rollout pool {:?}", cfg.endpoints.iter().chain(&cfg.dns_names).collect::<Vec<_>>());
         let pool = rt.block_on(async {
-            let pool = RolloutPool::new(cfg).await?;
-            pool.wait_for_healthy(1, wait).await?;
+            let pool = Arc::new(RolloutPool::new(cfg).await?);
+            if let Some((state, _)) = &control {
+                state.attach_pool(pool.clone()).await;
+            }
+            let started = std::time::Instant::now();
+            loop {
+                let chunk = wait.saturating_sub(started.elapsed()).min(Duration::from_secs(10));
+                match pool.wait_for_healthy(min_workers, chunk).await {
+                    Ok(()) => break,
+                    Err(e) if started.elapsed() >= wait => return Err(e),
+                    Err(_) => {
+                        let serving = pool.workers().iter().filter(|w| w.in_rotation).count();
+                        match &control {
+                            Some((_, addr)) => info!(
+                                "waiting for rollout workers: {serving} of {min_workers} in rotation; start them with \
+                                 `rollout-worker serve --register http://{addr} ...` ({:.0} s left)",
+                                wait.saturating_sub(started.elapsed()).as_secs_f64()
+                            ),
+                            None => info!("waiting for rollout workers: {serving} of {min_workers} in rotation"),
+                        }
+                    }
+                }
+            }
             Ok::<_, cotrain_rollout_worker::pool::PoolError>(pool)
         });
         let pool = pool.map_err(|e| TrainError::Rollout(format!("{label}: {e}")))?;
@@ -231,7 +265,7 @@ impl PoolRollout {
             .map_err(|e| TrainError::Rollout(e.to_string()))
     }
 
-    pub fn pool(&self) -> &RolloutPool {
+    pub fn pool(&self) -> &Arc<RolloutPool> {
         &self.pool
     }
 
@@ -405,5 +439,15 @@ impl RolloutSource for PoolRollout {
 
     fn last_push(&self) -> Option<PushStats> {
         self.last_push
+    }
+
+    fn pool_stats(&self) -> Option<PoolStats> {
+        let workers = self.pool.workers();
+        Some(PoolStats {
+            workers: workers.len(),
+            in_rotation: workers.iter().filter(|w| w.in_rotation).count(),
+            failed_attempts: self.pool.failed_attempts(),
+            catch_ups: self.pool.catch_ups(),
+        })
     }
 }

@@ -38,7 +38,7 @@ use tracing::info;
 pub use items::{TrainItem, prepare_items};
 pub use policy::{AgentBatches, Policy, TrainSample, UpdateStats};
 pub use run::{RunSummary, Trainer, TrainerSetup, derive_seed};
-pub use sources::{CodeOutcome, FeedbackSpec, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
+pub use sources::{CodeOutcome, FeedbackSpec, GenRequest, GenSample, PoolStats, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
 
 use crate::algo::AdamWConfig;
 use crate::config::{CheckedConfig, Dtype};
@@ -103,6 +103,8 @@ pub struct Services {
 /// Keeps embedded servers and the runtime alive for the run; dropping it stops them (drop it after
 /// the trainer).
 pub struct ServiceGuard {
+    /// The control plane (`learner.control_addr`), stopped first.
+    pub control: Option<crate::control::ControlServer>,
     pub embedded_reward: Option<EmbeddedReward>,
     pub embedded_rollout: Option<EmbeddedRollout>,
     pub runtime: Arc<tokio::runtime::Runtime>,
@@ -183,19 +185,38 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
         }
     };
     let ro = &cfg.raw.rollout;
-    let pool = |endpoints: Vec<String>, dns: Vec<String>| {
-        PoolRollout::connect(
-            runtime.clone(),
-            endpoints,
-            dns,
-            Duration::from_secs(ro.request_timeout_secs),
-            ro.max_retries + 1,
-            Duration::from_secs(ro.dns_refresh_secs.max(1)),
-            Duration::from_secs(120),
-        )
-        .map(|p| p.with_weight_transport(ro.weight_transport).with_weight_dtype(ro.weight_dtype))
+    // The control plane (rank 0 of a `learner train` that installed it): registered workers join
+    // the pool, operators ask for status, checkpoints and stops.
+    let control = match (crate::control::current(), &cfg.raw.learner.control_addr) {
+        (Some(state), Some(addr)) => {
+            let addr: std::net::SocketAddr =
+                addr.parse().map_err(|_| TrainError::Config(format!("learner.control_addr: `{addr}` is not IP:PORT")))?;
+            let server = runtime
+                .block_on(crate::control::ControlServer::start(addr, state.clone(), services::cluster_token()))
+                .map_err(|e| TrainError::Io(format!("learner.control_addr {addr}: {e}")))?;
+            println!("control plane listening on {}", server.addr);
+            Some((state, server))
+        }
+        _ => None,
     };
-    let (rollout, embedded_rollout): (Box<dyn RolloutSource>, _) = if ro.endpoints.is_empty() && ro.dns_name.is_none() {
+    let registration = control.as_ref().map(|(state, server)| (state.as_ref(), server.addr.to_string()));
+    let pool = |endpoints: Vec<String>, dns: Vec<String>, min_workers: usize, wait: Duration| {
+        let pool_cfg = cotrain_rollout_worker::pool::PoolConfig {
+            allow_empty: registration.is_some(),
+            endpoints,
+            dns_names: dns,
+            refresh_interval: Duration::from_secs(ro.dns_refresh_secs.max(1)),
+            request_timeout: Some(Duration::from_secs(ro.request_timeout_secs)),
+            max_attempts: ro.max_retries + 1,
+            wait_for_worker: Duration::from_secs(120),
+            cluster_token: services::cluster_token(),
+            ..Default::default()
+        };
+        PoolRollout::connect_with(runtime.clone(), pool_cfg, registration.clone(), min_workers, wait)
+            .map(|p| p.with_weight_transport(ro.weight_transport).with_weight_dtype(ro.weight_dtype))
+    };
+    let remote_only = !ro.endpoints.is_empty() || ro.dns_name.is_some() || ro.wait_for_registration;
+    let (rollout, embedded_rollout): (Box<dyn RolloutSource>, _) = if !remote_only {
         // A rollout worker in this process (one model copy per policy), used over gRPC like a remote one.
         let opts = load_options(cfg);
         let verifiers = cfg
@@ -207,13 +228,19 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             .unwrap_or_default();
         let worker = EmbeddedRollout::start_with_verifiers(runtime.clone(), agents, opts.device, opts.kind, verifiers)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
-        (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new())?), Some(worker))
+        (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120))?), Some(worker))
     } else {
-        let remote = pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect())?;
+        let (min, wait) = if ro.wait_for_registration {
+            (ro.min_workers, Duration::from_secs(ro.registration_timeout_secs))
+        } else {
+            (1, Duration::from_secs(120))
+        };
+        let remote = pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect(), min, wait)?;
         remote.check_separate_models(&agents.iter().map(|(a, _)| a.clone()).collect::<Vec<_>>())?;
         (Box::new(remote), None)
     };
-    Ok(Services { rollout, reward, guard: ServiceGuard { embedded_reward, embedded_rollout, runtime } })
+    let control = control.map(|(_, server)| server);
+    Ok(Services { rollout, reward, guard: ServiceGuard { control, embedded_reward, embedded_rollout, runtime } })
 }
 
 /// The run directory of a job: rank 0's (a run name made of the start time differs between ranks).
@@ -235,9 +262,12 @@ pub(crate) fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, St
         let services = connect_services(cfg, agents)?;
         let g = &services.guard;
         let ro = &cfg.raw.rollout;
-        let rollout = match &g.embedded_rollout {
-            Some(w) => vec![format!("http://{}", w.grpc)],
-            None => ro.endpoints.clone(),
+        let registered = g.control.as_ref().and_then(|_| crate::control::current()).and_then(|c| c.pool().map(|p| p.workers()));
+        let rollout = match (&g.embedded_rollout, registered) {
+            (Some(w), _) => vec![format!("http://{}", w.grpc)],
+            // Every worker rank 0's pool has now (static, resolved and registered ones).
+            (None, Some(workers)) => workers.into_iter().map(|w| w.address).collect(),
+            (None, None) => ro.endpoints.clone(),
         };
         let reward = match &g.embedded_reward {
             Some(r) => Some(format!("http://{}", r.grpc)),
@@ -257,6 +287,9 @@ pub(crate) fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, St
     own.raw.rollout.endpoints = ep["rollout"].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(String::from)).collect();
     own.raw.rollout.dns_name = ep["dns_name"].as_str().map(String::from);
     own.raw.reward.endpoint = ep["reward"].as_str().map(String::from);
+    // Rank 0 alone serves the control plane; the workers that registered there are in the list.
+    own.raw.learner.control_addr = None;
+    own.raw.rollout.wait_for_registration = false;
     info!(rank = dist.rank(), rollout = ?own.raw.rollout.endpoints, reward = ?own.raw.reward.endpoint, "using rank 0's services");
     connect_services(&own, agents)
 }

@@ -72,6 +72,8 @@ pub struct RunSummary {
     pub plots: Vec<PathBuf>,
     /// Every logged step's scalars, in order (what `metrics.jsonl` got).
     pub history: Vec<BTreeMap<String, f64>>,
+    /// Stopped on a request (SIGTERM, the control plane) after a checkpoint, before the end.
+    pub stopped: bool,
 }
 
 /// The trainer; see the module docs.
@@ -236,6 +238,12 @@ impl Trainer {
         let dir = latest_checkpoint(run_dir)
             .ok_or_else(|| TrainError::Checkpoint(format!("{}: no complete checkpoint to resume from", run_dir.display())))?;
         self.restore(&dir)?;
+        if let Some(m) = &mut self.metrics {
+            let dropped = m.truncate_after(self.step).map_err(|e| TrainError::Io(format!("{}: {e}", m.path().display())))?;
+            if dropped > 0 {
+                info!(dropped, step = self.step, "metrics of steps after the checkpoint dropped; they are logged again");
+            }
+        }
         Ok(dir)
     }
 
@@ -643,6 +651,12 @@ impl Trainer {
             m.insert("weight_sync/bytes".into(), push_bytes as f64);
             m.insert("weight_sync/workers".into(), push_workers as f64);
         }
+        if let Some(pool) = self.s.rollout.pool_stats() {
+            m.insert("pool/workers".into(), pool.workers as f64);
+            m.insert("pool/in_rotation".into(), pool.in_rotation as f64);
+            m.insert("pool/failed_attempts".into(), pool.failed_attempts as f64);
+            m.insert("pool/catch_ups".into(), pool.catch_ups as f64);
+        }
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
         m.insert("epoch".into(), self.epoch as f64);
         m.insert("policy_version".into(), self.s.policies.iter().map(|p| p.wire_version).max().unwrap_or(0) as f64);
@@ -857,64 +871,29 @@ impl Trainer {
         info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
             steps = total, start_step = self.step, sync_secs = t_sync, rank = self.dist.rank(), ranks = self.dist.world(), "training");
         let bar = if root { progress_bar(cfg.raw.logging.progress, total, self.step) } else { None };
-        let checksum_steps = cfg.raw.learner.checksum_steps;
-        let n_items = self.s.train_items.len() as u64;
-        let b = self.b() as u64;
         let mut stopped_early = false;
-        while self.epoch < cfg.trainer.num_train_epochs as u64 {
-            if self.stop_after_steps.is_some_and(|s| self.step >= s) {
-                stopped_early = true;
-                break;
-            }
-            // The epoch's order is a pure function of (seed, epoch): a resumed run sees the same one.
-            let order = self.epoch_order(self.epoch);
-            let end = (self.position + b).min(n_items);
-            let rows: Vec<usize> = order[self.position as usize..end as usize].to_vec();
-            // The original evaluates before training on item i of an epoch when i is a multiple of
-            // eval_interval (so also before the first item); a step of several items evaluates once
-            // when its items contain such an i.
-            // Rank 0 evaluates; the other ranks go on to their share of the step.
-            let eval = if root && eval_due(cfg.trainer.eval_interval as u64, self.position, end) { Some(self.evaluate(1, &[1])?) } else { None };
-            let mut values = if cfg.raw.rollout.max_off_policy_steps > 0 {
-                let next = self.rows_after(end);
-                self.train_step_async(&rows, next.as_deref())?
-            } else {
-                self.train_step(&rows)?
-            };
-            values.extend(eval.unwrap_or_default());
-            self.position = end;
-            self.step += 1;
-            if self.position >= n_items {
-                self.epoch += 1;
-                self.position = 0;
-            }
-            if checksum_steps > 0 && self.step.is_multiple_of(checksum_steps) {
-                self.check_ranks_agree()?;
-            }
-            if !root {
-                continue;
-            }
-            self.log(&values)?;
-            let reward = values.get("reward/mean").copied().unwrap_or(f64::NAN);
-            let loss = values.get("loss").copied().unwrap_or(f64::NAN);
-            match &bar {
-                Some(pb) => {
-                    pb.set_position(self.step);
-                    pb.set_message(format!("reward {reward:.3} loss {loss:.3}"));
-                }
-                None => {
-                    if self.step.is_multiple_of(cfg.trainer.logging_steps.max(1) as u64) || self.step == total {
-                        info!(step = self.step, total, reward, loss, secs = values.get("time/step").copied().unwrap_or(0.0), "learner step done");
-                    }
-                }
-            }
-            if cfg.trainer.save_steps > 0 && self.step.is_multiple_of(cfg.trainer.save_steps as u64) {
-                let dir = self.save_checkpoint()?;
-                info!(step = self.step, checkpoint = %dir.display(), "checkpoint saved");
-            }
+        // The control plane (rank 0): status after every step, checkpoints and stops between steps.
+        let control = if root { crate::control::current() } else { None };
+        if let Some(c) = &control {
+            c.set_run_dir(self.s.run_dir.clone());
+            c.trainer_started();
         }
+        let result = self.run_steps(&cfg, total, control.as_deref(), bar.as_ref(), &mut stopped_early);
+        if let Some(c) = &control {
+            c.trainer_done(match &result {
+                Err(_) => "failed",
+                Ok(true) => "stopped",
+                Ok(false) => "finishing",
+            });
+        }
+        let stopped_by_request = result?;
         if let Some(pb) = &bar {
             pb.finish();
+        }
+        if stopped_by_request {
+            info!(step = self.step, reason = control.as_ref().and_then(|c| c.stop_reason()).unwrap_or_default(), run_dir = %self.s.run_dir.display(),
+                "stopped on request after a checkpoint; continue with `learner train --config ... --resume RUN_DIR`");
+            return Ok(self.summary(Vec::new(), Vec::new(), true));
         }
         let mut plots = Vec::new();
         let mut final_models = Vec::new();
@@ -941,7 +920,14 @@ impl Trainer {
                 }
             }
         }
-        Ok(RunSummary {
+        if let Some(c) = &control {
+            c.set_state("finished");
+        }
+        Ok(self.summary(final_models, plots, false))
+    }
+
+    fn summary(&self, final_models: Vec<PathBuf>, plots: Vec<PathBuf>, stopped: bool) -> RunSummary {
+        RunSummary {
             run_dir: self.s.run_dir.clone(),
             steps: self.step,
             metrics_path: self.s.run_dir.join(crate::metrics::METRICS_FILE),
@@ -949,7 +935,113 @@ impl Trainer {
             final_models,
             plots,
             history: self.history.clone(),
-        })
+            stopped,
+        }
+    }
+
+    /// The step loop of [`Self::run`]; returns whether it stopped on a request (after a checkpoint).
+    fn run_steps(
+        &mut self,
+        cfg: &CheckedConfig,
+        total: u64,
+        control: Option<&crate::control::ControlState>,
+        bar: Option<&indicatif::ProgressBar>,
+        stopped_early: &mut bool,
+    ) -> Result<bool, TrainError> {
+        let root = self.dist.is_root();
+        let checksum_steps = cfg.raw.learner.checksum_steps;
+        let n_items = self.s.train_items.len() as u64;
+        let b = self.b() as u64;
+        while self.epoch < cfg.trainer.num_train_epochs as u64 {
+            if self.stop_after_steps.is_some_and(|s| self.step >= s) {
+                *stopped_early = true;
+                break;
+            }
+            let step_started = Instant::now();
+            // The epoch's order is a pure function of (seed, epoch): a resumed run sees the same one.
+            let order = self.epoch_order(self.epoch);
+            let end = (self.position + b).min(n_items);
+            let rows: Vec<usize> = order[self.position as usize..end as usize].to_vec();
+            // The original evaluates before training on item i of an epoch when i is a multiple of
+            // eval_interval (so also before the first item); a step of several items evaluates once
+            // when its items contain such an i.
+            // Rank 0 evaluates; the other ranks go on to their share of the step.
+            let eval = if root && eval_due(cfg.trainer.eval_interval as u64, self.position, end) { Some(self.evaluate(1, &[1])?) } else { None };
+            let mut values = if cfg.raw.rollout.max_off_policy_steps > 0 {
+                let next = self.rows_after(end);
+                self.train_step_async(&rows, next.as_deref())?
+            } else {
+                self.train_step(&rows)?
+            };
+            values.extend(eval.unwrap_or_default());
+            self.position = end;
+            self.step += 1;
+            if self.position >= n_items {
+                self.epoch += 1;
+                self.position = 0;
+            }
+            if checksum_steps > 0 && self.step.is_multiple_of(checksum_steps) {
+                self.check_ranks_agree()?;
+            }
+            if !root {
+                if self.stop_after_this_step(false)? {
+                    return Ok(true);
+                }
+                continue;
+            }
+            self.log(&values)?;
+            let reward = values.get("reward/mean").copied().unwrap_or(f64::NAN);
+            let loss = values.get("loss").copied().unwrap_or(f64::NAN);
+            match bar {
+                Some(pb) => {
+                    pb.set_position(self.step);
+                    pb.set_message(format!("reward {reward:.3} loss {loss:.3}"));
+                }
+                None => {
+                    if self.step.is_multiple_of(cfg.trainer.logging_steps.max(1) as u64) || self.step == total {
+                        info!(step = self.step, total, reward, loss, secs = values.get("time/step").copied().unwrap_or(0.0), "learner step done");
+                    }
+                }
+            }
+            let scheduled = cfg.trainer.save_steps > 0 && self.step.is_multiple_of(cfg.trainer.save_steps as u64);
+            let asked = match control {
+                Some(c) => c.between_steps(crate::control::StepReport {
+                    step: self.step,
+                    total_steps: total,
+                    epoch: self.epoch,
+                    total_epochs: cfg.trainer.num_train_epochs as u64,
+                    reward: reward.is_finite().then_some(reward),
+                    step_secs: step_started.elapsed().as_secs_f64(),
+                    policy_versions: self.s.policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect(),
+                }),
+                None => Default::default(),
+            };
+            if scheduled || asked.checkpoint || asked.stop {
+                match self.save_checkpoint() {
+                    Ok(dir) => {
+                        info!(step = self.step, checkpoint = %dir.display(), requested = asked.checkpoint || asked.stop, "checkpoint saved");
+                        if let Some(c) = control {
+                            c.checkpoint_written(self.step, &dir);
+                        }
+                    }
+                    Err(e) => {
+                        if let Some(c) = control {
+                            c.checkpoint_failed(&e.to_string());
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            if self.stop_after_this_step(asked.stop)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Whether the job stops now: rank 0's answer (a stop request), shared with every rank.
+    fn stop_after_this_step(&self, asked: bool) -> Result<bool, TrainError> {
+        Ok(self.dist.broadcast_u64(u64::from(asked), 0)? != 0)
     }
 }
 

@@ -70,6 +70,19 @@ pub struct PushStats {
     pub secs: f64,
 }
 
+/// The rollout worker pool as the trainer logs it (counters are cumulative over the run).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PoolStats {
+    /// Workers the pool knows.
+    pub workers: usize,
+    /// Of those, healthy and at the current policy (getting requests).
+    pub in_rotation: usize,
+    /// Generate attempts that failed on a worker and were sent to another one.
+    pub failed_attempts: u64,
+    /// Times a joining, restarted or lagging worker was brought to the current policy.
+    pub catch_ups: u64,
+}
+
 pub trait RolloutSource: Send {
     /// Runs every request; returns, per request and in order, its `n` samples.
     fn generate(&mut self, requests: &[GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError>;
@@ -88,6 +101,10 @@ pub trait RolloutSource: Send {
     /// themselves.
     /// The cost of the last push, when the source measures it.
     fn last_push(&self) -> Option<PushStats> {
+        None
+    }
+    /// The worker pool's state, when generation goes through one.
+    fn pool_stats(&self) -> Option<PoolStats> {
         None
     }
     fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {

@@ -81,6 +81,8 @@ pub(super) struct Worker {
     pub(super) health: HealthClient<Channel>,
     pub(super) origin: Origin,
     pub(super) healthy: AtomicBool,
+    /// Dropped from the pool (left DNS, deregistered): calls still in flight on it are abandoned.
+    pub(super) removed: AtomicBool,
     pub(super) in_rotation: AtomicBool,
     /// A catch-up is running; a second one would only repeat it.
     pub(super) catching_up: AtomicBool,
@@ -100,6 +102,7 @@ impl Worker {
             health: HealthClient::new(channel),
             origin,
             healthy: AtomicBool::new(false),
+            removed: AtomicBool::new(false),
             in_rotation: AtomicBool::new(false),
             catching_up: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
@@ -133,6 +136,23 @@ impl Worker {
     /// Takes the worker out of rotation until a catch-up brings it back.
     pub(super) fn bench(&self) {
         self.in_rotation.store(false, Ordering::SeqCst);
+    }
+
+    /// Runs `call` unless the worker is lost first (fails a health check or leaves the pool): a
+    /// frozen or partitioned worker must not hold a request or a push until its deadline.
+    pub(super) async fn unless_lost<T>(&self, call: impl std::future::Future<Output = Result<T, tonic::Status>>) -> Result<T, tonic::Status> {
+        let lost = async {
+            loop {
+                if !self.healthy.load(Ordering::SeqCst) || self.removed.load(Ordering::SeqCst) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::select! {
+            r = call => r,
+            () = lost => Err(tonic::Status::unavailable(format!("worker {} was lost (failed a health check or left the pool) during the call", self.address))),
+        }
     }
 
     pub(super) fn backoff_due(&self) -> bool {

@@ -55,8 +55,11 @@ pub struct PoolConfig {
     pub endpoints: Vec<String>,
     /// DNS names, `host:port`, re-resolved every `refresh_interval`; every address is a worker.
     pub dns_names: Vec<String>,
-    /// How often DNS is re-resolved and every worker health-checked.
+    /// How often DNS is re-resolved.
     pub refresh_interval: Duration,
+    /// How often every worker is health-checked (at most `refresh_interval`). A worker that fails
+    /// a check loses the requests and pushes it holds: they go to other workers.
+    pub health_interval: Duration,
     /// Connection and health-check timeout.
     pub connect_timeout: Duration,
     /// Deadline of one generate attempt on one worker (None: no deadline).
@@ -71,6 +74,9 @@ pub struct PoolConfig {
     pub cluster_token: Option<cotrain_proto::auth::ClusterToken>,
     /// Resolves `dns_names` (the system resolver by default).
     pub resolver: Arc<dyn Resolve>,
+    /// Start with no worker: they are added later with [`RolloutPool::add_endpoint`] (workers
+    /// that register themselves).
+    pub allow_empty: bool,
     /// The longest wait between attempts to bring back a failed worker (the first waits
     /// `refresh_interval`, each next one twice as long).
     pub max_backoff: Duration,
@@ -82,6 +88,7 @@ impl Default for PoolConfig {
             endpoints: Vec::new(),
             dns_names: Vec::new(),
             refresh_interval: Duration::from_secs(2),
+            health_interval: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(2),
             request_timeout: None,
             max_attempts: 5,
@@ -90,6 +97,7 @@ impl Default for PoolConfig {
             cluster_token: None,
             resolver: Arc::new(SystemResolver),
             max_backoff: Duration::from_secs(30),
+            allow_empty: false,
         }
     }
 }
@@ -144,6 +152,10 @@ struct Inner {
     tie_breaker: AtomicUsize,
     /// The latest update of every agent, replayed to workers that fall behind.
     replay: Replay,
+    failed_attempts: std::sync::atomic::AtomicU64,
+    catch_ups: std::sync::atomic::AtomicU64,
+    /// When DNS was last resolved.
+    resolved_at: std::sync::Mutex<Option<Instant>>,
 }
 
 /// A load-balancing, retrying client for many rollout workers; see the module docs.
@@ -194,7 +206,7 @@ fn already_current(status: &Status) -> bool {
 impl RolloutPool {
     /// Builds the pool, resolves and health-checks once, and starts the background refresh.
     pub async fn new(cfg: PoolConfig) -> Result<Self, PoolError> {
-        if cfg.endpoints.is_empty() && cfg.dns_names.is_empty() {
+        if cfg.endpoints.is_empty() && cfg.dns_names.is_empty() && !cfg.allow_empty {
             return Err(PoolError::Config("no endpoints and no dns_names".into()));
         }
         if cfg.max_attempts == 0 {
@@ -206,13 +218,16 @@ impl RolloutPool {
             changed: Notify::new(),
             tie_breaker: AtomicUsize::new(0),
             replay: Replay::default(),
+            failed_attempts: Default::default(),
+            catch_ups: Default::default(),
+            resolved_at: Default::default(),
         });
         for e in inner.cfg.endpoints.clone() {
             inner.add(&normalise(&e), Origin::Static)?;
         }
         inner.refresh().await;
         let weak = Arc::downgrade(&inner);
-        let every = inner.cfg.refresh_interval;
+        let every = inner.cfg.health_interval.min(inner.cfg.refresh_interval);
         let refresher = tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -241,7 +256,13 @@ impl RolloutPool {
 
     /// Removes a worker; requests in flight on it finish or fail over as usual.
     pub fn remove_endpoint(&self, endpoint: &str) -> bool {
-        self.inner.workers.write().expect("pool lock").remove(&normalise(endpoint)).is_some()
+        match self.inner.workers.write().expect("pool lock").remove(&normalise(endpoint)) {
+            Some(w) => {
+                w.removed.store(true, Ordering::SeqCst);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Every known worker.
@@ -249,6 +270,17 @@ impl RolloutPool {
         let mut v: Vec<_> = self.inner.workers.read().expect("pool lock").values().map(|w| w.snapshot()).collect();
         v.sort_by(|a, b| a.address.cmp(&b.address));
         v
+    }
+
+    /// Generate attempts that failed on a worker (and went to another), over the pool's life,
+    /// including workers since removed.
+    pub fn failed_attempts(&self) -> u64 {
+        self.inner.failed_attempts.load(Ordering::SeqCst)
+    }
+
+    /// Catch-ups that replayed updates to a worker, over the pool's life.
+    pub fn catch_ups(&self) -> u64 {
+        self.inner.catch_ups.load(Ordering::SeqCst)
     }
 
     /// Re-resolves DNS and health-checks every worker now.
@@ -292,7 +324,7 @@ impl RolloutPool {
                 request.set_timeout(t);
             }
             let mut client = worker.client.clone();
-            let result = client.generate(request).await;
+            let result = worker.unless_lost(client.generate(request)).await;
             drop(guard);
             match result {
                 Ok(resp) => {
@@ -301,6 +333,7 @@ impl RolloutPool {
                 }
                 Err(status) if retryable(&status) => {
                     worker.failed.fetch_add(1, Ordering::SeqCst);
+                    self.inner.failed_attempts.fetch_add(1, Ordering::SeqCst);
                     if worker_failed(&status) {
                         self.inner.mark_failed(&worker);
                     } else if stale_refusal(&status) {
@@ -334,7 +367,7 @@ impl RolloutPool {
                 request.set_timeout(t);
             }
             let mut client = worker.client.clone();
-            let result = client.score_verifier(request).await;
+            let result = worker.unless_lost(client.score_verifier(request)).await;
             drop(guard);
             match result {
                 Ok(resp) => return Ok(resp.into_inner()),
@@ -583,7 +616,7 @@ impl Inner {
     ) -> (String, Result<UpdateWeightsResponse, Status>) {
         let request = self.authorised(update_stream(header.clone(), tensors.clone(), self.cfg.weight_chunk_bytes));
         let mut c = w.client.clone();
-        (w.address.clone(), c.update_weights(request).await.map(|r| r.into_inner()))
+        (w.address.clone(), w.unless_lost(c.update_weights(request)).await.map(|r| r.into_inner()))
     }
 
     async fn send_shm(&self, w: &Worker, header: &UpdateHeader, shm: &ShmWeights) -> (String, Result<UpdateWeightsResponse, Status>) {
@@ -592,7 +625,7 @@ impl Inner {
             UpdateWeightsRequest { item: Some(Item::Shm(shm.clone())) },
         ];
         let mut c = w.client.clone();
-        (w.address.clone(), c.update_weights(self.authorised(futures::stream::iter(msgs))).await.map(|r| r.into_inner()))
+        (w.address.clone(), w.unless_lost(c.update_weights(self.authorised(futures::stream::iter(msgs)))).await.map(|r| r.into_inner()))
     }
 
     /// After a push: workers that refused it leave rotation (failed ones also lose their health
@@ -643,6 +676,7 @@ impl Inner {
                 w.backoff.lock().expect("backoff lock").reset();
                 if replayed > 0 {
                     w.catch_ups.fetch_add(1, Ordering::SeqCst);
+                    self.catch_ups.fetch_add(1, Ordering::SeqCst);
                 }
                 if !w.in_rotation.swap(true, Ordering::SeqCst) {
                     info!(worker = %w.address, replayed, "rollout worker at the current policy, in rotation");
@@ -718,6 +752,22 @@ impl Inner {
     }
 
     async fn refresh(self: &Arc<Self>) {
+        let resolve_now = {
+            let mut at = self.resolved_at.lock().expect("pool lock");
+            let due = at.is_none_or(|t| t.elapsed() + Duration::from_millis(10) >= self.cfg.refresh_interval);
+            if due {
+                *at = Some(Instant::now());
+            }
+            due
+        };
+        if resolve_now {
+            self.resolve().await;
+        }
+        self.check_all().await;
+    }
+
+    /// Re-resolves the DNS names: new addresses join, addresses that left are dropped.
+    async fn resolve(&self) {
         let mut resolved: HashSet<String> = HashSet::new();
         let mut dns_ok = true;
         for name in &self.cfg.dns_names {
@@ -739,10 +789,14 @@ impl Inner {
                 let keep = w.origin != Origin::Dns || resolved.contains(addr);
                 if !keep {
                     info!(worker = addr, "rollout worker left dns, dropped from the pool");
+                    w.removed.store(true, Ordering::SeqCst);
                 }
                 keep
             });
         }
+    }
+
+    async fn check_all(self: &Arc<Self>) {
         // Workers in their backoff are left alone; the others are checked, and caught up when
         // they pass while out of rotation.
         let due: Vec<Arc<Worker>> =

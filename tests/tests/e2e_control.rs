@@ -1,0 +1,331 @@
+//! Cluster operations end to end, on real processes over loopback: rollout workers that register
+//! with a learner's control plane mid-run and take training requests at the current policy, a
+//! worker killed (SIGKILL) mid-step, the learner's status and its graceful stop through the control
+//! plane and SIGTERM, a learner killed (SIGKILL) while writing a checkpoint, and resumes that end
+//! with the weights of an uninterrupted run.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use cotrain_tests::{binaries, tiny_word_model_dir};
+use tch::{Kind, Tensor};
+
+/// A TLDR config of `rows` items, 4 per step (two agents, separate policies); `top` goes at the top level.
+fn write_config(dir: &Path, model: &Path, name: &str, rows: usize, save_steps: usize, top: &str) -> PathBuf {
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(
+        &path,
+        format!(
+            "model: {{name: '{model}', dtype: f32, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 512}}\n\
+             dataset: {{name: tldr, train_split: 'train[:{rows}]'}}\n\
+             seed: 5\n\
+             output: {{base_dir: '{out}', save_final_model: true}}\n\
+             magrpo:\n  num_agents: 2\n  num_generations: 3\n  max_new_tokens: 24\n  learning_rate: 0.0005\n  \
+             num_train_epochs: 1\n  rollout_buffer_size: 4\n  save_steps: {save_steps}\n  logging_steps: 1\n\
+             logging: {{run_name: {name}, progress: never, plots: false}}\n{top}",
+            model = model.display(),
+            out = dir.join("out").display(),
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// A process whose stdout lines arrive on a channel (and are kept), killed when dropped.
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Proc {
+    fn spawn(cmd: &mut Command) -> Self {
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Self { child, lines, seen: Vec::new() }
+    }
+
+    /// Waits for a stdout line starting with `prefix`; returns the rest.
+    fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
+                return l[prefix.len()..].to_string();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.min(Duration::from_millis(200))) {
+                Ok(l) => self.seen.push(l),
+                Err(_) if Instant::now() >= deadline => panic!("no `{prefix}` line within {timeout:?}; saw {:?}", self.seen),
+                Err(_) => assert!(self.child.try_wait().unwrap().is_none(), "process exited before `{prefix}`; saw {:?}", self.seen),
+            }
+        }
+    }
+
+    fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(100)) {
+                    self.seen.push(l);
+                }
+                return s;
+            }
+            assert!(Instant::now() < deadline, "process still running after {timeout:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        assert!(Command::new("kill").args([sig, &self.child.id().to_string()]).status().unwrap().success());
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn learner_cmd(args: &[&str], token: &Path) -> Command {
+    let mut c = Command::new(binaries().unwrap().join("learner"));
+    c.arg("--cluster-token-file").arg(token).args(args).env("RUST_LOG", "info");
+    c
+}
+
+fn worker(model: &Path, control: &str, token: &Path) -> Proc {
+    let spec = model.display().to_string();
+    let mut p = Proc::spawn(Command::new(binaries().unwrap().join("rollout-worker")).args([
+        "serve",
+        "--grpc-addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--threads",
+        "1",
+        "--agent",
+        &format!("agent0={spec}"),
+        "--agent",
+        &format!("agent1={spec}"),
+        "--separate-weights",
+        "--register",
+        &format!("http://{control}"),
+        "--cluster-token-file",
+        token.to_str().unwrap(),
+    ]));
+    let listening = p.wait_line("listening grpc=", Duration::from_secs(60));
+    p.seen.push(format!("grpc {}", listening.split_whitespace().next().unwrap()));
+    p.seen.push(format!("http {}", listening.split_once("http=").unwrap().1.trim()));
+    p
+}
+
+/// The worker's `cotrain_rollout_in_flight_requests` gauge, read from its HTTP `/metrics`.
+fn in_flight(http: &str) -> Option<f64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(http).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {http}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    body.lines().find_map(|l| l.strip_prefix("cotrain_rollout_in_flight_requests ")).and_then(|v| v.trim().parse().ok())
+}
+
+fn grpc_of(p: &mut Proc) -> String {
+    format!("http://{}", p.wait_line("grpc ", Duration::from_secs(1)))
+}
+
+/// `learner status --json` through the binary, as an operator runs it.
+fn status(control: &str, token: &Path) -> serde_json::Value {
+    let out = learner_cmd(&["status", "--addr", control, "--json"], token).output().unwrap();
+    assert!(out.status.success(), "learner status failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn worker_status<'a>(s: &'a serde_json::Value, address: &str) -> Option<&'a serde_json::Value> {
+    s["workers"].as_array()?.iter().find(|w| w["address"] == address)
+}
+
+fn poll_status(control: &str, token: &Path, what: &str, timeout: Duration, cond: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let s = status(control, token);
+        if cond(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting until {what}; last status: {s:#}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn token_file(dir: &Path) -> PathBuf {
+    let t = dir.join("token");
+    std::fs::write(&t, "e2e-control-token-0123456789\n").unwrap();
+    t
+}
+
+fn weights(path: &Path) -> BTreeMap<String, Tensor> {
+    Tensor::read_safetensors(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).into_iter().collect()
+}
+
+/// The largest ‖a − b‖ / ‖a‖ over the tensors of two model files.
+fn relative_difference(a: &Path, b: &Path) -> f64 {
+    let (a, b) = (weights(a), weights(b));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let norm = |t: Tensor| t.to_kind(Kind::Double).norm().double_value(&[]);
+    a.iter().map(|(k, ta)| norm(ta - &b[k]) / norm(ta.shallow_clone()).max(1e-12)).fold(0.0, f64::max)
+}
+
+fn final_weights(run_dir: &Path, agent: usize) -> PathBuf {
+    run_dir.join(format!("final_model/agent-{agent}/model.safetensors"))
+}
+
+#[test]
+fn registered_workers_join_mid_run_and_a_killed_worker_costs_only_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_word_model_dir(tmp.path()).unwrap();
+    let token = token_file(tmp.path());
+    let port = free_port();
+    let control = format!("127.0.0.1:{port}");
+    let top = format!(
+        "learner: {{control_addr: '{control}'}}\nrollout: {{wait_for_registration: true, min_workers: 1, registration_timeout_secs: 120}}\n"
+    );
+    let cfg = write_config(tmp.path(), &model, "registered", 240, 1000, &top);
+    let mut learner = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg));
+    assert_eq!(learner.wait_line("control plane listening on ", Duration::from_secs(120)), control);
+
+    // The control plane refuses callers without the cluster token, saying why.
+    let out = Command::new(binaries().unwrap().join("learner")).args(["status", "--addr", &control]).env_remove("COTRAIN_CLUSTER_TOKEN_FILE").output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("requires the cluster token"), "{}", String::from_utf8_lossy(&out.stderr));
+    let s = status(&control, &token);
+    assert_eq!(s["state"], "starting", "{s:#}");
+
+    // The first worker registers; training starts.
+    let mut first = worker(&model, &control, &token);
+    let first_addr = grpc_of(&mut first);
+    let s = poll_status(&control, &token, "two steps done", Duration::from_secs(120), |s| s["step"].as_u64() >= Some(2));
+    assert_eq!(s["state"], "training");
+    assert_eq!(worker_status(&s, &first_addr).unwrap()["origin"], "registered");
+
+    // A second worker registers mid-run: it is brought to the current policy, then takes requests.
+    let mut second = worker(&model, &control, &token);
+    let second_addr = grpc_of(&mut second);
+    let s = poll_status(&control, &token, "the second worker serves", Duration::from_secs(120), |s| {
+        worker_status(s, &second_addr).is_some_and(|w| w["in_rotation"] == true && w["completed"].as_u64() > Some(0))
+    });
+    let w = worker_status(&s, &second_addr).unwrap();
+    assert!(w["catch_ups"].as_u64() >= Some(1), "the joiner was not caught up: {s:#}");
+    for agent in ["agent0", "agent1"] {
+        assert!(w["versions"][agent].as_u64() >= s["policy_versions"][agent].as_u64(), "joiner behind on {agent}: {s:#}");
+    }
+
+    // The first worker is killed (SIGKILL) while it is generating: its requests go to the second one.
+    let first_http = first.wait_line("http ", Duration::from_secs(1));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while in_flight(&first_http).unwrap_or(0.0) < 1.0 {
+        assert!(Instant::now() < deadline, "the first worker never had a request in flight");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    first.signal("-9");
+    let killed_at = status(&control, &token)["step"].as_u64().unwrap();
+    let s = poll_status(&control, &token, "two more steps", Duration::from_secs(120), |s| s["step"].as_u64() >= Some(killed_at + 2));
+
+    // A graceful stop through the control plane: a checkpoint, then a clean exit.
+    let out = learner_cmd(&["control", "stop", "--addr", &control], &token).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(learner.wait_exit(Duration::from_secs(120)).success(), "{:?}", learner.seen);
+    let stopped = learner.seen.iter().find_map(|l| l.strip_prefix("stopped on request after step ")).expect("stop line").to_string();
+    let stopped_at: u64 = stopped.split(';').next().unwrap().parse().unwrap();
+    assert!(stopped_at >= s["step"].as_u64().unwrap());
+    let run_dir = tmp.path().join("out/registered");
+    assert!(run_dir.join(format!("checkpoints/step-{stopped_at}")).is_dir());
+    let m = metrics(&run_dir);
+    assert_eq!(m.len() as u64, stopped_at, "one metrics line per step");
+    let last = m.last().unwrap();
+    assert!(last["pool/failed_attempts"].as_f64() >= Some(1.0), "the killed worker's requests were retried: {last}");
+    assert!(last["pool/catch_ups"].as_f64() >= Some(1.0), "{last}");
+    assert!(m.iter().all(|r| r["reward/mean"].as_f64().is_some_and(f64::is_finite)), "every step has its rewards");
+
+    // The learner restarts on the same port and resumes: the surviving worker registers again
+    // (its heartbeat finds a learner that does not know it) and the run finishes.
+    let mut resumed = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg).arg("--resume").arg(&run_dir));
+    assert!(resumed.wait_exit(Duration::from_secs(300)).success(), "{:?}", resumed.seen);
+    assert_eq!(metrics(&run_dir).len(), 60, "the resumed run ends at the last step");
+    assert!(final_weights(&run_dir, 1).is_file());
+    drop(second);
+}
+
+#[test]
+fn sigterm_checkpoints_and_a_kill_during_a_checkpoint_resumes_to_the_uninterrupted_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_word_model_dir(tmp.path()).unwrap();
+    let token = token_file(tmp.path());
+    // The reference: 8 uninterrupted steps.
+    let straight = write_config(tmp.path(), &model, "straight", 32, 1, "");
+    let out = learner_cmd(&["train", "--config"], &token).arg(&straight).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The same run, stopped by SIGTERM once two steps are done.
+    let cfg = write_config(tmp.path(), &model, "interrupted", 32, 1, "");
+    let run_dir = tmp.path().join("out/interrupted");
+    let mut learner = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !run_dir.join("checkpoints/step-2").is_dir() {
+        assert!(Instant::now() < deadline, "no second checkpoint");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    learner.signal("-TERM");
+    assert!(learner.wait_exit(Duration::from_secs(120)).success(), "SIGTERM is a clean exit: {:?}", learner.seen);
+    let stopped = learner.seen.iter().find_map(|l| l.strip_prefix("stopped on request after step ")).expect("stop line").to_string();
+    let stopped_at: usize = stopped.split(';').next().unwrap().parse().unwrap();
+    assert!(stopped_at < 8 && run_dir.join(format!("checkpoints/step-{stopped_at}")).is_dir());
+    assert_eq!(metrics(&run_dir).len(), stopped_at);
+
+    // Resumed, and killed with SIGKILL while it writes a checkpoint (a `.tmp-step-*` directory is
+    // being filled); the kill may land just after one instead, which must be as harmless.
+    let mut resumed = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg).arg("--resume").arg(&run_dir));
+    let checkpoints = run_dir.join("checkpoints");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut during = false;
+    loop {
+        let writing = std::fs::read_dir(&checkpoints).unwrap().filter_map(Result::ok).any(|e| e.file_name().to_string_lossy().starts_with(".tmp-"));
+        if writing {
+            resumed.signal("-9");
+            during = true;
+            break;
+        }
+        if resumed.child.try_wait().unwrap().is_some() || Instant::now() > deadline {
+            break;
+        }
+    }
+    let _ = resumed.wait_exit(Duration::from_secs(60));
+    eprintln!("killed during a checkpoint write: {during}");
+    assert!(during, "the resumed run never wrote a checkpoint while watched");
+    // The last complete checkpoint resumes, and the run ends where the uninterrupted one did.
+    let out = learner_cmd(&["train", "--config"], &token).arg(&cfg).arg("--resume").arg(&run_dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let straight_dir = tmp.path().join("out/straight");
+    for agent in 0..2 {
+        let d = relative_difference(&final_weights(&straight_dir, agent), &final_weights(&run_dir, agent));
+        assert!(d <= 1e-5, "agent {agent}: resumed weights differ by {d:e}");
+    }
+    assert_eq!(metrics(&run_dir).len(), 8);
+}
