@@ -84,7 +84,7 @@ async fn many_concurrent_clients_each_get_a_result_or_a_clear_overload() {
     let server = Server::start(&["--max-concurrency", "2", "--queue-limit", "4"]).await;
     let client = reqwest::Client::new();
     let rss_before = server.rss_kib();
-    let clients = 48;
+    let clients = 64;
     let started = Instant::now();
     let tasks: Vec<_> = (0..clients)
         .map(|i| {

@@ -179,3 +179,91 @@ async fn dns_workers_on_ipv4_and_ipv6_join_and_leave() {
     pool.refresh().await;
     assert_eq!(pool.workers().len(), 1);
 }
+
+/// A network namespace joined to this one by a veth pair: a second host for the test.
+struct TestHost {
+    ns: String,
+    host_if: String,
+    /// The namespace's address.
+    ip: String,
+}
+
+impl TestHost {
+    fn ip_cmd(args: &[&str]) -> bool {
+        std::process::Command::new("ip").args(args).status().is_ok_and(|s| s.success())
+    }
+
+    /// Makes the namespace, or says why it cannot (not root, no netns support).
+    fn new(tag: u8) -> Result<Self, String> {
+        let pid = std::process::id() % 10_000;
+        let ns = format!("cotrain-pt{pid}-{tag}");
+        let (host_if, ns_if) = (format!("vh{pid}x{tag}"), format!("vw{pid}x{tag}"));
+        let net = format!("10.231.{}.", (pid % 60) * 4 + tag as u32);
+        let (host_ip, ip) = (format!("{net}1"), format!("{net}2"));
+        if !Self::ip_cmd(&["netns", "add", &ns]) {
+            return Err("cannot create a network namespace (needs root and netns support)".into());
+        }
+        let host = Self { ns: ns.clone(), host_if: host_if.clone(), ip: ip.clone() };
+        let ok = Self::ip_cmd(&["link", "add", &host_if, "type", "veth", "peer", "name", &ns_if])
+            && Self::ip_cmd(&["link", "set", &ns_if, "netns", &ns])
+            && Self::ip_cmd(&["addr", "add", &format!("{host_ip}/30"), "dev", &host_if])
+            && Self::ip_cmd(&["link", "set", &host_if, "up"])
+            && Self::ip_cmd(&["netns", "exec", &ns, "ip", "addr", "add", &format!("{ip}/30"), "dev", &ns_if])
+            && Self::ip_cmd(&["netns", "exec", &ns, "ip", "link", "set", &ns_if, "up"])
+            && Self::ip_cmd(&["netns", "exec", &ns, "ip", "link", "set", "lo", "up"]);
+        if ok { Ok(host) } else { Err("cannot wire a veth pair into the namespace".into()) }
+    }
+
+    /// Cuts (false) or restores (true) the link between the hosts.
+    fn link(&self, up: bool) {
+        assert!(Self::ip_cmd(&["link", "set", &self.host_if, if up { "up" } else { "down" }]));
+    }
+}
+
+impl Drop for TestHost {
+    fn drop(&mut self) {
+        Self::ip_cmd(&["link", "del", &self.host_if]);
+        Self::ip_cmd(&["netns", "del", &self.ns]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_worker_loses_nothing_and_catches_up_when_healed() {
+    let host = match TestHost::new(1) {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("SKIPPED a_partitioned_worker_loses_nothing_and_catches_up_when_healed: {why}");
+            return;
+        }
+    };
+    let model = TinyModel::new("llama");
+    let spec = model.spec();
+    let agents = [(AGENT, spec.as_str())];
+    let local = WorkerProcess::start(&agents, &[]).await;
+    let ns = host.ns.clone();
+    let remote = WorkerProcess::start_under(&["ip", "netns", "exec", &ns], &format!("{}:0", host.ip), &agents, &[]).await;
+    let pool = Arc::new(RolloutPool::new(pool_config(vec![local.endpoint(), remote.endpoint()])).await.unwrap());
+    pool.wait_for_healthy(2, Duration::from_secs(30)).await.unwrap();
+    let mut c = local.client().await;
+    assert!(pool.push_weights(AGENT, 1, true, lm_head_update(&mut c, 1).await).await.iter().all(|(_, r)| r.is_ok()));
+    run_requests(&pool, 8, 1).await;
+    assert!(snapshot(&pool, &remote.endpoint()).completed > 0, "the other host serves: {:?}", pool.workers());
+
+    // Partition: requests in flight on the other host and new ones go to the local worker; a push
+    // goes on without it.
+    host.link(false);
+    run_requests(&pool, 12, 1).await;
+    let answers = pool.push_weights(AGENT, 2, true, lm_head_update(&mut c, 2).await).await;
+    assert!(answers.iter().any(|(a, r)| *a == local.endpoint() && r.is_ok()), "{answers:?}");
+    pool.wait_for_version(AGENT, 2, Duration::from_secs(10)).await.unwrap();
+    run_requests(&pool, 6, 2).await;
+    assert!(!snapshot(&pool, &remote.endpoint()).in_rotation, "{:?}", pool.workers());
+
+    // Healed: it passes a health check, is caught up to version 2, and serves again.
+    host.link(true);
+    wait_until("the healed worker is back in rotation", Duration::from_secs(60), || snapshot(&pool, &remote.endpoint()).in_rotation).await;
+    assert_eq!(version_of(&remote).await, 2);
+    let before = snapshot(&pool, &remote.endpoint()).completed;
+    run_requests(&pool, 12, 2).await;
+    assert!(snapshot(&pool, &remote.endpoint()).completed > before, "the healed worker got no requests: {:?}", pool.workers());
+}

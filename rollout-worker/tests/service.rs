@@ -324,6 +324,50 @@ async fn full_queue_is_resource_exhausted_and_dropped_clients_stop_costing_compu
     wait_info(&mut c, Duration::from_secs(30), |i| i.models[0].running_sequences == 0 && i.in_flight_requests == 0).await;
 }
 
+/// The worker's resident memory, from /proc.
+fn rss_kib(w: &WorkerProcess) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", w.child.id())).unwrap();
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_clients_get_answers_or_resource_exhausted_and_memory_stays_bounded() {
+    let model = TinyModel::new("llama");
+    let w = WorkerProcess::start(&[(AGENT, &model.spec())], &["--max-queued-requests", "16", "--max-batch-size", "8"]).await;
+    let mut rss = Vec::new();
+    for burst in 0..3u64 {
+        let calls: Vec<_> = (0..64u64)
+            .map(|i| {
+                let endpoint = w.endpoint();
+                tokio::spawn(async move {
+                    // A connection of its own per client, as 64 separate trainers would have.
+                    let mut c = RolloutClient::connect(endpoint).await.unwrap();
+                    c.generate(request(AGENT, vec![token_prompt(vec![1 + i as u32, 2])], 2, burst * 100 + i, 48)).await
+                })
+            })
+            .collect();
+        let (mut ok, mut exhausted) = (0, 0);
+        for (i, call) in calls.into_iter().enumerate() {
+            match call.await.unwrap() {
+                Ok(r) => {
+                    assert_eq!(r.into_inner().completions[0].samples.len(), 2, "request {i}");
+                    ok += 1;
+                }
+                Err(s) if s.code() == Code::ResourceExhausted => exhausted += 1,
+                Err(s) => panic!("request {i}: {s:?}"),
+            }
+        }
+        assert_eq!(ok + exhausted, 64, "every client got an answer");
+        assert!(ok >= 16, "at least the admitted requests are served ({ok})");
+        rss.push(rss_kib(&w));
+    }
+    // Still serving, nothing left in flight, memory flat across bursts.
+    let mut c = w.client().await;
+    generate(&mut c, request(AGENT, vec![token_prompt(vec![3])], 1, 7, 4)).await;
+    assert_eq!(w.info().await.in_flight_requests, 0);
+    assert!(rss[2] < rss[0] + 64 * 1024, "RSS grew across bursts: {rss:?} KiB");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn info_metrics_http_api_and_graceful_shutdown() {
     let llama = TinyModel::new("llama");

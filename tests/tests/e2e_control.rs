@@ -35,7 +35,7 @@ fn write_config(dir: &Path, model: &Path, name: &str, rows: usize, save_steps: u
     path
 }
 
-/// A process whose stdout lines arrive on a channel (and are kept), killed when dropped.
+/// A process whose stdout and stderr lines arrive on a channel (and are kept), killed when dropped.
 struct Proc {
     child: Child,
     lines: mpsc::Receiver<String>,
@@ -44,14 +44,18 @@ struct Proc {
 
 impl Proc {
     fn spawn(cmd: &mut Command) -> Self {
-        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
-        let stdout = child.stdout.take().unwrap();
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
+        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().unwrap());
+        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().unwrap());
+        for stream in [out, err] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+        }
         Self { child, lines, seen: Vec::new() }
     }
 
@@ -328,4 +332,55 @@ fn sigterm_checkpoints_and_a_kill_during_a_checkpoint_resumes_to_the_uninterrupt
         assert!(d <= 1e-5, "agent {agent}: resumed weights differ by {d:e}");
     }
     assert_eq!(metrics(&run_dir).len(), 8);
+}
+
+#[test]
+fn a_killed_reward_server_fails_the_run_with_a_checkpoint_that_resumes_to_the_same_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_word_model_dir(tmp.path()).unwrap();
+    let token = token_file(tmp.path());
+    let straight = write_config(tmp.path(), &model, "straight", 32, 1000, "");
+    let out = learner_cmd(&["train", "--config"], &token).arg(&straight).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let port = free_port();
+    let reward_server = || {
+        let mut p = Proc::spawn(Command::new(binaries().unwrap().join("reward-server")).args([
+            "--grpc-addr",
+            &format!("127.0.0.1:{port}"),
+            "--http-addr",
+            "127.0.0.1:0",
+        ]));
+        p.wait_line("listening ", Duration::from_secs(60));
+        p
+    };
+    let mut reward = reward_server();
+    let top = format!("reward: {{endpoint: 'http://127.0.0.1:{port}', max_retries: 2}}\n");
+    let cfg = write_config(tmp.path(), &model, "reward_killed", 32, 1000, &top);
+    let run_dir = tmp.path().join("out/reward_killed");
+    let mut learner = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(run_dir.join("metrics.jsonl")).map(|t| t.lines().count()).unwrap_or(0) < 3 {
+        assert!(Instant::now() < deadline, "no third step");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    reward.signal("-9");
+    let status = learner.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "the run cannot go on without rewards");
+    let text = learner.seen.join("\n");
+    assert!(text.contains("Score failed after 3 attempts"), "bounded retries, then a clear error:\n{text}");
+    let done = metrics(&run_dir).len();
+    assert!(text.contains(&format!("the run stopped at step {done}")), "{text}");
+    assert!(run_dir.join(format!("checkpoints/step-{done}")).is_dir(), "a checkpoint of the last finished step");
+
+    // With the reward server back, the run resumes from that checkpoint and ends as if uninterrupted.
+    let _reward = reward_server();
+    let out = learner_cmd(&["train", "--config"], &token).arg(&cfg).arg("--resume").arg(&run_dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(metrics(&run_dir).len(), 8);
+    let straight_dir = tmp.path().join("out/straight");
+    for agent in 0..2 {
+        let d = relative_difference(&final_weights(&straight_dir, agent), &final_weights(&run_dir, agent));
+        assert!(d <= 1e-5, "agent {agent}: resumed weights differ by {d:e}");
+    }
 }

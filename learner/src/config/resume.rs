@@ -31,6 +31,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "learner.control_addr",
     "reward.endpoint",
     "reward.request_timeout_secs",
+    "reward.max_retries",
 ];
 
 /// One key whose value differs between the run's config and the given one.

@@ -771,6 +771,10 @@ fn default_importance_weight_cap() -> Option<f64> {
 fn default_dns_refresh_secs() -> u64 {
     30
 }
+fn default_reward_retries() -> u32 {
+    5
+}
+
 fn default_request_timeout_secs() -> u64 {
     600
 }
@@ -787,6 +791,10 @@ pub struct RewardConfig {
     pub endpoint: Option<String>,
     #[serde(default = "default_request_timeout_secs")]
     pub request_timeout_secs: u64,
+    /// Retries of a call that failed because the reward server is down, overloaded or late
+    /// (0.5 s, then twice as long each time, at most 8 s); then the step fails with a checkpoint.
+    #[serde(default = "default_reward_retries")]
+    pub max_retries: u32,
     /// Writing reward: `newest` (from 2025-12-31) or `earlier` length-ratio bands; the same as
     /// `options.arxiv_ratio`, kept under the name earlier configs used.
     #[serde(default)]
@@ -802,6 +810,7 @@ impl Default for RewardConfig {
         Self {
             endpoint: None,
             request_timeout_secs: default_request_timeout_secs(),
+            max_retries: default_reward_retries(),
             writing_ratio_version: None,
             options: Default::default(),
         }

@@ -18,6 +18,14 @@ pub struct GrpcReward {
     timeout: Duration,
     /// The scoring options every request carries (empty: the server's defaults).
     options_json: String,
+    /// Retries of a call the server could not answer (down, overloaded, late).
+    retries: u32,
+}
+
+/// Failures a later attempt may not see: the server restarting, overloaded, or late.
+fn transient(status: &tonic::Status) -> bool {
+    use tonic::Code::*;
+    matches!(status.code(), Unavailable | Unknown | ResourceExhausted | DeadlineExceeded | Aborted | Cancelled)
 }
 
 impl GrpcReward {
@@ -29,7 +37,40 @@ impl GrpcReward {
             .block_on(ep.connect_timeout(Duration::from_secs(10)).connect())
             .map_err(|e| TrainError::Reward(format!("cannot reach the reward server at {uri}: {e}")))?;
         let client = RewardClient::new(channel).max_decoding_message_size(usize::MAX).max_encoding_message_size(usize::MAX);
-        Ok(Self { rt, client, endpoint: uri, timeout, options_json: String::new() })
+        Ok(Self { rt, client, endpoint: uri, timeout, options_json: String::new(), retries: 5 })
+    }
+
+    /// Retries transient failures this many times (`reward.max_retries`).
+    pub fn with_retries(mut self, retries: u32) -> Self {
+        self.retries = retries;
+        self
+    }
+
+    /// Runs `call` with the timeout, retrying transient failures with exponential backoff; the
+    /// error names the server, the call and how many attempts failed.
+    fn call<Req: Clone, Resp, F, Fut>(&self, what: &str, req: Req, mut call: F) -> Result<Resp, TrainError>
+    where
+        F: FnMut(RewardClient<Channel>, tonic::Request<Req>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        let mut wait = Duration::from_millis(500);
+        for attempt in 0..=self.retries {
+            let mut request = tonic::Request::new(req.clone());
+            request.set_timeout(self.timeout);
+            match self.rt.block_on(call(self.client.clone(), request)) {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) if transient(&s) && attempt < self.retries => {
+                    tracing::warn!(server = %self.endpoint, call = what, attempt = attempt + 1, code = ?s.code(), message = s.message(), retry_in = ?wait, "reward server call failed, retrying");
+                    std::thread::sleep(wait);
+                    wait = (wait * 2).min(Duration::from_secs(8));
+                }
+                Err(s) => {
+                    let tries = if transient(&s) { format!(" after {} attempts", attempt + 1) } else { String::new() };
+                    return Err(TrainError::Reward(format!("{}: {what} failed{tries}: {} ({:?})", self.endpoint, s.message(), s.code())));
+                }
+            }
+        }
+        unreachable!("the last attempt returns")
     }
 
     /// Sends `options` with every scoring request (the config's `reward.options`).
@@ -49,14 +90,7 @@ impl RewardSource for GrpcReward {
                 .collect(),
             options_json: self.options_json.clone(),
         };
-        let mut request = tonic::Request::new(req);
-        request.set_timeout(self.timeout);
-        let mut client = self.client.clone();
-        let resp = self
-            .rt
-            .block_on(client.score(request))
-            .map_err(|s| TrainError::Reward(format!("{}: Score failed: {} ({:?})", self.endpoint, s.message(), s.code())))?
-            .into_inner();
+        let resp = self.call("Score", req, |mut c, r| async move { c.score(r).await })?;
         Ok(resp
             .results
             .into_iter()
@@ -89,14 +123,7 @@ impl RewardSource for GrpcReward {
                 .collect(),
             options_json: options.to_string(),
         };
-        let mut request = tonic::Request::new(req);
-        request.set_timeout(self.timeout);
-        let mut client = self.client.clone();
-        let resp = self
-            .rt
-            .block_on(client.analyze(request))
-            .map_err(|s| TrainError::Reward(format!("{}: Analyze failed: {} ({:?})", self.endpoint, s.message(), s.code())))?
-            .into_inner();
+        let resp = self.call("Analyze", req, |mut c, r| async move { c.analyze(r).await })?;
         if resp.results.len() != actions.len() {
             return Err(TrainError::Reward(format!("{}: {} analyses for {} joint actions", self.endpoint, resp.results.len(), actions.len())));
         }

@@ -173,14 +173,14 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
     let r = &cfg.raw.reward;
     let (reward, embedded_reward): (Box<dyn RewardSource>, _) = match &r.endpoint {
         Some(ep) => (
-            Box::new(GrpcReward::connect(runtime.clone(), ep, Duration::from_secs(r.request_timeout_secs))?.with_options(&cfg.score_options)),
+            Box::new(GrpcReward::connect(runtime.clone(), ep, Duration::from_secs(r.request_timeout_secs))?.with_options(&cfg.score_options).with_retries(r.max_retries)),
             None,
         ),
         None => {
             let server = EmbeddedReward::start(runtime.clone())?;
             info!(grpc = %server.grpc, http = %server.http, "embedded reward server started");
             let client = GrpcReward::connect(runtime.clone(), &server.grpc.to_string(), Duration::from_secs(r.request_timeout_secs))?
-                .with_options(&cfg.score_options);
+                .with_options(&cfg.score_options).with_retries(r.max_retries);
             (Box::new(client), Some(server))
         }
     };

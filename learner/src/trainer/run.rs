@@ -966,14 +966,26 @@ impl Trainer {
             // eval_interval (so also before the first item); a step of several items evaluates once
             // when its items contain such an i.
             // Rank 0 evaluates; the other ranks go on to their share of the step.
-            let eval = if root && eval_due(cfg.trainer.eval_interval as u64, self.position, end) { Some(self.evaluate(1, &[1])?) } else { None };
-            let mut values = if cfg.raw.rollout.max_off_policy_steps > 0 {
-                let next = self.rows_after(end);
-                self.train_step_async(&rows, next.as_deref())?
-            } else {
-                self.train_step(&rows)?
+            let step = (|| {
+                let eval = if root && eval_due(cfg.trainer.eval_interval as u64, self.position, end) { Some(self.evaluate(1, &[1])?) } else { None };
+                let mut values = if cfg.raw.rollout.max_off_policy_steps > 0 {
+                    let next = self.rows_after(end);
+                    self.train_step_async(&rows, next.as_deref())?
+                } else {
+                    self.train_step(&rows)?
+                };
+                values.extend(eval.unwrap_or_default());
+                Ok(values)
+            })();
+            let values = match step {
+                Ok(v) => v,
+                // The reward server fails before the step updates anything (rewards come before the
+                // update), so the state is still the previous step's: keep it in a checkpoint.
+                Err(e @ TrainError::Reward(_)) if self.dist.world() == 1 && cfg.raw.rollout.max_off_policy_steps == 0 => {
+                    return Err(self.checkpoint_before_failing(e));
+                }
+                Err(e) => return Err(e),
             };
-            values.extend(eval.unwrap_or_default());
             self.position = end;
             self.step += 1;
             if self.position >= n_items {
@@ -1037,6 +1049,25 @@ impl Trainer {
             }
         }
         Ok(false)
+    }
+
+    /// The error of a step that failed before it changed the trainer's state, with a checkpoint of
+    /// that state (unless the last one already is) named in the message.
+    fn checkpoint_before_failing(&mut self, e: TrainError) -> TrainError {
+        let saved = match &self.last_checkpoint {
+            Some(d) if d.ends_with(format!("step-{}", self.step)) => Ok(d.clone()),
+            _ if self.step == 0 => return e,
+            _ => self.save_checkpoint(),
+        };
+        match saved {
+            Ok(dir) => TrainError::Reward(format!(
+                "{e}\nthe run stopped at step {}; its checkpoint is {}: resume with `learner train --config ... --resume {}`",
+                self.step,
+                dir.display(),
+                self.s.run_dir.display()
+            )),
+            Err(c) => TrainError::Reward(format!("{e}\n(and no checkpoint could be written: {c})")),
+        }
     }
 
     /// Whether the job stops now: rank 0's answer (a stop request), shared with every rank.

@@ -96,7 +96,19 @@ impl WorkerProcess {
 
     /// As [`Self::start`], with the gRPC listener on `grpc_addr` (a restarted worker takes its old port).
     pub async fn start_on(grpc_addr: &str, agents: &[(&str, &str)], extra: &[&str]) -> Self {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rollout-worker"));
+        Self::start_under(&[], grpc_addr, agents, extra).await
+    }
+
+    /// As [`Self::start_on`], run under `prefix` (e.g. `ip netns exec NS`).
+    pub async fn start_under(prefix: &[&str], grpc_addr: &str, agents: &[(&str, &str)], extra: &[&str]) -> Self {
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(env!("CARGO_BIN_EXE_rollout-worker"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_rollout-worker")),
+        };
         let http_addr = if grpc_addr.starts_with('[') { "[::1]:0" } else { "127.0.0.1:0" };
         cmd.args(["serve", "--grpc-addr", grpc_addr, "--http-addr", http_addr, "--threads", "1"]);
         for (name, model) in agents {
