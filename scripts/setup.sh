@@ -33,6 +33,8 @@ command -v unzip >/dev/null || need_pkgs+=(unzip)
 # the crate's generated bindings.
 command -v mpirun >/dev/null || need_pkgs+=(openmpi-bin)
 [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] || [ -e /usr/include/mpi.h ] || need_pkgs+=(libopenmpi-dev)
+# The TLS tests make their certificates with the openssl command.
+command -v openssl >/dev/null || need_pkgs+=(openssl)
 # (the development package: the runtime library alone lacks the headers bindgen needs)
 if command -v dpkg >/dev/null; then
   dpkg -s libclang-dev >/dev/null 2>&1 || need_pkgs+=(libclang-dev)

@@ -18,6 +18,20 @@ pub struct Cli {
     /// a token refuse updates without it; the embedded worker then requires it too).
     #[arg(long, global = true, env = cotrain_proto::auth::TOKEN_FILE_ENV, value_name = "PATH")]
     pub cluster_token_file: Option<PathBuf>,
+    /// Serve the control plane (`learner.control_addr`) over TLS with this PEM certificate chain.
+    #[arg(long, global = true, value_name = "PATH", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, global = true, value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Dial remote rollout workers, the reward server and control planes over TLS, trusting these
+    /// PEM certificates (default: COTRAIN_TLS_CA).
+    #[arg(long, global = true, value_name = "PATH")]
+    pub tls_ca: Option<PathBuf>,
+    /// The name the services' certificates are checked against (default: COTRAIN_TLS_DOMAIN, else
+    /// the host dialled).
+    #[arg(long, global = true, value_name = "NAME")]
+    pub tls_domain: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -264,9 +278,12 @@ pub fn ensure_trainable(cfg: &CheckedConfig) -> anyhow::Result<()> {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     let token = cotrain_proto::auth::ClusterToken::from_flag_or_env(cli.cluster_token_file.as_deref()).map_err(anyhow::Error::msg)?;
     crate::services::set_cluster_token(token.clone());
+    let server_tls = cotrain_proto::tls::ServerTls::from_flags(cli.tls_cert.as_deref(), cli.tls_key.as_deref()).map_err(anyhow::Error::msg)?;
+    let client_tls = cotrain_proto::tls::ClientTls::from_flag_or_env(cli.tls_ca.as_deref(), cli.tls_domain.as_deref()).map_err(anyhow::Error::msg)?;
+    crate::services::set_tls(server_tls, client_tls.clone());
     match cli.command {
         Command::Status { addr, json } => {
-            let status = crate::control::client::call(&addr, token.as_ref(), crate::control::client::Call::Status)?.map_err(anyhow::Error::msg)?;
+            let status = crate::control::client::call(&addr, token.as_ref(), client_tls.as_ref(), crate::control::client::Call::Status)?.map_err(anyhow::Error::msg)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&crate::control::server::status_json(&status))?);
             } else {
@@ -279,7 +296,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 ControlAction::Checkpoint => crate::control::client::Call::Checkpoint,
                 ControlAction::Stop => crate::control::client::Call::Stop,
             };
-            if let Err(message) = crate::control::client::call(&addr, token.as_ref(), call)? {
+            if let Err(message) = crate::control::client::call(&addr, token.as_ref(), client_tls.as_ref(), call)? {
                 println!("{message}");
             }
             Ok(())

@@ -17,7 +17,7 @@ fn config(extra: &str) -> CheckedConfig {
 /// Scores one joint action through a client that sends `cfg`'s reward options, as the trainer's does.
 fn score(reward: &EmbeddedReward, rt: &std::sync::Arc<tokio::runtime::Runtime>, cfg: &CheckedConfig, task: &str, action: ScoreAction) -> Score {
     let mut client =
-        GrpcReward::connect(rt.clone(), &reward.grpc.to_string(), Duration::from_secs(60)).unwrap().with_options(&cfg.score_options);
+        GrpcReward::connect(rt.clone(), &reward.grpc.to_string(), Duration::from_secs(60), None).unwrap().with_options(&cfg.score_options);
     client.score(task, &[action]).unwrap().remove(0)
 }
 

@@ -2,6 +2,7 @@
 //! code is included here and never committed.
 
 pub mod auth;
+pub mod tls;
 
 /// Encoded `FileDescriptorSet` of every cotrain proto, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("cotrain_descriptor");

@@ -37,6 +37,8 @@ pub struct Overrides {
     pub queue_limit: Option<usize>,
     pub insecure_no_sandbox: bool,
     pub verifier_endpoint: Option<String>,
+    /// Serve both listeners over TLS (`--tls-cert`, `--tls-key`).
+    pub tls: Option<cotrain_proto::tls::ServerTls>,
 }
 
 /// The checked configuration the server runs with.
@@ -49,6 +51,8 @@ pub struct ServerConfig {
     pub sandbox: SandboxConfig,
     /// The rollout worker hosting the learned verifier (`--verifier-endpoint`), for `/predict`.
     pub verifier_endpoint: Option<String>,
+    /// Serve both listeners over TLS (`--tls-cert`, `--tls-key`).
+    pub tls: Option<cotrain_proto::tls::ServerTls>,
 }
 
 /// A configuration that cannot be used; names the key and the file.
@@ -136,6 +140,7 @@ impl ServerConfig {
             max_body_bytes,
             sandbox,
             verifier_endpoint: overrides.verifier_endpoint,
+            tls: overrides.tls,
         })
     }
 }

@@ -38,6 +38,12 @@ struct Args {
     /// --verifier NAME=DIR`); enables MaPoRL's `POST /predict` and `POST /v1/verify`.
     #[arg(long, value_name = "URL")]
     verifier_endpoint: Option<String>,
+    /// Serve gRPC and HTTP over TLS with this PEM certificate chain (with --tls-key).
+    #[arg(long, value_name = "PATH", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 async fn shutdown_signal() {
@@ -78,6 +84,8 @@ fn run() -> anyhow::Result<()> {
             queue_limit: args.queue_limit,
             insecure_no_sandbox: args.insecure_no_sandbox,
             verifier_endpoint: args.verifier_endpoint,
+            tls: cotrain_proto::tls::ServerTls::from_flags(args.tls_cert.as_deref(), args.tls_key.as_deref())
+                .map_err(anyhow::Error::msg)?,
         },
     )?;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;

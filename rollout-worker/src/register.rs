@@ -6,6 +6,7 @@ use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
 use std::time::Duration;
 
 use cotrain_proto::auth::ClusterToken;
+use cotrain_proto::tls::ClientTls;
 use cotrain_proto::control::learner_control_client::LearnerControlClient;
 use cotrain_proto::control::{DeregisterRequest, HeartbeatRequest, RegisterRequest};
 use tokio::sync::oneshot;
@@ -16,6 +17,7 @@ pub struct Registration {
     url: String,
     address: String,
     token: Option<ClusterToken>,
+    tls: Option<ClientTls>,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -29,6 +31,11 @@ fn request<M>(m: M, token: Option<&ClusterToken>) -> tonic::Request<M> {
         r.metadata_mut().insert(cotrain_proto::auth::METADATA_KEY, v);
     }
     r
+}
+
+async fn connect(url: &str, tls: Option<&ClientTls>) -> Result<LearnerControlClient<tonic::transport::Channel>, String> {
+    let channel = cotrain_proto::tls::endpoint(url, tls)?.connect().await.map_err(|e| format!("{url}: {e}"))?;
+    Ok(LearnerControlClient::new(channel))
 }
 
 /// The address the learner should dial: `advertise` if given, else the bound gRPC address, with an
@@ -54,17 +61,17 @@ pub fn advertised_address(advertise: Option<&str>, bound: SocketAddr, learner_ur
 
 impl Registration {
     /// Registers `address` (retrying until the learner answers) and heartbeats in the background.
-    pub fn start(url: &str, address: String, agents: Vec<String>, worker_id: String, token: Option<ClusterToken>) -> Self {
+    pub fn start(url: &str, address: String, agents: Vec<String>, worker_id: String, token: Option<ClusterToken>, tls: Option<ClientTls>) -> Self {
         let url = if url.contains("://") { url.to_string() } else { format!("http://{url}") };
         let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
-        let (u, a, t) = (url.clone(), address.clone(), token.clone());
+        let (u, a, t, tl) = (url.clone(), address.clone(), token.clone(), tls.clone());
         let task = tokio::spawn(async move {
             let mut interval = Duration::from_secs(2);
             let mut registered = false;
             let mut backoff = Duration::from_millis(500);
             loop {
                 let outcome = async {
-                    let mut c = LearnerControlClient::connect(u.clone()).await.map_err(|e| e.to_string())?;
+                    let mut c = connect(&u, tl.as_ref()).await?;
                     if !registered {
                         let req = RegisterRequest { address: a.clone(), agents: agents.clone(), worker_id: worker_id.clone() };
                         let r = c.register(request(req, t.as_ref())).await.map_err(|s| format!("{:?}: {}", s.code(), s.message()))?.into_inner();
@@ -99,7 +106,7 @@ impl Registration {
                 }
             }
         });
-        Self { url, address, token, stop: Some(stop_tx), task }
+        Self { url, address, token, tls, stop: Some(stop_tx), task }
     }
 
     /// Stops heartbeating and deregisters (one attempt; the learner drops silent workers anyway).
@@ -109,7 +116,7 @@ impl Registration {
         }
         let _ = (&mut self.task).await;
         let result = async {
-            let mut c = LearnerControlClient::connect(self.url.clone()).await.map_err(|e| e.to_string())?;
+            let mut c = connect(&self.url, self.tls.as_ref()).await?;
             c.deregister(request(DeregisterRequest { address: self.address.clone() }, self.token.as_ref())).await.map_err(|s| s.message().to_string())
         }
         .await;

@@ -85,6 +85,20 @@ pub struct ServeArgs {
     /// requests; the worker heartbeats, and on SIGTERM drains its requests and deregisters.
     #[arg(long, value_name = "URL")]
     pub register: Option<String>,
+    /// Serve gRPC and HTTP over TLS with this PEM certificate chain (with --tls-key).
+    #[arg(long, value_name = "PATH", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// With --register over https: the PEM certificates that sign the learner's (default:
+    /// COTRAIN_TLS_CA).
+    #[arg(long, value_name = "PATH")]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// The name the learner's certificate is checked against (default: COTRAIN_TLS_DOMAIN, else
+    /// the host of the URL).
+    #[arg(long, value_name = "NAME")]
+    pub tls_domain: Option<String>,
     /// With --register: the gRPC address the learner should dial (default: the bound address, with
     /// 0.0.0.0 replaced by this host's address on the route to the learner).
     #[arg(long, value_name = "HOST:PORT", requires = "register")]
@@ -98,6 +112,8 @@ pub struct ServeOptions {
     pub allow_shm_weights: bool,
     /// Weight updates must carry this token (`--cluster-token-file`).
     pub cluster_token: Option<cotrain_proto::auth::ClusterToken>,
+    /// Serve gRPC and HTTP over TLS (`--tls-cert`, `--tls-key`).
+    pub tls: Option<cotrain_proto::tls::ServerTls>,
 }
 
 fn parse_verifier(s: &str) -> Result<(String, std::path::PathBuf), String> {
@@ -222,8 +238,16 @@ pub async fn start_with(
     let (grpc_stop_tx, grpc_stop_rx) = oneshot::channel::<()>();
     let (http_stop_tx, http_stop_rx) = oneshot::channel::<()>();
     let router = crate::http::router(worker.clone());
+    let mut builder = tonic::transport::Server::builder();
+    let (http_plain, http_tls) = match &options.tls {
+        Some(tls) => {
+            builder = builder.tls_config(tls.tonic()).context("gRPC TLS")?;
+            (None, Some(tls.listener(http).map_err(anyhow::Error::msg).context("HTTP TLS")?))
+        }
+        None => (Some(http), None),
+    };
     let task = tokio::spawn(async move {
-        let grpc_server = tonic::transport::Server::builder()
+        let grpc_server = builder
             .initial_stream_window_size(STREAM_WINDOW_BYTES)
             .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
             .add_service(health_service)
@@ -232,11 +256,15 @@ pub async fn start_with(
             .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)), async {
                 let _ = grpc_stop_rx.await;
             });
-        let http_server = axum::serve(http, router).with_graceful_shutdown(async {
+        let http_stopped = async {
             let _ = http_stop_rx.await;
-        });
+        };
+        let http_task = match (http_plain, http_tls) {
+            (Some(l), _) => tokio::spawn(async move { axum::serve(l, router).with_graceful_shutdown(http_stopped).await }),
+            (None, Some(l)) => tokio::spawn(async move { axum::serve(l, router).with_graceful_shutdown(http_stopped).await }),
+            (None, None) => unreachable!("one HTTP listener"),
+        };
         let grpc_task = tokio::spawn(grpc_server);
-        let http_task = tokio::spawn(async move { http_server.await });
         let _ = stop_rx.await;
         // Tell load balancers first, then stop accepting; in-flight requests finish.
         health.set_not_serving::<RolloutServer<RolloutService>>().await;
@@ -268,7 +296,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cluster_token = cotrain_proto::auth::ClusterToken::from_flag_or_env(args.cluster_token_file.as_deref()).map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
     runtime.block_on(async move {
-        let options = ServeOptions { allow_shm_weights: args.allow_shm_weights, cluster_token: cluster_token.clone() };
+        let tls = cotrain_proto::tls::ServerTls::from_flags(args.tls_cert.as_deref(), args.tls_key.as_deref()).map_err(anyhow::Error::msg)?;
+        let client_tls = cotrain_proto::tls::ClientTls::from_flag_or_env(args.tls_ca.as_deref(), args.tls_domain.as_deref()).map_err(anyhow::Error::msg)?;
+        let options = ServeOptions { allow_shm_weights: args.allow_shm_weights, cluster_token: cluster_token.clone(), tls };
         let agents: Vec<String> = config.agents.iter().map(|(a, _)| a.clone()).collect();
         let server = start_with(config, args.grpc_addr, args.http_addr, options).await?;
         println!("listening grpc={} http={}", server.grpc_addr, server.http_addr);
@@ -277,7 +307,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let registration = match &args.register {
             Some(url) => {
                 let address = crate::register::advertised_address(args.advertise_addr.as_deref(), server.grpc_addr, url)?;
-                Some(crate::register::Registration::start(url, address, agents, server.worker().id().to_string(), cluster_token))
+                Some(crate::register::Registration::start(url, address, agents, server.worker().id().to_string(), cluster_token, client_tls))
             }
             None => None,
         };

@@ -354,7 +354,7 @@ fn a_killed_reward_server_fails_the_run_with_a_checkpoint_that_resumes_to_the_sa
         p.wait_line("listening ", Duration::from_secs(60));
         p
     };
-    let mut reward = reward_server();
+    let reward = reward_server();
     let top = format!("reward: {{endpoint: 'http://127.0.0.1:{port}', max_retries: 2}}\n");
     let cfg = write_config(tmp.path(), &model, "reward_killed", 32, 1000, &top);
     let run_dir = tmp.path().join("out/reward_killed");

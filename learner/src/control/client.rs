@@ -14,13 +14,13 @@ pub enum Call {
 
 /// Calls the control plane at `addr` (`host:port` or `http://host:port`) with the cluster token, if
 /// any; returns the status, or a line saying what happened.
-pub fn call(addr: &str, token: Option<&ClusterToken>, what: Call) -> anyhow::Result<Result<StatusResponse, String>> {
-    let url = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+pub fn call(addr: &str, token: Option<&ClusterToken>, tls: Option<&cotrain_proto::tls::ClientTls>, what: Call) -> anyhow::Result<Result<StatusResponse, String>> {
+    let endpoint = cotrain_proto::tls::endpoint(addr, tls).map_err(anyhow::Error::msg)?;
+    let url = endpoint.uri().to_string();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
-        let mut client = LearnerControlClient::connect(url.clone())
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot reach the learner control plane at {url}: {e}"))?;
+        let channel = endpoint.connect().await.map_err(|e| anyhow::anyhow!("cannot reach the learner control plane at {url}: {e}"))?;
+        let mut client = LearnerControlClient::new(channel);
         fn request<M>(m: M, token: Option<&ClusterToken>) -> tonic::Request<M> {
             let mut r = tonic::Request::new(m);
             if let Some(t) = token

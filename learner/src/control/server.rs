@@ -42,7 +42,12 @@ struct Control {
 impl ControlServer {
     /// Binds `addr` on the current runtime and serves until dropped; a non-loopback address without
     /// a cluster token is served with a warning (anyone who reaches it could stop the run).
-    pub async fn start(addr: SocketAddr, state: Arc<ControlState>, token: Option<ClusterToken>) -> std::io::Result<Self> {
+    pub async fn start(
+        addr: SocketAddr,
+        state: Arc<ControlState>,
+        token: Option<ClusterToken>,
+        tls: Option<cotrain_proto::tls::ServerTls>,
+    ) -> std::io::Result<Self> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         if token.is_none() && !addr.ip().is_loopback() {
@@ -59,11 +64,20 @@ impl ControlServer {
             .with_state(control);
         let app = grpc.merge(http);
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let stopped = async {
+            let _ = stop_rx.await;
+        };
+        let (plain, secure) = match &tls {
+            Some(t) => (None, Some(t.listener(listener).map_err(std::io::Error::other)?)),
+            None => (Some(listener), None),
+        };
         tokio::spawn(async move {
-            let served = axum::serve(listener, app).with_graceful_shutdown(async {
-                let _ = stop_rx.await;
-            });
-            if let Err(e) = served.await {
+            let served = match (plain, secure) {
+                (Some(l), _) => axum::serve(l, app).with_graceful_shutdown(stopped).await,
+                (None, Some(l)) => axum::serve(l, app).with_graceful_shutdown(stopped).await,
+                (None, None) => unreachable!("one listener"),
+            };
+            if let Err(e) = served {
                 warn!(error = %e, "control server stopped with an error");
             }
         });
@@ -77,7 +91,7 @@ impl ControlServer {
                 state.reap();
             }
         });
-        info!(%addr, "learner control plane listening (gRPC and HTTP)");
+        info!(%addr, tls = tls.is_some(), "learner control plane listening (gRPC and HTTP)");
         Ok(Self { addr, stop: Some(stop_tx) })
     }
 }

@@ -34,6 +34,25 @@ pub fn cluster_token() -> Option<cotrain_proto::auth::ClusterToken> {
     CLUSTER_TOKEN.get().cloned().flatten()
 }
 
+static TLS: std::sync::OnceLock<(Option<cotrain_proto::tls::ServerTls>, Option<cotrain_proto::tls::ClientTls>)> = std::sync::OnceLock::new();
+
+/// Sets this process's TLS: the certificate its control plane serves (`--tls-cert`, `--tls-key`) and
+/// the certificates it trusts when it dials remote services (`--tls-ca`, `COTRAIN_TLS_CA`). The
+/// embedded services on loopback stay plain. Later calls are ignored.
+pub fn set_tls(server: Option<cotrain_proto::tls::ServerTls>, client: Option<cotrain_proto::tls::ClientTls>) {
+    let _ = TLS.set((server, client));
+}
+
+/// The control plane's certificate, if any.
+pub fn server_tls() -> Option<cotrain_proto::tls::ServerTls> {
+    TLS.get().and_then(|(s, _)| s.clone())
+}
+
+/// What clients of remote services trust, if TLS is on.
+pub fn client_tls() -> Option<cotrain_proto::tls::ClientTls> {
+    TLS.get().and_then(|(_, c)| c.clone())
+}
+
 /// A multi-threaded tokio runtime for the gRPC clients and embedded servers; the trainer's own
 /// thread blocks on it and keeps the tensor work off it.
 pub fn runtime() -> std::io::Result<std::sync::Arc<tokio::runtime::Runtime>> {

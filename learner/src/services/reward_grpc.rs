@@ -6,7 +6,7 @@ use std::time::Duration;
 use cotrain_proto::reward::reward_client::RewardClient;
 use cotrain_proto::reward::{AnalyzeRequest, JointAction, ScoreRequest};
 use tokio::runtime::Runtime;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::trainer::{CodeOutcome, FeedbackSpec, RewardSource, Score, ScoreAction, TrainError};
 
@@ -29,10 +29,10 @@ fn transient(status: &tonic::Status) -> bool {
 }
 
 impl GrpcReward {
-    /// Connects to `endpoint` (`host:port` or `http://host:port`).
-    pub fn connect(rt: Arc<Runtime>, endpoint: &str, timeout: Duration) -> Result<Self, TrainError> {
-        let uri = if endpoint.contains("://") { endpoint.to_string() } else { format!("http://{endpoint}") };
-        let ep = Endpoint::from_shared(uri.clone()).map_err(|e| TrainError::Reward(format!("reward.endpoint `{endpoint}`: {e}")))?;
+    /// Connects to `endpoint` (`host:port` or `http://host:port`; over TLS with `tls`).
+    pub fn connect(rt: Arc<Runtime>, endpoint: &str, timeout: Duration, tls: Option<&cotrain_proto::tls::ClientTls>) -> Result<Self, TrainError> {
+        let ep = cotrain_proto::tls::endpoint(endpoint, tls).map_err(|e| TrainError::Reward(format!("reward.endpoint: {e}")))?;
+        let uri = ep.uri().to_string();
         let channel = rt
             .block_on(ep.connect_timeout(Duration::from_secs(10)).connect())
             .map_err(|e| TrainError::Reward(format!("cannot reach the reward server at {uri}: {e}")))?;

@@ -173,13 +173,13 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
     let r = &cfg.raw.reward;
     let (reward, embedded_reward): (Box<dyn RewardSource>, _) = match &r.endpoint {
         Some(ep) => (
-            Box::new(GrpcReward::connect(runtime.clone(), ep, Duration::from_secs(r.request_timeout_secs))?.with_options(&cfg.score_options).with_retries(r.max_retries)),
+            Box::new(GrpcReward::connect(runtime.clone(), ep, Duration::from_secs(r.request_timeout_secs), services::client_tls().as_ref())?.with_options(&cfg.score_options).with_retries(r.max_retries)),
             None,
         ),
         None => {
             let server = EmbeddedReward::start(runtime.clone())?;
             info!(grpc = %server.grpc, http = %server.http, "embedded reward server started");
-            let client = GrpcReward::connect(runtime.clone(), &server.grpc.to_string(), Duration::from_secs(r.request_timeout_secs))?
+            let client = GrpcReward::connect(runtime.clone(), &server.grpc.to_string(), Duration::from_secs(r.request_timeout_secs), None)?
                 .with_options(&cfg.score_options).with_retries(r.max_retries);
             (Box::new(client), Some(server))
         }
@@ -192,7 +192,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             let addr: std::net::SocketAddr =
                 addr.parse().map_err(|_| TrainError::Config(format!("learner.control_addr: `{addr}` is not IP:PORT")))?;
             let server = runtime
-                .block_on(crate::control::ControlServer::start(addr, state.clone(), services::cluster_token()))
+                .block_on(crate::control::ControlServer::start(addr, state.clone(), services::cluster_token(), services::server_tls()))
                 .map_err(|e| TrainError::Io(format!("learner.control_addr {addr}: {e}")))?;
             println!("control plane listening on {}", server.addr);
             Some((state, server))
@@ -200,8 +200,9 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
         _ => None,
     };
     let registration = control.as_ref().map(|(state, server)| (state.as_ref(), server.addr.to_string()));
-    let pool = |endpoints: Vec<String>, dns: Vec<String>, min_workers: usize, wait: Duration| {
+    let pool = |endpoints: Vec<String>, dns: Vec<String>, min_workers: usize, wait: Duration, tls: Option<cotrain_proto::tls::ClientTls>| {
         let pool_cfg = cotrain_rollout_worker::pool::PoolConfig {
+            tls,
             allow_empty: registration.is_some(),
             endpoints,
             dns_names: dns,
@@ -228,14 +229,14 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             .unwrap_or_default();
         let worker = EmbeddedRollout::start_with_verifiers(runtime.clone(), agents, opts.device, opts.kind, verifiers)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
-        (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120))?), Some(worker))
+        (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120), None)?), Some(worker))
     } else {
         let (min, wait) = if ro.wait_for_registration {
             (ro.min_workers, Duration::from_secs(ro.registration_timeout_secs))
         } else {
             (1, Duration::from_secs(120))
         };
-        let remote = pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect(), min, wait)?;
+        let remote = pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect(), min, wait, services::client_tls())?;
         remote.check_separate_models(&agents.iter().map(|(a, _)| a.clone()).collect::<Vec<_>>())?;
         (Box::new(remote), None)
     };

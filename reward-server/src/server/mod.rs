@@ -73,7 +73,15 @@ pub async fn serve(
     let reward = RewardServer::new(grpc::RewardGrpc::new(api.clone(), cfg.sandbox.queue_limit))
         .max_decoding_message_size(cfg.max_body_bytes)
         .max_encoding_message_size(usize::MAX);
-    let grpc_server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    let (http_plain, http_tls) = match &cfg.tls {
+        Some(tls) => {
+            builder = builder.tls_config(tls.tonic()).context("gRPC TLS")?;
+            (None, Some(tls.listener(http_listener).map_err(anyhow::Error::msg).context("HTTP TLS")?))
+        }
+        None => (Some(http_listener), None),
+    };
+    let grpc_server = builder
         .add_service(health_service)
         .add_service(reflection)
         .add_service(reward)
@@ -85,8 +93,14 @@ pub async fn serve(
         api: api.clone(),
         max_body_bytes: cfg.max_body_bytes,
     });
-    let http_server =
-        axum::serve(http_listener, router).with_graceful_shutdown(stopped(stop_rx.clone()));
+    let http_stopped = stopped(stop_rx.clone());
+    let http_server = async move {
+        match (http_plain, http_tls) {
+            (Some(l), _) => axum::serve(l, router).with_graceful_shutdown(http_stopped).await,
+            (None, Some(l)) => axum::serve(l, router).with_graceful_shutdown(http_stopped).await,
+            (None, None) => unreachable!("one HTTP listener"),
+        }
+    };
 
     tracing::info!(grpc = %bound.grpc, http = %bound.http, sandboxed = sandbox.is_sandboxed(),
         max_concurrency = sandbox.max_concurrency(), queue_limit = cfg.sandbox.queue_limit, "reward server listening");
@@ -101,7 +115,7 @@ pub async fn serve(
             let _ = stop_tx.send(true);
         }
     });
-    let (g, h) = tokio::join!(grpc_server, async { http_server.await });
+    let (g, h) = tokio::join!(grpc_server, http_server);
     signal_task.abort();
     health_reporter
         .set_not_serving::<RewardServer<grpc::RewardGrpc>>()

@@ -36,7 +36,6 @@ use cotrain_proto::rollout::{
     ScoreVerifierResponse, ShmWeights, UpdateHeader, UpdateWeightsRequest, UpdateWeightsResponse,
 };
 use tokio::sync::Notify;
-use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::HealthCheckRequest;
@@ -72,6 +71,8 @@ pub struct PoolConfig {
     pub weight_chunk_bytes: usize,
     /// Sent with every weight update (workers started with a cluster token refuse updates without it).
     pub cluster_token: Option<cotrain_proto::auth::ClusterToken>,
+    /// Dial every worker over TLS, trusting these certificates (`https`, whatever the address says).
+    pub tls: Option<cotrain_proto::tls::ClientTls>,
     /// Resolves `dns_names` (the system resolver by default).
     pub resolver: Arc<dyn Resolve>,
     /// Start with no worker: they are added later with [`RolloutPool::add_endpoint`] (workers
@@ -95,6 +96,7 @@ impl Default for PoolConfig {
             wait_for_worker: Duration::from_secs(60),
             weight_chunk_bytes: 4 << 20,
             cluster_token: None,
+            tls: None,
             resolver: Arc::new(SystemResolver),
             max_backoff: Duration::from_secs(30),
             allow_empty: false,
@@ -571,8 +573,8 @@ impl Inner {
         if let Some(w) = self.workers.read().expect("pool lock").get(address) {
             return Ok(w.clone());
         }
-        let endpoint = Endpoint::from_shared(address.to_string())
-            .map_err(|e| PoolError::Config(format!("endpoint `{address}`: {e}")))?
+        let endpoint = cotrain_proto::tls::endpoint(address, self.cfg.tls.as_ref())
+            .map_err(PoolError::Config)?
             .connect_timeout(self.cfg.connect_timeout)
             .initial_stream_window_size(crate::server::STREAM_WINDOW_BYTES)
             .initial_connection_window_size(crate::server::CONNECTION_WINDOW_BYTES)
