@@ -122,8 +122,8 @@ for what, spec in [("learner", learner), ("rollout worker", worker)]:
     if what == "learner":
         check(c["args"][:2] == ["learner", "train"], f"learner: runs {c['args']}")
     else:
-        check("learner worker-args --config" in command and "--separate-weights" in command,
-              "rollout worker: its agents do not come from `learner worker-args` with --separate-weights")
+        check("learner worker-args --config" in command,
+              "rollout worker: its agents do not come from `learner worker-args`")
         open(os.path.join(work, "worker-command.sh"), "w").write(c["args"][-1])
         open(os.path.join(work, "worker-config-dir"), "w").write(cfg_mounts[0]["mountPath"] if cfg_mounts else "")
 
@@ -164,7 +164,7 @@ open(sys.argv[2], "w").write(objs[0]["data"]["cotrain.yaml"])' "$WORK/rendered-1
   script=$(sed "s#$(cat "$WORK/worker-config-dir")/#$cfg_dir/#g" "$WORK/worker-command.sh")
   PATH=$WORK/path:$PATH COTRAIN_DEVICE=cuda bash -c "$script" 2>"$WORK/worker.err" || { cat "$WORK/worker.err" >&2; fail "the workers' command failed here"; }
   expected=$({ echo serve; echo --grpc-addr; echo 0.0.0.0:50061; echo --http-addr; echo 0.0.0.0:8001
-               "$BIN/learner" worker-args --config "$cfg_dir/cotrain.yaml"; echo --separate-weights; echo --device; echo cuda; })
+               "$BIN/learner" worker-args --config "$cfg_dir/cotrain.yaml"; echo --device; echo cuda; })
   [ "$(cat "$WORK/worker-args.out")" = "$expected" ] || { diff <(echo "$expected") "$WORK/worker-args.out" >&2 || true; fail "the workers' command does not start 'rollout-worker serve' with the config's agents"; }
   echo "config: learner check-config passes; the workers' command starts: rollout-worker $(tr '\n' ' ' <"$WORK/worker-args.out")"
 else

@@ -78,7 +78,7 @@ echo "reward server at $reward"
 endpoints=()
 worker_pids=()
 for w in $(seq 1 "$WORKERS"); do
-  "$BIN/rollout-worker" serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 --separate-weights --allow-shm-weights "${agent_args[@]}" \
+  "$BIN/rollout-worker" serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 --allow-shm-weights "${agent_args[@]}" \
     >"$LOGS/rollout-worker-$w.log" 2>&1 &
   pids+=($!)
   worker_pids+=($!)

@@ -37,8 +37,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1:8061")]
     pub http_addr: SocketAddr,
     /// An agent as NAME=MODEL (repeatable); MODEL is a HF directory, a .gguf file, a cached repo
-    /// id or `default`. Agents naming the same MODEL share one copy of its parameters unless
-    /// `--separate-weights` is given.
+    /// id or `default`. Every agent has its own copy of the parameters unless `--share` groups it.
     #[arg(long = "agent", value_name = "NAME=MODEL", required = true, value_parser = parse_agent)]
     pub agents: Vec<(String, String)>,
     /// Device: cpu, cuda or cuda:N.
@@ -56,10 +55,13 @@ pub struct ServeArgs {
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long)]
     pub threads: Option<i32>,
-    /// Give every agent its own copy of the weights even when agents name the same MODEL (needed
-    /// when a learner trains those agents as separate policies, e.g. MAGRPO without shared
-    /// parameters; the deploy scripts pass it).
-    #[arg(long)]
+    /// Agents that share one copy of the parameters, e.g. `--share agent0,agent1` (repeatable; the
+    /// agents of a group name the same MODEL). A weight update of one of them changes them all, so a
+    /// learner training them as separate policies refuses such a worker.
+    #[arg(long = "share", value_name = "A,B,...", value_parser = parse_share)]
+    pub share: Vec<Vec<String>>,
+    /// Accepted for older command lines: every agent has its own copy of the weights unless `--share`.
+    #[arg(long, hide = true)]
     pub separate_weights: bool,
     /// Accept weight updates through files in /dev/shm (`cotrain-weights-*`, regular files only)
     /// from clients on this host, instead of only as gRPC chunks; much faster for a co-located
@@ -123,6 +125,14 @@ fn parse_verifier(s: &str) -> Result<(String, std::path::PathBuf), String> {
     }
 }
 
+fn parse_share(s: &str) -> Result<Vec<String>, String> {
+    let names: Vec<String> = s.split(',').map(|n| n.trim().to_string()).collect();
+    if names.len() < 2 || names.iter().any(String::is_empty) {
+        return Err(format!("expected two or more agent names separated by commas, got `{s}`"));
+    }
+    Ok(names)
+}
+
 fn parse_agent(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((name, model)) if !name.is_empty() && !model.is_empty() => Ok((name.to_string(), model.to_string())),
@@ -133,13 +143,9 @@ fn parse_agent(s: &str) -> Result<(String, String), String> {
 impl ServeArgs {
     /// The checked worker configuration.
     pub fn worker_config(&self) -> anyhow::Result<WorkerConfig> {
-        let agents = if self.separate_weights {
-            crate::worker::separate_weight_specs(&self.agents).context("--separate-weights")?
-        } else {
-            self.agents.clone()
-        };
         Ok(WorkerConfig {
-            agents,
+            agents: self.agents.clone(),
+            share: self.share.clone(),
             device: cotrain_model::config::parse_device(&self.device).context("--device")?,
             kind: cotrain_model::config::parse_dtype(&self.dtype).context("--dtype")?,
             max_batch_size: self.max_batch_size,

@@ -1,8 +1,9 @@
 //! The worker: agents mapped onto loaded models, request validation and prompt encoding,
 //! admission control, and the hand-off to each model's engine loop.
 //!
-//! Agents that name the same model spec share one loaded model (one copy of the parameters and
-//! one engine loop). The policy version belongs to the model, so a weight update sent for one of
+//! Every agent has a model of its own (one copy of the parameters and one engine loop) unless it is
+//! in a sharing group (`serve --share a,b`, [`WorkerConfig::share`]): the agents of a group share
+//! one loaded model. The policy version belongs to the model, so a weight update sent for one of
 //! them changes the policy of all of them; `Info` and the update's answer list who shares.
 //!
 //! Adapter updates (LoRA pairs, see [`crate::weights`]) are merged per adapter: the worker holds
@@ -37,8 +38,10 @@ pub const MAX_TEMPERATURE: f64 = 100.0;
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
     /// `(agent name, model spec)` pairs; a spec is a HF directory, a `.gguf`, a cached repo id or
-    /// `default`. Agents with equal specs share one model.
+    /// `default`. Each agent gets a model of its own, whatever the specs, unless `share` groups it.
     pub agents: Vec<(String, String)>,
+    /// Groups of agents that share one model copy (all of a group name the same spec).
+    pub share: Vec<Vec<String>>,
     /// Where the parameters live.
     pub device: Device,
     /// Parameter dtype.
@@ -231,7 +234,46 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Loads every model (agents with equal specs share one) and starts one engine loop each.
+    /// The models to load: `(spec, agents)`, one per agent or sharing group, in the agents' order.
+    fn model_slots(config: &WorkerConfig) -> Result<Vec<(String, Vec<String>)>> {
+        let spec_of: HashMap<&str, &str> = config.agents.iter().map(|(a, s)| (a.as_str(), s.as_str())).collect();
+        let mut group_of: HashMap<&str, usize> = HashMap::new();
+        for (g, members) in config.share.iter().enumerate() {
+            if members.len() < 2 {
+                return Err(WorkerError::invalid("share", format!("a sharing group needs at least two agents, got {members:?}")));
+            }
+            for a in members {
+                let Some(spec) = spec_of.get(a.as_str()) else {
+                    return Err(WorkerError::invalid("share", format!("`{a}` in --share {} is not an agent", members.join(","))));
+                };
+                if group_of.insert(a.as_str(), g).is_some() {
+                    return Err(WorkerError::invalid("share", format!("agent `{a}` is in two sharing groups")));
+                }
+                if *spec != spec_of[members[0].as_str()] {
+                    return Err(WorkerError::invalid(
+                        "share",
+                        format!("agents of --share {} name different models (`{}` and `{spec}`)", members.join(","), spec_of[members[0].as_str()]),
+                    ));
+                }
+            }
+        }
+        let mut slots: Vec<(String, Vec<String>)> = Vec::new();
+        let mut slot_of_group: HashMap<usize, usize> = HashMap::new();
+        for (name, spec) in &config.agents {
+            match group_of.get(name.as_str()).and_then(|g| slot_of_group.get(g).copied()) {
+                Some(i) => slots[i].1.push(name.clone()),
+                None => {
+                    if let Some(&g) = group_of.get(name.as_str()) {
+                        slot_of_group.insert(g, slots.len());
+                    }
+                    slots.push((spec.clone(), vec![name.clone()]));
+                }
+            }
+        }
+        Ok(slots)
+    }
+
+    /// Loads every model (one per agent or sharing group) and starts one engine loop each.
     pub fn start(config: WorkerConfig, metrics: Metrics) -> Result<Self> {
         if config.agents.is_empty() {
             return Err(WorkerError::invalid("agents", "at least one agent is needed"));
@@ -242,25 +284,25 @@ impl Worker {
         let mut models: Vec<ModelSlot> = Vec::new();
         let mut agents = HashMap::new();
         let mut agent_order = Vec::new();
-        let mut by_spec: HashMap<String, Vec<String>> = HashMap::new();
-        let mut spec_order = Vec::new();
         let mut bases: HashMap<std::path::PathBuf, Arc<BaseWeights>> = HashMap::new();
-        for (name, spec) in &config.agents {
+        for (name, _) in &config.agents {
             if name.is_empty() || agents.insert(name.clone(), usize::MAX).is_some() {
                 return Err(WorkerError::invalid("agent", format!("agent name `{name}` is empty or repeated")));
             }
             agent_order.push(name.clone());
-            if !by_spec.contains_key(spec) {
-                spec_order.push(spec.clone());
-            }
-            by_spec.entry(spec.clone()).or_default().push(name.clone());
         }
-        for spec in spec_order {
-            let names = by_spec.remove(&spec).expect("collected above");
-            let base = Self::shared_base(&mut bases, &spec, &config);
-            let slot = Self::start_model(&spec, names.clone(), &config, &metrics, base)?;
+        let slots = Self::model_slots(&config)?;
+        let mut copies: HashMap<&str, usize> = HashMap::new();
+        for (spec, _) in &slots {
+            *copies.entry(spec.as_str()).or_default() += 1;
+        }
+        for (spec, names) in &slots {
+            // A model's id is its spec, or with several copies of it, the spec and its agents.
+            let id = if copies[spec.as_str()] > 1 { format!("{spec}#{}", names.join("+")) } else { spec.clone() };
+            let base = Self::shared_base(&mut bases, spec, &config);
+            let slot = Self::start_model(spec, &id, names.clone(), &config, &metrics, base)?;
             for n in names {
-                agents.insert(n, models.len());
+                agents.insert(n.clone(), models.len());
             }
             models.push(slot);
         }
@@ -324,7 +366,7 @@ impl Worker {
         }
     }
 
-    fn start_model(spec: &str, agents: Vec<String>, config: &WorkerConfig, metrics: &Metrics, base: Arc<BaseWeights>) -> Result<ModelSlot> {
+    fn start_model(spec: &str, id: &str, agents: Vec<String>, config: &WorkerConfig, metrics: &Metrics, base: Arc<BaseWeights>) -> Result<ModelSlot> {
         let opts = LoadOptions { device: config.device, kind: config.kind };
         let started = std::time::Instant::now();
         let loaded = loader::load(spec, &opts)?;
@@ -340,7 +382,7 @@ impl Worker {
             None => None,
         };
         let tokenizer = loaded.tokenizer.clone();
-        info!(model = spec, ?agents, parameters = parameter_count, load_ms = started.elapsed().as_millis() as u64, "model loaded");
+        info!(model = id, ?agents, parameters = parameter_count, load_ms = started.elapsed().as_millis() as u64, "model loaded");
         let engine = Engine::with_config(loaded, EngineConfig { max_batch_rows: config.max_batch_size });
         let (tx, rx) = mpsc::unbounded_channel();
         let state = Arc::new(LoopState::default());
@@ -348,14 +390,14 @@ impl Worker {
             metrics.policy_version.with_label_values(&[a.as_str()]).set(0);
         }
         let engine_loop =
-            EngineLoop::new(engine, spec.to_string(), agents.clone(), config.max_batch_size, rx, state.clone(), metrics.clone())
+            EngineLoop::new(engine, id.to_string(), agents.clone(), config.max_batch_size, rx, state.clone(), metrics.clone())
                 .with_threads(config.threads_per_engine);
         let thread = std::thread::Builder::new()
             .name(format!("engine-{}", agents[0]))
             .spawn(move || engine_loop.run())
             .map_err(|e| WorkerError::Internal(format!("cannot start the engine thread: {e}")))?;
         Ok(ModelSlot {
-            id: spec.to_string(),
+            id: id.to_string(),
             agents,
             tokenizer,
             chat_template,
@@ -690,67 +732,3 @@ mod tests {
     }
 }
 
-/// Rewrites `(agent, model spec)` pairs so that every agent gets its own copy of the weights.
-///
-/// The worker shares one model between agents whose specs are equal (shared-parameter agents). When
-/// agents on the same base model are trained as separate policies, each needs its own copy: the
-/// second and later agents on a spec get an equivalent path (`dir/./file`, `dir/././file`, ...) that
-/// loads the same files into a model of its own.
-pub fn separate_weight_specs(agents: &[(String, String)]) -> cotrain_model::Result<Vec<(String, String)>> {
-    let mut seen: HashMap<String, usize> = HashMap::new();
-    let mut out = Vec::with_capacity(agents.len());
-    for (name, spec) in agents {
-        let count = seen.entry(spec.clone()).or_insert(0);
-        let unique = if *count == 0 {
-            spec.clone()
-        } else {
-            let path = match loader::resolve(spec)? {
-                loader::ModelSource::Gguf(p) | loader::ModelSource::HfDir(p) => p,
-            };
-            let mut p = path.parent().map(|p| p.to_path_buf()).unwrap_or_default();
-            for _ in 0..*count {
-                p.push(".");
-            }
-            p.push(path.file_name().unwrap_or_default());
-            p.display().to_string()
-        };
-        *count += 1;
-        out.push((name.clone(), unique));
-    }
-    Ok(out)
-}
-
-#[cfg(test)]
-mod separate_weight_tests {
-    use super::*;
-
-    /// Regression: standalone workers shared one model between `agent0=M` and `agent1=M`, so a learner
-    /// training them as separate policies had its second weight push refused.
-    #[test]
-    fn separate_weight_specs_give_each_agent_its_own_equivalent_path() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny/llama");
-        let dir = dir.canonicalize().unwrap();
-        let spec = dir.display().to_string();
-        let other = dir.with_file_name("qwen2").display().to_string();
-        let agents = vec![
-            ("a".to_string(), spec.clone()),
-            ("b".to_string(), spec.clone()),
-            ("c".to_string(), spec.clone()),
-            ("d".to_string(), other.clone()),
-        ];
-        let out = separate_weight_specs(&agents).unwrap();
-        let specs: Vec<&str> = out.iter().map(|(_, s)| s.as_str()).collect();
-        assert_eq!(specs[0], spec);
-        assert_eq!(specs[3], other);
-        // All distinct, so the worker loads one model per agent ...
-        let unique: std::collections::HashSet<&str> = specs.iter().copied().collect();
-        assert_eq!(unique.len(), 4, "{specs:?}");
-        // ... and each resolves to the same files.
-        for s in &specs[1..3] {
-            match loader::resolve(s).unwrap() {
-                loader::ModelSource::HfDir(p) => assert_eq!(p.canonicalize().unwrap(), dir),
-                other => panic!("unexpected source {other:?}"),
-            }
-        }
-    }
-}

@@ -147,7 +147,7 @@ async fn concurrent_clients_get_the_answers_they_would_get_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weight_update_mid_generation_versions_are_consistent() {
     let model = TinyModel::new("llama");
-    let w = WorkerProcess::start(&[(AGENT, &model.spec()), ("bob", &model.spec())], &[]).await;
+    let w = WorkerProcess::start(&[(AGENT, &model.spec()), ("bob", &model.spec())], &["--share", "alice,bob"]).await;
     let mut c = w.client().await;
     let long = request(AGENT, vec![token_prompt(vec![5, 6, 7])], 16, 7, 480);
     let short = request(AGENT, vec![token_prompt(vec![8, 9])], 2, 8, 12);
@@ -373,24 +373,27 @@ async fn info_metrics_http_api_and_graceful_shutdown() {
     let llama = TinyModel::new("llama");
     let qwen = TinyModel::new("qwen2");
     let mut w = WorkerProcess::start(
-        &[(AGENT, &llama.spec()), ("bob", &llama.spec()), ("carol", &qwen.spec())],
-        &["--max-batch-size", "8"],
+        &[(AGENT, &llama.spec()), ("bob", &llama.spec()), ("carol", &qwen.spec()), ("dave", &llama.spec())],
+        &["--max-batch-size", "8", "--share", "alice,bob"],
     )
     .await;
     let info = w.info().await;
     assert_eq!(info.device, "cpu");
     assert_eq!(info.dtype, "f32");
-    assert_eq!(info.models.len(), 2, "alice and bob share one model: {info:?}");
+    // alice and bob share one model (--share); dave names the same model but has a copy of his own.
+    assert_eq!(info.models.len(), 3, "alice and bob share one model: {info:?}");
+    assert_eq!(info.models[2].agents, vec!["dave"]);
+    assert_eq!(info.models[2].id, format!("{}#dave", llama.spec()));
     assert_eq!(info.models[0].agents, vec![AGENT, "bob"]);
     assert_eq!(info.models[0].max_batch_size, 8);
     assert!(info.models[0].parameter_count > 0);
-    assert_eq!(info.agents.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), vec![AGENT, "bob", "carol"]);
+    assert_eq!(info.agents.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), vec![AGENT, "bob", "carol", "dave"]);
 
     let http = reqwest::Client::new();
     let base = format!("http://{}", w.http);
     let models: serde_json::Value = http.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
     let ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
-    assert_eq!(ids, vec![AGENT, "bob", "carol"]);
+    assert_eq!(ids, vec![AGENT, "bob", "carol", "dave"]);
 
     let chat = serde_json::json!({
         "model": "carol", "messages": [{"role": "user", "content": "hi"}],

@@ -39,7 +39,7 @@ run() {
   local log="$OUT_DIR/worker-k$k.log"
   # A fresh worker per run, so that both start from the same served weights.
   taskset -c 0 "$BIN/rollout-worker" serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 --threads 1 \
-    --agent agent0=default --agent agent1=default --separate-weights --allow-shm-weights >"$log" 2>&1 &
+    --agent agent0=default --agent agent1=default --allow-shm-weights >"$log" 2>&1 &
   local worker=$!
   local grpc=""
   for _ in $(seq 1 600); do

@@ -107,8 +107,8 @@ fn learner_trains_against_real_services_and_leaves_metrics_and_a_checkpoint() {
     drop(reward);
 }
 
-/// Regression: a worker started without `--separate-weights` serves both agents from one shared
-/// model; the learner used to fail at its second weight push with an opaque version error.
+/// A worker that serves both agents from one shared model (`--share agent0,agent1`) is refused by a
+/// learner that trains them as separate policies (each push would overwrite the other policy).
 #[test]
 fn learner_refuses_a_worker_that_shares_weights_it_trains_separately() {
     let tmp = tempfile::tempdir().unwrap();
@@ -131,6 +131,8 @@ fn learner_refuses_a_worker_that_shares_weights_it_trains_separately() {
             format!("agent0={}", model.display()),
             "--agent".into(),
             format!("agent1={}", model.display()),
+            "--share".into(),
+            "agent0,agent1".into(),
         ],
         Duration::from_secs(120),
     )
@@ -157,5 +159,5 @@ fn learner_refuses_a_worker_that_shares_weights_it_trains_separately() {
     let out = Command::new(&learner).args(["train", "--config"]).arg(&config).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "training must be refused\nstderr:\n{stderr}");
-    assert!(stderr.contains("--separate-weights") && stderr.contains("agent0"), "{stderr}");
+    assert!(stderr.contains("--share") && stderr.contains("agent0"), "{stderr}");
 }

@@ -99,14 +99,15 @@ impl EmbeddedRollout {
         kind: tch::Kind,
         verifiers: Vec<(String, std::path::PathBuf)>,
     ) -> Result<Self, TrainError> {
-        let agents = cotrain_rollout_worker::worker::separate_weight_specs(agents)
-            .map_err(|e| TrainError::Model(format!("rollout worker agents: {e}")))?;
+        let agents = agents.to_vec();
         // The agents' engines decode at the same time: on the CPU, split the cores between them.
         let engines = agents.iter().map(|(_, spec)| spec).collect::<std::collections::BTreeSet<_>>().len();
         let threads_per_engine = (device == tch::Device::Cpu && engines > 1)
             .then(|| (tch::get_num_threads().max(1) as usize / engines).max(1));
         let config = cotrain_rollout_worker::worker::WorkerConfig {
             agents,
+            // One model copy per policy: the learner trains each separately.
+            share: Vec::new(),
             device,
             kind,
             max_batch_size: 64,

@@ -280,7 +280,7 @@ impl PoolRollout {
                 if trained.len() > 1 {
                     return Err(TrainError::Rollout(format!(
                         "rollout worker {addr} serves agents {trained:?} from one shared copy of `{}`, but the learner \
-                         trains them as separate policies: start the worker with --separate-weights \
+                         trains them as separate policies: start the worker without --share for them \
                          (or train with shared_parameters: true)",
                         model.id
                     )));
