@@ -15,9 +15,9 @@ use cotrain_proto::rollout::{
     prompt, ChatMessage, ChatMessages, GenerateRequest, GenerateResponse, ListParametersRequest, Prompt, SamplingParams,
     StopConditions, UpdateHeader,
 };
-use cotrain_rollout_worker::pool::update_stream;
+use cotrain_rollout_client::pool::update_stream;
 use cotrain_rollout_worker::server;
-use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
+use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
 use cotrain_rollout_worker::WorkerConfig;
 use tonic::transport::Channel;
 

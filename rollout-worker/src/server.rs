@@ -21,11 +21,7 @@ use crate::worker::{Worker, WorkerConfig};
 /// Largest gRPC message accepted or sent (weight chunks, big generate batches).
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
-/// HTTP/2 receive windows. The 64 KiB default makes a weight upload wait for a window update
-/// every 64 KiB, which on a loaded machine caps it at tens of MB/s.
-pub const STREAM_WINDOW_BYTES: u32 = 16 << 20;
-/// Connection-level HTTP/2 receive window (several streams share it).
-pub const CONNECTION_WINDOW_BYTES: u32 = 64 << 20;
+pub use cotrain_rollout_client::{CONNECTION_WINDOW_BYTES, STREAM_WINDOW_BYTES};
 
 /// Arguments of `serve`.
 #[derive(Debug, Clone, Args)]

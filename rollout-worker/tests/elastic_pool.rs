@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use cotrain_proto::rollout::rollout_client::RolloutClient;
 use cotrain_proto::rollout::ListParametersRequest;
-use cotrain_rollout_worker::pool::{PoolConfig, Resolve, RolloutPool, WorkerSnapshot};
-use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
+use cotrain_rollout_client::pool::{PoolConfig, Resolve, RolloutPool, WorkerSnapshot};
+use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
 use futures::future::BoxFuture;
 use support::*;
 use tonic::transport::Channel;

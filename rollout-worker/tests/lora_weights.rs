@@ -11,9 +11,9 @@ use cotrain_model::engine::{Engine, LogprobMode, Request, SamplingParams as Engi
 use cotrain_model::loader::{self, LoadOptions};
 use cotrain_proto::rollout::rollout_client::RolloutClient;
 use cotrain_proto::rollout::{ListParametersRequest, ParameterInfo, Sample, UpdateHeader};
-use cotrain_rollout_worker::pool::{update_stream, PoolConfig, RolloutPool};
-use cotrain_rollout_worker::shm::ShmFile;
-use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
+use cotrain_rollout_client::pool::{update_stream, PoolConfig, RolloutPool};
+use cotrain_rollout_client::shm::ShmFile;
+use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
 use support::*;
 use tch::Tensor;
 use tonic::transport::Channel;

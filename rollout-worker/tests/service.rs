@@ -14,8 +14,8 @@ use cotrain_proto::rollout::{
     update_weights_request::Item, Dtype, FinishReason, GenerateRequest, GenerateResponse, ListParametersRequest,
     SamplingParams, TensorChunk, UpdateHeader, UpdateWeightsRequest,
 };
-use cotrain_rollout_worker::pool::{update_stream, PoolConfig, RolloutPool};
-use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
+use cotrain_rollout_client::pool::{update_stream, PoolConfig, RolloutPool};
+use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
 use cotrain_rollout_worker::worker::prompt_seed;
 use support::*;
 use tonic::transport::Channel;
@@ -544,5 +544,5 @@ async fn pool_finds_workers_through_dns() {
     // Bad input is not retried: it would fail everywhere.
     let mut bad = request(AGENT, vec![token_prompt(vec![1])], 1, 0, 4);
     bad.agent = "mallory".into();
-    assert!(matches!(pool.generate(bad).await, Err(cotrain_rollout_worker::PoolError::Rejected { .. })));
+    assert!(matches!(pool.generate(bad).await, Err(cotrain_rollout_client::PoolError::Rejected { .. })));
 }

@@ -11,9 +11,9 @@ use cotrain_proto::rollout::{
     update_weights_request::Item, GenerateResponse, ListParametersRequest, ShmWeights, UpdateHeader, UpdateWeightsRequest,
     UpdateWeightsResponse,
 };
-use cotrain_rollout_worker::pool::{update_stream, PoolConfig, RolloutPool};
-use cotrain_rollout_worker::shm::{ShmFile, SHM_FLAG};
-use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
+use cotrain_rollout_client::pool::{update_stream, PoolConfig, RolloutPool};
+use cotrain_rollout_client::shm::{ShmFile, SHM_FLAG};
+use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
 use support::*;
 use tonic::transport::Channel;
 use tonic::{Code, Status};

@@ -9,7 +9,7 @@ use axum::routing::{get, post};
 use cotrain_proto::auth::ClusterToken;
 use cotrain_proto::control::learner_control_server::{LearnerControl, LearnerControlServer};
 use cotrain_proto::control::*;
-use cotrain_rollout_worker::pool::Origin;
+use cotrain_rollout_client::pool::Origin;
 use prometheus::{Encoder, Gauge, GaugeVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 use tokio::sync::oneshot;
 use tonic::{Request, Status};

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cotrain_rollout_worker::pool::RolloutPool;
+use cotrain_rollout_client::pool::RolloutPool;
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 

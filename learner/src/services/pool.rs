@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cotrain_proto::rollout::{self as pb, GenerateRequest, Prompt, prompt::Kind as PromptKind};
-use cotrain_rollout_worker::pool::{PoolConfig, RolloutPool};
-use cotrain_rollout_worker::shm::ShmFile;
-use cotrain_rollout_worker::weights::{UpdatedTensor, WireDType};
+use cotrain_rollout_client::pool::{PoolConfig, RolloutPool};
+use cotrain_rollout_client::shm::ShmFile;
+use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
 use tch::Tensor;
 use tokio::runtime::Runtime;
 use tracing::{debug, info, warn};
@@ -102,7 +102,7 @@ impl PoolRollout {
                     }
                 }
             }
-            Ok::<_, cotrain_rollout_worker::pool::PoolError>(pool)
+            Ok::<_, cotrain_rollout_client::pool::PoolError>(pool)
         });
         let pool = pool.map_err(|e| TrainError::Rollout(format!("{label}: {e}")))?;
         Ok(Self {

@@ -201,7 +201,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
     };
     let registration = control.as_ref().map(|(state, server)| (state.as_ref(), server.addr.to_string()));
     let pool = |endpoints: Vec<String>, dns: Vec<String>, min_workers: usize, wait: Duration, tls: Option<cotrain_proto::tls::ClientTls>| {
-        let pool_cfg = cotrain_rollout_worker::pool::PoolConfig {
+        let pool_cfg = cotrain_rollout_client::pool::PoolConfig {
             tls,
             allow_empty: registration.is_some(),
             endpoints,

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use cotrain_proto::rollout::{ShmWeights, UpdateHeader};
 
-use crate::weights::UpdatedTensor;
+use crate::wire::UpdatedTensor;
 
 /// The payload of a kept update.
 #[derive(Clone, Debug)]
@@ -81,7 +81,7 @@ impl Replay {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::weights::WireDType;
+    use crate::wire::WireDType;
 
     fn tensor(name: &str, byte: u8) -> UpdatedTensor {
         UpdatedTensor { name: name.into(), dtype: WireDType::F32, shape: vec![1], data: vec![byte; 4] }

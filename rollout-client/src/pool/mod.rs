@@ -41,7 +41,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::HealthCheckRequest;
 use tracing::{debug, info, warn};
 
-use crate::weights::UpdatedTensor;
+use crate::wire::UpdatedTensor;
 use member::{InFlight, Worker};
 pub use member::{Origin, WorkerSnapshot};
 use replay::{Body, Replay};
@@ -576,8 +576,8 @@ impl Inner {
         let endpoint = cotrain_proto::tls::endpoint(address, self.cfg.tls.as_ref())
             .map_err(PoolError::Config)?
             .connect_timeout(self.cfg.connect_timeout)
-            .initial_stream_window_size(crate::server::STREAM_WINDOW_BYTES)
-            .initial_connection_window_size(crate::server::CONNECTION_WINDOW_BYTES)
+            .initial_stream_window_size(crate::STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(crate::CONNECTION_WINDOW_BYTES)
             .tcp_nodelay(true);
         let w = Arc::new(Worker::new(address, endpoint.connect_lazy(), origin));
         info!(worker = address, ?origin, "rollout worker added to the pool");
@@ -840,7 +840,7 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::weights::WireDType;
+    use crate::wire::WireDType;
 
     #[test]
     fn update_stream_chunks_every_tensor() {
