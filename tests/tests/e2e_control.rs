@@ -175,6 +175,18 @@ fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
+/// A plain HTTP/1.1 GET; the whole response, status line first.
+fn http_get(addr: &str, path: &str, bearer: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let auth = bearer.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n").unwrap();
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -227,6 +239,12 @@ fn registered_workers_join_mid_run_and_a_killed_worker_costs_only_time() {
     let first_addr = grpc_of(&mut first);
     let s = poll_status(&control, &token, "two steps done", Duration::from_secs(120), |s| s["step"].as_u64() >= Some(2));
     assert_eq!(s["state"], "training");
+    // The same over HTTP: Prometheus metrics without the token, the status with it (and not without).
+    let metrics_text = http_get(&control, "/metrics", None);
+    assert!(metrics_text.contains("cotrain_learner_step ") && metrics_text.contains("cotrain_learner_rollout_workers{state=\"in_rotation\"} 1"), "{metrics_text}");
+    assert!(http_get(&control, "/status", None).starts_with("HTTP/1.1 401"));
+    let body = http_get(&control, "/status", Some("e2e-control-token-0123456789"));
+    assert!(body.starts_with("HTTP/1.1 200") && body.contains("\"state\":\"training\""), "{body}");
     assert_eq!(worker_status(&s, &first_addr).unwrap()["origin"], "registered");
 
     // A second worker registers mid-run: it is brought to the current policy, then takes requests.
