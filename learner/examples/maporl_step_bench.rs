@@ -38,7 +38,10 @@ fn lscpu(key: &str) -> String {
 }
 
 fn main() -> anyhow::Result<()> {
-    cotrain_model::tune_process();
+    // SAFETY: first thing in `main`, before any other thread and any libtorch call.
+    unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
+    cotrain_model::allocator::tune_for_tensors();
+    println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
         .with_writer(std::io::stderr)

@@ -76,7 +76,10 @@ fn deep_merge(a: serde_yaml_ng::Value, b: serde_yaml_ng::Value) -> serde_yaml_ng
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    cotrain_model::tune_process();
+    // SAFETY: first thing in `main`, before any other thread and any libtorch call.
+    unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
+    cotrain_model::allocator::tune_for_tensors();
+    println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
     // RUST_LOG=debug shows, e.g., how each weight push splits into writing and the worker's swap.
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))

@@ -12,7 +12,10 @@ use cotrain_learner::trainer::RolloutSource;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    cotrain_model::tune_process();
+    // SAFETY: first thing in `main`, before any other thread and any libtorch call.
+    unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
+    cotrain_model::allocator::tune_for_tensors();
+    println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
     let rounds: u64 = args.iter().position(|a| a == "--rounds").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(3);
     let model = cotrain_model::loader::load("default", &cotrain_model::loader::LoadOptions::default())?;
     let params = model.named_parameters();

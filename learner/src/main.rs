@@ -3,7 +3,9 @@
 use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
-    cotrain_model::tune_process();
+    // SAFETY: first thing in `main`, before any other thread and any libtorch call.
+    unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
+    cotrain_model::allocator::tune_for_tensors();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),

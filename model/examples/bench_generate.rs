@@ -188,7 +188,10 @@ fn run_transformers(args: &Args) -> Result<Vec<(usize, f64)>, String> {
 
 fn main() {
     let args = parse_args();
-    cotrain_model::tune_process();
+    // SAFETY: first thing in `main`, before any other thread and any libtorch call.
+    unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
+    cotrain_model::allocator::tune_for_tensors();
+    println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
     tch::set_num_threads(args.threads);
     let loaded = loader::load("default", &LoadOptions::default())
         .expect("the default model loads (run `make setup`)");

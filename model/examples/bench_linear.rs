@@ -41,7 +41,10 @@ fn time_step(
 }
 
 fn main() -> anyhow::Result<()> {
-    cotrain_model::tune_process();
+    // SAFETY: first thing in `main`, before any other thread and any libtorch call.
+    unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
+    cotrain_model::allocator::tune_for_tensors();
+    println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
     let mut rows = vec![1i64, 2, 8, 16, 32, 64];
     let mut reps = 5;
     let mut mkldnn = true;

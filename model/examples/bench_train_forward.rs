@@ -11,7 +11,10 @@ use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs};
 use tch::{Kind, Tensor};
 
 fn main() -> anyhow::Result<()> {
-    cotrain_model::tune_process();
+    // SAFETY: first thing in `main`, before any other thread and any libtorch call.
+    unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
+    cotrain_model::allocator::tune_for_tensors();
+    println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
     let args: Vec<String> = std::env::args().collect();
     let p: usize = args.iter().position(|a| a == "--prompt").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(280);
     let m = cotrain_model::loader::load("default", &cotrain_model::loader::LoadOptions::default())?;

@@ -20,16 +20,11 @@ pub mod logprobs;
 pub mod lora;
 pub mod verifier;
 
-// Process set-up for tensor workloads.
+// Process set-up for tensor workloads, each an explicit choice of a binary's `main`:
+// `unsafe { mkl_dispatch::prefer_avx512() }` and `allocator::tune_for_tensors()`.
 pub mod allocator;
+pub mod cpu;
 pub mod mkl_dispatch;
-
-/// Process-wide set-up for tensor work, first thing in `main`: MKL's AVX-512 path on AMD CPUs
-/// ([`mkl_dispatch`]) and glibc's allocator thresholds ([`allocator`]). Idempotent.
-pub fn tune_process() {
-    mkl_dispatch::prefer_avx512();
-    allocator::tune_for_tensors();
-}
 
 pub use config::{Family, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};

@@ -60,7 +60,7 @@ fn run(
 fn check(name: &str) {
     let loaded = tiny(name, &LoadOptions::default());
     let model = &loaded.model;
-    let kernels = cotrain_model::kernels::gemm_f32::is_available();
+    let kernels = cotrain_model::kernels::dispatch::own_kernels();
     // With grad mode on and trainable parameters, autograd would record: the generic path serves.
     let (want, want_cache) = run(model, true, false);
     let (got, got_cache) = run(model, false, kernels);

@@ -1,7 +1,7 @@
 //! The MKL dispatch patch (`cotrain_model::mkl_dispatch`) in a process of its own: it applies exactly
 //! where it should, the matmuls MKL then computes are right, and `COTRAIN_MKL_AVX512=0` turns it off.
 //!
-//! Every test calls `tune_process()` first: MKL fixes its code path at its first call, and the tests
+//! Every test calls `prefer_avx512()` first: MKL fixes its code path at its first call, and the tests
 //! of this binary run on parallel threads, so whichever starts first must not reach MKL unpatched.
 
 use std::process::Command;
@@ -10,8 +10,9 @@ use cotrain_model::mkl_dispatch::{Dispatch, ENV_SWITCH, prefer_avx512};
 use tch::Tensor;
 
 fn tuned() -> Dispatch {
-    cotrain_model::tune_process();
-    prefer_avx512()
+    // SAFETY: every test of this binary calls this before touching libtorch, and the patch is made
+    // once under a `OnceLock`: the other tests' threads wait for it and none is inside MKL yet.
+    unsafe { prefer_avx512() }
 }
 
 // ---- A: the patch applies exactly on non-Intel CPUs with MKL's AVX-512 subsets ----

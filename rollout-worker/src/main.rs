@@ -23,7 +23,9 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    cotrain_model::tune_process();
+    // SAFETY: first thing in `main`, before any other thread and any libtorch call.
+    unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
+    cotrain_model::allocator::tune_for_tensors();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Serve(args) => cotrain_rollout_worker::server::run(args),

@@ -9,6 +9,7 @@
 pub mod adamw_f32;
 #[cfg(target_arch = "x86_64")]
 pub mod decode_f32;
+pub mod dispatch;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm_f32;
 pub(crate) mod omp;
@@ -18,12 +19,23 @@ pub use omp::set_threads_of_this_thread;
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
 use tch::{Device, Kind, Tensor};
 
-/// `xs · wᵀ` for `xs` (..., K) and `w` (N, K) through [`gemm_f32::matmul_nt`], or `None` where the
-/// kernel does not apply: no AVX-512F, not f32 on CPU, a weight that is not a contiguous matrix of
-/// matching width, or an input that autograd would record (it requires grad and grad mode is on:
-/// training stays with libtorch). A non-contiguous `xs` is copied first.
+/// `xs · wᵀ` for `xs` (..., K) and `w` (N, K) through [`gemm_f32::matmul_nt`], or `None` where
+/// libtorch serves it: where [`dispatch`] keeps libtorch on this CPU, or the kernel does not apply
+/// (see [`kernel_linear_nt`]).
 #[cfg(target_arch = "x86_64")]
 pub fn linear_nt(xs: &Tensor, w: &Tensor) -> Option<Tensor> {
+    if !dispatch::own_kernels() {
+        return None;
+    }
+    kernel_linear_nt(xs, w)
+}
+
+/// As [`linear_nt`] whatever the dispatch decided, or `None` where the kernel does not apply: no
+/// AVX-512F, not f32 on CPU, a weight that is not a contiguous matrix of matching width, or an
+/// input that autograd would record (it requires grad and grad mode is on: training stays with
+/// libtorch). A non-contiguous `xs` is copied first.
+#[cfg(target_arch = "x86_64")]
+pub fn kernel_linear_nt(xs: &Tensor, w: &Tensor) -> Option<Tensor> {
     if !gemm_f32::is_available()
         || xs.device() != Device::Cpu
         || w.device() != Device::Cpu
@@ -73,6 +85,12 @@ pub fn linear_nt(_xs: &Tensor, _w: &Tensor) -> Option<Tensor> {
     None
 }
 
+/// Elsewhere there is no kernel: always `None`.
+#[cfg(not(target_arch = "x86_64"))]
+pub fn kernel_linear_nt(_xs: &Tensor, _w: &Tensor) -> Option<Tensor> {
+    None
+}
+
 /// Whether autograd would record an op on `t`: it requires grad and grad mode is on. tch does not
 /// expose the grad mode, and a view would not tell (it inherits the flag even under `no_grad`),
 /// so this asks an op on no elements.
@@ -89,7 +107,7 @@ mod tests {
         let x = Tensor::randn([b, k], (Kind::Float, Device::Cpu));
         let w = Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05;
         let want = x.linear::<Tensor>(&w, None);
-        let got = linear_nt(&x, &w).expect("kernel applies");
+        let got = kernel_linear_nt(&x, &w).expect("kernel applies");
         assert_eq!(got.size(), want.size(), "b={b} n={n} k={k}");
         let diff = (got - want).abs().max().double_value(&[]);
         assert!(diff <= 1e-4, "b={b} n={n} k={k}: max |diff| {diff}");
@@ -126,7 +144,7 @@ mod tests {
         }
         let x = Tensor::randn([3, 5, 24], (Kind::Float, Device::Cpu));
         let w = Tensor::randn([10, 24], (Kind::Float, Device::Cpu));
-        let got = linear_nt(&x, &w).unwrap();
+        let got = kernel_linear_nt(&x, &w).unwrap();
         assert_eq!(got.size(), [3, 5, 10]);
         assert!(
             (got - x.linear::<Tensor>(&w, None))
@@ -137,7 +155,7 @@ mod tests {
         );
         let xt = Tensor::randn([24, 7], (Kind::Float, Device::Cpu)).tr();
         assert!(!xt.is_contiguous());
-        let diff = (linear_nt(&xt, &w).unwrap() - xt.linear::<Tensor>(&w, None))
+        let diff = (kernel_linear_nt(&xt, &w).unwrap() - xt.linear::<Tensor>(&w, None))
             .abs()
             .max();
         assert!(diff.double_value(&[]) <= 1e-4);
@@ -147,18 +165,18 @@ mod tests {
     fn declines_what_it_cannot_serve() {
         let x = Tensor::randn([2, 8], (Kind::Float, Device::Cpu));
         let w = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));
-        assert!(linear_nt(&x.set_requires_grad(true), &w).is_none());
-        assert!(linear_nt(&x, &w.set_requires_grad(true)).is_none());
+        assert!(kernel_linear_nt(&x.set_requires_grad(true), &w).is_none());
+        assert!(kernel_linear_nt(&x, &w.set_requires_grad(true)).is_none());
         {
             // Frozen for inference: parameters that require grad, under `no_grad`, are served.
             let _guard = tch::no_grad_guard();
             let wg = w.copy().set_requires_grad(true);
             let xg = x.copy().set_requires_grad(true);
-            assert!(linear_nt(&xg, &wg).is_some_and(|y| !y.requires_grad()));
+            assert!(kernel_linear_nt(&xg, &wg).is_some_and(|y| !y.requires_grad()));
         }
-        assert!(linear_nt(&x.to_kind(Kind::Double), &w.to_kind(Kind::Double)).is_none());
-        assert!(linear_nt(&x, &Tensor::randn([8, 4], (Kind::Float, Device::Cpu)).tr()).is_none());
-        assert!(linear_nt(&Tensor::randn([2, 7], (Kind::Float, Device::Cpu)), &w).is_none());
+        assert!(kernel_linear_nt(&x.to_kind(Kind::Double), &w.to_kind(Kind::Double)).is_none());
+        assert!(kernel_linear_nt(&x, &Tensor::randn([8, 4], (Kind::Float, Device::Cpu)).tr()).is_none());
+        assert!(kernel_linear_nt(&Tensor::randn([2, 7], (Kind::Float, Device::Cpu)), &w).is_none());
     }
 
     #[test]
@@ -168,12 +186,12 @@ mod tests {
         }
         let w = Tensor::randn([4, 8], (Kind::Float, Device::Cpu));
         assert_eq!(
-            linear_nt(&Tensor::zeros([0, 8], (Kind::Float, Device::Cpu)), &w)
+            kernel_linear_nt(&Tensor::zeros([0, 8], (Kind::Float, Device::Cpu)), &w)
                 .unwrap()
                 .size(),
             [0, 4]
         );
-        let y = linear_nt(
+        let y = kernel_linear_nt(
             &Tensor::ones([2, 0], (Kind::Float, Device::Cpu)),
             &Tensor::ones([4, 0], (Kind::Float, Device::Cpu)),
         );

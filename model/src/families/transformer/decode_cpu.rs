@@ -72,7 +72,7 @@ struct Scratch {
 impl CausalLm {
     /// Whether [`CausalLm::decode_step_f32`] can serve a step on this model and cache.
     pub(super) fn fast_decode_applies(&self, cache: &KvCache) -> bool {
-        if !gemm_f32::is_available()
+        if !crate::kernels::dispatch::own_kernels()
             || self.adapter_active.get()
             || self.kind != Kind::Float
             || self.device != Device::Cpu

@@ -1,0 +1,157 @@
+//! What the CPU is and what it does, for benchmark headers and kernel dispatch: its name and
+//! family from /proc/cpuinfo, its AVX-512 subsets, and whether it runs 512-bit FMAs at full width
+//! (twice the 256-bit rate: Intel server cores, AMD Zen 5) or as two 256-bit halves (AMD Zen 4),
+//! measured by a micro-benchmark rather than guessed from the name.
+
+use std::time::Instant;
+
+/// How the CPU executes 512-bit vector FMAs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Avx512Width {
+    /// About twice the 256-bit rate.
+    Full,
+    /// About the 256-bit rate: two 256-bit halves per instruction.
+    Split,
+}
+
+/// See the module docs.
+#[derive(Clone, Debug)]
+pub struct CpuFacts {
+    pub model_name: String,
+    pub family: Option<u32>,
+    pub model: Option<u32>,
+    pub avx512f: bool,
+    pub avx512_bf16: bool,
+    /// Measured, when the CPU has AVX-512F: the 512-bit FMA rate over the 256-bit one (FLOP/s).
+    pub fma512_over_256: Option<f64>,
+}
+
+impl CpuFacts {
+    /// Reads /proc/cpuinfo and measures the FMA widths (about 20 ms).
+    pub fn probe() -> Self {
+        let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let field = |key: &str| {
+            info.lines().find(|l| l.split(':').next().is_some_and(|k| k.trim() == key)).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string())
+        };
+        let flags = field("flags").unwrap_or_default();
+        let has = |f: &str| flags.split_whitespace().any(|x| x == f);
+        let avx512f = has("avx512f");
+        Self {
+            model_name: field("model name").unwrap_or_else(|| "unknown CPU".into()),
+            family: field("cpu family").and_then(|v| v.parse().ok()),
+            model: field("model").and_then(|v| v.parse().ok()),
+            avx512f,
+            avx512_bf16: has("avx512_bf16"),
+            fma512_over_256: if avx512f { fma_ratio() } else { None },
+        }
+    }
+
+    /// Full or split, from the measured ratio (above 1.5: full).
+    pub fn avx512_width(&self) -> Option<Avx512Width> {
+        self.fma512_over_256.map(|r| if r > 1.5 { Avx512Width::Full } else { Avx512Width::Split })
+    }
+
+    /// One line for benchmark headers: `AMD EPYC (family 26, model 2); AVX-512 full width (512-bit
+    /// FMA 1.97x the 256-bit rate), avx512_bf16`.
+    pub fn summary(&self) -> String {
+        let num = |v: Option<u32>| v.map_or("?".to_string(), |v| v.to_string());
+        let avx = match (self.avx512f, self.fma512_over_256) {
+            (false, _) => "no AVX-512".to_string(),
+            (true, Some(r)) => format!(
+                "AVX-512 {} (512-bit FMA {r:.2}x the 256-bit rate)",
+                if r > 1.5 { "full width" } else { "split into 256-bit halves" }
+            ),
+            (true, None) => "AVX-512 (width not measured)".to_string(),
+        };
+        let bf16 = if self.avx512_bf16 { ", avx512_bf16" } else { "" };
+        format!("{} (family {}, model {}); {avx}{bf16}", self.model_name, num(self.family), num(self.model))
+    }
+}
+
+/// The 512-bit over the 256-bit FMA rate on this thread, best of a few rounds.
+#[cfg(target_arch = "x86_64")]
+fn fma_ratio() -> Option<f64> {
+    if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        return None;
+    }
+    const ITERS: usize = 200_000;
+    let mut best = (f64::MAX, f64::MAX);
+    for _ in 0..5 {
+        let t = Instant::now();
+        // SAFETY: the CPU has AVX-512F (checked above).
+        std::hint::black_box(unsafe { fma512(ITERS) });
+        let t512 = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        std::hint::black_box(unsafe { fma256(ITERS) });
+        let t256 = t.elapsed().as_secs_f64();
+        best = (best.0.min(t512), best.1.min(t256));
+    }
+    // Each loop does the same number of instructions; a 512-bit one does twice the FLOPs.
+    Some(2.0 * best.1 / best.0)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn fma_ratio() -> Option<f64> {
+    None
+}
+
+/// Eight independent FMA chains (enough to cover the latency of two FMA pipes) of 512-bit vectors.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma512(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let m = _mm512_set1_ps(0.999_999);
+    let c = _mm512_set1_ps(1e-7);
+    let mut acc = [_mm512_set1_ps(1.0); 8];
+    for _ in 0..iters {
+        for a in acc.iter_mut() {
+            *a = _mm512_fmadd_ps(*a, m, c);
+        }
+    }
+    let mut s = _mm512_setzero_ps();
+    for a in acc {
+        s = _mm512_add_ps(s, a);
+    }
+    _mm512_reduce_add_ps(s)
+}
+
+/// As [`fma512`], with 256-bit vectors.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma256(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let m = _mm256_set1_ps(0.999_999);
+    let c = _mm256_set1_ps(1e-7);
+    let mut acc = [_mm256_set1_ps(1.0); 8];
+    for _ in 0..iters {
+        for a in acc.iter_mut() {
+            *a = _mm256_fmadd_ps(*a, m, c);
+        }
+    }
+    let mut s = _mm256_setzero_ps();
+    for a in acc {
+        s = _mm256_add_ps(s, a);
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds 8 f32, the 32 bytes the store writes.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
+    out.iter().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn facts_read_and_the_width_is_measured_where_there_is_avx512() {
+        let f = CpuFacts::probe();
+        assert!(!f.model_name.is_empty());
+        if f.avx512f {
+            let r = f.fma512_over_256.expect("measured");
+            // One 512-bit FMA does the work of one or two 256-bit ones.
+            assert!((0.6..2.6).contains(&r), "ratio {r}");
+        }
+        assert!(f.summary().contains("family"), "{}", f.summary());
+    }
+}

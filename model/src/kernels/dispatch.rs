@@ -1,0 +1,116 @@
+//! Whether cotrain's own CPU decode kernels ([`super::gemm_f32`], [`super::decode_f32`]) serve
+//! decode steps instead of libtorch: decided by what this CPU does, not by its name.
+//!
+//! The kernels need AVX-512F. Where they can run, a start-up probe times them against libtorch's
+//! route on the decode-step products of a small model (x · wᵀ with 1, 8 and 32 rows of width 576
+//! against a 1536 × 576 weight, on the calling thread's libtorch threads) and keeps the kernels
+//! only when they are not slower in total, so that a CPU whose AVX-512 runs at half rate (split
+//! into 256-bit halves) or a future libtorch with better small-batch kernels never makes decoding
+//! slower. `COTRAIN_CPU_KERNELS=on` or `off` skips the probe.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use tch::{Device, Kind, Tensor};
+
+/// The environment switch: `on`/`1` or `off`/`0` instead of the probe.
+pub const ENV: &str = "COTRAIN_CPU_KERNELS";
+
+/// What was decided, and on what grounds.
+#[derive(Clone, Debug)]
+pub struct Decision {
+    /// cotrain's kernels serve decode steps.
+    pub own_kernels: bool,
+    pub reason: String,
+    /// Summed median microseconds of the probe's products: cotrain's kernel, libtorch.
+    pub probe_us: Option<(f64, f64)>,
+}
+
+/// The decision, made once per process (the first call runs the probe, about 10–30 ms).
+pub fn decision() -> &'static Decision {
+    static DECISION: OnceLock<Decision> = OnceLock::new();
+    DECISION.get_or_init(|| {
+        let d = decide();
+        tracing::info!(own_kernels = d.own_kernels, reason = %d.reason, "CPU decode kernels");
+        d
+    })
+}
+
+/// Whether cotrain's kernels serve decode steps (see the module docs).
+pub fn own_kernels() -> bool {
+    decision().own_kernels
+}
+
+fn decide() -> Decision {
+    let fixed = |own: bool, reason: String| Decision { own_kernels: own, reason, probe_us: None };
+    #[cfg(not(target_arch = "x86_64"))]
+    return fixed(false, "not an x86-64 CPU".into());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !super::gemm_f32::is_available() {
+            return fixed(false, "the CPU lacks AVX-512F".into());
+        }
+        if let Ok(v) = std::env::var(ENV) {
+            match v.trim().to_ascii_lowercase().as_str() {
+                "on" | "1" | "true" => return fixed(true, format!("{ENV}={v}")),
+                "off" | "0" | "false" => return fixed(false, format!("{ENV}={v}")),
+                _ => tracing::warn!("{ENV}={v} is neither on nor off: probing"),
+            }
+        }
+        let (ours, theirs) = probe();
+        Decision {
+            own_kernels: ours <= theirs,
+            reason: format!("probe: cotrain's kernel {ours:.0} µs, libtorch {theirs:.0} µs"),
+            probe_us: Some((ours, theirs)),
+        }
+    }
+}
+
+/// Summed medians (µs) over the probe's shapes: cotrain's kernel, libtorch's `linear`.
+#[cfg(target_arch = "x86_64")]
+fn probe() -> (f64, f64) {
+    let _guard = tch::no_grad_guard();
+    let (n, k) = (1536i64, 576i64);
+    // Deterministic values: the probe must not draw from libtorch's global generator.
+    let w = (Tensor::arange(n * k, (Kind::Float, Device::Cpu)) * 0.37).sin().reshape([n, k]) * 0.05;
+    let median = |f: &mut dyn FnMut()| {
+        f();
+        let mut t: Vec<f64> = (0..9)
+            .map(|_| {
+                let s = Instant::now();
+                f();
+                s.elapsed().as_secs_f64() * 1e6
+            })
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let (mut ours, mut theirs) = (0.0, 0.0);
+    for m in [1i64, 8, 32] {
+        let x = (Tensor::arange(m * k, (Kind::Float, Device::Cpu)) * 0.11).cos().reshape([m, k]);
+        ours += median(&mut || {
+            let _ = std::hint::black_box(super::kernel_linear_nt(&x, &w));
+        });
+        theirs += median(&mut || {
+            let _ = std::hint::black_box(x.linear::<Tensor>(&w, None));
+        });
+    }
+    (ours, theirs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernels_serve_only_where_the_probe_found_them_not_slower() {
+        let d = decision();
+        assert!(!d.reason.is_empty());
+        if let Some((ours, theirs)) = d.probe_us {
+            assert!(ours > 0.0 && theirs > 0.0, "{d:?}");
+            assert_eq!(d.own_kernels, ours <= theirs, "{d:?}");
+        }
+        assert_eq!(own_kernels(), d.own_kernels);
+        eprintln!("{d:?}");
+    }
+}
