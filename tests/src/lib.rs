@@ -198,3 +198,78 @@ pub fn tiny_word_model_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     std::fs::write(out.join("tokenizer.json"), tokenizer.to_string())?;
     Ok(out)
 }
+
+/// A process whose stdout and stderr lines arrive on a channel and are kept, killed when dropped;
+/// for tests that watch a process's output while it runs.
+pub struct Proc {
+    pub child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    /// Every line read so far, stdout and stderr interleaved as they came.
+    pub seen: Vec<String>,
+}
+
+impl Proc {
+    pub fn spawn(cmd: &mut Command) -> Self {
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
+        let (tx, lines) = std::sync::mpsc::channel();
+        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().expect("piped stdout"));
+        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().expect("piped stderr"));
+        for stream in [out, err] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+        }
+        Self { child, lines, seen: Vec::new() }
+    }
+
+    /// Waits for a line starting with `prefix`; returns the rest of it.
+    pub fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
+                return l[prefix.len()..].to_string();
+            }
+            match self.lines.recv_timeout(Duration::from_millis(200)) {
+                Ok(l) => self.seen.push(l),
+                Err(_) if Instant::now() >= deadline => panic!("no `{prefix}` line within {timeout:?}; saw {:?}", self.seen),
+                Err(_) => assert!(self.child.try_wait().unwrap().is_none(), "exited before `{prefix}`; saw {:?}", self.seen),
+            }
+        }
+    }
+
+    /// Reads what is waiting (until 200 ms pass without a line).
+    pub fn drain(&mut self) {
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(200)) {
+            self.seen.push(l);
+        }
+    }
+
+    /// Waits for the exit, then reads what is left of its output.
+    pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                self.drain();
+                return s;
+            }
+            assert!(Instant::now() < deadline, "process still running after {timeout:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Sends a signal (`-9`, `-TERM`, `-STOP`) with `kill`.
+    pub fn signal(&self, sig: &str) {
+        assert!(Command::new("kill").args([sig, &self.child.id().to_string()]).status().unwrap().success());
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+

@@ -5,13 +5,11 @@
 //! with the weights of an uninterrupted run.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use cotrain_tests::{binaries, tiny_word_model_dir};
+use cotrain_tests::{Proc, binaries, tiny_word_model_dir};
 use tch::{Kind, Tensor};
 
 /// A TLDR config of `rows` items, 4 per step (two agents, separate policies); `top` goes at the top level.
@@ -33,72 +31,6 @@ fn write_config(dir: &Path, model: &Path, name: &str, rows: usize, save_steps: u
     )
     .unwrap();
     path
-}
-
-/// A process whose stdout and stderr lines arrive on a channel (and are kept), killed when dropped.
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-}
-
-impl Proc {
-    fn spawn(cmd: &mut Command) -> Self {
-        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-        let (tx, lines) = mpsc::channel();
-        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().unwrap());
-        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().unwrap());
-        for stream in [out, err] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send(line);
-                }
-            });
-        }
-        Self { child, lines, seen: Vec::new() }
-    }
-
-    /// Waits for a stdout line starting with `prefix`; returns the rest.
-    fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
-                return l[prefix.len()..].to_string();
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left.min(Duration::from_millis(200))) {
-                Ok(l) => self.seen.push(l),
-                Err(_) if Instant::now() >= deadline => panic!("no `{prefix}` line within {timeout:?}; saw {:?}", self.seen),
-                Err(_) => assert!(self.child.try_wait().unwrap().is_none(), "process exited before `{prefix}`; saw {:?}", self.seen),
-            }
-        }
-    }
-
-    fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(100)) {
-                    self.seen.push(l);
-                }
-                return s;
-            }
-            assert!(Instant::now() < deadline, "process still running after {timeout:?}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn signal(&self, sig: &str) {
-        assert!(Command::new("kill").args([sig, &self.child.id().to_string()]).status().unwrap().success());
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn learner_cmd(args: &[&str], token: &Path) -> Command {

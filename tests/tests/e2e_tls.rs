@@ -3,13 +3,12 @@
 //! worker registers with the learner over TLS. A plain-text client gets no answer from a TLS port.
 //! The certificates are made here with the `openssl` command (Debian's `openssl` package).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use cotrain_tests::{binaries, tiny_word_model_dir};
+use cotrain_tests::{Proc, binaries, tiny_word_model_dir};
 
 fn openssl(dir: &Path, args: &[&str]) {
     let out = Command::new("openssl").args(args).current_dir(dir).output().expect("the openssl command (apt-get install openssl)");
@@ -23,53 +22,6 @@ fn certificates(dir: &Path) {
     openssl(dir, &[&["req"][..], &ec, &["-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=cotrain"]].concat());
     std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n").unwrap();
     openssl(dir, &["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "san.ext"]);
-}
-
-struct Proc {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-}
-
-impl Proc {
-    fn spawn(cmd: &mut Command) -> Self {
-        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-        let (tx, lines) = mpsc::channel();
-        let out: Box<dyn Read + Send> = Box::new(child.stdout.take().unwrap());
-        let err: Box<dyn Read + Send> = Box::new(child.stderr.take().unwrap());
-        for stream in [out, err] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    let _ = tx.send(line);
-                }
-            });
-        }
-        Self { child, lines, seen: Vec::new() }
-    }
-
-    fn wait_line(&mut self, prefix: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
-                return l[prefix.len()..].to_string();
-            }
-            match self.lines.recv_timeout(Duration::from_millis(200)) {
-                Ok(l) => self.seen.push(l),
-                Err(_) => {
-                    assert!(Instant::now() < deadline, "no `{prefix}`; saw {:?}", self.seen);
-                    assert!(self.child.try_wait().unwrap().is_none(), "exited before `{prefix}`; saw {:?}", self.seen);
-                }
-            }
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The first bytes a server sends back to a plain-text HTTP request.
@@ -96,7 +48,7 @@ fn services_learner_and_registration_over_tls() {
     c.args(["--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"]);
     tls_server(&mut c);
     let mut reward = Proc::spawn(&mut c);
-    let listening = reward.wait_line("listening grpc=");
+    let listening = reward.wait_line("listening grpc=", Duration::from_secs(120));
     let reward_grpc = listening.split_whitespace().next().unwrap().to_string();
     let reward_http = listening.split_once("http=").unwrap().1.trim().to_string();
     // A plain-text client gets no HTTP answer from a TLS port.
@@ -125,7 +77,7 @@ fn services_learner_and_registration_over_tls() {
     tls_server(&mut c);
     c.arg("train").arg("--config").arg(&cfg);
     let mut learner = Proc::spawn(&mut c);
-    let control = learner.wait_line("control plane listening on ");
+    let control = learner.wait_line("control plane listening on ", Duration::from_secs(120));
 
     let spec = model.display().to_string();
     let mut c = Command::new(binaries().unwrap().join("rollout-worker"));
@@ -136,26 +88,14 @@ fn services_learner_and_registration_over_tls() {
         .arg(&ca);
     tls_server(&mut c);
     let mut worker = Proc::spawn(&mut c);
-    let listening = worker.wait_line("listening grpc=");
+    let listening = worker.wait_line("listening grpc=", Duration::from_secs(120));
     let worker_http = listening.split_once("http=").unwrap().1.trim().to_string();
     assert!(!plain_http_answer(&worker_http).starts_with(b"HTTP/"), "the worker answered plain HTTP");
 
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let status = loop {
-        if let Some(s) = learner.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the learner did not finish");
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    while let Ok(l) = learner.lines.recv_timeout(Duration::from_millis(200)) {
-        learner.seen.push(l);
-    }
+    let status = learner.wait_exit(Duration::from_secs(300));
     assert!(status.success(), "learner over TLS failed: {:?}", learner.seen);
     let metrics = std::fs::read_to_string(dir.join("out/tls/metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 3, "three steps trained");
-    while let Ok(l) = worker.lines.recv_timeout(Duration::from_millis(200)) {
-        worker.seen.push(l);
-    }
+    worker.drain();
     assert!(worker.seen.iter().any(|l| l.contains("registered with the learner")), "{:?}", worker.seen);
 }
