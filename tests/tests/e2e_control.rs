@@ -200,7 +200,20 @@ fn registered_workers_join_mid_run_and_a_killed_worker_costs_only_time() {
     }
     first.signal("-9");
     let killed_at = status(&control, &token)["step"].as_u64().unwrap();
-    let s = poll_status(&control, &token, "two more steps", Duration::from_secs(120), |s| s["step"].as_u64() >= Some(killed_at + 2));
+    poll_status(&control, &token, "two more steps", Duration::from_secs(120), |s| s["step"].as_u64() >= Some(killed_at + 2));
+
+    // The second worker stops with SIGTERM: it drains, deregisters and exits 0. The run waits
+    // without failing until a third worker registers, then goes on.
+    second.signal("-TERM");
+    assert!(second.wait_exit(Duration::from_secs(60)).success(), "{:?}", second.seen);
+    assert!(second.seen.iter().any(|l| l.contains("deregistered from the learner")), "{:?}", second.seen);
+    let mut third = worker(&model, &control, &token);
+    let third_addr = grpc_of(&mut third);
+    let at = status(&control, &token)["step"].as_u64().unwrap();
+    let s = poll_status(&control, &token, "the third worker carries the run", Duration::from_secs(120), |s| {
+        s["step"].as_u64() >= Some(at + 2) && worker_status(s, &third_addr).is_some_and(|w| w["completed"].as_u64() > Some(0))
+    });
+    assert!(worker_status(&s, &second_addr).is_none(), "the deregistered worker left the pool: {s:#}");
 
     // A graceful stop through the control plane: a checkpoint, then a clean exit.
     let out = learner_cmd(&["control", "stop", "--addr", &control], &token).output().unwrap();
@@ -218,13 +231,13 @@ fn registered_workers_join_mid_run_and_a_killed_worker_costs_only_time() {
     assert!(last["pool/catch_ups"].as_f64() >= Some(1.0), "{last}");
     assert!(m.iter().all(|r| r["reward/mean"].as_f64().is_some_and(f64::is_finite)), "every step has its rewards");
 
-    // The learner restarts on the same port and resumes: the surviving worker registers again
+    // The learner restarts on the same port and resumes: the third worker registers again
     // (its heartbeat finds a learner that does not know it) and the run finishes.
     let mut resumed = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg).arg("--resume").arg(&run_dir));
     assert!(resumed.wait_exit(Duration::from_secs(300)).success(), "{:?}", resumed.seen);
     assert_eq!(metrics(&run_dir).len(), 60, "the resumed run ends at the last step");
     assert!(final_weights(&run_dir, 1).is_file());
-    drop(second);
+    drop(third);
 }
 
 #[test]
