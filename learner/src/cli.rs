@@ -323,6 +323,12 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 bail!("--resume {}: no such run directory", dir.display());
             }
             if cfg.algorithm == crate::config::Algorithm::Maporl {
+                if cfg.raw.learner.control_addr.is_some() || cfg.raw.rollout.wait_for_registration {
+                    bail!(
+                        "learner.control_addr and rollout.wait_for_registration are not built for maporl runs yet (no graceful \
+                         stop without resume); give the workers as rollout.endpoints or rollout.dns_name"
+                    );
+                }
                 if resume.is_some() {
                     bail!("--resume: resuming a MaPoRL run is not built yet (its adapters are saved in PEFT's layout under checkpoints/)");
                 }

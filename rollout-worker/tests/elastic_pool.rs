@@ -107,7 +107,8 @@ async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
     // A worker that joins mid-run is at version 0: it is brought to v2 before it is in rotation.
     let joiner = WorkerProcess::start(&agents, &[]).await;
     assert_eq!(version_of(&joiner).await, 0);
-    assert!(pool.add_endpoint(&joiner.endpoint()).await.unwrap(), "joiner not in rotation: {:?}", pool.workers());
+    pool.add_endpoint(&joiner.endpoint()).await.unwrap();
+    wait_until("the joiner is in rotation", Duration::from_secs(30), || snapshot(&pool, &joiner.endpoint()).in_rotation).await;
     assert_eq!(version_of(&joiner).await, 2);
     assert_eq!(snapshot(&pool, &joiner.endpoint()).catch_ups, 1);
     // The replayed weights are the learner's: the joiner answers exactly as a worker that took both pushes.

@@ -191,12 +191,22 @@ fn registered_workers_join_mid_run_and_a_killed_worker_costs_only_time() {
         assert!(w["versions"][agent].as_u64() >= s["policy_versions"][agent].as_u64(), "joiner behind on {agent}: {s:#}");
     }
 
-    // The first worker is killed (SIGKILL) while it is generating: its requests go to the second one.
+    // The first worker is killed (SIGKILL) while the learner has requests on it: caught generating,
+    // frozen (SIGSTOP) so that they stay in flight, checked on the learner's side, then killed.
+    // Its requests go to the second one.
     let first_http = first.wait_line("http ", Duration::from_secs(1));
     let deadline = Instant::now() + Duration::from_secs(120);
-    while in_flight(&first_http).unwrap_or(0.0) < 1.0 {
-        assert!(Instant::now() < deadline, "the first worker never had a request in flight");
-        std::thread::sleep(Duration::from_millis(2));
+    loop {
+        assert!(Instant::now() < deadline, "the learner never had a request in flight on the first worker");
+        if in_flight(&first_http).unwrap_or(0.0) < 1.0 {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        first.signal("-STOP");
+        if worker_status(&status(&control, &token), &first_addr).is_some_and(|w| w["in_flight"].as_u64() > Some(0)) {
+            break;
+        }
+        first.signal("-CONT");
     }
     first.signal("-9");
     let killed_at = status(&control, &token)["step"].as_u64().unwrap();

@@ -88,7 +88,12 @@ impl PoolRollout {
                 let chunk = wait.saturating_sub(started.elapsed()).min(Duration::from_secs(10));
                 match pool.wait_for_healthy(min_workers, chunk).await {
                     Ok(()) => break,
-                    Err(e) if started.elapsed() >= wait => return Err(e),
+                    Err(_) if started.elapsed() >= wait => {
+                        let serving = pool.workers().iter().filter(|w| w.in_rotation).count();
+                        return Err(cotrain_rollout_client::PoolError::Config(format!(
+                            "{serving} of the {min_workers} rollout workers needed are in rotation after {wait:?}"
+                        )));
+                    }
                     Err(_) => {
                         let serving = pool.workers().iter().filter(|w| w.in_rotation).count();
                         match &control {
@@ -154,7 +159,9 @@ impl PoolRollout {
         let header = update_header(agent, version, lora_scaling);
         let answers = self.rt.block_on(self.pool.push_update_except(header, tensors, skip));
         if answers.is_empty() && skip.is_empty() {
-            return Err(TrainError::Rollout(format!("{}: no healthy worker to push `{agent}` v{version} to", self.label)));
+            // The pool keeps the update: workers that join get it before any request.
+            warn!(agent, version, "no healthy rollout worker to push to; the update waits for the next worker that joins");
+            return Ok(());
         }
         // Workers that refused are out of rotation until the pool catches them up; the run goes on
         // as long as one worker took the update.

@@ -873,13 +873,16 @@ impl Trainer {
         let bar = if root { progress_bar(cfg.raw.logging.progress, total, self.step) } else { None };
         let mut stopped_early = false;
         // The control plane (rank 0): status after every step, checkpoints and stops between steps.
-        let control = if root { crate::control::current() } else { None };
-        if let Some(c) = &control {
+        // Every rank's process listens (a SIGTERM does not kill it at once): the other ranks stop
+        // when rank 0 says so after the step.
+        let installed = crate::control::current();
+        if let Some(c) = &installed {
             c.set_run_dir(self.s.run_dir.clone());
             c.trainer_started();
         }
+        let control = if root { installed.clone() } else { None };
         let result = self.run_steps(&cfg, total, control.as_deref(), bar.as_ref(), &mut stopped_early);
-        if let Some(c) = &control {
+        if let Some(c) = &installed {
             c.trainer_done(match &result {
                 Err(_) => "failed",
                 Ok(true) => "stopped",
@@ -995,57 +998,20 @@ impl Trainer {
             if checksum_steps > 0 && self.step.is_multiple_of(checksum_steps) {
                 self.check_ranks_agree()?;
             }
-            if !root {
-                if self.stop_after_this_step(false)? {
-                    return Ok(true);
-                }
-                continue;
-            }
-            self.log(&values)?;
-            let reward = values.get("reward/mean").copied().unwrap_or(f64::NAN);
-            let loss = values.get("loss").copied().unwrap_or(f64::NAN);
-            match bar {
-                Some(pb) => {
-                    pb.set_position(self.step);
-                    pb.set_message(format!("reward {reward:.3} loss {loss:.3}"));
-                }
-                None => {
-                    if self.step.is_multiple_of(cfg.trainer.logging_steps.max(1) as u64) || self.step == total {
-                        info!(step = self.step, total, reward, loss, secs = values.get("time/step").copied().unwrap_or(0.0), "learner step done");
-                    }
-                }
-            }
-            let scheduled = cfg.trainer.save_steps > 0 && self.step.is_multiple_of(cfg.trainer.save_steps as u64);
-            let asked = match control {
-                Some(c) => c.between_steps(crate::control::StepReport {
-                    step: self.step,
-                    total_steps: total,
-                    epoch: self.epoch,
-                    total_epochs: cfg.trainer.num_train_epochs as u64,
-                    reward: reward.is_finite().then_some(reward),
-                    step_secs: step_started.elapsed().as_secs_f64(),
-                    policy_versions: self.s.policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect(),
-                }),
-                None => Default::default(),
+            // Rank 0 logs, reports and checkpoints, then tells every rank whether the job goes
+            // on, stops on request, or stops because rank 0 failed (so that no rank waits in a
+            // collective for a rank that has left).
+            let finished = if root { self.finish_step_on_root(cfg, total, control, bar, &values, step_started) } else { Ok(false) };
+            let code = match &finished {
+                Ok(false) => 0,
+                Ok(true) => 1,
+                Err(_) => 2,
             };
-            if scheduled || asked.checkpoint || asked.stop {
-                match self.save_checkpoint() {
-                    Ok(dir) => {
-                        info!(step = self.step, checkpoint = %dir.display(), requested = asked.checkpoint || asked.stop, "checkpoint saved");
-                        if let Some(c) = control {
-                            c.checkpoint_written(self.step, &dir);
-                        }
-                    }
-                    Err(e) => {
-                        if let Some(c) = control {
-                            c.checkpoint_failed(&e.to_string());
-                        }
-                        return Err(e);
-                    }
-                }
-            }
-            if self.stop_after_this_step(asked.stop)? {
-                return Ok(true);
+            match (self.dist.broadcast_u64(code, 0)?, finished) {
+                (_, Err(e)) => return Err(e),
+                (0, _) => {}
+                (1, _) => return Ok(true),
+                (_, _) => return Err(TrainError::Dist(format!("rank 0 failed after step {}; its log says why", self.step))),
             }
         }
         Ok(false)
@@ -1070,9 +1036,61 @@ impl Trainer {
         }
     }
 
-    /// Whether the job stops now: rank 0's answer (a stop request), shared with every rank.
-    fn stop_after_this_step(&self, asked: bool) -> Result<bool, TrainError> {
-        Ok(self.dist.broadcast_u64(u64::from(asked), 0)? != 0)
+    /// Rank 0's end of a step: metrics, progress, the control plane's report and requests,
+    /// checkpoints; returns whether a stop was asked.
+    fn finish_step_on_root(
+        &mut self,
+        cfg: &CheckedConfig,
+        total: u64,
+        control: Option<&crate::control::ControlState>,
+        bar: Option<&indicatif::ProgressBar>,
+        values: &BTreeMap<String, f64>,
+        step_started: Instant,
+    ) -> Result<bool, TrainError> {
+        self.log(values)?;
+        let reward = values.get("reward/mean").copied().unwrap_or(f64::NAN);
+        let loss = values.get("loss").copied().unwrap_or(f64::NAN);
+        match bar {
+            Some(pb) => {
+                pb.set_position(self.step);
+                pb.set_message(format!("reward {reward:.3} loss {loss:.3}"));
+            }
+            None => {
+                if self.step.is_multiple_of(cfg.trainer.logging_steps.max(1) as u64) || self.step == total {
+                    info!(step = self.step, total, reward, loss, secs = values.get("time/step").copied().unwrap_or(0.0), "learner step done");
+                }
+            }
+        }
+        let scheduled = cfg.trainer.save_steps > 0 && self.step.is_multiple_of(cfg.trainer.save_steps as u64);
+        let asked = match control {
+            Some(c) => c.between_steps(crate::control::StepReport {
+                step: self.step,
+                total_steps: total,
+                epoch: self.epoch,
+                total_epochs: cfg.trainer.num_train_epochs as u64,
+                reward: reward.is_finite().then_some(reward),
+                step_secs: step_started.elapsed().as_secs_f64(),
+                policy_versions: self.s.policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect(),
+            }),
+            None => Default::default(),
+        };
+        if scheduled || asked.checkpoint || asked.stop {
+            match self.save_checkpoint() {
+                Ok(dir) => {
+                    info!(step = self.step, checkpoint = %dir.display(), requested = asked.checkpoint || asked.stop, "checkpoint saved");
+                    if let Some(c) = control {
+                        c.checkpoint_written(self.step, &dir);
+                    }
+                }
+                Err(e) => {
+                    if let Some(c) = control {
+                        c.checkpoint_failed(&e.to_string());
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(asked.stop)
     }
 }
 

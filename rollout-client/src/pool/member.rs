@@ -81,6 +81,8 @@ pub(super) struct Worker {
     pub(super) health: HealthClient<Channel>,
     pub(super) origin: Origin,
     pub(super) healthy: AtomicBool,
+    /// Health checks failed in a row.
+    pub(super) missed_checks: std::sync::atomic::AtomicU32,
     /// Dropped from the pool (left DNS, deregistered): calls still in flight on it are abandoned.
     pub(super) removed: AtomicBool,
     pub(super) in_rotation: AtomicBool,
@@ -102,6 +104,7 @@ impl Worker {
             health: HealthClient::new(channel),
             origin,
             healthy: AtomicBool::new(false),
+            missed_checks: Default::default(),
             removed: AtomicBool::new(false),
             in_rotation: AtomicBool::new(false),
             catching_up: AtomicBool::new(false),

@@ -67,6 +67,8 @@ pub struct PoolConfig {
     pub max_attempts: usize,
     /// How long a request waits for a healthy worker when there is none.
     pub wait_for_worker: Duration,
+    /// Deadline of one weight push to one worker; a worker that misses it leaves rotation.
+    pub push_timeout: Duration,
     /// Payload bytes per weight-update chunk message.
     pub weight_chunk_bytes: usize,
     /// Sent with every weight update (workers started with a cluster token refuse updates without it).
@@ -95,6 +97,7 @@ impl Default for PoolConfig {
             max_attempts: 5,
             wait_for_worker: Duration::from_secs(60),
             weight_chunk_bytes: 4 << 20,
+            push_timeout: Duration::from_secs(600),
             cluster_token: None,
             tls: None,
             resolver: Arc::new(SystemResolver),
@@ -156,6 +159,8 @@ struct Inner {
     replay: Replay,
     failed_attempts: std::sync::atomic::AtomicU64,
     catch_ups: std::sync::atomic::AtomicU64,
+    /// The highest `min_policy_version` requests asked of each agent.
+    expected: std::sync::Mutex<HashMap<String, u64>>,
     /// When DNS was last resolved.
     resolved_at: std::sync::Mutex<Option<Instant>>,
 }
@@ -192,7 +197,8 @@ fn retryable(status: &Status) -> bool {
 
 /// Errors that say the worker itself is in trouble, not just busy or behind.
 fn worker_failed(status: &Status) -> bool {
-    matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled)
+    // Not `Internal`: a worker answers it for a model error one request caused, and is fine.
+    matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Cancelled)
 }
 
 /// A refusal because the worker's policy is older than the request needs.
@@ -222,6 +228,7 @@ impl RolloutPool {
             replay: Replay::default(),
             failed_attempts: Default::default(),
             catch_ups: Default::default(),
+            expected: Default::default(),
             resolved_at: Default::default(),
         });
         for e in inner.cfg.endpoints.clone() {
@@ -244,13 +251,17 @@ impl RolloutPool {
     }
 
     /// Adds a worker by hand (a worker that registered itself; kept until removed), health-checks
-    /// it and brings it to the current policy versions; returns whether it is now in rotation.
+    /// it, and starts bringing it to the current policy versions in the background (a replay of a
+    /// large model takes a while; the caller, a registration call, must not wait for it). Returns
+    /// whether it is already in rotation.
     pub async fn add_endpoint(&self, endpoint: &str) -> Result<bool, PoolError> {
         let address = normalise(endpoint);
         let w = self.inner.add(&address, Origin::Registered)?;
-        self.inner.check(&w).await;
-        if w.healthy.load(Ordering::SeqCst) {
-            self.inner.clone().catch_up(w.clone()).await;
+        if !w.serving() {
+            self.inner.check(&w).await;
+            if w.healthy.load(Ordering::SeqCst) {
+                tokio::spawn(self.inner.clone().catch_up(w.clone()));
+            }
         }
         self.inner.changed.notify_waiters();
         Ok(w.serving())
@@ -311,6 +322,11 @@ impl RolloutPool {
     /// when one fails; returns exactly one answer.
     #[tracing::instrument(skip_all, fields(agent = %req.agent, request_id = %req.request_id))]
     pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateResponse, PoolError> {
+        if let Some(v) = req.min_policy_version {
+            let mut expected = self.inner.expected.lock().expect("pool lock");
+            let e = expected.entry(req.agent.clone()).or_default();
+            *e = (*e).max(v);
+        }
         let mut tried = HashSet::new();
         let mut last: Option<(String, Status)> = None;
         for attempt in 1..=self.inner.cfg.max_attempts {
@@ -616,7 +632,8 @@ impl Inner {
         header: &UpdateHeader,
         tensors: &Arc<Vec<UpdatedTensor>>,
     ) -> (String, Result<UpdateWeightsResponse, Status>) {
-        let request = self.authorised(update_stream(header.clone(), tensors.clone(), self.cfg.weight_chunk_bytes));
+        let mut request = self.authorised(update_stream(header.clone(), tensors.clone(), self.cfg.weight_chunk_bytes));
+        request.set_timeout(self.cfg.push_timeout);
         let mut c = w.client.clone();
         (w.address.clone(), w.unless_lost(c.update_weights(request)).await.map(|r| r.into_inner()))
     }
@@ -626,8 +643,10 @@ impl Inner {
             UpdateWeightsRequest { item: Some(Item::Header(header.clone())) },
             UpdateWeightsRequest { item: Some(Item::Shm(shm.clone())) },
         ];
+        let mut request = self.authorised(futures::stream::iter(msgs));
+        request.set_timeout(self.cfg.push_timeout);
         let mut c = w.client.clone();
-        (w.address.clone(), w.unless_lost(c.update_weights(self.authorised(futures::stream::iter(msgs)))).await.map(|r| r.into_inner()))
+        (w.address.clone(), w.unless_lost(c.update_weights(request)).await.map(|r| r.into_inner()))
     }
 
     /// After a push: workers that refused it leave rotation (failed ones also lose their health
@@ -662,7 +681,7 @@ impl Inner {
     fn mark_failed(&self, w: &Worker) {
         w.healthy.store(false, Ordering::SeqCst);
         w.bench();
-        let wait = w.backoff.lock().expect("backoff lock").fail(self.cfg.refresh_interval, self.cfg.max_backoff);
+        let wait = w.backoff.lock().expect("backoff lock").fail(self.cfg.health_interval, self.cfg.max_backoff);
         debug!(worker = %w.address, ?wait, "worker failed, next attempt after backoff");
     }
 
@@ -672,6 +691,14 @@ impl Inner {
         if w.catching_up.swap(true, Ordering::SeqCst) {
             return;
         }
+        // Cleared however this ends, a dropped future included.
+        struct Running<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Running<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::SeqCst);
+            }
+        }
+        let _running = Running(&w.catching_up);
         let result = self.replay_to(&w).await;
         match result {
             Ok(replayed) => {
@@ -686,11 +713,10 @@ impl Inner {
                 self.changed.notify_waiters();
             }
             Err(why) => {
-                let wait = w.backoff.lock().expect("backoff lock").fail(self.cfg.refresh_interval, self.cfg.max_backoff);
+                let wait = w.backoff.lock().expect("backoff lock").fail(self.cfg.health_interval, self.cfg.max_backoff);
                 warn!(worker = %w.address, why, retry_in = ?wait, "cannot bring rollout worker to the current policy");
             }
         }
-        w.catching_up.store(false, Ordering::SeqCst);
     }
 
     /// Replays the kept updates `w` is behind on; returns how many. Goes round again when a push
@@ -700,11 +726,28 @@ impl Inner {
         for _round in 0..5 {
             let generation = self.replay.generation();
             let latest = self.replay.all();
-            if latest.is_empty() {
+            if latest.is_empty() && self.expected.lock().expect("pool lock").is_empty() {
                 return Ok(replayed);
             }
             let (_, info) = self.info(w).await;
             let info = info.map_err(|s| format!("Info failed: {}", s.message()))?;
+            // Agents the pool updates separately must have weights of their own on the worker: a
+            // shared model would take the second agent's push as "not newer" and serve the first's.
+            let pushed: HashSet<&str> = latest.iter().map(|l| l.header.agent.as_str()).collect();
+            for m in &info.models {
+                let shared: Vec<&String> = m.agents.iter().filter(|a| pushed.contains(a.as_str())).collect();
+                if shared.len() > 1 {
+                    return Err(format!("it serves {shared:?} from one shared model (--share), but they are updated separately"));
+                }
+            }
+            // Versions requests have asked for that this pool has nothing to replay for (another
+            // learner rank pushes them): the worker waits until it has them.
+            for (agent, &want) in self.expected.lock().expect("pool lock").iter() {
+                let served = info.agents.iter().find(|a| &a.name == agent).map(|a| a.policy_version);
+                if !pushed.contains(agent.as_str()) && served.is_some_and(|v| v < want) {
+                    return Err(format!("`{agent}` is at v{} and requests need v{want}, which this pool does not hold", served.unwrap_or(0)));
+                }
+            }
             for l in latest {
                 let Some(served) = info.agents.iter().find(|a| a.name == l.header.agent).map(|a| a.policy_version) else {
                     continue;
@@ -742,14 +785,24 @@ impl Inner {
             tokio::time::timeout(self.cfg.connect_timeout, h.check(req)).await,
             Ok(Ok(r)) if r.get_ref().status == ServingStatus::Serving as i32
         );
-        let was = w.healthy.swap(ok, Ordering::SeqCst);
-        if was != ok {
-            info!(worker = %w.address, healthy = ok, "rollout worker health changed");
+        // A worker that was healthy loses its health after two failed checks in a row (one can be a
+        // busy moment); one that was not needs one passed check.
+        let misses = if ok {
+            w.missed_checks.store(0, Ordering::SeqCst);
+            0
+        } else {
+            w.missed_checks.fetch_add(1, Ordering::SeqCst) + 1
+        };
+        let was = w.healthy.load(Ordering::SeqCst);
+        let now = ok || (was && misses < 2);
+        w.healthy.store(now, Ordering::SeqCst);
+        if was != now {
+            info!(worker = %w.address, healthy = now, "rollout worker health changed");
         }
-        if !ok {
+        if !now {
             // It may come back restarted, at version 0.
             w.bench();
-            w.backoff.lock().expect("backoff lock").fail(self.cfg.refresh_interval, self.cfg.max_backoff);
+            w.backoff.lock().expect("backoff lock").fail(self.cfg.health_interval, self.cfg.max_backoff);
         }
     }
 

@@ -72,11 +72,11 @@ struct Scratch {
 impl CausalLm {
     /// Whether [`CausalLm::decode_step_f32`] can serve a step on this model and cache.
     pub(super) fn fast_decode_applies(&self, cache: &KvCache) -> bool {
-        if !crate::kernels::dispatch::own_kernels()
-            || self.adapter_active.get()
+        if self.adapter_active.get()
             || self.kind != Kind::Float
             || self.device != Device::Cpu
             || cache.kind != Kind::Float
+            || !crate::kernels::dispatch::own_kernels()
         {
             return false;
         }
