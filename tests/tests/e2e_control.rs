@@ -225,6 +225,13 @@ fn registered_workers_join_mid_run_and_a_killed_worker_costs_only_time() {
     });
     assert!(worker_status(&s, &second_addr).is_none(), "the deregistered worker left the pool: {s:#}");
 
+    // A checkpoint on request: the answer comes once it is on disk.
+    let out = learner_cmd(&["control", "checkpoint", "--addr", &control], &token).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    let path = said.trim().rsplit_once(": ").map(|(_, p)| p.to_string()).unwrap_or_default();
+    assert!(said.starts_with("checkpoint of step ") && Path::new(&path).join("state.json").is_file(), "{said}");
+
     // A graceful stop through the control plane: a checkpoint, then a clean exit.
     let out = learner_cmd(&["control", "stop", "--addr", &control], &token).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
