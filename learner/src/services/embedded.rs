@@ -100,8 +100,9 @@ impl EmbeddedRollout {
         verifiers: Vec<(String, std::path::PathBuf)>,
     ) -> Result<Self, TrainError> {
         let agents = agents.to_vec();
-        // The agents' engines decode at the same time: on the CPU, split the cores between them.
-        let engines = agents.iter().map(|(_, spec)| spec).collect::<std::collections::BTreeSet<_>>().len();
+        // The agents' engines (one per agent: no sharing) decode at the same time: on the CPU, split
+        // the cores between them.
+        let engines = agents.len();
         let threads_per_engine = (device == tch::Device::Cpu && engines > 1)
             .then(|| (tch::get_num_threads().max(1) as usize / engines).max(1));
         let config = cotrain_rollout_worker::worker::WorkerConfig {
