@@ -9,13 +9,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cotrain_proto::rollout::rollout_client::RolloutClient;
-use cotrain_proto::rollout::ListParametersRequest;
 use cotrain_rollout_client::pool::{PoolConfig, Resolve, RolloutPool, WorkerSnapshot};
-use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
 use futures::future::BoxFuture;
 use support::*;
-use tonic::transport::Channel;
 
 const AGENT: &str = "alice";
 
@@ -28,23 +24,6 @@ fn pool_config(endpoints: Vec<String>) -> PoolConfig {
         max_backoff: Duration::from_secs(1),
         ..PoolConfig::default()
     }
-}
-
-/// A full-size replacement of `lm_head.weight` (a partial update), deterministic in `seed`.
-async fn lm_head_update(c: &mut RolloutClient<Channel>, seed: u32) -> Arc<Vec<UpdatedTensor>> {
-    let params = c.list_parameters(ListParametersRequest { agent: AGENT.into() }).await.unwrap().into_inner();
-    let p = params.parameters.iter().find(|p| p.name == "lm_head.weight").expect("lm_head.weight");
-    let numel = p.shape.iter().product::<i64>() as usize;
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    let data = (0..numel)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            ((x as f32 / u32::MAX as f32 - 0.5) * 0.5).to_le_bytes()
-        })
-        .collect();
-    Arc::new(vec![UpdatedTensor { name: p.name.clone(), dtype: WireDType::F32, shape: p.shape.clone(), data }])
 }
 
 async fn version_of(w: &WorkerProcess) -> u64 {
@@ -98,7 +77,7 @@ async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
     // Two versions; the second is a partial update the pool merges into what it replays.
     let mut c = a.client().await;
     for v in 1..=2 {
-        let answers = pool.push_weights(AGENT, v, true, lm_head_update(&mut c, v as u32).await).await;
+        let answers = pool.push_weights(AGENT, v, true, lm_head_update(&mut c, AGENT, v as u32).await).await;
         assert!(answers.iter().all(|(_, r)| r.is_ok()), "{answers:?}");
         pool.wait_for_version(AGENT, v, Duration::from_secs(10)).await.unwrap();
     }
@@ -135,7 +114,7 @@ async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
     // A push that a worker refuses takes it out of rotation instead of failing: the others serve v3.
     let mut joiner = joiner;
     joiner.kill();
-    let answers = pool.push_weights(AGENT, 3, true, lm_head_update(&mut c, 3).await).await;
+    let answers = pool.push_weights(AGENT, 3, true, lm_head_update(&mut c, AGENT, 3).await).await;
     assert!(answers.iter().filter(|(_, r)| r.is_ok()).count() >= 2, "{answers:?}");
     pool.wait_for_version(AGENT, 3, Duration::from_secs(10)).await.unwrap();
     run_requests(&pool, 6, 3).await;
@@ -246,7 +225,7 @@ async fn a_partitioned_worker_loses_nothing_and_catches_up_when_healed() {
     let pool = Arc::new(RolloutPool::new(pool_config(vec![local.endpoint(), remote.endpoint()])).await.unwrap());
     pool.wait_for_healthy(2, Duration::from_secs(30)).await.unwrap();
     let mut c = local.client().await;
-    assert!(pool.push_weights(AGENT, 1, true, lm_head_update(&mut c, 1).await).await.iter().all(|(_, r)| r.is_ok()));
+    assert!(pool.push_weights(AGENT, 1, true, lm_head_update(&mut c, AGENT, 1).await).await.iter().all(|(_, r)| r.is_ok()));
     run_requests(&pool, 8, 1).await;
     assert!(snapshot(&pool, &remote.endpoint()).completed > 0, "the other host serves: {:?}", pool.workers());
 
@@ -254,7 +233,7 @@ async fn a_partitioned_worker_loses_nothing_and_catches_up_when_healed() {
     // goes on without it.
     host.link(false);
     run_requests(&pool, 12, 1).await;
-    let answers = pool.push_weights(AGENT, 2, true, lm_head_update(&mut c, 2).await).await;
+    let answers = pool.push_weights(AGENT, 2, true, lm_head_update(&mut c, AGENT, 2).await).await;
     assert!(answers.iter().any(|(a, r)| *a == local.endpoint() && r.is_ok()), "{answers:?}");
     pool.wait_for_version(AGENT, 2, Duration::from_secs(10)).await.unwrap();
     run_requests(&pool, 6, 2).await;

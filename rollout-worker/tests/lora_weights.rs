@@ -25,19 +25,6 @@ const SCALING: f64 = 2.0;
 const PROMPT: [u32; 4] = [7, 42, 99, 3];
 const NEW_TOKENS: u32 = 16;
 
-/// Deterministic pseudo-random f32 bytes in [-0.25, 0.25).
-fn random_f32_bytes(numel: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    (0..numel)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            ((x as f32 / u32::MAX as f32 - 0.5) * 0.5).to_le_bytes()
-        })
-        .collect()
-}
-
 /// A rank-[`RANK`] adapter on every attention and MLP projection of the model: `A` random, `B`
 /// random or (with `zero_b`) zeros, which makes the merged weights the base's.
 fn adapter(params: &[ParameterInfo], seed: u32, zero_b: bool) -> Vec<UpdatedTensor> {

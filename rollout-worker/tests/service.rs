@@ -11,11 +11,10 @@ use cotrain_model::engine::{Engine, LogprobMode, Request, SamplingParams as Engi
 use cotrain_model::loader::{self, LoadOptions};
 use cotrain_proto::rollout::rollout_client::RolloutClient;
 use cotrain_proto::rollout::{
-    update_weights_request::Item, Dtype, FinishReason, GenerateRequest, GenerateResponse, ListParametersRequest,
+    update_weights_request::Item, Dtype, FinishReason, GenerateRequest, GenerateResponse,
     SamplingParams, TensorChunk, UpdateHeader, UpdateWeightsRequest,
 };
 use cotrain_rollout_client::pool::{update_stream, PoolConfig, RolloutPool};
-use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
 use cotrain_rollout_worker::worker::prompt_seed;
 use support::*;
 use tonic::transport::Channel;
@@ -29,32 +28,6 @@ fn tokens(r: &GenerateResponse) -> Vec<Vec<Vec<u32>>> {
 
 async fn generate(c: &mut RolloutClient<Channel>, req: GenerateRequest) -> GenerateResponse {
     c.generate(req).await.expect("generate").into_inner()
-}
-
-/// Deterministic pseudo-random f32 bytes for an update.
-fn random_f32_bytes(numel: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    (0..numel)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            ((x as f32 / u32::MAX as f32 - 0.5) * 0.5).to_le_bytes()
-        })
-        .collect()
-}
-
-/// A partial update replacing `lm_head.weight` with random values.
-async fn lm_head_update(c: &mut RolloutClient<Channel>, seed: u32) -> Arc<Vec<UpdatedTensor>> {
-    let params = c.list_parameters(ListParametersRequest { agent: AGENT.into() }).await.unwrap().into_inner();
-    let p = params.parameters.iter().find(|p| p.name == "lm_head.weight").expect("lm_head.weight");
-    let numel: i64 = p.shape.iter().product();
-    Arc::new(vec![UpdatedTensor {
-        name: p.name.clone(),
-        dtype: WireDType::F32,
-        shape: p.shape.clone(),
-        data: random_f32_bytes(numel as usize, seed),
-    }])
 }
 
 /// The value of the first sample of a Prometheus metric on the worker's `/metrics`.
@@ -161,7 +134,7 @@ async fn weight_update_mid_generation_versions_are_consistent() {
         tokio::spawn(async move { generate(&mut c, long).await })
     };
     wait_info(&mut c, Duration::from_secs(60), |i| i.models[0].running_sequences > 0).await;
-    let tensors = lm_head_update(&mut c, 1).await;
+    let tensors = lm_head_update(&mut c, AGENT, 1).await;
     let update = {
         let mut c = c.clone();
         let tensors = tensors.clone();
@@ -203,7 +176,7 @@ async fn malformed_updates_are_rejected_and_the_old_weights_stay() {
     let mut c = w.client().await;
     let probe = request(AGENT, vec![token_prompt(vec![3, 4, 5])], 2, 99, 20);
     let before = tokens(&generate(&mut c, probe.clone()).await);
-    let good = lm_head_update(&mut c, 2).await;
+    let good = lm_head_update(&mut c, AGENT, 2).await;
     let t = &good[0];
     let chunk = |name: &str, dtype: Dtype, shape: Vec<i64>, offset: u64, data: Vec<u8>| UpdateWeightsRequest {
         item: Some(Item::Chunk(TensorChunk { name: name.into(), dtype: dtype as i32, shape, offset, data })),
@@ -524,7 +497,7 @@ async fn pool_survives_a_killed_worker_and_uses_a_new_one() {
 
     // Weight push to every healthy worker, then wait for the version everywhere.
     let mut c = fresh.client().await;
-    let tensors = lm_head_update(&mut c, 3).await;
+    let tensors = lm_head_update(&mut c, AGENT, 3).await;
     let answers = pool.push_weights(AGENT, 1, true, tensors).await;
     assert_eq!(answers.len(), 3, "{answers:?}");
     assert!(answers.iter().all(|(_, r)| r.as_ref().is_ok_and(|r| r.version == 1)), "{answers:?}");

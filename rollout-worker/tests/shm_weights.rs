@@ -24,19 +24,6 @@ fn tokens(r: &GenerateResponse) -> Vec<Vec<Vec<u32>>> {
     r.completions.iter().map(|c| c.samples.iter().map(|s| s.token_ids.clone()).collect()).collect()
 }
 
-/// Deterministic pseudo-random f32 bytes.
-fn random_f32_bytes(numel: usize, seed: u32) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    (0..numel)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            ((x as f32 / u32::MAX as f32 - 0.5) * 0.5).to_le_bytes()
-        })
-        .collect()
-}
-
 /// Every parameter of the agent's model replaced with random values (a full update).
 async fn full_update(c: &mut RolloutClient<Channel>, seed: u32) -> Vec<UpdatedTensor> {
     let params = c.list_parameters(ListParametersRequest { agent: AGENT.into() }).await.unwrap().into_inner();

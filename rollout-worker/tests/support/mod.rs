@@ -227,3 +227,38 @@ pub fn request(agent: &str, prompts: Vec<Prompt>, n: u32, seed: u64, max_new_tok
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
+
+/// Deterministic pseudo-random f32 bytes in [-0.25, 0.25) for weight updates.
+pub fn random_f32_bytes(numel: usize, seed: u32) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    (0..numel)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            ((x as f32 / u32::MAX as f32 - 0.5) * 0.5).to_le_bytes()
+        })
+        .collect()
+}
+
+/// A partial update replacing `agent`'s `lm_head.weight` with random values, deterministic in `seed`.
+pub async fn lm_head_update(
+    c: &mut RolloutClient<Channel>,
+    agent: &str,
+    seed: u32,
+) -> std::sync::Arc<Vec<cotrain_rollout_client::wire::UpdatedTensor>> {
+    let params = c
+        .list_parameters(cotrain_proto::rollout::ListParametersRequest { agent: agent.into() })
+        .await
+        .unwrap()
+        .into_inner();
+    let p = params.parameters.iter().find(|p| p.name == "lm_head.weight").expect("lm_head.weight");
+    let numel: i64 = p.shape.iter().product();
+    std::sync::Arc::new(vec![cotrain_rollout_client::wire::UpdatedTensor {
+        name: p.name.clone(),
+        dtype: cotrain_rollout_client::wire::WireDType::F32,
+        shape: p.shape.clone(),
+        data: random_f32_bytes(numel as usize, seed),
+    }])
+}
+
