@@ -42,6 +42,7 @@ fn main() -> anyhow::Result<()> {
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
+    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
         .with_writer(std::io::stderr)

@@ -11,8 +11,14 @@
 //! `scripts/reference/original_mt_step.py` (the original generates node after node, one `generate`
 //! per agent per node, and updates node by node).
 //!
+//! Sampling follows the seeds' code configs by default (temperature 0.7, top-p 0.9, top-k 50, as the
+//! original's `generate` call); `--sampling plain` samples at temperature 1 without filters (the
+//! figures of earlier sessions). `--rollout-dtype bf16` draws the rollouts with bf16 weights (and
+//! pushes bf16 weights); `--matmul-dtype bf16` trains with bf16 products of the f32 master weights.
+//!
 //! ```sh
 //! cargo run --release -p cotrain-learner --example step_bench [-- --steps 2 --skip-python]
+//! cargo run --release -p cotrain-learner --example step_bench -- --rollout-dtype bf16 --matmul-dtype bf16
 //! cargo run --release -p cotrain-learner --example step_bench -- --turns 2 --variant tree
 //! ```
 //! The Python side needs the pyref environment (`scripts/reference/setup-pyref.sh`; `COTRAIN_PYREF_PYTHON`
@@ -80,6 +86,7 @@ fn main() -> anyhow::Result<()> {
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
+    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
     // RUST_LOG=debug shows, e.g., how each weight push splits into writing and the worker's swap.
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
@@ -93,7 +100,8 @@ fn main() -> anyhow::Result<()> {
     if !matches!(variant.as_str(), "tree" | "handoff") {
         anyhow::bail!("--variant must be tree or handoff, got {variant}");
     }
-    // Multi-turn: the chat template on every turn's prompt (as the reference script renders them),
+    // The chat template on every prompt, as the reference scripts render them (the same prompt
+    // tokens on both sides). Multi-turn:
     // turn-2 prompts = problem + previous response + feedback; no early stops (the stand-in reward
     // never reaches them), handoff of the best joint action.
     let multi = if turns > 1 {
@@ -104,14 +112,28 @@ fn main() -> anyhow::Result<()> {
     } else {
         String::new()
     };
+    let (sampling, python_sampling) = match flag("--sampling").as_deref() {
+        None | Some("seeds") => ("temperature: 0.7, top_p: 0.9, top_k: 50", ["--temperature", "0.7", "--top-p", "0.9", "--top-k", "50"]),
+        Some("plain") => ("temperature: 1.0, top_p: 1.0, top_k: 0", ["--temperature", "1.0", "--top-p", "1.0", "--top-k", "0"]),
+        Some(other) => anyhow::bail!("--sampling must be seeds or plain, got {other}"),
+    };
+    let dtype = |name: &str| -> anyhow::Result<String> {
+        match flag(name).as_deref() {
+            None | Some("f32") => Ok("f32".into()),
+            Some("bf16") => Ok("bf16".into()),
+            Some(other) => anyhow::bail!("{name} must be f32 or bf16, got {other}"),
+        }
+    };
+    let (rollout_dtype, matmul_dtype) = (dtype("--rollout-dtype")?, dtype("--matmul-dtype")?);
     let yaml = format!(
-        "model: {{name: default, dtype: f32, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 1024, chat_template: {}}}\n\
+        "model: {{name: default, dtype: f32, matmul_dtype: {matmul_dtype}, {sampling}, max_length: 1024, chat_template: true}}\n\
          dataset: {{name: coophumaneval, train_split: 'test[:1]'}}\n\
          magrpo: {{num_agents: 2, num_generations: 4, max_new_tokens: 128, learning_rate: 1.0e-5, rollout_buffer_size: 1, \
          num_train_epochs: 100, save_steps: 100000, eval_interval: 100000}}\n\
-         logging: {{tensorboard: false, plots: false, progress: never}}\n",
-        turns > 1
+         rollout: {{dtype: {rollout_dtype}, weight_dtype: {rollout_dtype}}}\n\
+         logging: {{tensorboard: false, plots: false, progress: never}}\n"
     );
+    println!("sampling: {sampling}; rollout dtype {rollout_dtype}, training products {matmul_dtype}");
     let base = merged_value(&yaml, "bench", &[], &LegacyFlags::default())?;
     let value = if multi.is_empty() { base } else { deep_merge(base, serde_yaml_ng::from_str(&multi)?) };
     let cfg = CheckedConfig::from_value(value, Path::new("bench"))?;
@@ -125,7 +147,7 @@ fn main() -> anyhow::Result<()> {
     let prompt = cotrain_learner::trainer::items::encode_text(&policies[0].model.tokenizer, &model_text)?;
     let rt = runtime()?;
     let agents: Vec<(String, String)> = (0..2).map(|i| (format!("agent{i}"), "default".to_string())).collect();
-    let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, tch::Kind::Float)?;
+    let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, cotrain_learner::trainer::rollout_kind(&cfg))?;
     let rollout = PoolRollout::connect(
         rt.clone(),
         vec![format!("http://{}", worker.grpc)],
@@ -134,7 +156,8 @@ fn main() -> anyhow::Result<()> {
         1,
         std::time::Duration::from_secs(5),
         std::time::Duration::from_secs(60),
-    )?;
+    )?
+    .with_weight_dtype(cfg.raw.rollout.weight_dtype);
     let tmp = std::env::temp_dir().join(format!("cotrain-step-bench-{}", std::process::id()));
     let mut trainer = Trainer::new(TrainerSetup {
         cfg,
@@ -170,6 +193,9 @@ fn main() -> anyhow::Result<()> {
             m.get("nodes_per_item").copied().unwrap_or(1.0),
             m["optimizer_steps"]
         );
+        if let Some(gap) = m.get("logprob_gap") {
+            eprintln!("  rollout/training log-prob gap: {gap:.4} per token (mean |Δ|)");
+        }
         times.push(secs);
     }
     drop(trainer);
@@ -187,6 +213,8 @@ fn main() -> anyhow::Result<()> {
         cmd.arg(&script).arg("--steps").arg(steps.to_string());
         if turns > 1 {
             cmd.arg("--variant").arg(&variant);
+        } else {
+            cmd.args(python_sampling);
         }
         let out = cmd.output()?;
         if !out.status.success() {

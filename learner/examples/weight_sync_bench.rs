@@ -16,6 +16,7 @@ fn main() -> anyhow::Result<()> {
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
+    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
     let rounds: u64 = args.iter().position(|a| a == "--rounds").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(3);
     let model = cotrain_model::loader::load("default", &cotrain_model::loader::LoadOptions::default())?;
     let params = model.named_parameters();

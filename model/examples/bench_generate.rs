@@ -1,7 +1,11 @@
 //! Generation benchmark: cotrain's engine against transformers' `generate` on the same SmolLM2
-//! weights (f32, pure sampling at temperature 1, 128 new tokens, EOS ignored, batch 1/8/32).
+//! weights (f32, pure sampling at temperature 1 unless `--temperature/--top-p/--top-k` say
+//! otherwise, 128 new tokens, EOS ignored, batch 1/8/32). `--dtypes f32,bf16` runs cotrain with
+//! each parameter dtype (bf16: bf16 weights and cache read by the decode kernels, f32 activations);
+//! transformers runs in f32, as the originals do on a CPU.
 //!
 //!     cargo run --release -p cotrain-model --example bench_generate [-- --batches 1,8,32]
+//!     cargo run --release -p cotrain-model --example bench_generate -- --temperature 0.7 --top-p 0.9 --dtypes f32,bf16
 //!
 //! The transformers side runs `scripts/reference/bench_generate.py` with the pyref Python
 //! (`~/.cache/cotrain/pyref/bin/python`, or `$COTRAIN_PYREF`); it is skipped with a note when
@@ -15,6 +19,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
+use cotrain_model::cpu::Roofline;
 use cotrain_model::engine::{Engine, Request, SamplingParams, StopConditions};
 use cotrain_model::loader::{self, LoadOptions};
 
@@ -26,6 +31,8 @@ struct Args {
     new_tokens: usize,
     threads: i32,
     skip_transformers: bool,
+    /// cotrain's parameter dtypes, each run in turn.
+    dtypes: Vec<String>,
     /// Sampling settings, the same on both sides (pure sampling by default; the seeds use e.g.
     /// `--temperature 0.7 --top-p 0.9`).
     sampling: SamplingParams,
@@ -37,6 +44,7 @@ fn parse_args() -> Args {
         new_tokens: 128,
         threads: 2,
         skip_transformers: false,
+        dtypes: vec!["f32".into()],
         sampling: SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0 },
     };
     let mut it = std::env::args().skip(1);
@@ -53,6 +61,7 @@ fn parse_args() -> Args {
             "--new-tokens" => args.new_tokens = it.next().unwrap().parse().unwrap(),
             "--threads" => args.threads = it.next().unwrap().parse().unwrap(),
             "--skip-transformers" => args.skip_transformers = true,
+            "--dtypes" => args.dtypes = it.next().expect("--dtypes needs a list").split(',').map(String::from).collect(),
             "--temperature" => args.sampling.temperature = it.next().unwrap().parse().unwrap(),
             "--top-p" => args.sampling.top_p = it.next().unwrap().parse().unwrap(),
             "--top-k" => args.sampling.top_k = it.next().unwrap().parse().unwrap(),
@@ -63,48 +72,13 @@ fn parse_args() -> Args {
     args
 }
 
-/// The machine's limits, measured now with the benchmark's thread count.
-struct Roofline {
-    /// Read bandwidth, bytes/s.
-    bandwidth: f64,
-    /// f32 matmul rate, FLOP/s.
-    flops: f64,
-    /// The model's parameters.
-    params: f64,
-}
-
-impl Roofline {
-    fn measure(params: f64) -> Self {
-        use tch::{Device, Kind, Tensor};
-        let _guard = tch::no_grad_guard();
-        let big = Tensor::ones([256 << 20], (Kind::Float, Device::Cpu));
-        let _ = big.sum(Kind::Float).double_value(&[]);
-        let t = Instant::now();
-        for _ in 0..5 {
-            let _ = big.sum(Kind::Float).double_value(&[]);
-        }
-        let bandwidth = 5.0 * 4.0 * (256u64 << 20) as f64 / t.elapsed().as_secs_f64();
-        let a = Tensor::randn([2048, 2048], (Kind::Float, Device::Cpu));
-        let _ = a.matmul(&a);
-        let t = Instant::now();
-        for _ in 0..5 {
-            let _ = a.matmul(&a);
-        }
-        let flops = 5.0 * 2.0 * 2048f64.powi(3) / t.elapsed().as_secs_f64();
-        Roofline {
-            bandwidth,
-            flops,
-            params,
-        }
-    }
-
-    /// Tokens/s bound at a batch size: every step streams the f32 weights once and does
-    /// 2 · params FLOPs per row.
-    fn tokens_per_s(&self, batch: usize) -> f64 {
-        let memory = self.bandwidth / (4.0 * self.params);
-        let compute = self.flops / (2.0 * self.params);
-        (batch as f64 * memory).min(compute)
-    }
+/// Tokens/s bound at a batch size for a model of `params` parameters of `bytes` bytes each: every
+/// step streams the weights once and does 2 · params FLOPs per row at the f32 matmul rate (the
+/// kernels compute in f32).
+fn tokens_per_s(roof: &Roofline, params: f64, batch: usize, bytes: f64) -> f64 {
+    let memory = roof.read_bytes_per_s / (bytes * params);
+    let compute = roof.f32_flops / (2.0 * params);
+    (batch as f64 * memory).min(compute)
 }
 
 /// The roofline `notes/toolchain.md` gives for SmolLM2-135M in f32 on this machine: at most ~42
@@ -193,32 +167,35 @@ fn main() {
     cotrain_model::allocator::tune_for_tensors();
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
     tch::set_num_threads(args.threads);
-    let loaded = loader::load("default", &LoadOptions::default())
-        .expect("the default model loads (run `make setup`)");
-    let prompt = loaded.tokenizer.encode(PROMPT, true).unwrap();
-    let params: f64 = loaded
-        .named_parameters()
-        .values()
-        .map(|t| t.numel() as f64)
-        .sum();
-    let roof = Roofline::measure(params);
-    eprintln!(
-        "machine now: read {:.1} GB/s, f32 matmul {:.0} GFLOP/s; roofline {:.0} tokens/s at batch 1, {:.0} at large batch",
-        roof.bandwidth / 1e9,
-        roof.flops / 1e9,
-        roof.tokens_per_s(1),
-        roof.tokens_per_s(usize::MAX >> 8)
-    );
-    let mut engine = Engine::new(loaded);
-    eprintln!("prompt: {} tokens; warm-up", prompt.len());
-    run_cotrain(&mut engine, &prompt, 2, 16, args.sampling);
     let mut ours = Vec::new();
-    for &b in &args.batches {
-        let tps = run_cotrain(&mut engine, &prompt, b, args.new_tokens, args.sampling);
-        eprintln!("cotrain batch {b}: {tps:.1} tokens/s");
-        ours.push((b, tps));
+    let mut roof = None;
+    for dtype in &args.dtypes {
+        let kind = cotrain_model::config::parse_dtype(dtype).expect("--dtypes: f32 or bf16");
+        let loaded = loader::load("default", &LoadOptions { kind, ..LoadOptions::default() })
+            .expect("the default model loads (run `make setup`)");
+        let prompt = loaded.tokenizer.encode(PROMPT, true).unwrap();
+        let params: f64 = loaded.named_parameters().values().map(|t| t.numel() as f64).sum();
+        let r = *roof.get_or_insert_with(|| {
+            let r = Roofline::measure();
+            println!("roofline: {}", r.summary());
+            eprintln!(
+                "f32 roofline {:.0} tokens/s at batch 1, {:.0} at large batch",
+                tokens_per_s(&r, params, 1, 4.0),
+                tokens_per_s(&r, params, usize::MAX >> 8, 4.0)
+            );
+            r
+        });
+        let bytes = if kind == tch::Kind::Float { 4.0 } else { 2.0 };
+        let mut engine = Engine::new(loaded);
+        eprintln!("{dtype}: prompt {} tokens; warm-up", prompt.len());
+        run_cotrain(&mut engine, &prompt, 2, 16, args.sampling);
+        for &b in &args.batches {
+            let tps = run_cotrain(&mut engine, &prompt, b, args.new_tokens, args.sampling);
+            eprintln!("cotrain {dtype} batch {b}: {tps:.1} tokens/s");
+            ours.push((dtype.clone(), b, tps, tokens_per_s(&r, params, b, bytes)));
+        }
     }
-    drop(engine);
+    let roof = roof.expect("at least one dtype");
     let theirs = if args.skip_transformers {
         Err("skipped (--skip-transformers)".to_string())
     } else {
@@ -228,24 +205,20 @@ fn main() {
     if let Err(note) = &theirs {
         eprintln!("transformers: {note}");
     }
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| t.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
-        .unwrap_or_else(|| "unknown CPU".into());
     let s = args.sampling;
     println!(
-        "SmolLM2-135M f32 on {cpu}, sampling (temperature {}, top-p {}, top-k {}), {} new tokens, EOS ignored, {} threads; roofline from this run: read {:.1} GB/s, matmul {:.0} GFLOP/s",
+        "SmolLM2-135M on the CPU above, sampling (temperature {}, top-p {}, top-k {}), {} new tokens, EOS ignored, {} threads; roofline from this run: read {:.1} GB/s, matmul {:.0} GFLOP/s",
         s.temperature,
         s.top_p,
         s.top_k,
         args.new_tokens,
         args.threads,
-        roof.bandwidth / 1e9,
-        roof.flops / 1e9
+        roof.read_bytes_per_s / 1e9,
+        roof.f32_flops / 1e9
     );
-    println!("| batch | cotrain tok/s | transformers tok/s | ratio | fraction of roofline | of toolchain.md's roofline |");
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: |");
-    for (b, tps) in ours {
+    println!("| cotrain dtype | batch | cotrain tok/s | transformers f32 tok/s | ratio | fraction of roofline | of toolchain.md's f32 roofline |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (dtype, b, tps, bound) in ours {
         let t = theirs
             .as_ref()
             .ok()
@@ -256,9 +229,8 @@ fn main() {
         };
         let notes = notes_roofline(b);
         println!(
-            "| {b} | {tps:.1} | {t_str} | {ratio} | {:.0}% of {:.0} | {:.0}% of {notes:.0} |",
-            100.0 * tps / roof.tokens_per_s(b),
-            roof.tokens_per_s(b),
+            "| {dtype} | {b} | {tps:.1} | {t_str} | {ratio} | {:.0}% of {bound:.0} | {:.0}% of {notes:.0} |",
+            100.0 * tps / bound,
             100.0 * tps / notes
         );
     }

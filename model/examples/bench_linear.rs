@@ -6,11 +6,13 @@
 //! Prints milliseconds per decode step (all matrices once, output contiguous), best of the
 //! interleaved repetitions: `torch` is the route `linear()` took before the kernel (`(w·xᵀ)ᵀ` up to
 //! 16 rows, `x.linear(w)` beyond), `mkldnn` is oneDNN's `mkldnn_linear` on a weight converted once,
-//! `kernel` the AVX-512 kernel; then the largest difference from `x.linear(w)`.
+//! `kernel` the AVX-512 kernel; then the same for bf16 weights (`torch bf16`: `x.linear(w)` with
+//! both in bf16, as libtorch decodes a bf16 model; `kernel bf16`: f32 rows against the bf16
+//! weights, as cotrain's decode step runs them); then the largest difference from `x.linear(w)`.
 
 use std::time::Instant;
 
-use cotrain_model::kernels::linear_nt;
+use cotrain_model::kernels::kernel_linear_nt as linear_nt;
 use cotrain_model::loader;
 use tch::{Kind, Tensor};
 
@@ -45,6 +47,7 @@ fn main() -> anyhow::Result<()> {
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
+    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
     let mut rows = vec![1i64, 2, 8, 16, 32, 64];
     let mut reps = 5;
     let mut mkldnn = true;
@@ -79,6 +82,7 @@ fn main() -> anyhow::Result<()> {
     } else {
         vec![]
     };
+    let wb: Vec<Tensor> = ws.iter().map(|w| w.to_kind(Kind::BFloat16)).collect();
     let bytes: i64 = ws.iter().map(|w| w.numel() as i64 * 4).sum();
     println!(
         "{} matrices, {:.0} MB, kernel available: {}, threads: {}",
@@ -92,8 +96,8 @@ fn main() -> anyhow::Result<()> {
         tch::get_num_threads()
     );
     println!(
-        "{:>5} {:>10} {:>10} {:>10} {:>12}",
-        "rows", "torch ms", "mkldnn ms", "kernel ms", "max |diff|"
+        "{:>5} {:>10} {:>10} {:>10} {:>15} {:>16} {:>12}",
+        "rows", "torch ms", "mkldnn ms", "kernel ms", "torch bf16 ms", "kernel bf16 ms", "max |diff|"
     );
     for &b in &rows {
         let x576 = Tensor::randn([b, 576], (Kind::Float, tch::Device::Cpu));
@@ -117,6 +121,7 @@ fn main() -> anyhow::Result<()> {
             diff = diff.max(d);
         }
         let (mut tt, mut tm, mut tk) = (f64::MAX, f64::MAX, f64::MAX);
+        let (mut tbt, mut tbk) = (f64::MAX, f64::MAX);
         for _ in 0..reps {
             tt = tt.min(time_step(&ws, &xs, &torch_route));
             if mkldnn {
@@ -128,9 +133,11 @@ fn main() -> anyhow::Result<()> {
                 tm = tm.min(t.elapsed().as_secs_f64() * 1e3);
             }
             tk = tk.min(time_step(&ws, &xs, &|x, w| linear_nt(x, w).unwrap()));
+            tbt = tbt.min(time_step(&wb, &|k| xs(k).to_kind(Kind::BFloat16), &|x, w| x.linear::<Tensor>(w, None)));
+            tbk = tbk.min(time_step(&wb, &xs, &|x, w| linear_nt(x, w).unwrap()));
         }
         println!(
-            "{b:>5} {tt:>10.1} {:>10} {tk:>10.1} {diff:>12.2e}",
+            "{b:>5} {tt:>10.1} {:>10} {tk:>10.1} {tbt:>15.1} {tbk:>16.1} {diff:>12.2e}",
             if mkldnn {
                 format!("{tm:.1}")
             } else {

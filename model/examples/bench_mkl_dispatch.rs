@@ -206,6 +206,7 @@ fn main() -> anyhow::Result<()> {
         return run_child(reps);
     }
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
+    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
     let (mut avx2, mut avx512) = (spawn_child("0", reps)?, spawn_child("1", reps)?);
     for _ in 1..rounds {
         keep_best(&mut avx2, spawn_child("0", reps)?)?;

@@ -15,6 +15,7 @@ fn main() -> anyhow::Result<()> {
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
+    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
     let args: Vec<String> = std::env::args().collect();
     let p: usize = args.iter().position(|a| a == "--prompt").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(280);
     let m = cotrain_model::loader::load("default", &cotrain_model::loader::LoadOptions::default())?;

@@ -68,6 +68,76 @@ impl CpuFacts {
     }
 }
 
+/// The machine's limits as libtorch sees them now, with the calling thread's libtorch thread count:
+/// what every benchmark prints beside its figures (`roofline: ...`), since they vary with the CPU and
+/// with the machine's load.
+#[derive(Clone, Copy, Debug)]
+pub struct Roofline {
+    /// Read bandwidth (a 1 GiB f32 `sum`), bytes/s.
+    pub read_bytes_per_s: f64,
+    /// f32 and bf16 matmul rates (2048³ `matmul`), FLOP/s.
+    pub f32_flops: f64,
+    pub bf16_flops: f64,
+    pub threads: i32,
+}
+
+impl Roofline {
+    /// Measures the three rates (about a second).
+    pub fn measure() -> Self {
+        use tch::{Device, Kind, Tensor};
+        let _guard = tch::no_grad_guard();
+        let big = Tensor::ones([256 << 20], (Kind::Float, Device::Cpu));
+        let _ = big.sum(Kind::Float).double_value(&[]);
+        let t = Instant::now();
+        for _ in 0..5 {
+            let _ = big.sum(Kind::Float).double_value(&[]);
+        }
+        let read_bytes_per_s = 5.0 * 4.0 * (256u64 << 20) as f64 / t.elapsed().as_secs_f64();
+        drop(big);
+        let rate = |kind: Kind| {
+            let a = Tensor::ones([2048, 2048], (Kind::Float, Device::Cpu)).to_kind(kind);
+            let _ = a.matmul(&a);
+            let t = Instant::now();
+            for _ in 0..5 {
+                let _ = std::hint::black_box(a.matmul(&a));
+            }
+            5.0 * 2.0 * 2048f64.powi(3) / t.elapsed().as_secs_f64()
+        };
+        Roofline { read_bytes_per_s, f32_flops: rate(Kind::Float), bf16_flops: rate(Kind::BFloat16), threads: tch::get_num_threads() }
+    }
+
+    /// `read 33.3 GB/s, matmul f32 221 GFLOP/s, bf16 480 GFLOP/s (libtorch, 2 threads)`.
+    pub fn summary(&self) -> String {
+        format!(
+            "read {:.1} GB/s, matmul f32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s (libtorch, {} threads)",
+            self.read_bytes_per_s / 1e9,
+            self.f32_flops / 1e9,
+            self.bf16_flops / 1e9,
+            self.threads
+        )
+    }
+}
+
+/// The CPU's identity as /proc/cpuinfo gives it, without measuring anything: `AMD EPYC (family
+/// 25, model 17, stepping 1)`; what the kernels' dispatch pins its measured answers to.
+pub fn identity() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |key: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == key))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_else(|| "?".into())
+    };
+    format!(
+        "{} (family {}, model {}, stepping {})",
+        field("model name"),
+        field("cpu family"),
+        field("model"),
+        field("stepping")
+    )
+}
+
 /// The 512-bit over the 256-bit FMA rate on this thread, best of a few rounds.
 #[cfg(target_arch = "x86_64")]
 fn fma_ratio() -> Option<f64> {

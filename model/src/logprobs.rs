@@ -101,6 +101,9 @@ pub struct TokenLogProbs {
     head: Option<Tensor>,
     /// [`LogProbOptions::temperature`], for the backward's recomputation.
     temperature: f64,
+    /// The dtype of the head's products when it is not the weight's
+    /// ([`crate::CausalLm::set_matmul_kind`]), for the backward's recomputation.
+    matmul_kind: Option<Kind>,
 }
 
 #[derive(Debug)]
@@ -254,7 +257,15 @@ impl TokenLogProbs {
             .head
             .as_ref()
             .expect("the head is kept whenever backward state is");
-        chunk_logprobs(&h.linear::<&Tensor>(head, None), targets, self.temperature)
+        chunk_logprobs(&head_logits(h, head, self.matmul_kind), targets, self.temperature)
+    }
+}
+
+/// Logits of hidden rows `h` under the LM head weight, the product in `matmul_kind` if given.
+fn head_logits(h: &Tensor, head: &Tensor, matmul_kind: Option<Kind>) -> Tensor {
+    match matmul_kind {
+        Some(kind) => crate::families::transformer::linear_in(kind, h, head, None),
+        None => h.linear::<&Tensor>(head, None),
     }
 }
 
@@ -556,6 +567,7 @@ pub fn completion_logprobs_with_sharing(
     let chunk = opts.chunk_size as i64;
 
     let head = model.lm_head_weight();
+    let matmul_kind = model.matmul_kind();
     let run_chunks = |hidden: &Tensor| -> (Tensor, Tensor) {
         let _guard = tch::no_grad_guard();
         let n = positions.size()[0];
@@ -566,7 +578,7 @@ pub fn completion_logprobs_with_sharing(
             let len = chunk.min(n - start);
             let h = flat.index_select(0, &positions.narrow(0, start, len));
             let (lp, ent) = chunk_logprobs(
-                &h.linear::<&Tensor>(head, None),
+                &head_logits(&h, head, matmul_kind),
                 &targets.narrow(0, start, len),
                 opts.temperature,
             );
@@ -588,6 +600,7 @@ pub fn completion_logprobs_with_sharing(
             backward_state: None,
             head: None,
             temperature: opts.temperature,
+            matmul_kind,
         });
     }
     let trunk = plan.trunk(model)?;
@@ -607,6 +620,7 @@ pub fn completion_logprobs_with_sharing(
         }),
         head: Some(head.shallow_clone()),
         temperature: opts.temperature,
+        matmul_kind,
     })
 }
 

@@ -166,3 +166,39 @@ fn bad_batches_are_rejected() {
     assert!(e.contains("beyond the model's context"), "{e}");
     assert!(completion_logprobs(&loaded.model, &[], &opts).is_err());
 }
+
+/// bf16 products of f32 master weights (`set_matmul_kind`): the chunked kernel's log-probs are
+/// within bf16 rounding of the f32 ones, its gradients land on the f32 parameters in f32 and point
+/// the same way as the f32 gradients (cosine > 0.99 for every parameter), and `None` restores the
+/// f32 products exactly.
+#[test]
+fn bf16_products_give_f32_gradients_close_to_the_f32_ones() {
+    for name in ["qwen3", "qwen2"] {
+        let loaded = tiny(name, &LoadOptions::default());
+        let model = &loaded.model;
+        let batch = batch();
+        let opts = LogProbOptions { chunk_size: 4, with_grad: true, temperature: 1.0 };
+        let run = || {
+            let out = completion_logprobs(model, &batch, &opts).unwrap();
+            let w = weights(out.logprobs.size()[0]);
+            let loss = (&out.logprobs * &w).sum(Kind::Float) + out.entropy.sum(Kind::Float) * 0.3;
+            out.backward(&loss).unwrap();
+            (out.logprobs.detach(), grads(&loaded))
+        };
+        let (lp32, g32) = run();
+        model.set_matmul_kind(Some(Kind::BFloat16));
+        assert_eq!(model.matmul_kind(), Some(Kind::BFloat16));
+        let (lp16, g16) = run();
+        let gap = (&lp16 - &lp32).abs().max().double_value(&[]);
+        assert!(gap > 0.0 && gap < 0.05, "{name}: bf16 products move log-probs by {gap}");
+        for ((n, a), (_, b)) in g16.iter().zip(&g32) {
+            assert_eq!(a.kind(), Kind::Float, "{name}: {n}'s gradient is f32");
+            let cos = (a * b).sum(Kind::Double).double_value(&[])
+                / (a.norm().double_value(&[]) * b.norm().double_value(&[])).max(1e-30);
+            assert!(cos > 0.99 || b.norm().double_value(&[]) < 1e-12, "{name}: {n}: cosine {cos}");
+        }
+        model.set_matmul_kind(None);
+        let (lp_back, _) = run();
+        assert_eq!((&lp_back - &lp32).abs().max().double_value(&[]), 0.0, "{name}");
+    }
+}

@@ -4,7 +4,8 @@ step benchmark (`cargo run --release -p cotrain-learner --example step_bench`).
 
 Setting of notes/toolchain.md: 2 agents, each its own copy of SmolLM2-135M-Instruct in float32,
 4 samples per agent of exactly 128 new tokens (EOS ignored) after the same ~100-token chat prompt,
-temperature 1; then per agent: one forward per completion for the summed log-prob loss
+sampled with the seeds' settings by default (temperature 0.7, top-p 0.9, top-k 50; the flags change
+them); then per agent: one forward per completion for the summed log-prob loss
 L = (1/K) sum_k -A_k * sum_t log p(y_t), backward, one AdamW step (lr 1e-5). The stand-in reward is the
 same as the Rust side's (fraction of even token ids, summed over the two agents' aligned completions),
 advantages are R - mean(R). Prints one JSON line on stdout.
@@ -29,6 +30,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--model", default=str(GGUF))
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--top-k", type=int, default=50)
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -46,7 +50,7 @@ def main():
             m.eval()
             with torch.no_grad():
                 out = m.generate(prompt.repeat(4, 1), attention_mask=torch.ones(4, prompt.shape[1], dtype=torch.long),
-                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=128, min_new_tokens=128,
+                                 do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_new_tokens=128, min_new_tokens=128,
                                  pad_token_id=tok.eos_token_id)
             completions.append(out[:, prompt.shape[1]:])
         t_gen = time.time() - t0

@@ -43,12 +43,15 @@ pub struct LossOptions {
     /// gradient from the behaviour log-probs μ (Ionides 2008; as in verl's TIS for off-policy
     /// rollouts). `None`: no correction (the original).
     pub truncated_is: Option<f64>,
+    /// Hand the behaviour log-probs to the loss even without clipping or correction, so that
+    /// `logprob_gap` is measured (rollouts in another precision than training).
+    pub measure_gap: bool,
 }
 
 impl LossOptions {
     /// The original's loss: summed log-probs, no clipping, no KL, scale 1.
     pub fn original() -> Self {
-        Self { normalization: LossNormalization::Sum, clip: None, kl: None, scale: 1.0, truncated_is: None }
+        Self { normalization: LossNormalization::Sum, clip: None, kl: None, scale: 1.0, truncated_is: None, measure_gap: false }
     }
 
     /// The options a trainer section asks for (scale 1; the trainer sets turn/shared scaling).
@@ -59,6 +62,7 @@ impl LossOptions {
             kl: s.reference_kl.enabled.then_some((s.reference_kl.coef, s.reference_kl.estimator)),
             scale: 1.0,
             truncated_is: None,
+            measure_gap: false,
         }
     }
 }

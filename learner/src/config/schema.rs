@@ -78,6 +78,11 @@ pub struct ModelConfig {
     pub kind: Option<String>,
     #[serde(default)]
     pub dtype: Dtype,
+    /// The dtype of the trained policies' matrix products: `auto` (`dtype`'s own), `f32`, or
+    /// `bf16` (mixed precision: f32 parameters as master weights, f32 AdamW state, bf16 products;
+    /// the log-probs are computed from them, so training's precision is what the loss sees).
+    #[serde(default)]
+    pub matmul_dtype: Precision,
     #[serde(default = "default_model_temperature")]
     pub temperature: f64,
     #[serde(default = "default_model_top_p")]
@@ -647,6 +652,13 @@ pub struct RolloutConfig {
     /// learner's) or `bf16` (half the bytes; the workers convert to their own dtype).
     #[serde(default)]
     pub weight_dtype: WeightDtype,
+    /// The precision rollouts are drawn in: `auto` (the policy's `model.dtype`), `f32` or `bf16`.
+    /// The embedded worker loads its models in it; remote workers are started with the matching
+    /// `rollout-worker serve --dtype`. When it differs from the training precision, the loss
+    /// takes the workers' log-probs as the behaviour policy: `logprob_gap` (mean |Δ log-prob| per
+    /// token) is reported and `importance_weight_cap` corrects for the mismatch.
+    #[serde(default)]
+    pub dtype: Precision,
     /// Start no embedded worker and wait for workers to register with `learner.control_addr`
     /// (`rollout-worker serve --register URL`), next to any `endpoints`/`dns_name`.
     #[serde(default)]
@@ -665,6 +677,19 @@ fn default_min_workers() -> usize {
 
 fn default_registration_timeout_secs() -> u64 {
     600
+}
+
+/// `rollout.dtype` and `model.matmul_dtype`: a precision, or `auto` for the parameters' own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// The parameters' own dtype (`model.dtype`).
+    #[default]
+    Auto,
+    #[serde(alias = "float32", alias = "fp32")]
+    F32,
+    #[serde(alias = "bfloat16")]
+    Bf16,
 }
 
 /// `rollout.weight_dtype`.
@@ -757,6 +782,7 @@ impl Default for RolloutConfig {
             importance_weight_cap: default_importance_weight_cap(),
             weight_transport: WeightTransport::Auto,
             weight_dtype: WeightDtype::F32,
+            dtype: Precision::Auto,
             wait_for_registration: false,
             min_workers: default_min_workers(),
             registration_timeout_secs: default_registration_timeout_secs(),

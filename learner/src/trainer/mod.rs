@@ -121,6 +121,35 @@ pub fn load_options(cfg: &CheckedConfig) -> LoadOptions {
     LoadOptions { device, kind }
 }
 
+/// The precision rollouts are drawn in (`rollout.dtype`; `auto`: the policy's own).
+pub fn rollout_kind(cfg: &CheckedConfig) -> Kind {
+    match cfg.raw.rollout.dtype {
+        crate::config::Precision::Auto => load_options(cfg).kind,
+        crate::config::Precision::F32 => Kind::Float,
+        crate::config::Precision::Bf16 => Kind::BFloat16,
+    }
+}
+
+/// The dtype of the trained policies' products when it is not their parameters'
+/// (`model.matmul_dtype`), for [`cotrain_model::CausalLm::set_matmul_kind`].
+pub fn matmul_kind(cfg: &CheckedConfig) -> Option<Kind> {
+    let params = load_options(cfg).kind;
+    let kind = match cfg.raw.model.matmul_dtype {
+        crate::config::Precision::Auto => params,
+        crate::config::Precision::F32 => Kind::Float,
+        crate::config::Precision::Bf16 => Kind::BFloat16,
+    };
+    (kind != params).then_some(kind)
+}
+
+/// Whether rollouts are drawn in another precision than the policy trains in: their dtype is not
+/// the parameters', or training's products run in another dtype (then even bf16 rollouts are not
+/// bit-identical: they keep f32 activations). The loss then measures the log-prob gap and corrects
+/// for it (`rollout.importance_weight_cap`).
+pub fn rollout_precision_differs(cfg: &CheckedConfig) -> bool {
+    rollout_kind(cfg) != load_options(cfg).kind || matmul_kind(cfg).is_some()
+}
+
 /// The policies a config asks for and which agent uses which: one per agent (each fine-tunes its own
 /// copy, on the same or different base models), or one for all with `shared_parameters`.
 /// The rollout workers' agents a run of `cfg` trains, as `(agent name, model spec)`, each needing
@@ -227,7 +256,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             .and_then(|m| m.verifier_path.as_ref())
             .map(|dir| vec![(crate::maporl::EMBEDDED_VERIFIER.to_string(), std::path::PathBuf::from(dir))])
             .unwrap_or_default();
-        let worker = EmbeddedRollout::start_with_verifiers(runtime.clone(), agents, opts.device, opts.kind, verifiers)?;
+        let worker = EmbeddedRollout::start_with_verifiers(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
         (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120), None)?), Some(worker))
     } else {
@@ -369,8 +398,8 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
         }
     }
     let ro = &cfg.raw.rollout;
-    if ro.max_off_policy_steps > 0 {
-        if cfg.is_multi_turn() {
+    if ro.max_off_policy_steps > 0 || rollout_precision_differs(cfg) {
+        if cfg.is_multi_turn() && ro.max_off_policy_steps > 0 {
             return Err(TrainError::NotBuilt(format!(
                 "{}: rollout.max_off_policy_steps is {} with {section}.num_turns {}: asynchronous rollouts are built for \
                  single-turn training so far (use 0, synchronous on-policy)",

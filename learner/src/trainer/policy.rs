@@ -143,7 +143,7 @@ impl Policy {
         dist: &dyn crate::dist::Collective,
     ) -> Result<UpdateStats, TrainError> {
         let mut stats = UpdateStats::default();
-        let behaviour = loss_opts.clip.is_some() || loss_opts.truncated_is.is_some();
+        let behaviour = loss_opts.clip.is_some() || loss_opts.truncated_is.is_some() || loss_opts.measure_gap;
         for _ in 0..epochs.max(1) {
             self.optimizer.zero_grad();
             let (mut loss, mut kl, mut clip_tok, mut ent_sum, mut tokens) = (0.0, 0.0, 0.0, 0.0, 0.0);

@@ -170,6 +170,22 @@ impl Trainer {
     pub fn new_ranked(s: TrainerSetup, dist: Box<dyn Collective>) -> Result<Self, TrainError> {
         super::check_supported(&s.cfg)?;
         super::check_ranks(&s.cfg, dist.world())?;
+        let matmul_kind = super::matmul_kind(&s.cfg);
+        for p in &s.policies {
+            p.model.model.set_matmul_kind(matmul_kind);
+        }
+        if let Some(kind) = matmul_kind
+            && s.policies.first().is_some_and(|p| p.model.model.device() == tch::Device::Cpu)
+        {
+            // Some CPUs with avx512_bf16 (no AMX) run libtorch's bf16 products slower than f32:
+            // say so rather than train slower and less precisely than asked for.
+            let (ours, f32_rate) = (cotrain_model::kernels::dispatch::product_gflops(kind), cotrain_model::kernels::dispatch::product_gflops(tch::Kind::Float));
+            if ours < f32_rate {
+                warn!("model.matmul_dtype: {kind:?} products run at {ours:.0} GFLOP/s on this CPU against {f32_rate:.0} for f32: training will be slower, not faster");
+            } else {
+                info!("model.matmul_dtype: {kind:?} products at {ours:.0} GFLOP/s on this CPU, f32 at {f32_rate:.0}");
+            }
+        }
         if s.agent_policy.len() != s.cfg.num_agents || s.agent_policy.iter().any(|&p| p >= s.policies.len()) {
             return Err(TrainError::Config(format!(
                 "{} agents mapped onto {} policies: {:?}",
@@ -517,8 +533,11 @@ impl Trainer {
         let t = Instant::now();
         let mut loss_opts = LossOptions::from_section(&cfg.trainer);
         loss_opts.scale = 1.0;
-        if cfg.raw.rollout.max_off_policy_steps > 0 {
+        if cfg.raw.rollout.max_off_policy_steps > 0 || super::rollout_precision_differs(&cfg) {
+            // Off-policy samples, or samples drawn in another precision (bf16 rollouts of an f32
+            // policy): the workers' log-probs are the behaviour policy.
             loss_opts.truncated_is = cfg.raw.rollout.importance_weight_cap;
+            loss_opts.measure_gap = true;
         }
         let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
         let plans = self.plan_rounds(&forest, items.len(), handoff)?;
@@ -641,6 +660,8 @@ impl Trainer {
             m.insert("async/redrawn_samples".into(), report.redrawn as f64);
             m.insert("async/overlap_secs".into(), report.overlap_secs);
             m.insert("time/generate_next".into(), report.lookahead_generate_secs);
+        }
+        if cfg.raw.rollout.max_off_policy_steps > 0 || super::rollout_precision_differs(&cfg) {
             m.insert("is/weight_mean".into(), avg(|s| s.is_weight_mean));
             m.insert("is/truncated_frac".into(), avg(|s| s.is_truncated_fraction));
         }

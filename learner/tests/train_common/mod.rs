@@ -114,7 +114,9 @@ pub fn tiny_trainer(cfg: &CheckedConfig, model_dir: &Path, run_dir: &Path, rewar
     for a in 0..n {
         let name = format!("agent{a}");
         policies.push(Policy::new(&name, &spec, cotrain_model::loader::load(&spec, &opts).unwrap(), None, adam));
-        engines.push((name, cotrain_model::loader::load(&spec, &opts).unwrap()));
+        // The rollout engines load in the rollout precision, as the embedded worker does.
+        let rollout_opts = cotrain_model::loader::LoadOptions { kind: cotrain_learner::trainer::rollout_kind(cfg), ..opts };
+        engines.push((name, cotrain_model::loader::load(&spec, &rollout_opts).unwrap()));
     }
     Trainer::new(TrainerSetup {
         cfg: cfg.clone(),

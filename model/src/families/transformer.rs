@@ -184,17 +184,22 @@ pub(crate) struct Linear {
     bias: Option<Tensor>,
     /// The LoRA pair the next forwards add (see [`CausalLm::set_adapter`]).
     lora: RefCell<Option<LoraSlot>>,
+    /// The dtype products run in when it is not the weight's (see [`CausalLm::set_matmul_kind`]).
+    matmul_kind: std::cell::Cell<Option<Kind>>,
 }
 
 impl Linear {
     fn new(vs: nn::Path, in_dim: usize, out_dim: usize, bias: bool, init: WeightInit) -> Self {
         let weight = param(&vs, "weight", &[out_dim as i64, in_dim as i64], init);
         let bias = bias.then(|| vs.var("bias", &[out_dim as i64], Init::Const(0.0)));
-        Linear { weight, bias, lora: RefCell::new(None) }
+        Linear { weight, bias, lora: RefCell::new(None), matmul_kind: std::cell::Cell::new(None) }
     }
 
     fn forward(&self, xs: &Tensor) -> Tensor {
-        let y = linear(xs, &self.weight, self.bias.as_ref());
+        let y = match self.matmul_kind.get() {
+            Some(kind) => linear_in(kind, xs, &self.weight, self.bias.as_ref()),
+            None => linear(xs, &self.weight, self.bias.as_ref()),
+        };
         match &*self.lora.borrow() {
             None => y,
             // y + scaling · dropout(x)·Aᵀ·Bᵀ (LoRA, Hu et al. 2021), never materialising B·A.
@@ -206,12 +211,20 @@ impl Linear {
     }
 }
 
+/// `xs · wᵀ + b` with the operands rounded to `kind` (bf16 products of f32 master weights) and the
+/// result back in `xs`'s dtype. Autograd runs through the casts, so the gradients reach the f32
+/// weights in f32 (each cast's backward is the cast back).
+pub(crate) fn linear_in(kind: Kind, xs: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    let b = b.map(|b| b.to_kind(kind));
+    xs.to_kind(kind).linear(&w.to_kind(kind), b.as_ref()).to_kind(xs.kind())
+}
+
 /// Rows up to which [`linear`] takes the transposed MKL route on CPU in f32 (when the AVX-512 kernel
 /// cannot serve them).
 const SMALL_LINEAR_ROWS: i64 = 16;
 
 /// `xs · wᵀ + b` for `xs` (..., K) and `w` (N, K), by the fastest route measured for the shape:
-/// - 1–64 rows with nothing for autograd to record (decoding), on an AVX-512 CPU in f32: cotrain's
+/// - 1–64 rows with nothing for autograd to record (decoding), on an AVX-512 CPU in f32 or bf16: cotrain's
 ///   own kernel ([`crate::kernels`]), which streams the weights once; 1.2× to 2.2× faster than the
 ///   MKL routes below over SmolLM2's 211 weight matrices.
 /// - Otherwise up to 16 rows in f32 on CPU: `(w · xsᵀ)ᵀ`, the same product, because libtorch's MKL
@@ -220,7 +233,7 @@ const SMALL_LINEAR_ROWS: i64 = 16;
 ///   two, which MKL also serves faster than its matrix-vector path. Autograd goes through it.
 /// - Everything else (training batches, other devices and dtypes): `Tensor::linear`.
 pub(crate) fn linear(xs: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
-    let (n, k) = (w.size()[0], w.size()[1]);
+    let k = w.size()[1];
     let rows = if k > 0 { xs.numel() as i64 / k } else { 0 };
     const KERNEL_ROWS: i64 = 64;
     if (1..=KERNEL_ROWS).contains(&rows)
@@ -230,6 +243,19 @@ pub(crate) fn linear(xs: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
             y += b;
         }
         return y;
+    }
+    libtorch_linear(xs, w, b)
+}
+
+/// [`linear`] without cotrain's kernel: the plain libtorch route, which the kernels' dispatch
+/// probe times them against.
+pub fn libtorch_linear(xs: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    let (n, k) = (w.size()[0], w.size()[1]);
+    let rows = if k > 0 { xs.numel() as i64 / k } else { 0 };
+    if xs.kind() != w.kind() {
+        // f32 hidden states of a bf16 model's kernel decode step (see `decode_cpu`), where the
+        // kernel did not serve the head: libtorch wants one dtype.
+        return xs.to_kind(w.kind()).linear(w, b);
     }
     if xs.device() != Device::Cpu
         || xs.kind() != Kind::Float
@@ -585,6 +611,9 @@ pub struct CausalLm {
     device: Device,
     /// Whether a LoRA adapter is set (cotrain's decode kernels read the base weights only).
     adapter_active: std::cell::Cell<bool>,
+    /// The dtype of the products of forwards that autograd records (training), when it is not
+    /// the parameters' (see [`CausalLm::set_matmul_kind`]).
+    matmul_kind: std::cell::Cell<Option<Kind>>,
 }
 
 impl CausalLm {
@@ -626,7 +655,29 @@ impl CausalLm {
             kind,
             device,
             adapter_active: std::cell::Cell::new(false),
+            matmul_kind: std::cell::Cell::new(None),
         })
+    }
+
+    /// Runs the matrix products of the decoder's projections and of the LM head in `kind` (bf16:
+    /// mixed precision with the parameters as f32 master weights; autograd casts the gradients
+    /// back to f32), or in the parameters' own dtype with `None` or `kind` equal to it. Norms,
+    /// attention, softmax and log-probs stay in the parameters' dtype. Decoding under `no_grad`
+    /// is unaffected where cotrain's decode kernels serve it.
+    pub fn set_matmul_kind(&self, kind: Option<Kind>) {
+        let kind = kind.filter(|&k| k != self.kind);
+        self.matmul_kind.set(kind);
+        for l in &self.layers {
+            let a = &l.self_attn;
+            for lin in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj] {
+                lin.matmul_kind.set(kind);
+            }
+        }
+    }
+
+    /// The dtype of the products when it is not the parameters' ([`CausalLm::set_matmul_kind`]).
+    pub fn matmul_kind(&self) -> Option<Kind> {
+        self.matmul_kind.get()
     }
 
     /// (out, in) of a decoder projection (`q_proj`, ..., `down_proj`); panics on another name.
@@ -845,7 +896,10 @@ impl CausalLm {
 
     /// Applies the LM head to hidden states (..., hidden) -> (..., vocab).
     pub fn lm_head(&self, hidden: &Tensor) -> Tensor {
-        linear(hidden, self.lm_head_weight(), None)
+        match self.matmul_kind.get() {
+            Some(kind) => linear_in(kind, hidden, self.lm_head_weight(), None),
+            None => linear(hidden, self.lm_head_weight(), None),
+        }
     }
 
     /// The LM head's weight (the embedding matrix when tied): (vocab, hidden).
@@ -854,9 +908,11 @@ impl CausalLm {
     }
 
     /// Whether a one-token step of [`CausalLm::forward_hidden_cached`] on this model and cache runs
-    /// through cotrain's own CPU kernels ([`crate::kernels`]) instead of libtorch ops: f32 on CPU
-    /// with AVX-512F, contiguous weights, and nothing for autograd to record (under `no_grad`, or
-    /// with frozen parameters). Both compute the same values.
+    /// through cotrain's own CPU kernels ([`crate::kernels`]) instead of libtorch ops: f32 or bf16
+    /// on CPU with AVX-512F, contiguous weights, and nothing for autograd to record (under
+    /// `no_grad`, or with frozen parameters). Both compute the same values (for bf16, the kernels
+    /// keep the activations in f32 where libtorch rounds them to bf16), and the kernels' hidden
+    /// states are f32.
     pub fn decodes_in_kernels(&self, cache: &KvCache) -> bool {
         #[cfg(target_arch = "x86_64")]
         return self.fast_decode_applies(cache);
@@ -894,7 +950,7 @@ impl CausalLm {
         }
         #[cfg(target_arch = "x86_64")]
         if l == 1
-            && let Some(hidden) = self.decode_step_f32(input_ids, starts, cache)
+            && let Some(hidden) = self.decode_step_cpu(input_ids, starts, cache)
         {
             return hidden;
         }

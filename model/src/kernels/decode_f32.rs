@@ -6,13 +6,16 @@
 //! dispatch, allocation and the other thread's idle spin than in arithmetic (perf: 10% of the
 //! cycles of a batch-32 step were libgomp spinning while the main thread ran such ops). Here each is
 //! one loop, the attention parallel over (row, kv head) pairs, so the step is the weight matmuls
-//! plus little else. [`crate::families`] uses them for f32 CPU decoding on AVX-512 machines.
+//! plus little else. [`crate::families`] uses them for CPU decoding on AVX-512 machines. The
+//! activations are f32; weights (norm scales, biases) and the KV cache are f32 or bf16 ([`Elem`]).
 
 use std::arch::x86_64::*;
 
+use super::elem::Elem;
+
 /// Rows of `x` (each `w.len()` wide) scaled to unit root-mean-square, times `w`, into `out`:
 /// `x / sqrt(mean(x²) + eps) · w`, as `torch.nn.functional.rms_norm`.
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f64, out: &mut [f32]) {
+pub fn rms_norm<W: Elem>(x: &[f32], w: &[W], eps: f64, out: &mut [f32]) {
     let dim = w.len();
     assert!(
         dim > 0 && x.len() == out.len() && x.len().is_multiple_of(dim),
@@ -22,7 +25,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f64, out: &mut [f32]) {
         let ss: f32 = xr.iter().map(|v| v * v).sum();
         let inv = 1.0 / ((ss / dim as f32) as f64 + eps).sqrt() as f32;
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
-            *o = v * inv * g;
+            *o = v * inv * g.to_f32();
         }
     }
 }
@@ -63,9 +66,11 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
 }
 
 /// Adds `bias` to every row of `x`.
-pub fn add_bias(x: &mut [f32], bias: &[f32]) {
+pub fn add_bias<W: Elem>(x: &mut [f32], bias: &[W]) {
     for row in x.chunks_exact_mut(bias.len()) {
-        add_assign(row, bias);
+        for (a, b) in row.iter_mut().zip(bias) {
+            *a += b.to_f32();
+        }
     }
 }
 
@@ -214,10 +219,11 @@ impl CacheShape {
     }
 }
 
-/// Writes each row's new key and value (rows × kv_heads × dim) at its position in the cache.
-pub fn write_cache(
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
+/// Writes each row's new key and value (rows × kv_heads × dim) at its position in the cache
+/// (rounded to the cache's element type).
+pub fn write_cache<C: Elem>(
+    k_cache: &mut [C],
+    v_cache: &mut [C],
     shape: CacheShape,
     k: &[f32],
     v: &[f32],
@@ -232,8 +238,12 @@ pub fn write_cache(
         for h in 0..shape.kv_heads {
             let src = (row * shape.kv_heads + h) * d;
             let dst = shape.offset(row, h, pos);
-            k_cache[dst..dst + d].copy_from_slice(&k[src..src + d]);
-            v_cache[dst..dst + d].copy_from_slice(&v[src..src + d]);
+            for (c, &x) in k_cache[dst..dst + d].iter_mut().zip(&k[src..src + d]) {
+                *c = C::from_f32(x);
+            }
+            for (c, &x) in v_cache[dst..dst + d].iter_mut().zip(&v[src..src + d]) {
+                *c = C::from_f32(x);
+            }
         }
     }
 }
@@ -243,10 +253,10 @@ pub fn write_cache(
 /// (grouped-query attention without expanding K and V). `q` and `out` are rows × heads × dim. Runs on
 /// `threads` threads over the (row, kv head) pairs.
 #[allow(clippy::too_many_arguments)] // the attention's operands and shapes; a struct would hide them
-pub fn attend(
+pub fn attend<C: Elem>(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[C],
+    v_cache: &[C],
     shape: CacheShape,
     heads: usize,
     lens: &[usize],
@@ -300,17 +310,17 @@ pub fn attend(
 }
 
 /// One head, scalar: scores, softmax, weighted sum of the values.
-fn attend_head(
+fn attend_head<C: Elem>(
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[C],
+    values: &[C],
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
     let d = q.len();
     for (s, k) in scores.iter_mut().zip(keys.chunks_exact(d)) {
-        *s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+        *s = q.iter().zip(k).map(|(a, b)| a * b.to_f32()).sum::<f32>() * scale;
     }
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0;
@@ -321,7 +331,7 @@ fn attend_head(
     out.fill(0.0);
     for (s, v) in scores.iter().zip(values.chunks_exact(d)) {
         for (o, x) in out.iter_mut().zip(v) {
-            *o += s * x;
+            *o += s * x.to_f32();
         }
     }
     for o in out.iter_mut() {
@@ -331,10 +341,10 @@ fn attend_head(
 
 /// One head in zmm registers, for `dim` = 16·V with V ≤ 8 (head widths 16 to 128): returns false
 /// (doing nothing) for other widths. The caller has checked AVX-512F.
-fn attend_head_avx512(
+fn attend_head_avx512<C: Elem>(
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[C],
+    values: &[C],
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
@@ -346,7 +356,7 @@ fn attend_head_avx512(
         ($($v:literal)*) => {
             match q.len() {
                 // SAFETY: AVX-512F (the caller's check) and the lengths asserted above.
-                $(n if n == 16 * $v => unsafe { attend_head_vecs::<$v>(q, keys, values, scale, scores, out) },)*
+                $(n if n == 16 * $v => unsafe { attend_head_vecs::<C, $v>(q, keys, values, scale, scores, out) },)*
                 _ => return false,
             }
         };
@@ -362,10 +372,10 @@ fn attend_head_avx512(
 /// AVX-512F must be present; `q` and `out` hold 16·V floats, `keys` and `values` `scores.len()` rows
 /// of them.
 #[target_feature(enable = "avx512f")]
-unsafe fn attend_head_vecs<const V: usize>(
+unsafe fn attend_head_vecs<C: Elem, const V: usize>(
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[C],
+    values: &[C],
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
@@ -381,9 +391,9 @@ unsafe fn attend_head_vecs<const V: usize>(
         }
         let dot = |t: usize| {
             let k = keys.as_ptr().add(t * d);
-            let mut acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+            let mut acc = _mm512_mul_ps(qv[0], C::load16(k));
             for (c, &qc) in qv.iter().enumerate().skip(1) {
-                acc = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k.add(16 * c)), acc);
+                acc = _mm512_fmadd_ps(qc, C::load16(k.add(16 * c)), acc);
             }
             acc
         };
@@ -419,7 +429,7 @@ unsafe fn attend_head_vecs<const V: usize>(
             let v = values.as_ptr().add(t * d);
             let pv = _mm512_set1_ps(p);
             for (c, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v.add(16 * c)), *a);
+                *a = _mm512_fmadd_ps(pv, C::load16(v.add(16 * c)), *a);
             }
         }
         let inv = _mm512_set1_ps(1.0 / sum);
@@ -560,6 +570,33 @@ mod tests {
                 assert!(max_diff(got, &values(&want)) < 1e-5, "dim {dim}, row {b}");
             }
         }
+    }
+
+    /// A bf16 cache is read widened: attention over it equals attention over its f32 widening
+    /// (head widths through the AVX-512 body and the scalar one), and writes round to nearest.
+    #[test]
+    fn bf16_cache_reads_its_widening_and_writes_round_to_nearest() {
+        use half::bf16;
+        tch::manual_seed(6);
+        for dim in [64usize, 24] {
+            let (rows, heads, kvh, cap) = (3usize, 4usize, 2usize, 21usize);
+            let shape = CacheShape { kv_heads: kvh, capacity: cap, dim };
+            let kc: Vec<bf16> = randn(rows * kvh * cap * dim).into_iter().map(bf16::from_f32).collect();
+            let vc: Vec<bf16> = randn(rows * kvh * cap * dim).into_iter().map(bf16::from_f32).collect();
+            let widen = |c: &[bf16]| c.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+            let q = randn(rows * heads * dim);
+            let lens = [21usize, 1, 9];
+            let scale = 1.0 / (dim as f32).sqrt();
+            let (mut got, mut want) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+            attend(&q, &kc, &vc, shape, heads, &lens, scale, &mut got, 2);
+            attend(&q, &widen(&kc), &widen(&vc), shape, heads, &lens, scale, &mut want, 2);
+            assert!(max_diff(&got, &want) < 1e-6, "dim {dim}");
+        }
+        let shape = CacheShape { kv_heads: 1, capacity: 2, dim: 2 };
+        let (mut kc, mut vc) = (vec![bf16::ZERO; 4], vec![bf16::ZERO; 4]);
+        write_cache(&mut kc, &mut vc, shape, &[1.0 + 1.0 / 256.0, 3.3], &[-2.5e-3, 7.0], &[1]);
+        assert_eq!(kc[2..].iter().map(|x| x.to_f32()).collect::<Vec<_>>(), [bf16::from_f32(1.0 + 1.0 / 256.0).to_f32(), bf16::from_f32(3.3).to_f32()]);
+        assert_eq!(vc[3].to_f32(), 7.0);
     }
 
     #[test]

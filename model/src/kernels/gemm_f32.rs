@@ -1,4 +1,6 @@
-//! `y = x · wᵀ` in f32 for a few rows of `x`, with AVX-512 dot products over `w`'s rows.
+//! `y = x · wᵀ` for a few rows of f32 `x`, with AVX-512 dot products over `w`'s rows, in f32
+//! arithmetic whatever the weights' element type ([`Elem`]: f32, or bf16 widened as it is loaded,
+//! which halves the bytes streamed per decode step).
 //!
 //! `w` is a weight stored (N, K) row-major, so each output `y[j, i]` is the dot product of two
 //! contiguous K-vectors: no packing is needed. A tile holds [`NR`] weight rows × up to [`MR`] input
@@ -40,6 +42,7 @@ use std::arch::x86_64::*;
 use std::ffi::{c_uint, c_void};
 use std::sync::OnceLock;
 
+use super::elem::Elem;
 use super::omp::{OmpGetThreadNum, gomp};
 
 /// Weight rows per tile.
@@ -60,9 +63,9 @@ pub fn is_available() -> bool {
 ///
 /// # Panics
 /// If AVX-512F is missing ([`is_available`]) or a slice is shorter than its shape says.
-pub fn matmul_nt(
+pub fn matmul_nt<W: Elem>(
     x: &[f32],
-    w: &[f32],
+    w: &[W],
     y: &mut [f32],
     m: usize,
     n: usize,
@@ -105,7 +108,7 @@ pub fn matmul_nt(
             // use; the parts write disjoint column ranges of `y`.
             unsafe {
                 (g.parallel)(
-                    gomp_part,
+                    gomp_part::<W>,
                     (&raw const data).cast_mut().cast(),
                     threads as c_uint,
                     0,
@@ -118,9 +121,9 @@ pub fn matmul_nt(
 }
 
 /// The shapes and buffers of one call, shared by the threads.
-struct Job {
+struct Job<W> {
     x: *const f32,
-    w: *const f32,
+    w: *const W,
     y: *mut f32,
     m: usize,
     n: usize,
@@ -133,7 +136,7 @@ struct Job {
 /// `job`'s pointers must cover its shapes, `n_hi <= job.n`, AVX-512F must be present, and no other
 /// thread may write columns `[n_lo, n_hi)` of `y` meanwhile.
 #[target_feature(enable = "avx512f")]
-unsafe fn run(job: &Job, n_lo: usize, n_hi: usize) {
+unsafe fn run<W: Elem>(job: &Job<W>, n_lo: usize, n_hi: usize) {
     let Job { x, w, y, m, n, k } = *job;
     // Input rows split into tiles of nearly equal height (6 rows: 3 + 3, not 4 + 2).
     let tiles = m.div_ceil(MR);
@@ -177,12 +180,12 @@ unsafe fn run(job: &Job, n_lo: usize, n_hi: usize) {
 /// As for [`tile`].
 #[allow(clippy::too_many_arguments)] // a tile's pointers and strides; a struct would hide them
 #[target_feature(enable = "avx512f")]
-unsafe fn tile_dispatch(
+unsafe fn tile_dispatch<W: Elem>(
     nr: usize,
     mr: usize,
     x: *const f32,
-    w: *const f32,
-    next: *const f32,
+    w: *const W,
+    next: *const W,
     y: *mut f32,
     k: usize,
     ldy: usize,
@@ -192,10 +195,10 @@ unsafe fn tile_dispatch(
             // SAFETY: forwarded from this function's contract.
             unsafe {
                 match mr {
-                    1 => tile::<$nr, 1>(x, w, next, y, k, ldy),
-                    2 => tile::<$nr, 2>(x, w, next, y, k, ldy),
-                    3 => tile::<$nr, 3>(x, w, next, y, k, ldy),
-                    _ => tile::<$nr, 4>(x, w, next, y, k, ldy),
+                    1 => tile::<W, $nr, 1>(x, w, next, y, k, ldy),
+                    2 => tile::<W, $nr, 2>(x, w, next, y, k, ldy),
+                    3 => tile::<W, $nr, 3>(x, w, next, y, k, ldy),
+                    _ => tile::<W, $nr, 4>(x, w, next, y, k, ldy),
                 }
             }
         };
@@ -212,15 +215,15 @@ unsafe fn tile_dispatch(
 /// prefetching the `NR` rows at `next` unless it is null.
 ///
 /// # Safety
-/// `x` must hold `C` rows and `w` `R` rows of `k` floats, `y` `C` rows of stride `ldy` with `R`
+/// `x` must hold `C` rows of `k` floats and `w` `R` rows of `k` elements, `y` `C` rows of stride `ldy` with `R`
 /// writable floats each; AVX-512F must be present.
 #[inline]
 #[allow(clippy::needless_range_loop)] // register tiles read best as acc[i][j]
 #[target_feature(enable = "avx512f")]
-unsafe fn tile<const R: usize, const C: usize>(
+unsafe fn tile<W: Elem, const R: usize, const C: usize>(
     x: *const f32,
-    w: *const f32,
-    next: *const f32,
+    w: *const W,
+    next: *const W,
     y: *mut f32,
     k: usize,
     ldy: usize,
@@ -229,7 +232,8 @@ unsafe fn tile<const R: usize, const C: usize>(
     let whole = k - k % 16;
     let mut p = 0;
     while p < whole {
-        if !next.is_null() {
+        // One prefetch per 64-byte line: every step for f32, every other step for bf16.
+        if !next.is_null() && (p * size_of::<W>()).is_multiple_of(64) {
             for i in 0..NR {
                 // A prefetch never faults, so rows past the end of `w` are harmless.
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(i * k + p).cast());
@@ -237,8 +241,8 @@ unsafe fn tile<const R: usize, const C: usize>(
         }
         let mut wv = [_mm512_setzero_ps(); R];
         for (i, v) in wv.iter_mut().enumerate() {
-            // SAFETY: `p + 16 <= k` floats of row `i < R` of `w`.
-            *v = unsafe { _mm512_loadu_ps(w.add(i * k + p)) };
+            // SAFETY: `p + 16 <= k` elements of row `i < R` of `w`.
+            *v = unsafe { W::load16(w.add(i * k + p)) };
         }
         for j in 0..C {
             // SAFETY: `p + 16 <= k` floats of row `j < C` of `x`.
@@ -253,8 +257,8 @@ unsafe fn tile<const R: usize, const C: usize>(
         let mask: __mmask16 = ((1u32 << (k - p)) - 1) as u16;
         let mut wv = [_mm512_setzero_ps(); R];
         for (i, v) in wv.iter_mut().enumerate() {
-            // SAFETY: the mask reads only the `k - p` floats left in row `i` of `w`.
-            *v = unsafe { _mm512_maskz_loadu_ps(mask, w.add(i * k + p)) };
+            // SAFETY: reads only the `k - p` elements left in row `i` of `w`.
+            *v = unsafe { W::load_partial(w.add(i * k + p), k - p) };
         }
         for j in 0..C {
             // SAFETY: as above, for row `j` of `x`.
@@ -301,17 +305,17 @@ pub(crate) fn sum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
 }
 
 /// What each thread of a `GOMP_parallel` region gets.
-struct GompData<'a> {
-    job: &'a Job,
+struct GompData<'a, W> {
+    job: &'a Job<W>,
     omp_get_thread_num: OmpGetThreadNum,
     omp_get_num_threads: OmpGetThreadNum,
     threads: usize,
 }
 
 /// One thread's part: a contiguous share of the weight rows, in whole tiles.
-extern "C" fn gomp_part(data: *mut c_void) {
+extern "C" fn gomp_part<W: Elem>(data: *mut c_void) {
     // SAFETY: `matmul_nt` passes a `GompData` that outlives the parallel region.
-    let data = unsafe { &*data.cast::<GompData<'_>>() };
+    let data = unsafe { &*data.cast::<GompData<'_, W>>() };
     // SAFETY: called inside a parallel region, as libgomp requires.
     let (t, team) = unsafe { ((data.omp_get_thread_num)(), (data.omp_get_num_threads)()) };
     let (t, team) = (t.max(0) as usize, team.max(1) as usize);

@@ -3,13 +3,16 @@
 //! [`gemm_f32`]: the decode-step matmuls `x · wᵀ` with a handful of rows of `x` (one per sequence
 //! in the batch), where MKL (through libtorch 2.13) is neither bandwidth- nor compute-bound.
 //! [`decode_f32`]: the rest of a decode step (norms, RoPE, the cache write, attention), where
-//! libtorch's per-op overhead outweighs the arithmetic. [`adamw_f32`]: the optimiser update in one
-//! pass. [`omp`]: libtorch's OpenMP team, which they run on.
+//! libtorch's per-op overhead outweighs the arithmetic. Both compute in f32 and read weights and
+//! caches in f32 or bf16 ([`elem`]). [`adamw_f32`]: the optimiser update in one pass. [`omp`]:
+//! libtorch's OpenMP team, which they run on.
 
 pub mod adamw_f32;
 #[cfg(target_arch = "x86_64")]
 pub mod decode_f32;
 pub mod dispatch;
+#[cfg(target_arch = "x86_64")]
+pub mod elem;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm_f32;
 pub(crate) mod omp;
@@ -24,23 +27,25 @@ use tch::{Device, Kind, Tensor};
 /// (see [`kernel_linear_nt`]).
 #[cfg(target_arch = "x86_64")]
 pub fn linear_nt(xs: &Tensor, w: &Tensor) -> Option<Tensor> {
-    if !dispatch::own_kernels() {
+    if !dispatch::own_kernels(w.kind()) {
         return None;
     }
     kernel_linear_nt(xs, w)
 }
 
 /// As [`linear_nt`] whatever the dispatch decided, or `None` where the kernel does not apply: no
-/// AVX-512F, not f32 on CPU, a weight that is not a contiguous matrix of matching width, or an
-/// input that autograd would record (it requires grad and grad mode is on: training stays with
-/// libtorch). A non-contiguous `xs` is copied first.
+/// AVX-512F, not f32 or bf16 on CPU, a weight that is not a contiguous matrix of matching width, or
+/// an input that autograd would record (it requires grad and grad mode is on: training stays with
+/// libtorch). A non-contiguous `xs` is copied first. The product is computed in f32 (a bf16 `xs`
+/// is widened first) and returned in `xs`'s dtype: f32 rows against bf16 weights give f32.
 #[cfg(target_arch = "x86_64")]
 pub fn kernel_linear_nt(xs: &Tensor, w: &Tensor) -> Option<Tensor> {
+    let float_or_bf16 = |k: Kind| matches!(k, Kind::Float | Kind::BFloat16);
     if !gemm_f32::is_available()
         || xs.device() != Device::Cpu
         || w.device() != Device::Cpu
-        || xs.kind() != Kind::Float
-        || w.kind() != Kind::Float
+        || !float_or_bf16(xs.kind())
+        || !float_or_bf16(w.kind())
         || w.dim() != 2
         || !w.is_contiguous()
         || xs.dim() == 0
@@ -56,27 +61,36 @@ pub fn kernel_linear_nt(xs: &Tensor, w: &Tensor) -> Option<Tensor> {
         return None;
     }
     *last = n;
-    let xs = xs.contiguous();
+    let out_kind = xs.kind();
+    let xs = xs.to_kind(Kind::Float).contiguous();
     let m = if k > 0 { xs.numel() as i64 / k } else { 0 };
     if k == 0 {
-        return Some(Tensor::zeros(shape.as_slice(), (Kind::Float, Device::Cpu)));
+        return Some(Tensor::zeros(shape.as_slice(), (out_kind, Device::Cpu)));
     }
     let ys = Tensor::empty(shape.as_slice(), (Kind::Float, Device::Cpu));
     if m == 0 || n == 0 {
-        return Some(ys);
+        return Some(ys.to_kind(out_kind));
     }
     let (m, n, k) = (m as usize, n as usize, k as usize);
-    // SAFETY: `xs` and `w` are contiguous f32 CPU tensors of m·k and n·k elements, and `ys` a fresh
-    // one of m·n that nothing else references; all three live until the end of this function.
-    let (x, w, y) = unsafe {
-        (
-            std::slice::from_raw_parts(xs.data_ptr() as *const f32, m * k),
-            std::slice::from_raw_parts(w.data_ptr() as *const f32, n * k),
-            std::slice::from_raw_parts_mut(ys.data_ptr() as *mut f32, m * n),
-        )
-    };
-    gemm_f32::matmul_nt(x, w, y, m, n, k, tch::get_num_threads().max(1) as usize);
-    Some(ys)
+    let threads = tch::get_num_threads().max(1) as usize;
+    // SAFETY: `xs` is a contiguous f32 CPU tensor of m·k elements, `w` a contiguous CPU tensor of
+    // n·k elements of the type it is read as (its kind, checked), and `ys` a fresh f32 one of m·n
+    // that nothing else references; all three live until the end of this function.
+    unsafe {
+        let x = std::slice::from_raw_parts(xs.data_ptr() as *const f32, m * k);
+        let y = std::slice::from_raw_parts_mut(ys.data_ptr() as *mut f32, m * n);
+        match w.kind() {
+            Kind::BFloat16 => {
+                let w = std::slice::from_raw_parts(w.data_ptr() as *const half::bf16, n * k);
+                gemm_f32::matmul_nt(x, w, y, m, n, k, threads);
+            }
+            _ => {
+                let w = std::slice::from_raw_parts(w.data_ptr() as *const f32, n * k);
+                gemm_f32::matmul_nt(x, w, y, m, n, k, threads);
+            }
+        }
+    }
+    Some(if out_kind == Kind::Float { ys } else { ys.to_kind(out_kind) })
 }
 
 /// Elsewhere there is no kernel: always `None`.
@@ -137,6 +151,28 @@ mod tests {
         }
     }
 
+    /// bf16 weights are widened exactly, so the kernel equals libtorch's f32 product with the
+    /// widened weight; a bf16 input gives a bf16 result.
+    #[test]
+    fn bf16_weights_match_the_product_with_their_f32_widening() {
+        if !gemm_f32::is_available() {
+            return;
+        }
+        tch::manual_seed(5);
+        for (b, n, k) in [(1, 17, 33), (4, 193, 600), (8, 576, 576), (33, 66, 40)] {
+            let x = Tensor::randn([b, k], (Kind::Float, Device::Cpu));
+            let w = (Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05).to_kind(Kind::BFloat16);
+            let got = kernel_linear_nt(&x, &w).expect("kernel applies");
+            assert_eq!(got.kind(), Kind::Float);
+            let want = x.linear::<Tensor>(&w.to_kind(Kind::Float), None);
+            let diff = (got - want).abs().max().double_value(&[]);
+            assert!(diff <= 1e-4, "b={b} n={n} k={k}: max |diff| {diff}");
+            let xb = x.to_kind(Kind::BFloat16);
+            let got = kernel_linear_nt(&xb, &w).expect("kernel applies");
+            assert_eq!(got.kind(), Kind::BFloat16);
+        }
+    }
+
     #[test]
     fn keeps_leading_axes_and_copies_non_contiguous_input() {
         if !gemm_f32::is_available() {
@@ -175,6 +211,7 @@ mod tests {
             assert!(kernel_linear_nt(&xg, &wg).is_some_and(|y| !y.requires_grad()));
         }
         assert!(kernel_linear_nt(&x.to_kind(Kind::Double), &w.to_kind(Kind::Double)).is_none());
+        assert!(kernel_linear_nt(&x, &w.to_kind(Kind::Half)).is_none());
         assert!(kernel_linear_nt(&x, &Tensor::randn([8, 4], (Kind::Float, Device::Cpu)).tr()).is_none());
         assert!(kernel_linear_nt(&Tensor::randn([2, 7], (Kind::Float, Device::Cpu)), &w).is_none());
     }

@@ -1,49 +1,57 @@
-//! One decode step (one new token per row) of an f32 model on an AVX-512 CPU, outside libtorch:
-//! the weight matmuls through [`crate::kernels::gemm_f32`] and everything between them through
-//! [`crate::kernels::decode_f32`], on flat buffers in the layout the matmuls produce, so no
-//! transposes, views or per-op tensors are made. It computes what the generic path of
-//! [`CausalLm::forward_hidden_cached`] computes (the tests compare the two), and serves that method
-//! when it applies: f32 on CPU, AVX-512F, nothing for autograd to record, contiguous weights.
+//! One decode step (one new token per row) of an f32 or bf16 model on an AVX-512 CPU, outside
+//! libtorch: the weight matmuls through [`crate::kernels::gemm_f32`] and everything between them
+//! through [`crate::kernels::decode_f32`], on flat buffers in the layout the matmuls produce, so no
+//! transposes, views or per-op tensors are made. The arithmetic and the residual stream are f32
+//! whatever the weights' type; a bf16 model reads its bf16 weights and bf16 KV cache widened, which
+//! halves the bytes a step streams. It computes what the generic path of
+//! [`CausalLm::forward_hidden_cached`] computes (the tests compare the two; for bf16 within the
+//! rounding of that path's bf16 activations), and serves that method when it applies: f32 or bf16
+//! on CPU, AVX-512F, nothing for autograd to record, contiguous weights.
 //! Its writes to the cache go through raw pointers and so do not bump libtorch's version counters;
 //! that is sound because decoding runs with nothing recorded (no graph has saved the cache).
 
+use half::bf16;
 use tch::{Device, Kind, Tensor};
 
 use super::{CausalLm, KvCache, Linear, RmsNorm};
 use crate::error::Result;
 use crate::kernels::decode_f32::{self as ops, CacheShape};
+use crate::kernels::elem::Elem;
 use crate::kernels::gemm_f32;
 
-/// Borrowed f32 contents of a contiguous CPU tensor.
+/// Borrowed contents of a contiguous CPU tensor of `E`s.
 ///
 /// # Safety
-/// `t` must be a contiguous f32 CPU tensor that nothing writes to while the slice lives.
-unsafe fn floats(t: &Tensor) -> &[f32] {
+/// `t` must be a contiguous CPU tensor of kind `E::KIND` that nothing writes to while the slice
+/// lives.
+unsafe fn elems<E: Elem>(t: &Tensor) -> &[E] {
+    debug_assert_eq!(t.kind(), E::KIND);
     if t.numel() == 0 {
         // An empty tensor's data pointer may be null, which a slice may not be.
         return &[];
     }
-    // SAFETY: forwarded from the contract; `numel` floats start at `data_ptr`.
-    unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) }
+    // SAFETY: forwarded from the contract; `numel` elements start at `data_ptr`.
+    unsafe { std::slice::from_raw_parts(t.data_ptr() as *const E, t.numel()) }
 }
 
-/// As [`floats`], writable.
+/// As [`elems`], writable.
 ///
 /// # Safety
-/// As for [`floats`], and nothing else may read or write `t` while the slice lives.
+/// As for [`elems`], and nothing else may read or write `t` while the slice lives.
 #[allow(clippy::mut_from_ref)] // the tensor is a handle; exclusivity is the caller's contract
-unsafe fn floats_mut(t: &Tensor) -> &mut [f32] {
+unsafe fn elems_mut<E: Elem>(t: &Tensor) -> &mut [E] {
+    debug_assert_eq!(t.kind(), E::KIND);
     if t.numel() == 0 {
         return &mut [];
     }
     // SAFETY: forwarded from the contract.
-    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, t.numel()) }
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut E, t.numel()) }
 }
 
-/// Contiguous f32 on CPU, and not to be recorded: with grad mode on (`grad_mode`), a tensor that
+/// Contiguous `kind` on CPU, and not to be recorded: with grad mode on (`grad_mode`), a tensor that
 /// requires grad would be. Only property reads: this runs for every weight at every step.
-fn servable(t: &Tensor, grad_mode: bool) -> bool {
-    t.kind() == Kind::Float
+fn servable(t: &Tensor, kind: Kind, grad_mode: bool) -> bool {
+    t.kind() == kind
         && t.device() == Device::Cpu
         && t.is_contiguous()
         && !(grad_mode && t.requires_grad())
@@ -70,18 +78,19 @@ struct Scratch {
 }
 
 impl CausalLm {
-    /// Whether [`CausalLm::decode_step_f32`] can serve a step on this model and cache.
+    /// Whether [`CausalLm::decode_step_cpu`] can serve a step on this model and cache.
     pub(super) fn fast_decode_applies(&self, cache: &KvCache) -> bool {
         if self.adapter_active.get()
-            || self.kind != Kind::Float
+            || !matches!(self.kind, Kind::Float | Kind::BFloat16)
             || self.device != Device::Cpu
-            || cache.kind != Kind::Float
-            || !crate::kernels::dispatch::own_kernels()
+            || cache.kind != self.kind
+            || !crate::kernels::dispatch::own_kernels(self.kind)
         {
             return false;
         }
         let grad_mode = grad_mode_on();
-        let servable = |t: &Tensor| servable(t, grad_mode);
+        let kind = self.kind;
+        let servable = |t: &Tensor| servable(t, kind, grad_mode);
         let linears = |l: &super::DecoderLayer| {
             let a = &l.self_attn;
             [
@@ -120,7 +129,8 @@ impl CausalLm {
     /// The decode step of [`CausalLm::forward_hidden_cached`] for one token per row (`input_ids`
     /// (B, 1), row `b` at position `starts[b]`), or `None` when it does not apply (then nothing has
     /// been written). The caller has checked the shapes against the cache.
-    pub(super) fn decode_step_f32(
+    /// The hidden states are f32 whatever the model's dtype.
+    pub(super) fn decode_step_cpu(
         &self,
         input_ids: &Tensor,
         starts: &[i64],
@@ -129,6 +139,19 @@ impl CausalLm {
         if starts.is_empty() || !self.fast_decode_applies(cache) {
             return None;
         }
+        Some(match self.kind {
+            Kind::BFloat16 => self.decode_step_with::<bf16>(input_ids, starts, cache),
+            _ => self.decode_step_with::<f32>(input_ids, starts, cache),
+        })
+    }
+
+    /// [`CausalLm::decode_step_cpu`] for weights and cache of `W`s (`fast_decode_applies` holds).
+    fn decode_step_with<W: Elem>(
+        &self,
+        input_ids: &Tensor,
+        starts: &[i64],
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let rows = starts.len();
         let (hidden, heads, kvh, d) = (
@@ -143,17 +166,15 @@ impl CausalLm {
         let max_pos = positions.iter().copied().max().unwrap_or(0);
         self.rotary.ensure(max_pos as i64 + 1);
         let table = self.rotary.table.borrow();
-        let embedded = match self.embed(input_ids) {
-            Ok(t) => t.contiguous(),
-            Err(e) => return Some(Err(e)),
-        };
-        // SAFETY: checked f32 CPU tensors, contiguous (`embedded` by construction, the rotary
-        // tables as built by `Rotary::ensure`); nothing writes them during this step.
+        let embedded = self.embed(input_ids)?.to_kind(Kind::Float).contiguous();
+        // SAFETY: f32 CPU tensors, contiguous (`embedded` by construction, the rotary tables, f32
+        // whatever the model's dtype, as built by `Rotary::ensure`); nothing writes them during
+        // this step.
         let (mut x, cos, sin) = unsafe {
             (
-                floats(&embedded).to_vec(),
-                floats(&table.0),
-                floats(&table.1),
+                elems::<f32>(&embedded).to_vec(),
+                elems::<f32>(&table.0),
+                elems::<f32>(&table.1),
             )
         };
         let mut s = Scratch {
@@ -174,19 +195,19 @@ impl CausalLm {
         let scale = 1.0 / (d as f32).sqrt();
         for (layer, (ck, cv)) in self.layers.iter().zip(&cache.layers) {
             let a = &layer.self_attn;
-            norm(&layer.input_layernorm, &x, &mut s.normed);
-            project(&a.q_proj, &s.normed, rows, &mut s.q, threads);
-            project(&a.k_proj, &s.normed, rows, &mut s.k, threads);
-            project(&a.v_proj, &s.normed, rows, &mut s.v, threads);
+            norm::<W>(&layer.input_layernorm, &x, &mut s.normed);
+            project::<W>(&a.q_proj, &s.normed, rows, &mut s.q, threads);
+            project::<W>(&a.k_proj, &s.normed, rows, &mut s.k, threads);
+            project::<W>(&a.v_proj, &s.normed, rows, &mut s.v, threads);
             if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-                norm_in_place(qn, &mut s.q);
-                norm_in_place(kn, &mut s.k);
+                norm_in_place::<W>(qn, &mut s.q);
+                norm_in_place::<W>(kn, &mut s.k);
             }
             ops::rope(&mut s.q, heads, d, &positions, cos, sin);
             ops::rope(&mut s.k, kvh, d, &positions, cos, sin);
-            // SAFETY: the cache's tensors are contiguous f32 (checked) and borrowed mutably
-            // through `cache` for the whole step, so nothing else touches them.
-            let (kc, vc) = unsafe { (floats_mut(ck), floats_mut(cv)) };
+            // SAFETY: the cache's tensors are contiguous, of the model's kind (checked), and
+            // borrowed mutably through `cache` for the whole step, so nothing else touches them.
+            let (kc, vc) = unsafe { (elems_mut::<W>(ck), elems_mut::<W>(cv)) };
             ops::write_cache(kc, vc, shape, &s.k, &s.v, &positions);
             ops::attend(
                 &s.q,
@@ -199,43 +220,39 @@ impl CausalLm {
                 &mut s.attn,
                 threads,
             );
-            project(&a.o_proj, &s.attn, rows, &mut s.out, threads);
+            project::<W>(&a.o_proj, &s.attn, rows, &mut s.out, threads);
             ops::add_assign(&mut x, &s.out);
-            norm(&layer.post_attention_layernorm, &x, &mut s.normed);
-            project(&layer.mlp.gate_proj, &s.normed, rows, &mut s.gate, threads);
-            project(&layer.mlp.up_proj, &s.normed, rows, &mut s.up, threads);
+            norm::<W>(&layer.post_attention_layernorm, &x, &mut s.normed);
+            project::<W>(&layer.mlp.gate_proj, &s.normed, rows, &mut s.gate, threads);
+            project::<W>(&layer.mlp.up_proj, &s.normed, rows, &mut s.up, threads);
             ops::silu_mul(&mut s.gate, &s.up);
-            project(&layer.mlp.down_proj, &s.gate, rows, &mut s.out, threads);
+            project::<W>(&layer.mlp.down_proj, &s.gate, rows, &mut s.out, threads);
             ops::add_assign(&mut x, &s.out);
         }
-        norm(&self.norm, &x, &mut s.normed);
-        Some(Ok(Tensor::from_slice(&s.normed).view([
-            rows as i64,
-            1,
-            hidden as i64,
-        ])))
+        norm::<W>(&self.norm, &x, &mut s.normed);
+        Ok(Tensor::from_slice(&s.normed).view([rows as i64, 1, hidden as i64]))
     }
 }
 
 /// `out = x · wᵀ (+ b)` for `rows` rows.
-fn project(lin: &Linear, x: &[f32], rows: usize, out: &mut [f32], threads: usize) {
+fn project<W: Elem>(lin: &Linear, x: &[f32], rows: usize, out: &mut [f32], threads: usize) {
     let (n, k) = (lin.weight.size()[0] as usize, lin.weight.size()[1] as usize);
-    // SAFETY: `fast_decode_applies` checked the weight and bias: contiguous f32 on CPU, not written
-    // during the step.
-    let w = unsafe { floats(&lin.weight) };
+    // SAFETY: `fast_decode_applies` checked the weight and bias: contiguous, of the model's kind,
+    // on CPU, not written during the step.
+    let w = unsafe { elems::<W>(&lin.weight) };
     gemm_f32::matmul_nt(&x[..rows * k], w, &mut out[..rows * n], rows, n, k, threads);
     if let Some(b) = &lin.bias {
         // SAFETY: as above.
-        ops::add_bias(&mut out[..rows * n], unsafe { floats(b) });
+        ops::add_bias(&mut out[..rows * n], unsafe { elems::<W>(b) });
     }
 }
 
-fn norm(n: &RmsNorm, x: &[f32], out: &mut [f32]) {
+fn norm<W: Elem>(n: &RmsNorm, x: &[f32], out: &mut [f32]) {
     // SAFETY: `fast_decode_applies` checked the weight.
-    ops::rms_norm(x, unsafe { floats(&n.weight) }, n.eps, out);
+    ops::rms_norm(x, unsafe { elems::<W>(&n.weight) }, n.eps, out);
 }
 
-fn norm_in_place(n: &RmsNorm, x: &mut [f32]) {
+fn norm_in_place<W: Elem>(n: &RmsNorm, x: &mut [f32]) {
     let copy = x.to_vec();
-    norm(n, &copy, x);
+    norm::<W>(n, &copy, x);
 }
