@@ -21,10 +21,14 @@ demo: build
 # schema validator.
 # The NCCL backend (the `cuda` feature, CUDA loaded at run time) is compiled too, so that it keeps
 # building on machines without a GPU; its GPU-only test needs `--features cuda` and two GPUs.
+# The suite runs cotrain's decode kernels wherever the CPU has AVX-512F (COTRAIN_CPU_KERNELS=on)
+# rather than the route measured and pinned for this CPU: the seeded learning tests' thresholds were
+# set on the kernels' rounding, and a measurement taken while the suite loads the machine (and of a
+# debug build's kernels) may pin libtorch. The measured dispatch has its own unit tests.
 test: setup
 	$(CARGO) build --workspace --bins
 	$(CARGO) build -p cotrain-learner --features cuda --lib
-	$(CARGO) test --workspace --no-fail-fast
+	COTRAIN_CPU_KERNELS=on $(CARGO) test --workspace --no-fail-fast
 	COTRAIN_BIN=target/debug bash deploy/test.sh
 
 bench-generate: setup

@@ -73,7 +73,7 @@ fn check(name: &str) {
     kernels_on();
     let loaded = tiny(name, &LoadOptions::default());
     let model = &loaded.model;
-    let kernels = cotrain_model::kernels::dispatch::own_kernels(Kind::Float);
+    let kernels = cotrain_model::kernels::dispatch::fused_decode();
     // With grad mode on and trainable parameters, autograd would record: the generic path serves.
     let (want, want_cache) = run(model, true, false);
     let (got, got_cache) = run(model, false, kernels);
@@ -142,7 +142,7 @@ fn bf16_models_decode_in_kernels_within_tolerance_of_f32() {
     for name in ["llama", "qwen2", "qwen3"] {
         let f32_model = tiny(name, &LoadOptions::default());
         let bf16_model = tiny(name, &bf16);
-        let kernels = cotrain_model::kernels::dispatch::own_kernels(Kind::BFloat16);
+        let kernels = cotrain_model::kernels::dispatch::fused_decode();
         let (reference, _) = run(&f32_model.model, true, false);
         let (libtorch, _) = run(&bf16_model.model, true, false);
         let (got, cache) = run(&bf16_model.model, false, kernels);

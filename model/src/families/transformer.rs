@@ -247,8 +247,19 @@ pub(crate) fn linear(xs: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
     libtorch_linear(xs, w, b)
 }
 
-/// [`linear`] without cotrain's kernel: the plain libtorch route, which the kernels' dispatch
-/// probe times them against.
+/// `out = x · wᵀ (+ b)` for `rows` f32 rows on flat buffers, through libtorch's route for a model of
+/// `w`'s dtype (the rows rounded to it, as libtorch's own decode step would have them): how the
+/// fused decode step runs its products when the dispatch keeps libtorch, and what the dispatch's
+/// probe times the kernel against.
+pub(crate) fn libtorch_product_into(x: &[f32], rows: usize, w: &Tensor, b: Option<&Tensor>, out: &mut [f32]) {
+    let (n, k) = (w.size()[0] as usize, w.size()[1] as usize);
+    let xs = Tensor::from_slice(&x[..rows * k]).view([rows as i64, k as i64]).to_kind(w.kind());
+    let y = libtorch_linear(&xs, w, b).to_kind(Kind::Float).contiguous();
+    // SAFETY: a fresh contiguous f32 CPU tensor of rows·n elements, only read while `y` lives.
+    out[..rows * n].copy_from_slice(unsafe { std::slice::from_raw_parts(y.data_ptr() as *const f32, rows * n) });
+}
+
+/// [`linear`] without cotrain's kernel: the plain libtorch route.
 pub fn libtorch_linear(xs: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
     let (n, k) = (w.size()[0], w.size()[1]);
     let rows = if k > 0 { xs.numel() as i64 / k } else { 0 };

@@ -1,10 +1,19 @@
-//! Whether cotrain's own CPU decode kernels ([`super::gemm_f32`], [`super::decode_f32`]) serve
-//! decode steps instead of libtorch, for each weight dtype they read (f32, bf16).
+//! Which route decodes on the CPU.
 //!
-//! Decided by measurement, once per CPU: a probe times the kernel against the plain libtorch route
-//! ([`crate::families::transformer::libtorch_linear`]) on decode-step products with model-sized
-//! weights (more bytes than an L3 cache holds, so that they stream from memory as they do when a
-//! model decodes) at 1, 8 and 32 rows, the two routes interleaved so that a change in the
+//! Two decisions. [`fused_decode`]: whether a decode step runs as cotrain's fused step
+//! (`families/transformer/decode_cpu.rs`: norms, RoPE, the cache write, attention and SiLU as plain
+//! loops over flat buffers, [`super::decode_f32`]) instead of libtorch's ops: wherever the CPU has
+//! AVX-512F, since it does the same arithmetic as those ops without their per-op dispatch and
+//! allocation (some 25 ops per layer), which is what a decode step of a few rows spends its time on.
+//! [`own_kernels`]: whether the weight products (inside that step, and `linear` on a few rows) run
+//! in cotrain's matrix kernel ([`super::gemm_f32`]) or in libtorch, for each weight dtype the kernel
+//! reads (f32, bf16). libtorch's products are well tuned on some CPUs (oneDNN's bf16 products use
+//! AVX512_BF16 dot products, which the kernel does not), so this one is measured.
+//!
+//! The products are decided by measurement, once per CPU: a probe times the kernel against the plain libtorch route
+//! ([`crate::families::transformer::libtorch_linear`]) on the products of a few decoder layers of
+//! the default model's shapes (more bytes than an L3 cache holds, so that they stream from memory
+//! as they do when a model decodes) at 1, 8 and 32 rows, the two routes interleaved so that a change in the
 //! machine's load hits both, and keeps the kernels where they are not slower in total. The answer
 //! is then pinned: written to `cpu-dispatch.json` in cotrain's cache directory under a key naming
 //! the CPU (model name, family, model, stepping), the thread count, the dtype, the kernels'
@@ -13,9 +22,9 @@
 //! would with the machine's load) would change a seeded run's samples. The first process measures
 //! under a file lock; the others wait for its answer.
 //!
-//! `COTRAIN_CPU_KERNELS`: `auto` (the default, as above), `on` or `off` (force either route),
-//! `probe` (measure again now and pin the new answer). Without AVX-512F there is no kernel and
-//! nothing is measured.
+//! `COTRAIN_CPU_KERNELS`: `auto` (the default, as above), `on` (the kernels for every product),
+//! `off` (libtorch for everything, the fused step included), `probe` (measure again now and pin the
+//! new answer). Without AVX-512F there is no kernel and nothing is measured.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -28,9 +37,9 @@ use tch::{Device, Kind, Tensor};
 pub const ENV: &str = "COTRAIN_CPU_KERNELS";
 
 /// Bumped when the kernels change enough that pinned answers should be measured again.
-const KERNEL_REVISION: u32 = 2;
+const KERNEL_REVISION: u32 = 4;
 
-/// What was decided, and on what grounds.
+/// What was decided for the products of one dtype, and on what grounds.
 #[derive(Clone, Debug)]
 pub struct Decision {
     /// cotrain's kernels serve decode steps.
@@ -66,9 +75,23 @@ pub fn decision(kind: Kind) -> &'static Decision {
     })
 }
 
-/// Whether cotrain's kernels serve decode steps of weights of `kind` (see the module docs).
+/// Whether cotrain's matrix kernel serves the products of weights of `kind` (see the module docs).
 pub fn own_kernels(kind: Kind) -> bool {
     decision(kind).own_kernels
+}
+
+/// Whether decode steps run as cotrain's fused step (see the module docs): AVX-512F, unless
+/// `COTRAIN_CPU_KERNELS=off`.
+pub fn fused_decode() -> bool {
+    static FUSED: OnceLock<bool> = OnceLock::new();
+    *FUSED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = super::gemm_f32::is_available();
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx512 = false;
+        let off = matches!(std::env::var(ENV).unwrap_or_default().trim().to_ascii_lowercase().as_str(), "off" | "0" | "false");
+        avx512 && !off
+    })
 }
 
 /// cotrain's cache directory, as `scripts/setup.sh` names it: `$COTRAIN_CACHE`, else
@@ -202,15 +225,23 @@ mod pin {
 }
 
 /// Summed medians (µs) over the probe's row counts: cotrain's kernel, libtorch's route, for
-/// weights of `kind`. Deterministic inputs: the probe must not draw from libtorch's generator.
+/// weights of `kind`. The weights are decoder layers of the default model's shapes (SmolLM2-135M:
+/// q, k, v, o, gate, up, down of a 576-wide model with 192-wide k/v and a 1536-wide MLP), 42 MB of
+/// them: a step's mix of large and small products, each call's own overhead included, which a
+/// probe of a few large matrices misses (libtorch's bf16 route measured even with the kernel on
+/// such matrices and 1.3–2× slower on the model's), each route as the fused decode step calls it.
+/// Deterministic inputs: the probe must not draw from libtorch's generator.
 #[cfg(target_arch = "x86_64")]
 pub fn probe(kind: Kind) -> (f64, f64) {
     let _guard = tch::no_grad_guard();
-    let (n, k) = (1536i64, 576i64);
-    // 42 MB of weights either way: more than the L3 caches of the CPUs this runs on.
-    let count = if kind == Kind::Float { 12 } else { 24 };
-    let weights: Vec<Tensor> = (0..count)
-        .map(|i| {
+    const LAYER: [(i64, i64); 7] = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)];
+    // 14.2 MB per layer in f32: 3 layers in f32, 6 in bf16, more than the L3 caches of the CPUs
+    // this runs on, so the weights stream from memory as a model's do.
+    let layers = if kind == Kind::Float { 3 } else { 6 };
+    let weights: Vec<Tensor> = (0..layers)
+        .flat_map(|_| LAYER)
+        .enumerate()
+        .map(|(i, (n, k))| {
             let w = (Tensor::arange(n * k, (Kind::Float, Device::Cpu)) * (0.37 + 0.01 * i as f64)).sin().reshape([n, k]) * 0.05;
             w.to_kind(kind)
         })
@@ -226,17 +257,26 @@ pub fn probe(kind: Kind) -> (f64, f64) {
     };
     let (mut ours, mut theirs) = (0.0, 0.0);
     for m in [1i64, 8, 32] {
-        let x = (Tensor::arange(m * k, (Kind::Float, Device::Cpu)) * 0.11).cos().reshape([m, k]);
-        // The plain route of a model of this dtype: its activations are of that dtype too.
-        let x_lib = x.to_kind(kind);
+        // Both routes as the fused decode step runs them: f32 rows on flat buffers in and out.
+        let m = m as usize;
+        let x: Vec<f32> = (0..m * 1536).map(|i| (i as f32 * 0.11).cos()).collect();
+        let (mut out_k, mut out_l) = (vec![0f32; m * 1536], vec![0f32; m * 1536]);
+        let threads = tch::get_num_threads().max(1) as usize;
         let mut kernel = || {
             for w in &weights {
-                let _ = std::hint::black_box(super::kernel_linear_nt(&x, w));
+                let (n, k) = (w.size()[0] as usize, w.size()[1] as usize);
+                // SAFETY: a contiguous CPU tensor of n·k elements of its kind, read-only here.
+                unsafe {
+                    match kind {
+                        Kind::BFloat16 => super::gemm_f32::matmul_nt(&x[..m * k], std::slice::from_raw_parts(w.data_ptr() as *const half::bf16, n * k), &mut out_k, m, n, k, threads),
+                        _ => super::gemm_f32::matmul_nt(&x[..m * k], std::slice::from_raw_parts(w.data_ptr() as *const f32, n * k), &mut out_k, m, n, k, threads),
+                    }
+                }
             }
         };
         let mut libtorch = || {
             for w in &weights {
-                let _ = std::hint::black_box(crate::families::transformer::libtorch_linear(&x_lib, w, None));
+                crate::families::transformer::libtorch_product_into(&x, m, w, None, &mut out_l);
             }
         };
         kernel();

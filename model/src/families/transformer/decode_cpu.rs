@@ -6,7 +6,10 @@
 //! halves the bytes a step streams. It computes what the generic path of
 //! [`CausalLm::forward_hidden_cached`] computes (the tests compare the two; for bf16 within the
 //! rounding of that path's bf16 activations), and serves that method when it applies: f32 or bf16
-//! on CPU, AVX-512F, nothing for autograd to record, contiguous weights.
+//! on CPU, AVX-512F, nothing for autograd to record, contiguous weights. Whether the weight
+//! products inside it run in cotrain's matrix kernel or in libtorch is the dispatch's measured
+//! decision for the dtype ([`crate::kernels::dispatch`]); the rest of the step is plain loops either
+//! way, which do the same arithmetic as libtorch's ops with none of their per-op overhead.
 //! Its writes to the cache go through raw pointers and so do not bump libtorch's version counters;
 //! that is sound because decoding runs with nothing recorded (no graph has saved the cache).
 
@@ -84,7 +87,7 @@ impl CausalLm {
             || !matches!(self.kind, Kind::Float | Kind::BFloat16)
             || self.device != Device::Cpu
             || cache.kind != self.kind
-            || !crate::kernels::dispatch::own_kernels(self.kind)
+            || !crate::kernels::dispatch::fused_decode()
         {
             return false;
         }
@@ -161,6 +164,10 @@ impl CausalLm {
             cfg.head_dim,
         );
         let threads = tch::get_num_threads().max(1) as usize;
+        let own_products = crate::kernels::dispatch::own_kernels(self.kind);
+        let project = |lin: &Linear, x: &[f32], rows: usize, out: &mut [f32]| {
+            project::<W>(lin, x, rows, out, threads, own_products)
+        };
         let positions: Vec<usize> = starts.iter().map(|&s| s as usize).collect();
         let lens: Vec<usize> = positions.iter().map(|p| p + 1).collect();
         let max_pos = positions.iter().copied().max().unwrap_or(0);
@@ -196,9 +203,9 @@ impl CausalLm {
         for (layer, (ck, cv)) in self.layers.iter().zip(&cache.layers) {
             let a = &layer.self_attn;
             norm::<W>(&layer.input_layernorm, &x, &mut s.normed);
-            project::<W>(&a.q_proj, &s.normed, rows, &mut s.q, threads);
-            project::<W>(&a.k_proj, &s.normed, rows, &mut s.k, threads);
-            project::<W>(&a.v_proj, &s.normed, rows, &mut s.v, threads);
+            project(&a.q_proj, &s.normed, rows, &mut s.q);
+            project(&a.k_proj, &s.normed, rows, &mut s.k);
+            project(&a.v_proj, &s.normed, rows, &mut s.v);
             if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
                 norm_in_place::<W>(qn, &mut s.q);
                 norm_in_place::<W>(kn, &mut s.k);
@@ -220,13 +227,13 @@ impl CausalLm {
                 &mut s.attn,
                 threads,
             );
-            project::<W>(&a.o_proj, &s.attn, rows, &mut s.out, threads);
+            project(&a.o_proj, &s.attn, rows, &mut s.out);
             ops::add_assign(&mut x, &s.out);
             norm::<W>(&layer.post_attention_layernorm, &x, &mut s.normed);
-            project::<W>(&layer.mlp.gate_proj, &s.normed, rows, &mut s.gate, threads);
-            project::<W>(&layer.mlp.up_proj, &s.normed, rows, &mut s.up, threads);
+            project(&layer.mlp.gate_proj, &s.normed, rows, &mut s.gate);
+            project(&layer.mlp.up_proj, &s.normed, rows, &mut s.up);
             ops::silu_mul(&mut s.gate, &s.up);
-            project::<W>(&layer.mlp.down_proj, &s.gate, rows, &mut s.out, threads);
+            project(&layer.mlp.down_proj, &s.gate, rows, &mut s.out);
             ops::add_assign(&mut x, &s.out);
         }
         norm::<W>(&self.norm, &x, &mut s.normed);
@@ -234,9 +241,15 @@ impl CausalLm {
     }
 }
 
-/// `out = x · wᵀ (+ b)` for `rows` rows.
-fn project<W: Elem>(lin: &Linear, x: &[f32], rows: usize, out: &mut [f32], threads: usize) {
+/// `out = x · wᵀ (+ b)` for `rows` rows: through cotrain's matrix kernel when `own_products` (the
+/// dispatch's measured decision for this dtype), else through libtorch's route for a model of this
+/// dtype (the rows rounded to it, as libtorch's own decode step would have them).
+fn project<W: Elem>(lin: &Linear, x: &[f32], rows: usize, out: &mut [f32], threads: usize, own_products: bool) {
     let (n, k) = (lin.weight.size()[0] as usize, lin.weight.size()[1] as usize);
+    if !own_products {
+        super::libtorch_product_into(x, rows, &lin.weight, lin.bias.as_ref(), out);
+        return;
+    }
     // SAFETY: `fast_decode_applies` checked the weight and bias: contiguous, of the model's kind,
     // on CPU, not written during the step.
     let w = unsafe { elems::<W>(&lin.weight) };
@@ -255,4 +268,44 @@ fn norm<W: Elem>(n: &RmsNorm, x: &[f32], out: &mut [f32]) {
 fn norm_in_place<W: Elem>(n: &RmsNorm, x: &mut [f32]) {
     let copy = x.to_vec();
     norm::<W>(n, &copy, x);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loader::{LoadOptions, load_hf_weights};
+
+    /// Both routes of the fused step's products give the same projection (qwen2: with biases):
+    /// exactly the same arithmetic for f32 up to summation order, and for bf16 up to libtorch
+    /// rounding the rows to bf16.
+    #[test]
+    fn products_through_the_kernel_and_through_libtorch_agree() {
+        if !gemm_f32::is_available() {
+            return;
+        }
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/qwen2");
+        for (kind, tol) in [(Kind::Float, 1e-5f32), (Kind::BFloat16, 2e-2)] {
+            let (_vs, model) = load_hf_weights(&dir, &LoadOptions { kind, ..Default::default() }).unwrap();
+            let lin = &model.layers[0].self_attn.q_proj;
+            assert!(lin.bias.is_some());
+            let (n, k) = (lin.weight.size()[0] as usize, lin.weight.size()[1] as usize);
+            let rows = 5;
+            let x: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+            let (mut ours, mut theirs) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+            let _guard = tch::no_grad_guard();
+            match kind {
+                Kind::Float => {
+                    project::<f32>(lin, &x, rows, &mut ours, 2, true);
+                    project::<f32>(lin, &x, rows, &mut theirs, 2, false);
+                }
+                _ => {
+                    project::<bf16>(lin, &x, rows, &mut ours, 2, true);
+                    project::<bf16>(lin, &x, rows, &mut theirs, 2, false);
+                }
+            }
+            let scale = theirs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = ours.iter().zip(&theirs).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(scale > 0.0 && diff <= tol * scale.max(1.0), "{kind:?}: max |diff| {diff} at scale {scale}");
+        }
+    }
 }
