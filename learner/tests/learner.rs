@@ -154,6 +154,35 @@ fn overrides_are_typed_and_checked() {
     assert!(e.contains("magrpo.num_agents: invalid type"), "{e}");
 }
 
+/// `rollout.dtype` and `model.matmul_dtype`: values are checked naming the key, `auto` follows
+/// `model.dtype`, a mismatch turns the behaviour-policy correction on, and the maporl trainer, whose
+/// products do not take `matmul_dtype`, refuses it rather than ignore it.
+#[test]
+fn precision_keys_are_checked_and_maporl_refuses_bf16_products() {
+    let base = fixture("base.yaml");
+    let load = |ov: &[&str]| load_config(&base, &ov.iter().map(|s| s.to_string()).collect::<Vec<_>>(), &LegacyFlags::default());
+    let e = load(&["rollout.dtype=fp8"]).unwrap_err().to_string();
+    assert!(e.contains("rollout.dtype: unknown variant `fp8`"), "{e}");
+    let e = load(&["model.matmul_dtype=f64"]).unwrap_err().to_string();
+    assert!(e.contains("model.matmul_dtype: unknown variant `f64`"), "{e}");
+    let plain = load(&[]).unwrap();
+    assert_eq!(cotrain_learner::trainer::rollout_kind(&plain), Kind::Float);
+    assert!(cotrain_learner::trainer::matmul_kind(&plain).is_none() && !cotrain_learner::trainer::rollout_precision_differs(&plain));
+    let same = load(&["model.dtype=bf16", "rollout.dtype=bfloat16"]).unwrap();
+    assert!(!cotrain_learner::trainer::rollout_precision_differs(&same));
+    let rollouts = load(&["rollout.dtype=bf16"]).unwrap();
+    assert_eq!(cotrain_learner::trainer::rollout_kind(&rollouts), Kind::BFloat16);
+    assert!(cotrain_learner::trainer::rollout_precision_differs(&rollouts));
+    let products = load(&["model.matmul_dtype=bf16"]).unwrap();
+    assert_eq!(cotrain_learner::trainer::matmul_kind(&products), Some(Kind::BFloat16));
+    assert!(cotrain_learner::trainer::rollout_precision_differs(&products));
+
+    let maporl = load_config(&repo().join("configs/maporl_gsm8k_config.yaml"), &["model.matmul_dtype=bf16".into()], &LegacyFlags::default()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let e = cotrain_learner::maporl::train(&maporl, tmp.path().join("run")).unwrap_err().to_string();
+    assert!(e.contains("model.matmul_dtype is built for the GRPO/MAGRPO trainer"), "{e}");
+}
+
 #[test]
 fn each_legacy_flag_changes_the_config() {
     let base = fixture("base.yaml");

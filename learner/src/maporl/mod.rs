@@ -96,6 +96,12 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
 /// Launched as one of several ranks, each discusses its share of every step's questions and takes
 /// its share of every PPO mini-batch (see [`update::ppo_update`]); rank 0 writes the run.
 pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, TrainError> {
+    if crate::trainer::matmul_kind(cfg).is_some() {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: model.matmul_dtype is built for the GRPO/MAGRPO trainer; the maporl trainer's products run in model.dtype              (set model.dtype: bf16 to train adapters and critics in bf16, or remove model.matmul_dtype)",
+            cfg.source.display()
+        )));
+    }
     let dist = crate::dist::init(cfg.raw.learner.backend, crate::trainer::load_options(cfg).device)?;
     if dist.world() > 1 && cfg.raw.learner.placement == crate::config::Placement::Agent {
         return Err(TrainError::NotBuilt(format!(
