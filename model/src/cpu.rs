@@ -30,9 +30,7 @@ impl CpuFacts {
     /// Reads /proc/cpuinfo and measures the FMA widths (about 20 ms).
     pub fn probe() -> Self {
         let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let field = |key: &str| {
-            info.lines().find(|l| l.split(':').next().is_some_and(|k| k.trim() == key)).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string())
-        };
+        let field = |key: &str| cpuinfo_field(&info, key);
         let flags = field("flags").unwrap_or_default();
         let has = |f: &str| flags.split_whitespace().any(|x| x == f);
         let avx512f = has("avx512f");
@@ -122,13 +120,7 @@ impl Roofline {
 /// 25, model 17, stepping 1)`; what the kernels' dispatch pins its measured answers to.
 pub fn identity() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |key: &str| {
-        info.lines()
-            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == key))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_string())
-            .unwrap_or_else(|| "?".into())
-    };
+    let field = |key: &str| cpuinfo_field(&info, key).unwrap_or_else(|| "?".into());
     format!(
         "{} (family {}, model {}, stepping {})",
         field("model name"),
@@ -136,6 +128,14 @@ pub fn identity() -> String {
         field("model"),
         field("stepping")
     )
+}
+
+/// The value of the first `key : value` line of /proc/cpuinfo's text `info` (the first CPU's).
+fn cpuinfo_field(info: &str, key: &str) -> Option<String> {
+    info.lines()
+        .find(|l| l.split(':').next().is_some_and(|k| k.trim() == key))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string())
 }
 
 /// The 512-bit over the 256-bit FMA rate on this thread, best of a few rounds.

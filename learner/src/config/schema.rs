@@ -692,6 +692,17 @@ pub enum Precision {
     Bf16,
 }
 
+impl Precision {
+    /// The libtorch dtype, `auto` being `params` (the parameters' dtype).
+    pub fn kind(self, params: tch::Kind) -> tch::Kind {
+        match self {
+            Precision::Auto => params,
+            Precision::F32 => tch::Kind::Float,
+            Precision::Bf16 => tch::Kind::BFloat16,
+        }
+    }
+}
+
 /// `rollout.weight_dtype`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -123,22 +123,14 @@ pub fn load_options(cfg: &CheckedConfig) -> LoadOptions {
 
 /// The precision rollouts are drawn in (`rollout.dtype`; `auto`: the policy's own).
 pub fn rollout_kind(cfg: &CheckedConfig) -> Kind {
-    match cfg.raw.rollout.dtype {
-        crate::config::Precision::Auto => load_options(cfg).kind,
-        crate::config::Precision::F32 => Kind::Float,
-        crate::config::Precision::Bf16 => Kind::BFloat16,
-    }
+    cfg.raw.rollout.dtype.kind(load_options(cfg).kind)
 }
 
 /// The dtype of the trained policies' products when it is not their parameters'
 /// (`model.matmul_dtype`), for [`cotrain_model::CausalLm::set_matmul_kind`].
 pub fn matmul_kind(cfg: &CheckedConfig) -> Option<Kind> {
     let params = load_options(cfg).kind;
-    let kind = match cfg.raw.model.matmul_dtype {
-        crate::config::Precision::Auto => params,
-        crate::config::Precision::F32 => Kind::Float,
-        crate::config::Precision::Bf16 => Kind::BFloat16,
-    };
+    let kind = cfg.raw.model.matmul_dtype.kind(params);
     (kind != params).then_some(kind)
 }
 
