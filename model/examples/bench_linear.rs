@@ -8,10 +8,13 @@
 //! 16 rows, `x.linear(w)` beyond), `mkldnn` is oneDNN's `mkldnn_linear` on a weight converted once,
 //! `kernel` the AVX-512 kernel; then the same for bf16 weights (`torch bf16`: `x.linear(w)` with
 //! both in bf16, as libtorch decodes a bf16 model; `kernel bf16`: f32 rows against the bf16
-//! weights, as cotrain's decode step runs them); then the largest difference from `x.linear(w)`.
+//! weights, as cotrain's decode step runs them); `dot` / `dot bf16` are the kernel with its
+//! broadcast path turned off (dot-product tiles at every row count), to compare the two paths;
+//! then the largest difference from `x.linear(w)`.
 
 use std::time::Instant;
 
+use cotrain_model::kernels::gemm_f32;
 use cotrain_model::kernels::kernel_linear_nt as linear_nt;
 use cotrain_model::loader;
 use tch::{Kind, Tensor};
@@ -96,8 +99,8 @@ fn main() -> anyhow::Result<()> {
         tch::get_num_threads()
     );
     println!(
-        "{:>5} {:>10} {:>10} {:>10} {:>15} {:>16} {:>12}",
-        "rows", "torch ms", "mkldnn ms", "kernel ms", "torch bf16 ms", "kernel bf16 ms", "max |diff|"
+        "{:>5} {:>10} {:>10} {:>10} {:>8} {:>15} {:>16} {:>13} {:>12}",
+        "rows", "torch ms", "mkldnn ms", "kernel ms", "dot ms", "torch bf16 ms", "kernel bf16 ms", "dot bf16 ms", "max |diff|"
     );
     for &b in &rows {
         let x576 = Tensor::randn([b, 576], (Kind::Float, tch::Device::Cpu));
@@ -122,6 +125,7 @@ fn main() -> anyhow::Result<()> {
         }
         let (mut tt, mut tm, mut tk) = (f64::MAX, f64::MAX, f64::MAX);
         let (mut tbt, mut tbk) = (f64::MAX, f64::MAX);
+        let (mut td, mut tbd) = (f64::MAX, f64::MAX);
         for _ in 0..reps {
             tt = tt.min(time_step(&ws, &xs, &torch_route));
             if mkldnn {
@@ -135,9 +139,14 @@ fn main() -> anyhow::Result<()> {
             tk = tk.min(time_step(&ws, &xs, &|x, w| linear_nt(x, w).unwrap()));
             tbt = tbt.min(time_step(&wb, &|k| xs(k).to_kind(Kind::BFloat16), &|x, w| x.linear::<Tensor>(w, None)));
             tbk = tbk.min(time_step(&wb, &xs, &|x, w| linear_nt(x, w).unwrap()));
+            // The kernel's dot-product tiles at every row count (the broadcast path off).
+            gemm_f32::set_broadcast_min_rows([usize::MAX; 2]);
+            td = td.min(time_step(&ws, &xs, &|x, w| linear_nt(x, w).unwrap()));
+            tbd = tbd.min(time_step(&wb, &xs, &|x, w| linear_nt(x, w).unwrap()));
+            gemm_f32::set_broadcast_min_rows(gemm_f32::BROADCAST_MIN_ROWS);
         }
         println!(
-            "{b:>5} {tt:>10.1} {:>10} {tk:>10.1} {tbt:>15.1} {tbk:>16.1} {diff:>12.2e}",
+            "{b:>5} {tt:>10.1} {:>10} {tk:>10.1} {td:>8.1} {tbt:>15.1} {tbk:>16.1} {tbd:>13.1} {diff:>12.2e}",
             if mkldnn {
                 format!("{tm:.1}")
             } else {

@@ -1,4 +1,5 @@
-//! `y = x · wᵀ` for a few rows of f32 `x`, with AVX-512 dot products over `w`'s rows, in f32
+//! `y = x · wᵀ` for a few rows of f32 `x`, with AVX-512 dot products over `w`'s rows (many rows:
+//! broadcasts, [`super::gemm_broadcast`]), in f32
 //! arithmetic whatever the weights' element type ([`Elem`]: f32, or bf16 widened as it is loaded,
 //! which halves the bytes streamed per decode step).
 //!
@@ -30,9 +31,12 @@
 //! Since MKL takes its AVX-512 path here ([`crate::mkl_dispatch`]) its large matmuls run at 470–500
 //! GFLOP/s, but not these shapes: a later run (quieter machine) gave 20.6 / 21.5 / 19.6 / 21.3 / 59.9 /
 //! 61.1 ms for the libtorch route against 9.9 / 11.2 / 12.7 / 20.0 / 29.5 / 48.3 ms for this kernel at
-//! 1 / 2 / 8 / 16 / 32 / 64 rows. The kernel's inner loop tops out near 300 GFLOP/s even with the
-//! weights in cache (8×2 tiles measured the same as 4×4); a packed-weight (broadcast) kernel is the
-//! next step for 32+ rows.
+//! 1 / 2 / 8 / 16 / 32 / 64 rows. The dot-product tiles top out near 300 GFLOP/s even with the
+//! weights in cache (8×2 tiles measured the same as 4×4), and near 125 GFLOP/s on split AVX-512
+//! units (Zen 4), where their horizontal sums and input reloads cost as much as the multiply-adds
+//! they feed. From [`BROADCAST_MIN_ROWS`] input rows the product therefore takes
+//! [`super::gemm_broadcast`] instead (inputs transposed, weights broadcast, no horizontal sums): on
+//! Zen 4 that is 24.8 against 29.5 ms per decode step at 8 rows, 47–49 against 70–72 at 32.
 //!
 //! Threads come from libtorch's own OpenMP team (`GOMP_parallel`, found at run time): the team
 //! spin-waits after each of libtorch's parallel regions, so a thread of our own would compete with
@@ -41,6 +45,7 @@
 use std::arch::x86_64::*;
 use std::ffi::{c_uint, c_void};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::elem::Elem;
 use super::omp::{OmpGetThreadNum, gomp};
@@ -51,6 +56,25 @@ const NR: usize = 4;
 /// fit 6 rows into the 32 zmm registers, but LLVM then spills accumulators inside the loop (18
 /// stack accesses per 24 FMAs at 6 rows, 10 at 5, none at 4).
 const MR: usize = 4;
+
+/// Input rows from which [`matmul_nt`] transposes the inputs and broadcasts the weights
+/// ([`super::gemm_broadcast`]) instead of running dot-product tiles, for f32 and bf16 weights, unless
+/// [`set_broadcast_min_rows`] changed them. Measured over the default model's 211 matrices on Zen 4
+/// (`examples/bench_linear`, ms per decode step): f32 24.6 against 27.0 at 6 rows, 24.8 against
+/// 29.5 at 8, 49.1 against 72.2 at 32 (a tie at 4); bf16 27.4 against 20.0 at 8 rows (widening
+/// each tile's rows to f32 costs what the halved bytes save), 25.9 against 29.2 at 16.
+pub const BROADCAST_MIN_ROWS: [usize; 2] = [6, 16];
+
+static BROADCAST_FROM: [AtomicUsize; 2] = [AtomicUsize::new(BROADCAST_MIN_ROWS[0]), AtomicUsize::new(BROADCAST_MIN_ROWS[1])];
+
+/// Moves the row counts (f32, bf16 weights) from which the broadcast path runs (`usize::MAX`:
+/// never), process-wide, so that benchmarks and tests can run both paths on the same shapes.
+/// Either path computes the same products up to the order of the additions.
+pub fn set_broadcast_min_rows(rows: [usize; 2]) {
+    for (slot, r) in BROADCAST_FROM.iter().zip(rows) {
+        slot.store(r, Ordering::Relaxed);
+    }
+}
 
 /// Whether [`matmul_nt`] can run here (the CPU has AVX-512F).
 pub fn is_available() -> bool {
@@ -88,7 +112,7 @@ pub fn matmul_nt<W: Elem>(
         n,
         k,
     };
-    let blocks = n.div_ceil(NR);
+    let blocks = n.div_ceil(job.block());
     // Below a few hundred kFLOP a second thread costs more to wake than it saves.
     let threads = if 2 * m * n * k < 1 << 18 {
         1
@@ -116,7 +140,7 @@ pub fn matmul_nt<W: Elem>(
             };
         }
         // SAFETY: the asserts above bound every index `run` touches; AVX-512F is present.
-        _ => unsafe { run(&job, 0, n) },
+        _ => unsafe { job.run(0, n) },
     }
 }
 
@@ -128,6 +152,35 @@ struct Job<W> {
     m: usize,
     n: usize,
     k: usize,
+}
+
+impl<W: Elem> Job<W> {
+    /// Whether this product takes the broadcast path.
+    fn broadcast(&self) -> bool {
+        let slot = usize::from(!matches!(W::KIND, tch::Kind::Float));
+        self.m >= BROADCAST_FROM[slot].load(Ordering::Relaxed)
+    }
+
+    /// Weight rows per unit of work: threads split the weights in whole blocks.
+    fn block(&self) -> usize {
+        if self.broadcast() { super::gemm_broadcast::BLOCK } else { NR }
+    }
+
+    /// Weight rows `[n_lo, n_hi)`, by the path [`Self::block`] chose.
+    ///
+    /// # Safety
+    /// As for [`run`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run(&self, n_lo: usize, n_hi: usize) {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            if self.broadcast() {
+                super::gemm_broadcast::run(self.x, self.w, self.y, self.m, self.n, self.k, n_lo, n_hi)
+            } else {
+                run(self, n_lo, n_hi)
+            }
+        }
+    }
 }
 
 /// Weight rows `[n_lo, n_hi)` of `job`: every output column in that range, for every input row.
@@ -319,14 +372,15 @@ extern "C" fn gomp_part<W: Elem>(data: *mut c_void) {
     // SAFETY: called inside a parallel region, as libgomp requires.
     let (t, team) = unsafe { ((data.omp_get_thread_num)(), (data.omp_get_num_threads)()) };
     let (t, team) = (t.max(0) as usize, team.max(1) as usize);
-    let blocks = data.job.n.div_ceil(NR);
-    let share = |t: usize| (blocks * t / data.threads * NR).min(data.job.n);
+    let block = data.job.block();
+    let blocks = data.job.n.div_ceil(block);
+    let share = |t: usize| (blocks * t / data.threads * block).min(data.job.n);
     // libgomp may give a smaller team than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC, a nested region):
     // then a thread takes every `team`-th share, so that every column is still written.
     for part in (t..data.threads).step_by(team) {
         // SAFETY: shares of different parts are disjoint and within `n`, and each part runs on one
         // thread; `matmul_nt` checked AVX-512F and the buffers.
-        unsafe { run(data.job, share(part), share(part + 1)) };
+        unsafe { data.job.run(share(part), share(part + 1)) };
     }
 }
 

@@ -15,6 +15,7 @@ pub mod dispatch;
 pub mod elem;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm_f32;
+mod gemm_broadcast;
 pub(crate) mod omp;
 
 pub use omp::set_threads_of_this_thread;
@@ -159,7 +160,8 @@ mod tests {
             return;
         }
         tch::manual_seed(5);
-        for (b, n, k) in [(1, 17, 33), (4, 193, 600), (8, 576, 576), (33, 66, 40)] {
+        // Below and above the rows where bf16 takes the broadcast path (`gemm_f32::BROADCAST_MIN_ROWS`).
+        for (b, n, k) in [(1, 17, 33), (4, 193, 600), (8, 576, 576), (16, 193, 600), (33, 66, 40), (70, 17, 33)] {
             let x = Tensor::randn([b, k], (Kind::Float, Device::Cpu));
             let w = (Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05).to_kind(Kind::BFloat16);
             let got = kernel_linear_nt(&x, &w).expect("kernel applies");
