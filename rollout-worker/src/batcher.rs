@@ -37,6 +37,9 @@ pub(crate) struct JobOutput {
 pub(crate) struct StagedUpdate {
     pub version: u64,
     pub tensors: HashMap<String, Tensor>,
+    /// Where the tensors go once copied into the parameters (`None`: dropped), for the next
+    /// update to read into.
+    pub keep: Option<crate::weights::Staging>,
 }
 
 pub(crate) enum Command {
@@ -252,6 +255,9 @@ impl EngineLoop {
                     info!(model = %self.model_id, version = self.version, tensors = update.tensors.len(),
                         swap_ms = started.elapsed().as_millis() as u64, "weights swapped");
                     let _ = reply.send(Ok(self.version));
+                    if let Some(staging) = update.keep {
+                        staging.keep(update.tensors);
+                    }
                 }
                 Err(e) => {
                     self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "rejected"]).inc();

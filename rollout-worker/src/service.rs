@@ -160,8 +160,8 @@ impl Rollout for RolloutService {
             None => return Err(WorkerError::BadUpdate("empty stream".into()).into()),
         };
         let agent = header.agent.clone();
-        let (params, current) = self.worker.update_target(&agent)?;
-        let mut assembler = UpdateAssembler::new(header, params, current)?;
+        let (params, current, staging) = self.worker.update_target(&agent)?;
+        let mut assembler = UpdateAssembler::new(header, params, current)?.with_staging(staging);
         let started = std::time::Instant::now();
         let mut shm = None;
         let mut chunks = 0usize;

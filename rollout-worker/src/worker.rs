@@ -26,7 +26,7 @@ use tracing::info;
 use crate::batcher::{Command, EngineLoop, JobOutput, LoopState, StagedUpdate};
 use crate::error::{Result, WorkerError};
 use crate::metrics::Metrics;
-use crate::weights::CompleteUpdate;
+use crate::weights::{CompleteUpdate, Staging};
 
 /// A parameter's name and shape.
 pub type ParameterShape = (String, Vec<i64>);
@@ -153,6 +153,8 @@ pub(crate) struct ModelSlot {
     pub state: Arc<LoopState>,
     /// The pristine weights adapter updates are merged into.
     pub base: Arc<BaseWeights>,
+    /// Buffers whole-tensor updates read into (see [`Staging`]).
+    pub staging: Staging,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -410,6 +412,7 @@ impl Worker {
             tx,
             state,
             base,
+            staging: Staging::default(),
             thread: Some(thread),
         })
     }
@@ -619,13 +622,14 @@ impl Worker {
         Ok(GenerateOutput { model: slot.id.clone(), completions })
     }
 
-    /// Parameter shapes and current version of `agent`'s model, to start assembling an update.
-    pub fn update_target(&self, agent: &str) -> Result<(HashMap<String, Vec<i64>>, u64)> {
+    /// Parameter shapes, current version and staging buffers of `agent`'s model, to start
+    /// assembling an update.
+    pub fn update_target(&self, agent: &str) -> Result<(HashMap<String, Vec<i64>>, u64, Staging)> {
         let slot = self.slot(agent).map_err(|e| match e {
             WorkerError::InvalidArgument { message, .. } => WorkerError::invalid("header.agent", message),
             e => e,
         })?;
-        Ok((slot.params.clone(), slot.state.policy_version.load(Ordering::SeqCst)))
+        Ok((slot.params.clone(), slot.state.policy_version.load(Ordering::SeqCst), slot.staging.clone()))
     }
 
     /// Swaps in a validated update between decode steps (after the jobs in the engine finish on
@@ -640,6 +644,9 @@ impl Worker {
         let version = update.version;
         // Conversion to the model's dtype and device (and any merge) happens here, off the engine
         // loop, so the loop pauses only for the copy into the parameters.
+        // A plain update's tensors are the assembler's buffers (or their conversion): the slot keeps
+        // them for the next update. A merged adapter's are not, they may share the base's storage.
+        let keep = update.lora_scaling.is_none().then(|| slot.staging.clone());
         let tensors = match update.lora_scaling {
             None => tokio::task::spawn_blocking(move || update.into_tensors(kind, device))
                 .await
@@ -657,7 +664,7 @@ impl Worker {
         };
         let (reply, rx) = oneshot::channel();
         slot.tx
-            .send(Command::Update { update: StagedUpdate { version, tensors }, reply })
+            .send(Command::Update { update: StagedUpdate { version, tensors, keep }, reply })
             .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))?;
         let version = rx.await.map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
         Ok((slot.id.clone(), version, slot.agents.clone()))
