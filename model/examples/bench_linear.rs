@@ -1,7 +1,7 @@
 //! Decode-step matmuls: libtorch against `kernels::gemm_f32`, over every weight matrix of the
 //! default model (SmolLM2-135M: 211 of them), for a range of batch sizes.
 //!
-//!     cargo run --release -p cotrain-model --example bench_linear [-- --rows 1,2,8,16,32,64]
+//!     cargo run --release -p cotrain-model --example bench_linear [-- --rows 1,2,8,16,32,64 --threads 2]
 //!
 //! Prints milliseconds per decode step (all matrices once, output contiguous), best of the
 //! interleaved repetitions: `torch` is the route `linear()` took before the kernel (`(w·xᵀ)ᵀ` up to
@@ -54,6 +54,7 @@ fn main() -> anyhow::Result<()> {
     let mut rows = vec![1i64, 2, 8, 16, 32, 64];
     let mut reps = 5;
     let mut mkldnn = true;
+    let mut threads = 2;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -67,11 +68,13 @@ fn main() -> anyhow::Result<()> {
             }
             "--reps" => reps = it.next().unwrap().parse()?,
             "--no-mkldnn" => mkldnn = false,
+            // 1: as each engine of the learner's embedded worker runs (one per agent, the cores split).
+            "--threads" => threads = it.next().unwrap().parse()?,
             "--bench" => {}
             other => anyhow::bail!("unknown argument {other}"),
         }
     }
-    tch::set_num_threads(2);
+    tch::set_num_threads(threads);
     let _guard = tch::no_grad_guard();
     let model = loader::load("default", &Default::default())?;
     let ws: Vec<Tensor> = model
