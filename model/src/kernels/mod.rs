@@ -133,6 +133,8 @@ mod tests {
         if !gemm_f32::is_available() {
             return;
         }
+        // Both paths, whatever `COTRAIN_BROADCAST_MIN_ROWS` says (`make test` turns it off).
+        gemm_f32::set_broadcast_min_rows(gemm_f32::BROADCAST_MIN_ROWS);
         tch::manual_seed(0);
         for b in [1, 2, 3, 5, 6, 7, 8, 13, 16, 31, 32, 64, 70] {
             for (n, k) in [
@@ -160,6 +162,7 @@ mod tests {
             return;
         }
         tch::manual_seed(5);
+        gemm_f32::set_broadcast_min_rows(gemm_f32::BROADCAST_MIN_ROWS);
         // Below and above the rows where bf16 takes the broadcast path (`gemm_f32::BROADCAST_MIN_ROWS`).
         for (b, n, k) in [(1, 17, 33), (4, 193, 600), (8, 576, 576), (16, 193, 600), (33, 66, 40), (70, 17, 33)] {
             let x = Tensor::randn([b, k], (Kind::Float, Device::Cpu));
