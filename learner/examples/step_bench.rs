@@ -63,6 +63,27 @@ const PROMPT: &str = "You are a careful Python programmer. Write a function `rol
 of integers, returns the list of the running maximum at every position. For example rolling_max([1, 2, 3, 2, 3, 4, 2]) \
 returns [1, 2, 3, 3, 3, 4, 4]. Explain briefly, then give the code.";
 
+/// The process's minor page faults so far and its resident set: first-touch faults (zeroing fresh
+/// pages) are a cost of the first steps that warm steps should not pay.
+struct MemoryFacts {
+    minor_faults: u64,
+    rss_bytes: u64,
+}
+
+impl MemoryFacts {
+    /// From `/proc/self/stat` (field 10, minflt) and `/proc/self/statm` (resident pages); zeros where
+    /// the files are missing (not Linux).
+    fn now() -> Self {
+        let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+        // The command name (field 2) may hold spaces; the fields after its closing parenthesis start at 3.
+        let after_name = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
+        let minor_faults = after_name.split_whitespace().nth(7).and_then(|v| v.parse().ok()).unwrap_or(0);
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+        let pages: u64 = statm.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+        MemoryFacts { minor_faults, rss_bytes: pages * 4096 }
+    }
+}
+
 /// `b` merged into `a`, mappings key by key.
 fn deep_merge(a: serde_yaml_ng::Value, b: serde_yaml_ng::Value) -> serde_yaml_ng::Value {
     match (a, b) {
@@ -176,11 +197,13 @@ fn main() -> anyhow::Result<()> {
     eprintln!("prompt tokens: {}", prompt.len());
     let mut times = Vec::new();
     for s in 0..steps {
+        let faults = MemoryFacts::now();
         let t = Instant::now();
         let m = trainer.train_step(&[0])?;
         let secs = t.elapsed().as_secs_f64();
+        let after = MemoryFacts::now();
         eprintln!(
-            "cotrain step {}: {secs:.1} s (generate {:.1} s, reward {:.2} s, train {:.1} s [forward {:.1}, backward {:.1}, optimiser {:.1}], weight sync {:.1} s), {} tokens per completion, {} nodes, {} optimiser steps",
+            "cotrain step {}: {secs:.1} s (generate {:.1} s, reward {:.2} s, train {:.1} s [forward {:.1}, backward {:.1}, optimiser {:.1}], weight sync {:.1} s), {} tokens per completion, {} nodes, {} optimiser steps; {}k page faults, RSS {:.2} GB",
             s + 1,
             m["time/generate"],
             m["time/reward"],
@@ -191,7 +214,9 @@ fn main() -> anyhow::Result<()> {
             m["time/weight_sync"],
             m["completion_len/mean"],
             m.get("nodes_per_item").copied().unwrap_or(1.0),
-            m["optimizer_steps"]
+            m["optimizer_steps"],
+            after.minor_faults.saturating_sub(faults.minor_faults) / 1000,
+            after.rss_bytes as f64 / 1e9
         );
         if let Some(gap) = m.get("logprob_gap") {
             eprintln!("  rollout/training log-prob gap: {gap:.4} per token (mean |Δ|)");
