@@ -5,10 +5,16 @@
 //!    real `rollout-worker` serving one agent per adapter key: the PPO inputs in `rollouts.jsonl` obey
 //!    the per-token reward, GAE and return formulas, the workers serve the adapters the learner pushed
 //!    (adapter-only updates, versions counted), and adapters land in PEFT's layout.
-//! 2. A learning test: a toy discussion where only agent 0's question shows the answer, so agent 1 can
-//!    be right at turn 1 only by reading agent 0's turn-0 answer. After training, turn-1 accuracy must
-//!    be above turn-0 accuracy and above its own value before training; with LoRA adapters and with
-//!    full fine-tuning.
+//! 2. A learning test: a toy discussion where only agent 0's question shows the answer (agent 1's
+//!    reads `?`, so it cannot be right more than half the time on its own). After training, agent 1
+//!    must be right more than 3 times in 4 at turn 1, which it can only be by reading agent 0's turn-0
+//!    answer, and turn-1 accuracy must be above turn-0 accuracy; with LoRA adapters and with full
+//!    fine-tuning. Agent 0's turn-0 answers need not be the right digit for that: in these runs
+//!    agent 0 is right 0 or 5 times in 10 at turn 0, yet its answers differ with the digit, and agent
+//!    1 reads them (right 10 times in 10 at turn 1; the assertion prints every agent's figures).
+//!    The runs are seeded, and which seeds learn follows the rounding of the decode products (see
+//!    `make test`'s `COTRAIN_BROADCAST_MIN_ROWS=off`): of seeds 1-4 and 6 on the kernel's broadcast
+//!    path only seed 1 learned.
 
 use std::process::Command;
 use std::time::Duration;
@@ -257,16 +263,28 @@ fn train_digits_on(
     (run, metrics)
 }
 
-/// Asserts that agent 1 learned to read agent 0's answer: its turn-1 accuracy rose, and turn 1
-/// beats turn 0 after training.
+/// Asserts that agent 1 learned to read agent 0's turn-0 answer (above 0.75 at turn 1, where its own
+/// prompt allows 0.5, and 0.3 above its value before training) and that turn 1 beats turn 0 by 0.2
+/// after training. Prints every agent's accuracy at each turn before and after.
 fn assert_discussion_learned(metrics: &[serde_json::Value]) {
     let evals: Vec<&serde_json::Value> = metrics.iter().filter(|m| m["eval/accuracy/turn1"].is_number()).collect();
     let (first, last) = (evals.first().unwrap(), evals.last().unwrap());
     let acc = |m: &serde_json::Value, k: &str| m[k].as_f64().unwrap();
     let train_curve: Vec<(f64, f64)> = metrics.iter().filter(|m| m["accuracy/turn1"].is_number()).map(|m| (acc(m, "accuracy/turn0"), acc(m, "accuracy/turn1"))).collect();
-    println!("before: turn0 {} turn1 {}; after: turn0 {} turn1 {}; training (turn0, turn1): {train_curve:?}",
-        acc(first, "eval/accuracy/turn0"), acc(first, "eval/accuracy/turn1"), acc(last, "eval/accuracy/turn0"), acc(last, "eval/accuracy/turn1"));
-    assert!(acc(last, "eval/accuracy/turn1/agent1") >= acc(first, "eval/accuracy/turn1/agent1") + 0.3, "agent 1 did not learn to read agent 0's answer");
+    let per_agent = |m: &serde_json::Value| {
+        [(0, 0), (0, 1), (1, 0), (1, 1)].map(|(t, i)| format!("turn{t}/agent{i} {}", acc(m, &format!("eval/accuracy/turn{t}/agent{i}")))).join(", ")
+    };
+    println!(
+        "before: turn0 {} turn1 {} ({}); after: turn0 {} turn1 {} ({}); training (turn0, turn1): {train_curve:?}",
+        acc(first, "eval/accuracy/turn0"),
+        acc(first, "eval/accuracy/turn1"),
+        per_agent(first),
+        acc(last, "eval/accuracy/turn0"),
+        acc(last, "eval/accuracy/turn1"),
+        per_agent(last)
+    );
+    assert!(acc(last, "eval/accuracy/turn1/agent1") >= acc(first, "eval/accuracy/turn1/agent1") + 0.3, "agent 1's turn-1 accuracy did not rise");
+    assert!(acc(last, "eval/accuracy/turn1/agent1") > 0.75, "agent 1 did not learn to read agent 0's answer (its own prompt allows 0.5)");
     assert!(acc(last, "eval/accuracy/turn1") > acc(last, "eval/accuracy/turn0") + 0.2, "turn 1 must beat turn 0 after training");
 }
 
