@@ -24,14 +24,11 @@ demo: build
 # The suite runs cotrain's decode kernels wherever the CPU has AVX-512F (COTRAIN_CPU_KERNELS=on)
 # rather than the route measured and pinned for this CPU: the seeded learning tests' thresholds were
 # set on the kernels' rounding, and a measurement taken while the suite loads the machine (and of a
-# debug build's kernels) may pin libtorch. The measured dispatch has its own unit tests. For the same
-# reason the kernels' broadcast path for many-row products is off (COTRAIN_BROADCAST_MIN_ROWS=off):
-# it adds in another order, and two seeded MaPoRL tests end elsewhere with it; the kernel's own
-# tests turn it back on and check it against libtorch.
+# debug build's kernels) may pin libtorch. The measured dispatch has its own unit tests.
 test: setup
 	$(CARGO) build --workspace --bins
 	$(CARGO) build -p cotrain-learner --features cuda --lib
-	COTRAIN_CPU_KERNELS=on COTRAIN_BROADCAST_MIN_ROWS=off $(CARGO) test --workspace --no-fail-fast
+	COTRAIN_CPU_KERNELS=on $(CARGO) test --workspace --no-fail-fast
 	COTRAIN_BIN=target/debug bash deploy/test.sh
 
 bench-generate: setup

@@ -6,15 +6,11 @@
 //!    the per-token reward, GAE and return formulas, the workers serve the adapters the learner pushed
 //!    (adapter-only updates, versions counted), and adapters land in PEFT's layout.
 //! 2. A learning test: a toy discussion where only agent 0's question shows the answer (agent 1's
-//!    reads `?`, so it cannot be right more than half the time on its own). After training, agent 1
-//!    must be right more than 3 times in 4 at turn 1, which it can only be by reading agent 0's turn-0
-//!    answer, and turn-1 accuracy must be above turn-0 accuracy; with LoRA adapters and with full
-//!    fine-tuning. Agent 0's turn-0 answers need not be the right digit for that: in these runs
-//!    agent 0 is right 0 or 5 times in 10 at turn 0, yet its answers differ with the digit, and agent
-//!    1 reads them (right 10 times in 10 at turn 1; the assertion prints every agent's figures).
-//!    The runs are seeded, and which seeds learn follows the rounding of the decode products (see
-//!    `make test`'s `COTRAIN_BROADCAST_MIN_ROWS=off`): of seeds 1-4 and 6 on the kernel's broadcast
-//!    path only seed 1 learned.
+//!    reads `?`, so on its own it cannot be right more than half the time). After training, agent 0
+//!    answers its question at turn 0, agent 1 is right at turn 1 well above the half its own prompt
+//!    allows (it reads agent 0's turn-0 answer), and turn 1 beats turn 0; with LoRA adapters, with
+//!    full fine-tuning and with agents on different base models. The assertion prints every agent's
+//!    accuracy at each turn.
 
 use std::process::Command;
 use std::time::Duration;
@@ -168,7 +164,8 @@ fn maporl_gsm8k_config_runs_through_the_real_services() {
 }
 
 /// The committed tiny Llama cut to a 16-word vocabulary (`<pad> <s> </s> 0 … 9 ? x y`), so that a
-/// one-token answer is a digit often enough for PPO to learn from the first steps.
+/// one-token answer is a digit often enough for PPO to learn from the first steps, with its LM head
+/// scaled by [`HEAD_SCALE`].
 fn digit_model(dir: &std::path::Path) -> std::path::PathBuf {
     let src = workspace_root().join("model/tests/fixtures/tiny/llama");
     let out = dir.join("digit-llama");
@@ -177,7 +174,11 @@ fn digit_model(dir: &std::path::Path) -> std::path::PathBuf {
     let tensors: Vec<(String, tch::Tensor)> = tch::Tensor::read_safetensors(src.join("model.safetensors"))
         .unwrap()
         .into_iter()
-        .map(|(k, t)| if k.contains("embed_tokens") || k.contains("lm_head") { (k, t.narrow(0, 0, vocab).contiguous()) } else { (k, t) })
+        .map(|(k, t)| match k.as_str() {
+            "lm_head.weight" => (k, t.narrow(0, 0, vocab) * HEAD_SCALE),
+            _ if k.contains("embed_tokens") => (k, t.narrow(0, 0, vocab).contiguous()),
+            _ => (k, t),
+        })
         .collect();
     tch::Tensor::write_safetensors(&tensors, out.join("model.safetensors")).unwrap();
     let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
@@ -195,6 +196,21 @@ fn digit_model(dir: &std::path::Path) -> std::path::PathBuf {
     std::fs::write(out.join("tokenizer.json"), tokenizer.to_string()).unwrap();
     out
 }
+
+/// The untrained policy's logits scaled down, so that it spreads its answers. The fixture's own head
+/// put 0.97 on one token after a one-digit prompt: agent 0 then kept one answer for both digits,
+/// and whether agent 1 still found something to read in it, or every agent and turn drifted into
+/// one constant answer, followed the rounding of the decode products (of seeds 1-4 and 6 on the
+/// kernel's broadcast path, one learned; seed 6 learned on the dot-product path only, which is why
+/// `make test` used to turn the broadcast path off; one PPO epoch instead of four made the outcome
+/// the same on both paths but left agent 1 at half right). With the head at 0.3, seeds 1, 2, 3 and 6
+/// all learned what the assertions ask on the broadcast path, and seed 6 (the tests' seed) on both
+/// paths in all three learning tests; at 0.2 they learned too, seeds 1-3 ending identically on both.
+const HEAD_SCALE: f64 = 0.3;
+
+/// Training epochs (steps of 10 questions: two per epoch) of the LoRA runs: agent 1 learns to read
+/// agent 0 only after agent 0 has learned its question.
+const LORA_EPOCHS: usize = 120;
 
 /// Trains the toy discussion of [`digit_model`] with `learner train` (one extra line of `maporl`
 /// settings), and returns the run directory and its metrics.
@@ -263,9 +279,10 @@ fn train_digits_on(
     (run, metrics)
 }
 
-/// Asserts that agent 1 learned to read agent 0's turn-0 answer (above 0.75 at turn 1, where its own
-/// prompt allows 0.5, and 0.3 above its value before training) and that turn 1 beats turn 0 by 0.2
-/// after training. Prints every agent's accuracy at each turn before and after.
+/// Asserts what the discussion learned: agent 0 answers its own question at turn 0 (0.7 or more,
+/// and 0.5 above its value before training), agent 1 reads agent 0's answer (0.7 or more at turn 1,
+/// where its own prompt allows 0.5, and 0.2 above its turn-0 accuracy), and turn 1 beats turn 0.
+/// Prints every agent's accuracy at each turn before and after.
 fn assert_discussion_learned(metrics: &[serde_json::Value]) {
     let evals: Vec<&serde_json::Value> = metrics.iter().filter(|m| m["eval/accuracy/turn1"].is_number()).collect();
     let (first, last) = (evals.first().unwrap(), evals.last().unwrap());
@@ -283,15 +300,17 @@ fn assert_discussion_learned(metrics: &[serde_json::Value]) {
         acc(last, "eval/accuracy/turn1"),
         per_agent(last)
     );
-    assert!(acc(last, "eval/accuracy/turn1/agent1") >= acc(first, "eval/accuracy/turn1/agent1") + 0.3, "agent 1's turn-1 accuracy did not rise");
-    assert!(acc(last, "eval/accuracy/turn1/agent1") > 0.75, "agent 1 did not learn to read agent 0's answer (its own prompt allows 0.5)");
-    assert!(acc(last, "eval/accuracy/turn1") > acc(last, "eval/accuracy/turn0") + 0.2, "turn 1 must beat turn 0 after training");
+    let (a0_turn0, a1_turn0, a1_turn1) =
+        (acc(last, "eval/accuracy/turn0/agent0"), acc(last, "eval/accuracy/turn0/agent1"), acc(last, "eval/accuracy/turn1/agent1"));
+    assert!(a0_turn0 >= 0.7 && a0_turn0 >= acc(first, "eval/accuracy/turn0/agent0") + 0.5, "agent 0 did not learn to answer its question");
+    assert!(a1_turn1 >= 0.7 && a1_turn1 >= a1_turn0 + 0.2, "agent 1 did not learn to read agent 0's answer (its own prompt allows 0.5)");
+    assert!(acc(last, "eval/accuracy/turn1") > acc(last, "eval/accuracy/turn0"), "turn 1 must beat turn 0 after training");
 }
 
 #[test]
 fn training_makes_the_discussion_turn_beat_the_first_turn() {
     let tmp = tempfile::tempdir().unwrap();
-    let (_, metrics) = train_digits(tmp.path(), "", 60, 0.001, false, &[]);
+    let (_, metrics) = train_digits(tmp.path(), "", LORA_EPOCHS, 0.001, false, &[]);
     assert_discussion_learned(&metrics);
 }
 
@@ -324,7 +343,7 @@ fn full_fine_tuning_learns_the_discussion_and_saves_models() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no adapter to merge"), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
-const FULL_FT_EPOCHS: usize = 30;
+const FULL_FT_EPOCHS: usize = 60;
 const FULL_FT_LR: f64 = 1e-3;
 
 /// Agents on different base models (`model.agents`): each base is loaded once, each agent's
@@ -343,7 +362,7 @@ fn agents_on_different_base_models_train_their_own_adapters() {
     tch::Tensor::write_safetensors(&tensors, b.join("model.safetensors")).unwrap();
     let a = tmp.path().join("digit-llama");
     let agents = format!("model.agents=['{}', '{}']", a.display(), b.display());
-    let (run, metrics) = train_digits(tmp.path(), "", 60, 0.001, true, &[agents]);
+    let (run, metrics) = train_digits(tmp.path(), "", LORA_EPOCHS, 0.001, true, &[agents]);
     assert_discussion_learned(&metrics);
     for (key, base) in [("agent0.turn1", &a), ("agent1.turn1", &b), ("agent1.turn0", &b)] {
         let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("adapters").join(key).join("adapter_config.json")).unwrap()).unwrap();

@@ -64,12 +64,8 @@ const MR: usize = 4;
 /// 29.5 at 8, 47–49 against 70–72 at 32 (a tie at 4); bf16 27.4 against 20.0 at 8 rows (widening
 /// each tile's rows to f32 costs what the halved bytes save), 25.9 against 29.2 at 16.
 ///
-/// `COTRAIN_BROADCAST_MIN_ROWS` (a row count for both dtypes, or `off`) overrides them. `make test`
-/// turns the path off: the two paths add in different orders, and the seeded MaPoRL learning tests
-/// (`tests/tests/e2e_maporl.rs`) follow a sampled trajectory that this rounding changes; with the
-/// broadcast path two of them end with agent 0 collapsed to a constant answer. Until those tests
-/// hold whatever the rounding, they run on the dot-product tiles' rounding, and the broadcast path
-/// is tested against libtorch by the kernel's own tests.
+/// `COTRAIN_BROADCAST_MIN_ROWS` (a row count for both dtypes, or `off`) overrides them. The two paths
+/// add in different orders, so a seeded sampled run may end elsewhere on one than on the other.
 pub const BROADCAST_MIN_ROWS: [usize; 2] = [6, 16];
 
 /// The environment override of [`BROADCAST_MIN_ROWS`].

@@ -133,7 +133,7 @@ mod tests {
         if !gemm_f32::is_available() {
             return;
         }
-        // Both paths, whatever `COTRAIN_BROADCAST_MIN_ROWS` says (`make test` turns it off).
+        // Both paths, whatever `COTRAIN_BROADCAST_MIN_ROWS` says.
         gemm_f32::set_broadcast_min_rows(gemm_f32::BROADCAST_MIN_ROWS);
         tch::manual_seed(0);
         for b in [1, 2, 3, 5, 6, 7, 8, 13, 16, 31, 32, 64, 70] {
