@@ -245,6 +245,18 @@ impl RewardSource for IndexReward {
 
 #[test]
 fn cross_mode_scores_every_combination_and_credits_each_completion_with_its_sum() {
+    cross_mode_credits(true);
+}
+
+/// The same update with the two policies trained in turn rather than at the same time.
+#[test]
+fn policies_updated_in_turn_reach_the_same_weights() {
+    cross_mode_credits(false);
+}
+
+/// One cross-mode step of two policies (`learner.concurrent_policies` as given), checked against a
+/// hand-written update of each.
+fn cross_mode_credits(concurrent: bool) {
     let tmp = tempfile::tempdir().unwrap();
     let spec = tiny_model_dir(tmp.path()).display().to_string();
     let opts = LoadOptions::default();
@@ -255,7 +267,7 @@ fn cross_mode_scores_every_combination_and_credits_each_completion_with_its_sum(
          magrpo:\n  num_agents: 2\n  num_generations: 3\n  max_new_tokens: 3\n  learning_rate: 0.5\n  joint_mode: cross\n  \
          num_train_epochs: 1\n  rollout_buffer_size: 1\n  eval_interval: 0\n  save_steps: 100000\n\
          logging: {tensorboard: false, plots: false, progress: never}\n",
-        &[],
+        &[format!("learner.concurrent_policies={concurrent}")],
     );
     let seen = Arc::new(Mutex::new(Vec::new()));
     let calls = Arc::new(Mutex::new(Vec::new()));
@@ -286,6 +298,9 @@ fn cross_mode_scores_every_combination_and_credits_each_completion_with_its_sum(
     assert_eq!(*calls.lock().unwrap(), vec![9], "G^N = 3^2 joint actions scored in one call");
     // Joint action (i, j) is index 3i + j, reward r = 1 + 3i + j; mean over the nine = 5.
     assert!((metrics["reward/mean"] - 5.0).abs() < 1e-12);
+    // With two OpenMP threads or more, the two policies train at the same time, each on its own.
+    let together = if concurrent && tch::get_num_threads() >= 2 { 2.0 } else { 1.0 };
+    assert_eq!(metrics["concurrent_policies"], together, "policies updated at the same time");
 
     // Credit: agent 0's completion i gets Σ_j r(i, j) = 3 + 9i + 3 = 6 + 9i → [6, 15, 24];
     // agent 1's completion j gets Σ_i r(i, j) = 3 + 9 + 3j = 12 + 3j → [12, 15, 18].

@@ -731,12 +731,26 @@ pub struct LearnerConfig {
     /// and then set a cluster token.
     #[serde(default)]
     pub control_addr: Option<String>,
+    /// On one CPU rank with several policies, update them at the same time, one thread each with
+    /// its share of the cores (`learner::trainer::rounds`); `false` updates them in turn.
+    #[serde(default = "yes")]
+    pub concurrent_policies: bool,
 }
 
 impl Default for LearnerConfig {
     fn default() -> Self {
-        Self { backend: DistBackend::default(), placement: Placement::default(), checksum_steps: default_checksum_steps(), control_addr: None }
+        Self {
+            backend: DistBackend::default(),
+            placement: Placement::default(),
+            checksum_steps: default_checksum_steps(),
+            control_addr: None,
+            concurrent_policies: true,
+        }
     }
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_checksum_steps() -> u64 {

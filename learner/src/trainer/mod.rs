@@ -22,6 +22,7 @@ pub mod items;
 pub mod policy;
 pub mod rollout;
 pub mod rollout_log;
+pub mod rounds;
 pub mod run;
 pub mod sources;
 pub mod transition;

@@ -31,6 +31,7 @@ use rand_chacha::ChaCha8Rng;
 use tracing::{info, warn};
 
 use super::policy::{AgentBatches, Policy, TrainSample, UpdateStats};
+use super::rounds::{Round, run_rounds};
 use super::rollout::{RolloutPlan, RolloutTimes};
 use super::sources::{CodeOutcome, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score};
 use super::tree::{Expansion, Forest};
@@ -122,13 +123,6 @@ struct Layout {
     shard: usize,
     /// Agent placement: the one policy this rank computes gradients for.
     own: Option<usize>,
-}
-
-/// One optimiser round of one policy: its agents' mini-batches and their sample counts over all ranks.
-struct Round {
-    policy: usize,
-    batches: Vec<AgentBatches>,
-    totals: Vec<usize>,
 }
 
 /// What an asynchronous step reports beside the usual metrics.
@@ -541,8 +535,9 @@ impl Trainer {
         }
         let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
         let plans = self.plan_rounds(&forest, items.len(), handoff)?;
-        let (rounds, updated) = match lookahead {
-            None => run_rounds(&mut self.s.policies, &plans, &loss_opts, epochs, self.dist.as_ref())?,
+        let concurrent = cfg.raw.learner.concurrent_policies;
+        let done = match lookahead {
+            None => run_rounds(&mut self.s.policies, &plans, &loss_opts, epochs, self.dist.as_ref(), concurrent)?,
             Some(next) => {
                 // The policies train on another thread; rollouts meanwhile read the served versions.
                 let mut policies = std::mem::take(&mut self.s.policies);
@@ -550,7 +545,8 @@ impl Trainer {
                 let (trained, drawn) = std::thread::scope(|scope| {
                     let worker = scope.spawn(|| {
                         let t = Instant::now();
-                        (run_rounds(&mut policies, &plans, &loss_opts, epochs, &SingleRank), t.elapsed().as_secs_f64())
+                        // In turn: the rollout below already has the other cores.
+                        (run_rounds(&mut policies, &plans, &loss_opts, epochs, &SingleRank, false), t.elapsed().as_secs_f64())
                     });
                     let t = Instant::now();
                     let drawn = self.roll_out_rows(next, self.step + 1);
@@ -568,6 +564,7 @@ impl Trainer {
             }
         };
         let t_train = t.elapsed().as_secs_f64();
+        let (rounds, updated) = (done.stats, done.updated);
 
         // 6. the new weights reach every worker before anything else is sampled (rank 0 pushes; the
         // other ranks wait for it).
@@ -636,6 +633,7 @@ impl Trainer {
         }
         m.insert("skipped_updates".into(), rounds.iter().filter(|s| s.skipped.is_some()).count() as f64);
         m.insert("optimizer_steps".into(), rounds.iter().map(|s| s.steps as f64).sum::<f64>());
+        m.insert("concurrent_policies".into(), done.concurrent as f64);
         let train_tokens: f64 = rounds.iter().map(|s| s.tokens).sum();
         m.insert("tokens_per_s".into(), if times.generate > 0.0 { gen_tokens / times.generate } else { 0.0 });
         m.insert("train_tokens_per_s".into(), if t_train > 0.0 { train_tokens / t_train } else { 0.0 });
@@ -1113,24 +1111,6 @@ impl Trainer {
         }
         Ok(asked.stop)
     }
-}
-
-/// Runs the rounds in order; returns their statistics and which policies took an optimiser step.
-fn run_rounds(
-    policies: &mut [Policy],
-    rounds: &[Round],
-    loss_opts: &LossOptions,
-    epochs: usize,
-    dist: &dyn Collective,
-) -> Result<(Vec<UpdateStats>, Vec<bool>), TrainError> {
-    let mut stats = Vec::with_capacity(rounds.len());
-    let mut updated = vec![false; policies.len()];
-    for r in rounds {
-        let s = policies[r.policy].update_ranked(&r.batches, &r.totals, loss_opts, epochs, dist)?;
-        updated[r.policy] |= s.steps > 0;
-        stats.push(s);
-    }
-    Ok((stats, updated))
 }
 
 /// The items of a single-turn forest with a sample more than `k` versions older than the version

@@ -1,0 +1,115 @@
+//! A step's optimiser rounds, run one after another or, on one CPU rank with several policies,
+//! one thread per policy.
+//!
+//! Why concurrently: the policies' rounds share nothing (each has its own weights, optimiser and
+//! samples), and a 576-wide model's training products run more efficiently on one core each than on
+//! two cores in turn, where MKL splits every product and the OpenMP team spin-waits between them.
+//! Within a policy the rounds keep their order, so each policy computes what it computes on its
+//! own; only the floating-point summation order inside products changes with the thread count.
+//! `learner.concurrent_policies: false` runs them in turn.
+
+use super::TrainError;
+use super::policy::{AgentBatches, Policy, UpdateStats};
+use crate::algo::LossOptions;
+use crate::dist::{Collective, SingleRank};
+
+/// One optimiser round of one policy: its agents' mini-batches and their sample counts over all ranks.
+pub(super) struct Round {
+    pub(super) policy: usize,
+    pub(super) batches: Vec<AgentBatches>,
+    pub(super) totals: Vec<usize>,
+}
+
+/// What [`run_rounds`] did.
+pub(super) struct RoundsDone {
+    /// Each round's statistics, in the rounds' order.
+    pub(super) stats: Vec<UpdateStats>,
+    /// Which policies took an optimiser step.
+    pub(super) updated: Vec<bool>,
+    /// How many policies were updated at the same time (1: in turn).
+    pub(super) concurrent: usize,
+}
+
+/// Runs `rounds` in order per policy, the policies at the same time where `concurrent` allows and
+/// [`threads_per_policy`] finds it possible.
+pub(super) fn run_rounds(
+    policies: &mut [Policy],
+    rounds: &[Round],
+    loss_opts: &LossOptions,
+    epochs: usize,
+    dist: &dyn Collective,
+    concurrent: bool,
+) -> Result<RoundsDone, TrainError> {
+    let mut updated = vec![false; policies.len()];
+    let threads = if concurrent { threads_per_policy(policies, rounds, dist) } else { None };
+    let together = threads.map_or(1, |_| involved(rounds).len());
+    let stats = match threads {
+        Some(per_policy) => concurrently(policies, rounds, loss_opts, epochs, per_policy)?,
+        None => rounds
+            .iter()
+            .map(|r| policies[r.policy].update_ranked(&r.batches, &r.totals, loss_opts, epochs, dist))
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    for (r, s) in rounds.iter().zip(&stats) {
+        updated[r.policy] |= s.steps > 0;
+    }
+    Ok(RoundsDone { stats, updated, concurrent: together })
+}
+
+/// The policies that `rounds` update, each once, in index order.
+fn involved(rounds: &[Round]) -> Vec<usize> {
+    let mut p: Vec<usize> = rounds.iter().map(|r| r.policy).collect();
+    p.sort_unstable();
+    p.dedup();
+    p
+}
+
+/// How many OpenMP threads each policy's thread gets, or `None` to run the rounds in turn: with
+/// one policy, several ranks (their collectives must keep one order), a GPU, or more policies than
+/// this thread's OpenMP threads.
+fn threads_per_policy(policies: &[Policy], rounds: &[Round], dist: &dyn Collective) -> Option<usize> {
+    let involved = involved(rounds);
+    let threads = tch::get_num_threads().max(1) as usize;
+    let on_cpu = involved.iter().all(|&p| policies[p].model.model.device() == tch::Device::Cpu);
+    if dist.world() > 1 || involved.len() < 2 || involved.len() > threads || !on_cpu {
+        return None;
+    }
+    Some(threads / involved.len())
+}
+
+/// One scoped thread per policy, each with `per_policy` OpenMP threads, running that policy's rounds
+/// in order. The first failing round (in `rounds`' order) is the error returned.
+fn concurrently(
+    policies: &mut [Policy],
+    rounds: &[Round],
+    loss_opts: &LossOptions,
+    epochs: usize,
+    per_policy: usize,
+) -> Result<Vec<UpdateStats>, TrainError> {
+    let results: Vec<Vec<(usize, Result<UpdateStats, TrainError>)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = policies
+            .iter_mut()
+            .enumerate()
+            .filter(|(pi, _)| rounds.iter().any(|r| r.policy == *pi))
+            .map(|(pi, policy)| {
+                scope.spawn(move || {
+                    cotrain_model::kernels::set_threads_of_this_thread(per_policy);
+                    let mut out = Vec::new();
+                    for (ri, r) in rounds.iter().enumerate().filter(|(_, r)| r.policy == pi) {
+                        let s = policy.update_ranked(&r.batches, &r.totals, loss_opts, epochs, &SingleRank);
+                        let failed = s.is_err();
+                        out.push((ri, s));
+                        if failed {
+                            break;
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| vec![(0, Err(TrainError::Model("a policy's update thread panicked".into())))])).collect()
+    });
+    let mut by_round: Vec<(usize, Result<UpdateStats, TrainError>)> = results.into_iter().flatten().collect();
+    by_round.sort_by_key(|(ri, _)| *ri);
+    by_round.into_iter().map(|(_, s)| s).collect()
+}
