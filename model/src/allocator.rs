@@ -12,7 +12,7 @@
 //! temporaries, 25–50 MB log-prob chunks), so `mmap` is turned off altogether and they come from
 //! the heap too. The reference MAGRPO step's training part went from 4.6–6.3 s to 4.4 s in warm
 //! steps, and from 9.7 to 5.6 s in the first (`learner/examples/step_bench`). The cost: freed memory
-//! below the heap's top is reused but not returned to the system until the process ends.
+//! is reused but not returned to the system until the process ends: the process keeps its peak.
 //!
 //! Every thread allocates from the main heap (one arena). glibc gives other threads arenas of their
 //! own, made of heaps of at most 64 MiB, and serves larger blocks there with fresh `mmap`s whatever
@@ -23,8 +23,11 @@ use std::sync::Once;
 
 /// Blocks below this come from the heap (glibc's largest allowed mmap threshold).
 const MMAP_THRESHOLD: i32 = 32 << 20;
-/// Freed heap tops below this stay mapped.
-const TRIM_THRESHOLD: i32 = 1 << 30;
+/// Freed heap tops stay mapped whatever their size (-1: never trim). With a trim threshold of 1 GiB the
+/// concurrent policy updates, whose two threads' blocks interleave in the one heap, still faulted
+/// 200–370k pages in at every step as the top was given back and taken again; never trimming
+/// brought warm steps to none, for an RSS of 10.5 GB instead of 9.1–9.5 (step_bench, two agents).
+const TRIM_THRESHOLD: i32 = -1;
 
 /// Applies the tuning once per process (glibc only; a no-op elsewhere). Call it early in `main`.
 pub fn tune_for_tensors() {
