@@ -14,7 +14,9 @@
 //! Sampling follows the seeds' code configs by default (temperature 0.7, top-p 0.9, top-k 50, as the
 //! original's `generate` call); `--sampling plain` samples at temperature 1 without filters (the
 //! figures of earlier sessions). `--rollout-dtype bf16` draws the rollouts with bf16 weights (and
-//! pushes bf16 weights); `--matmul-dtype bf16` trains with bf16 products of the f32 master weights.
+//! pushes bf16 weights); `--matmul-dtype bf16` trains with bf16 products of the f32 master weights;
+//! `--policies-in-turn` updates the two policies one after the other (`learner.concurrent_policies:
+//! false`) instead of at the same time.
 //!
 //! ```sh
 //! cargo run --release -p cotrain-learner --example step_bench [-- --steps 2 --skip-python]
@@ -146,15 +148,20 @@ fn main() -> anyhow::Result<()> {
         }
     };
     let (rollout_dtype, matmul_dtype) = (dtype("--rollout-dtype")?, dtype("--matmul-dtype")?);
+    let concurrent = !args.iter().any(|a| a == "--policies-in-turn");
     let yaml = format!(
         "model: {{name: default, dtype: f32, matmul_dtype: {matmul_dtype}, {sampling}, max_length: 1024, chat_template: true}}\n\
          dataset: {{name: coophumaneval, train_split: 'test[:1]'}}\n\
          magrpo: {{num_agents: 2, num_generations: 4, max_new_tokens: 128, learning_rate: 1.0e-5, rollout_buffer_size: 1, \
          num_train_epochs: 100, save_steps: 100000, eval_interval: 100000}}\n\
          rollout: {{dtype: {rollout_dtype}, weight_dtype: {rollout_dtype}}}\n\
+         learner: {{concurrent_policies: {concurrent}}}\n\
          logging: {{tensorboard: false, plots: false, progress: never}}\n"
     );
-    println!("sampling: {sampling}; rollout dtype {rollout_dtype}, training products {matmul_dtype}");
+    println!(
+        "sampling: {sampling}; rollout dtype {rollout_dtype}, training products {matmul_dtype}; policies updated {}",
+        if concurrent { "at the same time" } else { "in turn" }
+    );
     let base = merged_value(&yaml, "bench", &[], &LegacyFlags::default())?;
     let value = if multi.is_empty() { base } else { deep_merge(base, serde_yaml_ng::from_str(&multi)?) };
     let cfg = CheckedConfig::from_value(value, Path::new("bench"))?;
