@@ -42,9 +42,9 @@ pub(super) fn run_rounds(
 ) -> Result<RoundsDone, TrainError> {
     let mut updated = vec![false; policies.len()];
     let threads = if concurrent { threads_per_policy(policies, rounds, dist) } else { None };
-    let together = threads.map_or(1, |_| involved(rounds).len());
+    let together = threads.as_ref().map_or(1, Vec::len);
     let stats = match threads {
-        Some(per_policy) => concurrently(policies, rounds, loss_opts, epochs, per_policy)?,
+        Some(shares) => concurrently(policies, rounds, loss_opts, epochs, &shares)?,
         None => rounds
             .iter()
             .map(|r| policies[r.policy].update_ranked(&r.batches, &r.totals, loss_opts, epochs, dist))
@@ -64,36 +64,37 @@ fn involved(rounds: &[Round]) -> Vec<usize> {
     p
 }
 
-/// How many OpenMP threads each policy's thread gets, or `None` to run the rounds in turn: with
-/// one policy, several ranks (their collectives must keep one order), a GPU, or more policies than
-/// this thread's OpenMP threads.
-fn threads_per_policy(policies: &[Policy], rounds: &[Round], dist: &dyn Collective) -> Option<usize> {
+/// Each involved policy (index, OpenMP threads of its thread), this thread's threads shared out, or
+/// `None` to run the rounds in turn: with one policy, several ranks (their collectives must keep
+/// one order), a GPU, or more policies than this thread's OpenMP threads.
+fn threads_per_policy(policies: &[Policy], rounds: &[Round], dist: &dyn Collective) -> Option<Vec<(usize, usize)>> {
     let involved = involved(rounds);
-    let threads = tch::get_num_threads().max(1) as usize;
+    let (n, threads) = (involved.len(), tch::get_num_threads().max(1) as usize);
     let on_cpu = involved.iter().all(|&p| policies[p].model.model.device() == tch::Device::Cpu);
-    if dist.world() > 1 || involved.len() < 2 || involved.len() > threads || !on_cpu {
+    if dist.world() > 1 || n < 2 || n > threads || !on_cpu {
         return None;
     }
-    Some(threads / involved.len())
+    Some(involved.into_iter().enumerate().map(|(i, p)| (p, threads / n + usize::from(i < threads % n))).collect())
 }
 
-/// One scoped thread per policy, each with `per_policy` OpenMP threads, running that policy's rounds
-/// in order. The first failing round (in `rounds`' order) is the error returned.
+/// One scoped thread per policy of `shares`, each with its share of OpenMP threads, running that
+/// policy's rounds in order. The first failing round (in `rounds`' order) is the error returned; the
+/// other policies finish their rounds meanwhile.
 fn concurrently(
     policies: &mut [Policy],
     rounds: &[Round],
     loss_opts: &LossOptions,
     epochs: usize,
-    per_policy: usize,
+    shares: &[(usize, usize)],
 ) -> Result<Vec<UpdateStats>, TrainError> {
     let results: Vec<Vec<(usize, Result<UpdateStats, TrainError>)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = policies
             .iter_mut()
             .enumerate()
-            .filter(|(pi, _)| rounds.iter().any(|r| r.policy == *pi))
-            .map(|(pi, policy)| {
+            .filter_map(|(pi, policy)| shares.iter().find(|(p, _)| *p == pi).map(|&(_, threads)| (pi, policy, threads)))
+            .map(|(pi, policy, threads)| {
                 scope.spawn(move || {
-                    cotrain_model::kernels::set_threads_of_this_thread(per_policy);
+                    cotrain_model::kernels::set_threads_of_this_thread(threads);
                     let mut out = Vec::new();
                     for (ri, r) in rounds.iter().enumerate().filter(|(_, r)| r.policy == pi) {
                         let s = policy.update_ranked(&r.batches, &r.totals, loss_opts, epochs, &SingleRank);
