@@ -26,7 +26,7 @@ const MMAP_THRESHOLD: i32 = 32 << 20;
 /// Freed heap tops stay mapped whatever their size (-1: never trim). With a trim threshold of 1 GiB the
 /// concurrent policy updates, whose two threads' blocks interleave in the one heap, still faulted
 /// 200–370k pages in at every step as the top was given back and taken again; never trimming
-/// brought warm steps to none, for an RSS of 10.5 GB instead of 9.1–9.5 (step_bench, two agents).
+/// brought warm steps to 0–71k, for an RSS of 10.2–10.5 GB instead of 9.1–9.5 (step_bench, two agents).
 const TRIM_THRESHOLD: i32 = -1;
 
 /// Applies the tuning once per process (glibc only; a no-op elsewhere). Call it early in `main`.

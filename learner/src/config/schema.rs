@@ -733,7 +733,7 @@ pub struct LearnerConfig {
     pub control_addr: Option<String>,
     /// On one CPU rank with several policies, update them at the same time, one thread each with
     /// its share of the cores (`learner::trainer::rounds`); `false` updates them in turn.
-    #[serde(default = "yes")]
+    #[serde(default = "default_true")]
     pub concurrent_policies: bool,
 }
 
@@ -747,10 +747,6 @@ impl Default for LearnerConfig {
             concurrent_policies: true,
         }
     }
-}
-
-fn yes() -> bool {
-    true
 }
 
 fn default_checksum_steps() -> u64 {
