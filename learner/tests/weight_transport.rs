@@ -55,6 +55,10 @@ fn greedy(r: &mut PoolRollout, version: u64) -> Vec<u32> {
     out[0][0].token_ids.clone()
 }
 
+/// Held by every test that pushes through /dev/shm: the tests share this process's pid, so one
+/// test's live update file would otherwise count as another's leftover.
+static SHM_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn leftover_weight_files() -> Vec<String> {
     let prefix = format!("cotrain-weights-{}-", std::process::id());
     std::fs::read_dir("/dev/shm")
@@ -82,6 +86,7 @@ fn the_config_key_parses_and_defaults_to_auto() {
 
 #[test]
 fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
+    let _one_at_a_time = SHM_TESTS.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let spec = tiny_model_dir(dir.path()).display().to_string();
     let rt = runtime().unwrap();
@@ -147,6 +152,7 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
 #[test]
 fn bf16_on_the_wire_halves_the_bytes_and_serves_the_rounded_weights() {
     use cotrain_learner::config::WeightDtype;
+    let _one_at_a_time = SHM_TESTS.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let spec = tiny_model_dir(dir.path()).display().to_string();
     let rt = runtime().unwrap();
@@ -183,4 +189,5 @@ fn bf16_on_the_wire_halves_the_bytes_and_serves_the_rounded_weights() {
         assert!(push.secs > 0.0);
         assert_eq!(served(&mut bf16, v), want, "{transport:?}: the worker does not serve the bf16-rounded weights");
     }
+    assert_eq!(leftover_weight_files(), Vec::<String>::new(), "weight files left in /dev/shm");
 }
