@@ -16,7 +16,8 @@
 //! figures of earlier sessions). `--rollout-dtype bf16` draws the rollouts with bf16 weights (and
 //! pushes bf16 weights); `--matmul-dtype bf16` trains with bf16 products of the f32 master weights;
 //! `--policies-in-turn` updates the two policies one after the other (`learner.concurrent_policies:
-//! false`) instead of at the same time.
+//! false`) instead of at the same time; `--bf16-dot-products` (with `--rollout-dtype bf16`) decodes
+//! with AVX512_BF16 dot products (`rollout.bf16_dot_products`).
 //!
 //! ```sh
 //! cargo run --release -p cotrain-learner --example step_bench [-- --steps 2 --skip-python]
@@ -149,17 +150,19 @@ fn main() -> anyhow::Result<()> {
     };
     let (rollout_dtype, matmul_dtype) = (dtype("--rollout-dtype")?, dtype("--matmul-dtype")?);
     let concurrent = !args.iter().any(|a| a == "--policies-in-turn");
+    let bf16_dot = args.iter().any(|a| a == "--bf16-dot-products");
     let yaml = format!(
         "model: {{name: default, dtype: f32, matmul_dtype: {matmul_dtype}, {sampling}, max_length: 1024, chat_template: true}}\n\
          dataset: {{name: coophumaneval, train_split: 'test[:1]'}}\n\
          magrpo: {{num_agents: 2, num_generations: 4, max_new_tokens: 128, learning_rate: 1.0e-5, rollout_buffer_size: 1, \
          num_train_epochs: 100, save_steps: 100000, eval_interval: 100000}}\n\
-         rollout: {{dtype: {rollout_dtype}, weight_dtype: {rollout_dtype}}}\n\
+         rollout: {{dtype: {rollout_dtype}, weight_dtype: {rollout_dtype}, bf16_dot_products: {bf16_dot}}}\n\
          learner: {{concurrent_policies: {concurrent}}}\n\
          logging: {{tensorboard: false, plots: false, progress: never}}\n"
     );
     println!(
-        "sampling: {sampling}; rollout dtype {rollout_dtype}, training products {matmul_dtype}; policies updated {}",
+        "sampling: {sampling}; rollout dtype {rollout_dtype}{}, training products {matmul_dtype}; policies updated {}",
+        if bf16_dot { " (AVX512_BF16 dot products)" } else { "" },
         if concurrent { "at the same time" } else { "in turn" }
     );
     let base = merged_value(&yaml, "bench", &[], &LegacyFlags::default())?;
@@ -175,6 +178,11 @@ fn main() -> anyhow::Result<()> {
     let prompt = cotrain_learner::trainer::items::encode_text(&policies[0].model.tokenizer, &model_text)?;
     let rt = runtime()?;
     let agents: Vec<(String, String)> = (0..2).map(|i| (format!("agent{i}"), "default".to_string())).collect();
+    if cfg.raw.rollout.bf16_dot_products {
+        // As the learner does before it starts its embedded worker.
+        cotrain_model::kernels::gemm_bf16dot::enable_for(cotrain_learner::trainer::rollout_kind(&cfg), tch::Device::Cpu, "--bf16-dot-products")
+            .map_err(anyhow::Error::msg)?;
+    }
     let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, cotrain_learner::trainer::rollout_kind(&cfg))?;
     let rollout = PoolRollout::connect(
         rt.clone(),

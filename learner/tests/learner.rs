@@ -156,7 +156,8 @@ fn overrides_are_typed_and_checked() {
 
 /// `rollout.dtype` and `model.matmul_dtype`: values are checked naming the key, `auto` follows
 /// `model.dtype`, a mismatch turns the behaviour-policy correction on, and the maporl trainer, whose
-/// products do not take `matmul_dtype`, refuses it rather than ignore it.
+/// products do not take `matmul_dtype`, refuses it rather than ignore it; `rollout.bf16_dot_products`
+/// is refused without bf16 rollouts.
 #[test]
 fn precision_keys_are_checked_and_maporl_refuses_bf16_products() {
     let base = fixture("base.yaml");
@@ -176,6 +177,13 @@ fn precision_keys_are_checked_and_maporl_refuses_bf16_products() {
     let products = load(&["model.matmul_dtype=bf16"]).unwrap();
     assert_eq!(cotrain_learner::trainer::matmul_kind(&products), Some(Kind::BFloat16));
     assert!(cotrain_learner::trainer::rollout_precision_differs(&products));
+
+    // `rollout.bf16_dot_products` (off by default) needs bf16 rollouts.
+    assert!(!plain.raw.rollout.bf16_dot_products);
+    let e = load(&["rollout.bf16_dot_products=true"]).unwrap_err().to_string();
+    assert!(e.contains("rollout.bf16_dot_products") && e.contains("set rollout.dtype: bf16"), "{e}");
+    assert!(load(&["rollout.dtype=bf16", "rollout.bf16_dot_products=true"]).unwrap().raw.rollout.bf16_dot_products);
+    assert!(load(&["model.dtype=bf16", "rollout.bf16_dot_products=true"]).is_ok());
 
     let maporl = load_config(&repo().join("configs/maporl_gsm8k_config.yaml"), &["model.matmul_dtype=bf16".into()], &LegacyFlags::default()).unwrap();
     let tmp = tempfile::tempdir().unwrap();

@@ -10,11 +10,13 @@
 //! both in bf16, as libtorch decodes a bf16 model; `kernel bf16`: f32 rows against the bf16
 //! weights, as cotrain's decode step runs them); `dot` / `dot bf16` are the kernel with its
 //! broadcast path turned off (dot-product tiles at every row count), to compare the two paths;
-//! then the largest difference from `x.linear(w)`.
+//! `bf16 avx512bf16` is the kernel's AVX512_BF16 path on the bf16 weights (the rows rounded to bf16,
+//! `--bf16-dot-products`; `-` where the CPU lacks it); then the largest difference from
+//! `x.linear(w)`.
 
 use std::time::Instant;
 
-use cotrain_model::kernels::gemm_f32;
+use cotrain_model::kernels::{gemm_bf16dot, gemm_f32};
 use cotrain_model::kernels::kernel_linear_nt as linear_nt;
 use cotrain_model::loader;
 use tch::{Kind, Tensor};
@@ -102,8 +104,8 @@ fn main() -> anyhow::Result<()> {
         tch::get_num_threads()
     );
     println!(
-        "{:>5} {:>10} {:>10} {:>10} {:>8} {:>15} {:>16} {:>13} {:>12}",
-        "rows", "torch ms", "mkldnn ms", "kernel ms", "dot ms", "torch bf16 ms", "kernel bf16 ms", "dot bf16 ms", "max |diff|"
+        "{:>5} {:>10} {:>10} {:>10} {:>8} {:>15} {:>16} {:>13} {:>19} {:>12}",
+        "rows", "torch ms", "mkldnn ms", "kernel ms", "dot ms", "torch bf16 ms", "kernel bf16 ms", "dot bf16 ms", "bf16 avx512bf16 ms", "max |diff|"
     );
     for &b in &rows {
         let x576 = Tensor::randn([b, 576], (Kind::Float, tch::Device::Cpu));
@@ -128,7 +130,7 @@ fn main() -> anyhow::Result<()> {
         }
         let (mut tt, mut tm, mut tk) = (f64::MAX, f64::MAX, f64::MAX);
         let (mut tbt, mut tbk) = (f64::MAX, f64::MAX);
-        let (mut td, mut tbd) = (f64::MAX, f64::MAX);
+        let (mut td, mut tbd, mut tbb) = (f64::MAX, f64::MAX, f64::MAX);
         for _ in 0..reps {
             tt = tt.min(time_step(&ws, &xs, &torch_route));
             if mkldnn {
@@ -147,14 +149,19 @@ fn main() -> anyhow::Result<()> {
             td = td.min(time_step(&ws, &xs, &|x, w| linear_nt(x, w).unwrap()));
             tbd = tbd.min(time_step(&wb, &xs, &|x, w| linear_nt(x, w).unwrap()));
             gemm_f32::set_broadcast_min_rows(gemm_f32::BROADCAST_MIN_ROWS);
+            if gemm_bf16dot::set_enabled(true).is_ok() {
+                tbb = tbb.min(time_step(&wb, &xs, &|x, w| linear_nt(x, w).unwrap()));
+                gemm_bf16dot::set_enabled(false).unwrap();
+            }
         }
         println!(
-            "{b:>5} {tt:>10.1} {:>10} {tk:>10.1} {td:>8.1} {tbt:>15.1} {tbk:>16.1} {tbd:>13.1} {diff:>12.2e}",
+            "{b:>5} {tt:>10.1} {:>10} {tk:>10.1} {td:>8.1} {tbt:>15.1} {tbk:>16.1} {tbd:>13.1} {:>19} {diff:>12.2e}",
             if mkldnn {
                 format!("{tm:.1}")
             } else {
                 "-".into()
-            }
+            },
+            if tbb < f64::MAX { format!("{tbb:.1}") } else { "-".into() }
         );
     }
     Ok(())

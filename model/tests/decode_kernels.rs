@@ -134,7 +134,10 @@ fn qwen3_qk_norm_decode_kernels_match_libtorch() {
 /// activations). Against the f32 model's generic path, its hidden states are within a stated
 /// tolerance (4% of their largest magnitude; libtorch's own bf16 path, which rounds every
 /// activation to bf16, measured 0.9–2.8% on these models, the kernels 0.7–2.0%), and no further off
-/// than that path.
+/// than that path. With the AVX512_BF16 option on (`gemm_bf16dot`, which rounds each product's
+/// rows to bf16 as libtorch's bf16 path does), the same bounds hold, and the hidden states move (the
+/// option took effect). The option is process-wide but only reads bf16 weights, which no other
+/// test of this binary decodes.
 #[test]
 fn bf16_models_decode_in_kernels_within_tolerance_of_f32() {
     kernels_on();
@@ -153,6 +156,21 @@ fn bf16_models_decode_in_kernels_within_tolerance_of_f32() {
             let (e_got, e_lib) = (err(g), err(l));
             assert!(e_got < 0.04, "{name}, step {step}: bf16 decode {e_got} of the f32 scale off");
             assert!(e_got <= 1.5 * e_lib + 1e-3, "{name}, step {step}: kernels {e_got} vs libtorch bf16 {e_lib}");
+        }
+        if kernels && cotrain_model::kernels::gemm_bf16dot::is_available() {
+            cotrain_model::kernels::gemm_bf16dot::enable_for(Kind::BFloat16, tch::Device::Cpu, "test").unwrap();
+            let (dot, _) = run(&bf16_model.model, false, true);
+            cotrain_model::kernels::gemm_bf16dot::set_enabled(false).unwrap();
+            let mut moved = 0f64;
+            for (step, ((d, g), (l, r))) in dot.iter().zip(&got).zip(libtorch.iter().zip(&reference)).enumerate() {
+                let scale = r.abs().max().double_value(&[]);
+                let err = |t: &Tensor| (t.to_kind(Kind::Float) - r).abs().max().double_value(&[]) / scale;
+                let (e_dot, e_lib) = (err(d), err(l));
+                assert!(e_dot < 0.04, "{name}, step {step}: bf16 dot products {e_dot} of the f32 scale off");
+                assert!(e_dot <= 1.5 * e_lib + 1e-3, "{name}, step {step}: bf16 dot products {e_dot} vs libtorch bf16 {e_lib}");
+                moved = moved.max((d - g).abs().max().double_value(&[]));
+            }
+            assert!(moved > 0.0, "{name}: the bf16 dot products changed nothing (did the path run?)");
         }
     }
 }

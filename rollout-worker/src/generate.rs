@@ -62,6 +62,10 @@ pub struct GenerateArgs {
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// With --dtype bf16 on a CPU with AVX512_BF16: round each product's input rows to bf16 and
+    /// multiply with bf16 dot products (faster from 8 sequences on; not the f32 rows of the default).
+    #[arg(long)]
+    bf16_dot_products: bool,
     /// Print one JSON object with token ids, texts, log-probs and finish reasons.
     #[arg(long)]
     json: bool,
@@ -82,6 +86,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         tch::set_num_threads(t);
     }
     let opts = LoadOptions { device: parse_device(&args.device)?, kind: parse_dtype(&args.dtype)? };
+    if args.bf16_dot_products {
+        cotrain_model::kernels::gemm_bf16dot::enable_for(opts.kind, opts.device, "--bf16-dot-products").map_err(anyhow::Error::msg)?;
+    }
     let load_start = Instant::now();
     let loaded =
         loader::load(&args.model, &opts).with_context(|| format!("loading model `{}`", args.model))?;

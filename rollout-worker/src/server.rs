@@ -42,6 +42,10 @@ pub struct ServeArgs {
     /// Parameter dtype: f32 or bf16 (f16 also loads).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// With --dtype bf16 on a CPU with AVX512_BF16: round each product's input rows to bf16 and
+    /// multiply with bf16 dot products (faster from 8 sequences on; not the f32 rows of the default).
+    #[arg(long)]
+    pub bf16_dot_products: bool,
     /// Most sequences one model decodes together.
     #[arg(long, default_value_t = 64)]
     pub max_batch_size: usize,
@@ -295,6 +299,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tch::set_num_threads(t);
     }
     let config = args.worker_config()?;
+    if args.bf16_dot_products {
+        cotrain_model::kernels::gemm_bf16dot::enable_for(config.kind, config.device, "--bf16-dot-products").map_err(anyhow::Error::msg)?;
+    }
     let cluster_token = cotrain_proto::auth::ClusterToken::from_flag_or_env(args.cluster_token_file.as_deref()).map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
     runtime.block_on(async move {

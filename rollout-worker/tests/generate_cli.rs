@@ -55,6 +55,7 @@ fn bad_input_gets_a_clear_error() {
         (vec!["--model", "/no/such/model.gguf", "--prompt", "x"], "missing file /no/such/model.gguf"),
         (vec!["--prompt", "x", "--dtype", "int3"], "unknown dtype `int3`"),
         (vec!["--prompt", "x", "--device", "tpu"], "unknown device `tpu`"),
+        (vec!["--prompt", "x", "--bf16-dot-products"], "--bf16-dot-products applies to bf16 weights only, and the model is loaded as f32"),
         (vec!["--model", "no-org/no-model", "--prompt", "x"], "local Hugging Face cache"),
     ] {
         let out = run(&args);

@@ -659,6 +659,11 @@ pub struct RolloutConfig {
     /// token) is reported and `importance_weight_cap` corrects for the mismatch.
     #[serde(default)]
     pub dtype: Precision,
+    /// With bf16 rollouts on a CPU with AVX512_BF16: the embedded worker rounds each product's
+    /// input rows to bf16 and multiplies with bf16 dot products (`rollout-worker serve
+    /// --bf16-dot-products` for remote workers). Off by default: the rows then stay f32.
+    #[serde(default)]
+    pub bf16_dot_products: bool,
     /// Start no embedded worker and wait for workers to register with `learner.control_addr`
     /// (`rollout-worker serve --register URL`), next to any `endpoints`/`dns_name`.
     #[serde(default)]
@@ -804,6 +809,7 @@ impl Default for RolloutConfig {
             weight_transport: WeightTransport::Auto,
             weight_dtype: WeightDtype::F32,
             dtype: Precision::Auto,
+            bf16_dot_products: false,
             wait_for_registration: false,
             min_workers: default_min_workers(),
             registration_timeout_secs: default_registration_timeout_secs(),

@@ -204,6 +204,17 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     if raw.rollout.wait_for_registration && raw.learner.control_addr.is_none() {
         return Err(invalid("rollout.wait_for_registration", "workers register with learner.control_addr, which is not set".to_string()));
     }
+    if raw.rollout.bf16_dot_products {
+        use super::schema::{Dtype, Precision};
+        let bf16 = match raw.rollout.dtype {
+            Precision::Bf16 => true,
+            Precision::F32 => false,
+            Precision::Auto => raw.model.dtype == Dtype::Bf16,
+        };
+        if !bf16 {
+            return Err(invalid("rollout.bf16_dot_products", "applies to bf16 rollouts only; set rollout.dtype: bf16".to_string()));
+        }
+    }
     if raw.rollout.min_workers == 0 {
         return Err(invalid("rollout.min_workers", "must be at least 1".to_string()));
     }

@@ -249,10 +249,20 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             .and_then(|m| m.verifier_path.as_ref())
             .map(|dir| vec![(crate::maporl::EMBEDDED_VERIFIER.to_string(), std::path::PathBuf::from(dir))])
             .unwrap_or_default();
+        if ro.bf16_dot_products {
+            cotrain_model::kernels::gemm_bf16dot::enable_for(rollout_kind(cfg), opts.device, "rollout.bf16_dot_products").map_err(TrainError::Config)?;
+        }
         let worker = EmbeddedRollout::start_with_verifiers(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
         (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120), None)?), Some(worker))
     } else {
+        if ro.bf16_dot_products {
+            return Err(TrainError::Config(
+                "rollout.bf16_dot_products applies to the embedded worker, and this config has remote workers only; \
+                 start them with `rollout-worker serve --dtype bf16 --bf16-dot-products` instead"
+                    .into(),
+            ));
+        }
         let (min, wait) = if ro.wait_for_registration {
             (ro.min_workers, Duration::from_secs(ro.registration_timeout_secs))
         } else {

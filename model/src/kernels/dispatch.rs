@@ -8,7 +8,8 @@
 //! [`own_kernels`]: whether the weight products (inside that step, and `linear` on a few rows) run
 //! in cotrain's matrix kernel ([`super::gemm_f32`]) or in libtorch, for each weight dtype the kernel
 //! reads (f32, bf16). libtorch's products are well tuned on some CPUs (oneDNN's bf16 products use
-//! AVX512_BF16 dot products, which the kernel does not), so this one is measured.
+//! AVX512_BF16 dot products, which the kernel uses only when asked: `gemm_bf16dot`, since they
+//! round the rows to bf16), so this one is measured.
 //!
 //! The products are decided by measurement, once per CPU: a probe times the kernel against the plain libtorch route
 //! ([`crate::families::transformer::libtorch_linear`]) on the products of a few decoder layers of

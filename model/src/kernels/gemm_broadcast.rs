@@ -164,7 +164,7 @@ impl Prefetch {
 /// then quadruples, then 128-bit lanes in two steps.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+pub(crate) fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     let mut t = [_mm512_setzero_ps(); 16];
     for i in 0..8 {
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);

@@ -124,6 +124,27 @@ pub fn matmul_nt<W: Elem>(
     k: usize,
     threads: usize,
 ) {
+    let bf16_dot = matches!(W::KIND, tch::Kind::BFloat16) && super::gemm_bf16dot::applies(k);
+    matmul_nt_on(x, w, y, m, n, k, threads, bf16_dot);
+}
+
+/// As [`matmul_nt`] for bf16 weights, always on the AVX512_BF16 path ([`super::gemm_bf16dot`]: the
+/// rows rounded to bf16) whether or not the option is on, for benchmarks and tests of that path.
+///
+/// # Panics
+/// If the CPU lacks AVX512_BF16 ([`super::gemm_bf16dot::is_available`]), `k` is odd, or as
+/// [`matmul_nt`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_nt_bf16_dot(x: &[f32], w: &[half::bf16], y: &mut [f32], m: usize, n: usize, k: usize, threads: usize) {
+    assert!(super::gemm_bf16dot::is_available(), "matmul_nt_bf16_dot needs avx512_bf16");
+    assert!(k.is_multiple_of(2), "matmul_nt_bf16_dot needs an even width, got {k}");
+    matmul_nt_on(x, w, y, m, n, k, threads, true);
+}
+
+/// [`matmul_nt`] with the AVX512_BF16 path chosen by the caller (`bf16_dot`: bf16 weights, even
+/// `k`, a CPU that has it).
+#[allow(clippy::too_many_arguments)]
+fn matmul_nt_on<W: Elem>(x: &[f32], w: &[W], y: &mut [f32], m: usize, n: usize, k: usize, threads: usize, bf16_dot: bool) {
     assert!(is_available(), "matmul_nt needs avx512f");
     assert!(
         x.len() >= m * k && w.len() >= n * k && y.len() >= m * n,
@@ -139,6 +160,7 @@ pub fn matmul_nt<W: Elem>(
         m,
         n,
         k,
+        bf16_dot,
     };
     let blocks = n.div_ceil(job.block());
     // Below a few hundred kFLOP a second thread costs more to wake than it saves.
@@ -180,6 +202,8 @@ struct Job<W> {
     m: usize,
     n: usize,
     k: usize,
+    /// bf16 weights on the AVX512_BF16 path, decided once by the calling thread.
+    bf16_dot: bool,
 }
 
 impl<W: Elem> Job<W> {
@@ -192,7 +216,13 @@ impl<W: Elem> Job<W> {
 
     /// Weight rows per unit of work: threads split the weights in whole blocks.
     fn block(&self) -> usize {
-        if self.broadcast() { super::gemm_broadcast::BLOCK } else { NR }
+        if self.bf16_dot {
+            super::gemm_bf16dot::block(self.m)
+        } else if self.broadcast() {
+            super::gemm_broadcast::BLOCK
+        } else {
+            NR
+        }
     }
 
     /// Weight rows `[n_lo, n_hi)`, by the path [`Self::block`] chose.
@@ -203,7 +233,11 @@ impl<W: Elem> Job<W> {
     unsafe fn run(&self, n_lo: usize, n_hi: usize) {
         // SAFETY: forwarded from this function's contract.
         unsafe {
-            if self.broadcast() {
+            if self.bf16_dot {
+                // `bf16_dot` is only set for bf16 weights of even width on a CPU with AVX512_BF16
+                // (`matmul_nt`, `matmul_nt_bf16_dot`).
+                super::gemm_bf16dot::run(self.x, self.w.cast(), self.y, self.m, self.n, self.k, n_lo, n_hi)
+            } else if self.broadcast() {
                 super::gemm_broadcast::run(self.x, self.w, self.y, self.m, self.n, self.k, n_lo, n_hi)
             } else {
                 run(self, n_lo, n_hi)
@@ -219,7 +253,7 @@ impl<W: Elem> Job<W> {
 /// thread may write columns `[n_lo, n_hi)` of `y` meanwhile.
 #[target_feature(enable = "avx512f")]
 unsafe fn run<W: Elem>(job: &Job<W>, n_lo: usize, n_hi: usize) {
-    let Job { x, w, y, m, n, k } = *job;
+    let Job { x, w, y, m, n, k, .. } = *job;
     // Input rows split into tiles of nearly equal height (6 rows: 3 + 3, not 4 + 2).
     let tiles = m.div_ceil(MR);
     let mut n0 = n_lo;

@@ -16,6 +16,8 @@ pub mod elem;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm_f32;
 mod gemm_broadcast;
+#[cfg(target_arch = "x86_64")]
+pub mod gemm_bf16dot;
 pub(crate) mod omp;
 
 pub use omp::set_threads_of_this_thread;
@@ -175,6 +177,39 @@ mod tests {
             let xb = x.to_kind(Kind::BFloat16);
             let got = kernel_linear_nt(&xb, &w).expect("kernel applies");
             assert_eq!(got.kind(), Kind::BFloat16);
+        }
+    }
+
+    /// The AVX512_BF16 path (`gemm_bf16dot`) computes the product of the rows rounded to bf16 with
+    /// the bf16 weights: libtorch's f32 product of both widened, up to the order of the sums, on
+    /// both of its layouts (dot tiles below `BROADCAST_MIN_ROWS` rows, pairs broadcast from there),
+    /// ragged widths included.
+    #[test]
+    fn bf16_dot_products_equal_the_product_of_the_rounded_rows() {
+        if !gemm_bf16dot::is_available() {
+            eprintln!("skipped: no AVX512_BF16");
+            return;
+        }
+        tch::manual_seed(9);
+        for (b, n, k) in [(1, 17, 34), (3, 5, 2), (4, 193, 600), (7, 66, 40), (8, 576, 576), (13, 9, 62), (16, 193, 600), (32, 64, 1536), (33, 66, 40), (70, 17, 34)] {
+            let x = Tensor::randn([b, k], (Kind::Float, Device::Cpu));
+            let w = (Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05).to_kind(Kind::BFloat16);
+            let want = x.to_kind(Kind::BFloat16).to_kind(Kind::Float).linear::<Tensor>(&w.to_kind(Kind::Float), None);
+            let (m, n, k) = (b as usize, n as usize, k as usize);
+            let xs = Vec::<f32>::try_from(x.flatten(0, -1)).unwrap();
+            let ws: Vec<half::bf16> = Vec::<f32>::try_from(w.to_kind(Kind::Float).flatten(0, -1)).unwrap().into_iter().map(half::bf16::from_f32).collect();
+            for threads in [1, 2] {
+                let mut y = vec![f32::NAN; m * n];
+                gemm_f32::matmul_nt_bf16_dot(&xs, &ws, &mut y, m, n, k, threads);
+                let got = Tensor::from_slice(&y).view([b, n as i64]);
+                let diff = (&got - &want).abs().max().double_value(&[]);
+                assert!(diff <= 1e-4, "b={b} n={n} k={k} threads={threads}: max |diff| {diff}");
+            }
+            // Rounding the rows is what sets the path apart: against the unrounded product the
+            // difference is that of bf16's 8-bit mantissa, not of the sums' order.
+            let exact = x.linear::<Tensor>(&w.to_kind(Kind::Float), None);
+            let off = (&exact - &want).abs().max().double_value(&[]);
+            assert!(k < 8 || off > 1e-4, "b={b} n={n} k={k}: rounding the rows changed nothing ({off})");
         }
     }
 
