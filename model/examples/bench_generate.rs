@@ -1,8 +1,9 @@
 //! Generation benchmark: cotrain's engine against transformers' `generate` on the same SmolLM2
 //! weights (f32, pure sampling at temperature 1 unless `--temperature/--top-p/--top-k` say
 //! otherwise, 128 new tokens, EOS ignored, batch 1/8/32). `--dtypes f32,bf16` runs cotrain with
-//! each parameter dtype (bf16: bf16 weights and cache read by the decode kernels, f32 activations);
-//! transformers runs in f32, as the originals do on a CPU.
+//! each parameter dtype (bf16: bf16 weights and cache read by the decode kernels, f32 activations;
+//! `bf16dot`: bf16 weights with the rows rounded to bf16 and AVX512_BF16 dot products, the worker's
+//! `--bf16-dot-products`); transformers runs in f32, as the originals do on a CPU.
 //!
 //!     cargo run --release -p cotrain-model --example bench_generate [-- --batches 1,8,32]
 //!     cargo run --release -p cotrain-model --example bench_generate -- --temperature 0.7 --top-p 0.9 --dtypes f32,bf16
@@ -170,7 +171,12 @@ fn main() {
     let mut ours = Vec::new();
     let mut roof = None;
     for dtype in &args.dtypes {
-        let kind = cotrain_model::config::parse_dtype(dtype).expect("--dtypes: f32 or bf16");
+        let dot = dtype == "bf16dot";
+        let kind = if dot { tch::Kind::BFloat16 } else { cotrain_model::config::parse_dtype(dtype).expect("--dtypes: f32, bf16 or bf16dot") };
+        if let Err(e) = cotrain_model::kernels::gemm_bf16dot::set_enabled(dot) {
+            eprintln!("{dtype}: skipped ({e})");
+            continue;
+        }
         let loaded = loader::load("default", &LoadOptions { kind, ..LoadOptions::default() })
             .expect("the default model loads (run `make setup`)");
         let prompt = loaded.tokenizer.encode(PROMPT, true).unwrap();

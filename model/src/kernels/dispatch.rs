@@ -77,7 +77,12 @@ pub fn decision(kind: Kind) -> &'static Decision {
 }
 
 /// Whether cotrain's matrix kernel serves the products of weights of `kind` (see the module docs).
+/// bf16 weights always do while the AVX512_BF16 option is on (`gemm_bf16dot`): it names this kernel.
 pub fn own_kernels(kind: Kind) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if kind == Kind::BFloat16 && super::gemm_bf16dot::enabled() {
+        return true;
+    }
     decision(kind).own_kernels
 }
 
