@@ -191,6 +191,30 @@ fn precision_keys_are_checked_and_maporl_refuses_bf16_products() {
     assert!(e.contains("model.matmul_dtype is built for the GRPO/MAGRPO trainer"), "{e}");
 }
 
+/// `rollout.bf16_dot_products` through the learner's own start-up (`connect_services`): refused,
+/// naming the worker flag, when every worker is remote; turned on before the embedded worker starts
+/// otherwise (where the CPU has AVX512_BF16).
+#[test]
+fn bf16_dot_products_reach_the_embedded_worker_and_are_refused_for_remote_ones() {
+    let base = fixture("base.yaml");
+    let load = |ov: &[&str]| load_config(&base, &ov.iter().map(|s| s.to_string()).collect::<Vec<_>>(), &LegacyFlags::default()).unwrap();
+    let agents = [("agent0".to_string(), "default".to_string()), ("agent1".to_string(), "default".to_string())];
+    let remote = load(&["rollout.dtype=bf16", "rollout.bf16_dot_products=true", "rollout.endpoints=['http://127.0.0.1:9']"]);
+    let e = match cotrain_learner::trainer::connect_services(&remote, &agents) {
+        Ok(_) => panic!("remote workers only: the option must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("rollout-worker serve --dtype bf16 --bf16-dot-products"), "{e}");
+    if !cotrain_model::kernels::gemm_bf16dot::is_available() {
+        eprintln!("skipped the embedded half: no AVX512_BF16");
+        return;
+    }
+    assert!(!cotrain_model::kernels::gemm_bf16dot::enabled());
+    let services = cotrain_learner::trainer::connect_services(&load(&["rollout.dtype=bf16", "rollout.bf16_dot_products=true"]), &agents).unwrap();
+    assert!(cotrain_model::kernels::gemm_bf16dot::enabled(), "the config key did not turn the option on");
+    drop(services);
+}
+
 #[test]
 fn each_legacy_flag_changes_the_config() {
     let base = fixture("base.yaml");
