@@ -16,11 +16,10 @@
 //!
 //! Measured on Zen 4 (AMD EPYC family 25 model 17: split AVX-512, avx512_bf16) over the default
 //! model's 211 matrices (`examples/bench_linear --no-mkldnn`, ms per decode step, 2 threads), against
-//! the bf16-weight kernel with f32 rows: 12.5 / 13.2 / 16.1 / 16.7 / 23.0 / 44.4 against 13.0 / 14.2
-//! / 18.4 / 25.6 / 45.8 / 85.3 at 1 / 4 / 8 / 16 / 32 / 64 rows; on one thread at 4 rows (as each
-//! engine of the learner's embedded worker runs) 24.3–24.7 against 26.0–26.6. Few rows stream
-//! the weights from memory either way; from 8 rows on the products are bound by arithmetic,
-//! which this path halves.
+//! the bf16-weight kernel with f32 rows: 9.7 / 10.9 / 17.4 / 23.6 / 24.5 against 9.8 / 13.6 / 25.1 /
+//! 35.6 / 48.4 at 4 / 8 / 16 / 24 / 32 rows. Few rows stream the weights from memory either way
+//! (one core, 4 rows: 14.2–14.7 ms both); from 8 rows on the products are bound by arithmetic, which
+//! this path halves.
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
@@ -33,15 +32,15 @@ use half::bf16;
 const NR: usize = 4;
 /// Input rows per dot-product tile (16 accumulators, four weight and one input vector).
 const MR: usize = 4;
-/// Blocks of [`NR`] weight rows ahead that a block's first tile prefetches (2, 4 and 8 measured
-/// alike on Zen 4, one core, 1 and 4 rows).
+/// Blocks of [`NR`] weight rows ahead that a block's first tile prefetches, into L2 as the f32
+/// tiles do (2, 4 and 8 measured alike on Zen 4, one core, 1 and 4 rows, with L1 prefetches).
 const AHEAD: usize = 2;
 /// Weight rows per broadcast tile (16 accumulators against two vectors of input pairs).
 pub(crate) const WROWS: usize = 8;
 /// Input rows from which the broadcast layout runs: on Zen 4 (2 threads, the default model's 211
-/// matrices, ms per decode step) dot tiles 16.3 against 17.9 at 6 rows, 17.3 against 16.5 at 8, 19.4
-/// against 17.0 at 12.
-pub const BROADCAST_MIN_ROWS: usize = 8;
+/// matrices, ms per decode step, the tiles prefetching into L2) 10.9 ms at 8 rows on dot tiles
+/// against 17.0 broadcast, and 17.2–17.4 broadcast at 12 rows against 18.4 for the f32-row tiles.
+pub const BROADCAST_MIN_ROWS: usize = 12;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
@@ -258,7 +257,7 @@ unsafe fn dot_tile<const R: usize, const C: usize>(xb: *const u16, kpad: usize, 
         if !next.is_null() {
             for i in 0..NR {
                 // A prefetch never faults, so rows past the end of `w` are harmless.
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(i * k + p).cast());
+                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(i * k + p).cast());
             }
         }
         let mut wv = [_mm512_setzero_si512(); R];

@@ -38,6 +38,12 @@
 //! [`super::gemm_broadcast`] instead (inputs transposed, weights broadcast, no horizontal sums): on
 //! Zen 4 that is 24.8 against 29.5 ms per decode step at 8 rows, 47–49 against 70–72 at 32.
 //!
+//! On the split-AVX-512 Zen 4 (AMD EPYC family 25, model 17; 32 KB L1) the tiles' prefetches into
+//! L1 evicted lines before their loads; prefetched into L2 instead, the decode step's products took
+//! 14.4 / 14.4 / 22.4 / 27.7 / 45.4 ms at 1 / 4 / 8 / 16 / 32 rows (2 threads; 22.0 / 24.1 / 26.3 /
+//! 27.0 / 45.5 before) and 25.5–26.4 ms at 4 rows on one thread (41.7–43.4 before): about 21 GB/s
+//! from one core, against 13 before. The dot-product tiles then beat the broadcasts up to 8 rows.
+//!
 //! Threads come from libtorch's own OpenMP team (`GOMP_parallel`, found at run time): the team
 //! spin-waits after each of libtorch's parallel regions, so a thread of our own would compete with
 //! it for the two cores (not measured), while reusing the team wakes threads already spinning.
@@ -60,13 +66,15 @@ const MR: usize = 4;
 /// Input rows from which [`matmul_nt`] transposes the inputs and broadcasts the weights
 /// ([`super::gemm_broadcast`]) instead of running dot-product tiles, for f32 and bf16 weights, unless
 /// [`set_broadcast_min_rows`] changed them. Measured over the default model's 211 matrices on Zen 4
-/// (`examples/bench_linear`, ms per decode step): f32 24.6 against 27.0 at 6 rows, 24.8 against
-/// 29.5 at 8, 47–49 against 70–72 at 32 (a tie at 4); bf16 27.4 against 20.0 at 8 rows (widening
-/// each tile's rows to f32 costs what the halved bytes save), 25.9 against 29.2 at 16.
+/// (`examples/bench_linear`, 2 threads, ms per decode step, broadcast against dot tiles, since the
+/// tiles prefetch into L2): f32 26.0 against 22.4 at 8 rows, 26.4 against 28.4 at 12, 27.7 against
+/// 38.0 at 16, 45.4 against 59.4 at 32; bf16 27.8 against 25.2 at 16 rows, 45.9 against 35.3 at 24,
+/// 48.0 against 45.9 at 32, 89.5 against 85.9 at 64 (widening each tile's rows to f32 costs what the
+/// halved bytes save; near a tie from 32 rows).
 ///
 /// `COTRAIN_BROADCAST_MIN_ROWS` (a row count for both dtypes, or `off`) overrides them. The two paths
 /// add in different orders, so a seeded sampled run may end elsewhere on one than on the other.
-pub const BROADCAST_MIN_ROWS: [usize; 2] = [6, 16];
+pub const BROADCAST_MIN_ROWS: [usize; 2] = [12, 32];
 
 /// The environment override of [`BROADCAST_MIN_ROWS`].
 pub const BROADCAST_ENV: &str = "COTRAIN_BROADCAST_MIN_ROWS";
@@ -348,11 +356,15 @@ unsafe fn tile<W: Elem, const R: usize, const C: usize>(
     let whole = k - k % 16;
     let mut p = 0;
     while p < whole {
-        // One prefetch per 64-byte line: every step for f32, every other step for bf16.
+        // One prefetch per 64-byte line: every step for f32, every other step for bf16. Into L2,
+        // not L1: the block after next lies 8 rows ahead, 18–48 KB for these widths, more than
+        // Zen 4's 32 KB L1 holds, so T0 prefetches evicted lines before their loads and the
+        // weights came from memory twice. On Zen 4, one core, 4 rows over the default model's
+        // 211 matrices: 25.5–26.4 ms per decode step with T1 against 41.7–43.4 with T0 (f32).
         if !next.is_null() && (p * size_of::<W>()).is_multiple_of(64) {
             for i in 0..NR {
                 // A prefetch never faults, so rows past the end of `w` are harmless.
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(i * k + p).cast());
+                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(i * k + p).cast());
             }
         }
         let mut wv = [_mm512_setzero_ps(); R];
