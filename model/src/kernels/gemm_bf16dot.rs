@@ -28,6 +28,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::bf16;
 
+use super::gemm_broadcast::Prefetch;
+
 /// Weight rows per dot-product tile.
 const NR: usize = 4;
 /// Input rows per dot-product tile (16 accumulators, four weight and one input vector).
@@ -307,7 +309,7 @@ unsafe fn run_broadcast(xp: *const u32, mpad: usize, w: *const u16, y: *mut f32,
     while n0 < n_hi {
         let rows = WROWS.min(n_hi - n0);
         let next = WROWS.min(n_hi - n0 - rows);
-        let mut ahead = Ahead { next: w.wrapping_add((n0 + rows) * k).cast(), left: (next * k * 2).div_ceil(64) };
+        let mut ahead = Prefetch::new(w.wrapping_add((n0 + rows) * k).cast(), (next * k * 2).div_ceil(64));
         let mut i0 = 0;
         while i0 < m {
             let take = 32.min(m - i0);
@@ -341,12 +343,6 @@ unsafe fn run_broadcast(xp: *const u32, mpad: usize, w: *const u16, y: *mut f32,
     }
 }
 
-/// Cache lines of the next tile's weights still to prefetch.
-struct Ahead {
-    next: *const u8,
-    left: usize,
-}
-
 /// `y[j, i] = Σ_q (pairs)` for `i < R` weight rows and `j < take ≤ 16V` input rows: each step
 /// broadcasts one weight pair of each row against `V` vectors of 16 input pairs.
 ///
@@ -356,15 +352,10 @@ struct Ahead {
 #[inline]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn pair_tile<const R: usize, const V: usize>(w: *const u16, k: usize, xp: *const u32, ldx: usize, y: *mut f32, ldy: usize, take: usize, ahead: &mut Ahead) {
+unsafe fn pair_tile<const R: usize, const V: usize>(w: *const u16, k: usize, xp: *const u32, ldx: usize, y: *mut f32, ldy: usize, take: usize, ahead: &mut Prefetch) {
     let mut acc = [[_mm512_setzero_ps(); V]; R];
     for q in 0..k / 2 {
-        if ahead.left > 0 {
-            // A prefetch never faults.
-            _mm_prefetch::<_MM_HINT_T1>(ahead.next.cast());
-            ahead.next = ahead.next.wrapping_add(64);
-            ahead.left -= 1;
-        }
+        ahead.step();
         let mut xv: [__m512bh; V] = [unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()) }; V];
         for (v, r) in xv.iter_mut().enumerate() {
             // SAFETY: 16 pairs of row `q < k / 2` of `xp` from column `16v < 16V`.

@@ -70,7 +70,7 @@ pub(crate) unsafe fn run<W: Elem>(
             let rows = WROWS.min(n_hi - n0);
             let next = WROWS.min(n_hi - n0 - rows);
             let lines = (next * k * size_of::<W>()).div_ceil(64);
-            let mut ahead = Prefetch { next: w.wrapping_add((n0 + rows) * k).cast(), left: lines };
+            let mut ahead = Prefetch::new(w.wrapping_add((n0 + rows) * k).cast(), lines);
             // bf16 rows are widened once per tile into `wide` (8 rows of K floats: L1 or L2), so
             // that the broadcasts read f32 as they do for f32 weights.
             let block: *const f32 = if widen {
@@ -147,10 +147,15 @@ pub(crate) struct Prefetch {
 }
 
 impl Prefetch {
+    /// `lines` cache lines from `next` on.
+    pub(crate) fn new(next: *const u8, lines: usize) -> Self {
+        Self { next, left: lines }
+    }
+
     /// Issues this step's prefetch (one line: callers spread a tile's lines over at least as many
     /// steps).
     #[inline(always)]
-    fn step(&mut self) {
+    pub(crate) fn step(&mut self) {
         if self.left > 0 {
             // SAFETY: a prefetch never faults.
             unsafe { _mm_prefetch::<_MM_HINT_T1>(self.next.cast()) };
