@@ -11,7 +11,7 @@ use std::time::Duration;
 use cotrain_learner::config::WeightTransport;
 use cotrain_learner::services::embedded::EmbeddedRollout;
 use cotrain_learner::services::{PoolRollout, runtime};
-use cotrain_learner::trainer::{GenRequest, RolloutSource, SamplingSpec};
+use cotrain_learner::trainer::{GenRequest, RolloutSource, SamplingSpec, WeightPush};
 use tch::Tensor;
 use tokio::runtime::Runtime;
 use train_common::{config, tiny_model_dir};
@@ -42,8 +42,12 @@ fn changed_params(spec: &str) -> BTreeMap<String, Tensor> {
 }
 
 fn greedy(r: &mut PoolRollout, version: u64) -> Vec<u32> {
+    greedy_of(r, "agent0", version)
+}
+
+fn greedy_of(r: &mut PoolRollout, agent: &str, version: u64) -> Vec<u32> {
     let req = GenRequest {
-        agent: "agent0".into(),
+        agent: agent.into(),
         prompt: vec![65, 97, 48],
         n: 1,
         sampling: SamplingSpec { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 12, ignore_eos: true },
@@ -144,6 +148,61 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
     assert_eq!(leftover_weight_files(), Vec::<String>::new(), "weight files left in /dev/shm");
     rt.block_on(plain.shutdown()).unwrap();
     drop(shm_worker);
+}
+
+/// The trainer pushes every updated policy at once (`push_weights_all`): through shared memory the
+/// agents' files are written and announced together, and each agent serves exactly its own weights,
+/// as one gRPC push after another gives them. An agent the worker refuses fails the call by name
+/// without holding back the others.
+#[test]
+fn pushing_several_agents_together_gives_each_its_own_weights() {
+    let _one_at_a_time = SHM_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let spec = tiny_model_dir(dir.path()).display().to_string();
+    let rt = runtime().unwrap();
+    let agents = vec![("agent0".to_string(), spec.clone()), ("agent1".to_string(), spec.clone())];
+    let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let first = changed_params(&spec);
+    let second: BTreeMap<String, Tensor> = first.iter().map(|(n, t)| (n.clone(), t * -1.3)).collect();
+
+    let mut together = connect(&rt, worker.grpc, WeightTransport::Auto);
+    let updates = [
+        WeightPush { agent: "agent0", version: 1, params: &first },
+        WeightPush { agent: "agent1", version: 1, params: &second },
+    ];
+    together.push_weights_all(&updates).unwrap();
+    assert_eq!(together.shm_pushes(), 2, "both agents should have gone through shared memory");
+    let bytes: u64 = [&first, &second].iter().flat_map(|p| p.values()).map(|t| t.numel() as u64 * 4).sum();
+    assert_eq!(together.last_push().unwrap().bytes, bytes);
+    assert_eq!(together.policy_version("agent0").unwrap(), 1);
+    assert_eq!(together.policy_version("agent1").unwrap(), 1);
+    let (a0, a1) = (greedy_of(&mut together, "agent0", 1), greedy_of(&mut together, "agent1", 1));
+    assert_ne!(a0, a1, "the two agents' weights differ, so must their greedy completions");
+
+    // The same weights swapped between the agents, over gRPC one push after another.
+    let mut chunks = connect(&rt, worker.grpc, WeightTransport::Grpc);
+    let swapped = [
+        WeightPush { agent: "agent0", version: 2, params: &second },
+        WeightPush { agent: "agent1", version: 2, params: &first },
+    ];
+    chunks.push_weights_all(&swapped).unwrap();
+    assert_eq!(chunks.shm_pushes(), 0);
+    assert_eq!(greedy_of(&mut chunks, "agent0", 2), a1, "agent0 with agent1's weights");
+    assert_eq!(greedy_of(&mut chunks, "agent1", 2), a0, "agent1 with agent0's weights");
+
+    // An agent the worker does not serve: the call fails naming it, the other agent's push lands.
+    let mixed = [
+        WeightPush { agent: "agent0", version: 3, params: &first },
+        WeightPush { agent: "nobody", version: 1, params: &first },
+    ];
+    let err = together.push_weights_all(&mixed).unwrap_err().to_string();
+    assert!(err.contains("nobody"), "{err}");
+    assert_eq!(together.policy_version("agent0").unwrap(), 3);
+    assert_eq!(greedy_of(&mut together, "agent0", 3), a0);
+
+    drop((together, chunks));
+    assert_eq!(leftover_weight_files(), Vec::<String>::new(), "weight files left in /dev/shm");
+    drop(worker);
 }
 
 /// `rollout.weight_dtype: bf16`: half the bytes per push, over gRPC and shared memory, and the

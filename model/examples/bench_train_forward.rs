@@ -3,8 +3,10 @@
 //! `forward_hidden` of the same tokens as a single sequence.
 //!
 //! ```sh
-//! cargo run --release -p cotrain-model --example bench_train_forward [-- --prompt 280]
+//! cargo run --release -p cotrain-model --example bench_train_forward [-- --prompt 280 --chunk 512 --threads 1]
 //! ```
+//! `--chunk` is the kernel's LM-head chunk (the trainer's is 512); `--threads` the libtorch threads
+//! (1: one of two policies updated at the same time on a 2-core machine).
 use std::time::Instant;
 
 use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs};
@@ -18,13 +20,17 @@ fn main() -> anyhow::Result<()> {
     println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
     let args: Vec<String> = std::env::args().collect();
     let p: usize = args.iter().position(|a| a == "--prompt").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(280);
+    let chunk: usize = args.iter().position(|a| a == "--chunk").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(512);
+    if let Some(threads) = args.iter().position(|a| a == "--threads").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()) {
+        tch::set_num_threads(threads);
+    }
     let m = cotrain_model::loader::load("default", &cotrain_model::loader::LoadOptions::default())?;
     let prompt: Vec<u32> = (0..p as u32).map(|i| 100 + i * 7 % 40000).collect();
     let seqs: Vec<Sequence> =
         (0..4).map(|k| Sequence { prompt: prompt.clone(), completion: (0..128u32).map(|i| 200 + (i * 13 + k * 101) % 40000).collect() }).collect();
     for _ in 0..3 {
         let t = Instant::now();
-        let tlp = completion_logprobs(&m.model, &seqs, &LogProbOptions { chunk_size: 256, with_grad: true, temperature: 1.0 })?;
+        let tlp = completion_logprobs(&m.model, &seqs, &LogProbOptions { chunk_size: chunk, with_grad: true, temperature: 1.0 })?;
         let fwd = t.elapsed().as_secs_f64();
         let (lp, _) = tlp.padded();
         let t = Instant::now();
@@ -44,7 +50,7 @@ fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         h.sum(Kind::Float).backward();
         let single_bwd = t.elapsed().as_secs_f64();
-        println!("kernel (1 prompt x {p} + 4 x 128): forward {fwd:.2} s, backward {bwd:.2} s | one sequence of {} tokens: trunk forward {single:.2} s, backward {single_bwd:.2} s", p + 128);
+        println!("kernel (1 prompt x {p} + 4 x 128, chunk {chunk}): forward {fwd:.2} s, backward {bwd:.2} s | one sequence of {} tokens: trunk forward {single:.2} s, backward {single_bwd:.2} s", p + 128);
     }
     Ok(())
 }

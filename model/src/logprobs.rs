@@ -20,8 +20,23 @@
 //!    weight and into `h.grad` and frees the chunk's graph; finally the trunk is
 //!    back-propagated once with `h.grad`.
 //!
-//! Peak memory: the trunk's usual activations plus one chunk's logits/softmax (and its
-//! gradient) — `chunk_size × vocab` floats — never `tokens × vocab`. [`TokenLogProbs::hidden`]
+//! The last chunk is not recomputed: phase 1 keeps its log-softmax, and phase 2 writes that
+//! chunk's gradient with respect to the logits in closed form (below) and multiplies it out
+//! against the head and the hidden rows. That saves the head's forward product and the softmax
+//! of one chunk — with GRPO's usual `G × max_new_tokens ≤ chunk_size`, the whole head recompute
+//! (a sixth of SmolLM2's training arithmetic per completion token).
+//!
+//! Peak memory: the trunk's usual activations plus two chunks' logits/softmax (the kept one and
+//! the one being recomputed, with its gradient) — `chunk_size × vocab` floats each — never
+//! `tokens × vocab`.
+//!
+//! # The closed-form chunk gradient
+//!
+//! With `u = z / T` the logits `z` over the temperature, `logp = log_softmax(u)`, `p = exp(logp)`,
+//! the token's log-prob `lp = logp[t]` and the entropy `ent = -Σ p·logp`:
+//! `∂lp/∂z_j = (δ_jt − p_j) / T` and `∂ent/∂z_j = −p_j (logp_j + ent) / T`, so with the incoming
+//! gradients `g_lp`, `g_ent` the logits' gradient is
+//! `(g_lp·δ_jt − p_j (g_lp + g_ent (logp_j + ent))) / T`. [`TokenLogProbs::hidden`]
 //! exposes the detached hidden states so a value head on the same forward composes: its
 //! gradient lands in `h.grad` and flows through the same single trunk backward.
 //!
@@ -52,6 +67,12 @@ use tch::{Kind, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::families::CausalLm;
+
+/// The LM-head chunk the trainers use. GRPO's usual 4 × 128 completion positions fit one chunk,
+/// whose backward is then the closed-form one (no head recompute); at most two chunks of logits
+/// are alive, 2 × 512 × vocab floats (200 MB for SmolLM2's 49k vocabulary, 620 MB for Qwen2.5's
+/// 152k).
+pub const TRAINING_CHUNK: usize = 512;
 
 /// One (prompt, completion) pair.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,6 +140,16 @@ struct BackwardState {
     /// (N,) target token ids.
     targets: Tensor,
     chunk_size: i64,
+    /// The last chunk's log-softmax (C, V) from the forward, with the first position it covers
+    /// and its entropies: its backward needs no recomputation.
+    kept: Option<KeptChunk>,
+}
+
+#[derive(Debug)]
+struct KeptChunk {
+    start: i64,
+    logp: Tensor,
+    entropy: Tensor,
 }
 
 /// The per-sequence (B, L, H) hidden states in terms of the trunk's rows.
@@ -231,6 +262,12 @@ impl TokenLogProbs {
                 let pos = st.positions.narrow(0, start, len);
                 let tgt = st.targets.narrow(0, start, len);
                 let h = hidden.index_select(0, &pos);
+                if let Some(kept) = st.kept.as_ref().filter(|k| k.start == start) {
+                    let grad = |g: &Tensor, defined: bool| defined.then(|| g.narrow(0, start, len));
+                    self.kept_chunk_backward(&h, &tgt, kept, grad(&g_lp, has_lp), grad(&g_ent, has_ent))?;
+                    start += len;
+                    continue;
+                }
                 let (lp, ent) = self.head_chunk(&h, &tgt);
                 let mut surrogate = Tensor::zeros([], (Kind::Float, lp.device()));
                 if has_lp {
@@ -249,6 +286,61 @@ impl TokenLogProbs {
                 .sum(Kind::Float)
                 .f_backward()?;
         }
+        Ok(())
+    }
+
+    /// The backward of the kept chunk in closed form (module docs): the logits' gradient from the
+    /// forward's log-softmax, then `∂h = ∂z · W` and `∂W += ∂zᵀ · h` in the head's product dtype,
+    /// handed to autograd as one surrogate so they accumulate where the recomputation's would.
+    fn kept_chunk_backward(
+        &self,
+        h: &Tensor,
+        targets: &Tensor,
+        kept: &KeptChunk,
+        g_lp: Option<Tensor>,
+        g_ent: Option<Tensor>,
+    ) -> Result<()> {
+        let head = self
+            .head
+            .as_ref()
+            .expect("the head is kept whenever backward state is");
+        let t = self.temperature;
+        let grad_logits = tch::no_grad(|| {
+            // −p·(g_lp + g_ent·(logp + ent)) / T, in as few passes over the (C, V) chunk as the
+            // gradients present allow (a loss on the log-probs alone: two).
+            let mut grad = kept.logp.exp();
+            match (&g_lp, &g_ent) {
+                (Some(g_lp), None) => {
+                    let _ = grad.g_mul_(&(g_lp * (-1.0 / t)).unsqueeze(1));
+                }
+                (g_lp, Some(g_ent)) => {
+                    let mut weight = (&kept.logp + kept.entropy.unsqueeze(1)) * (g_ent * (-1.0 / t)).unsqueeze(1);
+                    if let Some(g) = g_lp {
+                        let _ = weight.g_add_(&(g * (-1.0 / t)).unsqueeze(1));
+                    }
+                    let _ = grad.g_mul_(&weight);
+                }
+                (None, None) => unreachable!("called with at least one incoming gradient"),
+            }
+            if let Some(g) = &g_lp {
+                let _ = grad.scatter_add_(1, &targets.unsqueeze(1), &(g.unsqueeze(1) / t));
+            }
+            grad
+        });
+        // The dtype the forward multiplied in (`head_logits`): the matmul kind, else the head's.
+        let kind = self.matmul_kind.unwrap_or(head.kind());
+        let product = |t: &Tensor| t.to_kind(kind);
+        let (grad_hidden, grad_head) = tch::no_grad(|| {
+            let g = product(&grad_logits);
+            let grad_hidden = g.mm(&product(head)).to_kind(h.kind());
+            let grad_head = head.requires_grad().then(|| g.tr().mm(&product(h)).to_kind(head.kind()));
+            (grad_hidden, grad_head)
+        });
+        let mut surrogate = (h * grad_hidden).sum(Kind::Float);
+        if let Some(gw) = grad_head {
+            surrogate += (head * gw).sum(Kind::Float);
+        }
+        surrogate.f_backward()?;
         Ok(())
     }
 
@@ -277,12 +369,18 @@ fn rows(hidden: &Tensor) -> Tensor {
 
 /// log-prob of `targets` and entropy from logits (C, V), computed in f32.
 fn chunk_logprobs(logits: &Tensor, targets: &Tensor, temperature: f64) -> (Tensor, Tensor) {
+    let (lp, ent, _) = chunk_logprobs_keeping(logits, targets, temperature);
+    (lp, ent)
+}
+
+/// [`chunk_logprobs`] and the log-softmax (C, V) they came from.
+fn chunk_logprobs_keeping(logits: &Tensor, targets: &Tensor, temperature: f64) -> (Tensor, Tensor, Tensor) {
     let logits = logits.to_kind(Kind::Float);
     let logits = if temperature == 1.0 { logits } else { logits / temperature };
     let logp = logits.log_softmax(-1, Kind::Float);
     let lp = logp.gather(1, &targets.unsqueeze(1), false).squeeze_dim(1);
     let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
-    (lp, ent)
+    (lp, ent, logp)
 }
 
 /// A batch laid out for one forward.
@@ -568,31 +666,38 @@ pub fn completion_logprobs_with_sharing(
 
     let head = model.lm_head_weight();
     let matmul_kind = model.matmul_kind();
-    let run_chunks = |hidden: &Tensor| -> (Tensor, Tensor) {
+    // The log-probs and entropies of every chunk, and with `keep_last` the last chunk's
+    // log-softmax for the closed-form backward.
+    let run_chunks = |hidden: &Tensor, keep_last: bool| -> (Tensor, Tensor, Option<KeptChunk>) {
         let _guard = tch::no_grad_guard();
         let n = positions.size()[0];
         let flat = rows(hidden);
-        let (mut lps, mut ents) = (Vec::new(), Vec::new());
+        let (mut lps, mut ents, mut kept) = (Vec::new(), Vec::new(), None);
         let mut start = 0;
         while start < n {
             let len = chunk.min(n - start);
             let h = flat.index_select(0, &positions.narrow(0, start, len));
-            let (lp, ent) = chunk_logprobs(
-                &head_logits(&h, head, matmul_kind),
-                &targets.narrow(0, start, len),
-                opts.temperature,
-            );
-            lps.push(lp);
-            ents.push(ent);
+            let logits = head_logits(&h, head, matmul_kind);
+            let targets = targets.narrow(0, start, len);
+            if keep_last && start + len == n {
+                let (lp, ent, logp) = chunk_logprobs_keeping(&logits, &targets, opts.temperature);
+                kept = Some(KeptChunk { start, logp, entropy: ent.shallow_clone() });
+                lps.push(lp);
+                ents.push(ent);
+            } else {
+                let (lp, ent) = chunk_logprobs(&logits, &targets, opts.temperature);
+                lps.push(lp);
+                ents.push(ent);
+            }
             start += len;
         }
-        (Tensor::cat(&lps, 0), Tensor::cat(&ents, 0))
+        (Tensor::cat(&lps, 0), Tensor::cat(&ents, 0), kept)
     };
 
     if !opts.with_grad {
         let _guard = tch::no_grad_guard();
         let hidden = plan.trunk(model)?;
-        let (logprobs, entropy) = run_chunks(&hidden);
+        let (logprobs, entropy, _) = run_chunks(&hidden, false);
         return Ok(TokenLogProbs {
             logprobs,
             entropy,
@@ -605,7 +710,7 @@ pub fn completion_logprobs_with_sharing(
     }
     let trunk = plan.trunk(model)?;
     let hidden_leaf = trunk.detach().set_requires_grad(true);
-    let (lp, ent) = run_chunks(&hidden_leaf);
+    let (lp, ent, kept) = run_chunks(&hidden_leaf, true);
     Ok(TokenLogProbs {
         logprobs: lp.set_requires_grad(true),
         entropy: ent.set_requires_grad(true),
@@ -617,6 +722,7 @@ pub fn completion_logprobs_with_sharing(
             positions,
             targets,
             chunk_size: chunk,
+            kept,
         }),
         head: Some(head.shallow_clone()),
         temperature: opts.temperature,
@@ -630,6 +736,15 @@ pub fn naive_completion_logprobs(
     model: &CausalLm,
     batch: &[Sequence],
 ) -> Result<(Tensor, Tensor, Vec<usize>)> {
+    naive_completion_logprobs_at(model, batch, 1.0)
+}
+
+/// [`naive_completion_logprobs`] of `softmax(logits / temperature)`.
+pub fn naive_completion_logprobs_at(
+    model: &CausalLm,
+    batch: &[Sequence],
+    temperature: f64,
+) -> Result<(Tensor, Tensor, Vec<usize>)> {
     let device = model.device();
     let Layout {
         ids,
@@ -641,6 +756,6 @@ pub fn naive_completion_logprobs(
     let flat = logits.flatten(0, 1);
     let pos = Tensor::from_slice(&positions).to_device(device);
     let tgt = Tensor::from_slice(&targets).to_device(device);
-    let (lp, ent) = chunk_logprobs(&flat.index_select(0, &pos), &tgt, 1.0);
+    let (lp, ent) = chunk_logprobs(&flat.index_select(0, &pos), &tgt, temperature);
     Ok((lp, ent, offsets))
 }

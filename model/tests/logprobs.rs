@@ -7,6 +7,7 @@ mod support;
 use cotrain_model::loader::LoadOptions;
 use cotrain_model::logprobs::{
     LogProbOptions, Sequence, completion_logprobs, naive_completion_logprobs,
+    naive_completion_logprobs_at,
 };
 use support::*;
 use tch::{Kind, Tensor};
@@ -43,25 +44,37 @@ fn grads(loaded: &cotrain_model::loader::LoadedModel) -> Vec<(String, Tensor)> {
 }
 
 fn check(name: &str) {
+    // Chunk 4: several chunks, one crossing sequence boundaries; all but the last recomputed in
+    // the backward.
+    check_at(name, 4, 1.0);
+}
+
+/// The kernel at `chunk_size` and `temperature` against the naive computation, values and
+/// parameter gradients of a loss on both the log-probs and the entropies.
+fn check_at(name: &str, chunk_size: usize, temperature: f64) {
     let loaded = tiny(name, &LoadOptions::default());
     let model = &loaded.model;
     let batch = batch();
     let n: usize = batch.iter().map(|s| s.completion.len()).sum();
 
     // Naive: full logits, plain autograd.
-    let (lp_ref, ent_ref, offsets_ref) = naive_completion_logprobs(model, &batch).unwrap();
+    let (lp_ref, ent_ref, offsets_ref) = if temperature == 1.0 {
+        naive_completion_logprobs(model, &batch).unwrap()
+    } else {
+        naive_completion_logprobs_at(model, &batch, temperature).unwrap()
+    };
     let w = weights(n as i64);
     let loss_ref = (&lp_ref * &w).sum(Kind::Float) + ent_ref.sum(Kind::Float) * 0.3;
     loss_ref.backward();
     let g_ref = grads(&loaded);
 
-    // Chunked, chunk 4 (several chunks, one crossing sequence boundaries).
     let out = completion_logprobs(
         model,
         &batch,
         &LogProbOptions {
-            chunk_size: 4,
-            with_grad: true, temperature: 1.0
+            chunk_size,
+            with_grad: true,
+            temperature,
         },
     )
     .unwrap();
@@ -94,6 +107,17 @@ fn check(name: &str) {
 #[test]
 fn chunked_kernel_equals_naive_tied_head() {
     check("qwen3");
+}
+
+/// One chunk for the whole batch (GRPO's usual case): its backward is the closed-form one, never
+/// a recomputation; at a sampling temperature (MaPoRL) too, tied and untied heads.
+#[test]
+fn closed_form_head_backward_equals_naive_at_temperatures() {
+    for name in ["qwen3", "qwen2"] {
+        check_at(name, 512, 1.0);
+        check_at(name, 512, 0.7);
+        check_at(name, 5, 1.3);
+    }
 }
 
 #[test]

@@ -126,7 +126,7 @@ pub fn ppo_update(
     let mut records = vec![PpoRecord::default(); samples.len()];
     let mut stats: BTreeMap<String, f64> = BTreeMap::new();
     let acc = |k: &str, v: f64, stats: &mut BTreeMap<String, f64>| *stats.entry(k.to_string()).or_insert(0.0) += v;
-    let chunk = 256;
+    let chunk = cotrain_model::logprobs::TRAINING_CHUNK;
     let lp_opts = |with_grad| LogProbOptions { chunk_size: chunk, with_grad, temperature: m.temperature };
 
     // 1. Old log-probs, reference log-probs, old values.

@@ -141,6 +141,9 @@ fn environment() -> Environment<'static> {
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+    // Render errors quote the template line and name the undefined variable in release builds too
+    // (minijinja turns this on only with debug assertions).
+    env.set_debug(true);
     minijinja_contrib::add_to_environment(&mut env);
     for (name, text) in DEFAULTS {
         env.add_template(name, text).expect("the embedded default prompt templates parse");

@@ -20,7 +20,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::{WeightDtype, WeightTransport};
 use crate::trainer::sources::{PoolStats, PushStats};
-use crate::trainer::{GenRequest, GenSample, RolloutSource, TrainError};
+use crate::trainer::{GenRequest, GenSample, RolloutSource, TrainError, WeightPush};
 
 /// See the module docs.
 pub struct PoolRollout {
@@ -272,6 +272,104 @@ impl PoolRollout {
             .map_err(|e| TrainError::Rollout(e.to_string()))
     }
 
+    /// Whether weight pushes go through shared memory now (`shm`, or `auto` with every worker able
+    /// to take them and no failure yet).
+    fn shm_transport(&self) -> bool {
+        match self.transport {
+            WeightTransport::Shm => true,
+            WeightTransport::Grpc => false,
+            WeightTransport::Auto => !self.shm_failed && self.rt.block_on(self.pool.shm_capable()).is_ok(),
+        }
+    }
+
+    /// [`RolloutSource::push_weights_all`] through shared memory: the agents' files are written at
+    /// the same time (one thread each: the copy is the learner's share of a push), the updates
+    /// announced at the same time (each worker swaps each model on that model's own thread), and
+    /// the versions awaited together. An agent whose file could not be written, or whose update a
+    /// worker refused, takes the one-agent path afterwards ([`Self::push`]), with its fallbacks.
+    fn push_all_shm(&mut self, updates: &[WeightPush<'_>]) -> Result<(), TrainError> {
+        let started = std::time::Instant::now();
+        let locks: Vec<_> = updates.iter().map(|u| self.pool.shm_lock(u.agent)).collect();
+        let guards: Vec<_> = locks.iter().map(|l| self.rt.block_on(l.lock())).collect();
+        // Each thread owns its agent's file and handles on the parameters (the same storage).
+        let mut jobs = Vec::new();
+        let mut retry: Vec<usize> = Vec::new();
+        for (i, u) in updates.iter().enumerate() {
+            let file = match self.shm_files.remove(u.agent) {
+                Some(f) => f,
+                None => match ShmFile::create(u.agent, u.version) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        warn!(agent = u.agent, error = %e, "creating the shared-memory file failed; pushing this agent alone");
+                        retry.push(i);
+                        continue;
+                    }
+                },
+            };
+            let params: BTreeMap<String, Tensor> = u.params.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+            jobs.push((i, file, params));
+        }
+        let wire = self.wire;
+        let written: Vec<(usize, ShmFile, std::io::Result<()>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = jobs
+                .into_iter()
+                .map(|(i, mut file, params)| {
+                    s.spawn(move || {
+                        let r = fill_shm(&mut file, &params, wire);
+                        (i, file, r)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("a shared-memory writer panicked")).collect()
+        });
+        let mut announced = Vec::new();
+        for (i, file, r) in written {
+            match r {
+                Ok(()) => {
+                    announced.push((i, file.message()));
+                    self.shm_files.insert(updates[i].agent.to_string(), file);
+                }
+                Err(e) => {
+                    warn!(agent = updates[i].agent, error = %e, "writing the shared-memory file failed; pushing this agent alone");
+                    retry.push(i);
+                }
+            }
+        }
+        let write_secs = started.elapsed().as_secs_f64();
+        let pool = self.pool.clone();
+        let answers = self.rt.block_on(futures::future::join_all(
+            announced.iter().map(|(i, message)| pool.push_update_shm(update_header(updates[*i].agent, updates[*i].version, None), message)),
+        ));
+        drop(guards);
+        debug!(agents = updates.len(), write_secs, total_secs = started.elapsed().as_secs_f64(), "weights pushed through shared memory together");
+        let mut waits = Vec::new();
+        for ((i, _), answers) in announced.iter().zip(answers) {
+            let refused: Vec<String> = answers.iter().filter_map(|(w, a)| a.as_ref().err().map(|s| format!("{w}: {s}"))).collect();
+            if answers.is_empty() || !refused.is_empty() {
+                // As a failed one-agent push: a refusing worker may still read this file.
+                self.shm_files.remove(updates[*i].agent);
+                warn!(agent = updates[*i].agent, refused = refused.join("; "), "shared-memory update not taken everywhere; pushing this agent alone");
+                retry.push(*i);
+            } else {
+                self.shm_pushes += 1;
+                waits.push(*i);
+            }
+        }
+        let timeout = self.version_timeout;
+        let waited = self.rt.block_on(futures::future::join_all(
+            waits.iter().map(|&i| pool.wait_for_version(updates[i].agent, updates[i].version, timeout)),
+        ));
+        for r in waited {
+            r.map_err(|e| TrainError::Rollout(e.to_string()))?;
+        }
+        retry.sort_unstable();
+        for i in retry {
+            let u = &updates[i];
+            self.push(u.agent, u.version, u.params, None)?;
+        }
+        Ok(())
+    }
+
     pub fn pool(&self) -> &Arc<RolloutPool> {
         &self.pool
     }
@@ -430,6 +528,24 @@ impl RolloutSource for PoolRollout {
 
     fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
         self.push(agent, version, params, None)
+    }
+
+    /// Several agents through shared memory at the same time (see `push_all_shm`); over gRPC, or
+    /// for one agent, one push after another.
+    fn push_weights_all(&mut self, updates: &[WeightPush<'_>]) -> Result<(), TrainError> {
+        let started = std::time::Instant::now();
+        let distinct = updates.iter().map(|u| u.agent).collect::<HashSet<_>>().len() == updates.len();
+        if updates.len() > 1 && distinct && self.shm_transport() {
+            self.push_all_shm(updates)?;
+        } else {
+            for u in updates {
+                self.push(u.agent, u.version, u.params, None)?;
+            }
+        }
+        let bytes: u64 = updates.iter().flat_map(|u| u.params.values()).map(|t| (t.numel() * self.wire.size()) as u64).sum();
+        let workers = self.pool.workers().iter().filter(|w| w.healthy).count();
+        self.last_push = Some(PushStats { bytes, workers, secs: started.elapsed().as_secs_f64() });
+        Ok(())
     }
 
     fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {

@@ -39,7 +39,7 @@ use tracing::info;
 pub use items::{TrainItem, prepare_items};
 pub use policy::{AgentBatches, Policy, TrainSample, UpdateStats};
 pub use run::{RunSummary, Trainer, TrainerSetup, derive_seed};
-pub use sources::{CodeOutcome, FeedbackSpec, GenRequest, GenSample, PoolStats, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction};
+pub use sources::{CodeOutcome, FeedbackSpec, GenRequest, GenSample, PoolStats, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction, WeightPush};
 
 use crate::algo::AdamWConfig;
 use crate::config::{CheckedConfig, Dtype};

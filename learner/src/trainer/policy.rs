@@ -111,7 +111,7 @@ impl Policy {
     /// A policy around an already loaded model.
     pub fn new(worker_agent: &str, spec: &str, model: LoadedModel, reference: Option<LoadedModel>, adam: AdamWConfig) -> Self {
         let optimizer = AdamW::new(&model.vs, adam);
-        Self { worker_agent: worker_agent.to_string(), model_spec: spec.to_string(), model, optimizer, reference, wire_version: 0, chunk_size: 256 }
+        Self { worker_agent: worker_agent.to_string(), model_spec: spec.to_string(), model, optimizer, reference, wire_version: 0, chunk_size: cotrain_model::logprobs::TRAINING_CHUNK }
     }
 
     /// The parameters by name (shallow handles).

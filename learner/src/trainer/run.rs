@@ -33,7 +33,7 @@ use tracing::{info, warn};
 use super::policy::{AgentBatches, Policy, TrainSample, UpdateStats};
 use super::rounds::{Round, run_rounds};
 use super::rollout::{RolloutPlan, RolloutTimes};
-use super::sources::{CodeOutcome, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score};
+use super::sources::{CodeOutcome, GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec, Score, WeightPush};
 use super::tree::{Expansion, Forest};
 use super::{TrainError, TrainItem};
 use crate::algo::{AdvantageOptions, LossOptions, RolloutBuffer};
@@ -295,14 +295,24 @@ impl Trainer {
     /// pushes and every rank learns the version.
     pub fn sync_all_weights(&mut self) -> Result<f64, TrainError> {
         let t = Instant::now();
-        for pi in 0..self.s.policies.len() {
-            let mut v = 0;
-            if self.dist.is_root() {
-                let p = &self.s.policies[pi];
+        let mut versions = vec![0; self.s.policies.len()];
+        if self.dist.is_root() {
+            for (p, v) in self.s.policies.iter().zip(&mut versions) {
                 let served = self.s.rollout.policy_version(&p.worker_agent)?;
-                v = served.max(p.wire_version) + 1;
-                self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
+                *v = served.max(p.wire_version) + 1;
             }
+            let params: Vec<_> = self.s.policies.iter().map(|p| p.parameters()).collect();
+            let updates: Vec<WeightPush> = self
+                .s
+                .policies
+                .iter()
+                .zip(&versions)
+                .zip(&params)
+                .map(|((p, &version), params)| WeightPush { agent: &p.worker_agent, version, params })
+                .collect();
+            self.s.rollout.push_weights_all(&updates)?;
+        }
+        for (pi, v) in versions.into_iter().enumerate() {
             self.s.policies[pi].wire_version = self.dist.broadcast_u64(v, 0)?;
         }
         Ok(t.elapsed().as_secs_f64())
@@ -570,19 +580,26 @@ impl Trainer {
         // other ranks wait for it).
         let t = Instant::now();
         let (mut push_bytes, mut push_workers) = (0u64, 0usize);
-        for (pi, changed) in updated.iter().enumerate() {
-            if *changed {
-                let p = &mut self.s.policies[pi];
-                let v = p.wire_version + 1;
-                if self.dist.is_root() {
-                    self.s.rollout.push_weights(&p.worker_agent, v, &p.parameters())?;
-                    if let Some(push) = self.s.rollout.last_push() {
-                        push_bytes += push.bytes;
-                        push_workers = push_workers.max(push.workers);
-                    }
-                }
-                p.wire_version = v;
+        let changed: Vec<usize> = updated.iter().enumerate().filter(|(_, c)| **c).map(|(pi, _)| pi).collect();
+        if self.dist.is_root() && !changed.is_empty() {
+            // Every changed policy at once: the pushes overlap where the source can.
+            let params: Vec<_> = changed.iter().map(|&pi| self.s.policies[pi].parameters()).collect();
+            let updates: Vec<WeightPush> = changed
+                .iter()
+                .zip(&params)
+                .map(|(&pi, params)| {
+                    let p = &self.s.policies[pi];
+                    WeightPush { agent: &p.worker_agent, version: p.wire_version + 1, params }
+                })
+                .collect();
+            self.s.rollout.push_weights_all(&updates)?;
+            if let Some(push) = self.s.rollout.last_push() {
+                push_bytes += push.bytes;
+                push_workers = push_workers.max(push.workers);
             }
+        }
+        for &pi in &changed {
+            self.s.policies[pi].wire_version += 1;
         }
         if world > 1 {
             self.dist.barrier()?;

@@ -83,6 +83,14 @@ pub struct PoolStats {
     pub catch_ups: u64,
 }
 
+/// One agent's part of [`RolloutSource::push_weights_all`].
+#[derive(Debug, Clone, Copy)]
+pub struct WeightPush<'a> {
+    pub agent: &'a str,
+    pub version: u64,
+    pub params: &'a BTreeMap<String, Tensor>,
+}
+
 pub trait RolloutSource: Send {
     /// Runs every request; returns, per request and in order, its `n` samples.
     fn generate(&mut self, requests: &[GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError>;
@@ -91,6 +99,15 @@ pub trait RolloutSource: Send {
     /// Replaces `agent`'s weights on every worker with `params` as `version`, and returns once every
     /// worker serves that version.
     fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError>;
+    /// Pushes several distinct agents' weights, each as [`Self::push_weights`], and returns once
+    /// every worker serves every new version. Sources that can overlap the pushes do; by default
+    /// they go one after another.
+    fn push_weights_all(&mut self, updates: &[WeightPush<'_>]) -> Result<(), TrainError> {
+        for u in updates {
+            self.push_weights(u.agent, u.version, u.params)?;
+        }
+        Ok(())
+    }
     /// Sends only a LoRA adapter for `agent` as `version`, and returns once every worker serves that
     /// version. `adapter` holds pairs `X.lora_A.weight` (r × in) and `X.lora_B.weight` (out × r) for
     /// base parameters `X.weight` (names as `LoraAdapter::named_tensors` or `peft_tensors` give
@@ -99,7 +116,8 @@ pub trait RolloutSource: Send {
     /// every parameter the adapter does not name keeps its value. A push of a few megabytes instead
     /// of the whole model when only the adapter trains. Sources that cannot merge refuse, naming
     /// themselves.
-    /// The cost of the last push, when the source measures it.
+    /// The cost of the last push (all of the last [`Self::push_weights_all`]), when the source
+    /// measures it.
     fn last_push(&self) -> Option<PushStats> {
         None
     }
