@@ -638,6 +638,56 @@ fn adamw_matches_libtorch_adamw() {
     assert!(ours.has_state());
 }
 
+/// `zero_grad` drops the gradients as torch.optim does by default (`set_to_none`): the next backward
+/// writes them afresh, and a variable without a gradient in a step keeps its value through that
+/// step's update (libtorch's AdamW, whose `zero_grad` also drops them, is the reference).
+#[test]
+fn zero_grad_drops_gradients_and_a_variable_without_one_is_left_alone() {
+    tch::manual_seed(2);
+    let make = || {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let a = nn::linear(vs.root() / "a", 3, 4, Default::default());
+        let b = nn::linear(vs.root() / "b", 3, 4, Default::default());
+        (vs, a, b)
+    };
+    let (vs_a, a1, b1) = make();
+    let (mut vs_b, a2, b2) = make();
+    vs_b.copy(&vs_a).unwrap();
+    let mut ours = AdamW::new(&vs_a, AdamWConfig::new(1e-2, 0.01, None));
+    let mut theirs = nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.01, eps: 1e-8, amsgrad: false }.build(&vs_b, 1e-2).unwrap();
+    let x = Tensor::from_slice(&[0.5f32, -1.0, 2.0, 1.0, 0.0, -0.5]).reshape([2, 3]);
+    // Step 1 trains both layers; steps 2 and 3 only `a`.
+    for step in 0..3 {
+        ours.zero_grad();
+        theirs.zero_grad();
+        if step > 0 {
+            assert!(!b1.ws.grad().defined(), "step {step}: `b`'s gradient should have been dropped");
+        }
+        let loss = |a: &nn::Linear, b: &nn::Linear| {
+            let y = a.forward(&x).square().sum(Kind::Float);
+            if step == 0 { y + b.forward(&x).sum(Kind::Float) } else { y }
+        };
+        loss(&a1, &b1).backward();
+        if step > 0 {
+            // Written afresh, not added to the previous step's gradient.
+            let fresh = a1.ws.grad().copy();
+            ours.zero_grad();
+            loss(&a1, &b1).backward();
+            assert!(a1.ws.grad().equal(&fresh));
+        }
+        let b_before = b1.ws.copy();
+        ours.step();
+        loss(&a2, &b2).backward();
+        theirs.step();
+        if step > 0 {
+            assert!(b1.ws.equal(&b_before), "step {step}: `b` moved without a gradient");
+        }
+    }
+    for (ours, theirs) in [(&a1.ws, &a2.ws), (&b1.ws, &b2.ws)] {
+        assert!(ours.allclose(theirs, 1e-5, 1e-6, false), "{ours} vs {theirs}");
+    }
+}
+
 #[test]
 fn grad_norm_is_reported_before_clipping() {
     let vs = nn::VarStore::new(tch::Device::Cpu);
