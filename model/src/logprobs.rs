@@ -679,16 +679,12 @@ pub fn completion_logprobs_with_sharing(
             let h = flat.index_select(0, &positions.narrow(0, start, len));
             let logits = head_logits(&h, head, matmul_kind);
             let targets = targets.narrow(0, start, len);
+            let (lp, ent, logp) = chunk_logprobs_keeping(&logits, &targets, opts.temperature);
             if keep_last && start + len == n {
-                let (lp, ent, logp) = chunk_logprobs_keeping(&logits, &targets, opts.temperature);
                 kept = Some(KeptChunk { start, logp, entropy: ent.shallow_clone() });
-                lps.push(lp);
-                ents.push(ent);
-            } else {
-                let (lp, ent) = chunk_logprobs(&logits, &targets, opts.temperature);
-                lps.push(lp);
-                ents.push(ent);
             }
+            lps.push(lp);
+            ents.push(ent);
             start += len;
         }
         (Tensor::cat(&lps, 0), Tensor::cat(&ents, 0), kept)

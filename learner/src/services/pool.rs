@@ -5,7 +5,6 @@
 //! adapter ([`RolloutSource::push_adapter`]) takes the same paths, as a partial update whose header
 //! carries its scaling; the workers merge it into their base weights.
 
-use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -190,41 +189,55 @@ impl PoolRollout {
         // Workers catching up read this agent's file: rewrite it only while holding its lock.
         let lock = self.pool.shm_lock(agent);
         let _writing = self.rt.block_on(lock.lock());
-        let file = match self.shm_files.entry(agent.to_string()) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => e.insert(
-                ShmFile::create(agent, version).map_err(|e| (HashSet::new(), format!("creating the shared-memory file: {e}")))?,
-            ),
-        };
-        if let Err(e) = fill_shm(file, params, self.wire) {
-            self.shm_files.remove(agent);
-            return Err((HashSet::new(), format!("writing the shared-memory file: {e}")));
-        }
+        let mut file = self.take_shm_file(agent, version).map_err(|e| (HashSet::new(), e))?;
+        fill_shm(&mut file, params, self.wire).map_err(|e| (HashSet::new(), format!("writing the shared-memory file: {e}")))?;
         let written = started.elapsed();
         let message = file.message();
+        self.shm_files.insert(agent.to_string(), file);
         let answers = self.rt.block_on(self.pool.push_update_shm(update_header(agent, version, lora_scaling), &message));
         debug!(agent, version, write_secs = written.as_secs_f64(), total_secs = started.elapsed().as_secs_f64(), "weights pushed through shared memory");
+        self.settle_shm_answers(agent, answers)
+    }
+
+    /// The agent's shared-memory file, taken out of [`Self::shm_files`] (the caller puts it back
+    /// once written; a file that failed is dropped, which unlinks it): the one of its last push,
+    /// or a new one.
+    fn take_shm_file(&mut self, agent: &str, version: u64) -> Result<ShmFile, String> {
+        match self.shm_files.remove(agent) {
+            Some(file) => Ok(file),
+            None => ShmFile::create(agent, version).map_err(|e| format!("creating the shared-memory file: {e}")),
+        }
+    }
+
+    /// Counts a shared-memory push every worker took; otherwise drops the agent's file and returns
+    /// the workers that took it anyway with every refusal. A worker that failed (or timed out) may
+    /// still be reading: the next push gets a fresh file, and this one is only unlinked, which open
+    /// readers do not notice.
+    fn settle_shm_answers(
+        &mut self,
+        agent: &str,
+        answers: Vec<(String, Result<pb::UpdateWeightsResponse, tonic::Status>)>,
+    ) -> Result<(), (HashSet<String>, String)> {
+        if answers.is_empty() {
+            self.shm_files.remove(agent);
+            return Err((HashSet::new(), "no healthy worker".to_string()));
+        }
         let mut accepted = HashSet::new();
-        let mut failure = answers.is_empty().then(|| "no healthy worker".to_string());
+        let mut refused = Vec::new();
         for (worker, answer) in answers {
             match answer {
                 Ok(_) => {
                     accepted.insert(worker);
                 }
-                Err(status) => failure = Some(format!("{worker}: {status}")),
+                Err(status) => refused.push(format!("{worker}: {status}")),
             }
         }
-        match failure {
-            None => {
-                self.shm_pushes += 1;
-                Ok(())
-            }
-            Some(f) => {
-                // A worker that failed (or timed out) may still be reading: the next push gets a
-                // fresh file, and this one is only unlinked, which open readers do not notice.
-                self.shm_files.remove(agent);
-                Err((accepted, f))
-            }
+        if refused.is_empty() {
+            self.shm_pushes += 1;
+            Ok(())
+        } else {
+            self.shm_files.remove(agent);
+            Err((accepted, refused.join("; ")))
         }
     }
 
@@ -295,19 +308,16 @@ impl PoolRollout {
         let mut jobs = Vec::new();
         let mut retry: Vec<usize> = Vec::new();
         for (i, u) in updates.iter().enumerate() {
-            let file = match self.shm_files.remove(u.agent) {
-                Some(f) => f,
-                None => match ShmFile::create(u.agent, u.version) {
-                    Ok(f) => f,
-                    Err(e) => {
-                        warn!(agent = u.agent, error = %e, "creating the shared-memory file failed; pushing this agent alone");
-                        retry.push(i);
-                        continue;
-                    }
-                },
-            };
-            let params: BTreeMap<String, Tensor> = u.params.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
-            jobs.push((i, file, params));
+            match self.take_shm_file(u.agent, u.version) {
+                Ok(file) => {
+                    let params: BTreeMap<String, Tensor> = u.params.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+                    jobs.push((i, file, params));
+                }
+                Err(e) => {
+                    warn!(agent = u.agent, error = e, "pushing this agent alone");
+                    retry.push(i);
+                }
+            }
         }
         let wire = self.wire;
         let written: Vec<(usize, ShmFile, std::io::Result<()>)> = std::thread::scope(|s| {
@@ -344,15 +354,12 @@ impl PoolRollout {
         debug!(agents = updates.len(), write_secs, total_secs = started.elapsed().as_secs_f64(), "weights pushed through shared memory together");
         let mut waits = Vec::new();
         for ((i, _), answers) in announced.iter().zip(answers) {
-            let refused: Vec<String> = answers.iter().filter_map(|(w, a)| a.as_ref().err().map(|s| format!("{w}: {s}"))).collect();
-            if answers.is_empty() || !refused.is_empty() {
-                // As a failed one-agent push: a refusing worker may still read this file.
-                self.shm_files.remove(updates[*i].agent);
-                warn!(agent = updates[*i].agent, refused = refused.join("; "), "shared-memory update not taken everywhere; pushing this agent alone");
-                retry.push(*i);
-            } else {
-                self.shm_pushes += 1;
-                waits.push(*i);
+            match self.settle_shm_answers(updates[*i].agent, answers) {
+                Ok(()) => waits.push(*i),
+                Err((_, refused)) => {
+                    warn!(agent = updates[*i].agent, refused, "shared-memory update not taken everywhere; pushing this agent alone");
+                    retry.push(*i);
+                }
             }
         }
         let timeout = self.version_timeout;
