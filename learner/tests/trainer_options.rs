@@ -324,6 +324,60 @@ fn cross_mode_credits(concurrent: bool) {
     }
 }
 
+/// A group whose samples all got the same reward has all advantages 0: its loss, and so its
+/// gradient, is zero. The original still back-propagates it and steps AdamW, which moves the
+/// weights by their momentum; cotrain skips the backward and must land on the same weights.
+#[test]
+fn a_minibatch_without_gradient_is_not_back_propagated_and_the_weights_move_as_the_originals() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (spec, model) = tiny(tmp.path());
+    let hand = load(&spec, &LoadOptions::default()).unwrap();
+    let base = load(&spec, &LoadOptions::default()).unwrap();
+    let mut policy = Policy::new("agent0", &spec, model, None, adam());
+    let learning = vec![sample(&[65, 97, 48], &[120, 121, 10], 1.0), sample(&[65, 97, 48], &[33, 34], -1.0)];
+    let flat = vec![sample(&[66, 98], &[40, 41, 42], 0.0), sample(&[66, 98], &[7, 8], 0.0)];
+    let rounds: [Vec<Vec<TrainSample>>; 3] = [vec![learning.clone()], vec![flat.clone()], vec![flat.clone(), learning.clone()]];
+
+    let mut after_first = None;
+    for (r, minibatches) in rounds.iter().enumerate() {
+        let stats = policy.update(&[AgentBatches { minibatches: minibatches.clone(), scale: 1.0 }], &LossOptions::original(), 1).unwrap();
+        let flat_count = minibatches.iter().filter(|mb| mb.iter().all(|s| s.advantage == 0.0)).count() as u64;
+        assert_eq!(stats.minibatches_without_gradient, flat_count, "round {r}");
+        assert_eq!(stats.steps, 1, "round {r}: the optimiser steps even without a gradient, as the original's");
+        assert!(stats.entropy > 0.0 && stats.tokens > 0.0, "round {r}: the statistics still cover every mini-batch: {stats:?}");
+        if r == 0 {
+            after_first = Some(policy.model.named_parameters().into_iter().map(|(n, t)| (n, t.detach().copy())).collect::<std::collections::BTreeMap<_, _>>());
+        }
+        if r == 1 {
+            // Momentum alone moves the weights in the round without a gradient.
+            let before = after_first.as_ref().unwrap();
+            let moved = policy.model.named_parameters().iter().map(|(n, t)| (t - &before[n]).abs().max().double_value(&[])).fold(0.0, f64::max);
+            assert!(moved > 1e-4, "a round without gradient must still step AdamW (max change {moved})");
+        }
+    }
+
+    // By hand: three rounds of (1/K) Σ_k −A_k · Σ_t log π_t over all the round's samples, each a full
+    // backward (zero gradients where every advantage is 0) and a libtorch AdamW step.
+    let mut opt = tch::nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.0, eps: EPS, amsgrad: false }.build(&hand.vs, LR).unwrap();
+    for minibatches in &rounds {
+        let all: Vec<&TrainSample> = minibatches.iter().flatten().collect();
+        let k = all.len() as f64;
+        opt.zero_grad();
+        all.iter().map(|s| naive_logprobs(&hand, s).sum(Kind::Float) * (-s.advantage / k)).fold(Tensor::from(0.0f32), |a, b| a + b).backward();
+        opt.step();
+    }
+    assert_same_weights(&policy.model, &hand, &base, "rounds with and without gradient");
+
+    // With the KL penalty on, zero advantages still leave a gradient: nothing is skipped.
+    let tmp2 = tempfile::tempdir().unwrap();
+    let (spec2, model2) = tiny(tmp2.path());
+    let frozen = load(&spec2, &LoadOptions::default()).unwrap();
+    let mut with_kl = Policy::new("agent0", &spec2, model2, Some(frozen), adam());
+    let opts = LossOptions { kl: Some((0.1, KlEstimator::K3)), ..LossOptions::original() };
+    let stats = with_kl.update(&[AgentBatches { minibatches: vec![flat], scale: 1.0 }], &opts, 1).unwrap();
+    assert_eq!(stats.minibatches_without_gradient, 0);
+}
+
 #[test]
 fn a_non_finite_loss_skips_the_update_and_leaves_the_weights() {
     let tmp = tempfile::tempdir().unwrap();

@@ -122,6 +122,17 @@ impl AdamW {
         }
     }
 
+    /// Gives every variable without a gradient a zero one: what a backward of a loss that is zero
+    /// by construction (every advantage 0) would have left, so that the next [`AdamW::step`] moves
+    /// the weights by their momentum as `torch.optim.AdamW` does after such a backward, without
+    /// running that backward. Costs one fill over the model's size.
+    pub fn zero_gradients_where_missing(&mut self) {
+        let missing: Vec<&Tensor> = self.vars.iter().map(|(_, p)| p).filter(|p| p.requires_grad() && !p.grad().defined()).collect();
+        let Some(total) = missing.iter().map(|p| p.sum(Kind::Float) * 0.0).reduce(|a, b| a + b) else { return };
+        // d(0·Σp)/dp is a zero tensor of p's shape, which autograd stores contiguous as p's gradient.
+        total.backward();
+    }
+
     fn dropper(vars: &[(String, Tensor)]) -> Option<tch::COptimizer> {
         let mut opt = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false).ok()?;
         for (_, p) in vars {

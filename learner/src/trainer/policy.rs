@@ -58,6 +58,9 @@ pub struct UpdateStats {
     pub secs_optimizer: f64,
     /// Seconds summing gradients over the learner's ranks.
     pub secs_allreduce: f64,
+    /// Mini-batches whose loss has no gradient (every sample's advantage or weight is 0, and no KL
+    /// term): their log-probs ran without autograd and nothing was back-propagated (last epoch).
+    pub minibatches_without_gradient: u64,
     /// Mean |log π_θ − log μ| per token against the behaviour log-probs (see
     /// [`crate::algo::LossTerms::logprob_gap`]), when they were used.
     pub logprob_gap: f64,
@@ -149,6 +152,7 @@ impl Policy {
             let (mut loss, mut kl, mut clip_tok, mut ent_sum, mut tokens) = (0.0, 0.0, 0.0, 0.0, 0.0);
             let (mut gap_tok, mut isw_tok, mut cut_tok) = (0.0, 0.0, 0.0);
             let mut bad_loss: Option<f64> = None;
+            let (mut backpropagated, mut without_gradient) = (0u64, 0u64);
             'agents: for (agent, &total) in agents.iter().zip(totals) {
                 for mb in &agent.minibatches {
                     if mb.is_empty() {
@@ -157,7 +161,8 @@ impl Policy {
                     let seqs: Vec<Sequence> =
                         mb.iter().map(|s| Sequence { prompt: s.prompt.clone(), completion: s.completion.clone() }).collect();
                     let t_fwd = std::time::Instant::now();
-                    let tlp = completion_logprobs(&self.model.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: true, temperature: 1.0 })
+                    let with_grad = has_gradient(mb, loss_opts);
+                    let tlp = completion_logprobs(&self.model.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad, temperature: 1.0 })
                         .map_err(|e| TrainError::Model(format!("log-probs: {e}")))?;
                     let (lp, mask) = tlp.padded();
                     let mask = mask.to_kind(Kind::Float);
@@ -191,8 +196,13 @@ impl Policy {
                     }
                     stats.secs_forward += t_fwd.elapsed().as_secs_f64();
                     let t_bwd = std::time::Instant::now();
-                    terms.loss.f_backward().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
-                    tlp.propagate().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
+                    if with_grad {
+                        terms.loss.f_backward().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
+                        tlp.propagate().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
+                        backpropagated += 1;
+                    } else {
+                        without_gradient += 1;
+                    }
                     stats.secs_backward += t_bwd.elapsed().as_secs_f64();
                     tracing::debug!(
                         policy = %self.worker_agent,
@@ -226,6 +236,10 @@ impl Policy {
                 stats.skipped = Some(why);
                 return Ok(stats);
             }
+            if backpropagated == 0 {
+                // The original back-propagates a zero loss and steps AdamW with zero gradients.
+                self.optimizer.zero_gradients_where_missing();
+            }
             if dist.world() > 1 {
                 let t_comm = std::time::Instant::now();
                 crate::dist::all_reduce_grads(dist, &self.optimizer.parameters())?;
@@ -252,9 +266,20 @@ impl Policy {
             stats.is_weight_mean = per_token(isw_tok);
             stats.is_truncated_fraction = per_token(cut_tok);
             stats.tokens = tokens;
+            stats.minibatches_without_gradient = without_gradient;
         }
         Ok(stats)
     }
+}
+
+/// Whether a mini-batch's loss has a gradient. Every term of [`policy_loss`] is a sample's
+/// advantage times its weight times a function of its log-probs, except the KL penalty (weight
+/// times a function of the log-probs): with every `A·w` zero and no KL, or every weight zero, the
+/// loss is 0 whatever the weights, and so is its gradient, exactly. Such a mini-batch (a GRPO group
+/// whose samples all got the same reward) needs its log-probs only for the statistics, so they run
+/// without autograd and nothing is back-propagated: two thirds of its cost saved.
+fn has_gradient(mb: &[TrainSample], loss_opts: &LossOptions) -> bool {
+    !mb.iter().all(|s| s.weight == 0.0 || (s.advantage == 0.0 && loss_opts.kl.is_none()))
 }
 
 /// Right-pads rows of per-token values into a (K, width) f32 tensor.

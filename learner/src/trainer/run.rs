@@ -663,6 +663,7 @@ impl Trainer {
         m.insert("time/train_forward".into(), rounds.iter().map(|s| s.secs_forward).sum::<f64>());
         m.insert("time/train_backward".into(), rounds.iter().map(|s| s.secs_backward).sum::<f64>());
         m.insert("time/train_optimizer".into(), rounds.iter().map(|s| s.secs_optimizer).sum::<f64>());
+        m.insert("train/minibatches_without_gradient".into(), rounds.iter().map(|s| s.minibatches_without_gradient as f64).sum::<f64>());
         if world > 1 {
             m.insert("time/train_allreduce".into(), rounds.iter().map(|s| s.secs_allreduce).sum::<f64>());
             m.insert("ranks".into(), world as f64);
