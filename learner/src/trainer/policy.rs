@@ -236,8 +236,8 @@ impl Policy {
                 stats.skipped = Some(why);
                 return Ok(stats);
             }
-            if backpropagated == 0 {
-                // The original back-propagates a zero loss and steps AdamW with zero gradients.
+            if backpropagated == 0 && without_gradient > 0 {
+                // The original back-propagates the zero loss and steps AdamW with zero gradients.
                 self.optimizer.zero_gradients_where_missing();
             }
             if dist.world() > 1 {
