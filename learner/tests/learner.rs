@@ -694,8 +694,12 @@ fn grad_norm_is_reported_before_clipping() {
     let lin = nn::linear(vs.root() / "lin", 3, 5, Default::default());
     let mut opt = AdamW::new(&vs, AdamWConfig::new(1e-2, 0.0, Some(1e-3)));
     (lin.forward(&Tensor::ones([1, 3], (Kind::Float, tch::Device::Cpu))).sum(Kind::Float) * 1000.0).backward();
+    // libtorch's global norm over every gradient, in f64.
+    let want = vs.trainable_variables().iter().map(|v| v.grad().norm_scalaropt_dtype(2.0, Kind::Double).double_value(&[]).powi(2)).sum::<f64>().sqrt();
+    assert!((opt.grad_norm() - want).abs() <= 1e-12 * want, "{} against libtorch's {want}", opt.grad_norm());
     let norm = opt.step();
     assert!(norm > 1.0);
+    assert!((norm - want).abs() <= 1e-12 * want, "the step reports {norm}, libtorch's norm is {want}");
 }
 
 // ---------------------------------------------------------------- checkpoints

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use cotrain_model::kernels::adamw_f32::{AdamWStep, adamw_f32};
+use cotrain_model::kernels::adamw_f32::{AdamWStep, adamw_f32, sum_of_squares_f64};
 use tch::{Kind, Tensor, nn};
 
 
@@ -144,13 +144,20 @@ impl AdamW {
     /// The global L2 norm of the current gradients (accumulated in f64, reading each gradient once
     /// without temporaries).
     pub fn grad_norm(&self) -> f64 {
+        let threads = tch::get_num_threads().max(1) as usize;
         let mut total = 0.0;
         for (_, p) in &self.vars {
             let g = p.grad();
-            if g.defined() {
-                let n = g.norm_scalaropt_dtype(2.0, Kind::Double).double_value(&[]);
-                total += n * n;
+            if !g.defined() {
+                continue;
             }
+            total += if g.kind() == Kind::Float && g.device() == tch::Device::Cpu && g.is_contiguous() && g.numel() > 0 {
+                // SAFETY: a contiguous f32 CPU tensor of numel elements, only read while `g` lives.
+                let data = unsafe { std::slice::from_raw_parts(g.data_ptr() as *const f32, g.numel()) };
+                sum_of_squares_f64(data, threads)
+            } else {
+                g.norm_scalaropt_dtype(2.0, Kind::Double).double_value(&[]).powi(2)
+            };
         }
         total.sqrt()
     }
@@ -165,6 +172,12 @@ impl AdamW {
     /// gradient norm before clipping.
     pub fn step(&mut self) -> f64 {
         let norm = self.grad_norm();
+        self.step_with_norm(norm)
+    }
+
+    /// [`AdamW::step`] given the current gradients' [`AdamW::grad_norm`], for a caller that has
+    /// just measured it (to check it is finite): the norm is one more read of every gradient.
+    pub fn step_with_norm(&mut self, norm: f64) -> f64 {
         let clip_coef = match self.cfg.max_grad_norm {
             Some(max) if norm > max => max / (norm + 1e-6),
             _ => 1.0,

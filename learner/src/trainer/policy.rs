@@ -245,14 +245,15 @@ impl Policy {
                 crate::dist::all_reduce_grads(dist, &self.optimizer.parameters())?;
                 stats.secs_allreduce += t_comm.elapsed().as_secs_f64();
             }
-            if !self.optimizer.grads_finite() {
+            let norm = self.optimizer.grad_norm();
+            if !norm.is_finite() {
                 self.optimizer.zero_grad();
                 warn!(policy = %self.worker_agent, "non-finite gradient, skipping this update");
                 stats.skipped = Some("non-finite gradient".into());
                 return Ok(stats);
             }
             let t_opt = std::time::Instant::now();
-            stats.grad_norm = self.optimizer.step();
+            stats.grad_norm = self.optimizer.step_with_norm(norm);
             stats.secs_optimizer += t_opt.elapsed().as_secs_f64();
             self.optimizer.zero_grad();
             stats.steps += 1;

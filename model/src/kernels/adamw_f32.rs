@@ -80,9 +80,71 @@ fn update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamWStep)
     }
 }
 
+/// Σ gᵢ² in f64, in one pass on `threads` threads: the global gradient norm's read of each step.
+/// Each square is exact in f64 (an f32 product fits its mantissa); the sum is taken in a fixed
+/// order for a given length and thread count. A NaN or infinite element makes the sum non-finite.
+///
+/// libtorch's `norm(2, dtype=Double)` reads SmolLM2-135M's gradients in 0.16–0.19 s on one core
+/// (3.4 GB/s: it converts before it reduces); this loop runs at the memory's pace.
+pub fn sum_of_squares_f64(g: &[f32], threads: usize) -> f64 {
+    let n = g.len();
+    let parts = threads.clamp(1, n.div_ceil(1 << 16).max(1));
+    if parts == 1 {
+        return sum_of_squares(g);
+    }
+    let partial = std::sync::Mutex::new(Vec::with_capacity(parts));
+    super::omp::parallel_for(n, parts, &|lo, hi| {
+        let s = sum_of_squares(&g[lo..hi]);
+        partial.lock().expect("no panic holds this lock").push((lo, s));
+    });
+    let mut partial = partial.into_inner().expect("no panic holds this lock");
+    partial.sort_unstable_by_key(|&(lo, _)| lo);
+    partial.iter().map(|&(_, s)| s).sum()
+}
+
+fn sum_of_squares(g: &[f32]) -> f64 {
+    // Independent accumulators, so that the adds pipeline and vectorise.
+    const LANES: usize = 16;
+    let mut acc = [0f64; LANES];
+    let chunks = g.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            let x = f64::from(x);
+            *a += x * x;
+        }
+    }
+    let mut total: f64 = acc.iter().sum();
+    for &x in rest {
+        total += f64::from(x) * f64::from(x);
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Against libtorch's f64 norm, on lengths around the lanes and the parts, with a NaN and an inf.
+    #[test]
+    fn sum_of_squares_matches_libtorch_and_carries_non_finite_values() {
+        use tch::{Kind, Tensor};
+        tch::manual_seed(5);
+        for n in [0usize, 1, 15, 16, 17, 65_537, 300_001] {
+            let t = Tensor::randn([n as i64], (Kind::Float, tch::Device::Cpu)) * 3.0;
+            let want = t.norm_scalaropt_dtype(2.0, Kind::Double).double_value(&[]).powi(2);
+            let g = Vec::<f32>::try_from(&t).unwrap();
+            for threads in [1, 2, 3] {
+                let got = sum_of_squares_f64(&g, threads);
+                assert!((got - want).abs() <= 1e-12 * want.max(1.0), "n = {n}, {threads} threads: {got} against {want}");
+            }
+        }
+        let mut g = vec![1.0f32; 100_000];
+        g[77_777] = f32::NAN;
+        assert!(sum_of_squares_f64(&g, 2).is_nan());
+        g[77_777] = f32::INFINITY;
+        assert_eq!(sum_of_squares_f64(&g, 2), f64::INFINITY);
+    }
 
     /// Against the same update written with libtorch's ops in PyTorch's order.
     #[test]
