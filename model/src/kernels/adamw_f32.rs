@@ -103,6 +103,13 @@ pub fn sum_of_squares_f64(g: &[f32], threads: usize) -> f64 {
 }
 
 fn sum_of_squares(g: &[f32]) -> f64 {
+    // Blocks summed apart, then added up: the rounding grows with the block's length and the
+    // number of blocks rather than with the gradient's length (as libtorch's cascade sum).
+    const BLOCK: usize = 4096;
+    g.chunks(BLOCK).map(block_sum_of_squares).sum()
+}
+
+fn block_sum_of_squares(g: &[f32]) -> f64 {
     // Independent accumulators, so that the adds pipeline and vectorise.
     const LANES: usize = 16;
     let mut acc = [0f64; LANES];
