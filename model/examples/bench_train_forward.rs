@@ -1,10 +1,11 @@
 //! Times the training kernel's trunk forward and backward on SmolLM2-135M (f32, CPU) for the shapes
-//! of a multi-turn MAGRPO update (one prompt of P tokens, 4 completions of 128), against one plain
+//! of a multi-turn MAGRPO update (one prompt of P tokens, 4 completions of 128 by default), against one plain
 //! `forward_hidden` of the same tokens as a single sequence.
 //!
 //! ```sh
-//! cargo run --release -p cotrain-model --example bench_train_forward [-- --prompt 280 --chunk 512 --threads 1]
+//! cargo run --release -p cotrain-model --example bench_train_forward [-- --prompt 280 --completion 128 --chunk 512 --threads 1]
 //! ```
+//! `--completion` is each of the 4 completions' length (the seed configs' `max_new_tokens` is 256);
 //! `--chunk` is the kernel's LM-head chunk (the trainer's is 512); `--threads` the libtorch threads
 //! (1: one of two policies updated at the same time on a 2-core machine).
 use std::time::Instant;
@@ -20,6 +21,7 @@ fn main() -> anyhow::Result<()> {
     println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
     let args: Vec<String> = std::env::args().collect();
     let p: usize = args.iter().position(|a| a == "--prompt").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(280);
+    let c: u32 = args.iter().position(|a| a == "--completion").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(128);
     let chunk: usize = args.iter().position(|a| a == "--chunk").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(512);
     if let Some(threads) = args.iter().position(|a| a == "--threads").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()) {
         tch::set_num_threads(threads);
@@ -27,7 +29,7 @@ fn main() -> anyhow::Result<()> {
     let m = cotrain_model::loader::load("default", &cotrain_model::loader::LoadOptions::default())?;
     let prompt: Vec<u32> = (0..p as u32).map(|i| 100 + i * 7 % 40000).collect();
     let seqs: Vec<Sequence> =
-        (0..4).map(|k| Sequence { prompt: prompt.clone(), completion: (0..128u32).map(|i| 200 + (i * 13 + k * 101) % 40000).collect() }).collect();
+        (0..4).map(|k| Sequence { prompt: prompt.clone(), completion: (0..c).map(|i| 200 + (i * 13 + k * 101) % 40000).collect() }).collect();
     for _ in 0..3 {
         let t = Instant::now();
         let tlp = completion_logprobs(&m.model, &seqs, &LogProbOptions { chunk_size: chunk, with_grad: true, temperature: 1.0 })?;
@@ -50,7 +52,7 @@ fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         h.sum(Kind::Float).backward();
         let single_bwd = t.elapsed().as_secs_f64();
-        println!("kernel (1 prompt x {p} + 4 x 128, chunk {chunk}): forward {fwd:.2} s, backward {bwd:.2} s | one sequence of {} tokens: trunk forward {single:.2} s, backward {single_bwd:.2} s", p + 128);
+        println!("kernel (1 prompt x {p} + 4 x {c}, chunk {chunk}): forward {fwd:.2} s, backward {bwd:.2} s | one sequence of {} tokens: trunk forward {single:.2} s, backward {single_bwd:.2} s", p + c as usize);
     }
     Ok(())
 }

@@ -20,15 +20,16 @@
 //!    weight and into `h.grad` and frees the chunk's graph; finally the trunk is
 //!    back-propagated once with `h.grad`.
 //!
-//! The last chunk is not recomputed: phase 1 keeps its log-softmax, and phase 2 writes that
-//! chunk's gradient with respect to the logits in closed form (below) and multiplies it out
+//! The last two chunks are not recomputed: phase 1 keeps their log-softmax, and phase 2 writes
+//! each one's gradient with respect to the logits in closed form (below) and multiplies it out
 //! against the head and the hidden rows. That saves the head's forward product and the softmax
-//! of one chunk — with GRPO's usual `G × max_new_tokens ≤ chunk_size`, the whole head recompute
-//! (a sixth of SmolLM2's training arithmetic per completion token).
+//! of two chunks — with GRPO's usual `G × max_new_tokens ≤ 2 × chunk_size` (4 × 128 and the seed
+//! configs' 4 × 256 at the trainers' 512), the whole head recompute (a sixth of SmolLM2's training
+//! arithmetic per completion token).
 //!
-//! Peak memory: the trunk's usual activations plus two chunks' logits/softmax (the kept one and
-//! the one being recomputed, with its gradient) — `chunk_size × vocab` floats each — never
-//! `tokens × vocab`.
+//! Peak memory: the trunk's usual activations plus three chunks' logits/softmax (the two kept ones
+//! and the one being computed or recomputed, with its gradient) — `chunk_size × vocab` floats
+//! each — never `tokens × vocab`.
 //!
 //! # The closed-form chunk gradient
 //!
@@ -69,10 +70,17 @@ use crate::error::{ModelError, Result};
 use crate::families::CausalLm;
 
 /// The LM-head chunk the trainers use. GRPO's usual 4 × 128 completion positions fit one chunk,
-/// whose backward is then the closed-form one (no head recompute); at most two chunks of logits
-/// are alive, 2 × 512 × vocab floats (200 MB for SmolLM2's 49k vocabulary, 620 MB for Qwen2.5's
-/// 152k).
+/// and the seed configs' 4 × 256 two; both are kept ([`KEPT_CHUNKS`]), so their backward is the
+/// closed-form one (no head recompute); at most three chunks of logits are alive, 3 × 512 × vocab
+/// floats (300 MB for SmolLM2's 49k vocabulary, 930 MB for Qwen2.5's 152k).
 pub const TRAINING_CHUNK: usize = 512;
+
+/// How many of the last LM-head chunks keep their log-softmax from the forward for the closed-form
+/// backward. Two: the seed configs' 4 × 256 completions (two chunks of 512) need no head recompute
+/// (one agent's backward on one core 7.03–7.21 s against 7.27–7.64 s keeping one,
+/// `bench_train_forward -- --prompt 122 --completion 256 --threads 1`), for one more chunk of
+/// memory than keeping one.
+const KEPT_CHUNKS: usize = 2;
 
 /// One (prompt, completion) pair.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,9 +148,9 @@ struct BackwardState {
     /// (N,) target token ids.
     targets: Tensor,
     chunk_size: i64,
-    /// The last chunk's log-softmax (C, V) from the forward, with the first position it covers
-    /// and its entropies: its backward needs no recomputation.
-    kept: Option<KeptChunk>,
+    /// The last [`KEPT_CHUNKS`] chunks' log-softmax (C, V) from the forward, each with the first
+    /// position it covers and its entropies: their backward needs no recomputation.
+    kept: Vec<KeptChunk>,
 }
 
 #[derive(Debug)]
@@ -262,7 +270,7 @@ impl TokenLogProbs {
                 let pos = st.positions.narrow(0, start, len);
                 let tgt = st.targets.narrow(0, start, len);
                 let h = hidden.index_select(0, &pos);
-                if let Some(kept) = st.kept.as_ref().filter(|k| k.start == start) {
+                if let Some(kept) = st.kept.iter().find(|k| k.start == start) {
                     let grad = |g: &Tensor, defined: bool| defined.then(|| g.narrow(0, start, len));
                     self.kept_chunk_backward(&h, &tgt, kept, grad(&g_lp, has_lp), grad(&g_ent, has_ent))?;
                     start += len;
@@ -666,13 +674,15 @@ pub fn completion_logprobs_with_sharing(
 
     let head = model.lm_head_weight();
     let matmul_kind = model.matmul_kind();
-    // The log-probs and entropies of every chunk, and with `keep_last` the last chunk's
+    // The log-probs and entropies of every chunk, and with `keep_last` the last chunks'
     // log-softmax for the closed-form backward.
-    let run_chunks = |hidden: &Tensor, keep_last: bool| -> (Tensor, Tensor, Option<KeptChunk>) {
+    let run_chunks = |hidden: &Tensor, keep_last: bool| -> (Tensor, Tensor, Vec<KeptChunk>) {
         let _guard = tch::no_grad_guard();
         let n = positions.size()[0];
         let flat = rows(hidden);
-        let (mut lps, mut ents, mut kept) = (Vec::new(), Vec::new(), None);
+        let (mut lps, mut ents, mut kept) = (Vec::new(), Vec::new(), Vec::new());
+        // Chunks starting here or later are kept.
+        let kept_from = ((n as usize).div_ceil(chunk as usize).saturating_sub(KEPT_CHUNKS) as i64) * chunk;
         let mut start = 0;
         while start < n {
             let len = chunk.min(n - start);
@@ -680,8 +690,8 @@ pub fn completion_logprobs_with_sharing(
             let logits = head_logits(&h, head, matmul_kind);
             let targets = targets.narrow(0, start, len);
             let (lp, ent, logp) = chunk_logprobs_keeping(&logits, &targets, opts.temperature);
-            if keep_last && start + len == n {
-                kept = Some(KeptChunk { start, logp, entropy: ent.shallow_clone() });
+            if keep_last && start >= kept_from {
+                kept.push(KeptChunk { start, logp, entropy: ent.shallow_clone() });
             }
             lps.push(lp);
             ents.push(ent);
