@@ -23,7 +23,11 @@ fn logits(m: &cotrain_model::families::CausalLm) -> Tensor {
 
 /// An adapter whose B is random too (a fresh adapter changes nothing, by design).
 fn trained_like(model: &cotrain_model::families::CausalLm, cfg: LoraConfig) -> LoraAdapter {
-    tch::manual_seed(7);
+    trained_like_seeded(model, cfg, 7)
+}
+
+fn trained_like_seeded(model: &cotrain_model::families::CausalLm, cfg: LoraConfig, seed: i64) -> LoraAdapter {
+    tch::manual_seed(seed);
     let ad = LoraAdapter::new(model, cfg).unwrap();
     let _g = tch::no_grad_guard();
     for (name, mut t) in ad.named_tensors() {
@@ -195,4 +199,65 @@ fn bad_adapter_configs_are_refused_by_name() {
         && other.model.projection_shape("q_proj") == loaded.model.projection_shape("q_proj")
         && other.model.projection_shape("up_proj") == loaded.model.projection_shape("up_proj");
     assert_eq!(loaded.model.set_adapter(Some(&ad), false).is_ok(), same_shapes, "an adapter must fit the model it is set on");
+}
+
+/// `share_weights`: a second network on the same weight tensors, with its own adapter slot. Two
+/// threads, each with an adapter set on its own handle, train at the same time and get what each
+/// gets alone; the base is not copied and stays bit-identical.
+#[test]
+fn shared_weight_handles_carry_their_own_adapters_across_threads() {
+    let loaded = tiny("qwen2", &LoadOptions::default());
+    let m = &loaded.model;
+    let (a, b) = (trained_like(m, no_dropout()), trained_like_seeded(m, no_dropout(), 11));
+    let before: HashMap<String, Tensor> = loaded.vs.variables().into_iter().map(|(k, v)| (k, v.copy())).collect();
+    // Each adapter alone on the original handle: its logits and its adapter gradients.
+    let alone = |ad: &LoraAdapter| {
+        m.set_adapter(Some(ad), true).unwrap();
+        let (loss, tlp) = weighted_loss(m, true);
+        tlp.backward(&loss).unwrap();
+        let grads: Vec<Tensor> = ad.named_tensors().into_iter().map(|(_, t)| t.grad().copy()).collect();
+        ad.named_tensors().into_iter().for_each(|(_, t)| {
+            let _ = t.grad().zero_();
+        });
+        let out = logits(m);
+        m.set_adapter(None, false).unwrap();
+        (out, grads)
+    };
+    let (logits_a, grads_a) = alone(&a);
+    let (logits_b, grads_b) = alone(&b);
+    assert!(!logits_a.allclose(&logits_b, 1e-4, 1e-4, false), "the two adapters must differ");
+
+    let (ha, hb) = (m.share_weights(), m.share_weights());
+    assert!(!ha.has_adapter() && !hb.has_adapter());
+    assert_eq!(m.lm_head_weight().data_ptr(), ha.lm_head_weight().data_ptr(), "the handle reads the same storage");
+    let run = |h: cotrain_model::families::CausalLm, ad: &LoraAdapter| {
+        h.set_adapter(Some(ad), true).unwrap();
+        let mut grads = Vec::new();
+        let mut out = Tensor::new();
+        for _ in 0..3 {
+            let (loss, tlp) = weighted_loss(&h, true);
+            tlp.backward(&loss).unwrap();
+            grads = ad.named_tensors().into_iter().map(|(_, t)| t.grad().copy()).collect();
+            ad.named_tensors().into_iter().for_each(|(_, t)| {
+            let _ = t.grad().zero_();
+        });
+            out = logits(&h);
+        }
+        (out, grads)
+    };
+    let ((ta, ga), (tb, gb)) = std::thread::scope(|s| {
+        let ja = s.spawn(move || run(ha, &a));
+        let jb = s.spawn(move || run(hb, &b));
+        (ja.join().unwrap(), jb.join().unwrap())
+    });
+    assert!(!m.has_adapter(), "setting an adapter on a handle leaves the original without one");
+    for (label, (t, g), (t0, g0)) in [("a", (&ta, &ga), (&logits_a, &grads_a)), ("b", (&tb, &gb), (&logits_b, &grads_b))] {
+        assert!(t.allclose(t0, 1e-5, 1e-5, false), "adapter {label}: logits on its own thread differ from alone");
+        for (x, y) in g.iter().zip(g0) {
+            assert!(x.allclose(y, 1e-4, 1e-6, false), "adapter {label}: gradients on its own thread differ from alone");
+        }
+    }
+    for (k, v) in loaded.vs.variables() {
+        assert!(v.equal(&before[&k]), "{k}: the base must stay bit-identical");
+    }
 }

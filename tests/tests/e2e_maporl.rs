@@ -370,21 +370,44 @@ fn agents_on_different_base_models_train_their_own_adapters() {
     }
 }
 
-/// Two learner ranks (each discusses half of every step's questions and takes half of every PPO
-/// mini-batch) train the same adapters, critics and metrics as one rank.
+/// One learner rank trains the same adapters, critics and metrics as
+/// - two ranks (each discusses half of every step's questions and takes half of every PPO
+///   mini-batch);
+/// - itself with the PPO jobs in turn (`learner.concurrent_policies: false`): on one CPU rank the
+///   epochs of the adapters and critics run at the same time by default, each job on its own thread
+///   with its own handle on the frozen base.
 #[test]
-fn two_ranks_train_the_same_adapters_as_one() {
-    let (one, two, init) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+fn two_ranks_and_ppo_jobs_in_turn_train_the_same_adapters_as_one_rank() {
+    let dirs: Vec<tempfile::TempDir> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
     // 20 questions, 10 per step: 4 steps over 2 epochs.
-    let (run1, m1) = train_digits_on(one.path(), "", 2, 0.001, true, &[], 1);
-    let (run2, m2) = train_digits_on(two.path(), "", 2, 0.001, true, &[], 2);
+    let (run1, m1) = train_digits_on(dirs[0].path(), "", 2, 0.001, true, &[], 1);
+    let (run2, m2) = train_digits_on(dirs[1].path(), "", 2, 0.001, true, &[], 2);
+    let (run3, m3) = train_digits_on(dirs[2].path(), "", 2, 0.001, true, &["learner.concurrent_policies=false".into()], 1);
     // The same run with a negligible learning rate leaves the seeded initial adapters (within 1e-11).
-    let (run0, _) = train_digits_on(init.path(), "", 1, 1e-12, true, &[], 1);
+    let (run0, _) = train_digits_on(dirs[3].path(), "", 1, 1e-12, true, &[], 1);
+    let jobs = |m: &[serde_json::Value]| m.iter().filter_map(|v| v["ppo/concurrent_jobs"].as_f64()).collect::<Vec<_>>();
+    // per_turn adapters: several policies and critics per step, one thread per core (or per job).
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let together = |n: f64| if cores >= 2 { n >= 2.0 } else { n == 1.0 };
+    assert!(!jobs(&m1).is_empty() && jobs(&m1).iter().all(|&n| together(n)), "concurrent jobs per step {:?}, {cores} cores", jobs(&m1));
+    assert!(!jobs(&m3).is_empty() && jobs(&m3).iter().all(|&n| n == 1.0), "in turn: {:?}", jobs(&m3));
+    assert_same_training(("one rank", &run1, &m1), ("two ranks", &run2, &m2), &run0);
+    assert_same_training(("one rank", &run1, &m1), ("one rank, PPO jobs in turn", &run3, &m3), &run0);
+}
+
+/// Asserts that runs `a` and `b` logged the same metrics (within 1e-5) and saved the same adapters
+/// and critics (within the rounding of another summation order), all of which moved away from the
+/// seeded initial ones of `run0`.
+fn assert_same_training(
+    (la, run1, m1): (&str, &std::path::Path, &[serde_json::Value]),
+    (lb, run2, m2): (&str, &std::path::Path, &[serde_json::Value]),
+    run0: &std::path::Path,
+) {
     assert_eq!(m1.len(), m2.len(), "rank 0 alone writes metrics");
-    for (a, b) in m1.iter().zip(&m2) {
+    for (a, b) in m1.iter().zip(m2) {
         for k in ["accuracy/turn0", "accuracy/turn1", "loss/policy_avg", "loss/value_avg", "objective/kl", "policy/entropy_avg"] {
             if let (Some(x), Some(y)) = (a[k].as_f64(), b[k].as_f64()) {
-                assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "step {}: {k} is {x} on one rank, {y} on two", a["step"]);
+                assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "step {}: {k} is {x} with {la}, {y} with {lb}", a["step"]);
             }
         }
     }
@@ -396,7 +419,7 @@ fn two_ranks_train_the_same_adapters_as_one() {
         let read = |run: &std::path::Path| -> std::collections::BTreeMap<String, tch::Tensor> {
             tch::Tensor::read_safetensors(run.join("adapters").join(key).join("adapter_model.safetensors")).unwrap().into_iter().collect()
         };
-        let (a, b, base) = (read(&run1), read(&run2), read(&run0));
+        let (a, b, base) = (read(run1), read(run2), read(run0));
         assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
         for (name, ta) in &a {
             let norm = |t: &tch::Tensor| t.to_kind(tch::Kind::Double).norm().double_value(&[]);
@@ -414,7 +437,7 @@ fn two_ranks_train_the_same_adapters_as_one() {
             // relative differences of about 1e-6 on the policies and 3e-5 on the critics (whose value
             // gradients are smaller); training alone on half the data would differ by the update.
             let bound = if key.starts_with("critic") { 1e-4 } else { 1e-5 };
-            assert!(d <= bound * u.max(1e-12) && d <= bound * n.max(1e-12), "{key}/{name}: ‖a − b‖ = {d:e}, ‖a‖ = {n:e}, update {u:e}");
+            assert!(d <= bound * u.max(1e-12) && d <= bound * n.max(1e-12), "{key}/{name}: ‖a − b‖ = {d:e}, ‖a‖ = {n:e}, update {u:e} ({la} against {lb})");
         }
     }
     assert!(moved > 1e-4, "the adapters' B matrices start at zero and must have trained (largest norm {moved})");

@@ -91,15 +91,15 @@ pub struct PolicyAdapter {
 }
 
 impl PolicyAdapter {
-    /// Runs `f` on the policy's network: the base with the adapter set (and unset afterwards, even
-    /// when `f` fails), or the policy's own full copy.
-    pub fn with_model<R>(&self, bases: &Bases, f: impl FnOnce(&CausalLm) -> R) -> Result<R, TrainError> {
+    /// Runs `f` on the policy's network: `base` (the network of base `self.base`, or a
+    /// [`CausalLm::share_weights`] copy of it) with the adapter set (and unset afterwards, even when
+    /// `f` fails), or the policy's own full copy.
+    pub fn with_model<R>(&self, base: &CausalLm, f: impl FnOnce(&CausalLm) -> R) -> Result<R, TrainError> {
         match &self.weights {
             PolicyWeights::Lora(adapter) => {
-                let model = &bases.models[self.base].model;
-                model.set_adapter(Some(adapter), false).map_err(|e| TrainError::Model(format!("adapter `{}`: {e}", self.key)))?;
-                let out = f(model);
-                model.set_adapter(None, false).map_err(|e| TrainError::Model(format!("adapter `{}`: {e}", self.key)))?;
+                base.set_adapter(Some(adapter), false).map_err(|e| TrainError::Model(format!("adapter `{}`: {e}", self.key)))?;
+                let out = f(base);
+                base.set_adapter(None, false).map_err(|e| TrainError::Model(format!("adapter `{}`: {e}", self.key)))?;
                 Ok(out)
             }
             PolicyWeights::Full(m) => Ok(f(&m.model)),
@@ -139,13 +139,14 @@ pub struct Critic {
 }
 
 impl Critic {
-    /// Values (B, L) of right-padded token rows (B, L) with the critic adapter set on `base`.
-    /// Values of padding positions are garbage; callers gather real positions.
-    pub fn values(&self, base: &LoadedModel, ids: &Tensor, with_grad: bool) -> Result<Tensor, TrainError> {
+    /// Values (B, L) of right-padded token rows (B, L) with the critic adapter set on `base` (the
+    /// network of base `self.base`, or a [`CausalLm::share_weights`] copy of it). Values of padding
+    /// positions are garbage; callers gather real positions.
+    pub fn values(&self, base: &CausalLm, ids: &Tensor, with_grad: bool) -> Result<Tensor, TrainError> {
         let _guard = (!with_grad).then(tch::no_grad_guard);
-        base.model.set_adapter(Some(&self.adapter), false).map_err(|e| TrainError::Model(e.to_string()))?;
-        let hidden = base.model.forward_hidden(ids);
-        base.model.set_adapter(None, false).map_err(|e| TrainError::Model(e.to_string()))?;
+        base.set_adapter(Some(&self.adapter), false).map_err(|e| TrainError::Model(e.to_string()))?;
+        let hidden = base.forward_hidden(ids);
+        base.set_adapter(None, false).map_err(|e| TrainError::Model(e.to_string()))?;
         let hidden = hidden.map_err(|e| TrainError::Model(format!("critic forward: {e}")))?;
         Ok(hidden.to_kind(Kind::Float).matmul(&self.head.to_kind(Kind::Float).transpose(0, 1)).squeeze_dim(-1))
     }

@@ -181,7 +181,8 @@ impl MaporlTrainer {
         let lr = scheduled_lr(self.m.learning_rate, self.m.lr_end_factor, self.step, total_steps);
         self.s.adapters.set_lr(lr);
         let t1 = Instant::now();
-        let (records, mut values) = ppo_update(&self.m, &self.s.bases, &mut self.s.adapters, &samples, &mut self.rng, self.dist.as_ref())?;
+        let concurrent = self.s.cfg.raw.learner.concurrent_policies;
+        let (records, mut values) = ppo_update(&self.m, &self.s.bases, &mut self.s.adapters, &samples, &mut self.rng, self.dist.as_ref(), concurrent)?;
         let t_update = t1.elapsed().as_secs_f64();
         let t2 = Instant::now();
         let trained: std::collections::BTreeSet<&str> = samples.iter().map(|s| s.policy.as_str()).collect();

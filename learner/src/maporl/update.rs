@@ -7,7 +7,9 @@
 //!    token; GAE (γ, λ); returns = advantages + values; advantages whitened over the adapter's tokens;
 //! 3. `num_ppo_epochs` passes over shuffled mini-batches: the clipped policy loss steps the policy
 //!    adapter, vf_coef · the clipped value loss steps the critic (adapter and head). The two share no
-//!    parameter, so stepping them apart is the same as stepping their sum.
+//!    parameter, so stepping them apart is the same as stepping their sum. Each adapter's and each
+//!    critic's epochs are one job; on one CPU rank the jobs run at the same time, one thread per
+//!    share of the cores, each thread on its own [`CausalLm::share_weights`] handle of the bases.
 //!
 //! Dropout stays off in every forward of the update, as TRL's PPO trainers disable it: the ratio of
 //! the first epoch must be exactly 1.
@@ -20,8 +22,10 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
 use tracing::warn;
 
-use super::agents::{Adapters, Bases, Critic};
-use crate::dist::Collective;
+use cotrain_model::families::CausalLm;
+
+use super::agents::{Adapters, Bases, Critic, PolicyAdapter};
+use crate::dist::{Collective, SingleRank};
 use crate::algo::ppo::{clipped_policy_loss, clipped_value_loss, explained_variance, gae, kl_per_token, token_rewards, whiten};
 use crate::trainer::policy::padded_rows as pad_f32;
 use crate::config::MaporlSection;
@@ -69,10 +73,9 @@ fn padded_rows(rows: &[(&[u32], &[u32])]) -> (Tensor, Vec<usize>) {
 
 /// Values (B, Cmax) at the positions predicting each response token (prompt_len − 1 + t), zero
 /// beyond each response.
-fn response_values(critic: &Critic, bases: &Bases, rows: &[(&[u32], &[u32])], with_grad: bool) -> Result<Tensor, TrainError> {
+fn response_values(critic: &Critic, base: &CausalLm, rows: &[(&[u32], &[u32])], with_grad: bool) -> Result<Tensor, TrainError> {
     let (ids, prompt_lens) = padded_rows(rows);
-    let base = &bases.models[critic.base];
-    let v = critic.values(base, &ids.to_device(base.model.device()), with_grad)?;
+    let v = critic.values(base, &ids.to_device(base.device()), with_grad)?;
     let l = v.size()[1];
     let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0) as i64;
     let (mut src, mut dst) = (Vec::new(), Vec::new());
@@ -113,6 +116,10 @@ fn split(flat: &Tensor, offsets: &[usize]) -> Vec<Vec<f32>> {
 /// every mini-batch each rank back-propagates every world-th of its samples with the loss scaled by
 /// its share of the mini-batch's tokens, so that the gradients summed over the ranks (before each
 /// AdamW step) and the statistics are those of the whole mini-batch.
+///
+/// `concurrent` (`learner.concurrent_policies`) runs the adapters' and critics' epochs at the same
+/// time where [`thread_shares`] finds it possible (one rank, CPU, several jobs and cores); they
+/// compute what they compute in turn, up to the summation order inside products.
 pub fn ppo_update(
     m: &MaporlSection,
     bases: &Bases,
@@ -120,6 +127,7 @@ pub fn ppo_update(
     samples: &[PpoSample],
     rng: &mut ChaCha8Rng,
     dist: &dyn Collective,
+    concurrent: bool,
 ) -> Result<(Vec<PpoRecord>, BTreeMap<String, f64>), TrainError> {
     let (rank, world) = (dist.rank(), dist.world());
     let mine = |k: usize| k % world == rank;
@@ -144,7 +152,7 @@ pub fn ppo_update(
             continue;
         }
         let seqs: Vec<Sequence> = idx.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
-        let old = p.with_model(bases, |model| completion_logprobs(model, &seqs, &lp_opts(false)))?.map_err(model_err("behaviour log-probs"))?;
+        let old = p.with_model(&bases.models[p.base].model, |model| completion_logprobs(model, &seqs, &lp_opts(false)))?.map_err(model_err("behaviour log-probs"))?;
         // The reference policy is the frozen base itself.
         let reference = completion_logprobs(&bases.models[p.base].model, &seqs, &lp_opts(false)).map_err(model_err("reference log-probs"))?;
         for ((&k, lp), lr) in idx.iter().zip(split(&old.logprobs, &old.offsets)).zip(split(&reference.logprobs, &reference.offsets)) {
@@ -157,7 +165,7 @@ pub fn ppo_update(
         let idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
         for part in idx.chunks(16) {
             let rows: Vec<(&[u32], &[u32])> = part.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
-            let v = response_values(c, bases, &rows, false)?;
+            let v = response_values(c, &bases.models[c.base].model, &rows, false)?;
             let v: Vec<f32> = Vec::try_from(v.to_device(tch::Device::Cpu).reshape([-1])).unwrap_or_default();
             let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
             for (b, &k) in part.iter().enumerate() {
@@ -220,114 +228,79 @@ pub fn ppo_update(
     }
     stats.insert("val/explained_variance".into(), explained_variance(&all_values, &all_returns));
 
-    // 3. PPO epochs over shuffled mini-batches.
-    let (mut pg_n, mut vf_n) = (0.0f64, 0.0f64);
-    let (mut t_policy, mut t_value) = (0.0, 0.0);
+    // 3. PPO epochs over shuffled mini-batches. Each policy adapter and each critic trains on its
+    // own samples and shares no parameter with the others (the base is frozen), so their epochs are
+    // independent jobs. The shuffles are drawn first, in the order the epochs draw them when the jobs
+    // run one after another, so running jobs at the same time (`concurrently`) changes nothing but
+    // the summation order inside products.
+    let t_epochs = std::time::Instant::now();
+    let mut policy_orders: Vec<Vec<Vec<usize>>> = vec![Vec::new(); by_policy.len()];
+    let mut critic_orders: Vec<Vec<Vec<usize>>> = vec![Vec::new(); by_critic.len()];
     for _epoch in 0..m.num_ppo_epochs {
-        let t = std::time::Instant::now();
-        for (key, idx) in &by_policy {
+        for (orders, idx) in policy_orders.iter_mut().zip(by_policy.values()) {
             let mut order = idx.clone();
             order.shuffle(rng);
-            let parts = m.num_mini_batches.min(order.len()).max(1);
-            let size = order.len().div_ceil(parts);
-            for mb in order.chunks(size) {
-                let p = adapters.policies.get_mut(*key).expect("checked above");
-                // This rank's share of the mini-batch and its share of the mini-batch's tokens.
-                let all_tokens: usize = mb.iter().map(|&k| samples[k].response.len()).sum();
-                let part: Vec<usize> = mb.iter().enumerate().filter(|&(j, _)| j % world == rank).map(|(_, &k)| k).collect();
-                let share = part.iter().map(|&k| samples[k].response.len()).sum::<usize>() as f64 / all_tokens.max(1) as f64;
-                p.optimizer.zero_grad();
-                let mut local = [0.0f64; 6]; // loss, clip fraction, approx kl, entropy, ratio, non-finite
-                if !part.is_empty() {
-                    let seqs: Vec<Sequence> =
-                        part.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
-                    let cmax = part.iter().map(|&k| samples[k].response.len()).max().unwrap_or(0);
-                    let old = pad_f32(part.iter().map(|&k| records[k].logprobs.as_slice()), cmax);
-                    let adv = pad(&part.iter().map(|&k| whitened[k].as_slice()).collect::<Vec<_>>(), cmax);
-                    let tlp = p.with_model(bases, |model| completion_logprobs(model, &seqs, &lp_opts(true)))?.map_err(model_err("policy log-probs"))?;
-                    let (lp, mask) = tlp.padded();
-                    let mask = mask.to_kind(Kind::Float);
-                    let device = lp.device();
-                    let terms = clipped_policy_loss(&lp, &old.to_device(device), &adv.to_device(device), &mask, m.cliprange)
-                        .map_err(|e| TrainError::Model(format!("policy loss: {e}")))?;
-                    let loss = terms.loss.double_value(&[]);
-                    tlp.backward(&(&terms.loss * share)).map_err(model_err("policy backward"))?;
-                    let entropy = tlp.entropy.mean(Kind::Float).double_value(&[]);
-                    local = [loss * share, terms.clip_fraction * share, terms.approx_kl * share, entropy * share, terms.ratio_mean * share, !loss.is_finite() as u8 as f64];
-                }
-                let [loss, clipfrac, approxkl, entropy, ratio, bad] = dist.sum_f64(&local)?[..] else { unreachable!("six values") };
-                if world > 1 {
-                    crate::dist::all_reduce_grads(dist, &p.optimizer.parameters())?;
-                }
-                if bad == 0.0 && p.optimizer.grads_finite() {
-                    p.optimizer.step();
-                } else {
-                    warn!(adapter = %key, loss, "non-finite policy loss or gradient: mini-batch skipped");
-                    acc("policy/skipped", 1.0, &mut stats);
-                }
-                p.optimizer.zero_grad();
-                acc("loss/policy_avg", loss, &mut stats);
-                acc("policy/clipfrac_avg", clipfrac, &mut stats);
-                acc("policy/approxkl_avg", approxkl, &mut stats);
-                acc("policy/entropy_avg", entropy, &mut stats);
-                acc("val/ratio", ratio, &mut stats);
-                pg_n += 1.0;
-            }
+            orders.push(order);
         }
-        t_policy += t.elapsed().as_secs_f64();
-        let t = std::time::Instant::now();
-        for (key, idx) in &by_critic {
+        for (orders, idx) in critic_orders.iter_mut().zip(by_critic.values()) {
             let mut order = idx.clone();
             order.shuffle(rng);
-            let parts = m.num_mini_batches.min(order.len()).max(1);
-            let size = order.len().div_ceil(parts);
-            for mb in order.chunks(size) {
-                let c = adapters.critics.get_mut(*key).expect("keys come from the adapters");
-                let all_tokens: usize = mb.iter().map(|&k| samples[k].response.len()).sum();
-                let part: Vec<usize> = mb.iter().enumerate().filter(|&(j, _)| j % world == rank).map(|(_, &k)| k).collect();
-                let share = part.iter().map(|&k| samples[k].response.len()).sum::<usize>() as f64 / all_tokens.max(1) as f64;
-                c.adapter_opt.zero_grad();
-                c.head_opt.zero_grad();
-                let mut local = [0.0f64; 3]; // loss, clip fraction, non-finite
-                if !part.is_empty() {
-                    let rows: Vec<(&[u32], &[u32])> = part.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
-                    let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
-                    let mask_rows: Vec<Vec<f64>> = part.iter().map(|&k| vec![1.0; samples[k].response.len()]).collect();
-                    let mask = pad(&mask_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
-                    let old = pad_f32(part.iter().map(|&k| records[k].values.as_slice()), cmax);
-                    let ret = pad(&part.iter().map(|&k| records[k].returns.as_slice()).collect::<Vec<_>>(), cmax);
-                    let v = response_values(c, bases, &rows, true)?;
-                    let device = v.device();
-                    let terms = clipped_value_loss(&v, &old.to_device(device), &ret.to_device(device), &mask.to_device(device), m.cliprange_value)
-                        .map_err(|e| TrainError::Model(format!("value loss: {e}")))?;
-                    let loss = terms.loss.double_value(&[]);
-                    (&terms.loss * (m.vf_coef * share)).backward();
-                    local = [loss * share, terms.clip_fraction * share, !loss.is_finite() as u8 as f64];
-                }
-                let [loss, clipfrac, bad] = dist.sum_f64(&local)?[..] else { unreachable!("three values") };
-                if world > 1 {
-                    let mut params = c.adapter_opt.parameters();
-                    params.extend(c.head_opt.parameters());
-                    crate::dist::all_reduce_grads(dist, &params)?;
-                }
-                if bad == 0.0 && c.adapter_opt.grads_finite() && c.head_opt.grads_finite() {
-                    c.adapter_opt.step();
-                    c.head_opt.step();
-                } else {
-                    warn!(critic = %key, loss, "non-finite value loss or gradient: mini-batch skipped");
-                    acc("val/skipped", 1.0, &mut stats);
-                }
-                c.adapter_opt.zero_grad();
-                c.head_opt.zero_grad();
-                acc("loss/value_avg", loss, &mut stats);
-                acc("val/clipfrac_avg", clipfrac, &mut stats);
-                vf_n += 1.0;
-            }
+            orders.push(order);
         }
-        t_value += t.elapsed().as_secs_f64();
     }
-    stats.insert("time/ppo_policy".into(), t_policy);
-    stats.insert("time/ppo_value".into(), t_value);
+    let mut jobs: Vec<EpochJob> = Vec::with_capacity(by_policy.len() + by_critic.len());
+    let mut policies = adapters.policies.iter_mut();
+    for (key, orders) in by_policy.keys().zip(policy_orders) {
+        let (_, p) = policies.find(|(k, _)| k.as_str() == *key).expect("checked above");
+        jobs.push(EpochJob { adapter: JobAdapter::Policy(p), orders });
+    }
+    let mut critics = adapters.critics.iter_mut();
+    for (key, orders) in by_critic.keys().zip(critic_orders) {
+        let (_, c) = critics.find(|(k, _)| k.as_str() == *key).expect("keys come from the adapters");
+        jobs.push(EpochJob { adapter: JobAdapter::Critic(c), orders });
+    }
+    let data = EpochData { m, samples, records: &records, whitened: &whitened };
+    let shares = if concurrent { thread_shares(&jobs, samples, bases, dist) } else { None };
+    stats.insert("ppo/concurrent_jobs".into(), shares.as_ref().map_or(1, Vec::len) as f64);
+    let done = match shares {
+        Some(shares) => concurrently(jobs, &shares, bases, &data)?,
+        None => {
+            let nets: Vec<&CausalLm> = bases.models.iter().map(|b| &b.model).collect();
+            jobs.into_iter().map(|job| job.run(&nets, &data, dist)).collect::<Result<Vec<_>, _>>()?
+        }
+    };
+    // The statistics in the order the epochs produce them one job after another.
+    let (mut pg_n, mut vf_n) = (0.0f64, 0.0f64);
+    for epoch in 0..m.num_ppo_epochs {
+        for mb in done.iter().flat_map(|d| &d.epochs[epoch]) {
+            match *mb {
+                MinibatchStats::Policy { loss, clipfrac, approxkl, entropy, ratio, skipped } => {
+                    if skipped {
+                        acc("policy/skipped", 1.0, &mut stats);
+                    }
+                    acc("loss/policy_avg", loss, &mut stats);
+                    acc("policy/clipfrac_avg", clipfrac, &mut stats);
+                    acc("policy/approxkl_avg", approxkl, &mut stats);
+                    acc("policy/entropy_avg", entropy, &mut stats);
+                    acc("val/ratio", ratio, &mut stats);
+                    pg_n += 1.0;
+                }
+                MinibatchStats::Value { loss, clipfrac, skipped } => {
+                    if skipped {
+                        acc("val/skipped", 1.0, &mut stats);
+                    }
+                    acc("loss/value_avg", loss, &mut stats);
+                    acc("val/clipfrac_avg", clipfrac, &mut stats);
+                    vf_n += 1.0;
+                }
+            }
+        }
+    }
+    let seconds = |policy: bool| done.iter().filter(|d| d.policy == policy).map(|d| d.seconds).sum::<f64>();
+    // Each job's own time, summed (with concurrent jobs more than the epochs' wall time).
+    stats.insert("time/ppo_policy".into(), seconds(true));
+    stats.insert("time/ppo_value".into(), seconds(false));
+    stats.insert("time/ppo_epochs".into(), t_epochs.elapsed().as_secs_f64());
     for (k, v) in stats.iter_mut() {
         if k.starts_with("loss/policy") || k.starts_with("policy/") && !k.ends_with("skipped") || k == "val/ratio" {
             *v /= pg_n.max(1.0);
@@ -339,4 +312,234 @@ pub fn ppo_update(
     stats.insert("train/response_tokens".into(), tokens as f64);
     stats.insert("train/samples".into(), samples.len() as f64);
     Ok((records, stats))
+}
+
+/// What the PPO epochs read besides the adapters.
+struct EpochData<'a> {
+    m: &'a MaporlSection,
+    samples: &'a [PpoSample],
+    records: &'a [PpoRecord],
+    /// Each sample's whitened advantages.
+    whitened: &'a [Vec<f64>],
+}
+
+/// The adapter one job trains.
+enum JobAdapter<'a> {
+    Policy(&'a mut PolicyAdapter),
+    Critic(&'a mut Critic),
+}
+
+/// One adapter's PPO epochs: its samples in one shuffled order per epoch.
+struct EpochJob<'a> {
+    adapter: JobAdapter<'a>,
+    orders: Vec<Vec<usize>>,
+}
+
+/// One mini-batch's statistics (summed over ranks, each rank's part weighted by its token share).
+enum MinibatchStats {
+    Policy { loss: f64, clipfrac: f64, approxkl: f64, entropy: f64, ratio: f64, skipped: bool },
+    Value { loss: f64, clipfrac: f64, skipped: bool },
+}
+
+/// What a job did: per epoch, its mini-batches' statistics in order.
+struct JobDone {
+    policy: bool,
+    epochs: Vec<Vec<MinibatchStats>>,
+    seconds: f64,
+}
+
+impl EpochJob<'_> {
+    /// The job's estimated cost: its prompt and response tokens over all epochs.
+    fn cost(&self, samples: &[PpoSample]) -> usize {
+        let tokens: usize = self.orders.first().map_or(0, |o| o.iter().map(|&k| samples[k].prompt.len() + samples[k].response.len()).sum());
+        match &self.adapter {
+            // A policy's update also runs the LM head: about twice a critic's cost per token.
+            JobAdapter::Policy(_) => 2 * tokens * self.orders.len(),
+            JobAdapter::Critic(_) => tokens * self.orders.len(),
+        }
+    }
+
+    /// Runs every epoch's mini-batches on `nets` (the bases' networks, by index).
+    fn run(self, nets: &[&CausalLm], data: &EpochData, dist: &dyn Collective) -> Result<JobDone, TrainError> {
+        let t = std::time::Instant::now();
+        let parts = |order: &[usize]| order.len().div_ceil(data.m.num_mini_batches.min(order.len()).max(1)).max(1);
+        let mut epochs = Vec::with_capacity(self.orders.len());
+        let policy = matches!(self.adapter, JobAdapter::Policy(_));
+        match self.adapter {
+            JobAdapter::Policy(p) => {
+                let net = nets[p.base];
+                for order in &self.orders {
+                    epochs.push(order.chunks(parts(order)).map(|mb| policy_minibatch(p, net, mb, data, dist)).collect::<Result<Vec<_>, _>>()?);
+                }
+            }
+            JobAdapter::Critic(c) => {
+                let net = nets[c.base];
+                for order in &self.orders {
+                    epochs.push(order.chunks(parts(order)).map(|mb| value_minibatch(c, net, mb, data, dist)).collect::<Result<Vec<_>, _>>()?);
+                }
+            }
+        }
+        Ok(JobDone { policy, epochs, seconds: t.elapsed().as_secs_f64() })
+    }
+}
+
+/// This rank's share of mini-batch `mb` and its share of the mini-batch's response tokens.
+fn rank_part(mb: &[usize], samples: &[PpoSample], dist: &dyn Collective) -> (Vec<usize>, f64) {
+    let (rank, world) = (dist.rank(), dist.world());
+    let all_tokens: usize = mb.iter().map(|&k| samples[k].response.len()).sum();
+    let part: Vec<usize> = mb.iter().enumerate().filter(|&(j, _)| j % world == rank).map(|(_, &k)| k).collect();
+    let share = part.iter().map(|&k| samples[k].response.len()).sum::<usize>() as f64 / all_tokens.max(1) as f64;
+    (part, share)
+}
+
+/// One policy mini-batch: the clipped policy loss, backward, and an AdamW step of the adapter
+/// (skipped when the loss or a gradient is not finite on any rank).
+fn policy_minibatch(p: &mut PolicyAdapter, net: &CausalLm, mb: &[usize], data: &EpochData, dist: &dyn Collective) -> Result<MinibatchStats, TrainError> {
+    let EpochData { m, samples, records, whitened } = *data;
+    let (part, share) = rank_part(mb, samples, dist);
+    p.optimizer.zero_grad();
+    let mut local = [0.0f64; 6]; // loss, clip fraction, approx kl, entropy, ratio, non-finite
+    if !part.is_empty() {
+        let seqs: Vec<Sequence> = part.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
+        let cmax = part.iter().map(|&k| samples[k].response.len()).max().unwrap_or(0);
+        let old = pad_f32(part.iter().map(|&k| records[k].logprobs.as_slice()), cmax);
+        let adv = pad(&part.iter().map(|&k| whitened[k].as_slice()).collect::<Vec<_>>(), cmax);
+        let opts = LogProbOptions { chunk_size: cotrain_model::logprobs::TRAINING_CHUNK, with_grad: true, temperature: m.temperature };
+        let tlp = p.with_model(net, |model| completion_logprobs(model, &seqs, &opts))?.map_err(model_err("policy log-probs"))?;
+        let (lp, mask) = tlp.padded();
+        let mask = mask.to_kind(Kind::Float);
+        let device = lp.device();
+        let terms = clipped_policy_loss(&lp, &old.to_device(device), &adv.to_device(device), &mask, m.cliprange)
+            .map_err(|e| TrainError::Model(format!("policy loss: {e}")))?;
+        let loss = terms.loss.double_value(&[]);
+        tlp.backward(&(&terms.loss * share)).map_err(model_err("policy backward"))?;
+        let entropy = tlp.entropy.mean(Kind::Float).double_value(&[]);
+        local = [loss * share, terms.clip_fraction * share, terms.approx_kl * share, entropy * share, terms.ratio_mean * share, !loss.is_finite() as u8 as f64];
+    }
+    let [loss, clipfrac, approxkl, entropy, ratio, bad] = dist.sum_f64(&local)?[..] else { unreachable!("six values") };
+    if dist.world() > 1 {
+        crate::dist::all_reduce_grads(dist, &p.optimizer.parameters())?;
+    }
+    let skipped = !(bad == 0.0 && p.optimizer.grads_finite());
+    if skipped {
+        warn!(adapter = %p.key, loss, "non-finite policy loss or gradient: mini-batch skipped");
+    } else {
+        p.optimizer.step();
+    }
+    p.optimizer.zero_grad();
+    Ok(MinibatchStats::Policy { loss, clipfrac, approxkl, entropy, ratio, skipped })
+}
+
+/// One critic mini-batch: vf_coef × the clipped value loss, backward, and AdamW steps of the
+/// critic's adapter and value head (skipped when the loss or a gradient is not finite on any rank).
+fn value_minibatch(c: &mut Critic, net: &CausalLm, mb: &[usize], data: &EpochData, dist: &dyn Collective) -> Result<MinibatchStats, TrainError> {
+    let EpochData { m, samples, records, .. } = *data;
+    let (part, share) = rank_part(mb, samples, dist);
+    c.adapter_opt.zero_grad();
+    c.head_opt.zero_grad();
+    let mut local = [0.0f64; 3]; // loss, clip fraction, non-finite
+    if !part.is_empty() {
+        let rows: Vec<(&[u32], &[u32])> = part.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
+        let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
+        let mask_rows: Vec<Vec<f64>> = part.iter().map(|&k| vec![1.0; samples[k].response.len()]).collect();
+        let mask = pad(&mask_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
+        let old = pad_f32(part.iter().map(|&k| records[k].values.as_slice()), cmax);
+        let ret = pad(&part.iter().map(|&k| records[k].returns.as_slice()).collect::<Vec<_>>(), cmax);
+        let v = response_values(c, net, &rows, true)?;
+        let device = v.device();
+        let terms = clipped_value_loss(&v, &old.to_device(device), &ret.to_device(device), &mask.to_device(device), m.cliprange_value)
+            .map_err(|e| TrainError::Model(format!("value loss: {e}")))?;
+        let loss = terms.loss.double_value(&[]);
+        (&terms.loss * (m.vf_coef * share)).backward();
+        local = [loss * share, terms.clip_fraction * share, !loss.is_finite() as u8 as f64];
+    }
+    let [loss, clipfrac, bad] = dist.sum_f64(&local)?[..] else { unreachable!("three values") };
+    if dist.world() > 1 {
+        let mut params = c.adapter_opt.parameters();
+        params.extend(c.head_opt.parameters());
+        crate::dist::all_reduce_grads(dist, &params)?;
+    }
+    let skipped = !(bad == 0.0 && c.adapter_opt.grads_finite() && c.head_opt.grads_finite());
+    if skipped {
+        warn!(critic = %c.key, loss, "non-finite value loss or gradient: mini-batch skipped");
+    } else {
+        c.adapter_opt.step();
+        c.head_opt.step();
+    }
+    c.adapter_opt.zero_grad();
+    c.head_opt.zero_grad();
+    Ok(MinibatchStats::Value { loss, clipfrac, skipped })
+}
+
+/// How many threads run the jobs and which jobs each runs (indices into `jobs`, with the thread's
+/// share of OpenMP threads), or `None` to run them in turn: with one job, several ranks (their
+/// collectives must keep one order), a base off the CPU, or one OpenMP thread. Jobs go to the
+/// least loaded thread by estimated cost, largest first.
+fn thread_shares(jobs: &[EpochJob], samples: &[PpoSample], bases: &Bases, dist: &dyn Collective) -> Option<Vec<(Vec<usize>, usize)>> {
+    let threads = tch::get_num_threads().max(1) as usize;
+    let on_cpu = bases.models.iter().all(|b| b.model.device() == tch::Device::Cpu)
+        && jobs.iter().all(|j| match &j.adapter {
+            JobAdapter::Policy(p) => match &p.weights {
+                super::agents::PolicyWeights::Full(m) => m.model.device() == tch::Device::Cpu,
+                super::agents::PolicyWeights::Lora(_) => true,
+            },
+            JobAdapter::Critic(_) => true,
+        });
+    let n = jobs.len().min(threads);
+    if dist.world() > 1 || n < 2 || !on_cpu {
+        return None;
+    }
+    let mut by_cost: Vec<(usize, usize)> = jobs.iter().enumerate().map(|(i, j)| (i, j.cost(samples))).collect();
+    by_cost.sort_by_key(|&(i, c)| (std::cmp::Reverse(c), i));
+    let mut load = vec![0usize; n];
+    let mut assigned: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, c) in by_cost {
+        let t = (0..n).min_by_key(|&t| (load[t], t)).expect("n >= 2");
+        load[t] += c;
+        assigned[t].push(i);
+    }
+    Some(assigned.into_iter().enumerate().map(|(t, mut js)| {
+        js.sort_unstable();
+        (js, threads / n + usize::from(t < threads % n))
+    }).collect())
+}
+
+/// Runs `jobs` on one scoped thread per share, each with its share of OpenMP threads and its own
+/// [`CausalLm::share_weights`] copy of every base (an adapter is set on a network for each
+/// forward, so two threads cannot use one). Returns the jobs' results in `jobs`' order; the first
+/// failing job (in that order) is the error returned.
+fn concurrently(jobs: Vec<EpochJob>, shares: &[(Vec<usize>, usize)], bases: &Bases, data: &EpochData) -> Result<Vec<JobDone>, TrainError> {
+    /// One thread's jobs (with their indices), OpenMP threads and networks.
+    struct ThreadWork<'a> {
+        jobs: Vec<(usize, EpochJob<'a>)>,
+        threads: usize,
+        nets: Vec<CausalLm>,
+    }
+    let mut slots: Vec<Option<EpochJob>> = jobs.into_iter().map(Some).collect();
+    let work: Vec<ThreadWork> = shares
+        .iter()
+        .map(|(js, threads)| ThreadWork {
+            jobs: js.iter().map(|&i| (i, slots[i].take().expect("each job on one thread"))).collect(),
+            threads: *threads,
+            nets: bases.models.iter().map(|b| b.model.share_weights()).collect(),
+        })
+        .collect();
+    let mut results: Vec<(usize, Result<JobDone, TrainError>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = work
+            .into_iter()
+            .map(|w| {
+                scope.spawn(move || {
+                    cotrain_model::kernels::set_threads_of_this_thread(w.threads);
+                    let nets: Vec<&CausalLm> = w.nets.iter().collect();
+                    w.jobs.into_iter().map(|(i, job)| (i, job.run(&nets, data, &SingleRank))).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|_| vec![(usize::MAX, Err(TrainError::Model("a PPO update thread panicked".into())))]))
+            .collect()
+    });
+    results.sort_by_key(|(i, _)| *i);
+    results.into_iter().map(|(_, r)| r).collect()
 }

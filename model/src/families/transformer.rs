@@ -100,6 +100,16 @@ impl Rotary {
         }
     }
 
+    /// Another handle on the same table (a copy that grows on its own from here).
+    fn share(&self) -> Self {
+        let t = self.table.borrow();
+        Rotary {
+            inv_freq: self.inv_freq.clone(),
+            device: self.device,
+            table: RefCell::new((t.0.shallow_clone(), t.1.shallow_clone(), t.2)),
+        }
+    }
+
     /// Makes sure positions `0..len` are in the table.
     fn ensure(&self, len: i64) {
         let mut table = self.table.borrow_mut();
@@ -163,6 +173,10 @@ impl RmsNorm {
         }
     }
 
+    fn share(&self) -> Self {
+        RmsNorm { weight: self.weight.shallow_clone(), eps: self.eps }
+    }
+
     fn forward(&self, xs: &Tensor) -> Tensor {
         if xs.kind() == Kind::Float {
             let dim = self.weight.size()[0];
@@ -193,6 +207,16 @@ impl Linear {
         let weight = param(&vs, "weight", &[out_dim as i64, in_dim as i64], init);
         let bias = bias.then(|| vs.var("bias", &[out_dim as i64], Init::Const(0.0)));
         Linear { weight, bias, lora: RefCell::new(None), matmul_kind: std::cell::Cell::new(None) }
+    }
+
+    /// The same weights, without an adapter set.
+    fn share(&self) -> Self {
+        Linear {
+            weight: self.weight.shallow_clone(),
+            bias: self.bias.as_ref().map(Tensor::shallow_clone),
+            lora: RefCell::new(None),
+            matmul_kind: std::cell::Cell::new(self.matmul_kind.get()),
+        }
     }
 
     fn forward(&self, xs: &Tensor) -> Tensor {
@@ -305,6 +329,10 @@ impl Mlp {
             up_proj: Linear::new(&vs / "up_proj", h, i, false, init),
             down_proj: Linear::new(&vs / "down_proj", i, h, false, init),
         }
+    }
+
+    fn share(&self) -> Self {
+        Mlp { gate_proj: self.gate_proj.share(), up_proj: self.up_proj.share(), down_proj: self.down_proj.share() }
     }
 
     fn forward(&self, xs: &Tensor) -> Tensor {
@@ -491,6 +519,20 @@ struct Attention {
 }
 
 impl Attention {
+    fn share(&self) -> Self {
+        Attention {
+            q_proj: self.q_proj.share(),
+            k_proj: self.k_proj.share(),
+            v_proj: self.v_proj.share(),
+            o_proj: self.o_proj.share(),
+            q_norm: self.q_norm.as_ref().map(RmsNorm::share),
+            k_norm: self.k_norm.as_ref().map(RmsNorm::share),
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
     fn new(cfg: &ModelConfig, vs: nn::Path, init: WeightInit) -> Self {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (nq, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
@@ -581,6 +623,15 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    fn share(&self) -> Self {
+        DecoderLayer {
+            self_attn: self.self_attn.share(),
+            mlp: self.mlp.share(),
+            input_layernorm: self.input_layernorm.share(),
+            post_attention_layernorm: self.post_attention_layernorm.share(),
+        }
+    }
+
     fn new(cfg: &ModelConfig, vs: nn::Path, init: WeightInit) -> Self {
         let eps = cfg.rms_norm_eps;
         DecoderLayer {
@@ -668,6 +719,26 @@ impl CausalLm {
             adapter_active: std::cell::Cell::new(false),
             matmul_kind: std::cell::Cell::new(None),
         })
+    }
+
+    /// A second network on the same weight tensors (shallow clones: no copy, and anything written
+    /// into the weights is seen by both), with its own adapter slot and without an adapter set. One
+    /// thread can set its adapter and run forwards on it while another does the same on this one:
+    /// a model's adapter slots and caches are its own, the weights they share only read. The matmul
+    /// kind is carried over.
+    pub fn share_weights(&self) -> CausalLm {
+        CausalLm {
+            cfg: self.cfg.clone(),
+            embed_tokens: self.embed_tokens.shallow_clone(),
+            layers: self.layers.iter().map(DecoderLayer::share).collect(),
+            norm: self.norm.share(),
+            lm_head: self.lm_head.as_ref().map(Tensor::shallow_clone),
+            rotary: self.rotary.share(),
+            kind: self.kind,
+            device: self.device,
+            adapter_active: std::cell::Cell::new(false),
+            matmul_kind: std::cell::Cell::new(self.matmul_kind.get()),
+        }
     }
 
     /// Runs the matrix products of the decoder's projections and of the LM head in `kind` (bf16:

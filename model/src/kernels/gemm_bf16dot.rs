@@ -213,7 +213,7 @@ unsafe fn run_dot(xb: *const u16, kpad: usize, w: *const u16, y: *mut f32, m: us
         let nr = NR.min(n_hi - n0);
         let mut j0 = 0;
         for t in 0..tiles {
-            let mr = (m - j0) / (tiles - t) + usize::from((m - j0) % (tiles - t) != 0);
+            let mr = (m - j0) / (tiles - t) + usize::from(!(m - j0).is_multiple_of(tiles - t));
             // The first tile of a block prefetches the block after next (as the f32 tiles do).
             let next = if t == 0 && n0 + AHEAD * NR < n_hi { w.wrapping_add((n0 + AHEAD * NR) * k) } else { std::ptr::null() };
             macro_rules! by_mr {
