@@ -737,7 +737,8 @@ pub struct LearnerConfig {
     #[serde(default)]
     pub control_addr: Option<String>,
     /// On one CPU rank with several policies, update them at the same time, one thread each with
-    /// its share of the cores (`learner::trainer::rounds`); `false` updates them in turn.
+    /// its share of the cores (`learner::trainer::rounds`); `false` updates them in turn. The MaPoRL
+    /// trainer runs its adapters' and critics' PPO epochs the same way (`learner::maporl::update`).
     #[serde(default = "default_true")]
     pub concurrent_policies: bool,
 }
