@@ -362,20 +362,21 @@ impl EpochJob<'_> {
     /// Runs every epoch's mini-batches on `nets` (the bases' networks, by index).
     fn run(self, nets: &[&CausalLm], data: &EpochData, dist: &dyn Collective) -> Result<JobDone, TrainError> {
         let t = std::time::Instant::now();
-        let parts = |order: &[usize]| order.len().div_ceil(data.m.num_mini_batches.min(order.len()).max(1)).max(1);
+        // Mini-batch size: `num_mini_batches` parts of each epoch's order (at most one per sample).
+        let size = |order: &[usize]| order.len().div_ceil(data.m.num_mini_batches.min(order.len()).max(1)).max(1);
         let mut epochs = Vec::with_capacity(self.orders.len());
         let policy = matches!(self.adapter, JobAdapter::Policy(_));
         match self.adapter {
             JobAdapter::Policy(p) => {
                 let net = nets[p.base];
                 for order in &self.orders {
-                    epochs.push(order.chunks(parts(order)).map(|mb| policy_minibatch(p, net, mb, data, dist)).collect::<Result<Vec<_>, _>>()?);
+                    epochs.push(order.chunks(size(order)).map(|mb| policy_minibatch(p, net, mb, data, dist)).collect::<Result<Vec<_>, _>>()?);
                 }
             }
             JobAdapter::Critic(c) => {
                 let net = nets[c.base];
                 for order in &self.orders {
-                    epochs.push(order.chunks(parts(order)).map(|mb| value_minibatch(c, net, mb, data, dist)).collect::<Result<Vec<_>, _>>()?);
+                    epochs.push(order.chunks(size(order)).map(|mb| value_minibatch(c, net, mb, data, dist)).collect::<Result<Vec<_>, _>>()?);
                 }
             }
         }
