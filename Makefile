@@ -1,7 +1,7 @@
 # cotrain: the two commands of the README, plus the pieces they are made of.
 #   make demo   run the main job on the embedded default model (sets up first if needed)
 #   make test   run the whole test suite (sets up first if needed)
-.PHONY: setup demo test build bench-generate clean-runs
+.PHONY: setup demo test build bench-generate gpu-bundle clean-runs
 
 CARGO ?= cargo
 
@@ -21,6 +21,8 @@ demo: build
 # schema validator.
 # The NCCL backend (the `cuda` feature, CUDA loaded at run time) is compiled too, so that it keeps
 # building on machines without a GPU; its GPU-only test needs `--features cuda` and two GPUs.
+# scripts/device/check.sh --cpu is the GPU check's dry run on this machine (so that it cannot rot):
+# CUDA refused with its reason, greedy tokens, MAGRPO steps on the tiny model, two MPI ranks.
 # The suite runs cotrain's decode kernels wherever the CPU has AVX-512F (COTRAIN_CPU_KERNELS=on)
 # rather than the route measured and pinned for this CPU: the seeded learning tests' thresholds were
 # set on the kernels' rounding, and a measurement taken while the suite loads the machine (and of a
@@ -29,7 +31,14 @@ test: setup
 	$(CARGO) build --workspace --bins
 	$(CARGO) build -p cotrain-learner --features cuda --lib
 	COTRAIN_CPU_KERNELS=on $(CARGO) test --workspace --no-fail-fast
+	bash scripts/device/check.sh --cpu target/debug target/device-check-cpu
 	COTRAIN_BIN=target/debug bash deploy/test.sh
+
+# The binaries for a GPU machine without a Rust toolchain (scripts/device/bundle.sh): the CUDA
+# learner without Open MPI, the rollout worker, the reward server and bwrap, stripped, in
+# .gpu/cotrain-gpu.tar.xz; scripts/device/check.sh runs them there.
+gpu-bundle: setup
+	bash scripts/device/bundle.sh
 
 bench-generate: setup
 	$(CARGO) run --release -p cotrain-model --example bench_generate

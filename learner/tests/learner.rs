@@ -191,6 +191,31 @@ fn precision_keys_are_checked_and_maporl_refuses_bf16_products() {
     assert!(e.contains("model.matmul_dtype is built for the GRPO/MAGRPO trainer"), "{e}");
 }
 
+/// `model.device`: parsed naming the key; `auto` (the default) trains on the CPU of a machine
+/// without a GPU; `cuda` there stops `learner train` before anything is loaded, saying why, where the
+/// learner used to train on the CPU without a word.
+#[test]
+fn a_cuda_device_without_a_gpu_stops_the_run_with_the_reason() {
+    let base = fixture("base.yaml");
+    let load = |ov: &[&str]| load_config(&base, &ov.iter().map(|s| s.to_string()).collect::<Vec<_>>(), &LegacyFlags::default());
+    let e = load(&["model.device=tpu"]).unwrap_err().to_string();
+    assert!(e.contains("model.device") && e.contains("unknown device `tpu`"), "{e}");
+    let plain = load(&[]).unwrap();
+    assert_eq!(plain.raw.model.device, cotrain_model::cuda::DeviceRequest::Auto);
+    if cotrain_model::cuda::device_count() > 0 {
+        return;
+    }
+    assert_eq!(cotrain_learner::trainer::load_options(&plain).unwrap().device, tch::Device::Cpu);
+    for device in ["cuda", "cuda:1"] {
+        let cfg = load(&[&format!("model.device={device}")]).unwrap();
+        let started = std::time::Instant::now();
+        let e = cotrain_learner::trainer::train(&cfg, &Default::default()).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains(&format!("model.device: CUDA is unavailable for device {device}")), "{e}");
+        assert!(e.contains("libtorch_cuda.so") || e.contains("no GPU is usable"), "the reason is missing: {e}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(30), "not refused at once");
+    }
+}
+
 /// `rollout.bf16_dot_products` through the learner's own start-up (`connect_services`): refused,
 /// naming the worker flag, when every worker is remote; turned on before the embedded worker starts
 /// otherwise (where the CPU has AVX512_BF16).

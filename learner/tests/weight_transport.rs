@@ -128,6 +128,7 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
         max_queued_requests: 64,
         threads_per_engine: None,
         verifiers: Vec::new(),
+        agent_devices: Vec::new(),
     };
     let loopback = "127.0.0.1:0".parse().unwrap();
     let plain = rt.block_on(cotrain_rollout_worker::server::start(config, loopback, loopback)).unwrap();

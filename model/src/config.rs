@@ -288,27 +288,10 @@ pub fn dtype_name(kind: Kind) -> &'static str {
     }
 }
 
-/// Parses `cpu`, `cuda` (device 0) or `cuda:N`, checking that the CUDA device exists.
+/// Parses `auto`, `cpu`, `cuda` (device 0) or `cuda:N` and checks that a CUDA device can be used
+/// (loading libtorch's CUDA backend first, see [`crate::cuda`]); the error says why it cannot.
 pub fn parse_device(s: &str) -> Result<Device> {
-    let lower = s.to_ascii_lowercase();
-    let device = match lower.as_str() {
-        "cpu" => return Ok(Device::Cpu),
-        "cuda" | "gpu" => Device::Cuda(0),
-        other => match other.strip_prefix("cuda:") {
-            Some(i) => Device::Cuda(
-                i.parse::<usize>()
-                    .map_err(|_| ModelError::UnknownDevice(s.to_string()))?,
-            ),
-            None => return Err(ModelError::UnknownDevice(s.to_string())),
-        },
-    };
-    let available = tch::Cuda::device_count();
-    if let Device::Cuda(i) = device
-        && i as i64 >= available
-    {
-        return Err(ModelError::DeviceUnavailable(s.to_string(), available));
-    }
-    Ok(device)
+    s.parse::<crate::cuda::DeviceRequest>()?.resolve(0)
 }
 
 #[cfg(test)]
@@ -333,9 +316,9 @@ mod tests {
                 .contains("unknown device `tpu`")
         );
         assert!(parse_device("cuda:x").is_err());
-        if tch::Cuda::device_count() == 0 {
+        if crate::cuda::device_count() == 0 {
             let e = parse_device("cuda").unwrap_err().to_string();
-            assert!(e.contains("not available"), "{e}");
+            assert!(e.contains("CUDA is unavailable for device cuda"), "{e}");
         }
     }
 

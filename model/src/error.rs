@@ -44,12 +44,18 @@ pub enum ModelError {
     /// A dtype string other than f32/bf16/f16.
     #[error("unknown dtype `{0}` (expected f32, bf16 or f16)")]
     UnknownDtype(String),
-    /// A device string other than cpu/cuda/cuda:N.
-    #[error("unknown device `{0}` (expected cpu, cuda or cuda:N)")]
+    /// A device string other than auto/cpu/cuda/cuda:N.
+    #[error("unknown device `{0}` (expected auto, cpu, cuda or cuda:N)")]
     UnknownDevice(String),
-    /// A CUDA device was asked for but is not available.
-    #[error("device {0} is not available (CUDA devices available: {1})")]
-    DeviceUnavailable(String, i64),
+    /// A CUDA device was asked for but cannot be used; `reason` says why (no CUDA library, no
+    /// driver, no such device).
+    #[error("CUDA is unavailable for device {device}: {reason}")]
+    CudaUnavailable {
+        /// The device as asked for.
+        device: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// The checkpoint lacks a weight the architecture needs, or has one of the wrong shape.
     #[error("weight `{name}`: {message}")]
     Weight {

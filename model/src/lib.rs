@@ -10,6 +10,7 @@ pub mod tokenizer;
 
 // Models on libtorch.
 pub mod config;
+pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod export;

@@ -296,11 +296,10 @@ pub fn load_source(source: ModelSource, opts: &LoadOptions) -> Result<LoadedMode
     if !matches!(opts.kind, Kind::Float | Kind::BFloat16 | Kind::Half) {
         return Err(ModelError::UnknownDtype(format!("{:?}", opts.kind)));
     }
-    if let Device::Cuda(i) = opts.device {
-        let n = tch::Cuda::device_count();
-        if i as i64 >= n {
-            return Err(ModelError::DeviceUnavailable(format!("cuda:{i}"), n));
-        }
+    if let Device::Cuda(i) = opts.device
+        && let Some(reason) = crate::cuda::unavailable_reason(i)
+    {
+        return Err(ModelError::CudaUnavailable { device: format!("cuda:{i}"), reason });
     }
     match &source {
         ModelSource::HfDir(dir) => load_hf_dir(dir, opts, source.clone()),

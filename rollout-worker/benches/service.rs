@@ -127,6 +127,7 @@ fn main() -> anyhow::Result<()> {
         max_queued_requests: 1024,
         threads_per_engine: None,
         verifiers: Vec::new(),
+        agent_devices: Vec::new(),
     };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")))

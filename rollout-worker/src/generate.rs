@@ -59,7 +59,8 @@ pub struct GenerateArgs {
     /// Parameter dtype: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// Device: cpu, cuda or cuda:N.
+    /// Device: cpu, cuda (cuda:0), cuda:N or auto (a GPU if one is usable). A CUDA device that
+    /// cannot be used is an error that says why.
     #[arg(long, default_value = "cpu")]
     device: String,
     /// With --dtype bf16 on a CPU with AVX512_BF16: round each product's input rows to bf16 and
@@ -158,6 +159,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
 
     if args.json {
         let json = serde_json::json!({
+            "device": format!("{:?}", opts.device).to_lowercase(),
+            "generated_tokens": generated,
+            "seconds": secs,
+            "load_seconds": load_secs,
             "prompt_token_ids": prompt_ids,
             "samples": samples.iter().map(|s| serde_json::json!({
                 "token_ids": s.token_ids,

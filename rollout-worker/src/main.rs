@@ -26,6 +26,8 @@ fn main() {
     // SAFETY: first thing in `main`, before any other thread and any libtorch call.
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
+    // Before any device query: libtorch's CUDA backend is loaded at run time (see cotrain_model::cuda).
+    let _ = cotrain_model::cuda::load();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Serve(args) => cotrain_rollout_worker::server::run(args),

@@ -36,9 +36,14 @@ pub struct ServeArgs {
     /// id or `default`. Every agent has its own copy of the parameters unless `--share` groups it.
     #[arg(long = "agent", value_name = "NAME=MODEL", required = true, value_parser = parse_agent)]
     pub agents: Vec<(String, String)>,
-    /// Device: cpu, cuda or cuda:N.
+    /// Device of the agents' models: cpu, cuda (cuda:0), cuda:N or auto (a GPU if one is usable).
+    /// A CUDA device that cannot be used stops the worker with the reason.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// One agent's device instead of --device, as NAME=DEVICE (repeatable), e.g. one GPU per
+    /// agent: `--agent-device agent0=cuda:0 --agent-device agent1=cuda:1`.
+    #[arg(long = "agent-device", value_name = "NAME=DEVICE", value_parser = parse_agent)]
+    pub agent_devices: Vec<(String, String)>,
     /// Parameter dtype: f32 or bf16 (f16 also loads).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
@@ -147,6 +152,11 @@ impl ServeArgs {
             agents: self.agents.clone(),
             share: self.share.clone(),
             device: cotrain_model::config::parse_device(&self.device).context("--device")?,
+            agent_devices: self
+                .agent_devices
+                .iter()
+                .map(|(a, d)| Ok((a.clone(), cotrain_model::config::parse_device(d).with_context(|| format!("--agent-device {a}={d}"))?)))
+                .collect::<anyhow::Result<_>>()?,
             kind: cotrain_model::config::parse_dtype(&self.dtype).context("--dtype")?,
             max_batch_size: self.max_batch_size,
             max_queued_requests: self.max_queued_requests,

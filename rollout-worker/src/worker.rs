@@ -31,6 +31,21 @@ use crate::weights::{CompleteUpdate, Staging};
 /// A parameter's name and shape.
 pub type ParameterShape = (String, Vec<i64>);
 
+impl WorkerConfig {
+    /// The device of the model copy serving `agents` (one slot's agents).
+    fn device_for(&self, agents: &[String]) -> Result<Device> {
+        let of = |a: &String| self.agent_devices.iter().find(|(n, _)| n == a).map(|(_, d)| *d).unwrap_or(self.device);
+        let device = of(&agents[0]);
+        if let Some(other) = agents.iter().find(|a| of(a) != device) {
+            return Err(WorkerError::invalid(
+                "agent-device",
+                format!("agents `{}` and `{other}` share one model copy but are placed on {device:?} and {:?}", agents[0], of(other)),
+            ));
+        }
+        Ok(device)
+    }
+}
+
 /// Upper bound accepted for `temperature`.
 pub const MAX_TEMPERATURE: f64 = 100.0;
 
@@ -42,8 +57,11 @@ pub struct WorkerConfig {
     pub agents: Vec<(String, String)>,
     /// Groups of agents that share one model copy (all of a group name the same spec).
     pub share: Vec<Vec<String>>,
-    /// Where the parameters live.
+    /// Where the parameters live, for agents `agent_devices` does not place.
     pub device: Device,
+    /// `(agent, device)`: agents whose model lives elsewhere than `device` (`--agent-device`), e.g.
+    /// one GPU per agent. Agents sharing a model copy must be placed together.
+    pub agent_devices: Vec<(String, Device)>,
     /// Parameter dtype.
     pub kind: Kind,
     /// Most sequences one model decodes together.
@@ -286,7 +304,7 @@ impl Worker {
         let mut models: Vec<ModelSlot> = Vec::new();
         let mut agents = HashMap::new();
         let mut agent_order = Vec::new();
-        let mut bases: HashMap<std::path::PathBuf, Arc<BaseWeights>> = HashMap::new();
+        let mut bases: HashMap<(std::path::PathBuf, Device), Arc<BaseWeights>> = HashMap::new();
         for (name, _) in &config.agents {
             if name.is_empty() || agents.insert(name.clone(), usize::MAX).is_some() {
                 return Err(WorkerError::invalid("agent", format!("agent name `{name}` is empty or repeated")));
@@ -294,6 +312,9 @@ impl Worker {
             agent_order.push(name.clone());
         }
         let slots = Self::model_slots(&config)?;
+        if let Some((a, _)) = config.agent_devices.iter().find(|(a, _)| !agents.contains_key(a)) {
+            return Err(WorkerError::invalid("agent-device", format!("`{a}` is not an agent of this worker")));
+        }
         let mut copies: HashMap<&str, usize> = HashMap::new();
         for (spec, _) in &slots {
             *copies.entry(spec.as_str()).or_default() += 1;
@@ -301,8 +322,9 @@ impl Worker {
         for (spec, names) in &slots {
             // A model's id is its spec, or with several copies of it, the spec and its agents.
             let id = if copies[spec.as_str()] > 1 { format!("{spec}#{}", names.join("+")) } else { spec.clone() };
-            let base = Self::shared_base(&mut bases, spec, &config);
-            let slot = Self::start_model(spec, &id, names.clone(), &config, &metrics, base)?;
+            let device = config.device_for(names)?;
+            let base = Self::shared_base(&mut bases, spec, device, &config);
+            let slot = Self::start_model(spec, &id, names.clone(), device, &config, &metrics, base)?;
             for n in names {
                 agents.insert(n.clone(), models.len());
             }
@@ -357,19 +379,32 @@ impl Worker {
     /// The base weights for adapter merges of the model at `spec`, one copy per file: slots that
     /// hold separate copies of the same model (`--separate-weights`, one per MaPoRL adapter key)
     /// merge into the same pristine base instead of each loading their own.
-    fn shared_base(bases: &mut HashMap<std::path::PathBuf, Arc<BaseWeights>>, spec: &str, config: &WorkerConfig) -> Arc<BaseWeights> {
-        let opts = LoadOptions { device: config.device, kind: config.kind };
+    fn shared_base(
+        bases: &mut HashMap<(std::path::PathBuf, Device), Arc<BaseWeights>>,
+        spec: &str,
+        device: Device,
+        config: &WorkerConfig,
+    ) -> Arc<BaseWeights> {
+        let opts = LoadOptions { device, kind: config.kind };
         let file = loader::resolve(spec).ok().map(|s| match s {
             loader::ModelSource::Gguf(p) | loader::ModelSource::HfDir(p) => std::fs::canonicalize(&p).unwrap_or(p),
         });
         match file {
-            Some(f) => bases.entry(f).or_insert_with(|| Arc::new(BaseWeights::new(spec, opts))).clone(),
+            Some(f) => bases.entry((f, device)).or_insert_with(|| Arc::new(BaseWeights::new(spec, opts))).clone(),
             None => Arc::new(BaseWeights::new(spec, opts)),
         }
     }
 
-    fn start_model(spec: &str, id: &str, agents: Vec<String>, config: &WorkerConfig, metrics: &Metrics, base: Arc<BaseWeights>) -> Result<ModelSlot> {
-        let opts = LoadOptions { device: config.device, kind: config.kind };
+    fn start_model(
+        spec: &str,
+        id: &str,
+        agents: Vec<String>,
+        device: Device,
+        config: &WorkerConfig,
+        metrics: &Metrics,
+        base: Arc<BaseWeights>,
+    ) -> Result<ModelSlot> {
+        let opts = LoadOptions { device, kind: config.kind };
         let started = std::time::Instant::now();
         let loaded = loader::load(spec, &opts)?;
         let cfg = loaded.model.config().clone();
@@ -408,7 +443,7 @@ impl Worker {
             parameter_count,
             params,
             kind: config.kind,
-            device: config.device,
+            device,
             tx,
             state,
             base,
@@ -729,6 +764,27 @@ impl Drop for CancelOnDrop<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Agents that share one model copy cannot be placed on two devices; the others may be.
+    #[test]
+    fn a_model_copy_lives_on_its_agents_device() {
+        let config = WorkerConfig {
+            agents: vec![("a".into(), "m".into()), ("b".into(), "m".into()), ("c".into(), "m".into())],
+            share: vec![vec!["a".into(), "b".into()]],
+            device: Device::Cpu,
+            agent_devices: vec![("b".into(), Device::Cuda(1)), ("c".into(), Device::Cuda(0))],
+            kind: Kind::Float,
+            max_batch_size: 1,
+            max_queued_requests: 1,
+            threads_per_engine: None,
+            verifiers: Vec::new(),
+        };
+        assert_eq!(config.device_for(&["c".into()]).unwrap(), Device::Cuda(0));
+        let e = config.device_for(&["a".into(), "b".into()]).unwrap_err().to_string();
+        assert!(e.contains("agents `a` and `b` share one model copy but are placed on Cpu and Cuda(1)"), "{e}");
+        let placed = WorkerConfig { agent_devices: vec![("a".into(), Device::Cuda(1)), ("b".into(), Device::Cuda(1))], ..config };
+        assert_eq!(placed.device_for(&["a".into(), "b".into()]).unwrap(), Device::Cuda(1));
+    }
 
     #[test]
     fn first_prompt_keeps_the_seed_and_others_differ() {

@@ -45,8 +45,13 @@ fn json_output_has_the_documented_schema_and_is_reproducible() {
         assert_eq!(s["finish_reason"], "length");
         assert!(s["text"].is_string());
     }
+    assert_eq!(a["generated_tokens"], 12);
+    assert!(a["seconds"].as_f64().unwrap() > 0.0 && a["load_seconds"].as_f64().unwrap() > 0.0);
+    assert_eq!(a["device"], "cpu");
     let b = json(&run(&args));
-    assert_eq!(a, b, "same seed, same output");
+    for key in ["prompt_token_ids", "samples", "generated_tokens", "device"] {
+        assert_eq!(a[key], b[key], "same seed, same {key}");
+    }
 }
 
 #[test]
@@ -63,4 +68,37 @@ fn bad_input_gets_a_clear_error() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(needle), "{args:?}: {err}");
     }
+}
+
+/// Asking for a GPU on a machine without a usable one stops at once and says why (here: the CPU
+/// set-up's libtorch has no loadable CUDA library, or the library loads and finds no driver),
+/// from `generate` and from `serve`, for the worker's device and for one agent's; `serve` also
+/// refuses a placement of an agent it does not serve.
+#[test]
+fn a_cuda_device_without_a_gpu_is_refused_with_the_reason() {
+    if cotrain_model::cuda::device_count() > 0 {
+        return;
+    }
+    let reason = |err: &str| err.contains("libtorch_cuda.so") || err.contains("no GPU is usable");
+    for device in ["cuda", "cuda:1", "gpu"] {
+        let out = run(&["--prompt", "x", "--device", device]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("CUDA is unavailable for device") && reason(&err), "{device}: {err}");
+    }
+    let serve = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_rollout-worker"))
+            .args(["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--agent", "a=default"])
+            .args(extra)
+            .output()
+            .expect("the binary runs");
+        assert!(!out.status.success(), "{extra:?} served");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = serve(&["--device", "cuda:0"]);
+    assert!(err.contains("--device") && err.contains("CUDA is unavailable for device cuda:0") && reason(&err), "{err}");
+    let err = serve(&["--agent-device", "a=cuda"]);
+    assert!(err.contains("--agent-device a=cuda") && err.contains("CUDA is unavailable") && reason(&err), "{err}");
+    let err = serve(&["--agent-device", "b=cpu"]);
+    assert!(err.contains("`b` is not an agent of this worker"), "{err}");
 }

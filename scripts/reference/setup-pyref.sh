@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Python reference environment (full torch 2.13 + transformers + gguf, about 5 GB).
+# The Python reference environment (full torch 2.11 + transformers + gguf, about 5 GB).
 # Needed only to regenerate committed test fixtures and to run the reference side of benchmarks;
 # never by `make test`. Cached under the user cache directory.
 set -euo pipefail
@@ -8,7 +8,7 @@ VENV="$CACHE/pyref"
 if [ ! -f "$VENV/.complete" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --upgrade pip
-  "$VENV/bin/pip" install --quiet "torch==2.13.0" "transformers>=5,<6" gguf safetensors numpy jinja2 accelerate
+  "$VENV/bin/pip" install --quiet "torch==2.11.0" "transformers>=5,<6" gguf safetensors numpy jinja2 accelerate
   touch "$VENV/.complete"
 fi
 echo "$VENV/bin/python"

@@ -223,7 +223,7 @@ fn a_torchrun_environment_without_an_mpi_launcher_is_refused_with_the_commands_t
 #[cfg(feature = "cuda")]
 #[test]
 fn two_nccl_ranks_train_the_same_weights_as_one() {
-    let gpus = tch::Cuda::device_count();
+    let gpus = cotrain_model::cuda::device_count();
     if gpus < 2 {
         eprintln!("skipped: NCCL ranks need two GPUs, this machine has {gpus}");
         return;

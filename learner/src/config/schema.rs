@@ -78,6 +78,12 @@ pub struct ModelConfig {
     pub kind: Option<String>,
     #[serde(default)]
     pub dtype: Dtype,
+    /// Where the learner's policies live: `auto` (this rank's GPU when one is usable, else the
+    /// CPU, logged), `cpu`, `cuda` (`cuda:(local rank)` under a launcher; `cuda:0` when the
+    /// launcher leaves each rank one visible GPU) or `cuda:N`. A CUDA device that cannot be used is
+    /// an error that says why, never a silent CPU run. The embedded rollout worker uses it too.
+    #[serde(default)]
+    pub device: cotrain_model::cuda::DeviceRequest,
     /// The dtype of the trained policies' matrix products: `auto` (`dtype`'s own), `f32`, or
     /// `bf16` (mixed precision: f32 parameters as master weights, f32 AdamW state, bf16 products;
     /// the log-probs are computed from them, so training's precision is what the loss sees).

@@ -24,6 +24,22 @@ pub struct LaunchSpec {
     pub args: Vec<String>,
     /// The cluster token file, handed to every rank as `COTRAIN_CLUSTER_TOKEN_FILE`.
     pub token_file: Option<std::path::PathBuf>,
+    /// Tests only: NCCL ranks sharing one GPU (see [`one_gpu_test_env`]).
+    pub nccl_one_gpu_test: bool,
+}
+
+/// The environment that lets NCCL ranks share one GPU, for tests on a one-GPU machine: NCCL
+/// refuses two ranks of one host on one device, so each rank claims a host of its own
+/// (`NCCL_HOSTID`) and the ranks talk over sockets on loopback (no P2P or shared-memory transport,
+/// which would find the same device behind both). Variables the user set are kept.
+pub fn one_gpu_test_env(rank: usize) -> Vec<(&'static str, String)> {
+    let mut env = vec![("NCCL_HOSTID", format!("cotrain-one-gpu-test-rank{rank}"))];
+    for (key, value) in [("NCCL_SOCKET_IFNAME", "lo"), ("NCCL_IB_DISABLE", "1"), ("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")] {
+        if std::env::var_os(key).is_none() {
+            env.push((key, value.to_string()));
+        }
+    }
+    env
 }
 
 /// Runs the job to its end; `Ok` when every rank succeeded.
@@ -36,7 +52,7 @@ pub fn launch(spec: &LaunchSpec) -> anyhow::Result<()> {
     }
     let exe = std::env::current_exe().context("locating the learner binary")?;
     let backend = match spec.backend {
-        DistBackend::Auto if tch::Cuda::is_available() => DistBackend::Nccl,
+        DistBackend::Auto if cotrain_model::cuda::is_available() => DistBackend::Nccl,
         DistBackend::Auto => DistBackend::Mpi,
         b => b,
     };
@@ -95,8 +111,13 @@ fn launch_torchrun_style(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Re
         None => free_port()?,
     };
     let mut children: Vec<Child> = Vec::new();
+    if spec.nccl_one_gpu_test {
+        tracing::warn!("--nccl-one-gpu-test: {} NCCL ranks share one GPU over loopback sockets (tests only)", spec.nproc);
+    }
     for rank in 0..spec.nproc {
+        let one_gpu = if spec.nccl_one_gpu_test { one_gpu_test_env(rank) } else { Vec::new() };
         let child = Command::new(exe)
+            .envs(one_gpu)
             .args(&spec.args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", spec.nproc.to_string())

@@ -20,11 +20,36 @@ fn err(e: impl std::fmt::Debug) -> DistError {
     DistError(format!("NCCL: {e:?}"))
 }
 
+/// Checks that cudarc will find NCCL, which it looks for as `libnccl.so`, `libnccl.so.12`, …,
+/// `libnccl.so.1` but never as `libnccl.so.2`, the only name pip's `nvidia-nccl-cu13` (the NCCL
+/// PyTorch wheels bring) ships. Without this check cudarc panics on its first NCCL call.
+fn check_nccl_loadable() -> Result<(), DistError> {
+    let names = cudarc::get_lib_name_candidates("nccl");
+    for name in &names {
+        let Ok(c) = std::ffi::CString::new(name.as_str()) else { continue };
+        // SAFETY: a NUL-terminated name; the handle stays open (cudarc opens the same library).
+        if !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY) }.is_null() {
+            return Ok(());
+        }
+    }
+    // libtorch_cuda needs libnccl.so.2, so with the CUDA backend loaded the file is known.
+    let found = cotrain_model::cuda::loaded_library_dir("libnccl.so.2")
+        .map(|d| format!(" (this process has {} loaded)", d.join("libnccl.so.2").display()))
+        .unwrap_or_default();
+    Err(DistError(format!(
+        "NCCL not found under the names the NCCL backend loads ({}); pip's nvidia-nccl-cu13 ships only libnccl.so.2{found}: \
+         `COTRAIN_TORCH=cuda make setup` (or `system`) links it as libnccl.so into the binaries' run path, or put a directory \
+         holding a libnccl.so link to it on LD_LIBRARY_PATH",
+        names.join(", ")
+    )))
+}
+
 impl NcclCollective {
     pub fn init(env: &RankEnv, device: Device) -> Result<Self, DistError> {
         let Device::Cuda(ordinal) = device else {
             return Err(DistError(format!("learner.backend nccl needs CUDA tensors, the learner's device is {device:?}")));
         };
+        check_nccl_loadable()?;
         let (addr, port) = env.master.clone().ok_or_else(|| {
             DistError("learner.backend nccl needs MASTER_ADDR/MASTER_PORT (torchrun, Slurm or `learner launch --backend nccl`)".into())
         })?;

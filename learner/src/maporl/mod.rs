@@ -73,7 +73,7 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
         None => None,
     };
     verifier_name(cfg, m)?;
-    let bases = Bases::load(cfg, &crate::trainer::load_options(cfg))?;
+    let bases = Bases::load(cfg, &crate::trainer::load_options(cfg)?)?;
     let adapters = Adapters::new(cfg, m, &bases)?;
     let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
     let encoding = PromptEncoding::from_config(cfg);
@@ -102,7 +102,7 @@ pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, Tra
             cfg.source.display()
         )));
     }
-    let dist = crate::dist::init(cfg.raw.learner.backend, crate::trainer::load_options(cfg).device)?;
+    let dist = crate::dist::init(cfg.raw.learner.backend, crate::trainer::learner_device(cfg)?)?;
     if dist.world() > 1 && cfg.raw.learner.placement == crate::config::Placement::Agent {
         return Err(TrainError::NotBuilt(format!(
             "{}: learner.placement: agent is built for the GRPO/MAGRPO trainer; the maporl trainer splits data (learner.placement: data)",

@@ -115,6 +115,7 @@ impl EmbeddedRollout {
             max_queued_requests: 1024,
             threads_per_engine,
             verifiers,
+            agent_devices: Vec::new(),
         };
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
         // Same process, same host: the learner may hand weights over through /dev/shm.

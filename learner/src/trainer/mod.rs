@@ -111,26 +111,51 @@ pub struct ServiceGuard {
     pub runtime: Arc<tokio::runtime::Runtime>,
 }
 
-/// Device and dtype of the learner's models (`model.dtype`, CUDA when available).
-pub fn load_options(cfg: &CheckedConfig) -> LoadOptions {
-    let device = Device::cuda_if_available();
-    let kind = match (cfg.raw.model.dtype, device) {
+/// This process's device for `model.device`, resolved once per request (so `auto` logs its choice
+/// once): `cuda` means this rank's GPU, by the launcher's local rank.
+pub fn learner_device(cfg: &CheckedConfig) -> Result<Device, TrainError> {
+    static RESOLVED: std::sync::Mutex<Vec<((cotrain_model::cuda::DeviceRequest, usize), Result<Device, String>)>> = std::sync::Mutex::new(Vec::new());
+    let request = cfg.raw.model.device;
+    // A broken launcher environment is reported by `dist::init`; the device then is rank 0's.
+    let local_rank = crate::dist::RankEnv::from_env().map(|e| e.local_rank).unwrap_or(0);
+    let mut resolved = RESOLVED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, d)) = resolved.iter().find(|(k, _)| *k == (request, local_rank)) {
+        return d.clone().map_err(TrainError::Config);
+    }
+    let d = request.resolve(local_rank).map_err(|e| format!("model.device: {e}"));
+    resolved.push(((request, local_rank), d.clone()));
+    d.map_err(TrainError::Config)
+}
+
+/// Device and dtype of the learner's models (`model.device`, `model.dtype`).
+pub fn load_options(cfg: &CheckedConfig) -> Result<LoadOptions, TrainError> {
+    let device = learner_device(cfg)?;
+    Ok(LoadOptions { device, kind: param_kind(cfg.raw.model.dtype, device) })
+}
+
+fn param_kind(dtype: Dtype, device: Device) -> Kind {
+    match (dtype, device) {
         (Dtype::F32, _) | (Dtype::Auto, Device::Cpu) => Kind::Float,
         (Dtype::Bf16, _) | (Dtype::Auto, _) => Kind::BFloat16,
         (Dtype::F16, _) => Kind::Half,
-    };
-    LoadOptions { device, kind }
+    }
+}
+
+/// The policies' parameter dtype. A device that cannot be resolved counts as the CPU here: such a
+/// run stops at [`load_options`] before any of these kinds is used.
+fn policy_kind(cfg: &CheckedConfig) -> Kind {
+    param_kind(cfg.raw.model.dtype, learner_device(cfg).unwrap_or(Device::Cpu))
 }
 
 /// The precision rollouts are drawn in (`rollout.dtype`; `auto`: the policy's own).
 pub fn rollout_kind(cfg: &CheckedConfig) -> Kind {
-    cfg.raw.rollout.dtype.kind(load_options(cfg).kind)
+    cfg.raw.rollout.dtype.kind(policy_kind(cfg))
 }
 
 /// The dtype of the trained policies' products when it is not their parameters'
 /// (`model.matmul_dtype`), for [`cotrain_model::CausalLm::set_matmul_kind`].
 pub fn matmul_kind(cfg: &CheckedConfig) -> Option<Kind> {
-    let params = load_options(cfg).kind;
+    let params = policy_kind(cfg);
     let kind = cfg.raw.model.matmul_dtype.kind(params);
     (kind != params).then_some(kind)
 }
@@ -140,7 +165,7 @@ pub fn matmul_kind(cfg: &CheckedConfig) -> Option<Kind> {
 /// bit-identical: they keep f32 activations). The loss then measures the log-prob gap and corrects
 /// for it (`rollout.importance_weight_cap`).
 pub fn rollout_precision_differs(cfg: &CheckedConfig) -> bool {
-    rollout_kind(cfg) != load_options(cfg).kind || matmul_kind(cfg).is_some()
+    rollout_kind(cfg) != policy_kind(cfg) || matmul_kind(cfg).is_some()
 }
 
 /// The policies a config asks for and which agent uses which: one per agent (each fine-tunes its own
@@ -169,7 +194,7 @@ pub fn worker_agents(cfg: &CheckedConfig) -> Vec<(String, String)> {
 }
 
 pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), TrainError> {
-    let opts = load_options(cfg);
+    let opts = load_options(cfg)?;
     let t = &cfg.trainer;
     let adam = AdamWConfig::new(t.learning_rate, t.weight_decay, t.max_grad_norm);
     let with_ref = t.reference_kl.enabled;
@@ -241,7 +266,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
     let remote_only = !ro.endpoints.is_empty() || ro.dns_name.is_some() || ro.wait_for_registration;
     let (rollout, embedded_rollout): (Box<dyn RolloutSource>, _) = if !remote_only {
         // A rollout worker in this process (one model copy per policy), used over gRPC like a remote one.
-        let opts = load_options(cfg);
+        let opts = load_options(cfg)?;
         let verifiers = cfg
             .raw
             .maporl
@@ -543,7 +568,7 @@ fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainE
 /// step; rank 0 names the run directory, writes it, and resumes from it (the other ranks receive
 /// its state).
 pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, TrainError> {
-    let dist = crate::dist::init(cfg.raw.learner.backend, load_options(cfg).device)?;
+    let dist = crate::dist::init(cfg.raw.learner.backend, learner_device(cfg)?)?;
     check_ranks(cfg, dist.world())?;
     let root = dist.is_root();
     let mut run_dir = match &opts.resume {

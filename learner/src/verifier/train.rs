@@ -76,7 +76,7 @@ pub fn train_verifier(cfg: &CheckedConfig, data: &VerifierData, out: &Path) -> R
     let vcfg: VerifierSection = cfg.raw.verifier.clone().unwrap_or_default();
     let (train_data, test_data) = data.split(vcfg.test_questions).map_err(TrainError::Data)?;
     let spec = cfg.raw.model.name.clone();
-    let base = cotrain_model::loader::load(&spec, &crate::trainer::load_options(cfg)).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+    let base = cotrain_model::loader::load(&spec, &crate::trainer::load_options(cfg)?).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
     tch::manual_seed(cfg.raw.seed as i64);
     let lora = (!vcfg.full_finetune).then(|| vcfg.lora.to_model());
     let v = Verifier::new(base, &spec, lora, vcfg.max_length).map_err(|e| TrainError::Model(e.to_string()))?;

@@ -1,0 +1,226 @@
+#!/usr/bin/env bash
+# The GPU path in one run: do cotrain's binaries, built against libtorch 2.11.0 (tch 0.24), run on a
+# GPU machine's own PyTorch 2.11.0, on its GPU, and how fast? From the repository root:
+#
+#   bash scripts/device/check.sh BINS OUT          # on the GPU machine (about 6-8 minutes)
+#   bash scripts/device/check.sh --cpu BINS OUT    # the CPU dry run (CI: `make test`), ~1 minute
+#
+# BINS is a directory or the .tar.xz of `make gpu-bundle` holding `learner`, `rollout-worker` and
+# optionally `reward-server` and `bwrap`; OUT is a folder for summary.txt, figures.json and logs.
+# Nothing but the tracked files and BINS is needed: the seed-shaped models are built on the machine
+# from scripts/device/models/*/config.json with transformers (random weights; never downloaded).
+#
+# Steps (STEPS=libs,cuda,greedy,speed,step,ranks picks some; each step is PASS/FAIL/NOTE in the summary):
+#   libs    every library the binaries need resolves; the bundle's learner has no libmpi
+#   cuda    the CUDA backend registers without LD_PRELOAD (GPU); asking for CUDA without one is an
+#           error that says why, from `rollout-worker generate` and from the learner (CPU)
+#   greedy  greedy token ids of the tiny fixture model equal on cpu and cuda:0
+#   speed   generation against transformers' `generate` on the same GPU: Qwen3-1.7B and
+#           Qwen2.5-Coder-3B shapes, bf16, the seeds' sampling (T 0.7, top-p 0.9, top-k 50), batch
+#           1/8/32/128 x 256 new tokens: tokens/s both sides, GPU memory, and the roofline (GPU only)
+#   step    MAGRPO steps at the seed config's shape (2 agents, G 4, 256 tokens, f32 master weights and
+#           AdamW state with bf16 products): seconds split into generate/train/sync, peak GPU memory,
+#           model FLOP utilisation of the update. On the CPU: the same steps on the tiny model.
+#   ranks   two learner ranks against one: rewards, losses and final weights agree. GPU: NCCL, both
+#           ranks on the one GPU (`learner launch --nccl-one-gpu-test`); CPU: Open MPI.
+set -uo pipefail
+
+MODE=gpu
+[ "${1:-}" = --cpu ] && { MODE=cpu; shift; }
+[ $# -eq 2 ] || { echo "usage: $0 [--cpu] BINS OUT" >&2; exit 2; }
+SRC=$1
+mkdir -p "$2" && O=$(cd "$2" && pwd) || { echo "cannot create $2" >&2; exit 2; }
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+HERE=$ROOT/scripts/device
+STEPS=${STEPS:-libs,cuda,greedy,speed,step,ranks}
+BATCHES=${BATCHES:-1,8,32,128}
+W=$(mktemp -d "${TMPDIR:-/tmp}/cotrain-check.XXXXXX")
+trap 'jobs -p | xargs -r kill 2>/dev/null; rm -rf "$W"' EXIT
+
+# --- the binaries ---------------------------------------------------------------------------------
+mkdir -p "$W/bin"
+if [ -d "$SRC" ]; then
+  for b in learner rollout-worker reward-server bwrap; do [ -e "$SRC/$b" ] && ln -s "$(cd "$SRC" && pwd)/$b" "$W/bin/$b"; done
+else
+  tar -xJf "$SRC" -C "$W/bin" || { echo "cannot unpack $SRC" >&2; exit 2; }
+fi
+BIN=$W/bin
+for b in learner rollout-worker; do [ -x "$BIN/$b" ] || { echo "$SRC has no $b" >&2; exit 2; }; done
+
+SUMMARY=()
+pass() { SUMMARY+=("PASS  $*"); echo "== PASS  $*"; }
+fail() { SUMMARY+=("FAIL  $*"); echo "== FAIL  $*"; }
+note() { SUMMARY+=("NOTE  $*"); echo "== NOTE  $*"; }
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+T0=$SECONDS
+
+# --- the machine ----------------------------------------------------------------------------------
+if [ "$MODE" = gpu ]; then
+  PY=${PYTHON:-$( [ -x /opt/torch/.venv/bin/python3 ] && echo /opt/torch/.venv/bin/python3 || echo python3)}
+  TORCH_DIR=$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))') || { echo "no torch in $PY" >&2; exit 2; }
+  { "$PY" -c 'import torch, transformers; print("torch", torch.__version__, torch.version.git_version, "cuda", torch.version.cuda, "transformers", transformers.__version__); print("gpu", torch.cuda.get_device_name(0))'
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; grep PRETTY /etc/os-release; echo "cores: $(nproc)"; } 2>&1 | tee "$O/env.txt"
+  # The binaries link the PyTorch they were built against by name; here it is this machine's.
+  # NCCL: pip ships only libnccl.so.2, the NCCL backend loads libnccl.so (see scripts/setup.sh).
+  mkdir -p "$W/nccl"
+  NCCL2=$(ls "$TORCH_DIR"/../nvidia/nccl/lib/libnccl.so.2 2>/dev/null | head -1)
+  [ -n "$NCCL2" ] && ln -s "$NCCL2" "$W/nccl/libnccl.so"
+  echo "libnccl: ${NCCL2:-none}" | tee -a "$O/env.txt"
+  export LD_LIBRARY_PATH=$TORCH_DIR/lib:$W/nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  DEV=cuda:0
+else
+  PY=${PYTHON:-python3}
+  { lscpu | grep -E 'Model name|CPU family'; echo "cores: $(nproc)"; } 2>&1 | tee "$O/env.txt"
+  DEV=cpu
+fi
+export COTRAIN_DATA_DIR=$ROOT/data PATH=$BIN:$PATH
+GPUMEM=()
+# Samples used GPU memory every 100 ms into $1 until stopped with `stop_gpumem`.
+start_gpumem() {
+  [ "$MODE" = gpu ] || return 0
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$1" 2>/dev/null & GPUMEM+=($!)
+}
+stop_gpumem() { for p in "${GPUMEM[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done; GPUMEM=(); }
+peak_mib() { sort -n "$1" 2>/dev/null | tail -1; }
+
+# --- 1. libraries -----------------------------------------------------------------------------------
+if want libs; then
+  for b in learner rollout-worker reward-server; do
+    [ -x "$BIN/$b" ] || continue
+    if ldd "$BIN/$b" > "$O/ldd-$b.txt" 2>&1 && ! grep -q "not found" "$O/ldd-$b.txt"; then
+      pass "libs $b: $(grep -o 'lib\(torch\|c10\)[a-z_]*\.so' "$O/ldd-$b.txt" | sort -u | tr '\n' ' ')"
+    else fail "libs $b: $(grep 'not found' "$O/ldd-$b.txt" | tr -s ' \t' ' ' | tr '\n' ';')"; fi
+  done
+  if [ "$MODE" = gpu ]; then
+    if readelf -d "$BIN/learner" | grep -q 'NEEDED.*libmpi'; then fail "libs: the learner links libmpi (build it --no-default-features --features cuda)"
+    else pass "libs: the learner needs no libmpi"; fi
+  fi
+fi
+
+# --- the tiny model: the committed tiny Llama with a word-level tokenizer --------------------------
+TINY=$W/tiny
+mkdir -p "$TINY" && cp "$ROOT"/model/tests/fixtures/tiny/llama/{model.safetensors,config.json,generation_config.json} "$TINY"/
+"$PY" "$HERE/tools.py" word-tokenizer "$TINY/tokenizer.json"
+GEN=(rollout-worker generate --model "$TINY" --prompt "w3 w4xxxx w5xxxxx" --max-new-tokens 8 --ignore-eos --json)
+
+# --- 2. the CUDA backend ----------------------------------------------------------------------------
+learner_cfg() { # NAME [extra yaml]: the tiny 3-step run (12 TLDR rows, 4 per step)
+  cat > "$W/$1.yaml" <<YAML
+model: {name: '$TINY', dtype: f32, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 512, device: '${DEVICE_OVERRIDE:-$DEV}'}
+dataset: {name: tldr, train_split: 'train[:12]'}
+seed: 3
+output: {base_dir: '$W/runs', save_final_model: true}
+magrpo: {num_agents: 2, num_generations: 3, max_new_tokens: 8, learning_rate: 0.0005, num_train_epochs: 1, rollout_buffer_size: 4, save_steps: 100, logging_steps: 1}
+logging: {run_name: $1, progress: never}
+${REWARD:-}
+${2:-}
+YAML
+}
+if want cuda; then
+  if [ "$MODE" = gpu ]; then
+    if timeout 60 "${GEN[@]}" --device cuda:0 > "$O/gen-cuda.json" 2> "$O/gen-cuda.err"; then
+      pass "cuda: generate on cuda:0 with no LD_PRELOAD (the binary loads libtorch_cuda itself)"
+    else fail "cuda: generate on cuda:0: $(tail -2 "$O/gen-cuda.err" | tr '\n' ' ')"; fi
+    if timeout 30 "${GEN[@]}" --device cuda:7 > /dev/null 2> "$O/gen-cuda7.err"; then fail "cuda: --device cuda:7 ran on a one-GPU machine"
+    else grep -q "no device 7" "$O/gen-cuda7.err" && pass "cuda: --device cuda:7 refused: $(tail -1 "$O/gen-cuda7.err")" || fail "cuda: cuda:7 error unclear: $(tail -1 "$O/gen-cuda7.err")"; fi
+  else
+    # No GPU: asking for one stops at once and says why, from the worker and from the learner.
+    if timeout 60 "${GEN[@]}" --device cuda > /dev/null 2> "$O/gen-cuda.err"; then fail "cuda: generate --device cuda ran without a GPU"
+    elif grep -q "CUDA is unavailable for device cuda" "$O/gen-cuda.err"; then pass "cuda: generate --device cuda refused: $(tail -1 "$O/gen-cuda.err" | cut -c1-220)"
+    else fail "cuda: generate --device cuda failed without saying why: $(tail -2 "$O/gen-cuda.err" | tr '\n' ' ')"; fi
+    DEVICE_OVERRIDE=cuda learner_cfg want-cuda
+    if timeout 120 learner train --config "$W/want-cuda.yaml" > "$O/learner-want-cuda.log" 2>&1; then fail "cuda: the learner trained with model.device cuda and no GPU"
+    elif grep -q "model.device: CUDA is unavailable" "$O/learner-want-cuda.log"; then pass "cuda: learner with model.device cuda refused: $(grep -o 'model.device: CUDA[^"]*' "$O/learner-want-cuda.log" | head -1 | cut -c1-200)"
+    else fail "cuda: the learner's refusal does not say why: $(tail -2 "$O/learner-want-cuda.log" | tr '\n' ' ')"; fi
+  fi
+fi
+
+# --- 3. greedy tokens on cpu and cuda ---------------------------------------------------------------
+if want greedy; then
+  timeout 60 "${GEN[@]}" --device cpu > "$O/gen-cpu.json" 2> "$O/gen-cpu.err"
+  if [ "$MODE" = gpu ]; then
+    [ -s "$O/gen-cuda.json" ] || timeout 60 "${GEN[@]}" --device cuda:0 > "$O/gen-cuda.json" 2> "$O/gen-cuda.err"
+    "$PY" "$HERE/tools.py" same-tokens "$O/gen-cpu.json" "$O/gen-cuda.json" > "$O/greedy.txt" 2>&1 \
+      && pass "greedy: token ids equal on cpu and cuda:0 ($(head -1 "$O/greedy.txt"))" || fail "greedy: $(cat "$O/greedy.txt" | tr '\n' ' ')"
+  else
+    timeout 60 "${GEN[@]}" --device cpu > "$O/gen-cpu2.json" 2>> "$O/gen-cpu.err"
+    "$PY" "$HERE/tools.py" same-tokens "$O/gen-cpu.json" "$O/gen-cpu2.json" > "$O/greedy.txt" 2>&1 \
+      && pass "greedy: two cpu runs give the same tokens ($(head -1 "$O/greedy.txt"))" || fail "greedy: $(cat "$O/greedy.txt" | tr '\n' ' ')"
+  fi
+fi
+
+# --- rewards: the embedded reward server needs a working bubblewrap ---------------------------------
+REWARD=""
+if want step || want ranks; then
+  if [ -z "${NO_BWRAP:-}" ] && bwrap --ro-bind / / --dev /dev --proc /proc --unshare-all --die-with-parent true 2> "$O/bwrap.err"; then
+    note "rewards: the learner's embedded reward server, bwrap $(command -v bwrap)"
+  elif [ -x "$BIN/reward-server" ]; then
+    reward-server --insecure-no-sandbox --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 > "$W/rs.out" 2> "$O/reward-server.log" &
+    for _ in $(seq 300); do grep -q '^listening' "$W/rs.out" && break; sleep 0.2; done
+    EP=$(sed -n 's/^listening grpc=\([^ ]*\).*/\1/p' "$W/rs.out")
+    REWARD="reward: {endpoint: 'http://$EP'}"
+    note "rewards: no working bwrap ($(head -c 100 "$O/bwrap.err")); a reward-server --insecure-no-sandbox at $EP (TLDR rewards run no code)"
+  else fail "rewards: no working bwrap and no reward-server: the learner steps cannot score"; fi
+fi
+
+# --- 4. generation speed against transformers --------------------------------------------------------
+SAMPLING=(--temperature 0.7 --top-p 0.9 --top-k 50)
+if want speed && [ "$MODE" = gpu ]; then
+  for shape in qwen3-1.7b qwen2.5-coder-3b; do
+    M=$W/models/$shape
+    if ! timeout 150 "$PY" "$HERE/hf_generate.py" build "$HERE/models/$shape" "$ROOT/model/tests/fixtures/tokenizers/qwen3" "$M" > "$O/build-$shape.log" 2>&1; then
+      fail "speed $shape: building the model: $(tail -2 "$O/build-$shape.log" | tr '\n' ' ')"; continue
+    fi
+    timeout 200 "$PY" "$HERE/hf_generate.py" bench "$M" --batches "$BATCHES" --new-tokens 256 --out "$O/hf-$shape.json" > "$O/hf-$shape.log" 2>&1 \
+      || note "speed $shape: transformers: $(tail -1 "$O/hf-$shape.log")"
+    for b in ${BATCHES//,/ }; do
+      start_gpumem "$O/gpumem-gen-$shape-$b.txt"
+      timeout 120 rollout-worker generate --model "$M" --device cuda:0 --dtype bf16 --prompt "$(cat "$HERE/prompt.txt")" --n "$b" \
+        --max-new-tokens 256 --ignore-eos "${SAMPLING[@]}" --seed 1 --json > "$W/gen-$shape-$b.json" 2> "$O/gen-$shape-$b.err"
+      rc=$?; stop_gpumem
+      "$PY" "$HERE/tools.py" gen-figure "$W/gen-$shape-$b.json" "$shape" "$b" "$(peak_mib "$O/gpumem-gen-$shape-$b.txt")" "$rc" >> "$O/cotrain-gen.jsonl"
+    done
+    "$PY" "$HERE/tools.py" speed-table "$shape" "$O/hf-$shape.json" "$O/cotrain-gen.jsonl" "$HERE/models/$shape/config.json" > "$O/speed-$shape.txt" 2>&1
+    note "speed $shape (tok/s, cotrain vs transformers, same GPU):"$'\n'"$(cat "$O/speed-$shape.txt")"
+  done
+fi
+
+# --- 5. MAGRPO steps at the seed shape ---------------------------------------------------------------
+if want step; then
+  if [ "$MODE" = gpu ]; then
+    M=$W/models/qwen3-1.7b
+    [ -f "$M/config.json" ] || timeout 150 "$PY" "$HERE/hf_generate.py" build "$HERE/models/qwen3-1.7b" "$ROOT/model/tests/fixtures/tokenizers/qwen3" "$M" > "$O/build-step.log" 2>&1
+    STEP_OVERRIDES=(model.name="$M" model.dtype=f32 model.matmul_dtype=bf16 model.device=cuda)
+  else
+    M=$TINY
+    STEP_OVERRIDES=(model.name="$M" model.dtype=f32 model.device=cpu magrpo.max_new_tokens=16 model.max_length=512)
+  fi
+  start_gpumem "$O/gpumem-step.txt"
+  timeout 420 learner train --config "$ROOT/configs/magrpo_tldr_config.yaml" --override "${STEP_OVERRIDES[@]}" \
+    'dataset.train_split=train[:3]' magrpo.num_train_epochs=1 magrpo.eval_interval=0 magrpo.save_steps=1000 \
+    output.base_dir="$W/runs" output.save_final_model=false logging.run_name=step logging.progress=never \
+    $( [ -n "$REWARD" ] && echo "reward.endpoint=http://$EP" ) > "$O/learner-step.log" 2>&1
+  rc=$?; stop_gpumem
+  if [ $rc = 0 ] && [ -s "$W/runs/step/metrics.jsonl" ]; then
+    cp "$W/runs/step/metrics.jsonl" "$O/step-metrics.jsonl"
+    "$PY" "$HERE/tools.py" step-figures "$O/step-metrics.jsonl" "$M/config.json" "$(peak_mib "$O/gpumem-step.txt")" "$MODE" > "$O/step.txt" 2>&1 \
+      && pass "step: MAGRPO at the seed shape ($MODE):"$'\n'"$(cat "$O/step.txt")" || fail "step: figures: $(cat "$O/step.txt")"
+  else fail "step: the learner failed (rc $rc): $(grep -i -m3 'error\|panic' "$O/learner-step.log" | tr '\n' ' ' | cut -c1-400)"; fi
+fi
+
+# --- 6. two ranks against one --------------------------------------------------------------------------
+if want ranks; then
+  learner_cfg one; learner_cfg two
+  if timeout 200 learner train --config "$W/one.yaml" > "$O/learner-one.log" 2>&1; then
+    if [ "$MODE" = gpu ]; then LAUNCH=(--nccl-one-gpu-test); else LAUNCH=(--backend mpi); fi
+    if timeout 300 learner launch --nproc-per-node 2 "${LAUNCH[@]}" -- train --config "$W/two.yaml" > "$O/learner-two.log" 2>&1; then
+      "$PY" "$HERE/tools.py" same-runs "$W/runs/one" "$W/runs/two" > "$O/ranks.txt" 2>&1 \
+        && pass "ranks: two ranks ($([ "$MODE" = gpu ] && echo 'NCCL, one GPU' || echo 'Open MPI')) equal one:"$'\n'"$(tail -3 "$O/ranks.txt")" \
+        || fail "ranks: two ranks differ from one: $(grep -m3 differs "$O/ranks.txt" | tr '\n' ' ')"
+    else fail "ranks: two ranks: $(grep -h -i -m4 'error\|nccl warn\|panic' "$O/learner-two.log" | tr '\n' ' ' | cut -c1-400)"; fi
+  else fail "ranks: one rank: $(grep -i -m2 'error\|panic' "$O/learner-one.log" | tr '\n' ' ' | cut -c1-300)"; fi
+fi
+
+echo; echo "================ summary ($MODE, $((SECONDS - T0)) s)"
+printf '%s\n' "${SUMMARY[@]}" | tee "$O/summary.txt"
+! grep -q '^FAIL' "$O/summary.txt"
