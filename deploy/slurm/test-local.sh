@@ -162,6 +162,11 @@ tiny_overrides() {
 }
 
 # --- the jobs ---------------------------------------------------------------------------------
+# Open MPI's TCP transport between the ranks on loopback only: every "node" is this host, and Open MPI
+# otherwise tries every interface, among them Docker's docker0 bridge where Docker is installed (a
+# two-rank job hung in its first collective with docker0 present). Exported to the job (sbatch passes
+# the environment on), and given to cotrain.sbatch's own setting, which exports the same.
+export OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo LEARNER_MPI_IF=lo
 # ok_requests FILE LABEL: the generate requests a worker answered (its Prometheus counter), summed
 # over the series whose labels contain LABEL.
 ok_requests() {

@@ -43,7 +43,11 @@ def word_tokenizer(out):
 
 def same_tokens(a, b):
     ids = lambda p: [s["token_ids"] for s in json.load(open(p))["samples"]]
-    x, y = ids(a), ids(b)
+    try:
+        x, y = ids(a), ids(b)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"no tokens to compare ({e.__class__.__name__}: {e}); see the .err files beside them")
+        return 1
     print(f"{sum(len(s) for s in x)} tokens, {x[0][:8]}")
     if not x or x != y:
         print(f"differ:\n{a}: {x}\n{b}: {y}")

@@ -248,7 +248,8 @@ mod tests {
             let _guard = tch::no_grad_guard();
             let wg = w.copy().set_requires_grad(true);
             let xg = x.copy().set_requires_grad(true);
-            assert!(kernel_linear_nt(&xg, &wg).is_some_and(|y| !y.requires_grad()));
+            // (Without AVX-512F the kernel serves nothing: libtorch's route everywhere.)
+            assert_eq!(kernel_linear_nt(&xg, &wg).map(|y| y.requires_grad()), gemm_f32::is_available().then_some(false));
         }
         assert!(kernel_linear_nt(&x.to_kind(Kind::Double), &w.to_kind(Kind::Double)).is_none());
         assert!(kernel_linear_nt(&x, &w.to_kind(Kind::Half)).is_none());
