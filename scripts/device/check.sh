@@ -2,7 +2,8 @@
 # The GPU path in one run: do cotrain's binaries, built against libtorch 2.11.0 (tch 0.24), run on a
 # GPU machine's own PyTorch 2.11.0, on its GPU, and how fast? From the repository root:
 #
-#   bash scripts/device/check.sh BINS OUT          # on the GPU machine (about 6-8 minutes)
+#   bash scripts/device/check.sh BINS OUT          # on the GPU machine (about 8 minutes, estimated)
+#   STEPS=libs,cuda,greedy,speed bash ...; STEPS=step,ranks bash ...   # the same in two shorter runs
 #   bash scripts/device/check.sh --cpu BINS OUT    # the CPU dry run (CI: `make test`), ~1 minute
 #
 # BINS is a directory or the .tar.xz of `make gpu-bundle` holding `learner`, `rollout-worker` and
@@ -14,11 +15,12 @@
 #   libs    every library the binaries need resolves; the bundle's learner has no libmpi
 #   cuda    the CUDA backend registers without LD_PRELOAD (GPU); asking for CUDA without one is an
 #           error that says why, from `rollout-worker generate` and from the learner (CPU)
-#   greedy  greedy token ids of the tiny fixture model equal on cpu and cuda:0
+#   greedy  greedy token ids of the tiny fixture model equal on cpu and cuda:0; the Qwen3-1.7B shape's
+#           16 greedy tokens in f32 on both (random weights: a mismatch is a NOTE with where it starts)
 #   speed   generation against transformers' `generate` on the same GPU: Qwen3-1.7B and
 #           Qwen2.5-Coder-3B shapes, bf16, the seeds' sampling (T 0.7, top-p 0.9, top-k 50), batch
 #           1/8/32/128 x 256 new tokens: tokens/s both sides, GPU memory, and the roofline (GPU only)
-#   step    MAGRPO steps at the seed config's shape (2 agents, G 4, 256 tokens, f32 master weights and
+#   step    two MAGRPO steps (the second measured) at the seed config's shape (2 agents, G 4, 256 tokens, f32 master weights and
 #           AdamW state with bf16 products): seconds split into generate/train/sync, peak GPU memory,
 #           model FLOP utilisation of the update. On the CPU: the same steps on the tiny model.
 #   ranks   two learner ranks against one: rewards, losses and final weights agree. GPU: NCCL, both
@@ -83,6 +85,16 @@ start_gpumem() {
 stop_gpumem() { for p in "${GPUMEM[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done; GPUMEM=(); }
 peak_mib() { sort -n "$1" 2>/dev/null | tail -1; }
 
+# Builds the seed-shaped model SHAPE once (random weights, bf16) and prints its directory.
+ensure_model() {
+  local m=$W/models/$1
+  if [ ! -f "$m/config.json" ]; then
+    timeout 150 "$PY" "$HERE/hf_generate.py" build "$HERE/models/$1" "$ROOT/model/tests/fixtures/tokenizers/qwen3" "$m" > "$O/build-$1.log" 2>&1 \
+      || { rm -rf "$m"; return 1; }
+  fi
+  echo "$m"
+}
+
 # --- 1. libraries -----------------------------------------------------------------------------------
 if want libs; then
   for b in learner rollout-worker reward-server; do
@@ -142,6 +154,15 @@ if want greedy; then
     [ -s "$O/gen-cuda.json" ] || timeout 60 "${GEN[@]}" --device cuda:0 > "$O/gen-cuda.json" 2> "$O/gen-cuda.err"
     "$PY" "$HERE/tools.py" same-tokens "$O/gen-cpu.json" "$O/gen-cuda.json" > "$O/greedy.txt" 2>&1 \
       && pass "greedy: token ids equal on cpu and cuda:0 ($(head -1 "$O/greedy.txt"))" || fail "greedy: $(cat "$O/greedy.txt" | tr '\n' ' ')"
+    # The Qwen3-1.7B shape in f32 on both sides: random weights, so a near tie between the top two
+    # logits could flip a token; a mismatch is reported with where it starts, not failed.
+    if M=$(ensure_model qwen3-1.7b); then
+      BIG=(rollout-worker generate --model "$M" --dtype f32 --prompt "$(cat "$HERE/prompt.txt")" --max-new-tokens 16 --ignore-eos --json)
+      timeout 120 "${BIG[@]}" --device cpu > "$O/gen-1.7b-cpu.json" 2> "$O/gen-1.7b-cpu.err"
+      timeout 120 "${BIG[@]}" --device cuda:0 > "$O/gen-1.7b-cuda.json" 2> "$O/gen-1.7b-cuda.err"
+      "$PY" "$HERE/tools.py" same-tokens "$O/gen-1.7b-cpu.json" "$O/gen-1.7b-cuda.json" > "$O/greedy-1.7b.txt" 2>&1 \
+        && pass "greedy: Qwen3-1.7B shape, f32, 16 tokens equal on cpu and cuda:0" || note "greedy: Qwen3-1.7B shape: $(tr '\n' ' ' < "$O/greedy-1.7b.txt" | cut -c1-300)"
+    else fail "greedy: building the Qwen3-1.7B shape: $(tail -2 "$O/build-qwen3-1.7b.log" | tr '\n' ' ')"; fi
   else
     timeout 60 "${GEN[@]}" --device cpu > "$O/gen-cpu2.json" 2>> "$O/gen-cpu.err"
     "$PY" "$HERE/tools.py" same-tokens "$O/gen-cpu.json" "$O/gen-cpu2.json" > "$O/greedy.txt" 2>&1 \
@@ -167,8 +188,7 @@ fi
 SAMPLING=(--temperature 0.7 --top-p 0.9 --top-k 50)
 if want speed && [ "$MODE" = gpu ]; then
   for shape in qwen3-1.7b qwen2.5-coder-3b; do
-    M=$W/models/$shape
-    if ! timeout 150 "$PY" "$HERE/hf_generate.py" build "$HERE/models/$shape" "$ROOT/model/tests/fixtures/tokenizers/qwen3" "$M" > "$O/build-$shape.log" 2>&1; then
+    if ! M=$(ensure_model "$shape"); then
       fail "speed $shape: building the model: $(tail -2 "$O/build-$shape.log" | tr '\n' ' ')"; continue
     fi
     timeout 200 "$PY" "$HERE/hf_generate.py" bench "$M" --batches "$BATCHES" --new-tokens 256 --out "$O/hf-$shape.json" > "$O/hf-$shape.log" 2>&1 \
@@ -188,8 +208,7 @@ fi
 # --- 5. MAGRPO steps at the seed shape ---------------------------------------------------------------
 if want step; then
   if [ "$MODE" = gpu ]; then
-    M=$W/models/qwen3-1.7b
-    [ -f "$M/config.json" ] || timeout 150 "$PY" "$HERE/hf_generate.py" build "$HERE/models/qwen3-1.7b" "$ROOT/model/tests/fixtures/tokenizers/qwen3" "$M" > "$O/build-step.log" 2>&1
+    M=$(ensure_model qwen3-1.7b) || M=$W/models/qwen3-1.7b
     STEP_OVERRIDES=(model.name="$M" model.dtype=f32 model.matmul_dtype=bf16 model.device=cuda)
   else
     M=$TINY
@@ -197,7 +216,7 @@ if want step; then
   fi
   start_gpumem "$O/gpumem-step.txt"
   timeout 420 learner train --config "$ROOT/configs/magrpo_tldr_config.yaml" --override "${STEP_OVERRIDES[@]}" \
-    'dataset.train_split=train[:3]' magrpo.num_train_epochs=1 magrpo.eval_interval=0 magrpo.save_steps=1000 \
+    'dataset.train_split=train[:2]' magrpo.num_train_epochs=1 magrpo.eval_interval=0 magrpo.save_steps=1000 \
     output.base_dir="$W/runs" output.save_final_model=false logging.run_name=step logging.progress=never \
     $( [ -n "$REWARD" ] && echo "reward.endpoint=http://$EP" ) > "$O/learner-step.log" 2>&1
   rc=$?; stop_gpumem
