@@ -435,10 +435,11 @@ fn assert_same_training(
             }
             // Gradients summed in another order differ in their last bits; AdamW turns that into
             // relative differences of about 1e-6 on the policies and 3e-5 on the critics (whose value
-            // gradients are smaller) on AVX-512 CPUs, and up to 6e-5 on the policies of a Zen 3
-            // without AVX-512 (MKL's AVX2 kernels block the sums by the batch's shape); training
-            // alone on half the data would differ by the update itself.
-            let bound = 1e-4;
+            // gradients are smaller) on AVX-512 CPUs, and 6e-5 to 1.7e-4 on the turn-0 policies of a
+            // Zen 3 without AVX-512 (MKL's AVX2 kernels block the sums by the batch's shape, and the
+            // one-token turn-0 prompts give small gradients whose AdamW steps magnify the last
+            // bits); training alone on half the data would differ by the update itself (ratio ~1).
+            let bound = 1e-3;
             assert!(d <= bound * u.max(1e-12) && d <= bound * n.max(1e-12), "{key}/{name}: ‖a − b‖ = {d:e}, ‖a‖ = {n:e}, update {u:e} ({la} against {lb})");
         }
     }
