@@ -5,13 +5,15 @@
 #   bash scripts/device/check.sh BINS OUT          # on the GPU machine (about 8 minutes, estimated)
 #   STEPS=libs,cuda,greedy,speed bash ...; STEPS=step,ranks bash ...   # the same in two shorter runs
 #   bash scripts/device/check.sh --cpu BINS OUT    # the CPU dry run (CI: `make test`), ~1 minute
+#   BUDGET=440 bash scripts/device/check.sh ...    # skip (NOTE) what would start after 440 s, so a
+#                                                  # lease's time limit ends the run with its summary
 #
 # BINS is a directory or the .tar.xz of `make gpu-bundle` holding `learner`, `rollout-worker` and
 # optionally `reward-server` and `bwrap`; OUT is a folder for summary.txt, figures.json and logs.
 # Nothing but the tracked files and BINS is needed: the seed-shaped models are built on the machine
 # from scripts/device/models/*/config.json with transformers (random weights; never downloaded).
 #
-# Steps (STEPS=libs,cuda,greedy,speed,step,ranks picks some; each step is PASS/FAIL/NOTE in the summary):
+# Steps, in the order they run (STEPS=libs,cuda,greedy,step,ranks,speed picks some; each step is PASS/FAIL/NOTE in the summary):
 #   libs    every library the binaries need resolves; the bundle's learner has no libmpi
 #   cuda    the CUDA backend registers without LD_PRELOAD (GPU); asking for CUDA without one is an
 #           error that says why, from `rollout-worker generate` and from the learner (CPU)
@@ -34,7 +36,7 @@ SRC=$1
 mkdir -p "$2" && O=$(cd "$2" && pwd) || { echo "cannot create $2" >&2; exit 2; }
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 HERE=$ROOT/scripts/device
-STEPS=${STEPS:-libs,cuda,greedy,speed,step,ranks}
+STEPS=${STEPS:-libs,cuda,greedy,step,ranks,speed}
 BATCHES=${BATCHES:-1,8,32,128}
 W=$(mktemp -d "${TMPDIR:-/tmp}/cotrain-check.XXXXXX")
 trap 'jobs -p | xargs -r kill 2>/dev/null; rm -rf "$W"' EXIT
@@ -50,11 +52,22 @@ BIN=$W/bin
 for b in learner rollout-worker; do [ -x "$BIN/$b" ] || { echo "$SRC has no $b" >&2; exit 2; }; done
 
 SUMMARY=()
-pass() { SUMMARY+=("PASS  $*"); echo "== PASS  $*"; }
-fail() { SUMMARY+=("FAIL  $*"); echo "== FAIL  $*"; }
-note() { SUMMARY+=("NOTE  $*"); echo "== NOTE  $*"; }
-want() { [[ ",$STEPS," == *",$1,"* ]]; }
+# Each verdict also lands in summary.txt at once, so a run stopped from outside keeps what it found.
+say() { SUMMARY+=("$*"); printf '%s\n' "$*" >> "$O/summary.txt"; echo "== $*"; }
+pass() { say "PASS  $*"; }
+fail() { say "FAIL  $*"; }
+note() { say "NOTE  $*"; }
 T0=$SECONDS
+BUDGET=${BUDGET:-0}
+# The step NAME runs if asked for and, under BUDGET, if at least SECS (its rough cost) are left.
+want() {
+  [[ ",$STEPS," == *",$1,"* ]] || return 1
+  local need=${2:-0}
+  if [ "$BUDGET" -gt 0 ] && [ $((SECONDS - T0 + need)) -gt "$BUDGET" ]; then
+    note "$1: skipped, $((BUDGET - SECONDS + T0)) s of BUDGET=$BUDGET left and it needs about $need"; return 1
+  fi
+}
+: > "$O/summary.txt"
 
 # --- the machine ----------------------------------------------------------------------------------
 if [ "$MODE" = gpu ]; then
@@ -170,43 +183,27 @@ if want greedy; then
   fi
 fi
 
-# --- rewards: the embedded reward server needs a working bubblewrap ---------------------------------
+# --- rewards: a reward server of the bundle's, sandboxed if its start-up self-test passes here ------
+# (the self-test is the one the learner's embedded server runs; a VM may refuse what bwrap needs)
 REWARD=""
+start_reward_server() { # extra flags...
+  reward-server "$@" --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 > "$W/rs.out" 2>> "$O/reward-server.log" & RS=$!
+  for _ in $(seq 300); do grep -q '^listening' "$W/rs.out" && break; kill -0 $RS 2>/dev/null || break; sleep 0.2; done
+  EP=$(sed -n 's/^listening grpc=\([^ ]*\).*/\1/p' "$W/rs.out"); [ -n "$EP" ]
+}
 if want step || want ranks; then
-  if [ -z "${NO_BWRAP:-}" ] && bwrap --ro-bind / / --dev /dev --proc /proc --unshare-all --die-with-parent true 2> "$O/bwrap.err"; then
-    note "rewards: the learner's embedded reward server, bwrap $(command -v bwrap)"
-  elif [ -x "$BIN/reward-server" ]; then
-    reward-server --insecure-no-sandbox --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 > "$W/rs.out" 2> "$O/reward-server.log" &
-    for _ in $(seq 300); do grep -q '^listening' "$W/rs.out" && break; sleep 0.2; done
-    EP=$(sed -n 's/^listening grpc=\([^ ]*\).*/\1/p' "$W/rs.out")
+  if [ ! -x "$BIN/reward-server" ]; then
+    note "rewards: the learner's embedded reward server (no reward-server in $SRC)"
+  elif [ -z "${NO_BWRAP:-}" ] && start_reward_server; then
+    REWARD="reward: {endpoint: 'http://$EP'}"; note "rewards: a sandboxed reward-server at $EP"
+  elif why=${NO_BWRAP:+NO_BWRAP is set}; why=${why:-$(grep -m1 -i error "$O/reward-server.log" | cut -c1-200)}; start_reward_server --insecure-no-sandbox; then
     REWARD="reward: {endpoint: 'http://$EP'}"
-    note "rewards: no working bwrap ($(head -c 100 "$O/bwrap.err")); a reward-server --insecure-no-sandbox at $EP (TLDR rewards run no code)"
-  else fail "rewards: no working bwrap and no reward-server: the learner steps cannot score"; fi
+    note "rewards: no sandbox here ($why); a reward-server --insecure-no-sandbox at $EP (TLDR rewards run no code)"
+  else fail "rewards: reward-server does not start: $(tail -2 "$O/reward-server.log" | tr '\n' ' ')"; fi
 fi
 
-# --- 4. generation speed against transformers --------------------------------------------------------
-SAMPLING=(--temperature 0.7 --top-p 0.9 --top-k 50)
-if want speed && [ "$MODE" = gpu ]; then
-  for shape in qwen3-1.7b qwen2.5-coder-3b; do
-    if ! M=$(ensure_model "$shape"); then
-      fail "speed $shape: building the model: $(tail -2 "$O/build-$shape.log" | tr '\n' ' ')"; continue
-    fi
-    timeout 200 "$PY" "$HERE/hf_generate.py" bench "$M" --batches "$BATCHES" --new-tokens 256 --out "$O/hf-$shape.json" > "$O/hf-$shape.log" 2>&1 \
-      || note "speed $shape: transformers: $(tail -1 "$O/hf-$shape.log")"
-    for b in ${BATCHES//,/ }; do
-      start_gpumem "$O/gpumem-gen-$shape-$b.txt"
-      timeout 120 rollout-worker generate --model "$M" --device cuda:0 --dtype bf16 --prompt "$(cat "$HERE/prompt.txt")" --n "$b" \
-        --max-new-tokens 256 --ignore-eos "${SAMPLING[@]}" --seed 1 --json > "$W/gen-$shape-$b.json" 2> "$O/gen-$shape-$b.err"
-      rc=$?; stop_gpumem
-      "$PY" "$HERE/tools.py" gen-figure "$W/gen-$shape-$b.json" "$shape" "$b" "$(peak_mib "$O/gpumem-gen-$shape-$b.txt")" "$rc" >> "$O/cotrain-gen.jsonl"
-    done
-    "$PY" "$HERE/tools.py" speed-table "$shape" "$O/hf-$shape.json" "$O/cotrain-gen.jsonl" "$HERE/models/$shape/config.json" > "$O/speed-$shape.txt" 2>&1
-    note "speed $shape (tok/s, cotrain vs transformers, same GPU):"$'\n'"$(cat "$O/speed-$shape.txt")"
-  done
-fi
-
-# --- 5. MAGRPO steps at the seed shape ---------------------------------------------------------------
-if want step; then
+# --- 4. MAGRPO steps at the seed shape ---------------------------------------------------------------
+if want step 90; then
   if [ "$MODE" = gpu ]; then
     M=$(ensure_model qwen3-1.7b) || M=$W/models/qwen3-1.7b
     STEP_OVERRIDES=(model.name="$M" model.dtype=f32 model.matmul_dtype=bf16 model.device=cuda)
@@ -227,8 +224,8 @@ if want step; then
   else fail "step: the learner failed (rc $rc): $(grep -i -m3 'error\|panic' "$O/learner-step.log" | tr '\n' ' ' | cut -c1-400)"; fi
 fi
 
-# --- 6. two ranks against one --------------------------------------------------------------------------
-if want ranks; then
+# --- 5. two ranks against one --------------------------------------------------------------------------
+if want ranks 45; then
   learner_cfg one; learner_cfg two
   if timeout 200 learner train --config "$W/one.yaml" > "$O/learner-one.log" 2>&1; then
     if [ "$MODE" = gpu ]; then LAUNCH=(--nccl-one-gpu-test); else LAUNCH=(--backend mpi); fi
@@ -240,6 +237,31 @@ if want ranks; then
   else fail "ranks: one rank: $(grep -i -m2 'error\|panic' "$O/learner-one.log" | tr '\n' ' ' | cut -c1-300)"; fi
 fi
 
+# --- 6. generation speed against transformers (last: it takes the time that is left) -----------
+SAMPLING=(--temperature 0.7 --top-p 0.9 --top-k 50)
+if [ "$MODE" = gpu ] && want speed 150; then
+  for shape in qwen3-1.7b qwen2.5-coder-3b; do
+    [ "$shape" = qwen3-1.7b ] || want speed 100 || break
+    if ! M=$(ensure_model "$shape"); then
+      fail "speed $shape: building the model: $(tail -2 "$O/build-$shape.log" | tr '\n' ' ')"; continue
+    fi
+    timeout 200 "$PY" "$HERE/hf_generate.py" bench "$M" --batches "$BATCHES" --new-tokens 256 --out "$O/hf-$shape.json" > "$O/hf-$shape.log" 2>&1 \
+      || note "speed $shape: transformers: $(tail -1 "$O/hf-$shape.log")"
+    for b in ${BATCHES//,/ }; do
+      [ "${slow:-}" = "$shape" ] && break  # a smaller batch ran out of time: larger ones would too
+      start_gpumem "$O/gpumem-gen-$shape-$b.txt"
+      timeout 120 rollout-worker generate --model "$M" --device cuda:0 --dtype bf16 --prompt "$(cat "$HERE/prompt.txt")" --n "$b" \
+        --max-new-tokens 256 --ignore-eos "${SAMPLING[@]}" --seed 1 --json > "$W/gen-$shape-$b.json" 2> "$O/gen-$shape-$b.err"
+      rc=$?; stop_gpumem
+      [ $rc = 124 ] && slow=$shape
+      "$PY" "$HERE/tools.py" gen-figure "$W/gen-$shape-$b.json" "$shape" "$b" "$(peak_mib "$O/gpumem-gen-$shape-$b.txt")" "$rc" >> "$O/cotrain-gen.jsonl"
+    done
+    "$PY" "$HERE/tools.py" speed-table "$shape" "$O/hf-$shape.json" "$O/cotrain-gen.jsonl" "$HERE/models/$shape/config.json" > "$O/speed-$shape.txt" 2>&1
+    note "speed $shape (tok/s, cotrain vs transformers, same GPU):"$'\n'"$(cat "$O/speed-$shape.txt")"
+  done
+fi
+
 echo; echo "================ summary ($MODE, $((SECONDS - T0)) s)"
-printf '%s\n' "${SUMMARY[@]}" | tee "$O/summary.txt"
+echo "($MODE, $((SECONDS - T0)) s)" >> "$O/summary.txt"
+printf '%s\n' "${SUMMARY[@]}"
 ! grep -q '^FAIL' "$O/summary.txt"

@@ -167,9 +167,11 @@ impl Policy {
                     let (lp, mask) = tlp.padded();
                     let mask = mask.to_kind(Kind::Float);
                     let width = lp.size()[1] as usize;
-                    let adv = Tensor::from_slice(&mb.iter().map(|s| s.advantage).collect::<Vec<f64>>());
-                    let weights = Tensor::from_slice(&mb.iter().map(|s| s.weight).collect::<Vec<f64>>());
-                    let old = behaviour.then(|| padded_rows(mb.iter().map(|s| s.old_logprobs.as_slice()), width));
+                    // The per-sample inputs are built on the host and go where the log-probs are.
+                    let device = lp.device();
+                    let adv = Tensor::from_slice(&mb.iter().map(|s| s.advantage).collect::<Vec<f64>>()).to_device(device);
+                    let weights = Tensor::from_slice(&mb.iter().map(|s| s.weight).collect::<Vec<f64>>()).to_device(device);
+                    let old = behaviour.then(|| padded_rows(mb.iter().map(|s| s.old_logprobs.as_slice()), width).to_device(device));
                     let reference = match (&self.reference, loss_opts.kl) {
                         (Some(r), Some(_)) => {
                             let t = completion_logprobs(&r.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: false, temperature: 1.0 })
