@@ -530,7 +530,7 @@ fn loss_of(agent: usize, adv: &[f64]) -> f64 {
     let [a0, a1] = fixed_logprobs();
     let (lp, mask) = if agent == 0 { a0 } else { a1 };
     let adv = Tensor::from_slice(adv);
-    let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, ref_logprobs: None, weights: None };
+    let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, proximal_logprobs: None, ref_logprobs: None, weights: None };
     policy_loss(&b, &LossOptions::original()).unwrap().loss.double_value(&[])
 }
 
@@ -603,7 +603,7 @@ fn clipping_and_kl_options_match_hand_computation() {
     let rf = Tensor::from_slice(&[-0.9f64, -1.2]).reshape([1, 2]);
     let mask = Tensor::ones([1, 2], (Kind::Double, tch::Device::Cpu));
     let adv = Tensor::from_slice(&[1.0f64]);
-    let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: Some(&old), ref_logprobs: Some(&rf), weights: None };
+    let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: Some(&old), proximal_logprobs: None, ref_logprobs: Some(&rf), weights: None };
     let clip = LossOptions { clip: Some((0.2, 0.2)), ..LossOptions::original() };
     let out = policy_loss(&b, &clip).unwrap();
     close(out.policy_loss, -(1.2 + (-0.2f64).exp()));

@@ -6,7 +6,8 @@
 //! - shared parameters: both agents' losses scaled by 1/N, one optimiser step per round;
 //! - `cross` joint mode: G^N joint actions scored, each completion credited with the sum of the
 //!   returns of its joint actions, then the update;
-//! - PPO-style ratio clipping over several epochs on the same samples;
+//! - PPO-style ratio clipping over several epochs on the same samples, and decoupled PPO when the
+//!   samples carry importance weights;
 //! - the KL penalty to a frozen reference (k3, and k1 in its score-function form).
 
 mod train_common;
@@ -147,6 +148,52 @@ fn ratio_clipping_runs_every_epoch_on_the_same_samples() {
             .fold(Tensor::from(0.0f32), |a, b| a + b)
     });
     assert_same_weights(&policy.model, &reference, &base, "clipped multi-epoch update");
+}
+
+/// Clipping with truncated importance weights (asynchronous or bf16 rollouts): decoupled PPO. The
+/// ratio is clipped against the proximal policy (the weights at the start of the step) and each
+/// token is weighted by min(π_prox/μ, cap) against the behaviour policy μ, so the ratio is not
+/// counted twice (clipping against μ and weighting by π/μ again gives about ρ²·A).
+#[test]
+fn clipping_with_importance_weights_is_decoupled_ppo_against_the_proximal_policy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (spec, model) = tiny(tmp.path());
+    let reference = load(&spec, &LoadOptions::default()).unwrap();
+    let base = load(&spec, &LoadOptions::default()).unwrap();
+    let mut samples = vec![sample(&[65, 97, 48], &[120, 121, 10], 1.5), sample(&[65, 97, 48], &[33, 34, 35], -1.5)];
+    // Behaviour log-probs: the initial policy's shifted, some beyond the cap (e^0.9 > 2).
+    let mut proximal = Vec::new();
+    for (s, shift) in samples.iter_mut().zip([[-0.5f32, 0.3, -0.9], [0.4, -0.6, 0.1]]) {
+        let lp = naive_logprobs(&model, s).detach();
+        let v: Vec<f32> = Vec::try_from(&lp).unwrap();
+        s.old_logprobs = v.iter().zip(shift).map(|(x, d)| x + d).collect();
+        proximal.push(lp);
+    }
+    let mut policy = Policy::new("agent0", &spec, model, None, adam());
+    let opts = LossOptions { clip: Some((0.2, 0.28)), truncated_is: Some(2.0), measure_gap: true, ..LossOptions::original() };
+    let stats = policy.update(&[AgentBatches { minibatches: vec![samples.clone()], scale: 1.0 }], &opts, 3).unwrap();
+    assert_eq!(stats.steps, 3);
+    assert!(stats.is_truncated_fraction > 0.0, "some weights are cut to the cap");
+
+    // By hand, per epoch: L = (1/K) Σ_k Σ_t −w_t · min(A·r_t, A·clip(r_t, 0.8, 1.28)),
+    // r_t = exp(lp − lp_prox), w_t = min(exp(lp_prox − μ), 2), lp_prox fixed at the start.
+    reference_update(&reference, 3, |m| {
+        let k = samples.len() as f64;
+        samples
+            .iter()
+            .zip(&proximal)
+            .map(|(s, prox)| {
+                let lp = naive_logprobs(m, s);
+                let ratio = (&lp - prox).exp();
+                let w = (prox - Tensor::from_slice(&s.old_logprobs)).exp().clamp_max(2.0);
+                let a = s.advantage;
+                let term = (&ratio * a).minimum(&(ratio.clamp(0.8, 1.28) * a));
+                (term * w).sum(Kind::Float) * (-1.0 / k)
+            })
+            .fold(Tensor::from(0.0f32), |a, b| a + b)
+    });
+    assert_same_weights(&policy.model, &reference, &base, "decoupled PPO");
+    assert_moved(&base, &policy.model);
 }
 
 #[test]

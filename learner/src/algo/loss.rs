@@ -21,6 +21,10 @@ pub struct PolicyBatch<'a> {
     pub advantages: &'a Tensor,
     /// Behaviour-policy log-probs (from the rollout worker); required when clipping.
     pub old_logprobs: Option<&'a Tensor>,
+    /// Decoupled PPO: the proximal policy's log-probs (the learner's own before this step's first
+    /// update). The ratio is clipped against them and the truncated importance weight is
+    /// min(π_prox/μ, cap); without them both use the behaviour log-probs.
+    pub proximal_logprobs: Option<&'a Tensor>,
     /// Frozen reference log-probs; required when the KL penalty is on.
     pub ref_logprobs: Option<&'a Tensor>,
     /// Per-sample loss weights (K,) (multi-turn: the turn weight of each sample's node); all 1 when
@@ -134,6 +138,11 @@ fn reduce(x: &Tensor, mask: &Tensor, norm: LossNormalization) -> Result<Tensor, 
 /// Without clipping ℓ_k = −A_k · reduce_t(log π_t); with clipping the per-token term is
 /// −min(A_k·ρ_t, A_k·clip(ρ_t, 1 − low, 1 + high)) with ρ_t = exp(log π_t − log π_old,t), reduced the
 /// same way. At ρ = 1 the clipped loss has the same gradient as the unclipped one.
+/// With truncated importance sampling each token's policy term is also multiplied by
+/// w_t = min(π_t/μ_t, cap). Clipping and the correction together are decoupled PPO (Hilton et al.
+/// 2021, arXiv 2110.00641): the ratio is taken against the proximal policy π_prox (the batch's
+/// `proximal_logprobs`) and w_t = min(π_prox,t/μ_t, cap); taking both against μ would count the
+/// ratio twice (≈ ρ²·A).
 pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTerms, LossError> {
     let lp = batch.logprobs;
     let dims = lp.size();
@@ -167,12 +176,18 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
         Some(old) => mean_over_tokens(&lp.detach().f_sub(old)?.f_abs()?)?,
         None => 0.0,
     };
-    // Truncated importance weights (no gradient), 1 without correction.
+    let proximal = match batch.proximal_logprobs {
+        Some(p) if p.size() != dims => return Err(LossError::Shape(format!("proximal_logprobs {:?} vs logprobs {dims:?}", p.size()))),
+        Some(p) => Some(p.detach()),
+        None => None,
+    };
+    // Truncated importance weights (no gradient), 1 without correction: min(π/μ, cap), with π the
+    // proximal policy when there is one (decoupled PPO), else the current one.
     let (is_weights, is_weight_mean, is_truncated_fraction) = match opts.truncated_is {
         None => (None, 0.0, 0.0),
         Some(cap) => {
             let old = old.as_ref().ok_or(LossError::MissingOldLogprobs)?;
-            let raw = lp.detach().f_sub(old)?.f_exp()?;
+            let raw = proximal.as_ref().unwrap_or(&lp.detach()).f_sub(old)?.f_exp()?;
             let cut = raw.f_gt(cap)?.f_to_kind(lp.kind())?;
             let w = raw.f_clamp_max(cap)?;
             let (mean, frac) = (mean_over_tokens(&w)?, mean_over_tokens(&cut)?);
@@ -192,8 +207,9 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
             (adv.f_neg()?.f_mul(&s)?, 0.0)
         }
         Some((low, high)) => {
-            let old = old.as_ref().ok_or(LossError::MissingOldLogprobs)?;
-            let ratio = lp.f_sub(old)?.f_exp()?;
+            // The ratio's anchor: the proximal policy (decoupled PPO), else the behaviour policy.
+            let anchor = proximal.as_ref().or(old.as_ref()).ok_or(LossError::MissingOldLogprobs)?;
+            let ratio = lp.f_sub(anchor)?.f_exp()?;
             let a = adv.f_unsqueeze(1)?.f_to_kind(lp.kind())?;
             let unclipped = ratio.f_mul(&a)?;
             let clipped = ratio.f_clamp(1.0 - low, 1.0 + high)?.f_mul(&a)?;
@@ -265,7 +281,7 @@ mod tests {
         let lp = t2(&[&[-1.0, -2.0], &[-0.5, -9.0]]);
         let mask = t2(&[&[1.0, 1.0], &[1.0, 0.0]]);
         let adv = Tensor::from_slice(&[1.0, -2.0]);
-        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, ref_logprobs: None, weights: None };
+        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, proximal_logprobs: None, ref_logprobs: None, weights: None };
         let out = policy_loss(&b, &LossOptions::original()).unwrap();
         assert!((out.loss.double_value(&[]) - 1.0).abs() < 1e-12);
         assert_eq!(out.tokens, 3.0);
@@ -286,7 +302,7 @@ mod tests {
         let old = t2(&[&[-1.5, -1.0], &[-2.5, 0.0]]);
         let mask = t2(&[&[1.0, 1.0], &[1.0, 0.0]]);
         let adv = Tensor::from_slice(&[1.0, -2.0]);
-        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: Some(&old), ref_logprobs: None, weights: None };
+        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: Some(&old), proximal_logprobs: None, ref_logprobs: None, weights: None };
         let opts = LossOptions { truncated_is: Some(2.0), ..LossOptions::original() };
         let out = policy_loss(&b, &opts).unwrap();
         let (w0, w1) = (0.5f64.exp(), (-1.0f64).exp());

@@ -147,14 +147,19 @@ impl Policy {
     ) -> Result<UpdateStats, TrainError> {
         let mut stats = UpdateStats::default();
         let behaviour = loss_opts.clip.is_some() || loss_opts.truncated_is.is_some() || loss_opts.measure_gap;
+        // Decoupled PPO (clipping against behaviour log-probs that are not the learner's own): the
+        // proximal policy is this step's starting point, whose log-probs are the first epoch's
+        // (the optimiser steps once per epoch), kept per mini-batch for the later epochs.
+        let decoupled = loss_opts.clip.is_some() && loss_opts.truncated_is.is_some();
+        let mut proximal: Vec<Vec<Option<Tensor>>> = agents.iter().map(|a| a.minibatches.iter().map(|_| None).collect()).collect();
         for _ in 0..epochs.max(1) {
             self.optimizer.zero_grad();
             let (mut loss, mut kl, mut clip_tok, mut ent_sum, mut tokens) = (0.0, 0.0, 0.0, 0.0, 0.0);
             let (mut gap_tok, mut isw_tok, mut cut_tok) = (0.0, 0.0, 0.0);
             let mut bad_loss: Option<f64> = None;
             let (mut backpropagated, mut without_gradient) = (0u64, 0u64);
-            'agents: for (agent, &total) in agents.iter().zip(totals) {
-                for mb in &agent.minibatches {
+            'agents: for (ai, (agent, &total)) in agents.iter().zip(totals).enumerate() {
+                for (mi, mb) in agent.minibatches.iter().enumerate() {
                     if mb.is_empty() {
                         continue;
                     }
@@ -172,6 +177,9 @@ impl Policy {
                     let adv = Tensor::from_slice(&mb.iter().map(|s| s.advantage).collect::<Vec<f64>>()).to_device(device);
                     let weights = Tensor::from_slice(&mb.iter().map(|s| s.weight).collect::<Vec<f64>>()).to_device(device);
                     let old = behaviour.then(|| padded_rows(mb.iter().map(|s| s.old_logprobs.as_slice()), width).to_device(device));
+                    if decoupled && proximal[ai][mi].is_none() {
+                        proximal[ai][mi] = Some(lp.detach().copy());
+                    }
                     let reference = match (&self.reference, loss_opts.kl) {
                         (Some(r), Some(_)) => {
                             let t = completion_logprobs(&r.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: false, temperature: 1.0 })
@@ -187,6 +195,7 @@ impl Policy {
                         mask: &mask,
                         advantages: &adv,
                         old_logprobs: old.as_ref(),
+                        proximal_logprobs: proximal[ai][mi].as_ref(),
                         ref_logprobs: reference.as_ref(),
                         weights: Some(&weights),
                     };
