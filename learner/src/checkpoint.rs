@@ -117,6 +117,62 @@ pub fn save_checkpoint(run_dir: &Path, agents: &[(&nn::VarStore, &AdamW)], state
     Ok(final_dir)
 }
 
+/// The `step-N` checkpoints of a run, oldest first.
+fn step_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+    let mut out = Vec::new();
+    let entries = match std::fs::read_dir(root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(CheckpointError::Io { path: root.to_path_buf(), source: e }),
+    };
+    for entry in entries {
+        let entry = entry.map_err(io(root))?;
+        let name = entry.file_name();
+        if let Some(step) = name.to_str().and_then(|n| n.strip_prefix("step-")).and_then(|n| n.parse::<u64>().ok()) {
+            out.push((step, entry.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// `output.save_total_limit` (Hugging Face's meaning): keeps the newest `keep` checkpoints of
+/// `run_dir` and removes the older ones, never the one `latest` names. Returns what it removed.
+pub fn prune_checkpoints(run_dir: &Path, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> {
+    let root = run_dir.join("checkpoints");
+    let dirs = step_dirs(&root)?;
+    let latest = latest_checkpoint(run_dir);
+    let excess = dirs.len().saturating_sub(keep.max(1));
+    let mut removed = Vec::new();
+    for (_, dir) in dirs.into_iter().take(excess) {
+        if latest.as_ref() == Some(&dir) {
+            continue;
+        }
+        std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+        removed.push(dir);
+    }
+    Ok(removed)
+}
+
+/// Removes what a process killed mid-checkpoint left in `run_dir/checkpoints` (`.tmp-step-*`,
+/// `.old-step-*`, `.latest-*`): only one process writes a run's checkpoints, so at its start none
+/// of these is in use. Returns what it removed.
+pub fn remove_stale_temporaries(run_dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let root = run_dir.join("checkpoints");
+    let mut removed = Vec::new();
+    let Ok(entries) = std::fs::read_dir(&root) else { return Ok(removed) };
+    for entry in entries {
+        let entry = entry.map_err(io(&root))?;
+        let stale = entry.file_name().to_str().is_some_and(|n| [".tmp-step-", ".old-step-", ".latest-"].iter().any(|p| n.starts_with(p)));
+        if stale {
+            let path = entry.path();
+            if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) }.map_err(io(&path))?;
+            removed.push(path);
+        }
+    }
+    Ok(removed)
+}
+
 /// The newest complete checkpoint of a run, if any.
 pub fn latest_checkpoint(run_dir: &Path) -> Option<PathBuf> {
     let root = run_dir.join("checkpoints");

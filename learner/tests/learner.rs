@@ -859,3 +859,21 @@ fn options_beside_the_original_are_off_by_default_and_checked() {
     let e = load_config(&base, &["magrpo.reference_kl={estimator: k2}".into()], &LegacyFlags::default()).unwrap_err().to_string();
     assert!(e.contains("magrpo.reference_kl.estimator: unknown variant `k2`"), "{e}");
 }
+
+/// MaPoRL's seed configs load, and `reward_feedback` (scores in the next turn's prompts) is refused
+/// unless the scores come from a verifier: with correctness scores the prompts would show the other
+/// agents' ground-truth labels, in training and in evaluation.
+#[test]
+fn maporl_reward_feedback_needs_a_verifier_and_the_seed_configs_show_no_labels() {
+    for name in ["maporl_gsm8k_config.yaml", "maporl_anli_config.yaml"] {
+        let cfg = load_config(&repo().join("configs").join(name), &[], &LegacyFlags::default()).unwrap();
+        let m = cfg.raw.maporl.as_ref().expect("a maporl section");
+        assert!(!m.reward_feedback, "{name}: the original without a verifier shows no scores");
+    }
+    let gsm8k = repo().join("configs/maporl_gsm8k_config.yaml");
+    let e = load_config(&gsm8k, &["maporl.reward_feedback=true".into()], &LegacyFlags::default()).unwrap_err().to_string();
+    assert!(e.contains("maporl.reward_feedback") && e.contains("maporl.score") && e.contains("label leak"), "{e}");
+    let with_verifier = ["maporl.reward_feedback=true".into(), "maporl.score=verifier".into(), "maporl.verifier_name=v".into()];
+    let cfg = load_config(&gsm8k, &with_verifier, &LegacyFlags::default()).unwrap();
+    assert!(cfg.raw.maporl.as_ref().unwrap().reward_feedback);
+}

@@ -50,6 +50,7 @@ fn resumed_run_equals_an_uninterrupted_one() {
     std::fs::write(split_dir.join("checkpoints/.tmp-step-8-999/agent-0/model.safetensors"), b"partial").unwrap();
 
     let mut second = tiny_trainer(&cfg, &model, &split_dir, Box::new(TokenRule { rule: same_class }), 5);
+    assert!(!split_dir.join("checkpoints/.tmp-step-8-999").exists(), "the next run removes the partial checkpoint");
     second.resume(&split_dir).unwrap();
     assert_eq!(second.step(), 4);
     let part2 = second.run().unwrap();
@@ -77,4 +78,29 @@ fn resumed_run_equals_an_uninterrupted_one() {
     let lines = cotrain_learner::metrics::read_metrics(&split_dir.join("metrics.jsonl")).unwrap();
     assert_eq!(lines.iter().map(|r| r.step).collect::<Vec<_>>(), (1..=9).collect::<Vec<_>>());
     assert!(latest_checkpoint(&split_dir).unwrap().ends_with("step-9"));
+}
+
+/// `output.save_total_limit` (Hugging Face's meaning): a 4-step run saving every step with a limit of
+/// 2 leaves exactly the newest 2 checkpoints, and `latest` names the last.
+#[test]
+fn save_total_limit_keeps_the_newest_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model_dir(tmp.path());
+    let yaml = YAML.replace("save_steps: 4", "save_steps: 1").replace("num_train_epochs: 3", "num_train_epochs: 2");
+    let cfg = config(&yaml, &["output.save_total_limit=2".into()]);
+    let dir = tmp.path().join("run");
+    let mut trainer = tiny_trainer(&cfg, &model, &dir, Box::new(TokenRule { rule: same_class }), 5);
+    trainer.stop_after_steps = Some(4);
+    assert_eq!(trainer.run().unwrap().steps, 4);
+    let mut kept: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    kept.sort();
+    assert_eq!(kept, ["step-3", "step-4"]);
+    assert!(latest_checkpoint(&dir).unwrap().ends_with("step-4"));
+    let v = cotrain_learner::config::merged_value(&yaml, "test.yaml", &["output.save_total_limit=0".into()], &Default::default()).unwrap();
+    let e = cotrain_learner::config::CheckedConfig::from_value(v, std::path::Path::new("test.yaml")).unwrap_err().to_string();
+    assert!(e.contains("output.save_total_limit") && e.contains("at least 1"), "{e}");
 }

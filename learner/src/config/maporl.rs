@@ -170,7 +170,8 @@ pub struct MaporlSection {
     /// worker's only verifier.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verifier_name: Option<String>,
-    /// Show each other agent's score and its verbal reading in the next turn's prompt.
+    /// Show each other agent's score and its verbal reading in the next turn's prompt. Only with
+    /// `score: verifier` (the original shows the verifier's probability); refused with correctness.
     #[serde(default)]
     pub reward_feedback: bool,
     /// The critic values (question, response) without the discussion history.
@@ -360,6 +361,17 @@ impl MaporlSection {
         }
         if let Err(e) = self.lora.to_model().validate() {
             return bad("lora", e.to_string());
+        }
+        if self.reward_feedback && self.score != MaporlScore::Verifier {
+            // The original shows a learned verifier's probability; with correctness scores the
+            // prompts would show every other agent's ground-truth 0/1 label.
+            return bad(
+                "reward_feedback",
+                "is true but maporl.score is correctness: the next turn's prompts would show the other agents' \
+                 ground-truth correctness (a label leak). Use maporl.score: verifier (with maporl.verifier_path or \
+                 maporl.verifier_name), or reward_feedback: false"
+                    .into(),
+            );
         }
         Ok(())
     }

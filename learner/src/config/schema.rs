@@ -179,11 +179,15 @@ pub struct OutputConfig {
     pub save_final_model: bool,
     #[serde(default)]
     pub verbose: bool,
+    /// Keep at most this many checkpoints (the newest; Hugging Face's `save_total_limit`);
+    /// unset keeps them all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub save_total_limit: Option<usize>,
 }
 
 impl Default for OutputConfig {
     fn default() -> Self {
-        Self { base_dir: default_base_dir(), save_final_model: true, verbose: false }
+        Self { base_dir: default_base_dir(), save_final_model: true, verbose: false, save_total_limit: None }
     }
 }
 

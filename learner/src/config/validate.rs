@@ -29,6 +29,9 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
             return Err(invalid(present[0], format!("and {} are both present; keep exactly one trainer section", present[1..].join(" and "))));
         }
     };
+    if raw.output.save_total_limit == Some(0) {
+        return Err(invalid("output.save_total_limit", "must be at least 1 (unset keeps every checkpoint)".into()));
+    }
     let s = algorithm.section();
     // The maporl section spells some shared keys as MaPoRL does.
     let k = |name: &str| {

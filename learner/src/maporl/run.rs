@@ -386,6 +386,11 @@ impl MaporlTrainer {
                 if root && self.m.save_steps > 0 && self.step.is_multiple_of(self.m.save_steps as u64) {
                     let dir = self.save_policies(&self.s.run_dir.join("checkpoints").join(format!("step-{}", self.step)))?;
                     info!(step = self.step, checkpoint = %dir.display(), "policies saved");
+                    if let Some(keep) = self.s.cfg.raw.output.save_total_limit {
+                        for old in crate::checkpoint::prune_checkpoints(&self.s.run_dir, keep).map_err(|e| TrainError::Checkpoint(e.to_string()))? {
+                            info!(checkpoint = %old.display(), keep, "older checkpoint removed (output.save_total_limit)");
+                        }
+                    }
                 }
             }
         }

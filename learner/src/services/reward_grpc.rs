@@ -91,6 +91,10 @@ impl RewardSource for GrpcReward {
             options_json: self.options_json.clone(),
         };
         let resp = self.call("Score", req, |mut c, r| async move { c.score(r).await })?;
+        // Callers index the scores by joint action: a short or long answer is the server's error.
+        if resp.results.len() != actions.len() {
+            return Err(TrainError::Reward(format!("{}: {} scores for {} joint actions", self.endpoint, resp.results.len(), actions.len())));
+        }
         Ok(resp
             .results
             .into_iter()

@@ -196,6 +196,10 @@ impl Trainer {
         }
         let metrics = if dist.is_root() {
             std::fs::create_dir_all(&s.run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+            // A process killed mid-checkpoint left a partial copy of the policies behind.
+            for stale in crate::checkpoint::remove_stale_temporaries(&s.run_dir).map_err(|e| TrainError::Checkpoint(e.to_string()))? {
+                warn!(path = %stale.display(), "removed a partial checkpoint left by an interrupted run");
+            }
             Some(MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?)
         } else {
             None
@@ -846,6 +850,12 @@ impl Trainer {
         let pairs: Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> = self.s.policies.iter().map(|p| (&p.model.vs, &p.optimizer)).collect();
         let dir = save_checkpoint(&self.s.run_dir, &pairs, &state).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         self.last_checkpoint = Some(dir.clone());
+        if let Some(keep) = self.s.cfg.raw.output.save_total_limit {
+            let removed = crate::checkpoint::prune_checkpoints(&self.s.run_dir, keep).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+            for old in removed {
+                info!(checkpoint = %old.display(), keep, "older checkpoint removed (output.save_total_limit)");
+            }
+        }
         Ok(dir)
     }
 
