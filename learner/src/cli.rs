@@ -18,6 +18,10 @@ pub struct Cli {
     /// a token refuse updates without it; the embedded worker then requires it too).
     #[arg(long, global = true, env = cotrain_proto::auth::TOKEN_FILE_ENV, value_name = "PATH")]
     pub cluster_token_file: Option<PathBuf>,
+    /// Allow the control plane (`learner.control_addr`) on a non-loopback address without a cluster
+    /// token: anyone who reaches it could then register workers or stop the run.
+    #[arg(long, global = true)]
+    pub insecure: bool,
     /// Serve the control plane (`learner.control_addr`) over TLS with this PEM certificate chain.
     #[arg(long, global = true, value_name = "PATH", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
@@ -284,6 +288,7 @@ pub fn ensure_trainable(cfg: &CheckedConfig) -> anyhow::Result<()> {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     let token = cotrain_proto::auth::ClusterToken::from_flag_or_env(cli.cluster_token_file.as_deref()).map_err(anyhow::Error::msg)?;
     crate::services::set_cluster_token(token.clone());
+    crate::services::set_insecure(cli.insecure);
     let server_tls = cotrain_proto::tls::ServerTls::from_flags(cli.tls_cert.as_deref(), cli.tls_key.as_deref()).map_err(anyhow::Error::msg)?;
     let client_tls = cotrain_proto::tls::ClientTls::from_flag_or_env(cli.tls_ca.as_deref(), cli.tls_domain.as_deref()).map_err(anyhow::Error::msg)?;
     crate::services::set_tls(server_tls, client_tls.clone());

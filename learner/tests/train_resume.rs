@@ -17,7 +17,7 @@ dataset: {name: gsm8k, train_split: 'train[:5]'}\n\
 seed: 5\n\
 magrpo:\n  num_agents: 2\n  num_generations: 4\n  max_new_tokens: 3\n  learning_rate: 0.002\n  num_train_epochs: 3\n  \
 rollout_buffer_size: 2\n  train_batch_size: 3\n  eval_interval: 1000\n  save_steps: 4\n  logging_steps: 1\n\
-logging: {tensorboard: true, plots: false, progress: never}\n";
+logging: {tensorboard: true, plots: false, progress: never, rollouts: true}\n";
 
 const COMPARED: &[&str] = &["reward/mean", "reward/std", "loss", "entropy", "grad_norm", "completion_len/mean", "epoch"];
 
@@ -45,6 +45,11 @@ fn resumed_run_equals_an_uninterrupted_one() {
     for f in ["state.json", "agent-0/model.safetensors", "agent-0/optimizer.safetensors", "agent-1/model.safetensors"] {
         assert!(ckpt.join(f).is_file(), "missing {f}");
     }
+    // Killed after logging step 5's rollouts but before its checkpoint: the resumed run logs step 5
+    // again, so the first copy must go.
+    use std::io::Write as _;
+    let mut log = std::fs::OpenOptions::new().append(true).open(split_dir.join("rollouts.jsonl")).unwrap();
+    writeln!(log, "{{\"step\":5,\"marker\":\"logged before the kill\"}}").unwrap();
     // A write killed half-way leaves a temporary directory behind; the latest complete one is used.
     std::fs::create_dir_all(split_dir.join("checkpoints/.tmp-step-8-999/agent-0")).unwrap();
     std::fs::write(split_dir.join("checkpoints/.tmp-step-8-999/agent-0/model.safetensors"), b"partial").unwrap();
@@ -78,6 +83,13 @@ fn resumed_run_equals_an_uninterrupted_one() {
     let lines = cotrain_learner::metrics::read_metrics(&split_dir.join("metrics.jsonl")).unwrap();
     assert_eq!(lines.iter().map(|r| r.step).collect::<Vec<_>>(), (1..=9).collect::<Vec<_>>());
     assert!(latest_checkpoint(&split_dir).unwrap().ends_with("step-9"));
+    // rollouts.jsonl likewise: every step's nodes once, in order, as the uninterrupted run's.
+    let steps = |dir: &std::path::Path| -> Vec<u64> {
+        let text = std::fs::read_to_string(dir.join("rollouts.jsonl")).unwrap();
+        assert!(!text.contains("logged before the kill"), "the resumed run kept a step logged after its checkpoint");
+        text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect()
+    };
+    assert_eq!(steps(&split_dir), steps(&straight_dir));
 }
 
 /// `output.save_total_limit` (Hugging Face's meaning): a 4-step run saving every step with a limit of

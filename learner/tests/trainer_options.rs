@@ -196,6 +196,21 @@ fn clipping_with_importance_weights_is_decoupled_ppo_against_the_proximal_policy
     assert_moved(&base, &policy.model);
 }
 
+/// A sample whose behaviour log-probs are fewer than its completion tokens is refused by name: the
+/// ratio against zero-padded log-probs would be silently wrong.
+#[test]
+fn behaviour_logprobs_must_cover_every_completion_token() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (spec, model) = tiny(tmp.path());
+    let mut s = sample(&[65, 97, 48], &[120, 121, 10], 1.0);
+    s.old_logprobs = vec![-1.0, -2.0];
+    let mut policy = Policy::new("agent0", &spec, model, None, adam());
+    let opts = LossOptions { clip: Some((0.2, 0.2)), ..LossOptions::original() };
+    let e = policy.update(&[AgentBatches { minibatches: vec![vec![s]], scale: 1.0 }], &opts, 1).unwrap_err().to_string();
+    assert!(e.contains("2 behaviour log-probs for its 3 completion tokens"), "{e}");
+    assert_eq!(policy.optimizer.step, 0, "nothing was trained");
+}
+
 #[test]
 fn reference_kl_penalties_match_their_formulas() {
     for (estimator, normalization) in [(KlEstimator::K3, LossNormalization::Sum), (KlEstimator::K1, LossNormalization::TokenMean)] {

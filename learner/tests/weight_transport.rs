@@ -251,3 +251,52 @@ fn bf16_on_the_wire_halves_the_bytes_and_serves_the_rounded_weights() {
     }
     assert_eq!(leftover_weight_files(), Vec::<String>::new(), "weight files left in /dev/shm");
 }
+
+/// A re-push of the version a worker already serves (what stale-sample recovery sends to every
+/// worker) is taken as current, also through shared memory, which stays the transport; a push of a
+/// version older than the one a worker serves is an error naming both (the worker holds weights this
+/// learner never sent), never a silent success.
+#[test]
+fn a_repush_is_current_and_a_worker_ahead_is_refused() {
+    let _one_at_a_time = SHM_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let spec = tiny_model_dir(dir.path()).display().to_string();
+    let rt = runtime().unwrap();
+    let agents = vec![("agent0".to_string(), spec.clone())];
+    let params = changed_params(&spec);
+    let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let mut auto = connect(&rt, worker.grpc, WeightTransport::Auto);
+    auto.push_weights("agent0", 1, &params).unwrap();
+    auto.push_weights("agent0", 1, &params).unwrap();
+    auto.push_weights("agent0", 2, &params).unwrap();
+    assert_eq!(auto.shm_pushes(), 3, "a re-push must not switch the run from shared memory to gRPC");
+    assert_eq!(greedy(&mut auto, 2).len(), 12);
+
+    // Another pool (a second learner, say) pushes version 1 to the worker now at version 2.
+    let mut behind = connect(&rt, worker.grpc, WeightTransport::Grpc);
+    let err = behind.push_weights("agent0", 1, &params).unwrap_err().to_string();
+    assert!(err.contains("v1") && err.contains("refused") && err.contains("current version 2"), "{err}");
+    drop((auto, behind));
+    drop(worker);
+}
+
+/// The embedded worker listens on loopback, where any local process could reach it: it requires
+/// this process's token (a random one without a cluster token), so a pool without it cannot push.
+#[test]
+fn the_embedded_worker_refuses_pushes_without_the_process_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = tiny_model_dir(dir.path()).display().to_string();
+    let rt = runtime().unwrap();
+    let agents = vec![("agent0".to_string(), spec.clone())];
+    let params = changed_params(&spec);
+    let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let stranger = cotrain_rollout_client::pool::PoolConfig { endpoints: vec![format!("http://{}", worker.grpc)], cluster_token: None, ..Default::default() };
+    let mut stranger = PoolRollout::connect_with(rt.clone(), stranger, None, 1, Duration::from_secs(60)).unwrap().with_weight_transport(WeightTransport::Grpc);
+    let err = stranger.push_weights("agent0", 1, &params).unwrap_err().to_string();
+    assert!(err.contains("token"), "{err}");
+    // The learner's own pool carries the token.
+    let mut own = connect(&rt, worker.grpc, WeightTransport::Grpc);
+    own.push_weights("agent0", 1, &params).unwrap();
+    drop((stranger, own));
+    drop(worker);
+}

@@ -47,6 +47,15 @@ impl ClusterToken {
         }
     }
 
+    /// A fresh random token (192 bits from the system's random source, in hex): a process's own
+    /// secret for a service only it talks to (the learner's embedded rollout worker).
+    pub fn random() -> Result<Self, String> {
+        use std::io::Read as _;
+        let mut bytes = [0u8; 24];
+        std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).map_err(|e| format!("/dev/urandom: {e}"))?;
+        Ok(Self(Arc::from(bytes.iter().map(|b| format!("{b:02x}")).collect::<String>())))
+    }
+
     /// The metadata value a client sends.
     pub fn bearer(&self) -> String {
         format!("Bearer {}", self.0)

@@ -2,6 +2,7 @@
 //! code is included here and never committed.
 
 pub mod auth;
+pub mod refusal;
 pub mod tls;
 
 /// Encoded `FileDescriptorSet` of every cotrain proto, for gRPC reflection.

@@ -103,7 +103,15 @@ impl WorkerError {
 
 impl From<WorkerError> for Status {
     fn from(e: WorkerError) -> Self {
-        Status::new(e.code(), e.to_string())
+        use cotrain_proto::refusal::Refusal;
+        let status = Status::new(e.code(), e.to_string());
+        // The refusals a client's failover acts on are typed in the metadata (never read from the text).
+        match e {
+            WorkerError::StalePolicy { current, .. } => Refusal::StalePolicy.mark(status, Some(current)),
+            WorkerError::VersionNotNewer { current, .. } => Refusal::VersionNotNewer.mark(status, Some(current)),
+            WorkerError::InvalidArgument { ref field, .. } if field == "verifier" => Refusal::UnknownVerifier.mark(status, None),
+            _ => status,
+        }
     }
 }
 

@@ -17,7 +17,8 @@ struct Cli {
 enum Command {
     /// Generate completions for one prompt and print them.
     Generate(generate::GenerateArgs),
-    /// Serve agents over gRPC and an OpenAI-compatible HTTP API until SIGINT/SIGTERM.
+    /// Serve agents (and learned verifiers) over gRPC and an OpenAI-compatible HTTP API until
+    /// SIGINT/SIGTERM.
     Serve(cotrain_rollout_worker::ServeArgs),
 }
 

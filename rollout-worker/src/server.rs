@@ -23,6 +23,10 @@ pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
 pub use cotrain_rollout_client::{CONNECTION_WINDOW_BYTES, STREAM_WINDOW_BYTES};
 
+/// `--max-batch-size` unless set: the most sequences one model decodes together, and so the
+/// largest `n` one generate request may ask for.
+pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
+
 /// Arguments of `serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -34,7 +38,8 @@ pub struct ServeArgs {
     pub http_addr: SocketAddr,
     /// An agent as NAME=MODEL (repeatable); MODEL is a HF directory, a .gguf file, a cached repo
     /// id or `default`. Every agent has its own copy of the parameters unless `--share` groups it.
-    #[arg(long = "agent", value_name = "NAME=MODEL", required = true, value_parser = parse_agent)]
+    /// None with `--verifier`: a worker that only scores (generate requests are refused).
+    #[arg(long = "agent", value_name = "NAME=MODEL", required_unless_present = "verifiers", value_parser = parse_agent)]
     pub agents: Vec<(String, String)>,
     /// Device of the agents' models: cpu, cuda (cuda:0), cuda:N or auto (a GPU if one is usable).
     /// A CUDA device that cannot be used stops the worker with the reason.
@@ -52,7 +57,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub bf16_dot_products: bool,
     /// Most sequences one model decodes together.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = DEFAULT_MAX_BATCH_SIZE)]
     pub max_batch_size: usize,
     /// Most generate requests admitted and not answered; more get RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 1024)]
@@ -87,6 +92,10 @@ pub struct ServeArgs {
     /// reads the same file). Without one, anyone who can reach the gRPC port can replace the weights.
     #[arg(long, env = cotrain_proto::auth::TOKEN_FILE_ENV, value_name = "PATH")]
     pub cluster_token_file: Option<std::path::PathBuf>,
+    /// Serve gRPC on a non-loopback address without a cluster token (anyone who reaches the port
+    /// could then replace the weights). Without this flag such a start is refused.
+    #[arg(long)]
+    pub insecure: bool,
     /// Register with a learner's control plane (`learner.control_addr`, e.g.
     /// http://learner-0:7070): the learner brings this worker to its current policy and sends it
     /// requests; the worker heartbeats, and on SIGTERM drains its requests and deregisters.
@@ -121,6 +130,8 @@ pub struct ServeOptions {
     pub cluster_token: Option<cotrain_proto::auth::ClusterToken>,
     /// Serve gRPC and HTTP over TLS (`--tls-cert`, `--tls-key`).
     pub tls: Option<cotrain_proto::tls::ServerTls>,
+    /// Allow a non-loopback gRPC address without a cluster token (`--insecure`).
+    pub insecure: bool,
 }
 
 fn parse_verifier(s: &str) -> Result<(String, std::path::PathBuf), String> {
@@ -224,6 +235,12 @@ pub async fn start_with(
     http_addr: SocketAddr,
     options: ServeOptions,
 ) -> anyhow::Result<RunningServer> {
+    if options.cluster_token.is_none() && !grpc_addr.ip().is_loopback() && !options.insecure {
+        anyhow::bail!(
+            "refusing to serve gRPC on {grpc_addr} without a cluster token: anyone who reaches it could replace the weights. \
+             Give --cluster-token-file (or COTRAIN_CLUSTER_TOKEN_FILE), bind a loopback address, or pass --insecure"
+        );
+    }
     let metrics = Metrics::new();
     let worker = tokio::task::spawn_blocking(move || Worker::start(config, metrics))
         .await
@@ -242,7 +259,7 @@ pub async fn start_with(
         .build_v1()
         .context("building gRPC reflection")?;
     if options.cluster_token.is_none() && !grpc_addr.ip().is_loopback() {
-        tracing::warn!(%grpc_addr, "serving on a non-loopback address without a cluster token: anyone who reaches this port can replace the weights (--cluster-token-file)");
+        tracing::warn!(%grpc_addr, "--insecure: serving on a non-loopback address without a cluster token: anyone who reaches this port can replace the weights");
     }
     let rollout = RolloutServer::new(
         RolloutService::new(worker.clone()).with_shm_weights(options.allow_shm_weights).with_cluster_token(options.cluster_token.clone()),
@@ -317,7 +334,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let tls = cotrain_proto::tls::ServerTls::from_flags(args.tls_cert.as_deref(), args.tls_key.as_deref()).map_err(anyhow::Error::msg)?;
         let client_tls = cotrain_proto::tls::ClientTls::from_flag_or_env(args.tls_ca.as_deref(), args.tls_domain.as_deref()).map_err(anyhow::Error::msg)?;
-        let options = ServeOptions { allow_shm_weights: args.allow_shm_weights, cluster_token: cluster_token.clone(), tls };
+        let options = ServeOptions { allow_shm_weights: args.allow_shm_weights, cluster_token: cluster_token.clone(), tls, insecure: args.insecure };
         let agents: Vec<String> = config.agents.iter().map(|(a, _)| a.clone()).collect();
         let server = start_with(config, args.grpc_addr, args.http_addr, options).await?;
         println!("listening grpc={} http={}", server.grpc_addr, server.http_addr);

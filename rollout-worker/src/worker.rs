@@ -295,8 +295,8 @@ impl Worker {
 
     /// Loads every model (one per agent or sharing group) and starts one engine loop each.
     pub fn start(config: WorkerConfig, metrics: Metrics) -> Result<Self> {
-        if config.agents.is_empty() {
-            return Err(WorkerError::invalid("agents", "at least one agent is needed"));
+        if config.agents.is_empty() && config.verifiers.is_empty() {
+            return Err(WorkerError::invalid("agents", "at least one agent or verifier is needed"));
         }
         if config.max_batch_size == 0 || config.max_queued_requests == 0 {
             return Err(WorkerError::invalid("max_batch_size", "batch size and queue bound must be positive"));
@@ -478,6 +478,12 @@ impl Worker {
     }
 
     fn slot(&self, agent: &str) -> Result<&ModelSlot> {
+        if self.agent_order.is_empty() {
+            return Err(WorkerError::invalid(
+                "agent",
+                format!("this worker serves no agent, only the verifiers {:?} (start it with --agent NAME=MODEL to generate)", self.verifier_names()),
+            ));
+        }
         let known = || self.agent_order.join(", ");
         self.agents
             .get(agent)

@@ -526,3 +526,53 @@ async fn pool_finds_workers_through_dns() {
     bad.agent = "mallory".into();
     assert!(matches!(pool.generate(bad).await, Err(cotrain_rollout_client::PoolError::Rejected { .. })));
 }
+
+/// Regression: `serve --verifier` demanded an `--agent`, so a policy nobody asked for was loaded.
+/// A worker serving only a verifier scores conversations, reports no agent, and refuses generation
+/// (gRPC and HTTP) saying that it serves none; `serve` with neither an agent nor a verifier is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verifier_is_served_without_any_agent() {
+    use cotrain_model::lora::LoraConfig;
+    use cotrain_model::verifier::Verifier;
+    use cotrain_proto::rollout::{Conversation, ScoreVerifierRequest};
+
+    let model = TinyModel::new("llama");
+    let vdir = tempfile::tempdir().unwrap();
+    let base = loader::load(&model.spec(), &LoadOptions::default()).unwrap();
+    Verifier::new(base, &model.spec(), Some(LoraConfig::default()), 64).unwrap().save(vdir.path()).unwrap();
+    let w = WorkerProcess::start(&[], &["--verifier", &format!("judge={}", vdir.path().display())]).await;
+    let info = w.info().await;
+    assert!(info.agents.is_empty() && info.models.is_empty(), "{info:?}");
+    assert_eq!(info.verifiers, ["judge"]);
+
+    let mut c = w.client().await;
+    let conversation = Conversation { user: "what is 2 + 2?".into(), assistant: "4".into() };
+    let scored = c
+        .score_verifier(ScoreVerifierRequest { verifier: String::new(), conversations: vec![conversation] })
+        .await
+        .expect("score_verifier")
+        .into_inner();
+    assert_eq!(scored.verifier, "judge");
+    assert!(scored.scores.len() == 1 && (0.0..=1.0).contains(&scored.scores[0]), "{:?}", scored.scores);
+
+    let err = c.generate(request(AGENT, vec![token_prompt(vec![1, 2, 3])], 1, 0, 4)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("serves no agent"), "{}", err.message());
+    let http = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", w.http))
+        .json(&serde_json::json!({"model": AGENT, "prompt": "hello", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(http.status(), reqwest::StatusCode::BAD_REQUEST);
+    let body = http.text().await.unwrap();
+    assert!(body.contains("serves no agent"), "{body}");
+
+    let neither = std::process::Command::new(env!("CARGO_BIN_EXE_rollout-worker"))
+        .args(["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"])
+        .output()
+        .expect("the binary runs");
+    assert!(!neither.status.success());
+    let err = String::from_utf8_lossy(&neither.stderr);
+    assert!(err.contains("--agent"), "{err}");
+}

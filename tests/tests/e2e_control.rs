@@ -364,3 +364,31 @@ fn a_killed_reward_server_fails_the_run_with_a_checkpoint_that_resumes_to_the_sa
         assert!(d <= 1e-5, "agent {agent}: resumed weights differ by {d:e}");
     }
 }
+
+/// Unauthenticated services beyond loopback are refused unless asked for: a learner whose control
+/// plane binds 0.0.0.0 without a cluster token, and a rollout worker serving gRPC on 0.0.0.0 without
+/// one, stop at once naming the flags.
+#[test]
+fn services_beyond_loopback_without_a_token_refuse_to_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_word_model_dir(tmp.path());
+    let cfg = write_config(tmp.path(), &model, "open", 4, 100, "learner: {control_addr: '0.0.0.0:0'}\n");
+    let out = Command::new(binaries().unwrap().join("learner"))
+        .args(["train", "--config", cfg.to_str().unwrap()])
+        .env_remove("COTRAIN_CLUSTER_TOKEN_FILE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the learner started an open control plane: {err}");
+    assert!(err.contains("learner.control_addr") && err.contains("--insecure") && err.contains("--cluster-token-file"), "{err}");
+
+    let spec = format!("agent0={}", model.display());
+    let out = Command::new(binaries().unwrap().join("rollout-worker"))
+        .args(["serve", "--grpc-addr", "0.0.0.0:0", "--http-addr", "127.0.0.1:0", "--agent", &spec])
+        .env_remove("COTRAIN_CLUSTER_TOKEN_FILE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the worker served open weights: {err}");
+    assert!(err.contains("without a cluster token") && err.contains("--insecure"), "{err}");
+}

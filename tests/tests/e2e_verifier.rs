@@ -296,3 +296,26 @@ fn generate_balance_train_and_a_maporl_run_scored_by_the_verifier() {
         }
     }
 }
+
+/// Regression: the shipped MaPoRL config asks 100 answers per question, which went to the rollout
+/// worker as one request with n = 100 and was refused (the worker takes at most 64). The answers
+/// now come in requests a worker takes, all 100 of them, the same on a rerun.
+#[test]
+fn generate_asks_for_more_answers_per_question_than_a_worker_takes_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = workspace_root().join("configs/maporl_gsm8k_config.yaml");
+    let generate = |out: &std::path::Path| {
+        let printed = learner(&[
+            "verifier", "generate", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "--override",
+            "model.name=default", "dataset.train_split=train[:1]", "verifier.max_new_tokens=2", "logging.progress=never",
+        ]);
+        assert!(printed.contains("1 questions sampled (0 already in the file), 100 answers"), "{printed}");
+        let data: Value = serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap();
+        let (_, entry) = data.as_object().unwrap().iter().next().unwrap();
+        let answers: Vec<String> = entry["generated_answers"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect();
+        assert_eq!((answers.len(), entry["rewards"].as_array().unwrap().len()), (100, 100));
+        answers
+    };
+    let first = generate(&tmp.path().join("a.json"));
+    assert_eq!(first, generate(&tmp.path().join("b.json")), "seeded: a rerun samples the same answers");
+}

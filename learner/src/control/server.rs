@@ -41,18 +41,25 @@ struct Control {
 
 impl ControlServer {
     /// Binds `addr` on the current runtime and serves until dropped; a non-loopback address without
-    /// a cluster token is served with a warning (anyone who reaches it could stop the run).
+    /// a cluster token is refused unless `--insecure` was given (then served with a warning).
     pub async fn start(
         addr: SocketAddr,
         state: Arc<ControlState>,
         token: Option<ClusterToken>,
         tls: Option<cotrain_proto::tls::ServerTls>,
     ) -> std::io::Result<Self> {
+        if token.is_none() && !addr.ip().is_loopback() {
+            if !crate::services::insecure() {
+                return Err(std::io::Error::other(
+                    "a control plane on a non-loopback address needs a cluster token: anyone who reaches it could register a \
+                     worker (which then receives the weights) or stop the run. Give --cluster-token-file (or \
+                     COTRAIN_CLUSTER_TOKEN_FILE), bind a loopback address, or pass --insecure",
+                ));
+            }
+            warn!(%addr, "--insecure: control plane on a non-loopback address without a cluster token: anyone who reaches it can register workers or stop the run");
+        }
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
-        if token.is_none() && !addr.ip().is_loopback() {
-            warn!(%addr, "control plane on a non-loopback address without a cluster token: anyone who reaches it can register workers or stop the run (--cluster-token-file)");
-        }
         let control = Control { state: state.clone(), token, metrics: Arc::new(LearnerMetrics::new()) };
         let grpc = tonic::service::Routes::new(LearnerControlServer::new(control.clone())).prepare().into_axum_router();
         let http = axum::Router::new()

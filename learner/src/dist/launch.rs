@@ -110,13 +110,12 @@ fn launch_torchrun_style(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Re
         Some(p) => p,
         None => free_port()?,
     };
-    let mut children: Vec<Child> = Vec::new();
     if spec.nccl_one_gpu_test {
         tracing::warn!("--nccl-one-gpu-test: {} NCCL ranks share one GPU over loopback sockets (tests only)", spec.nproc);
     }
-    for rank in 0..spec.nproc {
+    let mut children = spawn_ranks(spec.nproc, |rank| {
         let one_gpu = if spec.nccl_one_gpu_test { one_gpu_test_env(rank) } else { Vec::new() };
-        let child = Command::new(exe)
+        Command::new(exe)
             .envs(one_gpu)
             .args(&spec.args)
             .env("RANK", rank.to_string())
@@ -127,14 +126,32 @@ fn launch_torchrun_style(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Re
             .env("MASTER_PORT", port.to_string())
             .envs(spec.token_file.iter().map(|f| (cotrain_proto::auth::TOKEN_FILE_ENV, f)))
             .spawn()
-            .with_context(|| format!("starting rank {rank}"))?;
-        children.push(child);
-    }
+    })?;
     let failed = supervise(&mut children)?;
     match failed {
         None => Ok(()),
         Some((rank, status)) => bail!("rank {rank} failed ({status}); the other ranks were stopped. Its error is in the output above."),
     }
+}
+
+/// Starts ranks `0..nproc` with `spawn`. When one cannot start, the ranks already started are
+/// killed and reaped before the error returns: they would otherwise wait at the rendezvous for a
+/// rank that never comes, outliving the launcher.
+fn spawn_ranks(nproc: usize, mut spawn: impl FnMut(usize) -> std::io::Result<Child>) -> anyhow::Result<Vec<Child>> {
+    let mut children: Vec<Child> = Vec::with_capacity(nproc);
+    for rank in 0..nproc {
+        match spawn(rank) {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                for child in &mut children {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                return Err(anyhow::Error::new(e).context(format!("starting rank {rank} (the {} ranks already started were stopped)", children.len())));
+            }
+        }
+    }
+    Ok(children)
 }
 
 /// Waits for every child; on the first failure kills the rest and returns (rank, status).
@@ -161,4 +178,32 @@ fn supervise(children: &mut [Child]) -> anyhow::Result<Option<(usize, ExitStatus
         std::thread::sleep(Duration::from_millis(100));
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: a rank that cannot start (here a missing program) left the ranks started before
+    /// it running, unwaited, after `learner launch` returned the error.
+    #[test]
+    fn a_rank_that_cannot_start_stops_the_ranks_already_started() {
+        let mut started = Vec::new();
+        let err = spawn_ranks(3, |rank| {
+            if rank == 2 {
+                return Command::new("/nonexistent/cotrain-learner").spawn();
+            }
+            let child = Command::new("sleep").arg("600").spawn()?;
+            started.push(child.id());
+            Ok(child)
+        })
+        .unwrap_err();
+        let message = format!("{err:#}");
+        assert!(message.contains("starting rank 2") && message.contains("2 ranks already started were stopped"), "{message}");
+        assert_eq!(started.len(), 2);
+        for pid in started {
+            // Killed and reaped: no process, not even a zombie, is left under that id.
+            assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "rank with pid {pid} outlived the failed launch");
+        }
+    }
 }

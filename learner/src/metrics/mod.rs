@@ -23,6 +23,34 @@ pub struct MetricsRecord {
     pub values: BTreeMap<String, f64>,
 }
 
+/// Drops the lines of a JSONL log (`metrics.jsonl`, `rollouts.jsonl`) whose `step` is after `step`
+/// (and unreadable ones: a line cut by a kill), so that a run resumed from the checkpoint of `step`
+/// logs each step once. Rewritten through a temporary file and a rename, so a kill leaves the old
+/// or the new file; a missing file has nothing to drop. Returns the number of lines dropped.
+pub fn truncate_jsonl_after(path: &std::path::Path, step: u64) -> std::io::Result<usize> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let keep: Vec<&str> = text
+        .lines()
+        .filter(|l| serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64())).is_some_and(|s| s <= step))
+        .collect();
+    let dropped = text.lines().count() - keep.len();
+    if dropped > 0 {
+        let tmp = path.with_extension("jsonl.tmp");
+        let mut body = keep.join("\n");
+        if !body.is_empty() {
+            body.push('\n');
+        }
+        std::fs::write(&tmp, body)?;
+        File::open(&tmp)?.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+    }
+    Ok(dropped)
+}
+
 /// Writes `metrics.jsonl` (appending, so a resumed run continues the same file) and, optionally, a
 /// TensorBoard event file in the run directory.
 pub struct MetricsWriter {
@@ -48,23 +76,8 @@ impl MetricsWriter {
     /// checkpoint of `step` logs those steps again, and the file must hold each step once. The file
     /// is rewritten through a temporary file and a rename, so a kill leaves the old or the new one.
     pub fn truncate_after(&mut self, step: u64) -> std::io::Result<usize> {
-        let text = std::fs::read_to_string(&self.path)?;
-        let keep: Vec<&str> = text
-            .lines()
-            .filter(|l| {
-                serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64())).is_some_and(|s| s <= step)
-            })
-            .collect();
-        let dropped = text.lines().count() - keep.len();
+        let dropped = truncate_jsonl_after(&self.path, step)?;
         if dropped > 0 {
-            let tmp = self.path.with_extension("jsonl.tmp");
-            let mut body = keep.join("\n");
-            if !body.is_empty() {
-                body.push('\n');
-            }
-            std::fs::write(&tmp, body)?;
-            File::open(&tmp)?.sync_all()?;
-            std::fs::rename(&tmp, &self.path)?;
             self.jsonl = OpenOptions::new().append(true).open(&self.path)?;
         }
         Ok(dropped)

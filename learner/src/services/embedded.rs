@@ -119,7 +119,12 @@ impl EmbeddedRollout {
         };
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
         // Same process, same host: the learner may hand weights over through /dev/shm.
-        let options = cotrain_rollout_worker::server::ServeOptions { allow_shm_weights: true, cluster_token: super::cluster_token(), tls: None };
+        let options = cotrain_rollout_worker::server::ServeOptions {
+            allow_shm_weights: true,
+            cluster_token: Some(super::process_token()),
+            tls: None,
+            insecure: false,
+        };
         let server = rt
             .block_on(cotrain_rollout_worker::server::start_with(config, loopback, loopback, options))
             .map_err(|e| TrainError::Rollout(format!("the embedded rollout worker did not start: {e:#}")))?;

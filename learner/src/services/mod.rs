@@ -34,6 +34,27 @@ pub fn cluster_token() -> Option<cotrain_proto::auth::ClusterToken> {
     CLUSTER_TOKEN.get().cloned().flatten()
 }
 
+/// The token this process's rollout pools send and its embedded worker requires: the cluster
+/// token, or without one a random token made once per process, so that no other local process can
+/// push weights into the run through the embedded worker's loopback port. (Workers without a token
+/// ignore the one they are sent.)
+pub fn process_token() -> cotrain_proto::auth::ClusterToken {
+    static RANDOM: std::sync::OnceLock<cotrain_proto::auth::ClusterToken> = std::sync::OnceLock::new();
+    cluster_token().unwrap_or_else(|| RANDOM.get_or_init(|| cotrain_proto::auth::ClusterToken::random().expect("the system's random source")).clone())
+}
+
+static INSECURE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// `--insecure`: allow the control plane on a non-loopback address without a cluster token.
+pub fn set_insecure(insecure: bool) {
+    let _ = INSECURE.set(insecure);
+}
+
+/// Whether [`set_insecure`] allowed unauthenticated non-loopback services.
+pub fn insecure() -> bool {
+    INSECURE.get().copied().unwrap_or(false)
+}
+
 static TLS: std::sync::OnceLock<(Option<cotrain_proto::tls::ServerTls>, Option<cotrain_proto::tls::ClientTls>)> = std::sync::OnceLock::new();
 
 /// Sets this process's TLS: the certificate its control plane serves (`--tls-cert`, `--tls-key`) and

@@ -60,7 +60,7 @@ impl PoolRollout {
             request_timeout: Some(request_timeout),
             max_attempts: max_attempts.max(1),
             wait_for_worker: wait,
-            cluster_token: super::cluster_token(),
+            cluster_token: Some(super::process_token()),
             ..PoolConfig::default()
         };
         Self::connect_with(rt, cfg, None, 1, wait)

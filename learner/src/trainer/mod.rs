@@ -257,7 +257,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             request_timeout: Some(Duration::from_secs(ro.request_timeout_secs)),
             max_attempts: ro.max_retries + 1,
             wait_for_worker: Duration::from_secs(120),
-            cluster_token: services::cluster_token(),
+            cluster_token: Some(services::process_token()),
             ..Default::default()
         };
         PoolRollout::connect_with(runtime.clone(), pool_cfg, registration.clone(), min_workers, wait)
@@ -331,7 +331,7 @@ pub(crate) fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, St
             Some(r) => Some(format!("http://{}", r.grpc)),
             None => cfg.raw.reward.endpoint.clone(),
         };
-        let ep = serde_json::json!({"rollout": rollout, "dns_name": ro.dns_name, "reward": reward});
+        let ep = serde_json::json!({"rollout": rollout, "dns_name": ro.dns_name, "reward": reward, "host": host_name()});
         (Some(services), serde_json::to_vec(&ep).map_err(|e| TrainError::Dist(e.to_string()))?)
     } else {
         (None, Vec::new())
@@ -341,6 +341,10 @@ pub(crate) fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, St
         return Ok(s);
     }
     let ep: serde_json::Value = serde_json::from_slice(&endpoints).map_err(|e| TrainError::Dist(format!("rank 0's service endpoints: {e}")))?;
+    let rollout_eps: Vec<String> = ep["rollout"].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(String::from)).collect();
+    let reward_ep = ep["reward"].as_str().map(String::from);
+    unreachable_from_here(ep["host"].as_str().unwrap_or_default(), &host_name(), rollout_eps.iter().chain(&reward_ep))
+        .map_or(Ok(()), |e| Err(TrainError::Config(format!("rank {}: {e}", dist.rank()))))?;
     let mut own = cfg.clone();
     own.raw.rollout.endpoints = ep["rollout"].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(String::from)).collect();
     own.raw.rollout.dns_name = ep["dns_name"].as_str().map(String::from);
@@ -350,6 +354,27 @@ pub(crate) fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, St
     own.raw.rollout.wait_for_registration = false;
     info!(rank = dist.rank(), rollout = ?own.raw.rollout.endpoints, reward = ?own.raw.reward.endpoint, "using rank 0's services");
     connect_services(&own, agents)
+}
+
+/// This machine's host name (`/proc/sys/kernel/hostname`), empty if unreadable.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+/// Why a rank on `here` cannot use rank 0's service `endpoints` (rank 0 runs on `rank0`): a
+/// loopback address names the rank's own machine, not rank 0's, as the embedded services (which
+/// listen on loopback) are.
+fn unreachable_from_here<'a>(rank0: &str, here: &str, endpoints: impl IntoIterator<Item = &'a String>) -> Option<String> {
+    if rank0.is_empty() || here.is_empty() || rank0 == here {
+        return None;
+    }
+    let local: Vec<&String> = endpoints.into_iter().filter(|e| cotrain_rollout_client::pool::is_loopback(e)).collect();
+    (!local.is_empty()).then(|| {
+        format!(
+            "this rank runs on `{here}` and rank 0 on `{rank0}`, whose services {local:?} listen on loopback: a job across \
+             machines needs rollout.endpoints (or rollout.dns_name) and reward.endpoint that every machine can reach"
+        )
+    })
 }
 
 pub fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
@@ -613,4 +638,18 @@ pub fn evaluate_checkpoint(cfg: &CheckedConfig, checkpoint: &Path, ks: &[usize])
     drop(services);
     let _ = std::fs::remove_dir_all(&tmp_run);
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_services_of_another_machine_are_refused() {
+        let eps = ["http://127.0.0.1:5000".to_string(), "http://reward-0:50051".to_string()];
+        let e = unreachable_from_here("node-a", "node-b", &eps).expect("refused");
+        assert!(e.contains("node-b") && e.contains("node-a") && e.contains("127.0.0.1:5000") && !e.contains("reward-0"), "{e}");
+        assert_eq!(unreachable_from_here("node-a", "node-a", &eps), None, "the same machine reaches its loopback");
+        assert_eq!(unreachable_from_here("node-a", "node-b", &eps[1..]), None, "routable names are fine");
+    }
 }

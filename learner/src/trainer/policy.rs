@@ -147,6 +147,17 @@ impl Policy {
     ) -> Result<UpdateStats, TrainError> {
         let mut stats = UpdateStats::default();
         let behaviour = loss_opts.clip.is_some() || loss_opts.truncated_is.is_some() || loss_opts.measure_gap;
+        if behaviour {
+            // A ratio against padded zeros would be silently wrong: every token needs its log-prob.
+            let short = agents.iter().flat_map(|a| a.minibatches.iter().flatten()).find(|s| s.old_logprobs.len() != s.completion.len());
+            if let Some(s) = short {
+                return Err(TrainError::Rollout(format!(
+                    "a sample has {} behaviour log-probs for its {} completion tokens (the rollout worker must return one per token)",
+                    s.old_logprobs.len(),
+                    s.completion.len()
+                )));
+            }
+        }
         // Decoupled PPO (clipping against behaviour log-probs that are not the learner's own): the
         // proximal policy is this step's starting point, whose log-probs are the first epoch's
         // (the optimiser steps once per epoch), kept per mini-batch for the later epochs.

@@ -257,6 +257,11 @@ impl Trainer {
             if dropped > 0 {
                 info!(dropped, step = self.step, "metrics of steps after the checkpoint dropped; they are logged again");
             }
+            let rollouts = self.s.run_dir.join("rollouts.jsonl");
+            let dropped = crate::metrics::truncate_jsonl_after(&rollouts, self.step).map_err(|e| TrainError::Io(format!("{}: {e}", rollouts.display())))?;
+            if dropped > 0 {
+                info!(dropped, step = self.step, "rollouts of steps after the checkpoint dropped; they are logged again");
+            }
         }
         Ok(dir)
     }
@@ -1142,7 +1147,7 @@ impl Trainer {
 }
 
 /// The items of a single-turn forest with a sample more than `k` versions older than the version
-/// its agent trains now (`current[agent]`), with how many such samples each has.
+/// its agent trains now (`current[agent]`), or newer than it, with how many such samples each has.
 pub(super) fn stale_items(forest: &Forest, current: &[u64], k: u64) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     for node in forest.nodes.iter().filter(|n| n.parent.is_none()) {
@@ -1150,7 +1155,8 @@ pub(super) fn stale_items(forest: &Forest, current: &[u64], k: u64) -> Vec<(usiz
             .samples
             .iter()
             .enumerate()
-            .map(|(a, samples)| samples.iter().filter(|s| current[a].saturating_sub(s.policy_version) > k).count())
+            // A sample from a version newer than the learner's is from weights it never pushed.
+            .map(|(a, samples)| samples.iter().filter(|s| s.policy_version > current[a] || current[a] - s.policy_version > k).count())
             .sum();
         if stale > 0 {
             out.push((node.item, stale));

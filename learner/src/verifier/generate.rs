@@ -27,6 +27,10 @@ use crate::trainer::{GenRequest, RewardSource, RolloutSource, SamplingSpec, Scor
 pub const AGENT: &str = "agent0";
 /// Questions per generate/score round (and per rewrite of the file).
 const QUESTIONS_PER_ROUND: usize = 8;
+/// Most samples one request asks a worker for: a rollout worker refuses an `n` above its
+/// `--max-batch-size` (this by default, and in the embedded worker), so a larger ask (MaPoRL's
+/// 100 per question) becomes several requests.
+const MAX_SAMPLES_PER_REQUEST: usize = cotrain_rollout_worker::server::DEFAULT_MAX_BATCH_SIZE;
 const TAG_GENERATE: u64 = 31;
 
 /// One request for answers: the dataset row, the user message, how many, and a seed tag.
@@ -104,26 +108,31 @@ impl Sampler {
         encode_text(&self.tokenizer, &text)
     }
 
-    /// Samples every ask (one concurrent batch) and labels every answer (one reward call).
+    /// Samples every ask (one concurrent batch; an ask for more than a worker takes at once is
+    /// split, see `request_sizes`) and labels every answer (one reward call).
     pub fn sample(&mut self, asks: &[Ask]) -> Result<Vec<Vec<Labelled>>, TrainError> {
         let v = &self.section;
         let mut requests = Vec::with_capacity(asks.len());
+        // Requests per ask, in order.
+        let mut spans = Vec::with_capacity(asks.len());
         for a in asks {
             let mut parts = vec![self.seed, TAG_GENERATE];
             parts.extend(&a.seed_parts);
             let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(&parts));
             let drawn = if v.temperature_max > v.temperature_min { rng.random_range(v.temperature_min..=v.temperature_max) } else { v.temperature_min };
-            requests.push(GenRequest {
-                agent: AGENT.into(),
-                prompt: self.prompt(&a.user)?,
-                n: a.n,
-                sampling: SamplingSpec { temperature: a.temperature.unwrap_or(drawn), top_p: v.top_p, top_k: 0, max_new_tokens: v.max_new_tokens, ignore_eos: false },
-                seed: rng.random(),
-                min_policy_version: 0,
-            });
+            let prompt = self.prompt(&a.user)?;
+            // One temperature per ask (MaPoRL draws one per question); each request its own seed
+            // from the ask's stream, the first the seed an unsplit ask had, so asks a worker takes
+            // at once sample what they always did.
+            let sampling = SamplingSpec { temperature: a.temperature.unwrap_or(drawn), top_p: v.top_p, top_k: 0, max_new_tokens: v.max_new_tokens, ignore_eos: false };
+            let before = requests.len();
+            for n in request_sizes(a.n, MAX_SAMPLES_PER_REQUEST) {
+                requests.push(GenRequest { agent: AGENT.into(), prompt: prompt.clone(), n, sampling, seed: rng.random(), min_policy_version: 0 });
+            }
+            spans.push(requests.len() - before);
         }
-        let samples = self.rollout.generate(&requests)?;
-        let texts: Vec<Vec<String>> = samples.iter().map(|got| got.iter().map(|s| s.text.clone()).collect()).collect();
+        let mut samples = self.rollout.generate(&requests)?.into_iter();
+        let texts: Vec<Vec<String>> = spans.iter().map(|&k| samples.by_ref().take(k).flatten().map(|s| s.text).collect()).collect();
         self.label(&asks.iter().map(|a| &a.item).collect::<Vec<_>>(), &texts)
     }
 
@@ -153,6 +162,12 @@ impl Sampler {
             })
             .collect())
     }
+}
+
+/// The `n` of each request that asks for `n` samples when a worker takes at most `max` at once:
+/// full requests, then the rest (`100, 64` → 64, 36).
+fn request_sizes(n: usize, max: usize) -> impl Iterator<Item = usize> {
+    (0..n.div_ceil(max)).map(move |k| max.min(n - k * max))
 }
 
 /// The dataset's reference answer of a row (GSM8K's worked solution, ANLI's label).
@@ -234,4 +249,20 @@ pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, Trai
     }
     summary.seconds = started.elapsed().as_secs_f64();
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ask_above_the_worker_limit_becomes_full_requests_then_the_rest() {
+        let sizes = |n, max| request_sizes(n, max).collect::<Vec<_>>();
+        assert_eq!(sizes(100, 64), [64, 36]);
+        assert_eq!(sizes(128, 64), [64, 64]);
+        assert_eq!(sizes(129, 64), [64, 64, 1]);
+        assert_eq!(sizes(64, 64), [64]);
+        assert_eq!(sizes(4, 64), [4]);
+        assert!(sizes(0, 64).is_empty());
+    }
 }

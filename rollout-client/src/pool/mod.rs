@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use cotrain_proto::refusal::{self, Refusal};
 use cotrain_proto::rollout::{
     update_weights_request::Item, GenerateRequest, GenerateResponse, InfoRequest, InfoResponse, ScoreVerifierRequest,
     ScoreVerifierResponse, ShmWeights, UpdateHeader, UpdateWeightsRequest, UpdateWeightsResponse,
@@ -134,6 +135,18 @@ pub enum PoolError {
         /// Its answer.
         status: Status,
     },
+    /// A worker serves a newer version of the agent than the one this pool pushed.
+    #[error("worker {worker} serves version {served} of `{agent}`, newer than the pushed version {version}: another learner or pool is pushing to it")]
+    VersionAhead {
+        /// The agent.
+        agent: String,
+        /// The version pushed and waited for.
+        version: u64,
+        /// The worker.
+        worker: String,
+        /// The version it serves.
+        served: u64,
+    },
     /// Waiting for a policy version timed out.
     #[error("workers not at version {version} of `{agent}` after {waited:?}: {laggards:?}")]
     VersionTimeout {
@@ -201,14 +214,17 @@ fn worker_failed(status: &Status) -> bool {
     matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Cancelled)
 }
 
-/// A refusal because the worker's policy is older than the request needs.
+/// A refusal because the worker's policy is older than the request needs (typed by the worker:
+/// see [`cotrain_proto::refusal`]).
 fn stale_refusal(status: &Status) -> bool {
-    status.code() == Code::FailedPrecondition && status.message().contains("is at policy version")
+    Refusal::of(status) == Some(Refusal::StalePolicy)
 }
 
-/// A weight update refused because the worker already has that version (or a newer one).
-fn already_current(status: &Status) -> bool {
-    status.code() == Code::FailedPrecondition && status.message().contains("is not newer than")
+/// A weight update of `version` refused because the worker already serves exactly that version
+/// (a re-push). A worker that serves a *newer* one is not current: it has weights this pool never
+/// sent, and leaves rotation.
+fn already_current(status: &Status, version: u64) -> bool {
+    Refusal::of(status) == Some(Refusal::VersionNotNewer) && refusal::current_version(status) == Some(version)
 }
 
 impl RolloutPool {
@@ -390,7 +406,7 @@ impl RolloutPool {
             match result {
                 Ok(resp) => return Ok(resp.into_inner()),
                 Err(status) => {
-                    let elsewhere = retryable(&status) || (status.code() == tonic::Code::InvalidArgument && status.message().contains("verifier"));
+                    let elsewhere = retryable(&status) || Refusal::of(&status) == Some(Refusal::UnknownVerifier);
                     if !elsewhere {
                         return Err(PoolError::Rejected { worker: worker.address.clone(), status });
                     }
@@ -453,7 +469,7 @@ impl RolloutPool {
         let workers: Vec<Arc<Worker>> = self.inner.healthy().into_iter().filter(|w| !skip.contains(&w.address)).collect();
         let calls = workers.iter().map(|w| self.inner.send_chunks(w, &header, &tensors));
         let answers = futures::future::join_all(calls).await;
-        self.inner.clone().settle_push(&workers, answers)
+        self.inner.clone().settle_push(&workers, answers, header.version)
     }
 
     /// Sends a weight update whose tensors are in a shared-memory file (see [`crate::shm`]) to
@@ -486,7 +502,7 @@ impl RolloutPool {
         let workers = self.inner.healthy();
         let calls = workers.iter().map(|w| self.inner.send_shm(w, &header, shm));
         let answers = futures::future::join_all(calls).await;
-        self.inner.clone().settle_push(&workers, answers)
+        self.inner.clone().settle_push(&workers, answers, header.version)
     }
 
     /// The lock a writer of `agent`'s shared-memory weight file holds while it rewrites the file
@@ -524,8 +540,11 @@ impl RolloutPool {
             let serving: Vec<Arc<Worker>> = self.inner.healthy().into_iter().filter(|w| w.serving()).collect();
             for (addr, info) in self.inner.info_of(serving).await {
                 let v = info.ok().and_then(|i| i.agents.iter().find(|a| a.name == agent).map(|a| a.policy_version));
-                if v.is_none_or(|v| v < version) {
-                    laggards.push((addr, v));
+                match v {
+                    // Weights this pool never sent (another learner, a stale pool): not this policy.
+                    Some(v) if v > version => return Err(PoolError::VersionAhead { agent: agent.into(), version, worker: addr, served: v }),
+                    Some(v) if v == version => {}
+                    _ => laggards.push((addr, v)),
                 }
             }
             if laggards.is_empty() {
@@ -649,20 +668,29 @@ impl Inner {
         (w.address.clone(), w.unless_lost(c.update_weights(request)).await.map(|r| r.into_inner()))
     }
 
-    /// After a push: workers that refused it leave rotation (failed ones also lose their health
-    /// until a check passes); those that took it and were out of rotation are checked for rotation.
+    /// After a push of `version`: a worker that already serves exactly that version (a re-push)
+    /// counts as having taken it; workers that refused it leave rotation (failed ones also lose
+    /// their health until a check passes); those that took it and were out of rotation are checked
+    /// for rotation.
     fn settle_push(
         self: Arc<Self>,
         workers: &[Arc<Worker>],
         answers: Vec<(String, Result<UpdateWeightsResponse, Status>)>,
+        version: u64,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
+        let answers: Vec<_> = answers
+            .into_iter()
+            .map(|(addr, answer)| match answer {
+                Err(status) if already_current(&status, version) => (addr, Ok(UpdateWeightsResponse { version, ..Default::default() })),
+                other => (addr, other),
+            })
+            .collect();
         for (w, (_, answer)) in workers.iter().zip(&answers) {
             match answer {
                 Ok(_) if !w.serving() => {
                     tokio::spawn(self.clone().catch_up(w.clone()));
                 }
                 Ok(_) => {}
-                Err(status) if already_current(status) => {}
                 Err(status) => {
                     warn!(worker = %w.address, code = ?status.code(), message = status.message(), "weight update refused, worker out of rotation");
                     if worker_failed(status) {
@@ -765,7 +793,7 @@ impl Inner {
                 };
                 match answer {
                     Ok(_) => replayed += 1,
-                    Err(s) if already_current(&s) => {}
+                    Err(s) if already_current(&s, l.header.version) => {}
                     Err(s) => return Err(format!("replaying `{}` v{}: {}", l.header.agent, l.header.version, s.message())),
                 }
             }
