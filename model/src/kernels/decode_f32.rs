@@ -466,6 +466,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(not(host_avx512), ignore = "this CPU has no AVX-512")]
     fn exp_matches_libm_over_the_range_softmax_and_silu_meet() {
         if !is_x86_feature_detected!("avx512f") {
             return;

@@ -104,6 +104,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(not(host_avx512), ignore = "this CPU has no AVX-512")]
     fn bf16_widens_exactly_and_partial_loads_zero_the_rest() {
         if !is_x86_feature_detected!("avx512f") {
             return;

@@ -185,6 +185,7 @@ mod tests {
     /// both of its layouts (dot tiles below `BROADCAST_MIN_ROWS` rows, pairs broadcast from there),
     /// ragged widths included.
     #[test]
+    #[cfg_attr(not(host_avx512_bf16), ignore = "this CPU has no AVX512_BF16")]
     fn bf16_dot_products_equal_the_product_of_the_rounded_rows() {
         if !gemm_bf16dot::is_available() {
             eprintln!("skipped: no AVX512_BF16");
