@@ -221,7 +221,9 @@ async fn a_partitioned_worker_loses_nothing_and_catches_up_when_healed() {
     let agents = [(AGENT, spec.as_str())];
     let local = WorkerProcess::start(&agents, &[]).await;
     let ns = host.ns.clone();
-    let remote = WorkerProcess::start_under(&["ip", "netns", "exec", &ns], &format!("{}:0", host.ip), &agents, &[]).await;
+    // Its address is not loopback: without a cluster token the worker needs --insecure (the
+    // namespace's link reaches this process only).
+    let remote = WorkerProcess::start_under(&["ip", "netns", "exec", &ns], &format!("{}:0", host.ip), &agents, &["--insecure"]).await;
     let pool = Arc::new(RolloutPool::new(pool_config(vec![local.endpoint(), remote.endpoint()])).await.unwrap());
     pool.wait_for_healthy(2, Duration::from_secs(30)).await.unwrap();
     let mut c = local.client().await;

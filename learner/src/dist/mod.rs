@@ -5,10 +5,11 @@
 //!
 //! What the trainers do with it ([`crate::trainer`]): every rank holds the same policies (broadcast
 //! from rank 0 at start and after a resume), rolls out and trains on its share of each step's items,
-//! and all-reduces the gradients (scaled by the global sample count) before the optimiser step, so
-//! that every rank takes the same step as one process would on all the items. Rank 0 alone pushes
-//! weights to the rollout workers and writes metrics, plots and checkpoints.
+//! and all-reduces the gradients (scaled by the global sample count, in [`buckets`]) before the
+//! optimiser step, so that every rank takes the same step as one process would on all the items.
+//! Rank 0 alone pushes weights to the rollout workers and writes metrics, plots and checkpoints.
 
+pub mod buckets;
 pub mod env;
 pub mod launch;
 #[cfg(feature = "mpi")]
@@ -20,6 +21,7 @@ mod rendezvous;
 
 use tch::{Device, Kind, Tensor};
 
+pub use buckets::{DEFAULT_BUCKET_BYTES, all_reduce_grads_bucketed};
 pub use env::{Launcher, RankEnv};
 
 use crate::config::DistBackend;
@@ -38,9 +40,11 @@ pub trait Collective {
     fn backend(&self) -> &'static str;
     /// Where the tensors given to this collective must live.
     fn device(&self) -> Device;
-    /// Element-wise sum over the ranks, in place (a contiguous f32, f64 or i64 tensor).
+    /// Element-wise sum over the ranks, in place (a contiguous f32, f64 or i64 tensor of any length:
+    /// the backends split it into calls of at most [`buckets::MAX_COUNT`] elements).
     fn all_reduce_sum(&self, t: &mut Tensor) -> Result<(), DistError>;
-    /// Rank `root`'s values into every rank's `t` (same shape and kind everywhere).
+    /// Rank `root`'s values into every rank's `t` (same shape and kind everywhere; any length, as
+    /// for [`Collective::all_reduce_sum`]).
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), DistError>;
     /// Every rank's `t` (same shape everywhere), stacked in rank order.
     fn all_gather(&self, t: &Tensor) -> Result<Tensor, DistError>;
@@ -189,33 +193,10 @@ fn init_nccl(env: &RankEnv, _device: Device) -> Result<Box<dyn Collective>, Dist
     )))
 }
 
-/// Sums the gradients of `params` over the ranks in one message (the parameters' gradients are
-/// flattened into one buffer of the collective's device and copied back). Parameters without a
-/// gradient on this rank contribute zeros.
+/// Sums the gradients of `params` over the ranks, in buckets of [`DEFAULT_BUCKET_BYTES`] (see
+/// [`buckets`]). Parameters without a gradient on this rank contribute zeros.
 pub fn all_reduce_grads(coll: &dyn Collective, params: &[Tensor]) -> Result<(), DistError> {
-    if coll.world() == 1 || params.is_empty() {
-        return Ok(());
-    }
-    // A rank without samples has no gradients yet: give them zeros (a backward of 0·Σp) so that
-    // the other ranks' sum has somewhere to land.
-    let missing: Vec<&Tensor> = params.iter().filter(|p| !p.grad().defined()).collect();
-    if !missing.is_empty() {
-        let zero = missing.iter().map(|p| p.sum(Kind::Float) * 0.0).fold(Tensor::zeros([], (Kind::Float, missing[0].device())), |a, b| a + b);
-        zero.f_backward().map_err(|e| DistError(format!("zero gradients: {e}")))?;
-    }
-    tch::no_grad(|| {
-        let flats: Vec<Tensor> = params.iter().map(|p| p.grad().to_kind(Kind::Float).reshape([-1])).collect();
-        let mut flat = Tensor::cat(&flats, 0).to_device(coll.device());
-        coll.all_reduce_sum(&mut flat)?;
-        let mut offset = 0i64;
-        for p in params {
-            let n = p.numel() as i64;
-            let part = flat.narrow(0, offset, n).view(p.size().as_slice()).to_device(p.device()).to_kind(p.kind());
-            p.grad().copy_(&part);
-            offset += n;
-        }
-        Ok(())
-    })
+    all_reduce_grads_bucketed(coll, params, DEFAULT_BUCKET_BYTES)
 }
 
 /// Copies rank `root`'s values of `tensors` into every rank's (weights, optimiser moments).

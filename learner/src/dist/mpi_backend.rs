@@ -1,6 +1,7 @@
 //! The MPI backend: Open MPI (or any MPI the `mpi` crate links) on CPU tensors. MPI's own launcher
 //! (`mpirun`, `srun --mpi=pmix`) gives each process its rank; a failed peer makes MPI abort the job
-//! (its default error handler), which is what stops every rank when one dies.
+//! (its default error handler), which is what stops every rank when one dies. MPI's counts are C
+//! `int`s: tensors are sent in calls of at most [`MAX_COUNT`] elements.
 
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
@@ -8,7 +9,13 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use tch::{Device, Kind, Tensor};
 
+use super::buckets::{MAX_COUNT, chunks};
 use super::{Collective, DistError, RankEnv};
+
+/// The most one all-reduce call sends: MPI sums into a buffer other than the one it sends
+/// (`MPI_IN_PLACE` is not in the `mpi` crate, and its value differs between Open MPI and MPICH), so
+/// each call sends a copy, which this bounds whatever the tensor's size.
+const SEND_COPY_BYTES: usize = 64 << 20;
 
 pub struct MpiCollective {
     world: SimpleCommunicator,
@@ -45,6 +52,28 @@ fn slice_mut<T>(t: &mut Tensor) -> &mut [T] {
     unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut T, t.numel()) }
 }
 
+impl MpiCollective {
+    /// Sums `buf` over the ranks in calls of at most [`SEND_COPY_BYTES`], through one send copy of
+    /// that size.
+    fn all_reduce_slice<T: Equivalence + Copy>(&self, buf: &mut [T]) {
+        let max = (SEND_COPY_BYTES / std::mem::size_of::<T>()).min(MAX_COUNT);
+        let mut send = Vec::with_capacity(max.min(buf.len()));
+        for r in chunks(buf.len(), max) {
+            send.clear();
+            send.extend_from_slice(&buf[r.clone()]);
+            self.world.all_reduce_into(&send[..], &mut buf[r], SystemOperation::sum());
+        }
+    }
+
+    /// Rank `root`'s `buf` into every rank's, in calls of at most [`MAX_COUNT`] elements.
+    fn broadcast_slice<T: Equivalence>(&self, buf: &mut [T], root: usize) {
+        let root = self.world.process_at_rank(root as i32);
+        for r in chunks(buf.len(), MAX_COUNT) {
+            root.broadcast_into(&mut buf[r]);
+        }
+    }
+}
+
 impl Collective for MpiCollective {
     fn rank(&self) -> usize {
         self.world.rank() as usize
@@ -62,21 +91,9 @@ impl Collective for MpiCollective {
     fn all_reduce_sum(&self, t: &mut Tensor) -> Result<(), DistError> {
         check_cpu(t)?;
         match t.kind() {
-            Kind::Float => {
-                let buf = slice_mut::<f32>(t);
-                let send = buf.to_vec();
-                self.world.all_reduce_into(&send[..], buf, SystemOperation::sum());
-            }
-            Kind::Double => {
-                let buf = slice_mut::<f64>(t);
-                let send = buf.to_vec();
-                self.world.all_reduce_into(&send[..], buf, SystemOperation::sum());
-            }
-            Kind::Int64 => {
-                let buf = slice_mut::<i64>(t);
-                let send = buf.to_vec();
-                self.world.all_reduce_into(&send[..], buf, SystemOperation::sum());
-            }
+            Kind::Float => self.all_reduce_slice(slice_mut::<f32>(t)),
+            Kind::Double => self.all_reduce_slice(slice_mut::<f64>(t)),
+            Kind::Int64 => self.all_reduce_slice(slice_mut::<i64>(t)),
             k => return Err(DistError(format!("the MPI backend sums f32, f64 and i64 tensors, got {k:?}"))),
         }
         Ok(())
@@ -84,12 +101,11 @@ impl Collective for MpiCollective {
 
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), DistError> {
         check_cpu(t)?;
-        let root = self.world.process_at_rank(root as i32);
         match t.kind() {
-            Kind::Float => root.broadcast_into(slice_mut::<f32>(t)),
-            Kind::Double => root.broadcast_into(slice_mut::<f64>(t)),
-            Kind::Int64 => root.broadcast_into(slice_mut::<i64>(t)),
-            Kind::Uint8 => root.broadcast_into(slice_mut::<u8>(t)),
+            Kind::Float => self.broadcast_slice(slice_mut::<f32>(t), root),
+            Kind::Double => self.broadcast_slice(slice_mut::<f64>(t), root),
+            Kind::Int64 => self.broadcast_slice(slice_mut::<i64>(t), root),
+            Kind::Uint8 => self.broadcast_slice(slice_mut::<u8>(t), root),
             k => return Err(DistError(format!("the MPI backend broadcasts f32, f64, i64 and u8 tensors, got {k:?}"))),
         }
         Ok(())
@@ -100,6 +116,14 @@ impl Collective for MpiCollective {
         check_cpu(&t)?;
         let mut size = t.size();
         size.insert(0, self.world() as i64);
+        // The `mpi` crate panics on a receive count beyond an MPI `int`; gathers carry metadata.
+        if t.numel() * self.world() > MAX_COUNT {
+            return Err(DistError(format!(
+                "an all-gather of {} elements from each of {} ranks exceeds MPI's count limit of {MAX_COUNT}",
+                t.numel(),
+                self.world()
+            )));
+        }
         let mut out = Tensor::zeros(size.as_slice(), (t.kind(), Device::Cpu));
         match t.kind() {
             Kind::Float => self.world.all_gather_into(&slice_mut::<f32>(&mut t)[..], slice_mut::<f32>(&mut out)),

@@ -1,6 +1,8 @@
 //! The NCCL backend (the `cuda` feature): cudarc's NCCL bindings, loaded at run time, on the CUDA
 //! tensors libtorch owns. Torch's device memory is lent to cudarc for each call (never freed by it),
-//! and both sides synchronise around the call so that NCCL's stream and torch's agree.
+//! and both sides synchronise around the call so that NCCL's stream and torch's agree. NCCL's
+//! all-reduce and broadcast work in place; counts are split at MPI's limit as well
+//! ([`MAX_COUNT`]), so that no backend is trusted with more than an `int` of elements.
 
 use std::sync::Arc;
 
@@ -8,6 +10,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
+use super::buckets::{MAX_COUNT, chunks};
 use super::{Collective, DistError, RankEnv, rendezvous};
 
 pub struct NcclCollective {
@@ -101,21 +104,41 @@ impl Collective for NcclCollective {
     }
 
     fn all_reduce_sum(&self, t: &mut Tensor) -> Result<(), DistError> {
+        macro_rules! sum {
+            ($ty:ty) => {
+                self.on_slice::<$ty>(t, |s| {
+                    for r in chunks(s.len(), MAX_COUNT) {
+                        self.comm.all_reduce_in_place(&mut s.slice_mut(r), &ReduceOp::Sum).map_err(err)?;
+                    }
+                    Ok(())
+                })
+            };
+        }
         match t.kind() {
-            Kind::Float => self.on_slice::<f32>(t, |s| self.comm.all_reduce_in_place(s, &ReduceOp::Sum).map(|_| ()).map_err(err)),
-            Kind::Double => self.on_slice::<f64>(t, |s| self.comm.all_reduce_in_place(s, &ReduceOp::Sum).map(|_| ()).map_err(err)),
-            Kind::Int64 => self.on_slice::<i64>(t, |s| self.comm.all_reduce_in_place(s, &ReduceOp::Sum).map(|_| ()).map_err(err)),
+            Kind::Float => sum!(f32),
+            Kind::Double => sum!(f64),
+            Kind::Int64 => sum!(i64),
             k => Err(DistError(format!("the NCCL backend sums f32, f64 and i64 tensors, got {k:?}"))),
         }
     }
 
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), DistError> {
         let root = root as i32;
+        macro_rules! broadcast {
+            ($ty:ty) => {
+                self.on_slice::<$ty>(t, |s| {
+                    for r in chunks(s.len(), MAX_COUNT) {
+                        self.comm.broadcast_in_place(&mut s.slice_mut(r), root).map_err(err)?;
+                    }
+                    Ok(())
+                })
+            };
+        }
         match t.kind() {
-            Kind::Float => self.on_slice::<f32>(t, |s| self.comm.broadcast_in_place(s, root).map(|_| ()).map_err(err)),
-            Kind::Double => self.on_slice::<f64>(t, |s| self.comm.broadcast_in_place(s, root).map(|_| ()).map_err(err)),
-            Kind::Int64 => self.on_slice::<i64>(t, |s| self.comm.broadcast_in_place(s, root).map(|_| ()).map_err(err)),
-            Kind::Uint8 => self.on_slice::<u8>(t, |s| self.comm.broadcast_in_place(s, root).map(|_| ()).map_err(err)),
+            Kind::Float => broadcast!(f32),
+            Kind::Double => broadcast!(f64),
+            Kind::Int64 => broadcast!(i64),
+            Kind::Uint8 => broadcast!(u8),
             k => Err(DistError(format!("the NCCL backend broadcasts f32, f64, i64 and u8 tensors, got {k:?}"))),
         }
     }
@@ -124,6 +147,11 @@ impl Collective for NcclCollective {
         let t = t.contiguous();
         let mut size = t.size();
         size.insert(0, self.world() as i64);
+        // Kept to MPI's limit too (gathers carry metadata), rather than trusting every NCCL
+        // version with larger counts.
+        if t.numel() > MAX_COUNT {
+            return Err(DistError(format!("an all-gather of {} elements per rank exceeds the count limit of {MAX_COUNT}", t.numel())));
+        }
         let out = Tensor::zeros(size.as_slice(), (t.kind(), self.device));
         macro_rules! gather {
             ($ty:ty) => {
