@@ -68,6 +68,10 @@ pub enum Command {
         /// Slow; never for training. Implies --backend nccl.
         #[arg(long)]
         nccl_one_gpu_test: bool,
+        /// The network interface the ranks talk over (Open MPI's btl/oob_tcp_if_include, NCCL's
+        /// NCCL_SOCKET_IFNAME). Unset: Open MPI leaves out the bridges present (docker0, virbr*, cni*).
+        #[arg(long, value_name = "IF")]
+        network_interface: Option<String>,
         /// The learner command each rank runs (`train --config FILE ...`), after `--`.
         #[arg(last = true, required = true)]
         args: Vec<String>,
@@ -400,7 +404,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             [one] => plot_command(one),
             many => compare_command(many, &key, &out),
         },
-        Command::Launch { nproc_per_node, backend, master_port, nccl_one_gpu_test, args } => {
+        Command::Launch { nproc_per_node, backend, master_port, nccl_one_gpu_test, network_interface, args } => {
             let backend = match backend.as_str() {
                 "mpi" if nccl_one_gpu_test => anyhow::bail!("--nccl-one-gpu-test runs NCCL ranks: drop --backend mpi"),
                 _ if nccl_one_gpu_test => crate::config::DistBackend::Nccl,
@@ -416,6 +420,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 args,
                 token_file,
                 nccl_one_gpu_test,
+                network_interface,
             })
         }
         Command::Verifier(cmd) => verifier_command(cmd),

@@ -123,6 +123,12 @@ pub enum PromptSource {
 }
 
 impl CheckedConfig {
+    /// `learner.collective_timeout_secs` as a bound (none when 0).
+    pub fn collective_timeout(&self) -> Option<std::time::Duration> {
+        let secs = self.raw.learner.collective_timeout_secs;
+        (secs > 0).then(|| std::time::Duration::from_secs(secs))
+    }
+
     /// True when the run needs the multi-turn trainer.
     pub fn is_multi_turn(&self) -> bool {
         self.trainer.num_turns > 1

@@ -735,6 +735,11 @@ pub struct LearnerConfig {
     /// The collective library the ranks reduce gradients with.
     #[serde(default)]
     pub backend: DistBackend,
+    /// With several ranks: a collective still waiting after this many seconds stops its rank with
+    /// a message naming it (a dead or hung peer, or a network the ranks cannot cross); 0: wait for
+    /// ever. Generous by default: ranks wait in collectives while rank 0 rolls out.
+    #[serde(default = "default_collective_timeout_secs")]
+    pub collective_timeout_secs: u64,
     /// What the ranks split: the step's items (`data`) or the agents' policies (`agent`).
     #[serde(default)]
     pub placement: Placement,
@@ -761,8 +766,13 @@ impl Default for LearnerConfig {
             checksum_steps: default_checksum_steps(),
             control_addr: None,
             concurrent_policies: true,
+            collective_timeout_secs: default_collective_timeout_secs(),
         }
     }
+}
+
+fn default_collective_timeout_secs() -> u64 {
+    1800
 }
 
 fn default_checksum_steps() -> u64 {

@@ -26,6 +26,45 @@ pub struct LaunchSpec {
     pub token_file: Option<std::path::PathBuf>,
     /// Tests only: NCCL ranks sharing one GPU (see [`one_gpu_test_env`]).
     pub nccl_one_gpu_test: bool,
+    /// `--network-interface IF`: the one interface the ranks talk over (Open MPI's TCP transports,
+    /// NCCL's sockets). Unset: Open MPI leaves out the bridges present (see [`bridges`]).
+    pub network_interface: Option<String>,
+}
+
+/// The network bridges on this machine (`/sys/class/net/*/bridge`, and names Docker, libvirt and
+/// CNI give theirs): Open MPI's TCP transports try every interface, and a rank that reaches for a
+/// peer through a bridge such as `docker0` waits for ever.
+pub fn bridges() -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir("/sys/class/net") else { return Vec::new() };
+    let mut out: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            e.path().join("bridge").is_dir() || ["docker", "virbr", "cni", "br-"].iter().any(|p| name.starts_with(p))
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    out.sort();
+    out
+}
+
+/// The Open MPI parameters that choose the ranks' network: the named interface only, or Open MPI's
+/// own exclusions (loopback for the TCP transport) plus the bridges present.
+pub fn mpi_network_args(interface: Option<&str>, bridges: &[String]) -> Vec<String> {
+    let mut args = Vec::new();
+    let mut mca = |k: &str, v: String| args.extend(["--mca".to_string(), k.to_string(), v]);
+    match interface {
+        Some(i) => {
+            mca("btl_tcp_if_include", i.to_string());
+            mca("oob_tcp_if_include", i.to_string());
+        }
+        None if !bridges.is_empty() => {
+            mca("btl_tcp_if_exclude", format!("127.0.0.1/8,sppp,{}", bridges.join(",")));
+            mca("oob_tcp_if_exclude", bridges.join(","));
+        }
+        None => {}
+    }
+    args
 }
 
 /// The environment that lets NCCL ranks share one GPU, for tests on a one-GPU machine: NCCL
@@ -75,6 +114,7 @@ pub fn mpirun_command(spec: &LaunchSpec, exe: &std::path::Path, as_root: bool) -
     }
     // Shared-memory transport without the ptrace-based single copy, which containers often forbid.
     cmd.args(["--mca", "btl", "self,vader", "--mca", "btl_vader_single_copy_mechanism", "none"]);
+    cmd.args(mpi_network_args(spec.network_interface.as_deref(), &bridges()));
     if let Some(file) = &spec.token_file {
         cmd.env(cotrain_proto::auth::TOKEN_FILE_ENV, file).args(["-x", cotrain_proto::auth::TOKEN_FILE_ENV]);
     }
@@ -114,7 +154,11 @@ fn launch_torchrun_style(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Re
         tracing::warn!("--nccl-one-gpu-test: {} NCCL ranks share one GPU over loopback sockets (tests only)", spec.nproc);
     }
     let mut children = spawn_ranks(spec.nproc, |rank| {
-        let one_gpu = if spec.nccl_one_gpu_test { one_gpu_test_env(rank) } else { Vec::new() };
+        let mut one_gpu = if spec.nccl_one_gpu_test { one_gpu_test_env(rank) } else { Vec::new() };
+        if let Some(i) = &spec.network_interface {
+            one_gpu.retain(|(k, _)| *k != "NCCL_SOCKET_IFNAME");
+            one_gpu.push(("NCCL_SOCKET_IFNAME", i.clone()));
+        }
         Command::new(exe)
             .envs(one_gpu)
             .args(&spec.args)
@@ -183,6 +227,22 @@ fn supervise(children: &mut [Child]) -> anyhow::Result<Option<(usize, ExitStatus
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ranks_network_is_the_named_interface_or_everything_but_the_bridges() {
+        let bridges = vec!["docker0".to_string(), "virbr0".to_string()];
+        let named = mpi_network_args(Some("eth1"), &bridges).join(" ");
+        assert_eq!(named, "--mca btl_tcp_if_include eth1 --mca oob_tcp_if_include eth1");
+        let default = mpi_network_args(None, &bridges).join(" ");
+        assert_eq!(default, "--mca btl_tcp_if_exclude 127.0.0.1/8,sppp,docker0,virbr0 --mca oob_tcp_if_exclude docker0,virbr0");
+        assert!(mpi_network_args(None, &[]).is_empty(), "no bridge: Open MPI's own defaults");
+        let spec = LaunchSpec { nproc: 2, backend: DistBackend::Mpi, master_port: None, args: vec!["train".into()], token_file: None,
+            nccl_one_gpu_test: false, network_interface: Some("eth1".into()) };
+        let cmd = mpirun_command(&spec, std::path::Path::new("/bin/learner"), false);
+        let args: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+        assert!(args.join(" ").contains("--mca btl_tcp_if_include eth1 --mca oob_tcp_if_include eth1"), "{args:?}");
+    }
+
 
     /// Regression: a rank that cannot start (here a missing program) left the ranks started before
     /// it running, unwaited, after `learner launch` returned the error.

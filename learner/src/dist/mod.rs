@@ -18,6 +18,7 @@ mod mpi_backend;
 mod nccl;
 #[cfg(feature = "cuda")]
 mod rendezvous;
+pub mod watchdog;
 
 use tch::{Device, Kind, Tensor};
 
@@ -146,6 +147,20 @@ impl Collective for SingleRank {
 /// Joins the job this process was launched into (one rank when no launcher is in the environment).
 /// `device` is where the learner's tensors live; `backend` the config's `learner.backend`.
 pub fn init(backend: DistBackend, device: Device) -> Result<Box<dyn Collective>, DistError> {
+    init_with_timeout(backend, device, None)
+}
+
+/// As [`init`], with every collective of several ranks bounded by `timeout`
+/// (`learner.collective_timeout_secs`; see [`watchdog`]).
+pub fn init_with_timeout(backend: DistBackend, device: Device, timeout: Option<std::time::Duration>) -> Result<Box<dyn Collective>, DistError> {
+    let inner = init_backend(backend, device)?;
+    Ok(match timeout {
+        Some(t) if inner.world() > 1 => Box::new(watchdog::Watched::new(inner, t)),
+        _ => inner,
+    })
+}
+
+fn init_backend(backend: DistBackend, device: Device) -> Result<Box<dyn Collective>, DistError> {
     let env = RankEnv::from_env().map_err(DistError)?;
     if env.world == 1 && env.launcher != Launcher::Mpi {
         return Ok(Box::new(SingleRank));

@@ -102,7 +102,7 @@ pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, Tra
             cfg.source.display()
         )));
     }
-    let dist = crate::dist::init(cfg.raw.learner.backend, crate::trainer::learner_device(cfg)?)?;
+    let dist = crate::dist::init_with_timeout(cfg.raw.learner.backend, crate::trainer::learner_device(cfg)?, cfg.collective_timeout())?;
     if dist.world() > 1 && cfg.raw.learner.placement == crate::config::Placement::Agent {
         return Err(TrainError::NotBuilt(format!(
             "{}: learner.placement: agent is built for the GRPO/MAGRPO trainer; the maporl trainer splits data (learner.placement: data)",

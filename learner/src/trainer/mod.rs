@@ -593,7 +593,7 @@ fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainE
 /// step; rank 0 names the run directory, writes it, and resumes from it (the other ranks receive
 /// its state).
 pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, TrainError> {
-    let dist = crate::dist::init(cfg.raw.learner.backend, learner_device(cfg)?)?;
+    let dist = crate::dist::init_with_timeout(cfg.raw.learner.backend, learner_device(cfg)?, cfg.collective_timeout())?;
     check_ranks(cfg, dist.world())?;
     let root = dist.is_root();
     let mut run_dir = match &opts.resume {
