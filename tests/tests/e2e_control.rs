@@ -119,10 +119,6 @@ fn http_get(addr: &str, path: &str, bearer: Option<&str>) -> String {
     body
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 fn token_file(dir: &Path) -> PathBuf {
     let t = dir.join("token");
     std::fs::write(&t, "e2e-control-token-0123456789\n").unwrap();
@@ -150,14 +146,13 @@ fn registered_workers_join_mid_run_and_a_killed_worker_costs_only_time() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_word_model_dir(tmp.path()).unwrap();
     let token = token_file(tmp.path());
-    let port = free_port();
-    let control = format!("127.0.0.1:{port}");
-    let top = format!(
-        "learner: {{control_addr: '{control}'}}\nrollout: {{wait_for_registration: true, min_workers: 1, registration_timeout_secs: 120}}\n"
-    );
-    let cfg = write_config(tmp.path(), &model, "registered", 240, 1000, &top);
+    // Port 0: the learner binds and says where (a port picked here and handed over could be taken
+    // by another process in between).
+    let top = "learner: {control_addr: '127.0.0.1:0'}\nrollout: {wait_for_registration: true, min_workers: 1, registration_timeout_secs: 120}\n";
+    let cfg = write_config(tmp.path(), &model, "registered", 240, 1000, top);
     let mut learner = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg));
-    assert_eq!(learner.wait_line("control plane listening on ", Duration::from_secs(120)), control);
+    let control = learner.wait_line("control plane listening on ", Duration::from_secs(120));
+    assert!(control.starts_with("127.0.0.1:") && !control.ends_with(":0"), "{control}");
 
     // The control plane refuses callers without the cluster token, saying why.
     let out = Command::new(binaries().unwrap().join("learner")).args(["status", "--addr", &control]).env_remove("COTRAIN_CLUSTER_TOKEN_FILE").output().unwrap();
@@ -323,18 +318,15 @@ fn a_killed_reward_server_fails_the_run_with_a_checkpoint_that_resumes_to_the_sa
     let out = learner_cmd(&["train", "--config"], &token).arg(&straight).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
-    let port = free_port();
-    let reward_server = || {
-        let mut p = Proc::spawn(Command::new(binaries().unwrap().join("reward-server")).args([
-            "--grpc-addr",
-            &format!("127.0.0.1:{port}"),
-            "--http-addr",
-            "127.0.0.1:0",
-        ]));
-        p.wait_line("listening ", Duration::from_secs(60));
-        p
+    // The first server binds port 0 and says where; its restart takes the same port back.
+    let reward_server = |grpc: &str| {
+        let mut p = Proc::spawn(Command::new(binaries().unwrap().join("reward-server")).args(["--grpc-addr", grpc, "--http-addr", "127.0.0.1:0"]));
+        let line = p.wait_line("listening grpc=", Duration::from_secs(60));
+        let addr = line.split_whitespace().next().unwrap_or_default().to_string();
+        (p, addr)
     };
-    let reward = reward_server();
+    let (reward, grpc) = reward_server("127.0.0.1:0");
+    let port: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
     let top = format!("reward: {{endpoint: 'http://127.0.0.1:{port}', max_retries: 2}}\n");
     let cfg = write_config(tmp.path(), &model, "reward_killed", 32, 1000, &top);
     let run_dir = tmp.path().join("out/reward_killed");
@@ -354,7 +346,7 @@ fn a_killed_reward_server_fails_the_run_with_a_checkpoint_that_resumes_to_the_sa
     assert!(run_dir.join(format!("checkpoints/step-{done}")).is_dir(), "a checkpoint of the last finished step");
 
     // With the reward server back, the run resumes from that checkpoint and ends as if uninterrupted.
-    let _reward = reward_server();
+    let _reward = reward_server(&format!("127.0.0.1:{port}"));
     let out = learner_cmd(&["train", "--config"], &token).arg(&cfg).arg("--resume").arg(&run_dir).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(metrics(&run_dir).len(), 8);

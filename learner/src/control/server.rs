@@ -329,6 +329,9 @@ async fn metrics(axum::extract::State(c): axum::extract::State<Control>) -> Resp
     m.workers.with_label_values(&["healthy"]).set(workers.iter().filter(|w| w.healthy).count() as i64);
     m.workers.with_label_values(&["in_rotation"]).set(workers.iter().filter(|w| w.in_rotation).count() as i64);
     m.workers.with_label_values(&["registered"]).set(c.state.registered().len() as i64);
+    // One series per worker in the pool now: those of workers that left are dropped, so a pool
+    // that churns does not grow the metrics without bound.
+    m.worker_requests.reset();
     for w in &workers {
         m.worker_requests.with_label_values(&[w.address.as_str(), "completed"]).set(w.completed as f64);
         m.worker_requests.with_label_values(&[w.address.as_str(), "failed"]).set(w.failed as f64);

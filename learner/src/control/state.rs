@@ -66,6 +66,10 @@ impl Requests {
 pub type CheckpointOutcome = Result<(u64, PathBuf), String>;
 type CheckpointReply = oneshot::Sender<CheckpointOutcome>;
 
+/// The most workers that may be registered at once: each is a pool member with its own health
+/// checks, connections and metric series, so the registry is bounded.
+pub const MAX_REGISTERED: usize = 1024;
+
 /// See the module docs; shared by the trainer, the control server and the signal handler.
 pub struct ControlState {
     started: Instant,
@@ -210,7 +214,16 @@ impl ControlState {
     /// first; returns whether it is in rotation.
     pub async fn register(&self, address: &str) -> Result<bool, String> {
         let address = normalise(address)?;
-        let new = self.registered.lock().expect("control lock").insert(address.clone(), Instant::now()).is_none();
+        let new = {
+            let mut registered = self.registered.lock().expect("control lock");
+            if !registered.contains_key(&address) && registered.len() >= MAX_REGISTERED {
+                return Err(format!(
+                    "this learner already has {MAX_REGISTERED} registered workers, its bound; {address} is refused until one leaves \
+                     or misses its heartbeats"
+                ));
+            }
+            registered.insert(address.clone(), Instant::now()).is_none()
+        };
         if new {
             info!(worker = address, "rollout worker registered");
         }
@@ -293,6 +306,24 @@ mod tests {
         for bad in ["", "host", "host:0", "host:x", "http://h:1/path", ":5"] {
             assert!(normalise(bad).is_err(), "{bad}");
         }
+    }
+
+    /// Registration is bounded: past MAX_REGISTERED a new address is refused by name, a known one
+    /// may register again, and a departure makes room.
+    #[test]
+    fn the_registry_is_bounded() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let s = ControlState::new();
+        rt.block_on(async {
+            for i in 0..MAX_REGISTERED {
+                assert_eq!(s.register(&format!("10.0.{}.{}:5000", i / 250, i % 250 + 1)).await, Ok(false));
+            }
+            let e = s.register("10.9.9.9:5000").await.unwrap_err();
+            assert!(e.contains("1024 registered workers") && e.contains("10.9.9.9"), "{e}");
+            assert_eq!(s.register("10.0.0.1:5000").await, Ok(false), "a registered worker re-registers");
+            assert!(s.deregister("10.0.0.1:5000"));
+            assert_eq!(s.register("10.9.9.9:5000").await, Ok(false));
+        });
     }
 
     #[test]

@@ -59,10 +59,10 @@ impl NcclCollective {
         let id = if env.rank == 0 {
             let id = Id::new().map_err(err)?;
             let bytes: [u8; 128] = id.internal().map(|c| c as u8);
-            rendezvous::serve(&addr, port, &bytes, env.world - 1)?;
+            rendezvous::serve(&addr, port, &bytes, env.world)?;
             id
         } else {
-            Id::uninit(rendezvous::fetch(&addr, port)?.map(|b| b as core::ffi::c_char))
+            Id::uninit(rendezvous::fetch(&addr, port, env.rank)?.map(|b| b as core::ffi::c_char))
         };
         let ctx = CudaContext::new(ordinal).map_err(err)?;
         let stream = ctx.default_stream();
