@@ -245,7 +245,8 @@ fn registered_workers_join_mid_run_and_a_killed_worker_costs_only_time() {
 
     // The learner restarts on the same port and resumes: the third worker registers again
     // (its heartbeat finds a learner that does not know it) and the run finishes.
-    let mut resumed = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg).arg("--resume").arg(&run_dir));
+    let same_port = format!("learner.control_addr={control}");
+    let mut resumed = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg).arg("--resume").arg(&run_dir).args(["--override", &same_port]));
     assert!(resumed.wait_exit(Duration::from_secs(300)).success(), "{:?}", resumed.seen);
     assert_eq!(metrics(&run_dir).len(), 60, "the resumed run ends at the last step");
     assert!(final_weights(&run_dir, 1).is_file());
@@ -363,7 +364,7 @@ fn a_killed_reward_server_fails_the_run_with_a_checkpoint_that_resumes_to_the_sa
 #[test]
 fn services_beyond_loopback_without_a_token_refuse_to_start() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tiny_word_model_dir(tmp.path());
+    let model = tiny_word_model_dir(tmp.path()).unwrap();
     let cfg = write_config(tmp.path(), &model, "open", 4, 100, "learner: {control_addr: '0.0.0.0:0'}\n");
     let out = Command::new(binaries().unwrap().join("learner"))
         .args(["train", "--config", cfg.to_str().unwrap()])

@@ -1318,6 +1318,22 @@ mod tests {
         assert_ne!(derive_seed(&[1, 2]), derive_seed(&[2, 1]));
     }
 
+    /// Staleness for asynchronous rollouts: a sample more than k versions old is stale, and so is
+    /// one from a version newer than the learner's (weights it never pushed), which used to count
+    /// as fresh.
+    #[test]
+    fn samples_too_old_or_from_the_future_make_their_item_stale() {
+        let sample = |v: u64| GenSample { token_ids: vec![1], text: String::new(), logprobs: vec![0.0], stopped: true, policy_version: v };
+        let node = |item: usize, versions: [u64; 2]| {
+            let mut n = crate::trainer::tree::Node::new(item, item, 0, 0, 1, vec![crate::trainer::tree::AgentPrompt { text: String::new(), ids: vec![1] }; 2], vec![Vec::new(); 2]);
+            n.samples = versions.iter().map(|&v| vec![sample(v)]).collect();
+            n
+        };
+        let forest = Forest { nodes: vec![node(0, [5, 5]), node(1, [3, 5]), node(2, [4, 6]), node(3, [2, 9])] };
+        // The learner trains version 5 of both agents; k = 1.
+        assert_eq!(stale_items(&forest, &[5, 5], 1), vec![(1, 1), (2, 1), (3, 2)]);
+    }
+
     #[test]
     fn evaluation_rhythm_follows_the_items_of_an_epoch() {
         // One item per step (the original): items 0, 4, 8.
