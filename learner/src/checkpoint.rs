@@ -156,10 +156,15 @@ pub fn prune_checkpoints(run_dir: &Path, keep: usize) -> Result<Vec<PathBuf>, Ch
 
 /// Removes what a process killed mid-checkpoint left in `run_dir/checkpoints` (`.tmp-step-*`,
 /// `.old-step-*`, `.latest-*`): only one process writes a run's checkpoints, so at its start none
-/// of these is in use. Returns what it removed.
+/// of these is in use. Nothing is removed while `latest` names no complete checkpoint: a kill in the
+/// middle of re-saving a step can leave its only copy in `.old-step-*` or `.tmp-step-*`. Returns
+/// what it removed.
 pub fn remove_stale_temporaries(run_dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     let root = run_dir.join("checkpoints");
     let mut removed = Vec::new();
+    if root.join("latest").exists() && latest_checkpoint(run_dir).is_none() {
+        return Ok(removed);
+    }
     let Ok(entries) = std::fs::read_dir(&root) else { return Ok(removed) };
     for entry in entries {
         let entry = entry.map_err(io(&root))?;

@@ -736,8 +736,10 @@ pub struct LearnerConfig {
     #[serde(default)]
     pub backend: DistBackend,
     /// With several ranks: a collective still waiting after this many seconds stops its rank with
-    /// a message naming it (a dead or hung peer, or a network the ranks cannot cross); 0: wait for
-    /// ever. Generous by default: ranks wait in collectives while rank 0 rolls out.
+    /// a message naming it (a dead or hung peer, or a network the ranks cannot cross); 0 (the
+    /// default): wait for ever. Off by default because ranks also wait in collectives while rank 0
+    /// alone works (waiting for workers to register, loading, evaluating, writing a checkpoint), for
+    /// as long as that takes: set it above the longest such phase.
     #[serde(default = "default_collective_timeout_secs")]
     pub collective_timeout_secs: u64,
     /// What the ranks split: the step's items (`data`) or the agents' policies (`agent`).
@@ -772,7 +774,7 @@ impl Default for LearnerConfig {
 }
 
 fn default_collective_timeout_secs() -> u64 {
-    1800
+    0
 }
 
 fn default_checksum_steps() -> u64 {

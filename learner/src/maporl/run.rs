@@ -387,8 +387,9 @@ impl MaporlTrainer {
                     let dir = self.save_policies(&self.s.run_dir.join("checkpoints").join(format!("step-{}", self.step)))?;
                     info!(step = self.step, checkpoint = %dir.display(), "policies saved");
                     if let Some(keep) = self.s.cfg.raw.output.save_total_limit {
-                        for old in crate::checkpoint::prune_checkpoints(&self.s.run_dir, keep).map_err(|e| TrainError::Checkpoint(e.to_string()))? {
-                            info!(checkpoint = %old.display(), keep, "older checkpoint removed (output.save_total_limit)");
+                        match crate::checkpoint::prune_checkpoints(&self.s.run_dir, keep) {
+                            Ok(removed) => removed.iter().for_each(|old| info!(checkpoint = %old.display(), keep, "older checkpoint removed (output.save_total_limit)")),
+                            Err(e) => tracing::warn!(error = %e, "an older checkpoint could not be removed (output.save_total_limit)"),
                         }
                     }
                 }

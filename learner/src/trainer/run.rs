@@ -856,9 +856,10 @@ impl Trainer {
         let dir = save_checkpoint(&self.s.run_dir, &pairs, &state).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         self.last_checkpoint = Some(dir.clone());
         if let Some(keep) = self.s.cfg.raw.output.save_total_limit {
-            let removed = crate::checkpoint::prune_checkpoints(&self.s.run_dir, keep).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-            for old in removed {
-                info!(checkpoint = %old.display(), keep, "older checkpoint removed (output.save_total_limit)");
+            // The new checkpoint is written: failing to remove an old one is no reason to stop.
+            match crate::checkpoint::prune_checkpoints(&self.s.run_dir, keep) {
+                Ok(removed) => removed.iter().for_each(|old| info!(checkpoint = %old.display(), keep, "older checkpoint removed (output.save_total_limit)")),
+                Err(e) => warn!(error = %e, "an older checkpoint could not be removed (output.save_total_limit)"),
             }
         }
         Ok(dir)
