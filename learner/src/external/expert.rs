@@ -99,11 +99,6 @@ impl ExpertClient {
         })
     }
 
-    /// The chat completions URL the expert is asked at.
-    pub fn url(&self) -> &str {
-        &self.url
-    }
-
     /// Waits `base`, `2 * base`, `4 * base`, ... between attempts (tests shorten it).
     pub fn with_backoff_base(mut self, base: Duration) -> Self {
         self.backoff_base = base;

@@ -34,10 +34,10 @@ pub fn cluster_token() -> Option<cotrain_proto::auth::ClusterToken> {
     CLUSTER_TOKEN.get().cloned().flatten()
 }
 
-/// The token this process's rollout pools send and its embedded worker requires: the cluster
-/// token, or without one a random token made once per process, so that no other local process can
-/// push weights into the run through the embedded worker's loopback port. (Workers without a token
-/// ignore the one they are sent.)
+/// The token this process's embedded worker requires and its pool sends: the cluster token, or
+/// without one a random token made once per process, so that no other local process can push
+/// weights into the run through the embedded worker's loopback port. Remote workers are sent the
+/// cluster token only.
 pub fn process_token() -> cotrain_proto::auth::ClusterToken {
     static RANDOM: std::sync::OnceLock<cotrain_proto::auth::ClusterToken> = std::sync::OnceLock::new();
     cluster_token().unwrap_or_else(|| RANDOM.get_or_init(|| cotrain_proto::auth::ClusterToken::random().expect("the system's random source")).clone())

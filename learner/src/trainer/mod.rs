@@ -247,7 +247,14 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
         _ => None,
     };
     let registration = control.as_ref().map(|(state, server)| (state.as_ref(), server.addr.to_string()));
-    let pool = |endpoints: Vec<String>, dns: Vec<String>, min_workers: usize, wait: Duration, tls: Option<cotrain_proto::tls::ClientTls>| {
+    // The embedded worker requires this process's token; remote workers get the cluster token only
+    // (a worker without one ignores it, one with a token must be sent that very token).
+    let pool = |endpoints: Vec<String>,
+                dns: Vec<String>,
+                min_workers: usize,
+                wait: Duration,
+                tls: Option<cotrain_proto::tls::ClientTls>,
+                token: Option<cotrain_proto::auth::ClusterToken>| {
         let pool_cfg = cotrain_rollout_client::pool::PoolConfig {
             tls,
             allow_empty: registration.is_some(),
@@ -257,7 +264,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             request_timeout: Some(Duration::from_secs(ro.request_timeout_secs)),
             max_attempts: ro.max_retries + 1,
             wait_for_worker: Duration::from_secs(120),
-            cluster_token: Some(services::process_token()),
+            cluster_token: token,
             ..Default::default()
         };
         PoolRollout::connect_with(runtime.clone(), pool_cfg, registration.clone(), min_workers, wait)
@@ -279,7 +286,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
         }
         let worker = EmbeddedRollout::start_with_verifiers(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
-        (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120), None)?), Some(worker))
+        (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120), None, Some(services::process_token()))?), Some(worker))
     } else {
         if ro.bf16_dot_products {
             return Err(TrainError::Config(
@@ -293,7 +300,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
         } else {
             (1, Duration::from_secs(120))
         };
-        let remote = pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect(), min, wait, services::client_tls())?;
+        let remote = pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect(), min, wait, services::client_tls(), services::cluster_token())?;
         remote.check_separate_models(&agents.iter().map(|(a, _)| a.clone()).collect::<Vec<_>>())?;
         (Box::new(remote), None)
     };
