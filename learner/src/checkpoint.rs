@@ -154,6 +154,17 @@ pub fn prune_checkpoints(run_dir: &Path, keep: usize) -> Result<Vec<PathBuf>, Ch
     Ok(removed)
 }
 
+/// Applies `output.save_total_limit` after a checkpoint was written: prunes with
+/// [`prune_checkpoints`] and logs what went. A failure is a warning: the new checkpoint is written,
+/// and failing to remove an old one is no reason to stop the run.
+pub fn apply_save_total_limit(run_dir: &Path, limit: Option<usize>) {
+    let Some(keep) = limit else { return };
+    match prune_checkpoints(run_dir, keep) {
+        Ok(removed) => removed.iter().for_each(|old| tracing::info!(checkpoint = %old.display(), keep, "older checkpoint removed (output.save_total_limit)")),
+        Err(e) => tracing::warn!(error = %e, "an older checkpoint could not be removed (output.save_total_limit)"),
+    }
+}
+
 /// Removes what a process killed mid-checkpoint left in `run_dir/checkpoints` (`.tmp-step-*`,
 /// `.old-step-*`, `.latest-*`): only one process writes a run's checkpoints, so at its start none
 /// of these is in use. Nothing is removed while `latest` names no complete checkpoint: a kill in the

@@ -386,12 +386,7 @@ impl MaporlTrainer {
                 if root && self.m.save_steps > 0 && self.step.is_multiple_of(self.m.save_steps as u64) {
                     let dir = self.save_policies(&self.s.run_dir.join("checkpoints").join(format!("step-{}", self.step)))?;
                     info!(step = self.step, checkpoint = %dir.display(), "policies saved");
-                    if let Some(keep) = self.s.cfg.raw.output.save_total_limit {
-                        match crate::checkpoint::prune_checkpoints(&self.s.run_dir, keep) {
-                            Ok(removed) => removed.iter().for_each(|old| info!(checkpoint = %old.display(), keep, "older checkpoint removed (output.save_total_limit)")),
-                            Err(e) => tracing::warn!(error = %e, "an older checkpoint could not be removed (output.save_total_limit)"),
-                        }
-                    }
+                    crate::checkpoint::apply_save_total_limit(&self.s.run_dir, self.s.cfg.raw.output.save_total_limit);
                 }
             }
         }

@@ -855,13 +855,7 @@ impl Trainer {
         let pairs: Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> = self.s.policies.iter().map(|p| (&p.model.vs, &p.optimizer)).collect();
         let dir = save_checkpoint(&self.s.run_dir, &pairs, &state).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         self.last_checkpoint = Some(dir.clone());
-        if let Some(keep) = self.s.cfg.raw.output.save_total_limit {
-            // The new checkpoint is written: failing to remove an old one is no reason to stop.
-            match crate::checkpoint::prune_checkpoints(&self.s.run_dir, keep) {
-                Ok(removed) => removed.iter().for_each(|old| info!(checkpoint = %old.display(), keep, "older checkpoint removed (output.save_total_limit)")),
-                Err(e) => warn!(error = %e, "an older checkpoint could not be removed (output.save_total_limit)"),
-            }
-        }
+        crate::checkpoint::apply_save_total_limit(&self.s.run_dir, self.s.cfg.raw.output.save_total_limit);
         Ok(dir)
     }
 
