@@ -71,7 +71,9 @@ async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
     let agents = [(AGENT, spec.as_str())];
     let a = WorkerProcess::start(&agents, &[]).await;
     let mut b = WorkerProcess::start(&agents, &[]).await;
-    let pool = Arc::new(RolloutPool::new(pool_config(vec![a.endpoint(), b.endpoint()])).await.unwrap());
+    let replay_dir = std::env::temp_dir().join(format!("elastic-replay-{}", std::process::id()));
+    let cfg = PoolConfig { replay_dir: Some(replay_dir.clone()), ..pool_config(vec![a.endpoint(), b.endpoint()]) };
+    let pool = Arc::new(RolloutPool::new(cfg).await.unwrap());
     pool.wait_for_healthy(2, Duration::from_secs(30)).await.unwrap();
 
     // Two versions; the second is a partial update the pool merges into what it replays.
@@ -82,6 +84,10 @@ async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
         pool.wait_for_version(AGENT, v, Duration::from_secs(10)).await.unwrap();
     }
     run_requests(&pool, 6, 2).await;
+    // What is kept for later workers is on disk, one file for the agent, not in the pool's memory.
+    let kept: Vec<std::path::PathBuf> = std::fs::read_dir(&replay_dir).unwrap().flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap()).map(|f| f.unwrap().path()).collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert!(std::fs::metadata(&kept[0]).unwrap().len() > 0);
 
     // A worker that joins mid-run is at version 0: it is brought to v2 before it is in rotation.
     let joiner = WorkerProcess::start(&agents, &[]).await;
@@ -119,6 +125,9 @@ async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
     pool.wait_for_version(AGENT, 3, Duration::from_secs(10)).await.unwrap();
     run_requests(&pool, 6, 3).await;
     assert!(!snapshot(&pool, &joiner.endpoint()).in_rotation);
+    drop(pool);
+    assert_eq!(std::fs::read_dir(&replay_dir).unwrap().count(), 0, "the pool's replay directory goes with it");
+    let _ = std::fs::remove_dir_all(&replay_dir);
 }
 
 /// Name resolution the test controls: what `rollout.dns` resolves to, changed while the pool runs.

@@ -265,6 +265,9 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             max_attempts: ro.max_retries + 1,
             wait_for_worker: Duration::from_secs(120),
             cluster_token: token,
+            // The latest weights, kept for workers that join later, go to disk beside the runs'
+            // checkpoints rather than to a temporary directory that may be memory (tmpfs).
+            replay_dir: Some(PathBuf::from(&cfg.raw.output.base_dir)),
             ..Default::default()
         };
         PoolRollout::connect_with(runtime.clone(), pool_cfg, registration.clone(), min_workers, wait)

@@ -84,6 +84,10 @@ pub struct PoolConfig {
     /// The longest wait between attempts to bring back a failed worker (the first waits
     /// `refresh_interval`, each next one twice as long).
     pub max_backoff: Duration,
+    /// Where the latest update of every agent is kept for workers that join later (a directory
+    /// of its own is made inside and removed with the pool); the system's temporary directory
+    /// when `None`. It holds one copy of each agent's weights.
+    pub replay_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for PoolConfig {
@@ -104,6 +108,7 @@ impl Default for PoolConfig {
             resolver: Arc::new(SystemResolver),
             max_backoff: Duration::from_secs(30),
             allow_empty: false,
+            replay_dir: None,
         }
     }
 }
@@ -236,12 +241,13 @@ impl RolloutPool {
         if cfg.max_attempts == 0 {
             return Err(PoolError::Config("max_attempts must be at least 1".into()));
         }
+        let replay = Replay::new(cfg.replay_dir.as_deref());
         let inner = Arc::new(Inner {
             cfg,
             workers: RwLock::new(HashMap::new()),
             changed: Notify::new(),
             tie_breaker: AtomicUsize::new(0),
-            replay: Replay::default(),
+            replay,
             failed_attempts: Default::default(),
             catch_ups: Default::default(),
             expected: Default::default(),
@@ -465,10 +471,19 @@ impl RolloutPool {
         skip: &HashSet<String>,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
         header.tensor_count = tensors.len() as u32;
-        self.inner.replay.record(&header, Body::Chunks(tensors.clone()));
+        // The update is written to the replay directory while it streams to the workers.
+        let keep = {
+            let (inner, header, tensors) = (self.inner.clone(), header.clone(), tensors.clone());
+            tokio::task::spawn_blocking(move || inner.replay.record_chunks(&header, &tensors))
+        };
         let workers: Vec<Arc<Worker>> = self.inner.healthy().into_iter().filter(|w| !skip.contains(&w.address)).collect();
         let calls = workers.iter().map(|w| self.inner.send_chunks(w, &header, &tensors));
-        let answers = futures::future::join_all(calls).await;
+        let (answers, kept) = futures::future::join(futures::future::join_all(calls), keep).await;
+        match kept {
+            Ok(Ok(())) => {}
+            Ok(Err(why)) => warn!(agent = %header.agent, version = header.version, why, "workers that join later cannot be caught up"),
+            Err(e) => warn!(agent = %header.agent, version = header.version, error = %e, "keeping the update for workers that join later failed"),
+        }
         self.inner.clone().settle_push(&workers, answers, header.version)
     }
 
@@ -498,7 +513,7 @@ impl RolloutPool {
         shm: &ShmWeights,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
         header.tensor_count = shm.tensors.len() as u32;
-        self.inner.replay.record(&header, Body::Shm(shm.clone()));
+        self.inner.replay.record_shm(&header, shm);
         let workers = self.inner.healthy();
         let calls = workers.iter().map(|w| self.inner.send_shm(w, &header, shm));
         let answers = futures::future::join_all(calls).await;
@@ -657,6 +672,13 @@ impl Inner {
         (w.address.clone(), w.unless_lost(c.update_weights(request)).await.map(|r| r.into_inner()))
     }
 
+    async fn send_file(&self, w: &Worker, header: &UpdateHeader, file: Arc<replay::SpillFile>) -> (String, Result<UpdateWeightsResponse, Status>) {
+        let mut request = self.authorised(replay::file_update_stream(header.clone(), file, self.cfg.weight_chunk_bytes));
+        request.set_timeout(self.cfg.push_timeout);
+        let mut c = w.client.clone();
+        (w.address.clone(), w.unless_lost(c.update_weights(request)).await.map(|r| r.into_inner()))
+    }
+
     async fn send_shm(&self, w: &Worker, header: &UpdateHeader, shm: &ShmWeights) -> (String, Result<UpdateWeightsResponse, Status>) {
         let msgs = vec![
             UpdateWeightsRequest { item: Some(Item::Header(header.clone())) },
@@ -784,7 +806,8 @@ impl Inner {
                     continue;
                 }
                 let (_, answer) = match &l.body {
-                    Body::Chunks(tensors) => self.send_chunks(w, &l.header, tensors).await,
+                    Body::File(file) => self.send_file(w, &l.header, file.clone()).await,
+                    Body::Lost(why) => return Err(format!("`{}` v{} was not kept: {why}", l.header.agent, l.header.version)),
                     Body::Shm(shm) => {
                         let lock = self.replay.lock(&l.header.agent);
                         let _reading = lock.lock().await;
