@@ -73,9 +73,17 @@ impl ServerTls {
     /// A listener for `axum::serve` whose connections speak TLS (ALPN: HTTP/2 and HTTP/1.1).
     pub fn listener(&self, tcp: tokio::net::TcpListener) -> Result<TlsListener, String> {
         let cfg = self.rustls_config(&[b"h2", b"http/1.1"])?;
-        TlsListener::new(tcp, tokio_rustls::TlsAcceptor::from(Arc::new(cfg))).map_err(|e| e.to_string())
+        TlsListener::new(tcp, tokio_rustls::TlsAcceptor::from(Arc::new(cfg)), MAX_HANDSHAKES).map_err(|e| e.to_string())
     }
 }
+
+/// TLS handshakes a listener runs at once. Connections beyond it wait in the kernel's accept
+/// queue: a flood of connections that never finish a handshake holds at most this many tasks
+/// (each for at most [`HANDSHAKE_TIMEOUT`]), not one per connection.
+pub const MAX_HANDSHAKES: usize = 256;
+
+/// How long one TLS handshake may take.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The certificates a client trusts, and the name it checks them against.
 #[derive(Clone, Debug)]
@@ -133,18 +141,22 @@ pub fn endpoint(address: &str, tls: Option<&ClientTls>) -> Result<tonic::transpo
     }
 }
 
-/// See [`ServerTls::listener`]. Handshakes run concurrently: one that fails or takes more than
-/// 10 s drops that connection only.
+/// See [`ServerTls::listener`]. Handshakes run concurrently, at most [`MAX_HANDSHAKES`] at once:
+/// one that fails or takes more than [`HANDSHAKE_TIMEOUT`] drops that connection only.
 pub struct TlsListener {
     local: std::net::SocketAddr,
     ready: tokio::sync::mpsc::Receiver<(tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::net::SocketAddr)>,
     accepting: tokio::task::JoinHandle<()>,
+    handshakes: Arc<tokio::sync::Semaphore>,
+    limit: usize,
 }
 
 impl TlsListener {
-    fn new(tcp: tokio::net::TcpListener, acceptor: tokio_rustls::TlsAcceptor) -> std::io::Result<Self> {
+    fn new(tcp: tokio::net::TcpListener, acceptor: tokio_rustls::TlsAcceptor, limit: usize) -> std::io::Result<Self> {
         let local = tcp.local_addr()?;
         let (tx, ready) = tokio::sync::mpsc::channel(64);
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(limit));
+        let permits = handshakes.clone();
         let accepting = tokio::spawn(async move {
             loop {
                 let (stream, addr) = match tcp.accept().await {
@@ -155,9 +167,13 @@ impl TlsListener {
                         continue;
                     }
                 };
+                // At the limit, this one connection waits here and the rest in the kernel's queue.
+                let Ok(permit) = permits.clone().acquire_owned().await else { return };
                 let (acceptor, tx) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
-                    match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await {
+                    let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await;
+                    drop(permit);
+                    match handshake {
                         Ok(Ok(tls)) => {
                             let _ = tx.send((tls, addr)).await;
                         }
@@ -167,7 +183,12 @@ impl TlsListener {
                 });
             }
         });
-        Ok(Self { local, ready, accepting })
+        Ok(Self { local, ready, accepting, handshakes, limit })
+    }
+
+    /// Handshakes under way now.
+    pub fn handshaking(&self) -> usize {
+        self.limit - self.handshakes.available_permits()
     }
 }
 
@@ -191,5 +212,51 @@ impl axum::serve::Listener for TlsListener {
 
     fn local_addr(&self) -> std::io::Result<Self::Addr> {
         Ok(self.local)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A self-signed certificate for 127.0.0.1, made with the `openssl` command.
+    fn server_tls(dir: &Path) -> ServerTls {
+        let out = std::process::Command::new("openssl")
+            .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"])
+            .args(["-keyout", "k.pem", "-out", "c.pem", "-days", "1", "-subj", "/CN=t", "-addext", "subjectAltName=IP:127.0.0.1"])
+            .current_dir(dir)
+            .output()
+            .expect("the openssl command (apt-get install openssl)");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        ServerTls::from_files(&dir.join("c.pem"), &dir.join("k.pem")).unwrap()
+    }
+
+    async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+        let start = std::time::Instant::now();
+        while !cond() {
+            assert!(start.elapsed() < Duration::from_secs(30), "timed out waiting until {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn connections_that_never_handshake_hold_at_most_the_limit() {
+        let dir = std::env::temp_dir().join(format!("tls-limit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = server_tls(&dir).rustls_config(&[b"h2"]).unwrap();
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = TlsListener::new(tcp, tokio_rustls::TlsAcceptor::from(Arc::new(cfg)), 2).unwrap();
+        let mut idle = Vec::new();
+        for _ in 0..6 {
+            idle.push(tokio::net::TcpStream::connect(listener.local).await.unwrap());
+        }
+        until("two handshakes are under way", || listener.handshaking() == 2).await;
+        // The other four wait in the accept queue; nothing more is started for them meanwhile.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(listener.handshaking(), 2);
+        // Closed connections end their handshakes and let the queued ones in, until none is left.
+        idle.clear();
+        until("every handshake ended", || listener.handshaking() == 0).await;
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -16,6 +16,8 @@ use super::DistError;
 const WAIT: Duration = Duration::from_secs(300);
 /// How long an accepted connection may take to greet.
 const GREETING_WAIT: Duration = Duration::from_secs(5);
+/// Connections whose greeting is awaited at once; more are closed at once.
+const MAX_GREETING: usize = 64;
 /// What a rank sends before its rank number (little-endian u32).
 const GREETING: &[u8; 16] = b"cotrain-nccl-id1";
 
@@ -32,23 +34,43 @@ fn serve_on(listener: TcpListener, id: &[u8; 128], world: usize, wait: Duration)
     listener.set_nonblocking(true).map_err(|e| DistError(format!("{addr}:{port}: {e}")))?;
     let start = Instant::now();
     let mut served = HashSet::new();
+    // Greetings are read on threads of their own, so a connection that says nothing delays no rank.
+    let (greeted, greetings) = std::sync::mpsc::channel();
+    let mut greeting_now = 0usize;
     while served.len() + 1 < world {
-        match listener.accept() {
-            Ok((s, peer)) => match greeting(s, world) {
+        let mut idle = true;
+        while let Ok((peer, result)) = greetings.try_recv() {
+            idle = false;
+            greeting_now -= 1;
+            match result {
                 Ok((rank, mut s)) if served.insert(rank) => {
                     s.write_all(id).map_err(|e| DistError(format!("sending the NCCL id to rank {rank}: {e}")))?;
                 }
                 Ok((rank, _)) => tracing::warn!(%peer, rank, "a second connection claims a rank already served; ignored"),
                 Err(why) => tracing::warn!(%peer, why, "a connection to the NCCL rendezvous that is not a rank; ignored"),
-            },
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if start.elapsed() > wait {
-                    let missing: Vec<usize> = (1..world).filter(|r| !served.contains(r)).collect();
-                    return Err(DistError(format!("ranks {missing:?} did not reach rank 0 at {addr}:{port} (MASTER_ADDR:MASTER_PORT) within {wait:?}")));
-                }
-                std::thread::sleep(Duration::from_millis(50));
             }
+        }
+        match listener.accept() {
+            Ok((_, peer)) if greeting_now >= MAX_GREETING => {
+                tracing::warn!(%peer, "{MAX_GREETING} connections to the NCCL rendezvous are already greeting; this one is closed");
+            }
+            Ok((s, peer)) => {
+                idle = false;
+                greeting_now += 1;
+                let greeted = greeted.clone();
+                std::thread::spawn(move || {
+                    let _ = greeted.send((peer, greeting(s, world)));
+                });
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
             Err(e) => return Err(DistError(format!("accepting a rank on {addr}:{port}: {e}"))),
+        }
+        if start.elapsed() > wait {
+            let missing: Vec<usize> = (1..world).filter(|r| !served.contains(r)).collect();
+            return Err(DistError(format!("ranks {missing:?} did not reach rank 0 at {addr}:{port} (MASTER_ADDR:MASTER_PORT) within {wait:?}")));
+        }
+        if idle {
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
     Ok(())
@@ -104,7 +126,12 @@ mod tests {
         // A stray: connects, says nothing useful, leaves.
         let stray = TcpStream::connect(("127.0.0.1", port)).unwrap();
         (&stray).write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        // Two that connect and say nothing at all: their greeting wait delays no rank.
+        let silent = [TcpStream::connect(("127.0.0.1", port)).unwrap(), TcpStream::connect(("127.0.0.1", port)).unwrap()];
+        let asked = Instant::now();
         assert_eq!(fetch("127.0.0.1", port, 1).unwrap(), id, "rank 1 still gets the id");
+        assert!(asked.elapsed() < GREETING_WAIT, "rank 1 waited behind silent connections: {:?}", asked.elapsed());
+        drop(silent);
         // Rank 2 never comes.
         let e = server.join().unwrap().unwrap_err().to_string();
         assert!(e.contains("ranks [2] did not reach rank 0"), "{e}");
