@@ -122,8 +122,21 @@ fn every_external_mode_builds_turn_two_prompts_through_the_real_services() {
             }
             assert_eq!(n["turn_weight"].as_f64().unwrap(), 0.8, "{mode}");
             assert!(n["parent_id"].is_u64(), "{mode}");
+            // The tiny expert writes no JSON: every turn-2 prompt went without edits, and says why.
+            assert_eq!(n["expert_failure"].is_string(), mode == "expert_edits", "{mode}: {}", n["expert_failure"]);
         }
+        let failures = if mode == "expert_edits" { turn2.len() as f64 } else { 0.0 };
+        assert_eq!(metrics["expert_failures"].as_f64(), Some(failures), "{mode}: {metrics}");
     }
+    // An expert that refuses the requests (here: a model it does not serve) stops the run, naming the
+    // keys to check, rather than training every turn on plain "revise" prompts.
+    let config = tmp.path().join("expert_edits.yaml");
+    let refused = std::fs::read_to_string(&config).unwrap().replace("expert_model: expert,", "expert_model: nosuch,");
+    std::fs::write(&config, refused).unwrap();
+    let out = Command::new(&learner).args(["train", "--config"]).arg(&config).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a refusing expert did not stop the run\n{stderr}");
+    assert!(stderr.contains("refused a request") && stderr.contains("external.expert_model"), "{stderr}");
     // The expert worker was asked (the tiny model's replies are no JSON, so the learner retried and
     // then carried on with a plain request to revise, as it must).
     let text = http_get(&expert_http, "/metrics");

@@ -35,7 +35,7 @@ fn serve_on(listener: TcpListener, id: &[u8; 128], world: usize, wait: Duration)
     let start = Instant::now();
     let mut served = HashSet::new();
     // Greetings are read on threads of their own, so a connection that says nothing delays no rank.
-    let (greeted, greetings) = std::sync::mpsc::channel();
+    let (greeted, greetings) = std::sync::mpsc::channel::<(std::net::SocketAddr, Result<(usize, TcpStream), String>)>();
     let mut greeting_now = 0usize;
     while served.len() + 1 < world {
         let mut idle = true;

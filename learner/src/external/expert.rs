@@ -48,9 +48,28 @@ pub struct ExpertEdits {
     /// The edit for the main function (empty: none).
     pub main: String,
     /// Why no usable edits came back (after retries), if so.
-    pub failure: Option<String>,
+    pub failure: Option<ExpertFailure>,
     /// Requests sent for this joint action.
     pub attempts: u32,
+}
+
+/// Why an expert request gave no usable edits, after its retries.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertFailure {
+    pub kind: FailureKind,
+    pub reason: String,
+}
+
+/// What kind of failure: the three call for different answers from the trainer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// No answer: connection errors, timeouts, HTTP 429 and 5xx. The expert is down or overloaded.
+    Unreachable,
+    /// An HTTP 4xx other than 429: the request itself is wrong (model name, key, URL) and every
+    /// other request will be refused the same way.
+    Refused,
+    /// Answers that do not hold edits (no JSON object, no content): the expert's writing.
+    Unusable,
 }
 
 /// A blocking client for the expert, driving its requests on the learner's runtime.
@@ -121,7 +140,7 @@ impl ExpertClient {
             "temperature": EXPERT_TEMPERATURE,
         });
         let mut attempts = 0;
-        let reason = loop {
+        let failure = loop {
             attempts += 1;
             match self.attempt(&body).await {
                 Ok((aux, main)) => {
@@ -129,50 +148,49 @@ impl ExpertClient {
                     let aux = if req.aux.is_some() { aux } else { String::new() };
                     return ExpertEdits { aux, main, failure: None, attempts };
                 }
-                Err(Failure::Final(reason)) => break reason,
-                Err(Failure::Retry(reason)) if attempts >= self.max_attempts => break reason,
-                Err(Failure::Retry(reason)) => {
+                Err(failure @ ExpertFailure { kind: FailureKind::Refused, .. }) => break failure,
+                Err(failure) if attempts >= self.max_attempts => break failure,
+                Err(ExpertFailure { reason, .. }) => {
                     let delay = self.backoff_base * 2u32.saturating_pow(attempts - 1);
                     tracing::debug!(attempts, reason = %reason, delay_ms = delay.as_millis() as u64, "expert request failed, retrying");
                     tokio::time::sleep(delay).await;
                 }
             }
         };
-        tracing::warn!(attempts, url = %self.url, reason = %reason, "expert gave no usable edits, the agents see none this turn");
-        ExpertEdits { aux: String::new(), main: String::new(), failure: Some(reason), attempts }
+        tracing::warn!(attempts, url = %self.url, reason = %failure.reason, kind = ?failure.kind, "expert gave no usable edits, the agents see none this turn");
+        ExpertEdits { aux: String::new(), main: String::new(), failure: Some(failure), attempts }
+    }
+
+    /// The URL requests go to.
+    pub fn url(&self) -> &str {
+        &self.url
     }
 
     /// One chat completion, parsed into `(aux, main)`.
-    async fn attempt(&self, body: &Value) -> Result<(String, String), Failure> {
+    /// One chat completion, parsed into `(aux, main)`. Refusals are not retried; the rest are.
+    async fn attempt(&self, body: &Value) -> Result<(String, String), ExpertFailure> {
+        let fail = |kind, reason| ExpertFailure { kind, reason };
         let mut request = self.http.post(&self.url).json(body);
         if let Some(key) = &self.api_key {
             request = request.bearer_auth(key);
         }
         let response = request.send().await.map_err(|e| {
             let reason = format!("request to {} failed: {e}", self.url);
-            if e.is_builder() { Failure::Final(reason) } else { Failure::Retry(reason) }
+            fail(if e.is_builder() { FailureKind::Refused } else { FailureKind::Unreachable }, reason)
         })?;
         let status = response.status();
-        let text = response.text().await.map_err(|e| Failure::Retry(format!("reading the reply failed: {e}")))?;
+        let text = response.text().await.map_err(|e| fail(FailureKind::Unreachable, format!("reading the reply failed: {e}")))?;
         if !status.is_success() {
             let reason = format!("http {status}: {}", snippet(&text));
             let transient = status == reqwest::StatusCode::TOO_MANY_REQUESTS || status.is_server_error();
-            return Err(if transient { Failure::Retry(reason) } else { Failure::Final(reason) });
+            return Err(fail(if transient { FailureKind::Unreachable } else { FailureKind::Refused }, reason));
         }
         let content = serde_json::from_str::<Value>(&text)
             .ok()
             .and_then(|v| v.pointer("/choices/0/message/content").and_then(Value::as_str).map(str::to_string))
-            .ok_or_else(|| Failure::Retry(format!("no choices[0].message.content in the reply: {}", snippet(&text))))?;
-        parse_edits(&content).map_err(Failure::Retry)
+            .ok_or_else(|| fail(FailureKind::Unusable, format!("no choices[0].message.content in the reply: {}", snippet(&text))))?;
+        parse_edits(&content).map_err(|why| fail(FailureKind::Unusable, why))
     }
-}
-
-/// Why an attempt failed, and whether another could succeed.
-enum Failure {
-    /// Connection errors, timeouts, HTTP 429 and 5xx, replies that do not parse.
-    Retry(String),
-    /// Everything else (a 4xx other than 429): the same request would fail the same way.
-    Final(String),
 }
 
 /// The first characters of `text`, for error messages.
@@ -439,9 +457,20 @@ mod tests {
         assert_eq!(edits.len(), 2);
         for e in &edits {
             assert_eq!((e.aux.as_str(), e.main.as_str(), e.attempts), ("", "", 3));
-            assert!(e.failure.as_deref().unwrap().contains("503"), "{:?}", e.failure);
+            let f = e.failure.as_ref().unwrap();
+            assert!(f.reason.contains("503") && f.kind == FailureKind::Unreachable, "{f:?}");
         }
         assert_eq!(s.calls.load(Ordering::SeqCst), 6);
+    }
+
+    #[test]
+    fn replies_without_edits_are_unusable_not_unreachable() {
+        let rt = runtime();
+        let s = script(vec![(StatusCode::OK, chat_reply("I would rather not."))]);
+        let url = serve(&rt, s.clone());
+        let edits = client(&rt, url, "COTRAIN_TEST_EXPERT_KEY_UNSET").edits_batch(&[request(None)]);
+        assert_eq!(edits[0].attempts, 3);
+        assert_eq!(edits[0].failure.as_ref().map(|f| f.kind), Some(FailureKind::Unusable));
     }
 
     #[test]
@@ -451,7 +480,8 @@ mod tests {
         let url = serve(&rt, s.clone());
         let edits = client(&rt, url, "COTRAIN_TEST_EXPERT_KEY_UNSET").edits_batch(&[request(None)]);
         assert_eq!(edits[0].attempts, 1);
-        assert!(edits[0].failure.as_deref().unwrap().contains("no such model"));
+        let f = edits[0].failure.as_ref().unwrap();
+        assert!(f.reason.contains("no such model") && f.kind == FailureKind::Refused, "{f:?}");
         assert_eq!(s.calls.load(Ordering::SeqCst), 1);
     }
 
@@ -462,7 +492,7 @@ mod tests {
         let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
         let edits = client(&rt, format!("http://{addr}/v1"), "COTRAIN_TEST_EXPERT_KEY_UNSET").edits_batch(&[request(None)]);
         assert_eq!(edits[0].attempts, 3);
-        assert!(edits[0].failure.is_some());
+        assert_eq!(edits[0].failure.as_ref().map(|f| f.kind), Some(FailureKind::Unreachable));
     }
 
     #[test]

@@ -144,12 +144,12 @@ impl Trainer {
                     }
                 })
                 .collect();
-            let texts = feedback_texts(self.s.reward.as_mut(), self.expert.as_ref(), &self.s.task, &self.s.cfg.raw.external, &inputs)?;
+            let feedback = feedback_texts(self.s.reward.as_mut(), self.expert.as_ref(), &self.s.task, &self.s.cfg.raw.external, &inputs)?;
             drop(inputs);
             let encoding = PromptEncoding::from_config(&self.s.cfg);
             let max_prompt = self.s.cfg.raw.model.max_length.saturating_sub(self.s.cfg.sampling.max_new_tokens);
             let mut next = Vec::with_capacity(specs.len());
-            for (spec, feedback) in specs.iter().zip(&texts) {
+            for ((spec, feedback), expert_failure) in specs.iter().zip(&feedback.texts).zip(feedback.expert_failures) {
                 let parent = &forest.nodes[spec.parent];
                 let item = items[parent.item];
                 let mut prompts = Vec::with_capacity(n);
@@ -174,6 +174,7 @@ impl Trainer {
                 child.parent_joint = spec.parent_joint;
                 child.handoff = spec.parent_joint.is_none().then(|| spec.picks.clone());
                 child.truncated = truncated;
+                child.expert_failure = expert_failure;
                 next.push(child);
             }
             frontier = next.iter().map(|c| c.id).collect();

@@ -35,6 +35,7 @@ pub fn node_json(step: u64, forest: &Forest, id: usize, items: &[&TrainItem]) ->
         "early_stop": node.early_stop,
         "turn_weight": node.turn_weight,
         "history_truncated": node.truncated,
+        "expert_failure": node.expert_failure,
     })
 }
 

@@ -1216,6 +1216,8 @@ fn turn_metrics(m: &mut BTreeMap<String, f64>, forest: &Forest, turns: usize, it
     m.insert("nodes_per_item".into(), forest.nodes.len() as f64 / items.max(1) as f64);
     m.insert("early_terminations".into(), forest.nodes.iter().filter(|n| n.early_stop).count() as f64);
     m.insert("prompt_truncations".into(), forest.nodes.iter().map(|n| n.truncated as f64).sum());
+    // Nodes whose prompts carry no expert edits because the expert failed (`expert_edits`; 0 otherwise).
+    m.insert("expert_failures".into(), forest.nodes.iter().filter(|n| n.expert_failure.is_some()).count() as f64);
 }
 
 /// The scores of the last turn of each path of an evaluation forest's item, in joint-sample order:

@@ -14,7 +14,7 @@ use super::items::{PromptEncoding, encode_text};
 use super::sources::{FeedbackSpec, RewardSource, ScoreAction};
 use super::tree::AgentPrompt;
 use crate::config::{ExternalConfig, ExternalMode, SandboxSlice};
-use crate::external::expert::{ExpertClient, ExpertEdits, ExpertRequest};
+use crate::external::expert::{ExpertClient, ExpertEdits, ExpertFailure, ExpertRequest, FailureKind};
 use crate::prompts::multiturn::{NextTurn, TurnRecord, compose_next_turn, droppable_entries};
 
 /// One child to build prompts for: the dataset row and, per agent, the completion carried on.
@@ -35,22 +35,39 @@ pub fn sandbox_slice(ext: &ExternalConfig) -> Option<i64> {
     }
 }
 
-/// Per child, per agent: the feedback text (ending with the request to revise).
+/// The feedback for every child of a depth.
+#[derive(Debug, Default)]
+pub struct Feedback {
+    /// Per child, per agent: the text (ending with the request to revise).
+    pub texts: Vec<Vec<String>>,
+    /// Per child: why the expert gave no edits (the agents then see only the request to revise).
+    pub expert_failures: Vec<Option<String>>,
+}
+
+/// The feedback for every child. With `expert_edits`, an expert that refuses requests (a 4xx: the
+/// model name, key or URL is wrong) or that answers none of a depth's requests (down) stops the
+/// run with the reason: degrading every prompt to a plain "revise" would train on a different task
+/// without saying so. Single requests that fail, or replies without edits, degrade that child only
+/// and are counted (`expert_failures` in the step's metrics, `expert_failure` in rollouts.jsonl).
 pub fn feedback_texts(
     reward: &mut dyn RewardSource,
     expert: Option<&ExpertClient>,
     task: &str,
     ext: &ExternalConfig,
     inputs: &[TransitionInput<'_>],
-) -> Result<Vec<Vec<String>>, TrainError> {
+) -> Result<Feedback, TrainError> {
     if inputs.is_empty() {
-        return Ok(Vec::new());
+        return Ok(Feedback::default());
     }
     if ext.mode == ExternalMode::ExpertEdits {
         let expert = expert.ok_or_else(|| TrainError::Config("external.mode is expert_edits but no expert client was set up".into()))?;
         let requests: Vec<ExpertRequest> = inputs.iter().map(expert_request).collect();
         let edits = expert.edits_batch(&requests);
-        return Ok(inputs.iter().zip(&edits).map(|(input, e)| expert_feedback(input, e)).collect());
+        check_expert(expert.url(), &edits)?;
+        return Ok(Feedback {
+            texts: inputs.iter().zip(&edits).map(|(input, e)| expert_feedback(input, e)).collect(),
+            expert_failures: edits.iter().map(|e| e.failure.as_ref().map(|f| f.reason.clone())).collect(),
+        });
     }
     let actions: Vec<ScoreAction> = inputs
         .iter()
@@ -61,7 +78,26 @@ pub fn feedback_texts(
     if texts.len() != inputs.len() || texts.iter().zip(inputs).any(|(t, i)| t.len() != i.completions.len()) {
         return Err(TrainError::Reward(format!("{}: feedback does not match the {} joint actions asked about", reward.describe(), inputs.len())));
     }
-    Ok(texts)
+    Ok(Feedback { expert_failures: vec![None; texts.len()], texts })
+}
+
+/// Refuses a batch whose requests the expert refused, or of which it answered none.
+fn check_expert(url: &str, edits: &[ExpertEdits]) -> Result<(), TrainError> {
+    let failures: Vec<&ExpertFailure> = edits.iter().filter_map(|e| e.failure.as_ref()).collect();
+    if let Some(f) = failures.iter().find(|f| f.kind == FailureKind::Refused) {
+        return Err(TrainError::External(format!(
+            "the expert at {url} refused a request: {} (check external.expert_model, external.expert_base_url and the key in external.expert_api_key_env)",
+            f.reason
+        )));
+    }
+    if !edits.is_empty() && failures.len() == edits.len() && failures.iter().all(|f| f.kind == FailureKind::Unreachable) {
+        return Err(TrainError::External(format!(
+            "the expert at {url} answered none of {} requests after retries: {}",
+            edits.len(),
+            failures[0].reason
+        )));
+    }
+    Ok(())
 }
 
 fn entry_point(item: &serde_json::Value) -> String {
@@ -159,10 +195,22 @@ mod tests {
         let t = expert_feedback(&input, &e);
         assert!(t[0].contains("suggests no changes") && t[0].contains("`aux`"));
         assert!(t[1].contains("return a + b") && t[1].contains("`add`") && t[1].contains("Do not redefine `aux`"));
-        let failed = ExpertEdits { failure: Some("timeout".into()), ..ExpertEdits::default() };
+        let failed = ExpertEdits { failure: Some(ExpertFailure { kind: FailureKind::Unusable, reason: "no JSON".into() }), ..ExpertEdits::default() };
         let t = expert_feedback(&input, &failed);
         assert!(t[1].starts_with("Revise your function `add`"));
         let r = expert_request(&input);
         assert_eq!((r.aux.as_deref(), r.main.as_str(), r.entry_point.as_str()), (Some("def aux(x): return x"), "def add(a, b): return a", "add"));
+    }
+
+    #[test]
+    fn an_expert_that_refuses_or_answers_nothing_stops_the_run_and_single_failures_degrade() {
+        let fail = |kind| ExpertEdits { failure: Some(ExpertFailure { kind, reason: format!("{kind:?}") }), ..ExpertEdits::default() };
+        let ok = ExpertEdits { main: "x".into(), ..ExpertEdits::default() };
+        let e = check_expert("http://e/v1/chat/completions", &[ok.clone(), fail(FailureKind::Refused)]).unwrap_err().to_string();
+        assert!(e.contains("refused a request") && e.contains("external.expert_model"), "{e}");
+        let e = check_expert("http://e", &[fail(FailureKind::Unreachable), fail(FailureKind::Unreachable)]).unwrap_err().to_string();
+        assert!(e.contains("answered none of 2 requests"), "{e}");
+        assert!(check_expert("http://e", &[ok.clone(), fail(FailureKind::Unreachable)]).is_ok());
+        assert!(check_expert("http://e", &[fail(FailureKind::Unusable), fail(FailureKind::Unusable)]).is_ok());
     }
 }

@@ -56,6 +56,8 @@ pub struct Node {
     pub history: Vec<Vec<TurnRecord>>,
     /// History entries the prompt left out to fit the context (per agent, summed).
     pub truncated: usize,
+    /// Why the expert gave no edits for this node's prompts (`expert_edits`), if it did not.
+    pub expert_failure: Option<String>,
     /// Per agent, its `g` completions.
     pub samples: Vec<Vec<GenSample>>,
     pub actions: Vec<JointAction>,
@@ -89,6 +91,7 @@ impl Node {
             prompts,
             history,
             truncated: 0,
+            expert_failure: None,
             samples: Vec::new(),
             actions: Vec::new(),
             scores: Vec::new(),
