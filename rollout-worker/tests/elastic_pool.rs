@@ -104,6 +104,21 @@ async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
     let ids = |r: &cotrain_proto::rollout::GenerateResponse| r.completions[0].samples.iter().map(|s| s.token_ids.clone()).collect::<Vec<_>>();
     assert_eq!(ids(&on_a), ids(&on_joiner));
 
+    // A worker that another pool took to a version newer than this pool's is not at this pool's
+    // policy: it stays out of rotation, and the pool says why.
+    let rogue = WorkerProcess::start(&agents, &[]).await;
+    let other = RolloutPool::new(pool_config(vec![rogue.endpoint()])).await.unwrap();
+    let answers = other.push_weights(AGENT, 5, true, lm_head_update(&mut c, AGENT, 5).await).await;
+    assert!(answers.iter().all(|(_, r)| r.is_ok()), "{answers:?}");
+    drop(other);
+    pool.add_endpoint(&rogue.endpoint()).await.unwrap();
+    wait_until("the pool refuses to catch up a worker ahead of it", Duration::from_secs(30), || {
+        snapshot(&pool, &rogue.endpoint()).catch_up_error.is_some_and(|e| e.contains("newer than this pool's v2"))
+    })
+    .await;
+    assert!(!snapshot(&pool, &rogue.endpoint()).in_rotation);
+    drop(rogue);
+
     // A worker killed and restarted on its port comes back at version 0 and is caught up.
     let b_addr = b.grpc.to_string();
     b.kill();

@@ -41,6 +41,8 @@ pub struct WorkerSnapshot {
     pub stale_refusals: u64,
     /// Times the pool brought it to the current policy versions by replaying the latest updates.
     pub catch_ups: u64,
+    /// Why the last attempt to bring it to the current policy failed (cleared when one succeeds).
+    pub catch_up_error: Option<String>,
     /// Where it came from.
     pub origin: Origin,
 }
@@ -93,6 +95,7 @@ pub(super) struct Worker {
     pub(super) failed: AtomicU64,
     pub(super) stale_refusals: AtomicU64,
     pub(super) catch_ups: AtomicU64,
+    pub(super) catch_up_error: std::sync::Mutex<Option<String>>,
     pub(super) backoff: Mutex<Backoff>,
 }
 
@@ -113,6 +116,7 @@ impl Worker {
             failed: AtomicU64::new(0),
             stale_refusals: AtomicU64::new(0),
             catch_ups: AtomicU64::new(0),
+            catch_up_error: std::sync::Mutex::new(None),
             backoff: Mutex::new(Backoff::new()),
         }
     }
@@ -127,6 +131,7 @@ impl Worker {
             failed: self.failed.load(Ordering::SeqCst),
             stale_refusals: self.stale_refusals.load(Ordering::SeqCst),
             catch_ups: self.catch_ups.load(Ordering::SeqCst),
+            catch_up_error: self.catch_up_error.lock().expect("worker lock").clone(),
             origin: self.origin,
         }
     }

@@ -471,6 +471,7 @@ impl RolloutPool {
         skip: &HashSet<String>,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
         header.tensor_count = tensors.len() as u32;
+        self.inner.replay.announce(&header.agent, header.version);
         // The update is written to the replay directory while it streams to the workers.
         let keep = {
             let (inner, header, tensors) = (self.inner.clone(), header.clone(), tensors.clone());
@@ -513,6 +514,7 @@ impl RolloutPool {
         shm: &ShmWeights,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
         header.tensor_count = shm.tensors.len() as u32;
+        self.inner.replay.announce(&header.agent, header.version);
         self.inner.replay.record_shm(&header, shm);
         let workers = self.inner.healthy();
         let calls = workers.iter().map(|w| self.inner.send_shm(w, &header, shm));
@@ -753,6 +755,7 @@ impl Inner {
         match result {
             Ok(replayed) => {
                 w.backoff.lock().expect("backoff lock").reset();
+                *w.catch_up_error.lock().expect("worker lock") = None;
                 if replayed > 0 {
                     w.catch_ups.fetch_add(1, Ordering::SeqCst);
                     self.catch_ups.fetch_add(1, Ordering::SeqCst);
@@ -765,6 +768,7 @@ impl Inner {
             Err(why) => {
                 let wait = w.backoff.lock().expect("backoff lock").fail(self.cfg.health_interval, self.cfg.max_backoff);
                 warn!(worker = %w.address, why, retry_in = ?wait, "cannot bring rollout worker to the current policy");
+                *w.catch_up_error.lock().expect("worker lock") = Some(why);
             }
         }
     }
@@ -802,6 +806,12 @@ impl Inner {
                 let Some(served) = info.agents.iter().find(|a| a.name == l.header.agent).map(|a| a.policy_version) else {
                     continue;
                 };
+                // A worker with weights newer than any this pool pushed was updated by someone else:
+                // it is not at this pool's policy.
+                let pushed = self.replay.announced(&l.header.agent).unwrap_or(l.header.version).max(l.header.version);
+                if served > pushed {
+                    return Err(format!("it serves `{}` v{served}, newer than this pool's v{pushed}: another learner updates it", l.header.agent));
+                }
                 if served >= l.header.version {
                     continue;
                 }
@@ -816,7 +826,9 @@ impl Inner {
                 };
                 match answer {
                     Ok(_) => replayed += 1,
-                    Err(s) if already_current(&s, l.header.version) => {}
+                    // A push of a newer version reached the worker meanwhile: fine, go round again.
+                    Err(s) if Refusal::of(&s) == Some(Refusal::VersionNotNewer)
+                        && refusal::current_version(&s).is_some_and(|v| v >= l.header.version && v <= self.replay.announced(&l.header.agent).unwrap_or(v)) => {}
                     Err(s) => return Err(format!("replaying `{}` v{}: {}", l.header.agent, l.header.version, s.message())),
                 }
             }

@@ -80,6 +80,9 @@ pub(super) struct Replay {
     /// Bumped by every record: a catch-up that raced a push sees it and goes round again.
     generation: AtomicU64,
     files: AtomicU64,
+    /// The highest version pushed of each agent, from the moment its push starts (before it is
+    /// kept): a worker that took a push still being kept is not "ahead" of the pool.
+    announced: Mutex<HashMap<String, u64>>,
 }
 
 impl Replay {
@@ -96,7 +99,20 @@ impl Replay {
             writing: Mutex::default(),
             generation: AtomicU64::new(0),
             files: AtomicU64::new(0),
+            announced: Mutex::default(),
         }
+    }
+
+    /// Says a push of `agent`'s `version` is starting.
+    pub(super) fn announce(&self, agent: &str, version: u64) {
+        let mut a = self.announced.lock().expect("replay lock");
+        let v = a.entry(agent.to_string()).or_default();
+        *v = (*v).max(version);
+    }
+
+    /// The highest version of `agent` this pool has pushed or is pushing.
+    pub(super) fn announced(&self, agent: &str) -> Option<u64> {
+        self.announced.lock().expect("replay lock").get(agent).copied()
     }
 
     /// The lock a shared-memory writer and readers of `agent`'s file hold.
