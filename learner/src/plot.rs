@@ -143,8 +143,13 @@ fn draw(path: &Path, title: &str, x_desc: &str, series: &Series, text: bool) -> 
     }
     let mut chart = builder.build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad)).map_err(|e| e.to_string())?;
     let mut mesh = chart.configure_mesh();
+    let integer_label = |x: &f64| format!("{x:.0}");
     if text {
         mesh.x_desc(x_desc);
+        // Steps and turns are whole numbers: label them so (1, 2, 3 rather than 1.0, 1.5, 2.0).
+        if let Some(n) = integer_x_labels(series) {
+            mesh.x_labels(n).x_label_formatter(&integer_label);
+        }
     } else {
         mesh.x_labels(0).y_labels(0);
     }
@@ -168,10 +173,34 @@ fn draw(path: &Path, title: &str, x_desc: &str, series: &Series, text: bool) -> 
     Ok(())
 }
 
+/// How many x labels to ask plotters for when every x is a whole number (steps, turns), so that
+/// its ticks land on whole numbers: at most one per integer of the range, and its default 10.
+/// `None` when some x has a fraction (then plotters' own labels stay).
+fn integer_x_labels(series: &Series) -> Option<usize> {
+    let xs = || series.iter().flat_map(|(_, pts)| pts.iter().map(|(x, _)| *x));
+    if xs().next().is_none() || xs().any(|x| !x.is_finite() || x.fract() != 0.0) {
+        return None;
+    }
+    let (lo, hi) = xs().fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    Some(((hi - lo) as usize + 1).clamp(2, 10))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+
+    /// Regression (issue 33): the step axis read 2.0, 4.0; whole-number x values get whole-number
+    /// ticks, at most one per step.
+    #[test]
+    fn integer_steps_get_integer_ticks() {
+        let series = |xs: &[f64]| -> Series { vec![("reward".to_string(), xs.iter().map(|x| (*x, 0.5)).collect())] };
+        assert_eq!(integer_x_labels(&series(&[1.0, 2.0, 3.0, 4.0])), Some(4));
+        assert_eq!(integer_x_labels(&series(&[0.0, 500.0])), Some(10));
+        assert_eq!(integer_x_labels(&series(&[3.0])), Some(2));
+        assert_eq!(integer_x_labels(&series(&[0.25, 0.5])), None);
+        assert_eq!(integer_x_labels(&Vec::new()), None);
+    }
 
     #[test]
     fn plot_writes_pngs_for_groups_with_data() {

@@ -7,12 +7,13 @@
 //! TRL's trainer (`cliprange`, `cliprange_value`, `gamma`, `lam`, `temperature`, `whiten_rewards`)
 //! keep TRL's names.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::algo::maporl::{AgentShare, Horizon, InfluenceSigns};
 
 /// Which adapter serves which turn of an agent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum AdapterLayout {
     /// One adapter for turn 0 and one for every later turn (MaPoRL's `collaboration_separation`,
@@ -27,7 +28,7 @@ pub enum AdapterLayout {
 }
 
 /// Where s(t, i) comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum MaporlScore {
     /// 0/1 correctness from the reward server (MaPoRL without a verifier).
@@ -40,15 +41,19 @@ pub enum MaporlScore {
 }
 
 /// `maporl.lora`: the adapters' shape (PEFT's `LoraConfig`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LoraSection {
+    /// Rank of each adapter.
     #[serde(default = "default_lora_r")]
     pub r: usize,
+    /// Scaling α: the adapter's product is multiplied by α / r.
     #[serde(default = "default_lora_alpha")]
     pub lora_alpha: f64,
+    /// Dropout on the adapter's input while training.
     #[serde(default = "default_lora_dropout")]
     pub lora_dropout: f64,
+    /// The projections adapted, by their module names.
     #[serde(default = "default_target_modules")]
     pub target_modules: Vec<String>,
 }
@@ -79,7 +84,7 @@ fn default_target_modules() -> Vec<String> {
 }
 
 /// `maporl`: see the module docs; defaults are MaPoRL's shipped GSM8K config (2 agents, 3 turns).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct MaporlSection {
     /// Agents N.
@@ -88,25 +93,31 @@ pub struct MaporlSection {
     /// Discussion turns T.
     #[serde(default = "default_round_num")]
     pub round_num: usize,
+    /// Passes over the train split.
     #[serde(default = "default_epochs")]
     pub num_train_epochs: usize,
     /// Questions per step = per_device_train_batch_size × gradient_accumulation_steps.
     #[serde(default = "default_one")]
     pub per_device_train_batch_size: usize,
+    /// See `per_device_train_batch_size`.
     #[serde(default = "default_grad_accum")]
     pub gradient_accumulation_steps: usize,
     /// Mini-batches each adapter's samples of a step are split into, per PPO epoch.
     #[serde(default = "default_mini_batches")]
     pub num_mini_batches: usize,
+    /// PPO passes over each step's samples.
     #[serde(default = "default_ppo_epochs")]
     pub num_ppo_epochs: usize,
+    /// AdamW learning rate at the start of the run.
     #[serde(default = "default_lr")]
     pub learning_rate: f64,
     /// The learning rate decays linearly from `learning_rate` to this fraction of it over the run.
     #[serde(default = "default_lr_end_factor")]
     pub lr_end_factor: f64,
+    /// AdamW weight decay.
     #[serde(default)]
     pub weight_decay: f64,
+    /// Gradient-norm clipping; off when unset.
     #[serde(default)]
     pub max_grad_norm: Option<f64>,
     /// New tokens sampled per answer: exactly this many (EOS ignored while sampling, the answer cut
@@ -116,27 +127,39 @@ pub struct MaporlSection {
     /// Longest prompt (question + discussion) in tokens; longer prompts are an error naming the row.
     #[serde(default)]
     pub max_input_length: Option<usize>,
+    /// Sampling temperature; log-probs are taken under it, as MaPoRL's TRL trainer does.
     #[serde(default = "default_temperature")]
     pub temperature: f64,
+    /// Weight of the per-token KL penalty −kl_coef·(log π − log π_ref) in the reward.
     #[serde(default = "default_kl_coef")]
     pub kl_coef: f64,
+    /// Weight of the value loss.
     #[serde(default = "default_vf_coef")]
     pub vf_coef: f64,
+    /// ε of the policy ratio's clip 1 ± ε.
     #[serde(default = "default_clip")]
     pub cliprange: f64,
+    /// ε_v of the value clip V_old ± ε_v.
     #[serde(default = "default_clip")]
     pub cliprange_value: f64,
+    /// γ of GAE over tokens.
     #[serde(default = "default_gamma")]
     pub gamma: f64,
+    /// λ of GAE over tokens.
     #[serde(default = "default_lam")]
     pub lam: f64,
+    /// Whiten the rewards before GAE (TRL's option).
     #[serde(default)]
     pub whiten_rewards: bool,
     /// Score rule R(t, i).
     #[serde(default)]
+    #[schemars(with = "super::reference::HorizonSchema")]
     pub rule_horizon: Horizon,
+    /// Whose scores enter R(t, i).
     #[serde(default)]
+    #[schemars(with = "super::reference::AgentShareSchema")]
     pub rule_agent_share: AgentShare,
+    /// γ of the score rule's discounted sum.
     #[serde(default = "default_rule_discount")]
     pub rule_discount: f64,
     /// cotrain option: look at most this many turns ahead in the score rule.
@@ -145,7 +168,9 @@ pub struct MaporlSection {
     /// Incentive weights α0..α3 (0 = off).
     #[serde(default)]
     pub alpha: [f64; 4],
+    /// Sign convention of the influence incentives α2 and α3.
     #[serde(default)]
+    #[schemars(with = "super::reference::InfluenceSignsSchema")]
     pub influence_signs: InfluenceSigns,
     /// Score that replaces an invalid answer's.
     #[serde(default = "default_penalty")]
@@ -180,23 +205,29 @@ pub struct MaporlSection {
     /// One critic per turn group of the adapter layout (otherwise one per agent).
     #[serde(default)]
     pub critic_per_turn: bool,
+    /// Which adapter serves which turn of an agent.
     #[serde(default)]
     pub adapter_layout: AdapterLayout,
     /// Train every weight of each policy (a whole copy of the base per adapter key) instead of
     /// LoRA adapters; the base stays the reference policy, and critics keep their adapters.
     #[serde(default)]
     pub full_finetune: bool,
+    /// The adapters' shape (PEFT's `LoraConfig`).
     #[serde(default)]
     pub lora: LoraSection,
     /// The next-turn prompt template (minijinja, see `prompts::discussion`); cotrain's default when absent.
     #[serde(default)]
     pub followup_template: Option<String>,
+    /// Evaluate before steps 0, n, 2n, ... (n = this value; 0: never).
     #[serde(default = "default_eval_interval")]
     pub eval_interval: usize,
+    /// How many eval questions (the first ones) each evaluation discusses.
     #[serde(default = "default_eval_num_samples")]
     pub eval_num_samples: usize,
+    /// Without a progress bar, log a `MaPoRL step done` line every this many steps (and at the last).
     #[serde(default = "default_one")]
     pub logging_steps: usize,
+    /// Write a checkpoint every this many steps (0: only at the end).
     #[serde(default = "default_save_steps")]
     pub save_steps: usize,
 }

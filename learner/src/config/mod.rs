@@ -4,6 +4,7 @@
 pub mod compat;
 mod maporl;
 mod verifier;
+pub mod reference;
 pub mod resume;
 mod schema;
 mod validate;

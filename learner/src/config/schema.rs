@@ -4,18 +4,25 @@
 
 use std::collections::BTreeMap;
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// The whole file as written (after overrides and legacy flags are merged in).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RawConfig {
+    /// The base model(s) and default sampling parameters.
     pub model: ModelConfig,
+    /// Which task and which rows to train and evaluate on.
     pub dataset: DatasetConfig,
+    /// Seed of every random draw of the run (sampling, data order, splits); the same seed and config repeat
+    /// a run.
     #[serde(default = "default_seed")]
     pub seed: u64,
+    /// Where runs are written: checkpoints, final models.
     #[serde(default)]
     pub output: OutputConfig,
+    /// How the next turn's prompts are built in multi-turn training.
     #[serde(default)]
     pub external: ExternalConfig,
     /// Multi-agent trainer section (MAGRPO); exactly one of `magrpo` / `grpo` / `maporl` must be present.
@@ -30,15 +37,20 @@ pub struct RawConfig {
     /// MaPoRL's learned verifier: data generation and training (`learner verifier`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verifier: Option<super::VerifierSection>,
+    /// An affine transform of every reward before advantages are computed.
     #[serde(default)]
     pub reward_processor: RewardProcessorConfig,
     /// The original's Weights & Biases section; accepted for compatibility, cotrain logs to files.
     #[serde(default)]
     pub wandb: Option<WandbConfig>,
+    /// cotrain's own run outputs: run name, TensorBoard events, plots, progress bar, rollout log.
     #[serde(default)]
     pub logging: LoggingConfig,
+    /// Where generation happens (the embedded worker when nothing is configured) and how weights reach the
+    /// workers.
     #[serde(default)]
     pub rollout: RolloutConfig,
+    /// The reward server (embedded when `endpoint` is absent) and the options every scoring call carries.
     #[serde(default)]
     pub reward: RewardConfig,
     /// How the learner's ranks work together (`learner launch`, torchrun/Slurm/MPI environments).
@@ -51,7 +63,7 @@ pub struct RawConfig {
 
 /// `prompts.agentN`: one agent's first-turn prompt template (minijinja; the variables are listed in
 /// `crate::prompts::template`). Exactly one of the two keys.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PromptConfig {
     /// The template text itself.
@@ -67,7 +79,7 @@ fn default_seed() -> u64 {
 }
 
 /// `model`: the base model(s) and default sampling parameters.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// HF repo id (from the local HF cache), a local directory, a `.gguf` file, or `default`
@@ -76,6 +88,7 @@ pub struct ModelConfig {
     /// The original's model family tag (`qwen`, `llama`, ...); informational.
     #[serde(default, rename = "type")]
     pub kind: Option<String>,
+    /// Parameter dtype of the trained policies: `auto` is bf16 on a GPU and f32 on the CPU.
     #[serde(default)]
     pub dtype: Dtype,
     /// Where the learner's policies live: `auto` (this rank's GPU when one is usable, else the
@@ -83,16 +96,21 @@ pub struct ModelConfig {
     /// launcher leaves each rank one visible GPU) or `cuda:N`. A CUDA device that cannot be used is
     /// an error that says why, never a silent CPU run. The embedded rollout worker uses it too.
     #[serde(default)]
+    #[schemars(with = "String")]
     pub device: cotrain_model::cuda::DeviceRequest,
     /// The dtype of the trained policies' matrix products: `auto` (`dtype`'s own), `f32`, or
     /// `bf16` (mixed precision: f32 parameters as master weights, f32 AdamW state, bf16 products;
     /// the log-probs are computed from them, so training's precision is what the loss sees).
     #[serde(default)]
     pub matmul_dtype: Precision,
+    /// Sampling temperature; the trainer section's `temperature` overrides it.
     #[serde(default = "default_model_temperature")]
     pub temperature: f64,
+    /// Nucleus-sampling threshold; the trainer section's `top_p` overrides it.
     #[serde(default = "default_model_top_p")]
     pub top_p: f64,
+    /// Top-k sampling; the trainer section's `top_k` overrides it, and 50 (the original's generation
+    /// default) applies when neither is set.
     #[serde(default)]
     pub top_k: Option<u32>,
     /// Maximum prompt + completion length in tokens.
@@ -110,9 +128,11 @@ pub struct ModelConfig {
     pub enable_thinking: Option<bool>,
     /// The original's `tokenizer_kwargs` (e.g. `trust_remote_code`); accepted, not needed in Rust.
     #[serde(default)]
+    #[schemars(with = "BTreeMap<String, serde_json::Value>")]
     pub tokenizer_kwargs: BTreeMap<String, serde_yaml_ng::Value>,
     /// The original's `model_kwargs` (e.g. `torch_dtype`); accepted, `dtype` is what cotrain reads.
     #[serde(default)]
+    #[schemars(with = "BTreeMap<String, serde_json::Value>")]
     pub model_kwargs: BTreeMap<String, serde_yaml_ng::Value>,
 }
 
@@ -127,7 +147,7 @@ fn default_max_length() -> usize {
 }
 
 /// Parameter dtype of the trained policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
     /// bf16 on GPU, f32 on CPU.
@@ -142,7 +162,7 @@ pub enum Dtype {
 }
 
 /// `dataset`: which task and which rows.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DatasetConfig {
     /// A dataset name (`humaneval`, `openai/openai_humaneval`, `OpenMLRL/CoopHumanEval`, ...) or a local
@@ -152,8 +172,10 @@ pub struct DatasetConfig {
     /// from `name` when absent.
     #[serde(default, rename = "type")]
     pub kind: Option<String>,
+    /// The rows trained on: a split name with an optional slice (`train`, `test[16:20]`).
     #[serde(default = "default_train_split")]
     pub train_split: String,
+    /// The rows evaluated on, written like `train_split`; no evaluation when unset.
     #[serde(default)]
     pub eval_split: Option<String>,
     /// Directory with the shipped datasets; overrides `COTRAIN_DATA_DIR` and the repo's `data/`.
@@ -170,13 +192,17 @@ fn default_train_split() -> String {
 }
 
 /// `output`: where runs go.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OutputConfig {
+    /// Directory under which each run gets its own directory (`RUN_DIR`).
     #[serde(default = "default_base_dir")]
     pub base_dir: String,
+    /// Write `RUN_DIR/final_model/agent-{i}` (shared parameters: `final_model/shared`) at the end: Hugging
+    /// Face directories that transformers, vLLM and `rollout-worker generate --model DIR` load.
     #[serde(default = "default_true")]
     pub save_final_model: bool,
+    /// The original's flag; accepted and not read (cotrain's log level comes from `RUST_LOG`).
     #[serde(default)]
     pub verbose: bool,
     /// Keep at most this many checkpoints (the newest; Hugging Face's `save_total_limit`);
@@ -199,9 +225,12 @@ fn default_true() -> bool {
 }
 
 /// `external`: how the next turn's prompts are built in multi-turn training (rewards.md).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExternalConfig {
+    /// How the next turn's prompt is made from the handed-on joint action: from the reward server's
+    /// sandboxed analysis (`level_feedback`, `level_passed`, `passed`, `plain`) or by an OpenAI-compatible
+    /// expert model (`expert_edits`).
     #[serde(default)]
     pub mode: ExternalMode,
     /// Tests shown in feedback: n > 0 the first n, n < 0 the last |n|, 0 / null / "all" all of them.
@@ -272,7 +301,7 @@ impl ExternalConfig {
 }
 
 /// Feedback mode of the external transition.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ExternalMode {
     #[default]
@@ -284,14 +313,14 @@ pub enum ExternalMode {
 }
 
 /// `external.sandbox_slice`: a test count (negative = from the end) or all tests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(untagged)]
 pub enum SandboxSlice {
     Count(i64),
     Keyword(AllKeyword),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum AllKeyword {
     All,
@@ -309,20 +338,25 @@ impl SandboxSlice {
 }
 
 /// `magrpo` / `grpo`: every key of the original trainer config plus cotrain's options.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TrainerSection {
     /// Defaults to 2 under `magrpo` and 1 under `grpo`.
     #[serde(default)]
     pub num_agents: Option<usize>,
+    /// Turns per episode; above 1 trains multi-turn on the code tasks (see `rollout`).
     #[serde(default = "default_num_turns")]
     pub num_turns: usize,
+    /// Passes over the train split.
     #[serde(default = "default_num_train_epochs")]
     pub num_train_epochs: usize,
+    /// AdamW learning rate of every policy.
     #[serde(default = "default_learning_rate")]
     pub learning_rate: f64,
+    /// G: completions sampled per agent for each prompt (the group advantages are computed over).
     #[serde(default = "default_num_generations")]
     pub num_generations: usize,
+    /// Most tokens sampled per completion.
     #[serde(default = "default_max_new_tokens")]
     pub max_new_tokens: usize,
     /// Falls back to `model.temperature`.
@@ -334,8 +368,10 @@ pub struct TrainerSection {
     /// Falls back to `model.top_k`, then to 50 (the original's generation default).
     #[serde(default)]
     pub top_k: Option<u32>,
+    /// How joint actions are formed from the agents' G completions.
     #[serde(default)]
     pub joint_mode: JointMode,
+    /// γ of the tree rollout's returns: R_j = r_j + γ·mean(returns of child j).
     #[serde(default = "default_discount")]
     pub discount: f64,
     /// Tree rollout: a node whose (processed) mean reward is above this is a leaf.
@@ -347,12 +383,17 @@ pub struct TrainerSection {
     /// Mini-batch size in samples; the whole buffer when absent.
     #[serde(default)]
     pub train_batch_size: Option<usize>,
+    /// Evaluate before items 0, n, 2n, ... of each epoch (n = this value; 0: never).
     #[serde(default = "default_eval_interval")]
     pub eval_interval: usize,
+    /// How many eval items (the first ones of the eval split) each evaluation scores, one sampled joint
+    /// completion each.
     #[serde(default = "default_eval_num_samples")]
     pub eval_num_samples: usize,
+    /// Without a progress bar, log a `learner step done` line every this many steps (and at the last).
     #[serde(default = "default_logging_steps")]
     pub logging_steps: usize,
+    /// Write a checkpoint every this many steps (0: only at the end).
     #[serde(default = "default_save_steps")]
     pub save_steps: usize,
     /// Multi-turn variant: tree rollout with returns (current) or handoff (September 2025 release).
@@ -362,22 +403,29 @@ pub struct TrainerSection {
     /// Tree rollout: the most nodes one item may grow (G^T aligned, G^(N·T) cross without early stops).
     #[serde(default = "default_max_nodes_per_item")]
     pub max_nodes_per_item: usize,
+    /// Handoff rollout: which completion of each agent is handed on to the next turn.
     #[serde(default)]
     pub handoff: Handoff,
     /// Per-turn loss weights; length must equal `num_turns` (all 1.0 when absent).
     #[serde(default)]
     pub turn_gradient_weights: Option<Vec<f64>>,
+    /// Handoff rollout: stop an episode early when a turn's mean reward reaches this; never when unset.
     #[serde(default)]
     pub early_termination_threshold: Option<f64>,
+    /// Handoff rollout: extra loss weight of the last turn of an episode that stopped early.
     #[serde(default = "default_early_termination_weight")]
     pub early_termination_weight: f64,
+    /// Baseline of the advantage over the G siblings of a node.
     #[serde(default)]
     pub advantage_mode: AdvantageMode,
+    /// Divide each group's advantages by (std + 1e-8), std over the G siblings with divisor G − 1.
     #[serde(default)]
     pub advantage_normalization: bool,
     /// The oldest release clamps advantages to [-10, 10]; off by default.
     #[serde(default)]
     pub advantage_clamp: Option<f64>,
+    /// Beside the original: every agent shares one policy; each agent's loss is scaled by 1/N and one
+    /// optimiser step is taken per round.
     #[serde(default)]
     pub shared_parameters: bool,
     /// Beside the original: how per-token log-probs are reduced per sample.
@@ -392,6 +440,7 @@ pub struct TrainerSection {
     /// Gradient-norm clipping; off (as in the original) when absent.
     #[serde(default)]
     pub max_grad_norm: Option<f64>,
+    /// AdamW weight decay.
     #[serde(default)]
     pub weight_decay: f64,
 }
@@ -439,7 +488,7 @@ fn default_early_termination_weight() -> f64 {
 }
 
 /// How joint actions are formed from the agents' G completions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum JointMode {
     /// Completion j of every agent forms joint action j (G rewards).
@@ -449,7 +498,7 @@ pub enum JointMode {
     Cross,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum MultiTurnMode {
     #[default]
@@ -457,7 +506,7 @@ pub enum MultiTurnMode {
     Handoff,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Handoff {
     /// Each agent hands on one of its own completions at random.
@@ -468,7 +517,7 @@ pub enum Handoff {
 }
 
 /// Baseline of the advantage over the G siblings of a node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum AdvantageMode {
     /// A = R − mean(R)
@@ -482,7 +531,7 @@ pub enum AdvantageMode {
     Raw,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum LossNormalization {
     /// Σ_t log π per sample (the original).
@@ -492,9 +541,10 @@ pub enum LossNormalization {
     TokenMean,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PpoClipConfig {
+    /// Turn ratio clipping on.
     #[serde(default)]
     pub enabled: bool,
     /// Passes over the same samples per optimiser round.
@@ -521,13 +571,17 @@ fn default_clip() -> f64 {
     0.2
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReferenceKlConfig {
+    /// Turn the KL penalty on.
     #[serde(default)]
     pub enabled: bool,
+    /// Weight of the KL term in the loss.
     #[serde(default = "default_kl_coef")]
     pub coef: f64,
+    /// The per-token KL estimator: `k3` differentiated in the loss, or `k1` in score-function form
+    /// (REINFORCE with the reward shaped by −coef·KL).
     #[serde(default)]
     pub estimator: KlEstimator,
 }
@@ -543,7 +597,7 @@ fn default_kl_coef() -> f64 {
 }
 
 /// Per-token KL estimators (Schulman, "Approximating KL divergence", 2020).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum KlEstimator {
     /// lp − lr
@@ -554,13 +608,16 @@ pub enum KlEstimator {
 }
 
 /// `reward_processor`: r ← scale_factor·r + shift when enabled.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RewardProcessorConfig {
+    /// Apply r ← scale_factor·r + shift.
     #[serde(default)]
     pub enabled: bool,
+    /// Multiplier of every reward.
     #[serde(default = "default_scale")]
     pub scale_factor: f64,
+    /// Added to every reward after scaling (the original's `reward_shift`).
     #[serde(default)]
     pub shift: f64,
 }
@@ -576,34 +633,43 @@ fn default_scale() -> f64 {
 }
 
 /// The original's `wandb` keys; kept so its configs load. Nothing is sent anywhere.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WandbConfig {
+    /// Accepted for compatibility; nothing is sent.
     #[serde(default)]
     pub enabled: Option<bool>,
+    /// Accepted for compatibility; nothing is sent.
     #[serde(default)]
     pub project: Option<String>,
+    /// Accepted for compatibility; nothing is sent.
     #[serde(default)]
     pub entity: Option<String>,
+    /// Accepted for compatibility; nothing is sent.
     #[serde(default)]
     pub name: Option<String>,
+    /// Accepted for compatibility; nothing is sent.
     #[serde(default)]
     pub dir: Option<String>,
+    /// Accepted for compatibility; nothing is sent.
     #[serde(default)]
     pub tags: Vec<String>,
+    /// Accepted for compatibility; nothing is sent.
     #[serde(default)]
     pub mode: Option<String>,
 }
 
 /// `logging`: cotrain's own run outputs.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LoggingConfig {
     /// Run name; a timestamped name when absent.
     #[serde(default)]
     pub run_name: Option<String>,
+    /// Write TensorBoard event files into the run directory.
     #[serde(default = "default_true")]
     pub tensorboard: bool,
+    /// Draw `RUN_DIR/plots/*.png` at the end of the run.
     #[serde(default = "default_true")]
     pub plots: bool,
     /// Progress bar: `auto` (when stderr is a terminal), `always`, `never`.
@@ -621,7 +687,7 @@ impl Default for LoggingConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ProgressMode {
     #[default]
@@ -631,7 +697,7 @@ pub enum ProgressMode {
 }
 
 /// `rollout`: where generation happens; embedded worker when nothing is configured.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RolloutConfig {
     /// Static list of `http://host:port` worker endpoints.
@@ -640,10 +706,14 @@ pub struct RolloutConfig {
     /// DNS name resolved to many addresses (e.g. a Kubernetes headless service), `host:port`.
     #[serde(default)]
     pub dns_name: Option<String>,
+    /// How often `dns_name` is resolved again, in seconds (A and AAAA records; addresses that leave the
+    /// name are dropped).
     #[serde(default = "default_dns_refresh_secs")]
     pub dns_refresh_secs: u64,
+    /// Deadline of one generate request to a worker, in seconds.
     #[serde(default = "default_request_timeout_secs")]
     pub request_timeout_secs: u64,
+    /// Times a failed generate request is retried on another worker.
     #[serde(default = "default_max_retries")]
     pub max_retries: usize,
     /// 0 = synchronous on-policy (the original); k > 0: the next step's rollout is drawn while a
@@ -695,7 +765,7 @@ fn default_registration_timeout_secs() -> u64 {
 }
 
 /// `rollout.dtype` and `model.matmul_dtype`: a precision, or `auto` for the parameters' own.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// The parameters' own dtype (`model.dtype`).
@@ -719,7 +789,7 @@ impl Precision {
 }
 
 /// `rollout.weight_dtype`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightDtype {
     #[default]
@@ -729,7 +799,7 @@ pub enum WeightDtype {
 
 /// `learner`: the learner's ranks (learner/src/dist). One process is one rank; the launcher
 /// (`learner launch`, `mpirun`, `srun --mpi=pmix`, torchrun for the NCCL backend) says how many.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LearnerConfig {
     /// The collective library the ranks reduce gradients with.
@@ -782,7 +852,7 @@ fn default_checksum_steps() -> u64 {
 }
 
 /// `learner.backend`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum DistBackend {
     /// NCCL when the learner's device is CUDA, MPI otherwise.
@@ -795,7 +865,7 @@ pub enum DistBackend {
 }
 
 /// `learner.placement`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Placement {
     /// Every rank holds every policy and trains on its share of each step's items.
@@ -806,7 +876,7 @@ pub enum Placement {
 }
 
 /// `rollout.weight_transport`: how the learner sends weights to the rollout workers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightTransport {
     /// `shm` when every worker is on a loopback address and accepts it (`--allow-shm-weights`;
@@ -860,11 +930,14 @@ fn default_max_retries() -> usize {
 
 /// `reward`: the reward server (embedded when `endpoint` is absent) and the options every scoring
 /// call carries.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RewardConfig {
+    /// The reward server's gRPC address (`http://host:port`, `https://` with TLS); unset: a reward server
+    /// embedded in the learner on a loopback port.
     #[serde(default)]
     pub endpoint: Option<String>,
+    /// Deadline of one call to the reward server, in seconds.
     #[serde(default = "default_request_timeout_secs")]
     pub request_timeout_secs: u64,
     /// Retries of a call that failed because the reward server is down, overloaded or late
@@ -874,10 +947,12 @@ pub struct RewardConfig {
     /// Writing reward: `newest` (from 2025-12-31) or `earlier` length-ratio bands; the same as
     /// `options.arxiv_ratio`, kept under the name earlier configs used.
     #[serde(default)]
+    #[schemars(with = "Option<super::reference::ArxivRatioVersionSchema>")]
     pub writing_ratio_version: Option<cotrain_reward_server::rewards::writing::ArxivRatioVersion>,
     /// The reward server's scoring options (the original's behaviour by default; each correction
     /// beside it is a named option, documented in the README). `split_seed` defaults to `seed`.
     #[serde(default)]
+    #[schemars(with = "super::reference::ScoreOptionsSchema")]
     pub options: cotrain_reward_server::rewards::ScoreOptions,
 }
 

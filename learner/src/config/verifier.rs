@@ -6,12 +6,13 @@
 //! (0.9, 0.95), 5 warm-up steps then constant, 1 epoch of 4 × 2 answers per step, 550 tokens, the
 //! last 100 questions held out.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::LoraSection;
 
 /// `verifier`: see the module docs.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct VerifierSection {
     /// The user message of every (question, answer) pair the verifier reads, generation and
@@ -26,33 +27,43 @@ pub struct VerifierSection {
     /// Each question's sampling temperature is drawn uniformly from [min, max].
     #[serde(default = "default_temp_min")]
     pub temperature_min: f64,
+    /// See `temperature_min`.
     #[serde(default = "default_temp_max")]
     pub temperature_max: f64,
+    /// Nucleus-sampling threshold of `verifier generate`.
     #[serde(default = "default_top_p")]
     pub top_p: f64,
+    /// Most tokens of each answer `verifier generate` samples.
     #[serde(default = "default_max_new_tokens")]
     pub max_new_tokens: usize,
     /// Train every weight instead of a LoRA adapter.
     #[serde(default)]
     pub full_finetune: bool,
+    /// The verifier's LoRA adapter (unless `full_finetune`).
     #[serde(default = "default_lora")]
     pub lora: LoraSection,
+    /// AdamW learning rate (after the warm-up).
     #[serde(default = "default_lr")]
     pub learning_rate: f64,
+    /// AdamW β1.
     #[serde(default = "default_beta1")]
     pub beta1: f64,
+    /// AdamW β2.
     #[serde(default = "default_beta2")]
     pub beta2: f64,
+    /// AdamW weight decay.
     #[serde(default)]
     pub weight_decay: f64,
     /// Linear warm-up from 0 over this many optimiser steps, then constant (DeepSpeed's WarmupLR).
     #[serde(default = "default_warmup")]
     pub warmup_steps: usize,
+    /// Passes over the training answers.
     #[serde(default = "default_one")]
     pub num_train_epochs: usize,
     /// Answers per step = per_device_train_batch_size × gradient_accumulation_steps.
     #[serde(default = "default_batch")]
     pub per_device_train_batch_size: usize,
+    /// See `per_device_train_batch_size`.
     #[serde(default = "default_accum")]
     pub gradient_accumulation_steps: usize,
     /// Longest (question, answer) encoding; longer ones keep their last tokens.
