@@ -413,7 +413,17 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 _ => crate::config::DistBackend::Auto,
             };
             let token_file = cli.cluster_token_file.clone();
+            let mut global_flags = Vec::new();
+            if cli.insecure {
+                global_flags.push("--insecure".to_string());
+            }
+            for (flag, path) in [("--tls-cert", &cli.tls_cert), ("--tls-key", &cli.tls_key)] {
+                if let Some(p) = path {
+                    global_flags.extend([flag.to_string(), p.display().to_string()]);
+                }
+            }
             crate::dist::launch::launch(&crate::dist::launch::LaunchSpec {
+                global_flags,
                 nproc: nproc_per_node,
                 backend,
                 master_port,

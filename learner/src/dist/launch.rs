@@ -29,6 +29,19 @@ pub struct LaunchSpec {
     /// `--network-interface IF`: the one interface the ranks talk over (Open MPI's TCP transports,
     /// NCCL's sockets). Unset: Open MPI leaves out the bridges present (see [`bridges`]).
     pub network_interface: Option<String>,
+    /// The learner's global flags given before `launch` (`--insecure`, `--tls-cert F`, ...), which
+    /// every rank gets too: rank 0 serves the control plane they are about.
+    pub global_flags: Vec<String>,
+}
+
+impl LaunchSpec {
+    /// What every rank runs: `train`, the global flags given to `launch`, then the rest.
+    pub fn rank_args(&self) -> Vec<String> {
+        let mut args = self.args.clone();
+        let at = args.len().min(1);
+        args.splice(at..at, self.global_flags.iter().cloned());
+        args
+    }
 }
 
 /// The network bridges on this machine (`/sys/class/net/*/bridge`, and names Docker, libvirt and
@@ -118,7 +131,7 @@ pub fn mpirun_command(spec: &LaunchSpec, exe: &std::path::Path, as_root: bool) -
     if let Some(file) = &spec.token_file {
         cmd.env(cotrain_proto::auth::TOKEN_FILE_ENV, file).args(["-x", cotrain_proto::auth::TOKEN_FILE_ENV]);
     }
-    cmd.arg(exe).args(&spec.args);
+    cmd.arg(exe).args(spec.rank_args());
     cmd
 }
 
@@ -161,7 +174,7 @@ fn launch_torchrun_style(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Re
         }
         Command::new(exe)
             .envs(one_gpu)
-            .args(&spec.args)
+            .args(spec.rank_args())
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", spec.nproc.to_string())
             .env("LOCAL_RANK", rank.to_string())
@@ -236,11 +249,13 @@ mod tests {
         let default = mpi_network_args(None, &bridges).join(" ");
         assert_eq!(default, "--mca btl_tcp_if_exclude 127.0.0.1/8,sppp,docker0,virbr0 --mca oob_tcp_if_exclude docker0,virbr0");
         assert!(mpi_network_args(None, &[]).is_empty(), "no bridge: Open MPI's own defaults");
-        let spec = LaunchSpec { nproc: 2, backend: DistBackend::Mpi, master_port: None, args: vec!["train".into()], token_file: None,
-            nccl_one_gpu_test: false, network_interface: Some("eth1".into()) };
+        let spec = LaunchSpec { nproc: 2, backend: DistBackend::Mpi, master_port: None, args: vec!["train".into(), "--config".into(), "c.yaml".into()], token_file: None,
+            nccl_one_gpu_test: false, network_interface: Some("eth1".into()), global_flags: vec!["--insecure".into()] };
         let cmd = mpirun_command(&spec, std::path::Path::new("/bin/learner"), false);
         let args: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
         assert!(args.join(" ").contains("--mca btl_tcp_if_include eth1 --mca oob_tcp_if_include eth1"), "{args:?}");
+        // `learner --insecure launch ... -- train ...`: every rank gets --insecure too.
+        assert!(args.join(" ").ends_with("/bin/learner train --insecure --config c.yaml"), "{args:?}");
     }
 
 

@@ -56,7 +56,10 @@ fn watch(in_flight: Weak<InFlight>, timeout: Duration, rank: usize, world: usize
             );
             tracing::error!("{msg}");
             eprintln!("error: {msg}");
-            std::process::exit(75);
+            // Not `exit`: it runs destructors and atexit handlers, which may wait on the very
+            // collective that hangs (MPI's finalisation, NCCL's communicator teardown).
+            // SAFETY: `_exit` ends the process at once; nothing after it runs.
+            unsafe { libc::_exit(75) };
         }
         std::thread::sleep(tick);
     }

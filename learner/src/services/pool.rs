@@ -460,6 +460,16 @@ fn wire_tensors(params: &BTreeMap<String, Tensor>, wire: WireDType) -> Vec<Updat
 }
 
 impl RolloutSource for PoolRollout {
+    fn max_samples_per_request(&mut self, agent: &str) -> Option<usize> {
+        let infos = self.rt.block_on(self.pool.info_all());
+        infos
+            .iter()
+            .filter_map(|(_, info)| info.as_ref().ok())
+            .flat_map(|info| info.models.iter().filter(|m| m.agents.iter().any(|a| a == agent)).map(|m| m.max_batch_size as usize))
+            .filter(|&m| m > 0)
+            .min()
+    }
+
     fn generate(&mut self, requests: &[GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError> {
         let base = self.next_request;
         self.next_request += requests.len() as u64;

@@ -108,14 +108,6 @@ pub trait RolloutSource: Send {
         }
         Ok(())
     }
-    /// Sends only a LoRA adapter for `agent` as `version`, and returns once every worker serves that
-    /// version. `adapter` holds pairs `X.lora_A.weight` (r × in) and `X.lora_B.weight` (out × r) for
-    /// base parameters `X.weight` (names as `LoraAdapter::named_tensors` or `peft_tensors` give
-    /// them); the workers serve `X.weight = W0 + scaling·B·A` with `W0` their base weights as loaded
-    /// from the model spec, not the current ones, so each push replaces the previous adapter, and
-    /// every parameter the adapter does not name keeps its value. A push of a few megabytes instead
-    /// of the whole model when only the adapter trains. Sources that cannot merge refuse, naming
-    /// themselves.
     /// The cost of the last push (all of the last [`Self::push_weights_all`]), when the source
     /// measures it.
     fn last_push(&self) -> Option<PushStats> {
@@ -125,6 +117,20 @@ pub trait RolloutSource: Send {
     fn pool_stats(&self) -> Option<PoolStats> {
         None
     }
+    /// The most samples one request for `agent` may ask for on every worker that serves it (their
+    /// `--max-batch-size`), when the source knows; callers split larger asks.
+    fn max_samples_per_request(&mut self, agent: &str) -> Option<usize> {
+        let _ = agent;
+        None
+    }
+    /// Sends only a LoRA adapter for `agent` as `version`, and returns once every worker serves that
+    /// version. `adapter` holds pairs `X.lora_A.weight` (r × in) and `X.lora_B.weight` (out × r) for
+    /// base parameters `X.weight` (names as `LoraAdapter::named_tensors` or `peft_tensors` give
+    /// them); the workers serve `X.weight = W0 + scaling·B·A` with `W0` their base weights as loaded
+    /// from the model spec, not the current ones, so each push replaces the previous adapter, and
+    /// every parameter the adapter does not name keeps its value. A push of a few megabytes instead
+    /// of the whole model when only the adapter trains. Sources that cannot merge refuse, naming
+    /// themselves.
     fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
         let _ = (agent, version, adapter, scaling);
         Err(TrainError::Rollout(format!("{} cannot take adapter-only weight updates", self.describe())))

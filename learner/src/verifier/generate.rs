@@ -27,9 +27,9 @@ use crate::trainer::{GenRequest, RewardSource, RolloutSource, SamplingSpec, Scor
 pub const AGENT: &str = "agent0";
 /// Questions per generate/score round (and per rewrite of the file).
 const QUESTIONS_PER_ROUND: usize = 8;
-/// Most samples one request asks a worker for: a rollout worker refuses an `n` above its
-/// `--max-batch-size` (this by default, and in the embedded worker), so a larger ask (MaPoRL's
-/// 100 per question) becomes several requests.
+/// Samples per request when the workers do not say how many they take (a rollout worker's default
+/// `--max-batch-size`). A worker refuses an `n` above its `--max-batch-size`, so a larger ask
+/// (MaPoRL's 100 per question) becomes several requests of at most what every worker takes.
 const MAX_SAMPLES_PER_REQUEST: usize = cotrain_rollout_worker::server::DEFAULT_MAX_BATCH_SIZE;
 const TAG_GENERATE: u64 = 31;
 
@@ -111,6 +111,7 @@ impl Sampler {
     /// Samples every ask (one concurrent batch; an ask for more than a worker takes at once is
     /// split, see `request_sizes`) and labels every answer (one reward call).
     pub fn sample(&mut self, asks: &[Ask]) -> Result<Vec<Vec<Labelled>>, TrainError> {
+        let max_n = self.rollout.max_samples_per_request(AGENT).unwrap_or(MAX_SAMPLES_PER_REQUEST);
         let v = &self.section;
         let mut requests = Vec::with_capacity(asks.len());
         // Requests per ask, in order.
@@ -126,7 +127,7 @@ impl Sampler {
             // at once sample what they always did.
             let sampling = SamplingSpec { temperature: a.temperature.unwrap_or(drawn), top_p: v.top_p, top_k: 0, max_new_tokens: v.max_new_tokens, ignore_eos: false };
             let before = requests.len();
-            for n in request_sizes(a.n, MAX_SAMPLES_PER_REQUEST) {
+            for n in request_sizes(a.n, max_n) {
                 requests.push(GenRequest { agent: AGENT.into(), prompt: prompt.clone(), n, sampling, seed: rng.random(), min_policy_version: 0 });
             }
             spans.push(requests.len() - before);
