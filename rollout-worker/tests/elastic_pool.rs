@@ -104,6 +104,26 @@ async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
     let ids = |r: &cotrain_proto::rollout::GenerateResponse| r.completions[0].samples.iter().map(|s| s.token_ids.clone()).collect::<Vec<_>>();
     assert_eq!(ids(&on_a), ids(&on_joiner));
 
+    // A worker that serves only a verifier joins: it gets no generate request and no push for the
+    // agent, and nothing waits for it to reach the agent's version.
+    let vdir = tempfile::tempdir().unwrap();
+    {
+        use cotrain_model::loader::{self, LoadOptions};
+        let base = loader::load(&spec, &LoadOptions::default()).unwrap();
+        cotrain_model::verifier::Verifier::new(base, &spec, Some(cotrain_model::lora::LoraConfig::default()), 64).unwrap().save(vdir.path()).unwrap();
+    }
+    let judge = WorkerProcess::start(&[], &["--verifier", &format!("judge={}", vdir.path().display())]).await;
+    pool.add_endpoint(&judge.endpoint()).await.unwrap();
+    wait_until("the verifier worker is in rotation", Duration::from_secs(30), || snapshot(&pool, &judge.endpoint()).in_rotation).await;
+    run_requests(&pool, 8, 2).await;
+    let answers = pool.push_weights(AGENT, 3, true, lm_head_update(&mut c, AGENT, 3).await).await;
+    assert!(answers.iter().all(|(w, r)| r.is_ok() && *w != judge.endpoint()), "{answers:?}");
+    pool.wait_for_version(AGENT, 3, Duration::from_secs(10)).await.unwrap();
+    run_requests(&pool, 8, 3).await;
+    let j = snapshot(&pool, &judge.endpoint());
+    assert_eq!((j.completed, j.failed, j.in_rotation), (0, 0, true), "{j:?}");
+    drop(judge);
+
     // A worker that another pool took to a version newer than this pool's is not at this pool's
     // policy: it stays out of rotation, and the pool says why.
     let rogue = WorkerProcess::start(&agents, &[]).await;
@@ -113,7 +133,7 @@ async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
     drop(other);
     pool.add_endpoint(&rogue.endpoint()).await.unwrap();
     wait_until("the pool refuses to catch up a worker ahead of it", Duration::from_secs(30), || {
-        snapshot(&pool, &rogue.endpoint()).catch_up_error.is_some_and(|e| e.contains("newer than this pool's v2"))
+        snapshot(&pool, &rogue.endpoint()).catch_up_error.is_some_and(|e| e.contains("newer than this pool's v3"))
     })
     .await;
     assert!(!snapshot(&pool, &rogue.endpoint()).in_rotation);
@@ -126,19 +146,19 @@ async fn joining_and_restarted_workers_catch_up_before_they_get_requests() {
     assert_eq!(version_of(&b).await, 0);
     run_requests(&pool, 12, 2).await;
     wait_until("the restarted worker is back in rotation", Duration::from_secs(30), || snapshot(&pool, &b.endpoint()).in_rotation).await;
-    assert_eq!(version_of(&b).await, 2);
+    assert_eq!(version_of(&b).await, 3);
     let s = snapshot(&pool, &b.endpoint());
     assert!(s.catch_ups >= 1, "{s:?}");
     run_requests(&pool, 12, 2).await;
     assert!(snapshot(&pool, &b.endpoint()).completed > s.completed, "restarted worker got no requests: {:?}", pool.workers());
 
-    // A push that a worker refuses takes it out of rotation instead of failing: the others serve v3.
+    // A push that a worker refuses takes it out of rotation instead of failing: the others serve v4.
     let mut joiner = joiner;
     joiner.kill();
-    let answers = pool.push_weights(AGENT, 3, true, lm_head_update(&mut c, AGENT, 3).await).await;
+    let answers = pool.push_weights(AGENT, 4, true, lm_head_update(&mut c, AGENT, 4).await).await;
     assert!(answers.iter().filter(|(_, r)| r.is_ok()).count() >= 2, "{answers:?}");
-    pool.wait_for_version(AGENT, 3, Duration::from_secs(10)).await.unwrap();
-    run_requests(&pool, 6, 3).await;
+    pool.wait_for_version(AGENT, 4, Duration::from_secs(10)).await.unwrap();
+    run_requests(&pool, 6, 4).await;
     assert!(!snapshot(&pool, &joiner.endpoint()).in_rotation);
     drop(pool);
     assert_eq!(std::fs::read_dir(&replay_dir).unwrap().count(), 0, "the pool's replay directory goes with it");

@@ -96,6 +96,9 @@ pub(super) struct Worker {
     pub(super) stale_refusals: AtomicU64,
     pub(super) catch_ups: AtomicU64,
     pub(super) catch_up_error: std::sync::Mutex<Option<String>>,
+    /// The agents it serves, as its last `Info` said (None: not asked yet). A worker that serves
+    /// only a verifier, or other agents, gets no generate request or push for an agent it lacks.
+    pub(super) agents: std::sync::Mutex<Option<std::collections::HashSet<String>>>,
     pub(super) backoff: Mutex<Backoff>,
 }
 
@@ -117,6 +120,7 @@ impl Worker {
             stale_refusals: AtomicU64::new(0),
             catch_ups: AtomicU64::new(0),
             catch_up_error: std::sync::Mutex::new(None),
+            agents: std::sync::Mutex::new(None),
             backoff: Mutex::new(Backoff::new()),
         }
     }
@@ -134,6 +138,11 @@ impl Worker {
             catch_up_error: self.catch_up_error.lock().expect("worker lock").clone(),
             origin: self.origin,
         }
+    }
+
+    /// Whether it serves `agent` (true while not known).
+    pub(super) fn serves(&self, agent: &str) -> bool {
+        self.agents.lock().expect("worker lock").as_ref().is_none_or(|a| a.contains(agent))
     }
 
     /// Healthy and in rotation: may get generate requests.

@@ -352,7 +352,7 @@ impl RolloutPool {
         let mut tried = HashSet::new();
         let mut last: Option<(String, Status)> = None;
         for attempt in 1..=self.inner.cfg.max_attempts {
-            let worker = self.inner.pick(&tried).await?;
+            let worker = self.inner.pick(&tried, Some(&req.agent)).await?;
             if !tried.insert(worker.address.clone()) {
                 // Every healthy worker has failed this request once (all busy, say): back off
                 // before asking one of them again.
@@ -397,7 +397,7 @@ impl RolloutPool {
     pub async fn score_verifier(&self, req: ScoreVerifierRequest) -> Result<ScoreVerifierResponse, PoolError> {
         let mut tried = HashSet::new();
         let mut last: Option<(String, Status)> = None;
-        while let Ok(worker) = self.inner.pick(&tried).await {
+        while let Ok(worker) = self.inner.pick(&tried, None).await {
             if !tried.insert(worker.address.clone()) {
                 break;
             }
@@ -477,7 +477,8 @@ impl RolloutPool {
             let (inner, header, tensors) = (self.inner.clone(), header.clone(), tensors.clone());
             tokio::task::spawn_blocking(move || inner.replay.record_chunks(&header, &tensors))
         };
-        let workers: Vec<Arc<Worker>> = self.inner.healthy().into_iter().filter(|w| !skip.contains(&w.address)).collect();
+        let workers: Vec<Arc<Worker>> =
+            self.inner.healthy().into_iter().filter(|w| !skip.contains(&w.address) && w.serves(&header.agent)).collect();
         let calls = workers.iter().map(|w| self.inner.send_chunks(w, &header, &tensors));
         let (answers, kept) = futures::future::join(futures::future::join_all(calls), keep).await;
         match kept {
@@ -516,7 +517,7 @@ impl RolloutPool {
         header.tensor_count = shm.tensors.len() as u32;
         self.inner.replay.announce(&header.agent, header.version);
         self.inner.replay.record_shm(&header, shm);
-        let workers = self.inner.healthy();
+        let workers: Vec<Arc<Worker>> = self.inner.healthy().into_iter().filter(|w| w.serves(&header.agent)).collect();
         let calls = workers.iter().map(|w| self.inner.send_shm(w, &header, shm));
         let answers = futures::future::join_all(calls).await;
         self.inner.clone().settle_push(&workers, answers, header.version)
@@ -554,8 +555,12 @@ impl RolloutPool {
         let start = Instant::now();
         loop {
             let mut laggards = Vec::new();
-            let serving: Vec<Arc<Worker>> = self.inner.healthy().into_iter().filter(|w| w.serving()).collect();
+            let serving: Vec<Arc<Worker>> = self.inner.healthy().into_iter().filter(|w| w.serving() && w.serves(agent)).collect();
             for (addr, info) in self.inner.info_of(serving).await {
+                // A worker that answers and does not serve the agent (a verifier-only worker) is not waited on.
+                if info.as_ref().is_ok_and(|i| !i.agents.iter().any(|a| a.name == agent)) {
+                    continue;
+                }
                 let v = info.ok().and_then(|i| i.agents.iter().find(|a| a.name == agent).map(|a| a.policy_version));
                 match v {
                     // Weights this pool never sent (another learner, a stale pool): not this policy.
@@ -780,11 +785,12 @@ impl Inner {
         for _round in 0..5 {
             let generation = self.replay.generation();
             let latest = self.replay.all();
+            let (_, info) = self.info(w).await;
+            let info = info.map_err(|s| format!("Info failed: {}", s.message()))?;
+            *w.agents.lock().expect("worker lock") = Some(info.agents.iter().map(|a| a.name.clone()).collect());
             if latest.is_empty() && self.expected.lock().expect("pool lock").is_empty() {
                 return Ok(replayed);
             }
-            let (_, info) = self.info(w).await;
-            let info = info.map_err(|s| format!("Info failed: {}", s.message()))?;
             // Agents the pool updates separately must have weights of their own on the worker: a
             // shared model would take the second agent's push as "not newer" and serve the first's.
             let pushed: HashSet<&str> = latest.iter().map(|l| l.header.agent.as_str()).collect();
@@ -925,14 +931,18 @@ impl Inner {
         self.changed.notify_waiters();
     }
 
-    /// The least-loaded worker in rotation, preferring ones not yet tried for this request.
-    async fn pick(&self, tried: &HashSet<String>) -> Result<Arc<Worker>, PoolError> {
+    /// The least-loaded worker in rotation that serves `agent` (any, for None), preferring ones
+    /// not yet tried for this request.
+    async fn pick(&self, tried: &HashSet<String>, agent: Option<&str>) -> Result<Arc<Worker>, PoolError> {
         let deadline = Instant::now() + self.cfg.wait_for_worker;
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             let serving: Vec<Arc<Worker>> = self.healthy().into_iter().filter(|w| w.serving()).collect();
+            // Workers that serve the agent; when none does, any (its refusal names the unknown agent).
+            let with_agent: Vec<Arc<Worker>> = serving.iter().filter(|w| agent.is_none_or(|a| w.serves(a))).cloned().collect();
+            let serving = if with_agent.is_empty() { serving } else { with_agent };
             let untried: Vec<_> = serving.iter().filter(|w| !tried.contains(&w.address)).cloned().collect();
             let candidates = if untried.is_empty() { serving } else { untried };
             if !candidates.is_empty() {
