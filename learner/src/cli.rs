@@ -323,7 +323,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::WorkerArgs { config } => {
             let cfg = config.load()?;
-            for (agent, spec) in crate::trainer::worker_agents(&cfg) {
+            for (agent, spec) in crate::model_options::worker_agents(&cfg) {
                 println!("--agent");
                 println!("{agent}={spec}");
             }
@@ -446,7 +446,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 /// `learner show-prompts`: the prompts exactly as the trainer builds them (templates, then the chat
 /// template if `model.chat_template`, then the agent's tokenizer), without loading any weights.
 pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize>, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
-    use crate::trainer::items::{PromptEncoding, render_prompt};
+    use crate::data::items::{PromptEncoding, render_prompt};
     let spec = match split {
         PromptSplit::Train => &cfg.train_split,
         PromptSplit::Eval => cfg
@@ -509,7 +509,7 @@ fn verifier_command(cmd: VerifierCommand) -> anyhow::Result<()> {
                     .items
                     .iter()
                     .map(|it| {
-                        let item = crate::trainer::items::item_json(it);
+                        let item = crate::data::items::item_json(it);
                         (crate::verifier::question_text(&sampler.task, &item), item)
                     })
                     .collect();

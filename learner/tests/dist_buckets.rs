@@ -186,6 +186,7 @@ fn two_mpi_ranks_in_4_kib_buckets_match_one_rank() {
         token_file: None,
         nccl_one_gpu_test: false,
         network_interface: None,
+        global_flags: Vec::new(),
     };
     let out = mpirun_command(&spec, &std::env::current_exe().unwrap(), is_root()).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -1,9 +1,19 @@
 //! cotrain's gRPC protocols. Each service's `.proto` lives in `proto/proto/`; the generated
 //! code is included here and never committed.
+//!
+//! Beside the generated code, the plain types that both sides of a call need, kept here so that
+//! neither side depends on the other and the crate stays free of libtorch:
+//!
+//! - [`wire`]: the element types and tensors of a weight update (client and worker);
+//! - [`shm`]: the naming rules of shared-memory weight updates (client and worker);
+//! - [`reward_options`]: the reward service's scoring options (learner config and reward server).
 
 pub mod auth;
 pub mod refusal;
+pub mod reward_options;
+pub mod shm;
 pub mod tls;
+pub mod wire;
 
 /// Encoded `FileDescriptorSet` of every cotrain proto, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("cotrain_descriptor");

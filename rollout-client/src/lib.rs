@@ -5,17 +5,15 @@
 //! - [`wire`]: the element types and tensors of a weight update;
 //! - [`shm`]: the writer of shared-memory weight updates for workers on the same host.
 //!
-//! The worker itself (`cotrain-rollout-worker`) depends on this crate for the wire types, not the
-//! other way round.
+//! The crate does not link libtorch: a trainer hands it tensors as bytes ([`wire::UpdatedTensor`]).
+//! The types the worker shares with it (the wire types, the shared-memory naming rules) are defined
+//! in `cotrain-proto`, which both depend on; the worker does not depend on this crate.
 
 pub mod pool;
 pub mod shm;
-pub mod wire;
+
+/// The wire types of a weight update, defined in `cotrain-proto` (shared with the worker, free of
+/// libtorch) and re-exported so that users of the client import everything from this crate.
+pub use cotrain_proto::wire;
 
 pub use pool::{PoolConfig, PoolError, RolloutPool};
-
-/// HTTP/2 receive windows. The 64 KiB default makes a weight upload wait for a window update
-/// every 64 KiB, which on a loaded machine caps it at tens of MB/s; workers and clients both use these.
-pub const STREAM_WINDOW_BYTES: u32 = 16 << 20;
-/// Connection-level HTTP/2 receive window (several streams share it).
-pub const CONNECTION_WINDOW_BYTES: u32 = 64 << 20;

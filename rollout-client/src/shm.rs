@@ -15,12 +15,9 @@ use cotrain_proto::rollout::{ShmTensor, ShmWeights};
 
 use crate::wire::WireDType;
 
-/// The only directory shared-memory updates are read from.
-pub const SHM_DIR: &str = "/dev/shm";
-/// The file-name prefix every shared-memory update file must carry.
-pub const SHM_PREFIX: &str = "cotrain-weights-";
-/// The `serve` flag that enables the transport, for error messages.
-pub const SHM_FLAG: &str = "--allow-shm-weights";
+/// The naming rules the worker checks, defined in `cotrain-proto` so that the worker does not
+/// depend on the client; re-exported for the client's users.
+pub use cotrain_proto::shm::{SHM_DIR, SHM_FLAG, SHM_PREFIX};
 
 /// An update file being written in [`SHM_DIR`]; the file is deleted when this is dropped.
 #[derive(Debug)]

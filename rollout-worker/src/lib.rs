@@ -1,6 +1,8 @@
 //! The rollout service: batched multi-agent generation over gRPC, versioned weight updates and an
-//! OpenAI-compatible HTTP API. Its clients (the worker pool, the wire types, the shared-memory
-//! writer) live in `cotrain-rollout-client`.
+//! OpenAI-compatible HTTP API. Its clients (the worker pool, the shared-memory writer) live in
+//! `cotrain-rollout-client`; the types both sides share (the weight-update wire types, the
+//! shared-memory naming rules) live in `cotrain-proto`, so the worker does not depend on the client
+//! (only its tests do, to drive workers through the pool).
 //!
 //! - [`worker`]: the business logic (agents on models, validation, admission, hand-off).
 //! - `batcher`: one engine loop per model on its own thread (continuous batching, weight swaps).

@@ -21,7 +21,7 @@ use crate::worker::{Worker, WorkerConfig};
 /// Largest gRPC message accepted or sent (weight chunks, big generate batches).
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
-pub use cotrain_rollout_client::{CONNECTION_WINDOW_BYTES, STREAM_WINDOW_BYTES};
+pub use cotrain_proto::wire::{CONNECTION_WINDOW_BYTES, STREAM_WINDOW_BYTES};
 
 /// `--max-batch-size` unless set: the most sequences one model decodes together, and so the
 /// largest `n` one generate request may ask for.

@@ -41,7 +41,7 @@ impl RolloutService {
         self
     }
 
-    /// Accepts (or refuses) shared-memory weight updates from [`crate::shm::SHM_DIR`].
+    /// Accepts (or refuses) shared-memory weight updates from [`SHM_DIR`](cotrain_proto::shm::SHM_DIR).
     pub fn with_shm_weights(mut self, allowed: bool) -> Self {
         self.shm = ShmPolicy::new(allowed);
         self

@@ -17,10 +17,10 @@ use std::path::{Path, PathBuf};
 
 use cotrain_proto::rollout::ShmWeights;
 
+use cotrain_proto::shm::{SHM_DIR, SHM_FLAG, SHM_PREFIX};
+
 use crate::error::{Result, WorkerError};
 use crate::weights::{CompleteUpdate, UpdateAssembler};
-
-use cotrain_rollout_client::shm::{SHM_DIR, SHM_FLAG, SHM_PREFIX};
 
 /// Whether and from where a worker accepts shared-memory updates.
 #[derive(Clone, Debug)]
@@ -112,8 +112,9 @@ pub fn read_update(policy: &ShmPolicy, msg: &ShmWeights, mut assembler: UpdateAs
 
 #[cfg(test)]
 mod tests {
+    use cotrain_proto::wire::WireDType;
+    // The client's writer, a dev-dependency: the worker itself does not depend on the client.
     use cotrain_rollout_client::shm::ShmFile;
-    use cotrain_rollout_client::wire::WireDType;
     use std::collections::HashMap;
 
     use cotrain_proto::rollout::UpdateHeader;

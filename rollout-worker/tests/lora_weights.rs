@@ -14,6 +14,7 @@ use cotrain_proto::rollout::{ListParametersRequest, ParameterInfo, Sample, Updat
 use cotrain_rollout_client::pool::{update_stream, PoolConfig, RolloutPool};
 use cotrain_rollout_client::shm::ShmFile;
 use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
+use cotrain_rollout_worker::weights::UpdatedTensorExt;
 use support::*;
 use tch::Tensor;
 use tonic::transport::Channel;

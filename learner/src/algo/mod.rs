@@ -9,6 +9,7 @@ pub mod joint;
 pub mod loss;
 pub mod maporl;
 pub mod optim;
+pub mod padding;
 pub mod ppo;
 
 pub use advantage::{RewardProcessor, advantages};

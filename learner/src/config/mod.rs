@@ -110,7 +110,7 @@ pub struct CheckedConfig {
     pub eval_split: Option<SplitSpec>,
     /// What every scoring call sends to the reward server: `reward.options`, with
     /// `reward.writing_ratio_version` applied and `split_seed` defaulting to `seed`.
-    pub score_options: cotrain_reward_server::rewards::ScoreOptions,
+    pub score_options: cotrain_proto::reward_options::ScoreOptions,
     /// Per agent, the configured prompt template (`None`: the task's default).
     pub prompt_sources: Vec<Option<PromptSource>>,
 }

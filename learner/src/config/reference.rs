@@ -4,10 +4,12 @@
 //! (`docs/src/configuration/reference.md`, written by
 //! `cargo run -p cotrain-learner --example config_reference`).
 //!
-//! A few keys have types defined outside the config module (the reward server's scoring options,
-//! the MaPoRL score rule's enums). They are described here by stand-ins with the same serde names,
-//! and tests hold each stand-in to its original, so a renamed or added variant or option fails a
-//! test instead of leaving the reference stale.
+//! The reward server's scoring options (`reward.options`) are defined in `cotrain-proto`, which
+//! derives `JsonSchema` on them behind its `schemars` feature (enabled by this crate), so they are
+//! documented from their own doc comments. The MaPoRL score rule's enums are defined outside the
+//! config module; they are described here by stand-ins with the same serde names, and tests hold
+//! each stand-in to its original, so a renamed or added variant fails a test instead of leaving the
+//! reference stale.
 
 use schemars::JsonSchema;
 use serde_json::{Map, Value};
@@ -275,88 +277,6 @@ fn yaml_inline(v: &Value) -> String {
 
 // ---- Stand-ins for config types defined outside the config module --------------------------------
 
-/// `reward.options`: the reward server's scoring options (`ScoreOptions`), the original's behaviour
-/// by default; each correction beside it is one named option.
-#[derive(JsonSchema, serde::Serialize)]
-#[serde(default, deny_unknown_fields)]
-#[allow(dead_code)]
-pub struct ScoreOptionsSchema {
-    /// Which arXiv length-ratio table the writing reward uses (also `reward.writing_ratio_version`).
-    arxiv_ratio: ArxivRatioVersionSchema,
-    /// Seed of the single-agent writing split's random split point for a text without a paragraph
-    /// marker; defaults to the run's `seed`.
-    split_seed: u64,
-    /// Time limit of each code test, in seconds.
-    per_test_timeout_secs: f64,
-    /// Stop testing a completion after this many timeouts.
-    max_timeouts: usize,
-    /// How functions are found in code completions and judged (has a return, calls `aux`, thin
-    /// wrapper, ignored result).
-    code_functions: CodeFunctionsSchema,
-    /// Which statements of `check` are tests.
-    code_tests: CodeTestsSchema,
-    /// Keep `import` lines written above a completion's function (the original drops them, so
-    /// `import math` then fails with a NameError).
-    completion_imports: bool,
-    /// Put the prompt's own helper functions (HumanEval/10, /32, /38, /50) before the program (the
-    /// original leaves them out, so solutions calling them fail).
-    prompt_helpers: bool,
-    /// Run each test once (the original evaluates `f(args)` before executing
-    /// `assert f(args) == y`, so `f` runs twice).
-    single_call_tests: bool,
-}
-
-impl Default for ScoreOptionsSchema {
-    fn default() -> Self {
-        let o = cotrain_reward_server::rewards::ScoreOptions::default();
-        Self {
-            arxiv_ratio: ArxivRatioVersionSchema::Newest,
-            split_seed: o.split_seed,
-            per_test_timeout_secs: o.per_test_timeout_secs,
-            max_timeouts: o.max_timeouts,
-            code_functions: CodeFunctionsSchema::Original,
-            code_tests: CodeTestsSchema::Original,
-            completion_imports: o.completion_imports,
-            prompt_helpers: o.prompt_helpers,
-            single_call_tests: o.single_call_tests,
-        }
-    }
-}
-
-/// The arXiv length-ratio table (`ArxivRatioVersion`).
-#[derive(JsonSchema, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ArxivRatioVersionSchema {
-    /// From 2025-12-31: [1.3, 1.6] full, ramps down to 0.8 and up to 2.0.
-    Newest,
-    /// Before: [1.0, 1.3] full, ramps down to 0.8 and up to 1.5.
-    Earlier,
-}
-
-/// `code_functions` (`CodeFunctions`).
-#[derive(JsonSchema, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CodeFunctionsSchema {
-    /// The original's regular expressions, line by line.
-    Original,
-    /// cotrain's scanner: whole definitions with nested functions, decorators and `async def`; the
-    /// last definition of a name wins; `return`, `aux(` calls, thin wrappers and ignored results
-    /// judged on statements, outside strings and comments.
-    Structural,
-}
-
-/// `code_tests` (`CodeTests`).
-#[derive(JsonSchema, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CodeTestsSchema {
-    /// Each line of `check` starting with `assert` that contains `candidate`, deduplicated (a
-    /// multi-line assert contributes its first line only, which then fails).
-    Original,
-    /// Each statement of `check` whose asserts use `candidate`: multi-line asserts whole, loops of
-    /// asserts as one test, run after the set-up statements before them.
-    Statements,
-}
-
 /// `maporl.rule_horizon` (`algo::maporl::Horizon`).
 #[derive(JsonSchema)]
 #[serde(rename_all = "snake_case")]
@@ -396,8 +316,6 @@ pub enum InfluenceSignsSchema {
 mod tests {
     use super::*;
     use crate::algo::maporl::{AgentShare, Horizon, InfluenceSigns};
-    use cotrain_reward_server::rewards::writing::ArxivRatioVersion;
-    use cotrain_reward_server::rewards::{CodeFunctions, CodeTests, ScoreOptions};
 
     /// Every object of the schema, with where it is.
     fn objects(schema: &Value) -> Vec<(String, &Value)> {
@@ -451,19 +369,6 @@ mod tests {
         assert_eq!(anchor("Top level"), "top-level");
     }
 
-    /// The stand-ins name exactly the real options: the same keys and the same defaults.
-    #[test]
-    fn score_options_stand_in_matches_score_options() {
-        let real = serde_json::to_value(ScoreOptions::default()).unwrap();
-        let generator = schemars::generate::SchemaSettings::draft2020_12().into_generator();
-        let stand_in = generator.into_root_schema_for::<ScoreOptionsSchema>().to_value();
-        let mut real_keys: Vec<&String> = real.as_object().unwrap().keys().collect();
-        let mut schema_keys: Vec<&String> = stand_in["properties"].as_object().unwrap().keys().collect();
-        real_keys.sort();
-        schema_keys.sort();
-        assert_eq!(real_keys, schema_keys, "ScoreOptions changed: update ScoreOptionsSchema");
-    }
-
     /// Each stand-in enum's names are the real enum's: every real variant serialises to a name the
     /// stand-in lists (the matches fail to compile when a variant is added), and back.
     #[test]
@@ -491,17 +396,5 @@ mod tests {
             InfluenceSigns::Paper | InfluenceSigns::ReleasedCode => i,
         };
         check(&[i(InfluenceSigns::Paper), InfluenceSigns::ReleasedCode], names::<InfluenceSignsSchema>());
-        let r = |r: ArxivRatioVersion| match r {
-            ArxivRatioVersion::Newest | ArxivRatioVersion::Earlier => r,
-        };
-        check(&[r(ArxivRatioVersion::Newest), ArxivRatioVersion::Earlier], names::<ArxivRatioVersionSchema>());
-        let f = |f: CodeFunctions| match f {
-            CodeFunctions::Original | CodeFunctions::Structural => f,
-        };
-        check(&[f(CodeFunctions::Original), CodeFunctions::Structural], names::<CodeFunctionsSchema>());
-        let t = |t: CodeTests| match t {
-            CodeTests::Original | CodeTests::Statements => t,
-        };
-        check(&[t(CodeTests::Original), CodeTests::Statements], names::<CodeTestsSchema>());
     }
 }

@@ -947,13 +947,11 @@ pub struct RewardConfig {
     /// Writing reward: `newest` (from 2025-12-31) or `earlier` length-ratio bands; the same as
     /// `options.arxiv_ratio`, kept under the name earlier configs used.
     #[serde(default)]
-    #[schemars(with = "Option<super::reference::ArxivRatioVersionSchema>")]
-    pub writing_ratio_version: Option<cotrain_reward_server::rewards::writing::ArxivRatioVersion>,
+    pub writing_ratio_version: Option<cotrain_proto::reward_options::ArxivRatioVersion>,
     /// The reward server's scoring options (the original's behaviour by default; each correction
     /// beside it is a named option, documented in the README). `split_seed` defaults to `seed`.
     #[serde(default)]
-    #[schemars(with = "super::reference::ScoreOptionsSchema")]
-    pub options: cotrain_reward_server::rewards::ScoreOptions,
+    pub options: cotrain_proto::reward_options::ScoreOptions,
 }
 
 impl Default for RewardConfig {

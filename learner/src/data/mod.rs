@@ -2,6 +2,7 @@
 //! optionally gzip-compressed) and the local Hugging Face hub cache, mapped into typed task items and
 //! sliced with split expressions such as `test[16:]`.
 
+pub mod items;
 mod split;
 
 use std::io::Read;

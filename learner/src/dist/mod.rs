@@ -260,3 +260,20 @@ pub fn check_same(coll: &dyn Collective, what: &str, tensors: &[Tensor]) -> Resu
         )))
     }
 }
+
+/// The run directory every rank writes to: rank 0's (its name may carry a time stamp).
+pub fn shared_run_dir(dist: &dyn Collective, run_dir: std::path::PathBuf) -> Result<std::path::PathBuf, crate::error::TrainError> {
+    if dist.world() == 1 {
+        return Ok(run_dir);
+    }
+    let mut name = run_dir.to_string_lossy().into_owned().into_bytes();
+    dist.broadcast_bytes(&mut name, 0)?;
+    let run_dir = std::path::PathBuf::from(String::from_utf8_lossy(&name).into_owned());
+    tracing::info!(rank = dist.rank(), world = dist.world(), backend = dist.backend(), run_dir = %run_dir.display(), "learner rank started");
+    Ok(run_dir)
+}
+
+/// The rows of a step that rank `rank` of `world` rolls out and trains on: every world-th.
+pub fn rank_share(rows: &[usize], rank: usize, world: usize) -> Vec<usize> {
+    rows.iter().copied().skip(rank).step_by(world.max(1)).collect()
+}

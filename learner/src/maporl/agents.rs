@@ -19,7 +19,7 @@ use tch::{Kind, Tensor, nn};
 
 use crate::algo::{AdamW, AdamWConfig};
 use crate::config::{AdapterLayout, CheckedConfig, MaporlSection};
-use crate::trainer::TrainError;
+use crate::error::TrainError;
 
 /// The frozen base models, by spec.
 pub struct Bases {
@@ -108,7 +108,7 @@ impl PolicyAdapter {
 
     /// Sends the policy to the rollout workers as `version`: the adapter tensors alone, or every
     /// parameter of a fully fine-tuned copy.
-    pub fn push(&self, rollout: &mut dyn crate::trainer::RolloutSource, version: u64) -> Result<(), TrainError> {
+    pub fn push(&self, rollout: &mut dyn crate::sources::RolloutSource, version: u64) -> Result<(), TrainError> {
         match &self.weights {
             PolicyWeights::Lora(a) => rollout.push_adapter(&self.key, version, &a.named_tensors(), a.config.scaling()),
             PolicyWeights::Full(m) => rollout.push_weights(&self.key, version, &m.named_parameters()),

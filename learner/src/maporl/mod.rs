@@ -22,8 +22,9 @@ pub use run::{MaporlSetup, MaporlSummary, MaporlTrainer};
 
 use crate::config::CheckedConfig;
 use crate::data::{DatasetKind, load_split};
-use crate::trainer::items::{PromptEncoding, prepare_items, reward_task};
-use crate::trainer::{ServiceGuard, Services, TrainError, connect_services};
+use crate::data::items::{PromptEncoding, prepare_items, reward_task};
+use crate::error::TrainError;
+use crate::services::connect::{ServiceGuard, Services, connect_services};
 
 /// The name the embedded rollout worker serves `maporl.verifier_path` under.
 pub const EMBEDDED_VERIFIER: &str = "maporl";
@@ -73,7 +74,7 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
         None => None,
     };
     verifier_name(cfg, m)?;
-    let bases = Bases::load(cfg, &crate::trainer::load_options(cfg)?)?;
+    let bases = Bases::load(cfg, &crate::model_options::load_options(cfg)?)?;
     let adapters = Adapters::new(cfg, m, &bases)?;
     let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
     let encoding = PromptEncoding::from_config(cfg);
@@ -86,7 +87,7 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
     };
     let agents = adapters.worker_agents(&bases);
     let Services { rollout, reward, guard } =
-        if dist.world() == 1 { connect_services(cfg, &agents)? } else { crate::trainer::connect_services_ranked(cfg, &agents, dist.as_ref())? };
+        if dist.world() == 1 { connect_services(cfg, &agents)? } else { crate::services::connect::connect_services_ranked(cfg, &agents, dist.as_ref())? };
     let setup = MaporlSetup { cfg: cfg.clone(), run_dir, task: reward_task(kind).to_string(), bases, adapters, rollout, reward, train_items, eval_items };
     Ok((MaporlTrainer::new_ranked(setup, dist)?, guard))
 }
@@ -96,20 +97,20 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
 /// Launched as one of several ranks, each discusses its share of every step's questions and takes
 /// its share of every PPO mini-batch (see [`update::ppo_update`]); rank 0 writes the run.
 pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, TrainError> {
-    if crate::trainer::matmul_kind(cfg).is_some() {
+    if crate::model_options::matmul_kind(cfg).is_some() {
         return Err(TrainError::NotBuilt(format!(
             "{}: model.matmul_dtype is built for the GRPO/MAGRPO trainer; the maporl trainer's products run in model.dtype              (set model.dtype: bf16 to train adapters and critics in bf16, or remove model.matmul_dtype)",
             cfg.source.display()
         )));
     }
-    let dist = crate::dist::init_with_timeout(cfg.raw.learner.backend, crate::trainer::learner_device(cfg)?, cfg.collective_timeout())?;
+    let dist = crate::dist::init_with_timeout(cfg.raw.learner.backend, crate::model_options::learner_device(cfg)?, cfg.collective_timeout())?;
     if dist.world() > 1 && cfg.raw.learner.placement == crate::config::Placement::Agent {
         return Err(TrainError::NotBuilt(format!(
             "{}: learner.placement: agent is built for the GRPO/MAGRPO trainer; the maporl trainer splits data (learner.placement: data)",
             cfg.source.display()
         )));
     }
-    let run_dir = crate::trainer::shared_run_dir(dist.as_ref(), run_dir)?;
+    let run_dir = crate::dist::shared_run_dir(dist.as_ref(), run_dir)?;
     if dist.is_root() {
         std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
         std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;

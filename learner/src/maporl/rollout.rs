@@ -13,8 +13,11 @@ use super::agents::{Bases, adapter_key};
 use crate::algo::maporl::{InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason};
 use crate::config::MaporlSection;
 use crate::prompts::{ChatMessage, Followup};
-use crate::trainer::items::{PromptEncoding, encode_text};
-use crate::trainer::{GenRequest, RewardSource, RolloutSource, SamplingSpec, ScoreAction, TrainError, TrainItem, derive_seed};
+use crate::data::items::{PromptEncoding, encode_text};
+use crate::data::items::TrainItem;
+use crate::error::TrainError;
+use crate::seeds::derive_seed;
+use crate::sources::{GenRequest, RewardSource, RolloutSource, SamplingSpec, ScoreAction};
 
 /// One agent's answer at one turn.
 #[derive(Debug, Clone, PartialEq)]

@@ -23,8 +23,11 @@ use crate::config::{CheckedConfig, MaporlSection};
 use crate::dist::{Collective, SingleRank};
 use crate::metrics::MetricsWriter;
 use crate::prompts::Followup;
-use crate::trainer::items::PromptEncoding;
-use crate::trainer::{RewardSource, RolloutSource, TrainError, TrainItem, derive_seed};
+use crate::data::items::PromptEncoding;
+use crate::data::items::TrainItem;
+use crate::error::TrainError;
+use crate::seeds::derive_seed;
+use crate::sources::{RewardSource, RolloutSource};
 
 /// Everything a MaPoRL run needs.
 pub struct MaporlSetup {
@@ -290,14 +293,14 @@ impl MaporlTrainer {
         if world == 1 {
             return self.discuss(items, seed);
         }
-        let positions: Vec<usize> = crate::trainer::run::rank_share(&(0..items.len()).collect::<Vec<_>>(), rank, world);
+        let positions: Vec<usize> = crate::dist::rank_share(&(0..items.len()).collect::<Vec<_>>(), rank, world);
         let mine: Vec<&TrainItem> = positions.iter().map(|&q| items[q]).collect();
         let own = if mine.is_empty() { Vec::new() } else { self.discuss(&mine, seed)? };
         let bytes = serde_json::to_vec(&own).map_err(|e| TrainError::Dist(format!("serialising discussions: {e}")))?;
         let mut all: Vec<Option<Discussion>> = vec![None; items.len()];
         for (r, part) in self.dist.all_gather_bytes(&bytes)?.iter().enumerate() {
             let theirs: Vec<Discussion> = serde_json::from_slice(part).map_err(|e| TrainError::Dist(format!("rank {r}'s discussions: {e}")))?;
-            let at = crate::trainer::run::rank_share(&(0..items.len()).collect::<Vec<_>>(), r, world);
+            let at = crate::dist::rank_share(&(0..items.len()).collect::<Vec<_>>(), r, world);
             for (mut d, q) in theirs.into_iter().zip(at) {
                 d.item = q;
                 all[q] = Some(d);
@@ -351,7 +354,7 @@ impl MaporlTrainer {
         self.sync_all()?;
         info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
             steps = total, adapters = self.s.adapters.policies.len(), critics = self.s.adapters.critics.len(), "MaPoRL training");
-        let bar = if root { crate::trainer::run::progress_bar(self.s.cfg.raw.logging.progress, total, 0) } else { None };
+        let bar = if root { crate::metrics::progress::progress_bar(self.s.cfg.raw.logging.progress, total, 0) } else { None };
         let qps = self.m.questions_per_step();
         let interval = self.m.eval_interval as u64;
         for epoch in 0..self.m.num_train_epochs as u64 {

@@ -27,9 +27,9 @@ use cotrain_model::families::CausalLm;
 use super::agents::{Adapters, Bases, Critic, PolicyAdapter};
 use crate::dist::{Collective, SingleRank};
 use crate::algo::ppo::{clipped_policy_loss, clipped_value_loss, explained_variance, gae, kl_per_token, token_rewards, whiten};
-use crate::trainer::policy::padded_rows as pad_f32;
+use crate::algo::padding::pad_values;
 use crate::config::MaporlSection;
-use crate::trainer::TrainError;
+use crate::error::TrainError;
 
 /// One answer to train on.
 #[derive(Debug, Clone)]
@@ -60,7 +60,7 @@ fn model_err(what: &str) -> impl Fn(cotrain_model::ModelError) -> TrainError + '
 }
 
 /// Right-padded (B, L) ids of prompt + response rows, and each row's prompt length.
-fn padded_rows(rows: &[(&[u32], &[u32])]) -> (Tensor, Vec<usize>) {
+fn pad_sequences(rows: &[(&[u32], &[u32])]) -> (Tensor, Vec<usize>) {
     let l = rows.iter().map(|(p, r)| p.len() + r.len()).max().unwrap_or(1);
     let mut ids = vec![0i64; rows.len() * l];
     for (b, (p, r)) in rows.iter().enumerate() {
@@ -74,7 +74,7 @@ fn padded_rows(rows: &[(&[u32], &[u32])]) -> (Tensor, Vec<usize>) {
 /// Values (B, Cmax) at the positions predicting each response token (prompt_len − 1 + t), zero
 /// beyond each response.
 fn response_values(critic: &Critic, base: &CausalLm, rows: &[(&[u32], &[u32])], with_grad: bool) -> Result<Tensor, TrainError> {
-    let (ids, prompt_lens) = padded_rows(rows);
+    let (ids, prompt_lens) = pad_sequences(rows);
     let v = critic.values(base, &ids.to_device(base.device()), with_grad)?;
     let l = v.size()[1];
     let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0) as i64;
@@ -403,7 +403,7 @@ fn policy_minibatch(p: &mut PolicyAdapter, net: &CausalLm, mb: &[usize], data: &
     if !part.is_empty() {
         let seqs: Vec<Sequence> = part.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
         let cmax = part.iter().map(|&k| samples[k].response.len()).max().unwrap_or(0);
-        let old = pad_f32(part.iter().map(|&k| records[k].logprobs.as_slice()), cmax);
+        let old = pad_values(part.iter().map(|&k| records[k].logprobs.as_slice()), cmax);
         let adv = pad(&part.iter().map(|&k| whitened[k].as_slice()).collect::<Vec<_>>(), cmax);
         let opts = LogProbOptions { chunk_size: cotrain_model::logprobs::TRAINING_CHUNK, with_grad: true, temperature: m.temperature };
         let tlp = p.with_model(net, |model| completion_logprobs(model, &seqs, &opts))?.map_err(model_err("policy log-probs"))?;
@@ -444,7 +444,7 @@ fn value_minibatch(c: &mut Critic, net: &CausalLm, mb: &[usize], data: &EpochDat
         let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
         let mask_rows: Vec<Vec<f64>> = part.iter().map(|&k| vec![1.0; samples[k].response.len()]).collect();
         let mask = pad(&mask_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
-        let old = pad_f32(part.iter().map(|&k| records[k].values.as_slice()), cmax);
+        let old = pad_values(part.iter().map(|&k| records[k].values.as_slice()), cmax);
         let ret = pad(&part.iter().map(|&k| records[k].returns.as_slice()).collect::<Vec<_>>(), cmax);
         let v = response_values(c, net, &rows, true)?;
         let device = v.device();

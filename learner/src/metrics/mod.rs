@@ -1,6 +1,7 @@
 //! Run metrics: one JSON object per step in `metrics.jsonl`, and the same scalars in a TensorBoard
 //! event file.
 
+pub mod progress;
 mod tfevents;
 
 use std::collections::BTreeMap;
@@ -130,6 +131,11 @@ pub fn read_metrics(path: &Path) -> std::io::Result<Vec<MetricsRecord>> {
         out.push(MetricsRecord { step, time, values });
     }
     Ok(out)
+}
+
+/// The mean of `v` (0 when empty).
+pub fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 }
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::oneshot;
 use tracing::warn;
 
-use crate::trainer::TrainError;
+use crate::error::TrainError;
 
 /// A reward server running on this process's runtime; stopped when dropped.
 pub struct EmbeddedReward {

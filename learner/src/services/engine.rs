@@ -7,7 +7,8 @@ use cotrain_model::engine::{Engine, FinishReason, LogprobMode, Request, Sampling
 use cotrain_model::loader::LoadedModel;
 use tch::Tensor;
 
-use crate::trainer::{GenRequest, GenSample, RolloutSource, TrainError};
+use crate::error::TrainError;
+use crate::sources::{GenRequest, GenSample, RolloutSource};
 
 /// See the module docs.
 pub struct EngineRollout {

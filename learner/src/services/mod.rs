@@ -1,4 +1,4 @@
-//! The trainer's connections to the services, behind the [`crate::trainer::RolloutSource`] and
+//! The trainer's connections to the services, behind the [`crate::sources::RolloutSource`] and
 //! [`crate::trainer::RewardSource`] traits:
 //!
 //! - [`PoolRollout`]: rollout workers over gRPC through the client pool (static endpoints or a DNS
@@ -11,6 +11,7 @@
 //! - [`EngineRollout`]: the generation engine in this process without a network hop, behind the same
 //!   trait (the learning and resume tests use it to test the algorithm in seconds).
 
+pub mod connect;
 pub mod embedded;
 mod engine;
 mod pool;

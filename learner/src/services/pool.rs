@@ -13,13 +13,15 @@ use cotrain_proto::rollout::{self as pb, GenerateRequest, Prompt, prompt::Kind a
 use cotrain_rollout_client::pool::{PoolConfig, RolloutPool};
 use cotrain_rollout_client::shm::ShmFile;
 use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
+use cotrain_rollout_worker::weights::WireDTypeExt;
 use tch::Tensor;
 use tokio::runtime::Runtime;
 use tracing::{debug, info, warn};
 
 use crate::config::{WeightDtype, WeightTransport};
-use crate::trainer::sources::{PoolStats, PushStats};
-use crate::trainer::{GenRequest, GenSample, RolloutSource, TrainError, WeightPush};
+use crate::sources::{PoolStats, PushStats};
+use crate::error::TrainError;
+use crate::sources::{GenRequest, GenSample, RolloutSource, WeightPush};
 
 /// See the module docs.
 pub struct PoolRollout {

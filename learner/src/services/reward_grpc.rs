@@ -8,7 +8,8 @@ use cotrain_proto::reward::{AnalyzeRequest, JointAction, ScoreRequest};
 use tokio::runtime::Runtime;
 use tonic::transport::Channel;
 
-use crate::trainer::{CodeOutcome, FeedbackSpec, RewardSource, Score, ScoreAction, TrainError};
+use crate::error::TrainError;
+use crate::sources::{CodeOutcome, FeedbackSpec, RewardSource, Score, ScoreAction};
 
 /// See the module docs.
 pub struct GrpcReward {
@@ -74,7 +75,7 @@ impl GrpcReward {
     }
 
     /// Sends `options` with every scoring request (the config's `reward.options`).
-    pub fn with_options(mut self, options: &cotrain_reward_server::rewards::ScoreOptions) -> Self {
+    pub fn with_options(mut self, options: &cotrain_proto::reward_options::ScoreOptions) -> Self {
         self.options_json = serde_json::to_string(options).unwrap_or_default();
         self
     }

@@ -13,8 +13,9 @@ use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs};
 use tch::{Kind, Tensor};
 use tracing::warn;
 
-use super::TrainError;
+use crate::algo::padding::pad_values;
 use crate::algo::{AdamW, AdamWConfig, LossOptions, PolicyBatch, policy_loss};
+use crate::error::TrainError;
 
 /// One completion with its advantage, ready for the loss.
 #[derive(Debug, Clone, PartialEq)]
@@ -187,7 +188,7 @@ impl Policy {
                     let device = lp.device();
                     let adv = Tensor::from_slice(&mb.iter().map(|s| s.advantage).collect::<Vec<f64>>()).to_device(device);
                     let weights = Tensor::from_slice(&mb.iter().map(|s| s.weight).collect::<Vec<f64>>()).to_device(device);
-                    let old = behaviour.then(|| padded_rows(mb.iter().map(|s| s.old_logprobs.as_slice()), width).to_device(device));
+                    let old = behaviour.then(|| pad_values(mb.iter().map(|s| s.old_logprobs.as_slice()), width).to_device(device));
                     if decoupled && proximal[ai][mi].is_none() {
                         proximal[ai][mi] = Some(lp.detach().copy());
                     }
@@ -305,13 +306,3 @@ fn has_gradient(mb: &[TrainSample], loss_opts: &LossOptions) -> bool {
     !mb.iter().all(|s| s.weight == 0.0 || (s.advantage == 0.0 && loss_opts.kl.is_none()))
 }
 
-/// Right-pads rows of per-token values into a (K, width) f32 tensor.
-pub(crate) fn padded_rows<'a>(rows: impl Iterator<Item = &'a [f32]>, width: usize) -> Tensor {
-    let rows: Vec<&[f32]> = rows.collect();
-    let mut flat = vec![0f32; rows.len() * width];
-    for (i, r) in rows.iter().enumerate() {
-        let n = r.len().min(width);
-        flat[i * width..i * width + n].copy_from_slice(&r[..n]);
-    }
-    Tensor::from_slice(&flat).view([rows.len() as i64, width as i64])
-}

@@ -8,35 +8,17 @@ use std::time::Instant;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::items::PromptEncoding;
-use super::run::{Trainer, derive_seed};
-use super::sources::{GenRequest, GenSample, Score, ScoreAction};
+use super::batch::{RolloutPlan, RolloutTimes};
+use super::setup::Trainer;
 use super::transition::{TransitionInput, extend_history, feedback_texts, fit_prompt};
-use super::tree::{AgentPrompt, Expansion, Forest, Node, expand, node_actions};
-use super::{TrainError, TrainItem};
+use super::tree::{AgentPrompt, Forest, Node, expand, node_actions};
 use crate::algo::RewardProcessor;
-use crate::config::JointMode;
+use crate::data::items::PromptEncoding;
+use crate::data::items::TrainItem;
+use crate::error::TrainError;
 use crate::prompts::multiturn::NextTurn;
-
-/// What a rollout is for: training (G per node, the configured variant) or evaluation (k paths).
-#[derive(Debug, Clone, Copy)]
-pub struct RolloutPlan {
-    pub expansion: Expansion,
-    pub joint_mode: JointMode,
-    /// Samples per agent at the roots.
-    pub g: usize,
-    /// Seed tag and step (training: the step; evaluation: 0, so evaluations are comparable).
-    pub seed_tag: u64,
-    pub seed_step: u64,
-}
-
-/// Wall-clock seconds of a rollout's phases.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RolloutTimes {
-    pub generate: f64,
-    pub reward: f64,
-    pub transition: f64,
-}
+use crate::seeds::derive_seed;
+use crate::sources::{GenRequest, GenSample, Score, ScoreAction};
 
 const TAG_HANDOFF: u64 = 5;
 
@@ -81,7 +63,7 @@ impl Trainer {
                     agents.push(a);
                 }
             }
-            let mut drawn = self.generate_checked(&reqs, &agents)?.into_iter();
+            let mut drawn = self.draw_samples(&reqs, &agents)?.into_iter();
             for &id in &frontier {
                 let g = forest.nodes[id].g;
                 let per_agent: Vec<Vec<GenSample>> = (0..n).map(|_| drawn.next().unwrap_or_default()).collect();
@@ -202,7 +184,7 @@ impl Trainer {
     /// completion alone and take the mean over the agents (levels likewise).
     pub(super) fn score_actions(&mut self, batch: &[ScoreAction]) -> Result<Vec<Score>, TrainError> {
         let n = self.s.cfg.num_agents;
-        let scores = if n > 1 && super::run::per_agent_task(&self.s.task) {
+        let scores = if n > 1 && per_agent_task(&self.s.task) {
             let singles: Vec<ScoreAction> = batch
                 .iter()
                 .flat_map(|a| {
@@ -217,7 +199,7 @@ impl Trainer {
             if s.len() != singles.len() {
                 return Err(TrainError::Reward(format!("{} scores for {} completions", s.len(), singles.len())));
             }
-            s.chunks(n).map(super::run::mean_score).collect()
+            s.chunks(n).map(mean_score).collect()
         } else {
             self.s.reward.score(&self.s.task, batch)?
         };
@@ -227,3 +209,26 @@ impl Trainer {
         Ok(scores)
     }
 }
+
+/// Tasks whose reward scores one answer at a time.
+pub(super) fn per_agent_task(task: &str) -> bool {
+    matches!(task, "gsm8k" | "anli")
+}
+
+/// The mean of several scores (reward and every level); details of each kept in a list.
+pub(super) fn mean_score(scores: &[Score]) -> Score {
+    let k = scores.len().max(1) as f64;
+    let mut levels = std::collections::BTreeMap::new();
+    for s in scores {
+        for (l, v) in &s.levels {
+            *levels.entry(l.clone()).or_insert(0.0) += v / k;
+        }
+    }
+    Score {
+        reward: scores.iter().map(|s| s.reward).sum::<f64>() / k,
+        levels,
+        details: serde_json::Value::Array(scores.iter().map(|s| s.details.clone()).collect()),
+        code: None,
+    }
+}
+

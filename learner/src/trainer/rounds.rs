@@ -8,10 +8,10 @@
 //! own; only the floating-point summation order inside products changes with the thread count.
 //! `learner.concurrent_policies: false` runs them in turn.
 
-use super::TrainError;
 use super::policy::{AgentBatches, Policy, UpdateStats};
 use crate::algo::LossOptions;
 use crate::dist::{Collective, SingleRank};
+use crate::error::TrainError;
 
 /// One optimiser round of one policy: its agents' mini-batches and their sample counts over all ranks.
 pub(super) struct Round {

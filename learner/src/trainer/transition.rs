@@ -9,13 +9,13 @@
 
 use cotrain_model::loader::LoadedModel;
 
-use super::TrainError;
-use super::items::{PromptEncoding, encode_text};
-use super::sources::{FeedbackSpec, RewardSource, ScoreAction};
 use super::tree::AgentPrompt;
 use crate::config::{ExternalConfig, ExternalMode, SandboxSlice};
+use crate::data::items::{PromptEncoding, encode_text};
+use crate::error::TrainError;
 use crate::external::expert::{ExpertClient, ExpertEdits, ExpertFailure, ExpertRequest, FailureKind};
 use crate::prompts::multiturn::{NextTurn, TurnRecord, compose_next_turn, droppable_entries};
+use crate::sources::{FeedbackSpec, RewardSource, ScoreAction};
 
 /// One child to build prompts for: the dataset row and, per agent, the completion carried on.
 #[derive(Debug, Clone)]

@@ -20,10 +20,11 @@
 
 use rand::Rng;
 
-use super::sources::{GenSample, Score};
 use crate::algo::{AdvantageOptions, JointAction, advantages, credit_per_agent};
 use crate::config::{Handoff, JointMode};
+use crate::metrics::mean;
 use crate::prompts::multiturn::TurnRecord;
+use crate::sources::{GenSample, Score};
 
 /// One agent's prompt at a node.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -307,6 +308,3 @@ pub fn max_tree_nodes(mode: JointMode, num_agents: usize, g: usize, turns: usize
     (0..turns).map(|t| b.saturating_pow(t as u32)).fold(0u128, u128::saturating_add)
 }
 
-fn mean(v: &[f64]) -> f64 {
-    if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 }
-}

@@ -128,7 +128,7 @@ pub fn fill(
     rounds: usize,
     sampler: &mut super::generate::Sampler,
     items: &std::collections::HashMap<String, serde_json::Value>,
-) -> Result<FillReport, crate::trainer::TrainError> {
+) -> Result<FillReport, crate::error::TrainError> {
     use super::generate::Ask;
     let mut report = FillReport::default();
     let count = |e: &QuestionEntry, want: bool| (0..e.rewards.len()).filter(|&i| e.correct(i) == want).count();

@@ -20,8 +20,11 @@ use tracing::info;
 use super::data::{QuestionEntry, VerifierData};
 use crate::config::{CheckedConfig, VerifierSection};
 use crate::data::{DatasetKind, load_split};
-use crate::trainer::items::{encode_text, item_json, reward_task};
-use crate::trainer::{GenRequest, RewardSource, RolloutSource, SamplingSpec, ScoreAction, ServiceGuard, TrainError, connect_services, derive_seed};
+use crate::data::items::{encode_text, item_json, reward_task};
+use crate::error::TrainError;
+use crate::seeds::derive_seed;
+use crate::services::connect::{ServiceGuard, connect_services};
+use crate::sources::{GenRequest, RewardSource, RolloutSource, SamplingSpec, ScoreAction};
 
 /// The worker agent that samples the answers (remote workers: `--agent agent0=MODEL`).
 pub const AGENT: &str = "agent0";
@@ -210,7 +213,7 @@ pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, Trai
     if resumed > 0 {
         info!(resumed, remaining = todo.len(), file = %out.display(), "resuming: questions already in the file are skipped");
     }
-    let pb = crate::trainer::run::progress_bar(cfg.raw.logging.progress, todo.len() as u64, 0);
+    let pb = crate::metrics::progress::progress_bar(cfg.raw.logging.progress, todo.len() as u64, 0);
     let started = Instant::now();
     let mut summary = GenerateSummary { questions: 0, resumed, answers: 0, correct: 0, seconds: 0.0 };
     for round in todo.chunks(QUESTIONS_PER_ROUND) {

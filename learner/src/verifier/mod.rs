@@ -17,10 +17,10 @@ pub mod train;
 pub use data::{Example, QuestionEntry, VerifierData};
 
 /// The reward server's task name of the config's dataset (`gsm8k`, `anli`, ...).
-pub fn task_of(cfg: &crate::config::CheckedConfig) -> Result<String, crate::trainer::TrainError> {
+pub fn task_of(cfg: &crate::config::CheckedConfig) -> Result<String, crate::error::TrainError> {
     let kind = crate::data::DatasetKind::resolve(&cfg.raw.dataset)
-        .map_err(|e| crate::trainer::TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
-    Ok(crate::trainer::items::reward_task(kind).to_string())
+        .map_err(|e| crate::error::TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
+    Ok(crate::data::items::reward_task(kind).to_string())
 }
 
 /// The user message the verifier reads for `question` (the `verifier.user_template`).

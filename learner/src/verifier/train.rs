@@ -19,7 +19,7 @@ use super::stats;
 use crate::algo::{AdamW, AdamWConfig};
 use crate::config::{CheckedConfig, VerifierSection};
 use crate::metrics::MetricsWriter;
-use crate::trainer::TrainError;
+use crate::error::TrainError;
 
 /// What a finished training leaves.
 #[derive(Debug, Clone)]
@@ -76,7 +76,7 @@ pub fn train_verifier(cfg: &CheckedConfig, data: &VerifierData, out: &Path) -> R
     let vcfg: VerifierSection = cfg.raw.verifier.clone().unwrap_or_default();
     let (train_data, test_data) = data.split(vcfg.test_questions).map_err(TrainError::Data)?;
     let spec = cfg.raw.model.name.clone();
-    let base = cotrain_model::loader::load(&spec, &crate::trainer::load_options(cfg)?).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+    let base = cotrain_model::loader::load(&spec, &crate::model_options::load_options(cfg)?).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
     tch::manual_seed(cfg.raw.seed as i64);
     let lora = (!vcfg.full_finetune).then(|| vcfg.lora.to_model());
     let v = Verifier::new(base, &spec, lora, vcfg.max_length).map_err(|e| TrainError::Model(e.to_string()))?;
@@ -97,7 +97,7 @@ pub fn train_verifier(cfg: &CheckedConfig, data: &VerifierData, out: &Path) -> R
     let steps_per_epoch = train.len().div_ceil(per_step) as u64;
     let total = steps_per_epoch * vcfg.num_train_epochs as u64;
     info!(train_answers = train.len(), heldout_answers = test.len(), steps = total, weights = %v.manifest.weights, "training the verifier");
-    let pb = crate::trainer::run::progress_bar(cfg.raw.logging.progress, total, 0);
+    let pb = crate::metrics::progress::progress_bar(cfg.raw.logging.progress, total, 0);
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.raw.seed);
     let (mut step, mut heldout) = (0u64, BTreeMap::new());
     let mut last_scores = Vec::new();

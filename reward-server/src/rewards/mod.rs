@@ -24,6 +24,9 @@ use serde::{Deserialize, Serialize};
 use crate::code_runner::{CodeRunner, RunnerError};
 
 pub use code::diagnostics::{CodeDiagnostics, TestSlice};
+/// The scoring options are defined in `cotrain-proto`, beside the protocol that carries them, so
+/// that the learner's config can name them without depending on this crate's internals.
+pub use cotrain_proto::reward_options::{CodeFunctions, CodeTests, ScoreOptions};
 pub use feedback::FeedbackMode;
 pub use writing::ArxivRatioVersion;
 
@@ -91,93 +94,6 @@ impl TryFrom<String> for TaskKind {
 impl From<TaskKind> for String {
     fn from(t: TaskKind) -> String {
         t.as_str().to_string()
-    }
-}
-
-/// Options of one scoring call. Every field has the original's default; each correction cotrain
-/// offers beside the original is one named field (README, "Reward options").
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ScoreOptions {
-    /// Which arXiv length-ratio table (newest by default).
-    pub arxiv_ratio: ArxivRatioVersion,
-    /// Seed of the random split point of single-agent writing without a marker.
-    pub split_seed: u64,
-    /// Time limit of each code test.
-    pub per_test_timeout_secs: f64,
-    /// Stop testing after this many timeouts.
-    pub max_timeouts: usize,
-    /// How functions are found in code completions and checked (`has a return`, calls `aux`, thin
-    /// wrapper, ignored result): the original's line rules, or cotrain's structural reading.
-    pub code_functions: CodeFunctions,
-    /// Which statements of `check` are tests: the original's assert lines, or whole statements.
-    pub code_tests: CodeTests,
-    /// Keep single-line import statements written at the top of code completions (the original
-    /// drops them, so `import math` above a function fails with a NameError).
-    pub completion_imports: bool,
-    /// Put the prompt's own helper functions (other than the entry point, e.g. `is_palindrome` in
-    /// HumanEval/10) before the program (the original leaves them out, so solutions calling them fail).
-    pub prompt_helpers: bool,
-    /// Run each test statement once. The original evaluates `f(args)` and the expected value of an
-    /// `assert f(args) == expected` before executing the assert, so `f` runs twice.
-    pub single_call_tests: bool,
-}
-
-/// `code_functions`: how function definitions are found and judged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CodeFunctions {
-    /// The original's regular expressions, line by line (see `code::original`).
-    #[default]
-    Original,
-    /// cotrain's scanner (see `code::extract`): whole definitions with nested functions, decorators
-    /// and `async def`; the last definition of a name wins; `return`, `aux(` calls, thin wrappers and
-    /// ignored results judged on statements, outside strings and comments.
-    Structural,
-}
-
-/// `code_tests`: what counts as one test of an item.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CodeTests {
-    /// The original's: each line of `check` starting with `assert` that contains `candidate`,
-    /// deduplicated (a multi-line assert contributes its first line only, which then fails).
-    #[default]
-    Original,
-    /// Each statement of `check` whose asserts use `candidate`: multi-line asserts whole, loops of
-    /// asserts as one test, run after the set-up statements before them (`assert True` lines are
-    /// still not tests).
-    Statements,
-}
-
-impl Default for ScoreOptions {
-    fn default() -> Self {
-        ScoreOptions {
-            arxiv_ratio: ArxivRatioVersion::default(),
-            split_seed: 0,
-            per_test_timeout_secs: 10.0,
-            max_timeouts: 3,
-            code_functions: CodeFunctions::Original,
-            code_tests: CodeTests::Original,
-            completion_imports: false,
-            prompt_helpers: false,
-            single_call_tests: false,
-        }
-    }
-}
-
-impl ScoreOptions {
-    /// Every cotrain correction on: structural functions, whole-statement tests, completion
-    /// imports, prompt helpers, one call per test.
-    pub fn corrected() -> Self {
-        ScoreOptions {
-            code_functions: CodeFunctions::Structural,
-            code_tests: CodeTests::Statements,
-            completion_imports: true,
-            prompt_helpers: true,
-            single_call_tests: true,
-            ..ScoreOptions::default()
-        }
     }
 }
 

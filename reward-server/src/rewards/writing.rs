@@ -24,16 +24,9 @@ use serde_json::json;
 
 use super::{RewardError, ScoreOptions, ScoreResult, TaskKind};
 
-/// The arXiv length-ratio table in force.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ArxivRatioVersion {
-    /// From 2025-12-31: [1.3, 1.6] full, ramps down to 0.8 and up to 2.0.
-    #[default]
-    Newest,
-    /// Before: [1.0, 1.3] full, ramps down to 0.8 and up to 1.5.
-    Earlier,
-}
+/// The arXiv length-ratio table in force: a scoring option, defined in `cotrain-proto` with the
+/// other [`ScoreOptions`].
+pub use cotrain_proto::reward_options::ArxivRatioVersion;
 
 /// The word lists of the original writing rewards (`data/writing_lexicon`, see its SOURCE.md).
 #[derive(Debug, Deserialize)]

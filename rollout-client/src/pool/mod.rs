@@ -633,8 +633,8 @@ impl Inner {
         let endpoint = cotrain_proto::tls::endpoint(address, self.cfg.tls.as_ref())
             .map_err(PoolError::Config)?
             .connect_timeout(self.cfg.connect_timeout)
-            .initial_stream_window_size(crate::STREAM_WINDOW_BYTES)
-            .initial_connection_window_size(crate::CONNECTION_WINDOW_BYTES)
+            .initial_stream_window_size(crate::wire::STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(crate::wire::CONNECTION_WINDOW_BYTES)
             .tcp_nodelay(true);
         let w = Arc::new(Worker::new(address, endpoint.connect_lazy(), origin));
         info!(worker = address, ?origin, "rollout worker added to the pool");

@@ -6,8 +6,8 @@ use cotrain_model::chat_template::{ChatMessage as TemplateMessage, ChatTemplate}
 use cotrain_model::loader::LoadedModel;
 use cotrain_model::tokenizer::Tokenizer;
 
-use super::TrainError;
-use crate::data::{Dataset, DatasetKind, TaskItem};
+use crate::error::TrainError;
+use super::{Dataset, DatasetKind, TaskItem};
 use crate::prompts::Prompter;
 
 /// One dataset row, ready to be rolled out.

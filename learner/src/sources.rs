@@ -1,4 +1,4 @@
-//! The two seams between the trainer and the outside world: where samples come from
+//! The two seams between the trainers and the outside world: where samples come from
 //! ([`RolloutSource`]) and where rewards come from ([`RewardSource`]).
 //!
 //! The real implementations talk gRPC ([`crate::services`]): the rollout-worker pool and the reward
@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 use tch::Tensor;
 
-use super::TrainError;
+use crate::error::TrainError;
 
 /// Sampling parameters of one request.
 #[derive(Debug, Clone, Copy, PartialEq)]

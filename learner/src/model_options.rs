@@ -1,0 +1,89 @@
+//! How a config maps to models: the device and dtypes of the learner's policies and of rollouts
+//! (`model.device`, `model.dtype`, `model.matmul_dtype`, `rollout.dtype`), and the agents the rollout
+//! workers must serve. Both trainers and the tools share it.
+
+use cotrain_model::loader::LoadOptions;
+use tch::{Device, Kind};
+
+use crate::config::{CheckedConfig, Dtype};
+use crate::error::TrainError;
+
+/// This process's device for `model.device`, resolved once per request (so `auto` logs its choice
+/// once): `cuda` means this rank's GPU, by the launcher's local rank.
+pub fn learner_device(cfg: &CheckedConfig) -> Result<Device, TrainError> {
+    static RESOLVED: std::sync::Mutex<Vec<((cotrain_model::cuda::DeviceRequest, usize), Result<Device, String>)>> = std::sync::Mutex::new(Vec::new());
+    let request = cfg.raw.model.device;
+    // A broken launcher environment is reported by `dist::init`; the device then is rank 0's.
+    let local_rank = crate::dist::RankEnv::from_env().map(|e| e.local_rank).unwrap_or(0);
+    let mut resolved = RESOLVED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, d)) = resolved.iter().find(|(k, _)| *k == (request, local_rank)) {
+        return d.clone().map_err(TrainError::Config);
+    }
+    let d = request.resolve(local_rank).map_err(|e| format!("model.device: {e}"));
+    resolved.push(((request, local_rank), d.clone()));
+    d.map_err(TrainError::Config)
+}
+
+/// Device and dtype of the learner's models (`model.device`, `model.dtype`).
+pub fn load_options(cfg: &CheckedConfig) -> Result<LoadOptions, TrainError> {
+    let device = learner_device(cfg)?;
+    Ok(LoadOptions { device, kind: param_kind(cfg.raw.model.dtype, device) })
+}
+
+fn param_kind(dtype: Dtype, device: Device) -> Kind {
+    match (dtype, device) {
+        (Dtype::F32, _) | (Dtype::Auto, Device::Cpu) => Kind::Float,
+        (Dtype::Bf16, _) | (Dtype::Auto, _) => Kind::BFloat16,
+        (Dtype::F16, _) => Kind::Half,
+    }
+}
+
+/// The policies' parameter dtype. A device that cannot be resolved counts as the CPU here: such a
+/// run stops at [`load_options`] before any of these kinds is used.
+fn policy_kind(cfg: &CheckedConfig) -> Kind {
+    param_kind(cfg.raw.model.dtype, learner_device(cfg).unwrap_or(Device::Cpu))
+}
+
+/// The precision rollouts are drawn in (`rollout.dtype`; `auto`: the policy's own).
+pub fn rollout_kind(cfg: &CheckedConfig) -> Kind {
+    cfg.raw.rollout.dtype.kind(policy_kind(cfg))
+}
+
+/// The dtype of the trained policies' products when it is not their parameters'
+/// (`model.matmul_dtype`), for [`cotrain_model::CausalLm::set_matmul_kind`].
+pub fn matmul_kind(cfg: &CheckedConfig) -> Option<Kind> {
+    let params = policy_kind(cfg);
+    let kind = cfg.raw.model.matmul_dtype.kind(params);
+    (kind != params).then_some(kind)
+}
+
+/// Whether rollouts are drawn in another precision than the policy trains in: their dtype is not
+/// the parameters', or training's products run in another dtype (then even bf16 rollouts are not
+/// bit-identical: they keep f32 activations). The loss then measures the log-prob gap and corrects
+/// for it (`rollout.importance_weight_cap`).
+pub fn rollout_precision_differs(cfg: &CheckedConfig) -> bool {
+    rollout_kind(cfg) != policy_kind(cfg) || matmul_kind(cfg).is_some()
+}
+
+/// The rollout workers' agents a run of `cfg` trains, as `(agent name, model spec)`, each needing
+/// weights of its own on every worker: `shared` with shared parameters, `agent{i}` otherwise, and
+/// MaPoRL's adapter keys. `learner worker-args` prints them for the deploy scripts.
+pub fn worker_agents(cfg: &CheckedConfig) -> Vec<(String, String)> {
+    if let Some(m) = cfg.raw.maporl.as_ref().filter(|_| cfg.algorithm == crate::config::Algorithm::Maporl) {
+        let mut agents: Vec<(String, String)> = Vec::new();
+        for (agent, spec) in cfg.agent_models.iter().enumerate().take(cfg.num_agents) {
+            for turn in 0..m.round_num {
+                let key = crate::maporl::adapter_key(m.adapter_layout, agent, turn);
+                if !agents.iter().any(|(k, _)| *k == key) {
+                    agents.push((key, spec.clone()));
+                }
+            }
+        }
+        agents.sort();
+        return agents;
+    }
+    if cfg.trainer.shared_parameters {
+        return vec![("shared".into(), cfg.agent_models[0].clone())];
+    }
+    cfg.agent_models.iter().enumerate().map(|(i, spec)| (format!("agent{i}"), spec.clone())).collect()
+}

@@ -1,0 +1,305 @@
+//! One on-policy step: roll out this rank's items, compute returns and advantages, update each
+//! policy in its rounds, push the new weights, and report the step's scalars.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use super::batch::{AsyncReport, RolloutPlan, RolloutTimes, StepRollout};
+use super::policy::{AgentBatches, TrainSample, UpdateStats};
+use super::rounds::{Round, run_rounds};
+use super::setup::{TAG_SAMPLE, Trainer};
+use super::step_metrics::{reward_metrics, turn_metrics};
+use super::tree::{Expansion, Forest};
+use crate::algo::{AdvantageOptions, LossOptions, RolloutBuffer};
+use crate::config::MultiTurnMode;
+use crate::data::items::TrainItem;
+use crate::dist::SingleRank;
+use crate::dist::rank_share;
+use crate::error::TrainError;
+use crate::metrics::mean;
+use crate::sources::{GenSample, Score, WeightPush};
+
+impl Trainer {
+    /// The rollout plan of training: G per node, the configured variant (single-turn: the forest of
+    /// roots only).
+    pub(super) fn train_plan(&self, step: u64) -> RolloutPlan {
+        let t = &self.s.cfg.trainer;
+        let expansion = match t.rollout {
+            MultiTurnMode::Tree => Expansion::Tree { termination_threshold: t.termination_threshold },
+            MultiTurnMode::Handoff => Expansion::Handoff { handoff: t.handoff, early_termination_threshold: t.early_termination_threshold },
+        };
+        RolloutPlan { expansion, joint_mode: t.joint_mode, g: t.num_generations, seed_tag: TAG_SAMPLE, seed_step: step }
+    }
+
+    /// One step on the given rows of the train split (see the module docs); returns its scalars.
+    pub fn train_step(&mut self, rows: &[usize]) -> Result<BTreeMap<String, f64>, TrainError> {
+        let t_step = Instant::now();
+        let batch = self.roll_out_rows(rows, self.step)?;
+        self.update_and_report(batch, t_step, None, AsyncReport::default())
+    }
+
+    /// This rank's share of `rows` rolled out as step `step` (its seeds).
+    pub(super) fn roll_out_rows(&mut self, rows: &[usize], step: u64) -> Result<StepRollout, TrainError> {
+        let layout = self.layout();
+        // This rank's shard of the step's items: every shards-th, from its shard on.
+        let items: Vec<TrainItem> = rank_share(rows, layout.shard, layout.shards).iter().map(|&r| self.s.train_items[r].clone()).collect();
+        let plan = self.train_plan(step);
+        if layout.own.is_none() {
+            let refs: Vec<&TrainItem> = items.iter().collect();
+            let (forest, times) = self.roll_out(&refs, &plan)?;
+            return Ok(StepRollout { rows: rows.to_vec(), items, forest, times });
+        }
+        // Agent placement: the ranks of policy 0 (ranks 0..shards) roll their shards out for every
+        // agent; every other rank receives its shard's rollout from them.
+        let (mut forest, mut times) = (Forest::default(), RolloutTimes::default());
+        if self.dist.rank() < layout.shards {
+            let refs: Vec<&TrainItem> = items.iter().collect();
+            (forest, times) = self.roll_out(&refs, &plan)?;
+        }
+        let bytes = serde_json::to_vec(&forest).map_err(|e| TrainError::Dist(format!("serialising the step's rollouts: {e}")))?;
+        let all = self.dist.all_gather_bytes(&bytes)?;
+        let forest = serde_json::from_slice(&all[layout.shard]).map_err(|e| TrainError::Dist(format!("rank {}'s rollouts: {e}", layout.shard)))?;
+        Ok(StepRollout { rows: rows.to_vec(), items, forest, times })
+    }
+
+    /// Advantages, the optimiser rounds (on another thread while `lookahead`'s rollout is drawn
+    /// here, for asynchronous rollouts), the weight push and the step's metrics.
+    pub(super) fn update_and_report(
+        &mut self,
+        batch: StepRollout,
+        t_step: Instant,
+        lookahead: Option<&[usize]>,
+        mut report: AsyncReport,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
+        let cfg = self.s.cfg.clone();
+        let n = cfg.num_agents;
+        let world = self.dist.world();
+        let StepRollout { rows, items, mut forest, times } = batch;
+        let handoff = cfg.trainer.rollout == MultiTurnMode::Handoff;
+        forest.compute_returns(cfg.trainer.discount, !handoff);
+        forest.compute_advantages(n, &AdvantageOptions::from_section(&cfg.trainer));
+        forest.assign_turn_weights(&cfg.turn_gradient_weights, cfg.trainer.early_termination_weight, handoff);
+
+        // 4–5. updates: the groups of nodes the original updates on, one optimiser round per policy each.
+        let t = Instant::now();
+        let mut loss_opts = LossOptions::from_section(&cfg.trainer);
+        loss_opts.scale = 1.0;
+        if cfg.raw.rollout.max_off_policy_steps > 0 || super::rollout_precision_differs(&cfg) {
+            // Off-policy samples, or samples drawn in another precision (bf16 rollouts of an f32
+            // policy): the workers' log-probs are the behaviour policy.
+            loss_opts.truncated_is = cfg.raw.rollout.importance_weight_cap;
+            loss_opts.measure_gap = true;
+        }
+        let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
+        let plans = self.plan_rounds(&forest, items.len(), handoff)?;
+        let concurrent = cfg.raw.learner.concurrent_policies;
+        let done = match lookahead {
+            None => run_rounds(&mut self.s.policies, &plans, &loss_opts, epochs, self.dist.as_ref(), concurrent)?,
+            Some(next) => {
+                // The policies train on another thread; rollouts meanwhile read the served versions.
+                let mut policies = std::mem::take(&mut self.s.policies);
+                self.lent = Some(policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect());
+                let (trained, drawn) = std::thread::scope(|scope| {
+                    let worker = scope.spawn(|| {
+                        let t = Instant::now();
+                        // In turn: the rollout below already has the other cores.
+                        (run_rounds(&mut policies, &plans, &loss_opts, epochs, &SingleRank, false), t.elapsed().as_secs_f64())
+                    });
+                    let t = Instant::now();
+                    let drawn = self.roll_out_rows(next, self.step + 1);
+                    let gen_secs = t.elapsed().as_secs_f64();
+                    (worker.join(), (drawn, gen_secs))
+                });
+                self.s.policies = policies;
+                self.lent = None;
+                let (trained, train_secs) = trained.map_err(|_| TrainError::Model("the update thread panicked".into()))?;
+                let (drawn, gen_secs) = drawn;
+                self.pending = Some(drawn?);
+                report.overlap_secs = train_secs.min(gen_secs);
+                report.lookahead_generate_secs = gen_secs;
+                trained?
+            }
+        };
+        let t_train = t.elapsed().as_secs_f64();
+        let (rounds, updated) = (done.stats, done.updated);
+
+        // 6. the new weights reach every worker before anything else is sampled (rank 0 pushes; the
+        // other ranks wait for it).
+        let t = Instant::now();
+        let (mut push_bytes, mut push_workers) = (0u64, 0usize);
+        let changed: Vec<usize> = updated.iter().enumerate().filter(|(_, c)| **c).map(|(pi, _)| pi).collect();
+        if self.dist.is_root() && !changed.is_empty() {
+            // Every changed policy at once: the pushes overlap where the source can.
+            let params: Vec<_> = changed.iter().map(|&pi| self.s.policies[pi].parameters()).collect();
+            let updates: Vec<WeightPush> = changed
+                .iter()
+                .zip(&params)
+                .map(|(&pi, params)| {
+                    let p = &self.s.policies[pi];
+                    WeightPush { agent: &p.worker_agent, version: p.wire_version + 1, params }
+                })
+                .collect();
+            self.s.rollout.push_weights_all(&updates)?;
+            if let Some(push) = self.s.rollout.last_push() {
+                push_bytes += push.bytes;
+                push_workers = push_workers.max(push.workers);
+            }
+        }
+        for &pi in &changed {
+            self.s.policies[pi].wire_version += 1;
+        }
+        if world > 1 {
+            self.dist.barrier()?;
+        }
+        let t_sync = t.elapsed().as_secs_f64();
+
+        // Rank 0 reports the whole step: every rank's nodes, its items in the same order.
+        let (forest, items) = if world > 1 { self.gather_step(forest, &rows)? } else { (forest, items) };
+        if forest.nodes.is_empty() && !self.dist.is_root() {
+            return Ok(BTreeMap::new());
+        }
+        let item_refs: Vec<&TrainItem> = items.iter().collect();
+
+        if cfg.raw.logging.rollouts {
+            let path = self.s.run_dir.join("rollouts.jsonl");
+            crate::trainer::rollout_log::append(&path, self.step + 1, &forest, &item_refs)
+                .map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))?;
+        }
+
+        // Metrics.
+        let mut m = BTreeMap::new();
+        let all: Vec<&Score> = forest.nodes.iter().flat_map(|n| &n.scores).collect();
+        reward_metrics(&mut m, "", &all);
+        if cfg.is_multi_turn() {
+            turn_metrics(&mut m, &forest, cfg.trainer.num_turns, items.len());
+        }
+        let samples: Vec<&GenSample> = forest.nodes.iter().flat_map(|n| n.samples.iter().flatten()).collect();
+        let lens: Vec<f64> = samples.iter().map(|s| s.token_ids.len() as f64).collect();
+        let gen_tokens: f64 = lens.iter().sum();
+        m.insert("completion_len/mean".into(), mean(&lens));
+        m.insert("completion_len/max".into(), lens.iter().cloned().fold(0.0, f64::max));
+        m.insert("completion/stopped_frac".into(), mean(&samples.iter().map(|s| s.stopped as u8 as f64).collect::<Vec<_>>()));
+        let trained: Vec<&UpdateStats> = rounds.iter().filter(|s| s.skipped.is_none() && s.steps > 0).collect();
+        let avg = |f: fn(&UpdateStats) -> f64| if trained.is_empty() { f64::NAN } else { trained.iter().map(|s| f(s)).sum::<f64>() / trained.len() as f64 };
+        m.insert("loss".into(), avg(|s| s.loss));
+        m.insert("kl".into(), avg(|s| s.kl));
+        m.insert("entropy".into(), avg(|s| s.entropy));
+        m.insert("grad_norm".into(), avg(|s| s.grad_norm));
+        if cfg.trainer.ppo_clip.enabled {
+            m.insert("clip_fraction".into(), avg(|s| s.clip_fraction));
+        }
+        let policies = self.s.policies.len();
+        if policies > 1 {
+            for pi in 0..policies {
+                let own: Vec<f64> = rounds.iter().skip(pi).step_by(policies).filter(|s| s.skipped.is_none()).map(|s| s.loss).collect();
+                m.insert(format!("policy{pi}/loss"), if own.is_empty() { f64::NAN } else { mean(&own) });
+            }
+        }
+        m.insert("skipped_updates".into(), rounds.iter().filter(|s| s.skipped.is_some()).count() as f64);
+        m.insert("optimizer_steps".into(), rounds.iter().map(|s| s.steps as f64).sum::<f64>());
+        m.insert("concurrent_policies".into(), done.concurrent as f64);
+        let train_tokens: f64 = rounds.iter().map(|s| s.tokens).sum();
+        m.insert("tokens_per_s".into(), if times.generate > 0.0 { gen_tokens / times.generate } else { 0.0 });
+        m.insert("train_tokens_per_s".into(), if t_train > 0.0 { train_tokens / t_train } else { 0.0 });
+        m.insert("time/generate".into(), times.generate);
+        m.insert("time/reward".into(), times.reward);
+        if cfg.is_multi_turn() {
+            m.insert("time/transition".into(), times.transition);
+        }
+        m.insert("time/train".into(), t_train);
+        m.insert("time/train_forward".into(), rounds.iter().map(|s| s.secs_forward).sum::<f64>());
+        m.insert("time/train_backward".into(), rounds.iter().map(|s| s.secs_backward).sum::<f64>());
+        m.insert("time/train_optimizer".into(), rounds.iter().map(|s| s.secs_optimizer).sum::<f64>());
+        m.insert("train/minibatches_without_gradient".into(), rounds.iter().map(|s| s.minibatches_without_gradient as f64).sum::<f64>());
+        if world > 1 {
+            m.insert("time/train_allreduce".into(), rounds.iter().map(|s| s.secs_allreduce).sum::<f64>());
+            m.insert("ranks".into(), world as f64);
+        }
+        m.insert("time/weight_sync".into(), t_sync);
+        if cfg.raw.rollout.max_off_policy_steps > 0 {
+            m.insert("async/staleness_mean".into(), mean(&report.staleness));
+            m.insert("async/staleness_max".into(), report.staleness.iter().cloned().fold(0.0, f64::max));
+            m.insert("async/dropped_samples".into(), report.dropped as f64);
+            m.insert("async/redrawn_samples".into(), report.redrawn as f64);
+            m.insert("async/overlap_secs".into(), report.overlap_secs);
+            m.insert("time/generate_next".into(), report.lookahead_generate_secs);
+        }
+        if cfg.raw.rollout.max_off_policy_steps > 0 || super::rollout_precision_differs(&cfg) {
+            m.insert("is/weight_mean".into(), avg(|s| s.is_weight_mean));
+            m.insert("is/truncated_frac".into(), avg(|s| s.is_truncated_fraction));
+        }
+        if trained.iter().any(|s| s.logprob_gap > 0.0) {
+            m.insert("logprob_gap".into(), avg(|s| s.logprob_gap));
+        }
+        if push_workers > 0 {
+            m.insert("weight_sync/bytes".into(), push_bytes as f64);
+            m.insert("weight_sync/workers".into(), push_workers as f64);
+        }
+        if let Some(pool) = self.s.rollout.pool_stats() {
+            m.insert("pool/workers".into(), pool.workers as f64);
+            m.insert("pool/in_rotation".into(), pool.in_rotation as f64);
+            m.insert("pool/failed_attempts".into(), pool.failed_attempts as f64);
+            m.insert("pool/catch_ups".into(), pool.catch_ups as f64);
+        }
+        m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
+        m.insert("epoch".into(), self.epoch as f64);
+        m.insert("policy_version".into(), self.s.policies.iter().map(|p| p.wire_version).max().unwrap_or(0) as f64);
+        Ok(m)
+    }
+
+    /// The optimiser rounds of a step: per update group (see [`Forest::update_groups`]; with several
+    /// ranks one group per turn, so that every rank runs the same rounds) and policy, the policy's
+    /// agents' samples in mini-batches and their counts over all ranks. Groups no rank has samples
+    /// in are left out.
+    pub(super) fn plan_rounds(&mut self, forest: &Forest, items: usize, handoff: bool) -> Result<Vec<Round>, TrainError> {
+        let cfg = &self.s.cfg;
+        let n = cfg.num_agents;
+        let groups = if self.dist.world() > 1 {
+            forest.groups_by_turn(items, cfg.trainer.num_turns)
+        } else {
+            forest.update_groups(items, cfg.trainer.rollout_buffer_size, handoff)
+        };
+        let mut rounds = Vec::new();
+        for group in &groups {
+            let mut buffers: Vec<RolloutBuffer<TrainSample>> = (0..n).map(|_| RolloutBuffer::new(group.len())).collect();
+            for &id in group {
+                let node = &forest.nodes[id];
+                for (a, buffer) in buffers.iter_mut().enumerate() {
+                    buffer.push_node(
+                        node.samples[a]
+                            .iter()
+                            .enumerate()
+                            .map(|(k, s)| TrainSample {
+                                prompt: node.prompts[a].ids.clone(),
+                                completion: s.token_ids.clone(),
+                                advantage: node.advantages[a][k],
+                                weight: node.turn_weight,
+                                old_logprobs: s.logprobs.clone(),
+                            })
+                            .collect(),
+                    );
+                }
+            }
+            let own = self.layout().own;
+            for policy in 0..self.s.policies.len() {
+                let members: Vec<usize> = (0..n).filter(|&a| self.s.agent_policy[a] == policy).collect();
+                let scale = 1.0 / members.len().max(1) as f64;
+                // Agent placement: another rank computes this policy's gradients (this one adds zeros).
+                let mine = own.is_none_or(|o| o == policy);
+                let batches: Vec<AgentBatches> = members
+                    .iter()
+                    .map(|&a| AgentBatches {
+                        minibatches: if mine { buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size) } else { Vec::new() },
+                        scale,
+                    })
+                    .collect();
+                let local: Vec<f64> = batches.iter().map(|b| b.minibatches.iter().map(Vec::len).sum::<usize>() as f64).collect();
+                let totals: Vec<usize> = self.dist.sum_f64(&local)?.iter().map(|&c| c as usize).collect();
+                if totals.iter().any(|&c| c > 0) {
+                    rounds.push(Round { policy, batches, totals });
+                }
+            }
+        }
+        Ok(rounds)
+    }
+}
