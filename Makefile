@@ -28,7 +28,8 @@ docs: setup
 # machine (slurm-wlm, installed by the script) and the Kubernetes manifests through kustomize and a
 # schema validator.
 # The NCCL backend (the `cuda` feature, CUDA loaded at run time) is compiled too, so that it keeps
-# building on machines without a GPU; its GPU-only test needs `--features cuda` and two GPUs.
+# building on machines without a GPU; its GPU-only test needs `--features cuda` and two GPUs. So is the
+# learner without its default features (no Open MPI, no embedded rollout worker or reward server).
 # scripts/device/check.sh --cpu is the GPU check's dry run on this machine (so that it cannot rot):
 # CUDA refused with its reason, greedy tokens, MAGRPO steps on the tiny model, two MPI ranks.
 # The suite runs cotrain's decode kernels wherever the CPU has AVX-512F (COTRAIN_CPU_KERNELS=on)
@@ -39,6 +40,7 @@ test: setup
 	mdbook build docs && python3 scripts/check_docs_links.py
 	$(CARGO) build --workspace --bins
 	$(CARGO) build -p cotrain-learner --features cuda --lib
+	$(CARGO) build -p cotrain-learner --no-default-features --lib
 	COTRAIN_CPU_KERNELS=on $(CARGO) test --workspace --no-fail-fast
 	bash scripts/device/check.sh --cpu target/debug target/device-check-cpu
 	COTRAIN_BIN=target/debug bash deploy/test.sh

@@ -6,12 +6,7 @@ fn main() -> anyhow::Result<()> {
     // SAFETY: first thing in `main`, before any other thread and any libtorch call.
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    cotrain_proto::logging::init("info");
     // Before any device query: libtorch's CUDA backend is loaded at run time (see cotrain_model::cuda).
     let _ = cotrain_model::cuda::load();
     cotrain_learner::cli::run(cotrain_learner::cli::Cli::parse())

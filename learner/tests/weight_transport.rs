@@ -192,14 +192,16 @@ fn pushing_several_agents_together_gives_each_its_own_weights() {
     assert_eq!(greedy_of(&mut chunks, "agent1", 2), a0, "agent1 with agent0's weights");
 
     // An agent the worker does not serve: the call fails naming it, the other agent's push lands.
+    // (Through the pool that pushed last: `together` no longer holds the worker's versions of agent1,
+    // which `chunks` took past it, so it would not readmit the worker.)
     let mixed = [
         WeightPush { agent: "agent0", version: 3, params: &first },
         WeightPush { agent: "nobody", version: 1, params: &first },
     ];
-    let err = together.push_weights_all(&mixed).unwrap_err().to_string();
+    let err = chunks.push_weights_all(&mixed).unwrap_err().to_string();
     assert!(err.contains("nobody"), "{err}");
-    assert_eq!(together.policy_version("agent0").unwrap(), 3);
-    assert_eq!(greedy_of(&mut together, "agent0", 3), a0);
+    assert_eq!(chunks.policy_version("agent0").unwrap(), 3);
+    assert_eq!(greedy_of(&mut chunks, "agent0", 3), a0);
 
     drop((together, chunks));
     assert_eq!(leftover_weight_files(), Vec::<String>::new(), "weight files left in /dev/shm");

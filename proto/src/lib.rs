@@ -9,6 +9,8 @@
 //! - [`reward_options`]: the reward service's scoring options (learner config and reward server).
 
 pub mod auth;
+#[cfg(feature = "logging")]
+pub mod logging;
 pub mod refusal;
 pub mod reward_options;
 pub mod shm;

@@ -64,6 +64,11 @@ pub struct UpdatedTensor {
     pub data: Vec<u8>,
 }
 
+/// A rollout worker's `--max-batch-size` unless set: the most sequences one model decodes together,
+/// and so the largest `n` one generate request may ask for. Here because clients that split large
+/// asks fall back on it when a worker does not say its own.
+pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -64,13 +64,7 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    cotrain_proto::logging::init("info");
     let file = match &args.config {
         Some(path) => Some((path.as_path(), ConfigFile::load(path)?)),
         None => None,

@@ -79,10 +79,7 @@ pub struct GenerateArgs {
 pub fn run(args: GenerateArgs) -> Result<()> {
     // Quiet by default (the output is the completions); RUST_LOG=info shows, e.g., the decode
     // kernels' dispatch decision.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
-        .with_writer(std::io::stderr)
-        .try_init();
+    cotrain_proto::logging::init("warn");
     if let Some(t) = args.threads {
         tch::set_num_threads(t);
     }

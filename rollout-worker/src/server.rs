@@ -23,9 +23,7 @@ pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
 pub use cotrain_proto::wire::{CONNECTION_WINDOW_BYTES, STREAM_WINDOW_BYTES};
 
-/// `--max-batch-size` unless set: the most sequences one model decodes together, and so the
-/// largest `n` one generate request may ask for.
-pub const DEFAULT_MAX_BATCH_SIZE: usize = 64;
+pub use cotrain_proto::wire::DEFAULT_MAX_BATCH_SIZE;
 
 /// Arguments of `serve`.
 #[derive(Debug, Clone, Args)]
@@ -316,12 +314,7 @@ pub async fn start_with(
 
 /// `rollout-worker serve`: runs until SIGINT/SIGTERM.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    cotrain_proto::logging::init("info");
     if let Some(t) = args.threads {
         tch::set_num_threads(t);
     }

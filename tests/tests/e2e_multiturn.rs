@@ -96,6 +96,8 @@ fn every_external_mode_builds_turn_two_prompts_through_the_real_services() {
         let out = Command::new(&learner).args(["train", "--config"]).arg(&config).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{mode}: learner train failed\n{stderr}");
+        // Logs that go to a pipe or a file carry no colour codes.
+        assert!(!stderr.contains('\u{1b}'), "{mode}: ANSI escape codes in the learner's piped log:\n{stderr}");
         let run_dir = out_dir.join("mt");
         let metrics: serde_json::Value =
             serde_json::from_str(std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap().lines().next().unwrap()).unwrap();

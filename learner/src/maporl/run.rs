@@ -382,7 +382,10 @@ impl MaporlTrainer {
                         pb.set_message(format!("last-turn accuracy {acc_last:.3} kl {kl:.4}"));
                     }
                     None if self.step.is_multiple_of(self.m.logging_steps as u64) || self.step == total => {
-                        info!(step = self.step, total, accuracy_last_turn = acc_last, kl, secs = values.get("time/step").copied().unwrap_or(0.0), "MaPoRL step done");
+                        // One line a person reads; every scalar of the step at debug (and in metrics.jsonl).
+                        let secs = values.get("time/step").copied().unwrap_or(0.0);
+                        info!("step {}/{total}: last-turn accuracy {acc_last:.3}, kl {kl:.4}, {secs:.1} s", self.step);
+                        tracing::debug!(step = self.step, scalars = ?values, "step scalars");
                     }
                     None => {}
                 }

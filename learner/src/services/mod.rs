@@ -1,5 +1,5 @@
 //! The trainer's connections to the services, behind the [`crate::sources::RolloutSource`] and
-//! [`crate::trainer::RewardSource`] traits:
+//! [`crate::sources::RewardSource`] traits:
 //!
 //! - [`PoolRollout`]: rollout workers over gRPC through the client pool (static endpoints or a DNS
 //!   name; load balancing, retries on another worker, workers joining and leaving);
@@ -12,6 +12,10 @@
 //!   trait (the learning and resume tests use it to test the algorithm in seconds).
 
 pub mod connect;
+#[cfg(feature = "embedded")]
+pub mod embedded;
+#[cfg(not(feature = "embedded"))]
+#[path = "embedded_absent.rs"]
 pub mod embedded;
 mod engine;
 mod pool;

@@ -13,7 +13,6 @@ use cotrain_proto::rollout::{self as pb, GenerateRequest, Prompt, prompt::Kind a
 use cotrain_rollout_client::pool::{PoolConfig, RolloutPool};
 use cotrain_rollout_client::shm::ShmFile;
 use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
-use cotrain_rollout_worker::weights::WireDTypeExt;
 use tch::Tensor;
 use tokio::runtime::Runtime;
 use tracing::{debug, info, warn};
@@ -425,7 +424,7 @@ fn update_kind(lora_scaling: Option<f64>) -> &'static str {
 
 /// A parameter as a contiguous CPU tensor of the wire's element type.
 fn wire_tensor(t: &Tensor, wire: WireDType) -> Tensor {
-    t.detach().to_device(tch::Device::Cpu).to_kind(wire.kind()).contiguous()
+    t.detach().to_device(tch::Device::Cpu).to_kind(wire_kind(wire)).contiguous()
 }
 
 /// Overwrites `file` with the parameters in the wire's element type, straight from the tensors' memory.
@@ -593,3 +592,11 @@ impl RolloutSource for PoolRollout {
         })
     }
 }
+/// The libtorch kind of a wire dtype.
+fn wire_kind(wire: WireDType) -> tch::Kind {
+    match wire {
+        WireDType::F32 => tch::Kind::Float,
+        WireDType::Bf16 => tch::Kind::BFloat16,
+    }
+}
+

@@ -221,7 +221,10 @@ impl Trainer {
             }
             None => {
                 if self.step.is_multiple_of(cfg.trainer.logging_steps.max(1) as u64) || self.step == total {
-                    info!(step = self.step, total, reward, loss, secs = values.get("time/step").copied().unwrap_or(0.0), "learner step done");
+                    // One line a person reads; every scalar of the step at debug (and in metrics.jsonl).
+                    let secs = values.get("time/step").copied().unwrap_or(0.0);
+                    info!("step {}/{total}: reward {reward:.3}, loss {loss:.4}, {secs:.1} s", self.step);
+                    tracing::debug!(step = self.step, scalars = ?values, "step scalars");
                 }
             }
         }

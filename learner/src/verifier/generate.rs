@@ -33,7 +33,7 @@ const QUESTIONS_PER_ROUND: usize = 8;
 /// Samples per request when the workers do not say how many they take (a rollout worker's default
 /// `--max-batch-size`). A worker refuses an `n` above its `--max-batch-size`, so a larger ask
 /// (MaPoRL's 100 per question) becomes several requests of at most what every worker takes.
-const MAX_SAMPLES_PER_REQUEST: usize = cotrain_rollout_worker::server::DEFAULT_MAX_BATCH_SIZE;
+const MAX_SAMPLES_PER_REQUEST: usize = cotrain_proto::wire::DEFAULT_MAX_BATCH_SIZE;
 const TAG_GENERATE: u64 = 31;
 
 /// One request for answers: the dataset row, the user message, how many, and a seed tag.
