@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make gpu-bundle`: the binaries a GPU machine without a Rust toolchain needs, in one .tar.xz:
-# the release `learner` built for CUDA without Open MPI (`--no-default-features --features cuda`:
+# the release `learner` built for CUDA without Open MPI (`--no-default-features --features cuda,embedded`:
 # NCCL ranks; GPU images have no libmpi), `rollout-worker`, `reward-server`, and this machine's
 # `bwrap` (the reward sandbox), all stripped. They link libtorch 2.11.0 by name: on the GPU machine,
 # put its PyTorch's torch/lib on LD_LIBRARY_PATH (scripts/device/check.sh does).
@@ -14,7 +14,7 @@ LIMIT_MIB=20
 CARGO=${CARGO:-cargo}
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 
-$CARGO build --release -p cotrain-learner --no-default-features --features cuda --bin learner
+$CARGO build --release -p cotrain-learner --no-default-features --features cuda,embedded --bin learner
 cp target/release/learner "$W/learner"
 $CARGO build --release -p cotrain-rollout-worker --bin rollout-worker -p cotrain-reward-server --bin reward-server
 cp target/release/rollout-worker target/release/reward-server "$W/"

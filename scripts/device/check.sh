@@ -117,7 +117,7 @@ if want libs; then
     else fail "libs $b: $(grep 'not found' "$O/ldd-$b.txt" | tr -s ' \t' ' ' | tr '\n' ';')"; fi
   done
   if [ "$MODE" = gpu ]; then
-    if readelf -d "$BIN/learner" | grep -q 'NEEDED.*libmpi'; then fail "libs: the learner links libmpi (build it --no-default-features --features cuda)"
+    if readelf -d "$BIN/learner" | grep -q 'NEEDED.*libmpi'; then fail "libs: the learner links libmpi (build it --no-default-features --features cuda,embedded)"
     else pass "libs: the learner needs no libmpi"; fi
   fi
 fi
