@@ -7,7 +7,7 @@ pub mod advantage;
 pub mod buffer;
 pub mod joint;
 pub mod loss;
-pub mod maporl;
+pub mod discussion_score;
 pub mod optim;
 pub mod padding;
 pub mod ppo;

@@ -10,7 +10,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::algo::maporl::{AgentShare, Horizon, InfluenceSigns};
+use crate::algo::discussion_score::{AgentShare, Horizon, InfluenceSigns};
 
 /// Which adapter serves which turn of an agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]

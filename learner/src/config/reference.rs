@@ -277,7 +277,7 @@ fn yaml_inline(v: &Value) -> String {
 
 // ---- Stand-ins for config types defined outside the config module --------------------------------
 
-/// `maporl.rule_horizon` (`algo::maporl::Horizon`).
+/// `maporl.rule_horizon` (`algo::discussion_score::Horizon`).
 #[derive(JsonSchema)]
 #[serde(rename_all = "snake_case")]
 #[allow(dead_code)]
@@ -290,7 +290,7 @@ pub enum HorizonSchema {
     Last,
 }
 
-/// `maporl.rule_agent_share` (`algo::maporl::AgentShare`).
+/// `maporl.rule_agent_share` (`algo::discussion_score::AgentShare`).
 #[derive(JsonSchema)]
 #[serde(rename_all = "snake_case")]
 #[allow(dead_code)]
@@ -301,7 +301,7 @@ pub enum AgentShareSchema {
     Individual,
 }
 
-/// `maporl.influence_signs` (`algo::maporl::InfluenceSigns`).
+/// `maporl.influence_signs` (`algo::discussion_score::InfluenceSigns`).
 #[derive(JsonSchema)]
 #[serde(rename_all = "snake_case")]
 #[allow(dead_code)]
@@ -315,7 +315,7 @@ pub enum InfluenceSignsSchema {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algo::maporl::{AgentShare, Horizon, InfluenceSigns};
+    use crate::algo::discussion_score::{AgentShare, Horizon, InfluenceSigns};
 
     /// Every object of the schema, with where it is.
     fn objects(schema: &Value) -> Vec<(String, &Value)> {

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use cotrain_model::chat_template::ChatMessage as TemplateMessage;
 
 use super::agents::{Bases, adapter_key};
-use crate::algo::maporl::{InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason};
+use crate::algo::discussion_score::{InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason};
 use crate::config::MaporlSection;
 use crate::prompts::{ChatMessage, Followup};
 use crate::data::items::{PromptEncoding, encode_text};

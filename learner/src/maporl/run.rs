@@ -1,6 +1,6 @@
 //! The MaPoRL loop: per step, `questions_per_step` questions of the epoch's seeded order are discussed
 //! ([`super::rollout`]), their answers scored and shaped into training scores R(t, i) (score rule,
-//! incentives, penalties: `crate::algo::maporl`), the adapters updated with PPO ([`super::update`]), and
+//! incentives, penalties: `crate::algo::discussion_score`), the adapters updated with PPO ([`super::update`]), and
 //! the new adapters pushed to the rollout workers (adapter tensors only) as version v + 1 before
 //! anything else is sampled. Evaluation discusses the eval split's first `eval_num_samples` questions
 //! and reports accuracy per turn.
@@ -18,7 +18,7 @@ use tracing::{info, warn};
 use super::agents::{Adapters, Bases, adapter_key, critic_key, scheduled_lr};
 use super::rollout::{Discussion, DiscussionSetup, discussion_metrics};
 use super::update::{PpoRecord, PpoSample, ppo_update};
-use crate::algo::maporl::{Incentives, ScoreRule, shaped_training_scores};
+use crate::algo::discussion_score::{Incentives, ScoreRule, shaped_training_scores};
 use crate::config::{CheckedConfig, MaporlSection};
 use crate::dist::{Collective, SingleRank};
 use crate::metrics::MetricsWriter;

@@ -1,0 +1,243 @@
+use super::*;
+
+fn close(a: &[Vec<f64>], b: &[Vec<f64>]) {
+    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.len(), y.len(), "{a:?} vs {b:?}");
+        for (p, q) in x.iter().zip(y) {
+            assert!((p - q).abs() < 1e-12, "{a:?} vs {b:?}");
+        }
+    }
+}
+
+// 3 turns × 2 agents. Means over agents: m(0) = 0.5, m(1) = 0.5, m(2) = 1.
+fn table() -> Vec<Vec<f64>> {
+    vec![vec![1.0, 0.0], vec![0.0, 1.0], vec![1.0, 1.0]]
+}
+
+#[test]
+fn discounted_sum_over_all_agents_matches_hand_computed_values() {
+    // Denominators: turn 0: 1 + 0.3 + 0.09 = 1.39; turn 1: 1 + 0.3 = 1.3; turn 2: 1.
+    // R(0,0) = (1 + 0.3·0.5 + 0.09·1) / 1.39 = 1.24 / 1.39
+    // R(0,1) = (0 + 0.15 + 0.09) / 1.39 = 0.24 / 1.39
+    // R(1,0) = (0 + 0.3·1) / 1.3 = 0.3 / 1.3;  R(1,1) = (1 + 0.3) / 1.3 = 1
+    // R(2,i) = s(2,i) = 1
+    let r = training_scores(&table(), &ScoreRule::default()).unwrap();
+    close(&r, &[vec![1.24 / 1.39, 0.24 / 1.39], vec![0.3 / 1.3, 1.0], vec![1.0, 1.0]]);
+}
+
+#[test]
+fn individual_share_uses_only_the_agents_own_future() {
+    // R(0,0) = (1 + 0.3·0 + 0.09·1) / 1.39 = 1.09 / 1.39;  R(0,1) = (0 + 0.3·1 + 0.09·1) / 1.39
+    // R(1,0) = (0 + 0.3·1) / 1.3;  R(1,1) = (1 + 0.3·1) / 1.3 = 1
+    let rule = ScoreRule { agent_share: AgentShare::Individual, ..ScoreRule::default() };
+    let r = training_scores(&table(), &rule).unwrap();
+    close(&r, &[vec![1.09 / 1.39, 0.39 / 1.39], vec![0.3 / 1.3, 1.0], vec![1.0, 1.0]]);
+}
+
+#[test]
+fn lookahead_limits_the_window() {
+    // k = 1: turn 0 sees turns 0..=1 only, denominator 1.3.
+    // R(0,0) = (1 + 0.3·0.5) / 1.3 = 1.15 / 1.3;  R(0,1) = 0.15 / 1.3; later turns as before.
+    let rule = ScoreRule { lookahead: Some(1), ..ScoreRule::default() };
+    let r = training_scores(&table(), &rule).unwrap();
+    close(&r, &[vec![1.15 / 1.3, 0.15 / 1.3], vec![0.3 / 1.3, 1.0], vec![1.0, 1.0]]);
+    // k = 0 is the agent's own score.
+    let rule = ScoreRule { lookahead: Some(0), ..ScoreRule::default() };
+    close(&training_scores(&table(), &rule).unwrap(), &table());
+}
+
+#[test]
+fn a_question_that_stopped_early_sums_to_its_last_played_turn() {
+    // Two played turns: turn 0's denominator is 1.3. R(0,0) = (1 + 0.3·0.5) / 1.3.
+    let r = training_scores(&table()[..2], &ScoreRule::default()).unwrap();
+    close(&r, &[vec![1.15 / 1.3, 0.15 / 1.3], vec![0.0, 1.0]]);
+}
+
+#[test]
+fn current_and_last_horizons() {
+    let rule = |horizon, agent_share| ScoreRule { horizon, agent_share, ..ScoreRule::default() };
+    let s = table();
+    close(&training_scores(&s, &rule(Horizon::Current, AgentShare::Individual)).unwrap(), &s);
+    close(
+        &training_scores(&s, &rule(Horizon::Current, AgentShare::All)).unwrap(),
+        &[vec![0.5, 0.5], vec![0.5, 0.5], vec![1.0, 1.0]],
+    );
+    let s = vec![vec![1.0, 0.0], vec![0.0, 1.0], vec![0.2, 0.6]];
+    close(&training_scores(&s, &rule(Horizon::Last, AgentShare::Individual)).unwrap(), &vec![vec![0.2, 0.6]; 3]);
+    close(&training_scores(&s, &rule(Horizon::Last, AgentShare::All)).unwrap(), &vec![vec![0.4, 0.4]; 3]);
+}
+
+#[test]
+fn malformed_tables_and_gamma_are_errors() {
+    let ragged = vec![vec![1.0, 0.0], vec![1.0]];
+    assert_eq!(
+        training_scores(&ragged, &ScoreRule::default()).unwrap_err(),
+        MaporlError::RaggedTable { turn: 1, expected: 2, got: 1 }
+    );
+    assert_eq!(training_scores(&[vec![]], &ScoreRule::default()).unwrap_err(), MaporlError::NoAgents);
+    let rule = ScoreRule { gamma: -0.1, ..ScoreRule::default() };
+    assert!(matches!(training_scores(&table(), &rule), Err(MaporlError::InvalidGamma(_))));
+    assert!(training_scores(&[], &ScoreRule::default()).unwrap().is_empty());
+}
+
+#[test]
+fn answer_changes_covers_the_four_transitions() {
+    assert_eq!(answer_changes(true, false), Transition::CorrectToWrong);
+    assert_eq!(answer_changes(false, true), Transition::WrongToCorrect);
+    assert_eq!(answer_changes(true, true), Transition::StayedCorrect);
+    assert_eq!(answer_changes(false, false), Transition::StayedWrong);
+}
+
+fn only(k: usize, signs: InfluenceSigns) -> Incentives {
+    let mut alpha = [0.0; 4];
+    alpha[k] = 1.0;
+    Incentives { alpha, influence_signs: signs }
+}
+const P: InfluenceSigns = InfluenceSigns::Paper;
+const R: InfluenceSigns = InfluenceSigns::ReleasedCode;
+
+// Tables are correct[turn][agent]; with two agents "the others" is the other agent.
+fn bonus(c: &[&[bool]], inc: Incentives) -> Vec<Vec<f64>> {
+    let c: Vec<Vec<bool>> = c.iter().map(|r| r.to_vec()).collect();
+    incentive_bonus(&c, &inc).unwrap()
+}
+
+#[test]
+fn alpha0_rewards_following_right_others_and_penalises_following_wrong_ones() {
+    // Agent 0 wrong → right while agent 1 was right: +α0 at turn 1.
+    assert_eq!(bonus(&[&[false, true], &[true, true]], only(0, P)), [[0.0, 0.0], [1.0, 0.0]]);
+    // Agent 0 right → wrong while agent 1 was wrong: −α0 at turn 1.
+    assert_eq!(bonus(&[&[true, false], &[false, false]], only(0, P)), [[0.0, 0.0], [-1.0, 0.0]]);
+}
+
+#[test]
+fn alpha1_rewards_correcting_against_the_others_and_penalises_leaving_a_shared_right_answer() {
+    // Agent 0 wrong → right while agent 1 was wrong: +α1.
+    assert_eq!(bonus(&[&[false, false], &[true, false]], only(1, P)), [[0.0, 0.0], [1.0, 0.0]]);
+    // Agent 0 right → wrong while agent 1 was right: −α1.
+    assert_eq!(bonus(&[&[true, true], &[false, true]], only(1, P)), [[0.0, 0.0], [-1.0, 0.0]]);
+    // A single agent: every change is its own.
+    assert_eq!(bonus(&[&[false], &[true], &[false]], only(1, P)), [[0.0], [1.0], [-1.0]]);
+    assert_eq!(bonus(&[&[false], &[true], &[false]], only(0, P)), [[0.0], [0.0], [0.0]]);
+}
+
+#[test]
+fn alpha3_rewards_persuading_the_others_and_penalises_misleading_them() {
+    // Agent 0 right at turn 0, agent 1 wrong → right: +α3 to agent 0 at turn 0 (paper signs).
+    assert_eq!(bonus(&[&[true, false], &[true, true]], only(3, P)), [[1.0, 0.0], [0.0, 0.0]]);
+    // Agent 0 wrong at turn 0, agent 1 right → wrong: −α3.
+    assert_eq!(bonus(&[&[false, true], &[false, false]], only(3, P)), [[-1.0, 0.0], [0.0, 0.0]]);
+    // The released code's signs are the opposite.
+    assert_eq!(bonus(&[&[true, false], &[true, true]], only(3, R)), [[-1.0, 0.0], [0.0, 0.0]]);
+    assert_eq!(bonus(&[&[false, true], &[false, false]], only(3, R)), [[1.0, 0.0], [0.0, 0.0]]);
+}
+
+#[test]
+fn alpha2_follows_the_others_change_when_the_agent_was_not_on_its_side() {
+    // Agent 0 wrong at turn 0 and stays wrong, agent 1 wrong → right: +α2 (paper), −α2 (released).
+    assert_eq!(bonus(&[&[false, false], &[false, true]], only(2, P)), [[1.0, 0.0], [0.0, 0.0]]);
+    assert_eq!(bonus(&[&[false, false], &[false, true]], only(2, R)), [[-1.0, 0.0], [0.0, 0.0]]);
+    // Agent 0 right, agent 1 right → wrong: −α2 (paper), +α2 (released).
+    assert_eq!(bonus(&[&[true, true], &[true, false]], only(2, P)), [[-1.0, 0.0], [0.0, 0.0]]);
+    assert_eq!(bonus(&[&[true, true], &[true, false]], only(2, R)), [[1.0, 0.0], [0.0, 0.0]]);
+}
+
+#[test]
+fn bonuses_add_up_and_vanish_without_weights_or_on_a_tie() {
+    // Agent 1 wrong → right after agent 0 was right: +α0 for agent 1 at turn 1, +α3 for agent 0 at 0.
+    let inc = Incentives { alpha: [0.5, 0.0, 0.0, 2.0], influence_signs: P };
+    assert_eq!(bonus(&[&[true, false], &[true, true]], inc), [[2.0, 0.0], [0.0, 0.5]]);
+    assert_eq!(bonus(&[&[true, false], &[true, true]], Incentives::default()), [[0.0, 0.0], [0.0, 0.0]]);
+    // Three agents: agent 0 wrong → right while the others were split (one right, one wrong).
+    let all = Incentives { alpha: [1.0; 4], influence_signs: P };
+    let b = bonus(&[&[false, true, false], &[true, true, false]], all);
+    assert_eq!(b[1][0], 0.0);
+}
+
+#[test]
+fn shaped_scores_add_the_bonus_after_the_discount() {
+    let s = vec![vec![1.0, 0.0], vec![1.0, 1.0]];
+    let c = vec![vec![true, false], vec![true, true]];
+    let inc = Incentives { alpha: [0.5, 0.0, 0.0, 2.0], influence_signs: P };
+    // R(0,0) = (1 + 0.3·1) / 1.3 = 1, + α3 = 3; R(0,1) = 0.3 / 1.3; R(1,1) = 1, + α0 = 1.5.
+    let r = shaped_training_scores(&s, &c, &ScoreRule::default(), &inc).unwrap();
+    close(&r, &[vec![3.0, 0.3 / 1.3], vec![1.0, 1.5]]);
+    let err = shaped_training_scores(&s, &c[..1], &ScoreRule::default(), &inc).unwrap_err();
+    assert!(matches!(err, MaporlError::ShapeMismatch { .. }));
+}
+
+const SOLUTION: &str = "Natalia sold 48 clips in April. In May she sold half as many, which is 48 / 2 = 24 \
+clips. Altogether she sold 48 + 24 = 72 clips in April and May. Checking: 24 is half of 48, and \
+48 + 24 = 72.\nAnswer: \\boxed{72}";
+
+fn reason(text: &str, tokens: usize) -> Option<InvalidReason> {
+    invalid_reason(text, tokens, &InvalidOutputRule::default())
+}
+
+#[test]
+fn a_normal_gsm8k_solution_is_valid() {
+    assert_eq!(reason(SOLUTION, 60), None);
+    assert_eq!(reason("The total is 6 * 7 = 42 apples, so the answer is \\boxed{42}.", 50), None);
+}
+
+#[test]
+fn too_short_is_fewer_than_min_tokens() {
+    assert_eq!(reason(SOLUTION, 49), Some(InvalidReason::TooShort));
+    assert_eq!(reason(SOLUTION, 50), None);
+}
+
+#[test]
+fn a_phrase_repeated_more_than_three_times_in_a_row_is_invalid() {
+    let four = "so the answer is the answer is the answer is the answer is \\boxed{5}";
+    assert_eq!(reason(four, 60), Some(InvalidReason::Repetition));
+    let three = "so the answer is the answer is the answer is \\boxed{5}";
+    assert_eq!(reason(three, 60), None);
+    assert_eq!(reason("wait wait wait wait \\boxed{5}", 60), Some(InvalidReason::Repetition));
+    // Four times, but not in a row.
+    assert_eq!(reason("wait wait, ok wait wait \\boxed{5}", 60), None);
+    // A sentence longer than 20 words repeated on consecutive lines.
+    let line = "Let me carefully reconsider every single step of this long problem once more because I am \
+not entirely sure the previous reasoning was right";
+    assert!(line.split_whitespace().count() > 20);
+    let text = format!("{line}\n{line}\n{line}\n{line}\n\\boxed{{5}}");
+    assert_eq!(reason(&text, 200), Some(InvalidReason::Repetition));
+    let text = format!("{line}\n{line}\n{line}\n\\boxed{{5}}");
+    assert_eq!(reason(&text, 200), None);
+}
+
+#[test]
+fn repeated_arithmetic_is_not_repetition() {
+    for text in [
+        "Counting: 1, 2, 3, 4, 5, 6, 7, 8. So \\boxed{8}",
+        "1 + 1 + 1 + 1 + 1 + 1 = 6, \\boxed{6}",
+        "$5 + $5 + $5 + $5 + $5 = $25 \\boxed{25}",
+        "2 \\times 2 \\times 2 \\times 2 \\times 2 = 32 \\boxed{32}",
+        "x + x + x + x + x = 5x \\boxed{5}",
+        "= 5\n= 5\n= 5\n= 5\n\\boxed{5}",
+        "0 0 0 0 0 0 \\boxed{0}",
+    ] {
+        assert_eq!(reason(text, 60), None, "{text}");
+    }
+}
+
+#[test]
+fn no_boxed_answer_where_one_is_required() {
+    let plain = SOLUTION.replace("\\boxed{72}", "72");
+    assert_eq!(reason(&plain, 60), Some(InvalidReason::NoBoxed));
+    assert_eq!(reason(&SOLUTION.replace("\\boxed{72}", "\\boxed{72"), 60), Some(InvalidReason::NoBoxed));
+    // An empty box is a box (its answer scores 0 elsewhere).
+    assert_eq!(reason(&SOLUTION.replace("\\boxed{72}", "\\boxed{}"), 60), None);
+    let lenient = InvalidOutputRule { require_boxed: false, ..InvalidOutputRule::default() };
+    assert_eq!(invalid_reason(&plain, 60, &lenient), None);
+    assert!(!boxed_required(0, false));
+    assert!(boxed_required(0, true));
+    assert!(boxed_required(1, false));
+}
+
+#[test]
+fn the_penalty_replaces_the_score() {
+    let rule = InvalidOutputRule::default();
+    assert_eq!(apply_invalid_penalty(0.9, Some(InvalidReason::TooShort), &rule), -10.0);
+    assert_eq!(apply_invalid_penalty(0.9, None, &rule), 0.9);
+}

@@ -1,0 +1,95 @@
+//! The YAML schema: one serde struct per section, `deny_unknown_fields` everywhere, and the originals'
+//! defaults (algorithms.md). Values that fall back to another section (sampling parameters of the
+//! trainer section fall back to `model`) stay `Option` here and are resolved in [`crate::config::CheckedConfig`].
+
+mod external;
+mod logging;
+mod model;
+mod rollout;
+mod trainer;
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub use external::*;
+pub use logging::*;
+pub use model::*;
+pub use rollout::*;
+pub use trainer::*;
+
+/// The whole file as written (after overrides and legacy flags are merged in).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// The base model(s) and default sampling parameters.
+    pub model: ModelConfig,
+    /// Which task and which rows to train and evaluate on.
+    pub dataset: DatasetConfig,
+    /// Seed of every random draw of the run (sampling, data order, splits); the same seed and config repeat
+    /// a run.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// Where runs are written: checkpoints, final models.
+    #[serde(default)]
+    pub output: OutputConfig,
+    /// How the next turn's prompts are built in multi-turn training.
+    #[serde(default)]
+    pub external: ExternalConfig,
+    /// Multi-agent trainer section (MAGRPO); exactly one of `magrpo` / `grpo` / `maporl` must be present.
+    #[serde(default)]
+    pub magrpo: Option<TrainerSection>,
+    /// Single-agent trainer section (GRPO = MAGRPO with one agent).
+    #[serde(default)]
+    pub grpo: Option<TrainerSection>,
+    /// MaPoRL's multi-agent PPO with a critic and LoRA adapters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub maporl: Option<crate::config::MaporlSection>,
+    /// MaPoRL's learned verifier: data generation and training (`learner verifier`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verifier: Option<crate::config::VerifierSection>,
+    /// An affine transform of every reward before advantages are computed.
+    #[serde(default)]
+    pub reward_processor: RewardProcessorConfig,
+    /// The original's Weights & Biases section; accepted for compatibility, cotrain logs to files.
+    #[serde(default)]
+    pub wandb: Option<WandbConfig>,
+    /// cotrain's own run outputs: run name, TensorBoard events, plots, progress bar, rollout log.
+    #[serde(default)]
+    pub logging: LoggingConfig,
+    /// Where generation happens (the embedded worker when nothing is configured) and how weights reach the
+    /// workers.
+    #[serde(default)]
+    pub rollout: RolloutConfig,
+    /// The reward server (embedded when `endpoint` is absent) and the options every scoring call carries.
+    #[serde(default)]
+    pub reward: RewardConfig,
+    /// How the learner's ranks work together (`learner launch`, torchrun/Slurm/MPI environments).
+    #[serde(default)]
+    pub learner: LearnerConfig,
+    /// Per-agent prompt templates (`agent0`, `agent1`, ...); the task's defaults for agents not named.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub prompts: BTreeMap<String, PromptConfig>,
+}
+
+/// `prompts.agentN`: one agent's first-turn prompt template (minijinja; the variables are listed in
+/// `crate::prompts::template`). Exactly one of the two keys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PromptConfig {
+    /// The template text itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// A file holding the template, relative to the config file's directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template_file: Option<String>,
+}
+
+pub(super) fn default_seed() -> u64 {
+    42
+}
+
+fn default_true() -> bool {
+    true
+}

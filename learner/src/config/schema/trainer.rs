@@ -1,0 +1,300 @@
+//! `magrpo` / `grpo`: the trainer section, its enums and the sections it nests (PPO clip, reference KL),
+//! and `reward_processor`.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// `magrpo` / `grpo`: every key of the original trainer config plus cotrain's options.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerSection {
+    /// Defaults to 2 under `magrpo` and 1 under `grpo`.
+    #[serde(default)]
+    pub num_agents: Option<usize>,
+    /// Turns per episode; above 1 trains multi-turn on the code tasks (see `rollout`).
+    #[serde(default = "default_num_turns")]
+    pub num_turns: usize,
+    /// Passes over the train split.
+    #[serde(default = "default_num_train_epochs")]
+    pub num_train_epochs: usize,
+    /// AdamW learning rate of every policy.
+    #[serde(default = "default_learning_rate")]
+    pub learning_rate: f64,
+    /// G: completions sampled per agent for each prompt (the group advantages are computed over).
+    #[serde(default = "default_num_generations")]
+    pub num_generations: usize,
+    /// Most tokens sampled per completion.
+    #[serde(default = "default_max_new_tokens")]
+    pub max_new_tokens: usize,
+    /// Falls back to `model.temperature`.
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    /// Falls back to `model.top_p`.
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    /// Falls back to `model.top_k`, then to 50 (the original's generation default).
+    #[serde(default)]
+    pub top_k: Option<u32>,
+    /// How joint actions are formed from the agents' G completions.
+    #[serde(default)]
+    pub joint_mode: JointMode,
+    /// γ of the tree rollout's returns: R_j = r_j + γ·mean(returns of child j).
+    #[serde(default = "default_discount")]
+    pub discount: f64,
+    /// Tree rollout: a node whose (processed) mean reward is above this is a leaf.
+    #[serde(default)]
+    pub termination_threshold: Option<f64>,
+    /// Nodes per agent buffered before one optimiser step.
+    #[serde(default = "default_rollout_buffer_size")]
+    pub rollout_buffer_size: usize,
+    /// Mini-batch size in samples; the whole buffer when absent.
+    #[serde(default)]
+    pub train_batch_size: Option<usize>,
+    /// Evaluate before items 0, n, 2n, ... of each epoch (n = this value; 0: never).
+    #[serde(default = "default_eval_interval")]
+    pub eval_interval: usize,
+    /// How many eval items (the first ones of the eval split) each evaluation scores, one sampled joint
+    /// completion each.
+    #[serde(default = "default_eval_num_samples")]
+    pub eval_num_samples: usize,
+    /// Without a progress bar, log a `learner step done` line every this many steps (and at the last).
+    #[serde(default = "default_logging_steps")]
+    pub logging_steps: usize,
+    /// Write a checkpoint every this many steps (0: only at the end).
+    #[serde(default = "default_save_steps")]
+    pub save_steps: usize,
+    /// Multi-turn variant: tree rollout with returns (current) or handoff (September 2025 release).
+    /// `multi_turn` is accepted as an older spelling.
+    #[serde(default, alias = "multi_turn")]
+    pub rollout: MultiTurnMode,
+    /// Tree rollout: the most nodes one item may grow (G^T aligned, G^(N·T) cross without early stops).
+    #[serde(default = "default_max_nodes_per_item")]
+    pub max_nodes_per_item: usize,
+    /// Handoff rollout: which completion of each agent is handed on to the next turn.
+    #[serde(default)]
+    pub handoff: Handoff,
+    /// Per-turn loss weights; length must equal `num_turns` (all 1.0 when absent).
+    #[serde(default)]
+    pub turn_gradient_weights: Option<Vec<f64>>,
+    /// Handoff rollout: stop an episode early when a turn's mean reward reaches this; never when unset.
+    #[serde(default)]
+    pub early_termination_threshold: Option<f64>,
+    /// Handoff rollout: extra loss weight of the last turn of an episode that stopped early.
+    #[serde(default = "default_early_termination_weight")]
+    pub early_termination_weight: f64,
+    /// Baseline of the advantage over the G siblings of a node.
+    #[serde(default)]
+    pub advantage_mode: AdvantageMode,
+    /// Divide each group's advantages by (std + 1e-8), std over the G siblings with divisor G − 1.
+    #[serde(default)]
+    pub advantage_normalization: bool,
+    /// The oldest release clamps advantages to [-10, 10]; off by default.
+    #[serde(default)]
+    pub advantage_clamp: Option<f64>,
+    /// Beside the original: every agent shares one policy; each agent's loss is scaled by 1/N and one
+    /// optimiser step is taken per round.
+    #[serde(default)]
+    pub shared_parameters: bool,
+    /// Beside the original: how per-token log-probs are reduced per sample.
+    #[serde(default)]
+    pub loss_normalization: LossNormalization,
+    /// Beside the original: PPO-style ratio clipping over several epochs.
+    #[serde(default)]
+    pub ppo_clip: PpoClipConfig,
+    /// Beside the original: KL penalty to a frozen reference policy.
+    #[serde(default)]
+    pub reference_kl: ReferenceKlConfig,
+    /// Gradient-norm clipping; off (as in the original) when absent.
+    #[serde(default)]
+    pub max_grad_norm: Option<f64>,
+    /// AdamW weight decay.
+    #[serde(default)]
+    pub weight_decay: f64,
+}
+
+pub(super) fn default_num_turns() -> usize {
+    1
+}
+pub(super) fn default_num_train_epochs() -> usize {
+    20
+}
+pub(super) fn default_learning_rate() -> f64 {
+    5e-6
+}
+pub(super) fn default_num_generations() -> usize {
+    4
+}
+pub(super) fn default_max_new_tokens() -> usize {
+    256
+}
+pub(super) fn default_discount() -> f64 {
+    0.9
+}
+/// The version the seed README documents steps once per item (later releases buffer 2 or 4).
+pub(super) fn default_rollout_buffer_size() -> usize {
+    1
+}
+/// The September 2025 trainer evaluates every 4 items, on 4 eval items.
+pub(super) fn default_eval_interval() -> usize {
+    4
+}
+pub(super) fn default_eval_num_samples() -> usize {
+    4
+}
+pub(super) fn default_logging_steps() -> usize {
+    50
+}
+pub(super) fn default_save_steps() -> usize {
+    200
+}
+pub(super) fn default_max_nodes_per_item() -> usize {
+    1024
+}
+pub(super) fn default_early_termination_weight() -> f64 {
+    2.0
+}
+
+/// How joint actions are formed from the agents' G completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum JointMode {
+    /// Completion j of every agent forms joint action j (G rewards).
+    #[default]
+    Aligned,
+    /// Cartesian product (G^N rewards); a completion is credited with the sum over its joint actions.
+    Cross,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum MultiTurnMode {
+    #[default]
+    Tree,
+    Handoff,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Handoff {
+    /// Each agent hands on one of its own completions at random.
+    #[default]
+    Random,
+    /// The joint action with the highest reward is handed on.
+    Best,
+}
+
+/// Baseline of the advantage over the G siblings of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum AdvantageMode {
+    /// A = R − mean(R)
+    #[default]
+    Mean,
+    /// A = (G·R − ΣR)/(G − 1)
+    Rloo,
+    /// A = R − max(R)
+    Max,
+    /// A = R
+    Raw,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LossNormalization {
+    /// Σ_t log π per sample (the original).
+    #[default]
+    Sum,
+    /// Mean over the sample's tokens.
+    TokenMean,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PpoClipConfig {
+    /// Turn ratio clipping on.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Passes over the same samples per optimiser round.
+    #[serde(default = "default_ppo_epochs")]
+    pub epochs: usize,
+    /// Ratio lower bound 1 − clip_low.
+    #[serde(default = "default_clip")]
+    pub clip_low: f64,
+    /// Ratio upper bound 1 + clip_high ("clip-higher" when larger than clip_low).
+    #[serde(default = "default_clip")]
+    pub clip_high: f64,
+}
+
+impl Default for PpoClipConfig {
+    fn default() -> Self {
+        Self { enabled: false, epochs: default_ppo_epochs(), clip_low: default_clip(), clip_high: default_clip() }
+    }
+}
+
+pub(super) fn default_ppo_epochs() -> usize {
+    1
+}
+pub(super) fn default_clip() -> f64 {
+    0.2
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReferenceKlConfig {
+    /// Turn the KL penalty on.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Weight of the KL term in the loss.
+    #[serde(default = "default_kl_coef")]
+    pub coef: f64,
+    /// The per-token KL estimator: `k3` differentiated in the loss, or `k1` in score-function form
+    /// (REINFORCE with the reward shaped by −coef·KL).
+    #[serde(default)]
+    pub estimator: KlEstimator,
+}
+
+impl Default for ReferenceKlConfig {
+    fn default() -> Self {
+        Self { enabled: false, coef: default_kl_coef(), estimator: KlEstimator::default() }
+    }
+}
+
+pub(super) fn default_kl_coef() -> f64 {
+    0.1
+}
+
+/// Per-token KL estimators (Schulman, "Approximating KL divergence", 2020).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum KlEstimator {
+    /// lp − lr
+    K1,
+    /// exp(lr − lp) − (lr − lp) − 1
+    #[default]
+    K3,
+}
+
+/// `reward_processor`: r ← scale_factor·r + shift when enabled.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RewardProcessorConfig {
+    /// Apply r ← scale_factor·r + shift.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Multiplier of every reward.
+    #[serde(default = "default_scale")]
+    pub scale_factor: f64,
+    /// Added to every reward after scaling (the original's `reward_shift`).
+    #[serde(default)]
+    pub shift: f64,
+}
+
+impl Default for RewardProcessorConfig {
+    fn default() -> Self {
+        Self { enabled: false, scale_factor: 1.0, shift: 0.0 }
+    }
+}
+
+pub(super) fn default_scale() -> f64 {
+    1.0
+}
