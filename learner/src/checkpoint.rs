@@ -42,8 +42,11 @@ pub struct TrainState {
     pub rng_word_pos: String,
     /// Per-agent optimiser step counts (bias correction of AdamW).
     pub optimizer_steps: Vec<u64>,
-    /// The policy version served to the rollout workers.
-    pub policy_version: u64,
+    /// The policy version each worker agent was last pushed (its weights' version on the rollout
+    /// workers). Checkpoints written before this field carried a `policy_version` that held the step;
+    /// it is ignored when read.
+    #[serde(default)]
+    pub served_versions: std::collections::BTreeMap<String, u64>,
     /// Anything else the trainer wants to keep (e.g. the data order of the epoch).
     #[serde(default)]
     pub extra: serde_json::Value,

@@ -12,6 +12,12 @@ pub enum TrainError {
     /// Loading or running the model failed.
     #[error("model: {0}")]
     Model(String),
+    /// A forward, loss or backward pass of an update failed.
+    #[error("update: {0}")]
+    Update(String),
+    /// A worker thread of the learner panicked (a bug; the panic message is in the log above).
+    #[error("internal error: {0} panicked (the panic message is in the log above)")]
+    Panicked(&'static str),
     /// Dataset or prompt preparation failed.
     #[error("data: {0}")]
     Data(String),

@@ -215,6 +215,15 @@ pub struct FeedbackSpec {
     pub sandbox_slice: Option<i64>,
 }
 
+/// The reward server's analysis of one joint action.
+#[derive(Debug, Clone, Default)]
+pub struct Analysis {
+    /// One feedback text per agent, each ending with the request to revise.
+    pub feedback: Vec<String>,
+    /// The code diagnostics the texts were written from (code tasks on the reward server).
+    pub diagnostics: Option<cotrain_reward_server::rewards::CodeDiagnostics>,
+}
+
 /// Where rewards come from.
 pub trait RewardSource: Send {
     /// Scores a batch of joint actions of `task` (`code`, `arxiv`, `tldr`, `gsm8k`, `anli`, or a
@@ -226,6 +235,12 @@ pub trait RewardSource: Send {
     fn feedback(&mut self, task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
         let _ = (actions, spec);
         Err(TrainError::Reward(format!("{} gives no next-turn feedback for task `{task}`", self.describe())))
+    }
+    /// The analysis behind [`Self::feedback`]: per action, the texts and, where the source has
+    /// them, the structured code diagnostics (what the original's next-turn wordings print).
+    /// Sources without diagnostics give the texts alone.
+    fn analyze(&mut self, task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Analysis>, TrainError> {
+        Ok(self.feedback(task, actions, spec)?.into_iter().map(|feedback| Analysis { feedback, diagnostics: None }).collect())
     }
     fn describe(&self) -> String;
 }

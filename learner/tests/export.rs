@@ -53,7 +53,7 @@ fn write_checkpoint(run_dir: &Path, base: &Path, specs: &[&str], kind: Kind) -> 
         rng_seed: 1,
         rng_word_pos: "0".into(),
         optimizer_steps: vec![3; specs.len()],
-        policy_version: 3,
+        served_versions: Default::default(),
         extra: serde_json::json!({
             "agent_policy": (0..specs.len()).collect::<Vec<_>>(),
             "policies": specs.iter().enumerate().map(|(i, s)| serde_json::json!({"worker_agent": format!("agent{i}"), "model": s})).collect::<Vec<_>>(),

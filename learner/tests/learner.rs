@@ -469,7 +469,8 @@ fn prompts_for_each_task_and_agent() {
     assert!(Prompter::defaults(3).render(item, 0, 0).is_err());
     let gsm = load_split(&ds("gsm8k"), &SplitSpec::parse("test[:1]").unwrap()).unwrap();
     let p = Prompter::defaults(3).render(&gsm.items[0], 0, 1).unwrap();
-    assert!(p.contains("\\boxed{}"));
+    // MaPoRL's question text for models other than Phi-3 and Llama 3 (the Qwen2.5 wording).
+    assert!(p.starts_with("Question: ") && p.contains("Answer: \\boxed{XX}"), "{p}");
 }
 
 fn show_prompts(overrides: &[&str]) -> Vec<serde_json::Value> {
@@ -480,7 +481,7 @@ fn show_prompts(overrides: &[&str]) -> Vec<serde_json::Value> {
     args.extend(overrides);
     use clap::Parser;
     let cli = cotrain_learner::cli::Cli::try_parse_from(args).unwrap();
-    let cotrain_learner::cli::Command::ShowPrompts { config, split, limit } = &cli.command else { panic!() };
+    let cotrain_learner::cli::Command::ShowPrompts { config, split, limit, .. } = &cli.command else { panic!() };
     let mut out = Vec::new();
     cotrain_learner::cli::show_prompts(&config.load().unwrap(), *split, *limit, &mut out).unwrap();
     String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
@@ -547,7 +548,7 @@ fn aligned_advantages_and_loss_match_hand_computation_for_every_mode() {
         (AdvantageMode::Raw, [5.0, 1.0]),
     ];
     for (mode, adv) in expected {
-        let opts = AdvantageOptions { joint_mode: JointMode::Aligned, mode, normalize: false, clamp: None };
+        let opts = AdvantageOptions { joint_mode: JointMode::Aligned, mode, normalize: None, clamp: None };
         let a = node_advantages(&r, 2, 2, &proc, &opts);
         for agent in 0..2 {
             close(a[agent][0], adv[0]);
@@ -560,7 +561,7 @@ fn aligned_advantages_and_loss_match_hand_computation_for_every_mode() {
     // mean, agent 0: (1/2)(−2·(−1) + 2·(−2)) = (2 − 4)/2 = −1.
     close(loss_of(0, &[2.0, -2.0]), -1.0);
     // normalised mean: std of R = [5, 1] (unbiased) = sqrt(8) → A = ±2/(sqrt(8) + 1e-8).
-    let opts = AdvantageOptions { joint_mode: JointMode::Aligned, mode: AdvantageMode::Mean, normalize: true, clamp: None };
+    let opts = AdvantageOptions { joint_mode: JointMode::Aligned, mode: AdvantageMode::Mean, normalize: Some(cotrain_learner::config::NormalizationForm::Uncentred), clamp: None };
     let a = node_advantages(&r, 2, 2, &proc, &opts);
     close(a[0][0], 2.0 / (8f64.sqrt() + 1e-8));
 }
@@ -580,7 +581,7 @@ fn cross_advantages_and_loss_match_hand_computation_for_every_mode() {
         (AdvantageMode::Raw, [[3.0, 9.0], [4.0, 8.0]]),
     ];
     for (mode, adv) in expected {
-        let opts = AdvantageOptions { joint_mode: JointMode::Cross, mode, normalize: false, clamp: None };
+        let opts = AdvantageOptions { joint_mode: JointMode::Cross, mode, normalize: None, clamp: None };
         let a = node_advantages(&r, 2, 2, &RewardProcessor::identity(), &opts);
         for agent in 0..2 {
             close(a[agent][0], adv[agent][0]);
@@ -748,7 +749,7 @@ fn checkpoint_round_trips_weights_optimiser_and_state() {
         rng_seed: 42,
         rng_word_pos: "123".into(),
         optimizer_steps: vec![opt.step],
-        policy_version: 2,
+        served_versions: [("agent0".to_string(), 2)].into(),
         extra: serde_json::json!({"order": [3, 1, 2]}),
     };
     let saved = save_checkpoint(dir.path(), &[(&vs, &opt)], &state).unwrap();

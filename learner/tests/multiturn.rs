@@ -50,7 +50,7 @@ fn close(a: &[f64], b: &[f64]) {
 }
 
 fn mean_adv() -> AdvantageOptions {
-    AdvantageOptions { joint_mode: JointMode::Aligned, mode: AdvantageMode::Mean, normalize: false, clamp: None }
+    AdvantageOptions { joint_mode: JointMode::Aligned, mode: AdvantageMode::Mean, normalize: None, clamp: None }
 }
 
 #[test]

@@ -1,17 +1,17 @@
-//! The checked model configuration shared by all families, and the parsing of Hugging Face
-//! `config.json` files into it.
+//! The checked model configuration shared by all families, and the family-independent pieces of
+//! the Hugging Face `config.json` schema that every family's schema reuses (RoPE settings, one or
+//! many EOS ids, the activation check).
 //!
 //! Each family file (`families/llama.rs`, ...) owns a serde struct matching that family's
 //! `config.json`; they all convert into [`ModelConfig`], the one the transformer code reads.
-//! Strings naming a dtype or device (`f32`, `cuda:1`) are parsed here as well.
-
-use std::path::Path;
+//! Choosing the family from a `config.json` ([`ModelConfig::from_hf_json`]) lives in
+//! [`crate::families`], which knows the families: this module depends on none of them, so that
+//! they can build on it. Strings naming a dtype or device (`f32`, `cuda:1`) are parsed here as well.
 
 use serde::Deserialize;
 use tch::{Device, Kind};
 
 use crate::error::{ModelError, Result};
-use crate::families::{llama::LlamaConfig, qwen2::Qwen2Config, qwen3::Qwen3Config};
 
 /// The model families this crate implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,6 +133,16 @@ impl OneOrMany {
     }
 }
 
+/// Every supported family uses SiLU in its gated MLP.
+pub(crate) fn check_act(act: &str) -> Result<()> {
+    if act != "silu" {
+        return Err(ModelError::InvalidConfig(format!(
+            "hidden_act `{act}` is not supported (only silu)"
+        )));
+    }
+    Ok(())
+}
+
 /// The checked configuration of a decoder-only transformer, whatever its family.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -173,56 +183,6 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// Parses a Hugging Face `config.json` text, dispatching on `architectures` / `model_type`.
-    pub fn from_hf_json(text: &str) -> Result<Self> {
-        #[derive(Deserialize)]
-        struct Probe {
-            architectures: Option<Vec<String>>,
-            model_type: Option<String>,
-        }
-        let bad = |e: serde_json::Error| ModelError::InvalidConfig(e.to_string());
-        let probe: Probe = serde_json::from_str(text).map_err(bad)?;
-        let arch = probe
-            .architectures
-            .as_ref()
-            .and_then(|a| a.first().cloned())
-            .or(probe.model_type.clone())
-            .ok_or_else(|| {
-                ModelError::InvalidConfig(
-                    "config has neither `architectures` nor `model_type`".into(),
-                )
-            })?;
-        let cfg = match arch.as_str() {
-            "LlamaForCausalLM" | "llama" => serde_json::from_str::<LlamaConfig>(text)
-                .map_err(bad)?
-                .into_model_config()?,
-            "Qwen2ForCausalLM" | "qwen2" => serde_json::from_str::<Qwen2Config>(text)
-                .map_err(bad)?
-                .into_model_config()?,
-            "Qwen3ForCausalLM" | "qwen3" => serde_json::from_str::<Qwen3Config>(text)
-                .map_err(bad)?
-                .into_model_config()?,
-            other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
-        };
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// Reads and parses a `config.json` file.
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_hf_json(&text).map_err(|e| match e {
-            ModelError::InvalidConfig(message) => ModelError::InvalidFile {
-                path: path.to_path_buf(),
-                message,
-            },
-            other => other,
-        })
-    }
-
     /// Checks the sizes fit together; every constructor calls it.
     pub fn validate(&self) -> Result<()> {
         let err = |m: String| Err(ModelError::InvalidConfig(m));
@@ -320,29 +280,5 @@ mod tests {
             let e = parse_device("cuda").unwrap_err().to_string();
             assert!(e.contains("CUDA is unavailable for device cuda"), "{e}");
         }
-    }
-
-    #[test]
-    fn unsupported_architecture_is_named() {
-        let e = ModelConfig::from_hf_json(r#"{"architectures": ["MambaForCausalLM"]}"#)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("MambaForCausalLM"), "{e}");
-    }
-
-    #[test]
-    fn reads_rope_parameters_of_transformers_5() {
-        let cfg = ModelConfig::from_hf_json(
-            r#"{"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
-                "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-                "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}}"#,
-        )
-        .unwrap();
-        assert_eq!(cfg.rope_theta, 500000.0);
-        assert_eq!(cfg.num_key_value_heads, 2);
-        assert_eq!(cfg.head_dim, 4);
-        assert!(matches!(cfg.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
     }
 }

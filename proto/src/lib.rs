@@ -2,16 +2,19 @@
 //! code is included here and never committed.
 //!
 //! Beside the generated code, the plain types that both sides of a call need, kept here so that
-//! neither side depends on the other and the crate stays free of libtorch:
+//! neither side depends on the other and the crate stays free of libtorch (the `tch` feature adds one conversion for the sides that hold
+//! tensors):
 //!
 //! - [`wire`]: the element types and tensors of a weight update (client and worker);
 //! - [`shm`]: the naming rules of shared-memory weight updates (client and worker);
-//! - [`reward_options`]: the reward service's scoring options (learner config and reward server).
+//! - [`reward_options`]: the reward service's scoring options (learner config and reward server);
+//! - [`retry`]: which gRPC failures are worth another attempt (reward client and rollout pool).
 
 pub mod auth;
 #[cfg(feature = "logging")]
 pub mod logging;
 pub mod refusal;
+pub mod retry;
 pub mod reward_options;
 pub mod shm;
 pub mod tls;

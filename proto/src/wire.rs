@@ -3,9 +3,9 @@
 //!
 //! They live in the protocol crate rather than in `cotrain-rollout-client` or the worker because
 //! both sides need them and neither should pull in the other: the client (which other trainers
-//! link) stays free of libtorch, and the worker does not depend on the client. Conversions to and
-//! from libtorch tensors live where tensors are made, in the worker
-//! (`cotrain_rollout_worker::weights::{WireDTypeExt, UpdatedTensorExt}`).
+//! link) stays free of libtorch, and the worker does not depend on the client. The libtorch kind of a
+//! wire type ([`WireDType::kind`]) is behind the `tch` feature, which only the learner and the worker
+//! enable; tensor conversions live where tensors are made (`cotrain_rollout_worker::weights`).
 
 use crate::rollout::Dtype;
 
@@ -30,6 +30,15 @@ impl WireDType {
         match self {
             Self::F32 => 4,
             Self::Bf16 => 2,
+        }
+    }
+
+    /// The libtorch kind of the bytes.
+    #[cfg(feature = "tch")]
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            Self::F32 => tch::Kind::Float,
+            Self::Bf16 => tch::Kind::BFloat16,
         }
     }
 

@@ -24,25 +24,8 @@ pub use cotrain_proto::wire::{UpdatedTensor, WireDType};
 
 use crate::error::{Result, WorkerError};
 
-/// The libtorch kind of a [`WireDType`]. The wire types live in `cotrain-proto`, which (like the
-/// client that other trainers link) must not depend on libtorch, so their tensor conversions live
-/// here, with the tensors; the learner uses this one too.
-pub trait WireDTypeExt {
-    /// The libtorch kind of the bytes.
-    fn kind(self) -> tch::Kind;
-}
-
-impl WireDTypeExt for WireDType {
-    fn kind(self) -> tch::Kind {
-        match self {
-            Self::F32 => tch::Kind::Float,
-            Self::Bf16 => tch::Kind::BFloat16,
-        }
-    }
-}
-
-/// An [`UpdatedTensor`] as a libtorch tensor (see [`WireDTypeExt`] for why this is not a method of
-/// the type itself).
+/// An [`UpdatedTensor`] (a `cotrain-proto` type) as a libtorch tensor, converted here where updates
+/// are assembled.
 pub trait UpdatedTensorExt {
     /// The tensor as a CPU libtorch tensor of its wire dtype.
     fn to_tensor(&self) -> tch::Tensor;

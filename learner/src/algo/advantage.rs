@@ -1,6 +1,6 @@
 //! Reward processing and the four advantage modes over a node's G siblings.
 
-use crate::config::{AdvantageMode, RewardProcessorConfig};
+use crate::config::{AdvantageMode, NormalizationForm, RewardProcessorConfig};
 
 /// r ← scale_factor·r + shift (identity when disabled).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -21,15 +21,20 @@ impl RewardProcessor {
     }
 }
 
-/// Added to the standard deviation when normalising, as in the original.
+/// Added to the standard deviation by the [`NormalizationForm::Uncentred`] form.
 pub const ADV_STD_EPS: f64 = 1e-8;
+/// The floor of the standard deviation of the [`NormalizationForm::Centred`] form (CoMLRL 2026).
+pub const ADV_STD_FLOOR: f64 = 1e-6;
 
 /// Advantages of G sibling returns.
 /// `mean`: A = R − mean(R); `rloo`: A = (G·R − ΣR)/(G − 1) (= R − mean of the others);
-/// `max`: A = R − max(R); `raw`: A = R. With `normalize`, A is divided by (std(R) + 1e-8), std being
-/// torch's default unbiased estimate (divisor G − 1). `clamp` limits A to [−c, c] last (the oldest
-/// release used 10).
-pub fn advantages(returns: &[f64], mode: AdvantageMode, normalize: bool, clamp: Option<f64>) -> Vec<f64> {
+/// `max`: A = R − max(R); `raw`: A = R. `normalize` then rescales them:
+/// - [`NormalizationForm::Centred`] (CoMLRL 2026, for G > 1): A ← (A − mean A) / max(std(A), 1e-6), std
+///   with divisor G. Re-centring makes the four modes agree (rloo is a scaled `mean`).
+/// - [`NormalizationForm::Uncentred`]: A ← A / (std(R) + 1e-8), std of the returns with divisor G − 1.
+///
+/// `clamp` limits A to [−c, c] last (the oldest release used 10).
+pub fn advantages(returns: &[f64], mode: AdvantageMode, normalize: Option<NormalizationForm>, clamp: Option<f64>) -> Vec<f64> {
     let g = returns.len();
     if g == 0 {
         return Vec::new();
@@ -47,10 +52,21 @@ pub fn advantages(returns: &[f64], mode: AdvantageMode, normalize: bool, clamp: 
         }
         AdvantageMode::Raw => returns.to_vec(),
     };
-    if normalize {
-        let std = if g < 2 { 0.0 } else { (returns.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (g as f64 - 1.0)).sqrt() };
-        for a in &mut adv {
-            *a /= std + ADV_STD_EPS;
+    match normalize {
+        None => {}
+        Some(NormalizationForm::Centred) if g > 1 => {
+            let m = adv.iter().sum::<f64>() / g as f64;
+            let std = (adv.iter().map(|a| (a - m).powi(2)).sum::<f64>() / g as f64).sqrt().max(ADV_STD_FLOOR);
+            for a in &mut adv {
+                *a = (*a - m) / std;
+            }
+        }
+        Some(NormalizationForm::Centred) => {}
+        Some(NormalizationForm::Uncentred) => {
+            let std = if g < 2 { 0.0 } else { (returns.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (g as f64 - 1.0)).sqrt() };
+            for a in &mut adv {
+                *a /= std + ADV_STD_EPS;
+            }
         }
     }
     if let Some(c) = clamp {
@@ -76,21 +92,23 @@ mod tests {
     fn the_four_modes_match_hand_computed_values() {
         // R = [1, 2, 3, 6]: ΣR = 12, mean 3, max 6.
         let r = [1.0, 2.0, 3.0, 6.0];
-        close(&advantages(&r, AdvantageMode::Mean, false, None), &[-2.0, -1.0, 0.0, 3.0]);
+        close(&advantages(&r, AdvantageMode::Mean, None, None), &[-2.0, -1.0, 0.0, 3.0]);
         // (4·R − 12)/3 = [-8/3, -4/3, 0, 4]
-        close(&advantages(&r, AdvantageMode::Rloo, false, None), &[-8.0 / 3.0, -4.0 / 3.0, 0.0, 4.0]);
-        close(&advantages(&r, AdvantageMode::Max, false, None), &[-5.0, -4.0, -3.0, 0.0]);
-        close(&advantages(&r, AdvantageMode::Raw, false, None), &r);
+        close(&advantages(&r, AdvantageMode::Rloo, None, None), &[-8.0 / 3.0, -4.0 / 3.0, 0.0, 4.0]);
+        close(&advantages(&r, AdvantageMode::Max, None, None), &[-5.0, -4.0, -3.0, 0.0]);
+        close(&advantages(&r, AdvantageMode::Raw, None, None), &r);
         // unbiased std = sqrt((4+1+0+9)/3) = sqrt(14/3)
         let s = (14.0f64 / 3.0).sqrt() + 1e-8;
-        close(&advantages(&r, AdvantageMode::Mean, true, None), &[-2.0 / s, -1.0 / s, 0.0, 3.0 / s]);
-        close(&advantages(&r, AdvantageMode::Mean, false, Some(1.5)), &[-1.5, -1.0, 0.0, 1.5]);
+        close(&advantages(&r, AdvantageMode::Mean, Some(NormalizationForm::Uncentred), None), &[-2.0 / s, -1.0 / s, 0.0, 3.0 / s]);
+        close(&advantages(&r, AdvantageMode::Mean, None, Some(1.5)), &[-1.5, -1.0, 0.0, 1.5]);
     }
 
     #[test]
     fn equal_returns_normalise_to_zero_not_nan() {
-        let a = advantages(&[2.0, 2.0, 2.0], AdvantageMode::Mean, true, None);
-        assert!(a.iter().all(|x| *x == 0.0));
+        for form in [NormalizationForm::Centred, NormalizationForm::Uncentred] {
+            let a = advantages(&[2.0, 2.0, 2.0], AdvantageMode::Mean, Some(form), None);
+            assert!(a.iter().all(|x| *x == 0.0), "{form:?}");
+        }
     }
 
     #[test]

@@ -49,6 +49,21 @@ impl<S> RolloutBuffer<S> {
         }
         out
     }
+
+    /// Empties the buffer as CoMLRL 2026 does (`train_batch_size` counting nodes): the nodes shuffled
+    /// whole with `rng`, in mini-batches of `nodes_per_batch` nodes (one batch with everything when
+    /// `None`), each batch the samples of its nodes.
+    pub fn drain_node_minibatches<R: Rng + ?Sized>(&mut self, rng: &mut R, nodes_per_batch: Option<usize>) -> Vec<Vec<S>> {
+        let mut nodes: Vec<Vec<S>> = self.nodes.drain(..).collect();
+        nodes.shuffle(rng);
+        let size = nodes_per_batch.unwrap_or(nodes.len()).max(1);
+        let mut out = Vec::new();
+        let mut iter = nodes.into_iter().peekable();
+        while iter.peek().is_some() {
+            out.push(iter.by_ref().take(size).flatten().collect());
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -78,5 +93,22 @@ mod tests {
         b2.push_node(vec![4, 5, 6, 7]);
         let mut rng2 = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         assert_eq!(b2.drain_minibatches(&mut rng2, Some(3)), batches);
+    }
+
+    #[test]
+    fn node_minibatches_keep_each_node_whole() {
+        let mut b = RolloutBuffer::new(3);
+        for n in 0..3 {
+            b.push_node(vec![10 * n, 10 * n + 1, 10 * n + 2, 10 * n + 3]);
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let batches = b.drain_node_minibatches(&mut rng, Some(2));
+        assert_eq!(batches.iter().map(Vec::len).collect::<Vec<_>>(), vec![8, 4], "2 nodes of G = 4, then 1");
+        for batch in &batches {
+            for node in batch.chunks(4) {
+                assert!(node.iter().all(|s| s / 10 == node[0] / 10) && node[0] % 10 == 0, "whole nodes in order: {batch:?}");
+            }
+        }
+        assert_eq!(b.nodes(), 0);
     }
 }

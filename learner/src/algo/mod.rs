@@ -25,13 +25,16 @@ use crate::config::{AdvantageMode, JointMode};
 pub struct AdvantageOptions {
     pub joint_mode: JointMode,
     pub mode: AdvantageMode,
-    pub normalize: bool,
+    /// The normalisation form when `advantage_normalization` is on.
+    pub normalize: Option<crate::config::NormalizationForm>,
     pub clamp: Option<f64>,
 }
 
 impl AdvantageOptions {
     pub fn from_section(s: &crate::config::TrainerSection) -> Self {
-        Self { joint_mode: s.joint_mode, mode: s.advantage_mode, normalize: s.advantage_normalization, clamp: s.advantage_clamp }
+        // The form is filled in by config validation; a section typed by hand defaults to `uncentred`.
+        let form = s.advantage_normalization_form.unwrap_or(crate::config::NormalizationForm::Uncentred);
+        Self { joint_mode: s.joint_mode, mode: s.advantage_mode, normalize: s.advantage_normalization.then_some(form), clamp: s.advantage_clamp }
     }
 }
 

@@ -40,6 +40,64 @@ pub enum MaporlScore {
     Verifier,
 }
 
+/// `maporl.critic_head`: what a critic's value head is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CriticHead {
+    /// MaPoRL's: `nn.Linear(hidden, 1, bias=False)` with PyTorch's default init U(−1/√hidden,
+    /// 1/√hidden), drawn from the run's seed, and never trained (the original's
+    /// `grad_requires_setting` leaves only LoRA weights trainable): only the critic's adapter learns.
+    #[default]
+    FrozenRandom,
+    /// cotrain's earlier head: starts at zero and trains with the critic's adapter.
+    Trained,
+}
+
+/// `maporl.whiten`: over which samples the advantages are whitened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageWhitening {
+    /// Per (turn, agent), over that turn's and agent's answers of the step (MaPoRL's
+    /// `masked_whiten` over the response tokens of each (turn, agent) batch).
+    #[default]
+    PerTurnAgent,
+    /// Per policy adapter, over all its answers of the step (cotrain's earlier grouping; with
+    /// `first_and_later` the discussion turns of an agent are whitened together).
+    PerAdapter,
+}
+
+/// `maporl.score_position`: which token positions of an answer the PPO update trains and where
+/// the score lands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ScorePosition {
+    /// MaPoRL's (TRL PPOv2's `sequence_lengths`/`actual_end`): with a stop token at k that is not the
+    /// pad token, the policy trains on tokens 0..=k and the score lands on one more value position,
+    /// the critic's value after the stop token (k + 1), when k + 1 < max_output_length (else on k);
+    /// with the stop token equal to the pad token (eos-as-pad models), the policy trains on 0..k − 1
+    /// and the score lands on k; without a stop token, on the last token.
+    #[default]
+    Trl,
+    /// cotrain's earlier placement: the policy trains on every kept token, the stop token included
+    /// even when it is the pad token (so the policy learns to end its answer), and the score lands
+    /// on the last one.
+    LastToken,
+}
+
+/// The text of the discussion's next-turn prompt (`prompts::discussion`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FollowupStyle {
+    /// MaPoRL's own follow-up message, byte for byte (`configs/prompts/discussion_followup.j2`):
+    /// the answers in triple backticks, scores with 3 decimals and the original's readings, its
+    /// verifier explanation, the do-not-repeat paragraph and the restated question.
+    #[default]
+    Original,
+    /// cotrain's shorter message (`configs/prompts/discussion_followup_cotrain.j2`): the answers,
+    /// scores with 2 decimals and a short reading, no own score.
+    Cotrain,
+}
+
 /// `maporl.lora`: the adapters' shape (PEFT's `LoraConfig`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -205,6 +263,15 @@ pub struct MaporlSection {
     /// One critic per turn group of the adapter layout (otherwise one per agent).
     #[serde(default)]
     pub critic_per_turn: bool,
+    /// The critics' value heads: `frozen_random` (MaPoRL's) or `trained`.
+    #[serde(default)]
+    pub critic_head: CriticHead,
+    /// Advantage whitening groups: `per_turn_agent` (MaPoRL's) or `per_adapter`.
+    #[serde(default)]
+    pub whiten: AdvantageWhitening,
+    /// Which tokens the update trains and where the score lands: `trl` (MaPoRL's) or `last_token`.
+    #[serde(default)]
+    pub score_position: ScorePosition,
     /// Which adapter serves which turn of an agent.
     #[serde(default)]
     pub adapter_layout: AdapterLayout,
@@ -215,9 +282,19 @@ pub struct MaporlSection {
     /// The adapters' shape (PEFT's `LoraConfig`).
     #[serde(default)]
     pub lora: LoraSection,
-    /// The next-turn prompt template (minijinja, see `prompts::discussion`); cotrain's default when absent.
+    /// The next-turn prompt template (minijinja, see `prompts::discussion`); the `followup_style`'s
+    /// default when absent.
     #[serde(default)]
     pub followup_template: Option<String>,
+    /// The next-turn prompt: `original` (MaPoRL's text, with each agent's own verifier score
+    /// merged in front under `reward_feedback`) or `cotrain` (cotrain's shorter text, no own score).
+    #[serde(default)]
+    pub followup_style: FollowupStyle,
+    /// Rewrite each GSM8K/ANLI answer to end in `Answer: \boxed{x}` before it is shown, scored by
+    /// the verifier and checked for correctness, as MaPoRL does (the invalid-answer check still reads
+    /// the answer as sampled); false: every step reads the answer as sampled.
+    #[serde(default = "default_true")]
+    pub rewrite_answers: bool,
     /// Evaluate before steps 0, n, 2n, ... (n = this value; 0: never).
     #[serde(default = "default_eval_interval")]
     pub eval_interval: usize,

@@ -11,7 +11,7 @@ mod validate;
 
 use std::path::{Path, PathBuf};
 
-pub use maporl::{AdapterLayout, LoraSection, MaporlScore, MaporlSection};
+pub use maporl::{AdapterLayout, AdvantageWhitening, CriticHead, FollowupStyle, LoraSection, MaporlScore, MaporlSection, ScorePosition};
 pub use verifier::VerifierSection;
 pub use schema::*;
 use serde_yaml_ng::{Mapping, Value};
@@ -183,7 +183,7 @@ pub fn merged_value(
     }
     // The original projects' own keys, from the file or an override, before the legacy flags
     // (which name cotrain's sections).
-    compat::apply(&mut value, file);
+    compat::apply(&mut value, file)?;
     apply_legacy(&mut value, legacy, file)?;
     Ok(value)
 }

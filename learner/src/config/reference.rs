@@ -174,7 +174,7 @@ fn variant_docs(prop: &Value, defs: &Map<String, Value>) -> Option<String> {
         return None;
     }
     let items: Vec<String> =
-        values.iter().map(|(v, doc)| if doc.is_empty() { format!("`{v}`") } else { format!("`{v}`: {doc}") }).collect();
+        values.iter().map(|(v, doc)| if doc.is_empty() { format!("`{v}`") } else { format!("`{v}`: {}", doc.trim_end_matches('.')) }).collect();
     Some(format!("Values: {}.", items.join("; ")))
 }
 

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use super::{Algorithm, CheckedConfig, ConfigError, RawConfig, Sampling};
+use super::{Algorithm, BatchUnit, CheckedConfig, ConfigError, NormalizationForm, RawConfig, Sampling};
 use crate::data::{DatasetKind, SplitSpec};
 
 /// The original generation default when `top_k` is unset anywhere.
@@ -255,6 +255,11 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
 
     let mut trainer = section;
     trainer.num_agents = Some(num_agents);
+    // The keys whose meaning changed between CoMLRL's releases default to the config's own era.
+    let new_era = raw.era() == super::Era::Comlrl2026;
+    trainer.advantage_normalization_form.get_or_insert(if new_era { NormalizationForm::Centred } else { NormalizationForm::Uncentred });
+    trainer.train_batch_unit.get_or_insert(if new_era { BatchUnit::Nodes } else { BatchUnit::Completions });
+    trainer.eval_all_turns.get_or_insert(new_era);
     Ok(CheckedConfig {
         prompt_sources,
         score_options,

@@ -64,10 +64,15 @@ impl PromptEncoding {
         if !self.chat_template {
             return Ok(text.to_string());
         }
+        self.render_chat(chat_template, &[TemplateMessage::new("user", text)])
+    }
+
+    /// `messages` rendered with the model's chat template (the generation prompt added), with this
+    /// encoding's extra variables; an error when the model has none.
+    pub fn render_chat(&self, chat_template: Option<&ChatTemplate>, messages: &[TemplateMessage]) -> Result<String, TrainError> {
         let t = chat_template
             .ok_or_else(|| TrainError::Config("model.chat_template is true but the model has no chat template".into()))?;
-        let msgs = [TemplateMessage::new("user", text)];
-        t.render(&msgs, true, &self.extra).map_err(|e| TrainError::Model(format!("chat template: {e}")))
+        t.render(messages, true, &self.extra).map_err(|e| TrainError::Model(format!("chat template: {e}")))
     }
 }
 

@@ -8,18 +8,25 @@
 //!   The rollout workers serve each key as its own agent: with the adapter merged into a copy of
 //!   the base (adapter-only weight updates), or with the full weights pushed as MAGRPO pushes them.
 //! - [`Critic`]: an adapter of its own plus a value head (hidden → 1, no bias), per agent or per
-//!   adapter key (`critic_per_turn`), as MaPoRL's separate value model.
+//!   adapter key (`critic_per_turn`), as MaPoRL's separate value model. With `critic_head:
+//!   frozen_random` (MaPoRL's) the head is a fixed random projection and only the adapter learns.
 
 use std::collections::BTreeMap;
 
 use cotrain_model::families::CausalLm;
 use cotrain_model::loader::{LoadOptions, LoadedModel};
 use cotrain_model::lora::{LoraAdapter, LoraConfig};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor, nn};
 
 use crate::algo::{AdamW, AdamWConfig};
-use crate::config::{AdapterLayout, CheckedConfig, MaporlSection};
+use crate::config::{AdapterLayout, CheckedConfig, CriticHead, MaporlSection};
 use crate::error::TrainError;
+use crate::seeds::derive_seed;
+
+/// Seed path tag of the frozen value heads' draws.
+const TAG_CRITIC_HEAD: u64 = 15;
 
 /// The frozen base models, by spec.
 pub struct Bases {
@@ -131,10 +138,12 @@ pub struct Critic {
     pub key: String,
     pub base: usize,
     pub adapter: LoraAdapter,
-    /// The value head's own store (`v_head.weight`, (1, hidden)).
+    /// The value head's own store (`v_head.weight`, (1, hidden)); frozen with `critic_head:
+    /// frozen_random`.
     pub head_vs: nn::VarStore,
     pub head: Tensor,
     pub adapter_opt: AdamW,
+    /// Over the head's trainable variables: none (a no-op) when the head is frozen.
     pub head_opt: AdamW,
 }
 
@@ -150,6 +159,27 @@ impl Critic {
         let hidden = hidden.map_err(|e| TrainError::Model(format!("critic forward: {e}")))?;
         Ok(hidden.to_kind(Kind::Float).matmul(&self.head.to_kind(Kind::Float).transpose(0, 1)).squeeze_dim(-1))
     }
+
+    /// Writes the critic into `dir`: its adapter in PEFT's layout (naming `base_spec`) and
+    /// `value_head.safetensors` (`v_head.weight`, (1, hidden), f32 as held).
+    pub fn save(&self, dir: &std::path::Path, base_spec: &str) -> Result<(), TrainError> {
+        let err = |e: &dyn std::fmt::Display| TrainError::Checkpoint(format!("{}: {e}", dir.display()));
+        self.adapter.save_peft(dir, base_spec).map_err(|e| err(&e))?;
+        Tensor::write_safetensors(&[("v_head.weight", self.head.detach().to_device(tch::Device::Cpu))], dir.join(VALUE_HEAD_FILE)).map_err(|e| err(&e))
+    }
+}
+
+/// The file a saved critic's value head is in.
+pub const VALUE_HEAD_FILE: &str = "value_head.safetensors";
+
+/// A frozen value head's weights (hidden values): PyTorch's default `nn.Linear` init
+/// (`kaiming_uniform_(a=√5)`, i.e. U(−1/√hidden, 1/√hidden)), as MaPoRL's
+/// `nn.Linear(hidden, 1, bias=False)` draws it, from its own stream of `seed` (so the policy
+/// adapters' draws from libtorch's generator are the same with either `critic_head`).
+pub fn frozen_head_weights(hidden: usize, seed: u64) -> Vec<f32> {
+    let bound = 1.0 / (hidden as f64).sqrt();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..hidden).map(|_| rng.random_range(-bound..bound) as f32).collect()
 }
 
 /// Every adapter and critic of a run, by key.
@@ -160,7 +190,8 @@ pub struct Adapters {
 
 impl Adapters {
     /// Fresh adapters (A Kaiming-uniform, B zero: every policy starts as its base) and critics (value
-    /// head zero) for every key the config's layout uses, seeded from the run's seed.
+    /// head per `critic_head`: frozen U(±1/√hidden) or trained from zero) for every key the config's
+    /// layout uses, seeded from the run's seed.
     pub fn new(cfg: &CheckedConfig, m: &MaporlSection, bases: &Bases) -> Result<Self, TrainError> {
         let lora: LoraConfig = m.lora.to_model();
         let adam = AdamWConfig::new(m.learning_rate, m.weight_decay, m.max_grad_norm);
@@ -194,9 +225,15 @@ impl Adapters {
                 let ckey = critic_key(m, agent, turn);
                 if !critics.contains_key(&ckey) {
                     let adapter = LoraAdapter::new(model, lora.clone()).map_err(|e| TrainError::Config(format!("maporl.lora: {e}")))?;
-                    let head_vs = nn::VarStore::new(model.device());
-                    let hidden = model.config().hidden_size as i64;
-                    let head = (head_vs.root() / "v_head").var("weight", &[1, hidden], nn::Init::Const(0.0));
+                    let mut head_vs = nn::VarStore::new(model.device());
+                    let hidden = model.config().hidden_size;
+                    let mut head = (head_vs.root() / "v_head").var("weight", &[1, hidden as i64], nn::Init::Const(0.0));
+                    if m.critic_head == CriticHead::FrozenRandom {
+                        let w = frozen_head_weights(hidden, derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, critics.len() as u64]));
+                        tch::no_grad(|| head.copy_(&Tensor::from_slice(&w).view([1, hidden as i64]).to_device(model.device())));
+                        // Out of every optimiser: the head gets no gradient and AdamW never sees it.
+                        head_vs.freeze();
+                    }
                     let adapter_opt = AdamW::new(&adapter.vs, adam);
                     let head_opt = AdamW::new(&head_vs, adam);
                     critics.insert(ckey.clone(), Critic { key: ckey, base, adapter, head_vs, head, adapter_opt, head_opt });

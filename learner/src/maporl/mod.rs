@@ -12,7 +12,9 @@
 pub mod agents;
 pub mod plot;
 pub mod rollout;
+pub mod rewrite;
 pub mod run;
+pub mod targets;
 pub mod update;
 
 use std::path::PathBuf;

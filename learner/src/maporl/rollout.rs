@@ -4,15 +4,19 @@
 //! turn goes to the rollout workers in one concurrent batch, served by the adapter of the layout's
 //! key; answers are sampled for exactly `max_output_length` tokens with EOS ignored and cut after the
 //! first EOS; each answer is scored by the reward server, and invalid answers get the penalty.
+//! With `maporl.rewrite_answers` (the default) every GSM8K/ANLI answer is first rewritten as MaPoRL
+//! does ([`super::rewrite`]): the rewrite is what the agents read next turn, what the verifier scores
+//! and what correctness is read from; the invalid-answer check reads the answer as sampled.
 
 use std::collections::BTreeMap;
 
 use cotrain_model::chat_template::ChatMessage as TemplateMessage;
 
 use super::agents::{Bases, adapter_key};
+use super::rewrite::{self, Rewritten};
 use crate::algo::discussion_score::{InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason};
-use crate::config::MaporlSection;
-use crate::prompts::{ChatMessage, Followup};
+use crate::config::{FollowupStyle, MaporlSection};
+use crate::prompts::{ChatMessage, Followup, Shown};
 use crate::data::items::{PromptEncoding, encode_text};
 use crate::data::items::TrainItem;
 use crate::error::TrainError;
@@ -37,6 +41,13 @@ pub struct Answer {
     pub extracted: serde_json::Value,
     /// s(t, i): correctness or the verifier's probability, or the penalty for an invalid answer.
     pub score: f64,
+    /// s(t, i) before the invalid-answer penalty (what the original's score messages show).
+    #[serde(default)]
+    pub raw_score: f64,
+    /// The text the discussion shows (the other agents' next prompts, the agent's own history):
+    /// MaPoRL's rewrite of `text` with `maporl.rewrite_answers`, else `text`.
+    #[serde(default)]
+    pub shown: String,
     pub invalid: Option<InvalidReason>,
     pub adapter: String,
 }
@@ -97,12 +108,8 @@ impl DiscussionSetup<'_> {
             }
             return Ok(text);
         }
-        let t = base
-            .chat_template
-            .as_ref()
-            .ok_or_else(|| TrainError::Config("model.chat_template is true but the model has no chat template".into()))?;
         let msgs: Vec<TemplateMessage> = messages.iter().map(|m| TemplateMessage::new(m.role.as_str(), m.content.as_str())).collect();
-        t.render(&msgs, true, &self.encoding.extra).map_err(|e| TrainError::Model(format!("chat template: {e}")))
+        self.encoding.render_chat(base.chat_template.as_ref(), &msgs)
     }
 
     fn sampling(&self) -> SamplingSpec {
@@ -133,13 +140,7 @@ impl DiscussionSetup<'_> {
                         it.prompts[i].clone()
                     } else {
                         let prev = &discussions[q].answers[turn - 1];
-                        let others: Vec<String> = (0..n).filter(|&a| a != i).map(|a| prev[a].text.clone()).collect();
-                        let scores: Vec<f64> = (0..n).filter(|&a| a != i).map(|a| prev[a].score.max(0.0)).collect();
-                        let msgs = self
-                            .followup
-                            .next_turn(&histories[q][i], &others, self.m.reward_feedback.then_some(scores.as_slice()))
-                            .map_err(TrainError::Config)?;
-                        histories[q][i] = msgs;
+                        histories[q][i] = followup_chat(self.followup, self.m, &histories[q][i], &it.texts[i], prev, i).map_err(TrainError::Config)?;
                         let base = &self.bases.models[self.bases.agent_base[i]];
                         encode_text(&base.tokenizer, &self.render(i, &histories[q][i])?)?
                     };
@@ -185,11 +186,13 @@ impl DiscussionSetup<'_> {
                 let text = base.tokenizer.decode(body, true).map_err(|e| TrainError::Model(format!("decode: {e}")))?;
                 answers.push((req.agent.clone(), tokens, body.len(), text));
             }
+            let rewriting = self.m.rewrite_answers && rewrite::rewrites(self.task);
+            let presented: Vec<Rewritten> = answers.iter().map(|(_, _, _, text)| present(self.m, self.task, text)).collect();
             let actions: Vec<ScoreAction> = answers
                 .iter()
                 .enumerate()
-                .map(|(k, (_, tokens, _, text))| ScoreAction {
-                    completions: vec![text.clone()],
+                .map(|(k, (_, tokens, _, _))| ScoreAction {
+                    completions: vec![presented[k].judged.clone()],
                     completion_ids: vec![tokens.clone()],
                     item: items[k / n].item.clone(),
                 })
@@ -204,7 +207,7 @@ impl DiscussionSetup<'_> {
                         .collect::<Result<Vec<_>, String>>()
                         .map_err(TrainError::Config)?;
                     let conversations: Vec<(String, String)> =
-                        answers.iter().enumerate().map(|(k, (_, _, _, text))| (users[k / n].clone(), text.clone())).collect();
+                        presented.iter().enumerate().map(|(k, p)| (users[k / n].clone(), p.judged.clone())).collect();
                     Some(rollout.score_verifier(&v.name, &conversations)?)
                 }
                 None => None,
@@ -221,22 +224,33 @@ impl DiscussionSetup<'_> {
                     let k = q * n + i;
                     let (adapter, tokens, body_len, text) = answers[k].clone();
                     let sc = &scores[k];
-                    let correct = sc.reward > 0.5;
+                    let judged = &presented[k].judged;
+                    // The original reads correctness from the verifier's copy of the rewrite with its
+                    // own extraction, against the reference the reward server read from the row.
+                    let reference = sc.details.get("reference").or_else(|| sc.details.get("label")).and_then(|v| v.as_str());
+                    let (correct, extracted) = match reference {
+                        Some(reference) if rewriting => {
+                            let e = rewrite::extract_answer(self.task, judged);
+                            (e.as_deref() == Some(reference), e.map_or(serde_json::Value::Null, serde_json::Value::String))
+                        }
+                        _ => (sc.reward > 0.5, sc.details.get("answer").cloned().unwrap_or(serde_json::Value::Null)),
+                    };
+                    // The box check of the penalty reads the answer as sampled, not the rewrite.
                     let invalid = if self.m.invalid_penalty { invalid_reason(&text, body_len, &rule) } else { None };
                     let value_prompt = if self.m.value_simplification { items[q].prompts[i].clone() } else { prompts[k].clone() };
-                    histories[q][i].push(ChatMessage::assistant(text.clone()));
+                    let shown = presented[k].shown.clone();
+                    histories[q][i].push(ChatMessage::assistant(shown.clone()));
+                    let raw_score = probabilities.as_ref().map_or(if correct { 1.0 } else { 0.0 }, |p| f64::from(p[k]));
                     d.answers[turn].push(Answer {
                         prompt: prompts[k].clone(),
                         value_prompt,
                         tokens,
                         text,
                         correct,
-                        extracted: sc.details.get("answer").cloned().unwrap_or(serde_json::Value::Null),
-                        score: apply_invalid_penalty(
-                            probabilities.as_ref().map_or(if correct { 1.0 } else { 0.0 }, |p| f64::from(p[k])),
-                            invalid,
-                            &rule,
-                        ),
+                        extracted,
+                        score: apply_invalid_penalty(raw_score, invalid, &rule),
+                        raw_score,
+                        shown,
                         invalid,
                         adapter,
                     });
@@ -245,6 +259,31 @@ impl DiscussionSetup<'_> {
         }
         Ok(discussions)
     }
+}
+
+/// How the discussion presents a sampled answer: MaPoRL's rewrite with `maporl.rewrite_answers` (for
+/// the tasks the original rewrites), else the text as sampled (shown and judged as it is).
+pub fn present(m: &MaporlSection, task: &str, text: &str) -> Rewritten {
+    if m.rewrite_answers && rewrite::rewrites(task) {
+        rewrite::rewrite(task, text)
+    } else {
+        Rewritten { answer: rewrite::extract_answer(task, text), shown: text.to_string(), judged: text.to_string() }
+    }
+}
+
+/// The chat `agent` reads at a turn t ≥ 1: its `history` (its first-turn `question`, its answers and
+/// follow-ups so far) plus the follow-up message showing the other agents' answers of `previous`
+/// (every agent's answer of turn t − 1) and, with `reward_feedback`, the scores: the raw s(t − 1, ·)
+/// in the original style (the agent's own in front), the penalised one floored at 0 in cotrain's.
+pub fn followup_chat(followup: &Followup, m: &MaporlSection, history: &[ChatMessage], question: &str, previous: &[Answer], agent: usize) -> Result<Vec<ChatMessage>, String> {
+    let shown_score = |a: &Answer| match followup.style() {
+        FollowupStyle::Original => a.raw_score,
+        FollowupStyle::Cotrain => a.score.max(0.0),
+    };
+    let others: Vec<Shown<'_>> =
+        previous.iter().enumerate().filter(|(a, _)| *a != agent).map(|(_, a)| Shown { text: &a.shown, score: m.reward_feedback.then(|| shown_score(a)) }).collect();
+    let own = previous.get(agent).filter(|_| m.reward_feedback).map(shown_score);
+    followup.next_turn(history, question, own, &others)
 }
 
 /// The response kept for training (through the first stop token, inclusive) and its body (before it).
@@ -327,6 +366,8 @@ mod tests {
             correct,
             extracted: serde_json::json!(extracted),
             score: if correct { 1.0 } else { 0.0 },
+            raw_score: if correct { 1.0 } else { 0.0 },
+            shown: String::new(),
             invalid: None,
             adapter: String::new(),
         }

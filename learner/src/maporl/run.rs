@@ -17,7 +17,7 @@ use tracing::{info, warn};
 
 use super::agents::{Adapters, Bases, adapter_key, critic_key, scheduled_lr};
 use super::rollout::{Discussion, DiscussionSetup, discussion_metrics};
-use super::update::{PpoRecord, PpoSample, ppo_update};
+use super::update::{PpoRecord, PpoSample, ppo_update, training_response};
 use crate::algo::discussion_score::{Incentives, ScoreRule, shaped_training_scores};
 use crate::config::{CheckedConfig, MaporlSection};
 use crate::dist::{Collective, SingleRank};
@@ -96,7 +96,7 @@ impl MaporlTrainer {
         } else {
             None
         };
-        let followup = Followup::new(m.followup_template.as_deref()).map_err(TrainError::Config)?;
+        let followup = Followup::new(m.followup_style, m.followup_template.as_deref()).map_err(TrainError::Config)?;
         let encoding = PromptEncoding::from_config(&s.cfg);
         let rng = ChaCha8Rng::seed_from_u64(derive_seed(&[s.cfg.raw.seed, TAG_PPO]));
         let verifier = super::verifier_name(&s.cfg, &m)?;
@@ -162,17 +162,31 @@ impl MaporlTrainer {
         let mut samples = Vec::new();
         let mut where_from = Vec::new();
         let mut training_scores = Vec::new();
+        // Per agent: its base's stop tokens and pad token (eos when the tokenizer has none, as
+        // MaPoRL sets it), which place each answer's trained tokens and score.
+        let ends: Vec<(Vec<u32>, Option<u32>)> = (0..self.s.cfg.num_agents)
+            .map(|i| {
+                let base = &self.s.bases.models[self.s.bases.agent_base[i]];
+                (base.stop_token_ids(), base.tokenizer.pad_id().or(base.tokenizer.eos_id()))
+            })
+            .collect();
         for (q, d) in discussions.iter().enumerate() {
             let r = shaped_training_scores(&d.scores(), &d.correct(), &rule, &inc).map_err(|e| TrainError::Data(e.to_string()))?;
             for (t, row) in d.answers.iter().enumerate() {
                 for (i, a) in row.iter().enumerate() {
-                    if (t > 0 || self.m.task_training) && !a.tokens.is_empty() {
+                    let (stops, pad) = &ends[i];
+                    let (response, score_slot_after) = training_response(&a.tokens, self.m.max_output_length, stops, *pad, self.m.score_position);
+                    // An answer with no token to train (an EOS-as-pad first token) is left out.
+                    if (t > 0 || self.m.task_training) && !response.is_empty() {
                         samples.push(PpoSample {
                             policy: adapter_key(self.m.adapter_layout, i, t),
                             critic: critic_key(&self.m, i, t),
+                            turn: t,
+                            agent: i,
                             prompt: a.prompt.clone(),
                             value_prompt: a.value_prompt.clone(),
-                            response: a.tokens.clone(),
+                            response,
+                            score_slot_after,
                             score: r[t][i],
                         });
                         where_from.push((q, t, i));
@@ -270,10 +284,7 @@ impl MaporlTrainer {
             p.save(&dir.join(key), &self.s.bases.specs[p.base])?;
         }
         for (key, c) in &self.s.adapters.critics {
-            let d = dir.join(key);
-            c.adapter.save_peft(&d, &self.s.bases.specs[c.base]).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", d.display())))?;
-            tch::Tensor::write_safetensors(&[("v_head.weight", c.head.detach().to_device(tch::Device::Cpu))], d.join("value_head.safetensors"))
-                .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", d.display())))?;
+            c.save(&dir.join(key), &self.s.bases.specs[c.base])?;
         }
         // Last, so that a directory cut short by a killed process is never taken for a saved one.
         let manifest = crate::export::MaporlManifest {

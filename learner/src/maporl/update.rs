@@ -2,11 +2,14 @@
 //!
 //! 1. without grad: behaviour log-probs under the sampling temperature (the adapter set), reference
 //!    log-probs (the base alone) and the critic's values at the positions predicting each response
-//!    token;
-//! 2. per-token rewards −kl_coef·(log π − log π_ref) with the training score R(t, i) on the last
-//!    token; GAE (γ, λ); returns = advantages + values; advantages whitened over the adapter's tokens;
+//!    token (and after the last one, where the score lands there);
+//! 2. ([`super::targets::ppo_targets`]) per-token rewards −kl_coef·(log π − log π_ref) with the training score
+//!    R(t, i) on the score's position ([`super::targets::training_response`]); GAE (γ, λ); returns = advantages +
+//!    values; advantages whitened over the response tokens of each (turn, agent) or each adapter
+//!    (`maporl.whiten`);
 //! 3. `num_ppo_epochs` passes over shuffled mini-batches: the clipped policy loss steps the policy
-//!    adapter, vf_coef · the clipped value loss steps the critic (adapter and head). The two share no
+//!    adapter, vf_coef · the clipped value loss steps the critic (its adapter, and its head with
+//!    `critic_head: trained`). The two share no
 //!    parameter, so stepping them apart is the same as stepping their sum. Each adapter's and each
 //!    critic's epochs are one job; on one CPU rank the jobs run at the same time, one thread per
 //!    share of the cores, each thread on its own [`CausalLm::share_weights`] handle of the bases.
@@ -25,38 +28,15 @@ use tracing::warn;
 use cotrain_model::families::CausalLm;
 
 use super::agents::{Adapters, Bases, Critic, PolicyAdapter};
+pub use super::targets::{PpoRecord, PpoSample, ppo_targets, training_response};
 use crate::dist::{Collective, SingleRank};
-use crate::algo::ppo::{clipped_policy_loss, clipped_value_loss, explained_variance, gae, kl_per_token, token_rewards, whiten};
+use crate::algo::ppo::{clipped_policy_loss, clipped_value_loss};
 use crate::algo::padding::pad_values;
 use crate::config::MaporlSection;
 use crate::error::TrainError;
 
-/// One answer to train on.
-#[derive(Debug, Clone)]
-pub struct PpoSample {
-    pub policy: String,
-    pub critic: String,
-    pub prompt: Vec<u32>,
-    pub value_prompt: Vec<u32>,
-    pub response: Vec<u32>,
-    /// R(t, i) (with incentives and penalties).
-    pub score: f64,
-}
-
-/// The PPO inputs of one sample, as `rollouts.jsonl` records them.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct PpoRecord {
-    pub logprobs: Vec<f32>,
-    pub ref_logprobs: Vec<f32>,
-    pub values: Vec<f32>,
-    pub rewards: Vec<f64>,
-    /// Before whitening.
-    pub advantages: Vec<f64>,
-    pub returns: Vec<f64>,
-}
-
 fn model_err(what: &str) -> impl Fn(cotrain_model::ModelError) -> TrainError + '_ {
-    move |e| TrainError::Model(format!("{what}: {e}"))
+    move |e| TrainError::Update(format!("{what}: {e}"))
 }
 
 /// Right-padded (B, L) ids of prompt + response rows, and each row's prompt length.
@@ -71,16 +51,17 @@ fn pad_sequences(rows: &[(&[u32], &[u32])]) -> (Tensor, Vec<usize>) {
     (Tensor::from_slice(&ids).view([rows.len() as i64, l as i64]), rows.iter().map(|(p, _)| p.len()).collect())
 }
 
-/// Values (B, Cmax) at the positions predicting each response token (prompt_len − 1 + t), zero
-/// beyond each response.
-fn response_values(critic: &Critic, base: &CausalLm, rows: &[(&[u32], &[u32])], with_grad: bool) -> Result<Tensor, TrainError> {
+/// Values (B, Cmax) at the first `counts[b]` positions predicting each response token (prompt_len
+/// − 1 + t; t = len(response) is the state after the response), zero beyond.
+fn response_values(critic: &Critic, base: &CausalLm, rows: &[(&[u32], &[u32])], counts: &[usize], with_grad: bool) -> Result<Tensor, TrainError> {
     let (ids, prompt_lens) = pad_sequences(rows);
     let v = critic.values(base, &ids.to_device(base.device()), with_grad)?;
     let l = v.size()[1];
-    let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0) as i64;
+    let cmax = counts.iter().copied().max().unwrap_or(0) as i64;
     let (mut src, mut dst) = (Vec::new(), Vec::new());
     for (b, (_, r)) in rows.iter().enumerate() {
-        for t in 0..r.len() {
+        assert!(counts[b] <= r.len() + 1, "at most one value position past the response");
+        for t in 0..counts[b] {
             src.push(b as i64 * l + (prompt_lens[b] + t - 1) as i64);
             dst.push(b as i64 * cmax + t as i64);
         }
@@ -165,11 +146,12 @@ pub fn ppo_update(
         let idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
         for part in idx.chunks(16) {
             let rows: Vec<(&[u32], &[u32])> = part.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
-            let v = response_values(c, &bases.models[c.base].model, &rows, false)?;
+            let counts: Vec<usize> = part.iter().map(|&k| samples[k].value_len()).collect();
+            let v = response_values(c, &bases.models[c.base].model, &rows, &counts, false)?;
             let v: Vec<f32> = Vec::try_from(v.to_device(tch::Device::Cpu).reshape([-1])).unwrap_or_default();
-            let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
+            let cmax = counts.iter().copied().max().unwrap_or(0);
             for (b, &k) in part.iter().enumerate() {
-                records[k].values = v[b * cmax..b * cmax + samples[k].response.len()].to_vec();
+                records[k].values = v[b * cmax..b * cmax + counts[b]].to_vec();
             }
         }
     }
@@ -186,47 +168,9 @@ pub fn ppo_update(
         }
     }
     stats.insert("time/ppo_prepare".into(), t_prep.elapsed().as_secs_f64());
-    // 2. Rewards, GAE, whitening (per adapter, over its tokens).
-    let mut whitened: Vec<Vec<f64>> = vec![Vec::new(); samples.len()];
-    let (mut all_values, mut all_returns) = (Vec::new(), Vec::new());
-    for idx in by_policy.values() {
-        let mut rewards: Vec<Vec<f64>> =
-            idx.iter().map(|&k| token_rewards(&records[k].logprobs, &records[k].ref_logprobs, samples[k].score, m.kl_coef)).collect();
-        for &k in idx {
-            let kl: f64 = kl_per_token(&records[k].logprobs, &records[k].ref_logprobs).iter().sum();
-            acc("objective/kl", kl / samples.len() as f64, &mut stats);
-            acc("objective/rlhf_reward", (samples[k].score - m.kl_coef * kl) / samples.len() as f64, &mut stats);
-        }
-        if m.whiten_rewards {
-            let flat: Vec<f64> = rewards.iter().flatten().copied().collect();
-            let w = whiten(&flat, false);
-            let mut at = 0;
-            for r in rewards.iter_mut() {
-                let n = r.len();
-                r.copy_from_slice(&w[at..at + n]);
-                at += n;
-            }
-        }
-        let mut flat_adv = Vec::new();
-        for (&k, r) in idx.iter().zip(rewards) {
-            let values: Vec<f64> = records[k].values.iter().map(|v| f64::from(*v)).collect();
-            let (adv, ret) = gae(&r, &values, m.gamma, m.lam);
-            all_values.extend(values);
-            all_returns.extend(ret.iter().copied());
-            flat_adv.extend(adv.iter().copied());
-            records[k].rewards = r;
-            records[k].advantages = adv;
-            records[k].returns = ret;
-        }
-        let w = whiten(&flat_adv, true);
-        let mut at = 0;
-        for &k in idx {
-            let n = records[k].advantages.len();
-            whitened[k] = w[at..at + n].to_vec();
-            at += n;
-        }
-    }
-    stats.insert("val/explained_variance".into(), explained_variance(&all_values, &all_returns));
+    // 2. Rewards, GAE, returns, whitening.
+    let (whitened, targets_stats) = ppo_targets(m, samples, &mut records);
+    stats.extend(targets_stats);
 
     // 3. PPO epochs over shuffled mini-batches. Each policy adapter and each critic trains on its
     // own samples and shares no parameter with the others (the base is frozen), so their epochs are
@@ -314,6 +258,7 @@ pub fn ppo_update(
     Ok((records, stats))
 }
 
+
 /// What the PPO epochs read besides the adapters.
 struct EpochData<'a> {
     m: &'a MaporlSection,
@@ -384,20 +329,25 @@ impl EpochJob<'_> {
     }
 }
 
-/// This rank's share of mini-batch `mb` and its share of the mini-batch's response tokens.
-fn rank_part(mb: &[usize], samples: &[PpoSample], dist: &dyn Collective) -> (Vec<usize>, f64) {
+/// This rank's share of mini-batch `mb` and its share of the mini-batch's positions the loss
+/// averages over (`len` of each sample: response tokens for the policy, value positions for the
+/// critic, which has one more where the score lands after the response).
+fn rank_part(mb: &[usize], samples: &[PpoSample], dist: &dyn Collective, len: fn(&PpoSample) -> usize) -> (Vec<usize>, f64) {
     let (rank, world) = (dist.rank(), dist.world());
-    let all_tokens: usize = mb.iter().map(|&k| samples[k].response.len()).sum();
+    let all_tokens: usize = mb.iter().map(|&k| len(&samples[k])).sum();
     let part: Vec<usize> = mb.iter().enumerate().filter(|&(j, _)| j % world == rank).map(|(_, &k)| k).collect();
-    let share = part.iter().map(|&k| samples[k].response.len()).sum::<usize>() as f64 / all_tokens.max(1) as f64;
+    let share = part.iter().map(|&k| len(&samples[k])).sum::<usize>() as f64 / all_tokens.max(1) as f64;
     (part, share)
 }
+
+/// The positions the policy loss averages over: the response tokens.
+const POLICY_LEN: fn(&PpoSample) -> usize = |s| s.response.len();
 
 /// One policy mini-batch: the clipped policy loss, backward, and an AdamW step of the adapter
 /// (skipped when the loss or a gradient is not finite on any rank).
 fn policy_minibatch(p: &mut PolicyAdapter, net: &CausalLm, mb: &[usize], data: &EpochData, dist: &dyn Collective) -> Result<MinibatchStats, TrainError> {
     let EpochData { m, samples, records, whitened } = *data;
-    let (part, share) = rank_part(mb, samples, dist);
+    let (part, share) = rank_part(mb, samples, dist, POLICY_LEN);
     p.optimizer.zero_grad();
     let mut local = [0.0f64; 6]; // loss, clip fraction, approx kl, entropy, ratio, non-finite
     if !part.is_empty() {
@@ -411,7 +361,7 @@ fn policy_minibatch(p: &mut PolicyAdapter, net: &CausalLm, mb: &[usize], data: &
         let mask = mask.to_kind(Kind::Float);
         let device = lp.device();
         let terms = clipped_policy_loss(&lp, &old.to_device(device), &adv.to_device(device), &mask, m.cliprange)
-            .map_err(|e| TrainError::Model(format!("policy loss: {e}")))?;
+            .map_err(|e| TrainError::Update(format!("policy loss: {e}")))?;
         let loss = terms.loss.double_value(&[]);
         tlp.backward(&(&terms.loss * share)).map_err(model_err("policy backward"))?;
         let entropy = tlp.entropy.mean(Kind::Float).double_value(&[]);
@@ -431,25 +381,27 @@ fn policy_minibatch(p: &mut PolicyAdapter, net: &CausalLm, mb: &[usize], data: &
     Ok(MinibatchStats::Policy { loss, clipfrac, approxkl, entropy, ratio, skipped })
 }
 
-/// One critic mini-batch: vf_coef × the clipped value loss, backward, and AdamW steps of the
-/// critic's adapter and value head (skipped when the loss or a gradient is not finite on any rank).
+/// One critic mini-batch: vf_coef × the clipped value loss over the value positions, backward, and
+/// AdamW steps of the critic's adapter and value head (a frozen head has no variable to step;
+/// skipped when the loss or a gradient is not finite on any rank).
 fn value_minibatch(c: &mut Critic, net: &CausalLm, mb: &[usize], data: &EpochData, dist: &dyn Collective) -> Result<MinibatchStats, TrainError> {
     let EpochData { m, samples, records, .. } = *data;
-    let (part, share) = rank_part(mb, samples, dist);
+    let (part, share) = rank_part(mb, samples, dist, PpoSample::value_len);
     c.adapter_opt.zero_grad();
     c.head_opt.zero_grad();
     let mut local = [0.0f64; 3]; // loss, clip fraction, non-finite
     if !part.is_empty() {
         let rows: Vec<(&[u32], &[u32])> = part.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
-        let cmax = rows.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
-        let mask_rows: Vec<Vec<f64>> = part.iter().map(|&k| vec![1.0; samples[k].response.len()]).collect();
+        let counts: Vec<usize> = part.iter().map(|&k| samples[k].value_len()).collect();
+        let cmax = counts.iter().copied().max().unwrap_or(0);
+        let mask_rows: Vec<Vec<f64>> = counts.iter().map(|&n| vec![1.0; n]).collect();
         let mask = pad(&mask_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
         let old = pad_values(part.iter().map(|&k| records[k].values.as_slice()), cmax);
         let ret = pad(&part.iter().map(|&k| records[k].returns.as_slice()).collect::<Vec<_>>(), cmax);
-        let v = response_values(c, net, &rows, true)?;
+        let v = response_values(c, net, &rows, &counts, true)?;
         let device = v.device();
         let terms = clipped_value_loss(&v, &old.to_device(device), &ret.to_device(device), &mask.to_device(device), m.cliprange_value)
-            .map_err(|e| TrainError::Model(format!("value loss: {e}")))?;
+            .map_err(|e| TrainError::Update(format!("value loss: {e}")))?;
         let loss = terms.loss.double_value(&[]);
         (&terms.loss * (m.vf_coef * share)).backward();
         local = [loss * share, terms.clip_fraction * share, !loss.is_finite() as u8 as f64];
@@ -538,7 +490,7 @@ fn concurrently(jobs: Vec<EpochJob>, shares: &[(Vec<usize>, usize)], bases: &Bas
             .collect();
         handles
             .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|_| vec![(usize::MAX, Err(TrainError::Model("a PPO update thread panicked".into())))]))
+            .flat_map(|h| h.join().unwrap_or_else(|_| vec![(usize::MAX, Err(TrainError::Panicked("a PPO update thread")))]))
             .collect()
     });
     results.sort_by_key(|(i, _)| *i);

@@ -4,6 +4,7 @@
 //! feedback text as an input so they stay pure.
 
 mod code;
+pub mod comlrl;
 mod discussion;
 pub mod multiturn;
 pub mod template;
@@ -11,8 +12,8 @@ pub mod template;
 use serde::{Deserialize, Serialize};
 
 pub use code::signature_params;
-pub use discussion::{Followup, verifier_reading};
-pub use multiturn::{NextTurn, TurnRecord, compose_next_turn, droppable_entries};
+pub use discussion::{Followup, Shown, reading_band, verifier_reading};
+pub use multiturn::{AgentTurn, NextTurn, NextTurnError, NextTurnPrompter, NextTurnText, TurnRecord, compose_next_turn, droppable_entries};
 pub use template::{Prompter, TemplateError, default_template_name};
 
 /// One chat message.

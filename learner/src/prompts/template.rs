@@ -5,10 +5,12 @@
 //!
 //! What a template sees:
 //! - every task: `item` (the row: `item.task_id`, `item.prompt`, ... as the dataset has them),
-//!   `agent` (0-based index), `num_agents`;
+//!   `agent` (0-based index), `num_agents`, `model` (the agent's base model as the config names it;
+//!   the GSM8K default words its request as MaPoRL does for that model);
 //! - code (HumanEval, CoopHumanEval, MBPP): `problem` (the row's prompt, trailing blank space
 //!   removed), `entry_point`, `params` (the entry point's parameter names, a list), `signature`
-//!   (`entry_point(a, b)`);
+//!   (`entry_point(a, b)`), `def_params` (the parameters of the first `def` in the prompt as
+//!   written, annotations kept, as the original's formatters read them; empty when none);
 //! - arXiv: `abstract`; TLDR: `post`; GSM8K: `question`; ANLI: `premise`, `hypothesis`.
 
 use std::path::Path;
@@ -17,6 +19,7 @@ use minijinja::Environment;
 use serde::Serialize;
 
 use super::code::signature_params;
+use super::comlrl::{FORMATTER_ERROR, formatter_params};
 use crate::config::{CheckedConfig, PromptSource};
 use crate::data::TaskItem;
 
@@ -74,6 +77,8 @@ pub struct Prompter {
     env: Environment<'static>,
     /// Per agent, the name of its template in `env` (`agent0`, ... when configured, else a default).
     names: Vec<Option<String>>,
+    /// Per agent, its base model's name (empty when unknown).
+    models: Vec<String>,
 }
 
 impl std::fmt::Debug for Prompter {
@@ -87,6 +92,7 @@ struct Context<'a> {
     item: &'a TaskItem,
     agent: usize,
     num_agents: usize,
+    model: &'a str,
     #[serde(flatten)]
     derived: Derived,
 }
@@ -101,6 +107,8 @@ struct Derived {
     params: Option<Vec<String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     signature: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    def_params: Option<String>,
     #[serde(rename = "abstract", skip_serializing_if = "Option::is_none")]
     abstract_text: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -121,6 +129,7 @@ fn derived(item: &TaskItem) -> Derived {
                 problem: Some(c.prompt.trim_end().to_string()),
                 entry_point: Some(c.entry_point.clone()),
                 signature: Some(format!("{}({})", c.entry_point, params.join(", "))),
+                def_params: Some(formatter_params(&c.prompt).unwrap_or_default()),
                 params: Some(params),
                 ..Derived::default()
             }
@@ -171,12 +180,12 @@ impl Prompter {
             env.add_template_owned(key.clone(), text).map_err(|e| TemplateError::Syntax { agent: key.clone(), message: e.to_string() })?;
             names[agent] = Some(key);
         }
-        Ok(Self { env, names })
+        Ok(Self { env, names, models: cfg.agent_models.clone() })
     }
 
-    /// Only the defaults (tests, tools).
+    /// Only the defaults (tests, tools), for agents of no named model.
     pub fn defaults(num_agents: usize) -> Self {
-        Self { env: environment(), names: vec![None; num_agents] }
+        Self { env: environment(), names: vec![None; num_agents], models: Vec::new() }
     }
 
     /// The first-turn prompt text of `agent` for `item` (row `row` of its split, for messages).
@@ -188,8 +197,24 @@ impl Prompter {
         };
         let agent_key = format!("agent{agent}");
         let tmpl = self.env.get_template(&name).map_err(|e| TemplateError::Syntax { agent: agent_key.clone(), message: e.to_string() })?;
-        let ctx = Context { item, agent, num_agents, derived: derived(item) };
+        let model = self.models.get(agent).map_or("", String::as_str);
+        let ctx = Context { item, agent, num_agents, model, derived: derived(item) };
         tmpl.render(&ctx).map_err(|e| TemplateError::Render { agent: agent_key, row, message: format!("{e:#}") })
+    }
+
+    /// A later turn's `text` wrapped in `agent`'s first-turn template, as the original's formatters
+    /// wrapped it (`external.prompt_passthrough: false`): the text in place of the code problem, so
+    /// the template's `def_params` and `signature` come from the first `def` in the text; the
+    /// original's error string when the text has no `def name(params)`. Other tasks are not wrapped.
+    pub fn render_next_turn(&self, item: &TaskItem, row: usize, agent: usize, text: &str) -> Result<String, TemplateError> {
+        let TaskItem::Code(code) = item else {
+            return Ok(text.to_string());
+        };
+        if formatter_params(text).is_none() {
+            return Ok(FORMATTER_ERROR.to_string());
+        }
+        let wrapped = TaskItem::Code(crate::data::CodeItem { prompt: text.to_string(), ..code.clone() });
+        self.render(&wrapped, row, agent)
     }
 }
 

@@ -18,11 +18,11 @@ pub mod embedded;
 #[path = "embedded_absent.rs"]
 pub mod embedded;
 mod engine;
-mod pool;
+mod pool_source;
 mod reward_grpc;
 
 pub use engine::EngineRollout;
-pub use pool::PoolRollout;
+pub use pool_source::PoolRollout;
 pub use reward_grpc::GrpcReward;
 
 static CLUSTER_TOKEN: std::sync::OnceLock<Option<cotrain_proto::auth::ClusterToken>> = std::sync::OnceLock::new();

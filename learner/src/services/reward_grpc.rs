@@ -9,7 +9,7 @@ use tokio::runtime::Runtime;
 use tonic::transport::Channel;
 
 use crate::error::TrainError;
-use crate::sources::{CodeOutcome, FeedbackSpec, RewardSource, Score, ScoreAction};
+use crate::sources::{Analysis, CodeOutcome, FeedbackSpec, RewardSource, Score, ScoreAction};
 
 /// See the module docs.
 pub struct GrpcReward {
@@ -21,12 +21,6 @@ pub struct GrpcReward {
     options_json: String,
     /// Retries of a call the server could not answer (down, overloaded, late).
     retries: u32,
-}
-
-/// Failures a later attempt may not see: the server restarting, overloaded, or late.
-fn transient(status: &tonic::Status) -> bool {
-    use tonic::Code::*;
-    matches!(status.code(), Unavailable | Unknown | ResourceExhausted | DeadlineExceeded | Aborted | Cancelled)
 }
 
 impl GrpcReward {
@@ -60,13 +54,13 @@ impl GrpcReward {
             request.set_timeout(self.timeout);
             match self.rt.block_on(call(self.client.clone(), request)) {
                 Ok(r) => return Ok(r.into_inner()),
-                Err(s) if transient(&s) && attempt < self.retries => {
+                Err(s) if cotrain_proto::retry::is_transient(&s) && attempt < self.retries => {
                     tracing::warn!(server = %self.endpoint, call = what, attempt = attempt + 1, code = ?s.code(), message = s.message(), retry_in = ?wait, "reward server call failed, retrying");
                     std::thread::sleep(wait);
                     wait = (wait * 2).min(Duration::from_secs(8));
                 }
                 Err(s) => {
-                    let tries = if transient(&s) { format!(" after {} attempts", attempt + 1) } else { String::new() };
+                    let tries = if cotrain_proto::retry::is_transient(&s) { format!(" after {} attempts", attempt + 1) } else { String::new() };
                     return Err(TrainError::Reward(format!("{}: {what} failed{tries}: {} ({:?})", self.endpoint, s.message(), s.code())));
                 }
             }
@@ -112,6 +106,10 @@ impl RewardSource for GrpcReward {
     }
 
     fn feedback(&mut self, task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
+        Ok(self.analyze(task, actions, spec)?.into_iter().map(|a| a.feedback).collect())
+    }
+
+    fn analyze(&mut self, task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Analysis>, TrainError> {
         let score: serde_json::Value = if self.options_json.is_empty() {
             serde_json::json!({})
         } else {
@@ -136,12 +134,15 @@ impl RewardSource for GrpcReward {
             .iter()
             .map(|r| {
                 #[derive(serde::Deserialize)]
-                struct Analysis {
+                struct Wire {
                     feedback: Option<Vec<String>>,
+                    #[serde(default)]
+                    diagnostics: Option<cotrain_reward_server::rewards::CodeDiagnostics>,
                 }
-                let a: Analysis = serde_json::from_str(&r.analysis_json)
+                let a: Wire = serde_json::from_str(&r.analysis_json)
                     .map_err(|e| TrainError::Reward(format!("{}: unreadable analysis: {e}", self.endpoint)))?;
-                a.feedback.ok_or_else(|| TrainError::Reward(format!("{}: the analysis carries no feedback text", self.endpoint)))
+                let feedback = a.feedback.ok_or_else(|| TrainError::Reward(format!("{}: the analysis carries no feedback text", self.endpoint)))?;
+                Ok(Analysis { feedback, diagnostics: a.diagnostics })
             })
             .collect()
     }

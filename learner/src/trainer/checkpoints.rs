@@ -74,7 +74,7 @@ impl Trainer {
             rng_seed: self.rng_seed,
             rng_word_pos: self.rng.get_word_pos().to_string(),
             optimizer_steps: self.s.policies.iter().map(|p| p.optimizer.step).collect(),
-            policy_version: self.step,
+            served_versions: self.s.policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect(),
             extra: serde_json::json!({
                 "agent_policy": self.s.agent_policy,
                 "policies": self.s.policies.iter().map(|p| serde_json::json!({"worker_agent": p.worker_agent, "model": p.model_spec})).collect::<Vec<_>>(),

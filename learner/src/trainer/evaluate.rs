@@ -84,6 +84,8 @@ impl Trainer {
         let refs: Vec<&TrainItem> = items.iter().collect();
         let tr = &self.s.cfg.trainer;
         let expansion = match tr.rollout {
+            // CoMLRL 2026 plays every turn of an eval path; the earlier trainer stopped it as training does.
+            MultiTurnMode::Tree if tr.eval_all_turns == Some(true) => Expansion::Paths { stop_above: None, inclusive: false },
             MultiTurnMode::Tree => Expansion::Paths { stop_above: tr.termination_threshold, inclusive: false },
             MultiTurnMode::Handoff => Expansion::Paths { stop_above: tr.early_termination_threshold, inclusive: true },
         };

@@ -180,7 +180,7 @@ impl Policy {
                     let t_fwd = std::time::Instant::now();
                     let with_grad = has_gradient(mb, loss_opts);
                     let tlp = completion_logprobs(&self.model.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad, temperature: 1.0 })
-                        .map_err(|e| TrainError::Model(format!("log-probs: {e}")))?;
+                        .map_err(|e| TrainError::Update(format!("log-probs: {e}")))?;
                     let (lp, mask) = tlp.padded();
                     let mask = mask.to_kind(Kind::Float);
                     let width = lp.size()[1] as usize;
@@ -195,7 +195,7 @@ impl Policy {
                     let reference = match (&self.reference, loss_opts.kl) {
                         (Some(r), Some(_)) => {
                             let t = completion_logprobs(&r.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: false, temperature: 1.0 })
-                                .map_err(|e| TrainError::Model(format!("reference log-probs: {e}")))?;
+                                .map_err(|e| TrainError::Update(format!("reference log-probs: {e}")))?;
                             Some(t.padded().0)
                         }
                         _ => None,
@@ -211,7 +211,7 @@ impl Policy {
                         ref_logprobs: reference.as_ref(),
                         weights: Some(&weights),
                     };
-                    let terms = policy_loss(&batch, &opts).map_err(|e| TrainError::Model(format!("loss: {e}")))?;
+                    let terms = policy_loss(&batch, &opts).map_err(|e| TrainError::Update(format!("loss: {e}")))?;
                     let value = terms.loss.double_value(&[]);
                     if !value.is_finite() {
                         bad_loss = Some(value);
@@ -220,8 +220,8 @@ impl Policy {
                     stats.secs_forward += t_fwd.elapsed().as_secs_f64();
                     let t_bwd = std::time::Instant::now();
                     if with_grad {
-                        terms.loss.f_backward().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
-                        tlp.propagate().map_err(|e| TrainError::Model(format!("backward: {e}")))?;
+                        terms.loss.f_backward().map_err(|e| TrainError::Update(format!("backward: {e}")))?;
+                        tlp.propagate().map_err(|e| TrainError::Update(format!("backward: {e}")))?;
                         backpropagated += 1;
                     } else {
                         without_gradient += 1;

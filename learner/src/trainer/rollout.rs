@@ -16,7 +16,7 @@ use crate::algo::RewardProcessor;
 use crate::data::items::PromptEncoding;
 use crate::data::items::TrainItem;
 use crate::error::TrainError;
-use crate::prompts::multiturn::NextTurn;
+use crate::prompts::multiturn::{AgentTurn, NextTurn};
 use crate::seeds::derive_seed;
 use crate::sources::{GenRequest, GenSample, Score, ScoreAction};
 
@@ -131,7 +131,7 @@ impl Trainer {
             let encoding = PromptEncoding::from_config(&self.s.cfg);
             let max_prompt = self.s.cfg.raw.model.max_length.saturating_sub(self.s.cfg.sampling.max_new_tokens);
             let mut next = Vec::with_capacity(specs.len());
-            for ((spec, feedback), expert_failure) in specs.iter().zip(&feedback.texts).zip(feedback.expert_failures) {
+            for (((spec, feedback), expert_failure), report) in specs.iter().zip(&feedback.texts).zip(feedback.expert_failures).zip(&feedback.reports) {
                 let parent = &forest.nodes[spec.parent];
                 let item = items[parent.item];
                 let mut prompts = Vec::with_capacity(n);
@@ -140,9 +140,15 @@ impl Trainer {
                 for (a, agent_feedback) in feedback.iter().enumerate().take(n) {
                     let h = extend_history(&parent.history[a], &parent.prompts[a].text, &parent.samples[a][spec.picks[a]].text);
                     let original = item.texts.get(a).map(String::as_str).unwrap_or_default();
-                    let turn = NextTurn { original_prompt: original, history: &h, feedback: agent_feedback };
+                    let turn = AgentTurn {
+                        next: NextTurn { original_prompt: original, history: &h, feedback: agent_feedback },
+                        agent: a,
+                        item: &item.item,
+                        row: item.index,
+                        report: report.as_ref(),
+                    };
                     let model = &self.s.policies[self.s.agent_policy[a]].model;
-                    let (prompt, dropped) = fit_prompt(&turn, &self.s.cfg.raw.external, model, &encoding, max_prompt)
+                    let (prompt, dropped) = fit_prompt(&turn, &self.next_turn, model, &encoding, max_prompt)
                         .map_err(|e| TrainError::Data(format!("row {} turn {}: agent {a}: {e}", item.index, parent.turn + 2)))?;
                     truncated += dropped;
                     prompts.push(prompt);

@@ -108,7 +108,7 @@ fn concurrently(
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| vec![(0, Err(TrainError::Model("a policy's update thread panicked".into())))])).collect()
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| vec![(0, Err(TrainError::Panicked("a policy's update thread")))])).collect()
     });
     let mut by_round: Vec<(usize, Result<UpdateStats, TrainError>)> = results.into_iter().flatten().collect();
     by_round.sort_by_key(|(ri, _)| *ri);

@@ -34,6 +34,7 @@ use crate::data::items::TrainItem;
 use crate::dist::{Collective, SingleRank};
 use crate::error::TrainError;
 use crate::external::expert::ExpertClient;
+use crate::prompts::NextTurnPrompter;
 use crate::metrics::MetricsWriter;
 use crate::seeds::derive_seed;
 use crate::sources::{GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec};
@@ -77,6 +78,8 @@ pub struct Trainer {
     pub(super) s: TrainerSetup,
     /// The expert model of `external.mode: expert_edits`.
     pub(super) expert: Option<ExpertClient>,
+    /// How later turns' prompts are written (`external.next_turn_prompt`).
+    pub(super) next_turn: NextTurnPrompter,
     pub(super) step: u64,
     pub(super) epoch: u64,
     pub(super) position: u64,
@@ -155,8 +158,10 @@ impl Trainer {
         } else {
             None
         };
+        let next_turn = NextTurnPrompter::from_config(&s.cfg, s.is_code).map_err(|e| TrainError::Config(format!("{}: {e}", s.cfg.source.display())))?;
         let rng_seed = derive_seed(&[s.cfg.raw.seed, TAG_BUFFER]);
         Ok(Self {
+            next_turn,
             step: 0,
             epoch: 0,
             position: 0,

@@ -11,7 +11,7 @@ use super::setup::{TAG_SAMPLE, Trainer};
 use super::step_metrics::{reward_metrics, turn_metrics};
 use super::tree::{Expansion, Forest};
 use crate::algo::{AdvantageOptions, LossOptions, RolloutBuffer};
-use crate::config::MultiTurnMode;
+use crate::config::{BatchUnit, MultiTurnMode};
 use crate::data::items::TrainItem;
 use crate::dist::SingleRank;
 use crate::dist::rank_share;
@@ -112,7 +112,7 @@ impl Trainer {
                 });
                 self.s.policies = policies;
                 self.lent = None;
-                let (trained, train_secs) = trained.map_err(|_| TrainError::Model("the update thread panicked".into()))?;
+                let (trained, train_secs) = trained.map_err(|_| TrainError::Panicked("the update thread"))?;
                 let (drawn, gen_secs) = drawn;
                 self.pending = Some(drawn?);
                 report.overlap_secs = train_secs.min(gen_secs);
@@ -289,7 +289,11 @@ impl Trainer {
                 let batches: Vec<AgentBatches> = members
                     .iter()
                     .map(|&a| AgentBatches {
-                        minibatches: if mine { buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size) } else { Vec::new() },
+                        minibatches: match (mine, cfg.trainer.train_batch_unit) {
+                            (false, _) => Vec::new(),
+                            (true, Some(BatchUnit::Nodes)) => buffers[a].drain_node_minibatches(&mut self.rng, cfg.trainer.train_batch_size),
+                            (true, _) => buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size),
+                        },
                         scale,
                     })
                     .collect();

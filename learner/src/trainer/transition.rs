@@ -14,7 +14,8 @@ use crate::config::{ExternalConfig, ExternalMode, SandboxSlice};
 use crate::data::items::{PromptEncoding, encode_text};
 use crate::error::TrainError;
 use crate::external::expert::{ExpertClient, ExpertEdits, ExpertFailure, ExpertRequest, FailureKind};
-use crate::prompts::multiturn::{NextTurn, TurnRecord, compose_next_turn, droppable_entries};
+use crate::prompts::comlrl::LevelReport;
+use crate::prompts::multiturn::{AgentTurn, NextTurnPrompter, TurnRecord};
 use crate::sources::{FeedbackSpec, RewardSource, ScoreAction};
 
 /// One child to build prompts for: the dataset row and, per agent, the completion carried on.
@@ -42,6 +43,9 @@ pub struct Feedback {
     pub texts: Vec<Vec<String>>,
     /// Per child: why the expert gave no edits (the agents then see only the request to revise).
     pub expert_failures: Vec<Option<String>>,
+    /// Per child: the reward server's diagnostics in the original's words (what the `comlrl_*`
+    /// next-turn wordings print); `None` where the source has no diagnostics.
+    pub reports: Vec<Option<LevelReport>>,
 }
 
 /// The feedback for every child. With `expert_edits`, an expert that refuses requests (a 4xx: the
@@ -67,6 +71,7 @@ pub fn feedback_texts(
         return Ok(Feedback {
             texts: inputs.iter().zip(&edits).map(|(input, e)| expert_feedback(input, e)).collect(),
             expert_failures: edits.iter().map(|e| e.failure.as_ref().map(|f| f.reason.clone())).collect(),
+            reports: vec![None; inputs.len()],
         });
     }
     let actions: Vec<ScoreAction> = inputs
@@ -74,11 +79,12 @@ pub fn feedback_texts(
         .map(|i| ScoreAction { completions: i.completions.clone(), completion_ids: i.completion_ids.clone(), item: i.item.clone() })
         .collect();
     let spec = FeedbackSpec { mode: ext.mode, sandbox_slice: sandbox_slice(ext) };
-    let texts = reward.feedback(task, &actions, &spec)?;
-    if texts.len() != inputs.len() || texts.iter().zip(inputs).any(|(t, i)| t.len() != i.completions.len()) {
+    let analyses = reward.analyze(task, &actions, &spec)?;
+    if analyses.len() != inputs.len() || analyses.iter().zip(inputs).any(|(a, i)| a.feedback.len() != i.completions.len()) {
         return Err(TrainError::Reward(format!("{}: feedback does not match the {} joint actions asked about", reward.describe(), inputs.len())));
     }
-    Ok(Feedback { expert_failures: vec![None; texts.len()], texts })
+    let reports = analyses.iter().map(|a| a.diagnostics.as_ref().map(LevelReport::from_diagnostics)).collect();
+    Ok(Feedback { expert_failures: vec![None; analyses.len()], texts: analyses.into_iter().map(|a| a.feedback).collect(), reports })
 }
 
 /// Refuses a batch whose requests the expert refused, or of which it answered none.
@@ -139,24 +145,25 @@ fn expert_feedback(input: &TransitionInput<'_>, edits: &ExpertEdits) -> Vec<Stri
         .collect()
 }
 
-/// One agent's next-turn prompt: composed, rendered as the model reads it, tokenised, and fitted into
-/// `max_tokens` by leaving out the oldest history first. Returns the prompt and how many history
-/// entries were left out; an error when even the problem and the feedback alone do not fit.
+/// One agent's next-turn prompt: composed (`external.next_turn_prompt`), rendered as the model reads
+/// it, tokenised, and fitted into `max_tokens` by leaving out the oldest history first. Returns the
+/// prompt (its text: what the history records) and how many history entries were left out; an
+/// error when even the problem and the feedback alone do not fit.
 pub fn fit_prompt(
-    next: &NextTurn<'_>,
-    ext: &ExternalConfig,
+    turn: &AgentTurn<'_>,
+    prompter: &NextTurnPrompter,
     model: &LoadedModel,
     encoding: &PromptEncoding,
     max_tokens: usize,
 ) -> Result<(AgentPrompt, usize), TrainError> {
-    let droppable = droppable_entries(next, ext);
+    let droppable = prompter.droppable(turn);
     let mut last_len = 0;
     for drop in 0..=droppable {
-        let text = compose_next_turn(next, ext, drop);
-        let model_text = encoding.model_text(model.chat_template.as_ref(), &text)?;
+        let text = prompter.compose(turn, drop).map_err(|e| TrainError::Config(e.to_string()))?;
+        let model_text = encoding.model_text(model.chat_template.as_ref(), &text.user_text)?;
         let ids = encode_text(&model.tokenizer, &model_text)?;
         if ids.len() <= max_tokens {
-            return Ok((AgentPrompt { text, ids }, drop));
+            return Ok((AgentPrompt { text: text.recorded, ids }, drop));
         }
         last_len = ids.len();
     }

@@ -54,7 +54,7 @@ fn evaluate(v: &Verifier, items: &[Item], batch: usize) -> Result<(BTreeMap<Stri
     for part in items.chunks(batch.max(1)) {
         let refs: Vec<&Encoded> = part.iter().map(|i| &i.enc).collect();
         let ls: Vec<f32> = part.iter().map(|i| i.label).collect();
-        let (l, s) = v.loss(&refs, &ls, false).map_err(|e| TrainError::Model(e.to_string()))?;
+        let (l, s) = v.loss(&refs, &ls, false).map_err(|e| TrainError::Update(e.to_string()))?;
         loss += l.double_value(&[]) * part.len() as f64;
         scores.extend(s);
         labels.extend(ls);
@@ -114,7 +114,7 @@ pub fn train_verifier(cfg: &CheckedConfig, data: &VerifierData, out: &Path) -> R
             for mb in chunk.chunks(micro) {
                 let refs: Vec<&Encoded> = mb.iter().map(|&k| &train[k].enc).collect();
                 let ls: Vec<f32> = mb.iter().map(|&k| train[k].label).collect();
-                let (loss, s) = v.loss(&refs, &ls, true).map_err(|e| TrainError::Model(e.to_string()))?;
+                let (loss, s) = v.loss(&refs, &ls, true).map_err(|e| TrainError::Update(e.to_string()))?;
                 // The step's loss is the mean over its answers.
                 (&loss * (mb.len() as f64 / chunk.len() as f64)).backward();
                 loss_sum += loss.double_value(&[]) * mb.len() as f64;

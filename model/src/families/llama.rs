@@ -6,7 +6,7 @@
 
 use serde::Deserialize;
 
-use crate::config::{Family, ModelConfig, OneOrMany, RopeParams, resolve_rope};
+use crate::config::{Family, ModelConfig, OneOrMany, RopeParams, check_act, resolve_rope};
 use crate::error::{ModelError, Result};
 
 /// `config.json` of a `LlamaForCausalLM` checkpoint (defaults as in transformers' `LlamaConfig`).
@@ -93,14 +93,4 @@ impl LlamaConfig {
                 .unwrap_or_default(),
         })
     }
-}
-
-/// Every supported family uses SiLU in its gated MLP.
-pub(crate) fn check_act(act: &str) -> Result<()> {
-    if act != "silu" {
-        return Err(ModelError::InvalidConfig(format!(
-            "hidden_act `{act}` is not supported (only silu)"
-        )));
-    }
-    Ok(())
 }

@@ -5,8 +5,7 @@
 
 use serde::Deserialize;
 
-use super::llama::check_act;
-use crate::config::{Family, ModelConfig, OneOrMany, RopeParams, resolve_rope};
+use crate::config::{Family, ModelConfig, OneOrMany, RopeParams, check_act, resolve_rope};
 use crate::error::{ModelError, Result};
 
 /// `config.json` of a `Qwen3ForCausalLM` checkpoint (defaults as in transformers' `Qwen3Config`).

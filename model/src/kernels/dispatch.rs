@@ -12,7 +12,7 @@
 //! round the rows to bf16), so this one is measured.
 //!
 //! The products are decided by measurement, once per CPU: a probe times the kernel against the plain libtorch route
-//! ([`crate::families::transformer::libtorch_linear`]) on the products of a few decoder layers of
+//! ([`super::libtorch_route::libtorch_linear`]) on the products of a few decoder layers of
 //! the default model's shapes (more bytes than an L3 cache holds, so that they stream from memory
 //! as they do when a model decodes) at 1, 8 and 32 rows, the two routes interleaved so that a change in the
 //! machine's load hits both, and keeps the kernels where they are not slower in total. The answer
@@ -282,7 +282,7 @@ pub fn probe(kind: Kind) -> (f64, f64) {
         };
         let mut libtorch = || {
             for w in &weights {
-                crate::families::transformer::libtorch_product_into(&x, m, w, None, &mut out_l);
+                super::libtorch_route::libtorch_product_into(&x, m, w, None, &mut out_l);
             }
         };
         kernel();

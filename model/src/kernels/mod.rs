@@ -5,7 +5,8 @@
 //! [`decode_f32`]: the rest of a decode step (norms, RoPE, the cache write, attention), where
 //! libtorch's per-op overhead outweighs the arithmetic. Both compute in f32 and read weights and
 //! caches in f32 or bf16 ([`elem`]). [`adamw_f32`]: the optimiser update in one pass. [`omp`]:
-//! libtorch's OpenMP team, which they run on.
+//! libtorch's OpenMP team, which they run on. [`dispatch`]: which of the kernels and libtorch's
+//! route ([`libtorch_route`]) serves the products on this CPU.
 
 pub mod adamw_f32;
 #[cfg(target_arch = "x86_64")]
@@ -18,6 +19,7 @@ pub mod gemm_f32;
 mod gemm_broadcast;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm_bf16dot;
+pub mod libtorch_route;
 pub(crate) mod omp;
 
 pub use omp::set_threads_of_this_thread;

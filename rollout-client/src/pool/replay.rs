@@ -371,12 +371,14 @@ pub(super) fn file_update_stream(
         match step {
             Ok(Ok((Some(chunk), reader, file))) => Some((UpdateWeightsRequest { item: Some(Item::Chunk(chunk)) }, Some((Some(reader), file)))),
             Ok(Ok((None, ..))) => None,
+            // A read error or a panicked read task: the stream ends short, so the worker rejects
+            // the incomplete update and the catch-up is counted as failed.
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "reading a kept weight update back from disk");
                 None
             }
             Err(e) => {
-                tracing::warn!(error = %e, "reading a kept weight update back from disk");
+                tracing::warn!(error = %e, "the task reading a kept weight update back from disk failed");
                 None
             }
         }

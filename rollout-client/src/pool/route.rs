@@ -14,19 +14,10 @@ use tracing::{debug, warn};
 use super::member::{InFlight, Worker};
 use super::{Inner, PoolError, RolloutPool};
 
-/// Answers after which the same request goes to another worker.
+/// Answers after which the same request goes to another worker: the transient failures, and two
+/// that another worker may not give (a model error of this worker, a worker behind on versions).
 fn retryable(status: &Status) -> bool {
-    matches!(
-        status.code(),
-        Code::Unavailable
-            | Code::Unknown
-            | Code::Internal
-            | Code::Cancelled
-            | Code::Aborted
-            | Code::ResourceExhausted
-            | Code::DeadlineExceeded
-            | Code::FailedPrecondition
-    )
+    cotrain_proto::retry::is_transient(status) || matches!(status.code(), Code::Internal | Code::FailedPrecondition)
 }
 
 /// Errors that say the worker itself is in trouble, not just busy or behind.

@@ -77,7 +77,8 @@ fn others(row: &[bool], me: usize) -> Others {
 /// - right → wrong, the others were right: −α1 (left the right answer they shared);
 /// - with a single agent: wrong → right +α1, right → wrong −α1.
 ///
-/// Influence, t + 1 played and at least two agents, from the others at t and t + 1 and the agent's
+/// Influence, t ≥ 1 with t + 1 played and at least two agents (the released `bonus_rule` returns no
+/// bonus at all at turn 0), from the others at t and t + 1 and the agent's
 /// answer at t (signs of [`InfluenceSigns::Paper`]; `ReleasedCode` negates all four):
 /// - the others go wrong → right while the agent is right: +α3 (it persuaded them);
 /// - the others go right → wrong while the agent is wrong: −α3 (it misled them);
@@ -107,7 +108,7 @@ pub fn incentive_bonus(correct: &[Vec<bool>], inc: &Incentives) -> Result<Vec<Ve
                             _ => 0.0,
                         };
                     }
-                    if n > 1 && t + 1 < correct.len() {
+                    if n > 1 && t >= 1 && t + 1 < correct.len() {
                         b += sign
                             * match (others(&correct[t], i), others(&correct[t + 1], i), me) {
                                 (Others::Wrong, Others::Right, true) => a3,

@@ -124,31 +124,36 @@ fn alpha1_rewards_correcting_against_the_others_and_penalises_leaving_a_shared_r
 
 #[test]
 fn alpha3_rewards_persuading_the_others_and_penalises_misleading_them() {
-    // Agent 0 right at turn 0, agent 1 wrong → right: +α3 to agent 0 at turn 0 (paper signs).
-    assert_eq!(bonus(&[&[true, false], &[true, true]], only(3, P)), [[1.0, 0.0], [0.0, 0.0]]);
-    // Agent 0 wrong at turn 0, agent 1 right → wrong: −α3.
-    assert_eq!(bonus(&[&[false, true], &[false, false]], only(3, P)), [[-1.0, 0.0], [0.0, 0.0]]);
+    // Agent 0 right at turn 1, agent 1 wrong → right: +α3 to agent 0 at turn 1 (paper signs).
+    assert_eq!(bonus(&[&[true, false], &[true, false], &[true, true]], only(3, P)), [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]);
+    // Agent 0 wrong at turn 1, agent 1 right → wrong: −α3.
+    assert_eq!(bonus(&[&[false, true], &[false, true], &[false, false]], only(3, P)), [[0.0, 0.0], [-1.0, 0.0], [0.0, 0.0]]);
     // The released code's signs are the opposite.
-    assert_eq!(bonus(&[&[true, false], &[true, true]], only(3, R)), [[-1.0, 0.0], [0.0, 0.0]]);
-    assert_eq!(bonus(&[&[false, true], &[false, false]], only(3, R)), [[1.0, 0.0], [0.0, 0.0]]);
+    assert_eq!(bonus(&[&[true, false], &[true, false], &[true, true]], only(3, R)), [[0.0, 0.0], [-1.0, 0.0], [0.0, 0.0]]);
+    assert_eq!(bonus(&[&[false, true], &[false, true], &[false, false]], only(3, R)), [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]);
+    // The released `bonus_rule` gives nothing at turn 0, influence included.
+    assert_eq!(bonus(&[&[true, false], &[true, true]], only(3, P)), [[0.0, 0.0], [0.0, 0.0]]);
 }
 
 #[test]
 fn alpha2_follows_the_others_change_when_the_agent_was_not_on_its_side() {
-    // Agent 0 wrong at turn 0 and stays wrong, agent 1 wrong → right: +α2 (paper), −α2 (released).
-    assert_eq!(bonus(&[&[false, false], &[false, true]], only(2, P)), [[1.0, 0.0], [0.0, 0.0]]);
-    assert_eq!(bonus(&[&[false, false], &[false, true]], only(2, R)), [[-1.0, 0.0], [0.0, 0.0]]);
+    // Agent 0 wrong at turn 1 and stays wrong, agent 1 wrong → right: +α2 (paper), −α2 (released).
+    let t = [&[false, false][..], &[false, false], &[false, true]];
+    assert_eq!(bonus(&t, only(2, P)), [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]);
+    assert_eq!(bonus(&t, only(2, R)), [[0.0, 0.0], [-1.0, 0.0], [0.0, 0.0]]);
     // Agent 0 right, agent 1 right → wrong: −α2 (paper), +α2 (released).
-    assert_eq!(bonus(&[&[true, true], &[true, false]], only(2, P)), [[-1.0, 0.0], [0.0, 0.0]]);
-    assert_eq!(bonus(&[&[true, true], &[true, false]], only(2, R)), [[1.0, 0.0], [0.0, 0.0]]);
+    let t = [&[true, true][..], &[true, true], &[true, false]];
+    assert_eq!(bonus(&t, only(2, P)), [[0.0, 0.0], [-1.0, 0.0], [0.0, 0.0]]);
+    assert_eq!(bonus(&t, only(2, R)), [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]);
 }
 
 #[test]
 fn bonuses_add_up_and_vanish_without_weights_or_on_a_tie() {
-    // Agent 1 wrong → right after agent 0 was right: +α0 for agent 1 at turn 1, +α3 for agent 0 at 0.
+    // Agent 1 wrong → right at turn 2 after agent 0 was right: +α0 for agent 1 at turn 2, +α3 for agent 0 at 1.
     let inc = Incentives { alpha: [0.5, 0.0, 0.0, 2.0], influence_signs: P };
-    assert_eq!(bonus(&[&[true, false], &[true, true]], inc), [[2.0, 0.0], [0.0, 0.5]]);
-    assert_eq!(bonus(&[&[true, false], &[true, true]], Incentives::default()), [[0.0, 0.0], [0.0, 0.0]]);
+    let t = [&[true, false][..], &[true, false], &[true, true]];
+    assert_eq!(bonus(&t, inc), [[0.0, 0.0], [2.0, 0.0], [0.0, 0.5]]);
+    assert_eq!(bonus(&t, Incentives::default()), [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]);
     // Three agents: agent 0 wrong → right while the others were split (one right, one wrong).
     let all = Incentives { alpha: [1.0; 4], influence_signs: P };
     let b = bonus(&[&[false, true, false], &[true, true, false]], all);
@@ -157,12 +162,13 @@ fn bonuses_add_up_and_vanish_without_weights_or_on_a_tie() {
 
 #[test]
 fn shaped_scores_add_the_bonus_after_the_discount() {
-    let s = vec![vec![1.0, 0.0], vec![1.0, 1.0]];
-    let c = vec![vec![true, false], vec![true, true]];
+    let s = vec![vec![1.0, 0.0], vec![1.0, 0.0], vec![1.0, 1.0]];
+    let c = vec![vec![true, false], vec![true, false], vec![true, true]];
     let inc = Incentives { alpha: [0.5, 0.0, 0.0, 2.0], influence_signs: P };
-    // R(0,0) = (1 + 0.3·1) / 1.3 = 1, + α3 = 3; R(0,1) = 0.3 / 1.3; R(1,1) = 1, + α0 = 1.5.
+    // R(1,0) = (1 + 0.3·1) / 1.3 = 1, + α3 = 3; R(1,1) = 0.3 / 1.3; R(2,1) = 1, + α0 = 1.5.
+    // R(0,0) = (1 + 0.3·0.5 + 0.09·1) / 1.39; R(0,1) = (0 + 0.3·0.5 + 0.09·1) / 1.39; no bonus at turn 0.
     let r = shaped_training_scores(&s, &c, &ScoreRule::default(), &inc).unwrap();
-    close(&r, &[vec![3.0, 0.3 / 1.3], vec![1.0, 1.5]]);
+    close(&r, &[vec![1.24 / 1.39, 0.24 / 1.39], vec![3.0, 0.3 / 1.3], vec![1.0, 1.5]]);
     let err = shaped_training_scores(&s, &c[..1], &ScoreRule::default(), &inc).unwrap_err();
     assert!(matches!(err, MaporlError::ShapeMismatch { .. }));
 }

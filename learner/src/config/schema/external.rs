@@ -3,7 +3,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::default_true;
+use super::{Era, default_true};
 
 /// `external`: how the next turn's prompts are built in multi-turn training (rewards.md).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -26,6 +26,18 @@ pub struct ExternalConfig {
     /// Include the agent's full history of prompts and responses.
     #[serde(default)]
     pub history: bool,
+    /// The wording of later turns' prompts: `cotrain` (the three flags above around the reward
+    /// server's feedback), `comlrl_2026` (the original's full history, then its "Static and
+    /// execution diagnostics"), `comlrl_2025_09` (the September 2025 original: problem block,
+    /// previous function, diagnostics; honours `original_prompt` and `previous_response`). Default:
+    /// the original's of `comlrl_era` for code tasks with `mode: level_feedback`, else `cotrain`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_turn_prompt: Option<NextTurnPrompt>,
+    /// With a `comlrl_*` wording: give the model the next-turn text as it is (true), or wrap it in
+    /// the agent's first-turn template with the text in place of the problem, as the original's
+    /// formatters did (false, the default). The original's `external_prompt_passthrough`.
+    #[serde(default, alias = "external_prompt_passthrough", skip_serializing_if = "Option::is_none")]
+    pub prompt_passthrough: Option<bool>,
     /// Model for `expert_edits` (OpenAI-compatible chat API).
     #[serde(default)]
     pub expert_model: Option<String>,
@@ -38,7 +50,7 @@ pub struct ExternalConfig {
     /// Seconds one expert request may take.
     #[serde(default = "default_expert_timeout_secs")]
     pub expert_timeout_secs: u64,
-    /// Tokens the expert may write.
+    /// Tokens the expert may write (2048, the original's `max_tokens` in both eras).
     #[serde(default = "default_expert_max_tokens")]
     pub expert_max_tokens: u32,
 }
@@ -50,7 +62,7 @@ pub(super) fn default_expert_timeout_secs() -> u64 {
     120
 }
 pub(super) fn default_expert_max_tokens() -> u32 {
-    512
+    2048
 }
 
 impl Default for ExternalConfig {
@@ -61,6 +73,8 @@ impl Default for ExternalConfig {
             original_prompt: false,
             previous_response: true,
             history: false,
+            next_turn_prompt: None,
+            prompt_passthrough: None,
             expert_model: None,
             expert_base_url: None,
             expert_api_key_env: default_expert_api_key_env(),
@@ -79,6 +93,37 @@ impl ExternalConfig {
     pub fn feedback_tests(&self, total: usize) -> std::ops::Range<usize> {
         self.sandbox_slice.map_or(0..total, |s| s.select(total))
     }
+
+    /// `next_turn_prompt` as set, else the original's wording of `era` where the original has one (a
+    /// code task in `level_feedback` mode), else cotrain's.
+    pub fn resolved_next_turn_prompt(&self, era: Era, code_task: bool) -> NextTurnPrompt {
+        self.next_turn_prompt.unwrap_or(match era {
+            _ if !code_task || self.mode != ExternalMode::LevelFeedback => NextTurnPrompt::Cotrain,
+            Era::September2025 => NextTurnPrompt::ComlrlSeptember2025,
+            Era::Comlrl2026 => NextTurnPrompt::Comlrl2026,
+        })
+    }
+
+    /// `prompt_passthrough` as set; false (the original's formatters wrap the text) by default.
+    pub fn resolved_prompt_passthrough(&self) -> bool {
+        self.prompt_passthrough.unwrap_or(false)
+    }
+}
+
+/// `external.next_turn_prompt`: whose wording later turns' prompts use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum NextTurnPrompt {
+    /// cotrain's composer: `original_prompt`, `previous_response`, `history` around the feedback.
+    #[serde(rename = "cotrain")]
+    Cotrain,
+    /// CoMLRL 2026 (LLM_Collab_Code_Generation e5b008e `level_feedback`): every earlier prompt and
+    /// response of the agent, then the diagnostics.
+    #[serde(rename = "comlrl_2026")]
+    Comlrl2026,
+    /// September 2025 (9a8608d `level_feedback`): the original problem block, the previous function
+    /// as extracted, then the diagnostics.
+    #[serde(rename = "comlrl_2025_09")]
+    ComlrlSeptember2025,
 }
 
 /// Feedback mode of the external transition.

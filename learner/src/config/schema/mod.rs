@@ -27,6 +27,13 @@ pub struct RawConfig {
     pub model: ModelConfig,
     /// Which task and which rows to train and evaluate on.
     pub dataset: DatasetConfig,
+    /// Which CoMLRL release's semantics the `magrpo`/`grpo` keys carry where the two differ
+    /// (`2025-09`: the September 2025 trainer cotrain first followed; `2026`: CoMLRL v1.3–1.4 and
+    /// the 2026 configs of its code-generation scripts). Set to `2026` by the loader when the file has
+    /// the 2026 layout (a top-level `agent_model`, `agents` list/null, `critic_model` or `critics`);
+    /// `2025-09` otherwise. Each behaviour it decides has its own key, which wins when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comlrl_era: Option<Era>,
     /// Seed of every random draw of the run (sampling, data order, splits); the same seed and config repeat
     /// a run.
     #[serde(default = "default_seed")]
@@ -92,4 +99,24 @@ pub(super) fn default_seed() -> u64 {
 
 fn default_true() -> bool {
     true
+}
+
+/// `comlrl_era`: which release's meaning the trainer keys carry where CoMLRL changed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum Era {
+    /// The September 2025 trainer (MAGRPO's release with the handoff rollout).
+    #[default]
+    #[serde(rename = "2025-09")]
+    September2025,
+    /// CoMLRL v1.3–1.4 (2026): tree rollout with early termination, `train_batch_size` in nodes,
+    /// re-centred advantage normalisation, full-history next-turn prompts.
+    #[serde(rename = "2026")]
+    Comlrl2026,
+}
+
+impl RawConfig {
+    /// The era the config's keys mean ([`Era`]; `2025-09` unless set or detected).
+    pub fn era(&self) -> Era {
+        self.comlrl_era.unwrap_or_default()
+    }
 }

@@ -41,13 +41,14 @@ pub struct TrainerSection {
     /// γ of the tree rollout's returns: R_j = r_j + γ·mean(returns of child j).
     #[serde(default = "default_discount")]
     pub discount: f64,
-    /// Tree rollout: a node whose (processed) mean reward is above this is a leaf.
+    /// Tree rollout: a node whose (processed) mean reward is above this is a leaf. A 2026 config's
+    /// `early_termination_threshold` is this key (the loader maps it).
     #[serde(default)]
     pub termination_threshold: Option<f64>,
     /// Nodes per agent buffered before one optimiser step.
     #[serde(default = "default_rollout_buffer_size")]
     pub rollout_buffer_size: usize,
-    /// Mini-batch size in samples; the whole buffer when absent.
+    /// Mini-batch size (in the unit of `train_batch_unit`); the whole buffer when absent.
     #[serde(default)]
     pub train_batch_size: Option<usize>,
     /// Evaluate before items 0, n, 2n, ... of each epoch (n = this value; 0: never).
@@ -85,9 +86,25 @@ pub struct TrainerSection {
     /// Baseline of the advantage over the G siblings of a node.
     #[serde(default)]
     pub advantage_mode: AdvantageMode,
-    /// Divide each group's advantages by (std + 1e-8), std over the G siblings with divisor G − 1.
+    /// Normalise each group's advantages over the G siblings (the form is
+    /// `advantage_normalization_form`). On in every 2026 upstream config.
     #[serde(default)]
     pub advantage_normalization: bool,
+    /// How `advantage_normalization` normalises: `centred` (CoMLRL 2026: (A − mean A) / max(population
+    /// std of A, 1e-6)) or `uncentred` (the earlier form cotrain had: A / (sample std of R + 1e-8), not
+    /// re-centred). Default by `comlrl_era`: `centred` for 2026, `uncentred` for 2025-09.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advantage_normalization_form: Option<NormalizationForm>,
+    /// What `train_batch_size` counts: `nodes` (CoMLRL 2026: tree nodes, G completions each; the
+    /// buffer's nodes are shuffled whole) or `completions` (cotrain's earlier meaning). Default by
+    /// `comlrl_era`: `nodes` for 2026, `completions` for 2025-09.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_batch_unit: Option<BatchUnit>,
+    /// Tree rollout evaluation: `true` plays every turn of each eval path (CoMLRL 2026), `false` stops a
+    /// path at the termination threshold as training does. Default by `comlrl_era`: `true` for 2026,
+    /// `false` for 2025-09.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_all_turns: Option<bool>,
     /// The oldest release clamps advantages to [-10, 10]; off by default.
     #[serde(default)]
     pub advantage_clamp: Option<f64>,
@@ -297,4 +314,24 @@ impl Default for RewardProcessorConfig {
 
 pub(super) fn default_scale() -> f64 {
     1.0
+}
+
+/// `advantage_normalization_form`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NormalizationForm {
+    /// CoMLRL 2026: (A − mean A) / max(std_pop(A), 1e-6), after the baseline.
+    Centred,
+    /// A / (std(R) + 1e-8), std of the returns with divisor G − 1, not re-centred.
+    Uncentred,
+}
+
+/// `train_batch_unit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BatchUnit {
+    /// Tree nodes (G completions each), shuffled whole.
+    Nodes,
+    /// Single completions.
+    Completions,
 }

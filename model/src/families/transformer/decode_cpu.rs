@@ -16,11 +16,13 @@
 use half::bf16;
 use tch::{Device, Kind, Tensor};
 
-use super::{CausalLm, KvCache, Linear, RmsNorm};
+use super::layers::{DecoderLayer, Linear, RmsNorm};
+use super::{CausalLm, KvCache};
 use crate::error::Result;
 use crate::kernels::decode_f32::{self as ops, CacheShape};
 use crate::kernels::elem::Elem;
 use crate::kernels::gemm_f32;
+use crate::kernels::libtorch_route::libtorch_product_into;
 
 /// Borrowed contents of a contiguous CPU tensor of `E`s.
 ///
@@ -94,7 +96,7 @@ impl CausalLm {
         let grad_mode = grad_mode_on();
         let kind = self.kind;
         let servable = |t: &Tensor| servable(t, kind, grad_mode);
-        let linears = |l: &super::DecoderLayer| {
+        let linears = |l: &DecoderLayer| {
             let a = &l.self_attn;
             [
                 &a.q_proj,
@@ -108,7 +110,7 @@ impl CausalLm {
             .into_iter()
             .all(|lin: &Linear| servable(&lin.weight) && lin.bias.as_ref().is_none_or(&servable))
         };
-        let norms = |l: &super::DecoderLayer| {
+        let norms = |l: &DecoderLayer| {
             let a = &l.self_attn;
             [
                 Some(&l.input_layernorm),
@@ -247,7 +249,7 @@ impl CausalLm {
 fn project<W: Elem>(lin: &Linear, x: &[f32], rows: usize, out: &mut [f32], threads: usize, own_products: bool) {
     let (n, k) = (lin.weight.size()[0] as usize, lin.weight.size()[1] as usize);
     if !own_products {
-        super::libtorch_product_into(x, rows, &lin.weight, lin.bias.as_ref(), out);
+        libtorch_product_into(x, rows, &lin.weight, lin.bias.as_ref(), out);
         return;
     }
     // SAFETY: `fast_decode_applies` checked the weight and bias: contiguous, of the model's kind,

@@ -1,12 +1,18 @@
-//! The `learner` command line: argument types (clap derive) and the commands' logic, so that tests
-//! can call them without spawning the binary.
+//! The `learner` command line: argument types (clap derive) and the dispatch ([`run`]); the longer
+//! commands are in [`commands`]. Both are library code so that tests can call them without spawning
+//! the binary.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::{Args, Parser, Subcommand};
 
 use crate::config::{CheckedConfig, LegacyFlags, load_config};
+
+mod commands;
+
+pub use commands::{show_prompts, show_turn_prompts};
+use commands::{compare_command, export_command, plot_command, verifier_command};
 
 /// Trains cooperating LLM agents with GRPO / MAGRPO.
 #[derive(Debug, Parser)]
@@ -50,7 +56,8 @@ pub enum Command {
     },
     /// Start N learner ranks on this machine and stop them all if one fails (as torchrun does):
     /// `learner launch --nproc-per-node 2 -- train --config FILE [...]`. The ranks split every
-    /// step's items and average their gradients (see the README's "Learner ranks").
+    /// step's items and average their gradients (see the book's "Learner ranks" page,
+    /// docs/src/deployment/ranks.md).
     Launch {
         /// Ranks to start on this machine.
         #[arg(long)]
@@ -165,6 +172,11 @@ pub enum Command {
         /// Only the first N items.
         #[arg(long)]
         limit: Option<usize>,
+        /// Which turn's prompts (multi-turn configs): turns after the first are built by the
+        /// trainer's own code from placeholder responses and placeholder diagnostics, each marked
+        /// `<agent N turn T response>` / `<placeholder: ...>`.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        turn: u64,
     },
 }
 
@@ -435,174 +447,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Verifier(cmd) => verifier_command(cmd),
         Command::Export { checkpoint, policy, out, merged } => export_command(&checkpoint, policy, &out, merged),
-        Command::ShowPrompts { config, split, limit } => {
+        Command::ShowPrompts { config, split, limit, turn } => {
             let cfg = config.load()?;
             let mut out = std::io::stdout().lock();
-            show_prompts(&cfg, split, limit, &mut out)
+            if turn == 1 { show_prompts(&cfg, split, limit, &mut out) } else { show_turn_prompts(&cfg, split, limit, turn as usize, &mut out) }
         }
     }
-}
-
-/// `learner show-prompts`: the prompts exactly as the trainer builds them (templates, then the chat
-/// template if `model.chat_template`, then the agent's tokenizer), without loading any weights.
-pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize>, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
-    use crate::data::items::{PromptEncoding, render_prompt};
-    let spec = match split {
-        PromptSplit::Train => &cfg.train_split,
-        PromptSplit::Eval => cfg
-            .eval_split
-            .as_ref()
-            .with_context(|| format!("{}: --split eval but dataset.eval_split is not set", cfg.source.display()))?,
-    };
-    let data = crate::data::load_split(&cfg.raw.dataset, spec)?;
-    let prompter = crate::prompts::Prompter::from_config(cfg).with_context(|| cfg.source.display().to_string())?;
-    let encoding = PromptEncoding::from_config(cfg);
-    // Agents naming the same model share one tokenizer and chat template.
-    let mut sides = std::collections::BTreeMap::new();
-    for name in &cfg.agent_models {
-        if !sides.contains_key(name) {
-            let side = cotrain_model::loader::load_text_side(name).with_context(|| format!("model `{name}`"))?;
-            sides.insert(name.clone(), side);
-        }
-    }
-    let count = limit.unwrap_or(data.items.len()).min(data.items.len());
-    for index in 0..count {
-        for (agent, name) in cfg.agent_models.iter().enumerate() {
-            let (tokenizer, template) = &sides[name];
-            let p = render_prompt(&data, index, agent, tokenizer, template.as_ref(), &prompter, &encoding)?;
-            let line = serde_json::json!({"item_index": index, "agent": agent, "text": p.text, "tokens": p.ids.len()});
-            writeln!(out, "{line}")?;
-        }
-    }
-    Ok(())
-}
-
-/// `learner verifier ...`: see [`crate::verifier`].
-fn verifier_command(cmd: VerifierCommand) -> anyhow::Result<()> {
-    match cmd {
-        VerifierCommand::Generate { config, out } => {
-            let cfg = config.load()?;
-            let s = crate::verifier::generate::generate(&cfg, &out)?;
-            println!(
-                "{} questions sampled ({} already in the file), {} answers, {} correct ({:.1}%), {:.1} s, {:.2} answers/s",
-                s.questions,
-                s.resumed,
-                s.answers,
-                s.correct,
-                100.0 * s.correct as f64 / s.answers.max(1) as f64,
-                s.seconds,
-                s.answers as f64 / s.seconds.max(1e-9)
-            );
-            println!("wrote {}", out.display());
-            Ok(())
-        }
-        VerifierCommand::Balance { input, out, per_type, keep_short, config, overrides, fill_rounds } => {
-            if per_type == 0 {
-                bail!("--per-type must be at least 1");
-            }
-            let mut data = crate::verifier::VerifierData::read(&input).map_err(anyhow::Error::msg)?;
-            if let Some(path) = config {
-                let cfg = load_config(&path, &overrides, &LegacyFlags::default())?;
-                let mut sampler = crate::verifier::generate::Sampler::connect(&cfg)?;
-                let split = crate::data::load_split(&cfg.raw.dataset, &cfg.train_split)?;
-                let items: std::collections::HashMap<String, serde_json::Value> = split
-                    .items
-                    .iter()
-                    .map(|it| {
-                        let item = crate::data::items::item_json(it);
-                        (crate::verifier::question_text(&sampler.task, &item), item)
-                    })
-                    .collect();
-                let r = crate::verifier::balance::fill(&mut data, per_type, fill_rounds, &mut sampler, &items)?;
-                println!(
-                    "filled: {} reference solutions, {} correct rewrites, {} wrong answers added; {} short questions not in the config's train split",
-                    r.references, r.correct_added, r.incorrect_added, r.not_found
-                );
-            }
-            let (balanced, report) = crate::verifier::balance::balance(&data, per_type, keep_short);
-            for q in &report.questions {
-                let short: String = q.question.chars().take(70).collect();
-                println!("{:>4} correct {:>4} incorrect  {}  {short:?}", q.correct, q.incorrect, q.outcome);
-            }
-            println!(
-                "{} questions kept, {} dropped; {} answers in, {} out ({per_type} correct + {per_type} incorrect per balanced question)",
-                report.kept, report.dropped, report.answers_in, report.answers_out
-            );
-            if balanced.questions.is_empty() {
-                bail!("no question has {per_type} correct and {per_type} incorrect answers: nothing written (lower --per-type or pass --keep-short)");
-            }
-            balanced.write(&out).map_err(anyhow::Error::msg)?;
-            println!("wrote {}", out.display());
-            Ok(())
-        }
-        VerifierCommand::Train { config, data, out } => {
-            let cfg = config.load()?;
-            let data = crate::verifier::VerifierData::read(&data).map_err(anyhow::Error::msg)?;
-            let summary = crate::verifier::train::train_verifier(&cfg, &data, &out)?;
-            println!("verifier: {} ({} optimiser steps)", summary.out_dir.display(), summary.optimizer_steps);
-            for (k, v) in &summary.heldout {
-                println!("{k}: {v:.4}");
-            }
-            for p in &summary.plots {
-                println!("plot: {}", p.display());
-            }
-            Ok(())
-        }
-    }
-}
-
-/// `learner export`: see [`crate::export`].
-fn export_command(checkpoint: &Path, policy: Option<usize>, out: &Path, merged: bool) -> anyhow::Result<()> {
-    if !checkpoint.is_dir() {
-        bail!("--checkpoint {}: no such checkpoint directory", checkpoint.display());
-    }
-    if let Some(dir) = crate::export::maporl_dir(checkpoint) {
-        if policy.is_some() {
-            bail!("--policy selects a MAGRPO policy; a MaPoRL run exports every policy (pick one from --out afterwards)");
-        }
-        for d in crate::export::export_maporl(&dir, out, merged).map_err(anyhow::Error::msg)? {
-            println!("{}: {}", if d.join("adapter_config.json").is_file() { "adapter" } else { "model" }, d.display());
-        }
-        return Ok(());
-    }
-    if merged {
-        bail!("--merged applies to MaPoRL runs (LoRA adapters); {} holds full models", checkpoint.display());
-    }
-    let written = crate::export::export_checkpoint(checkpoint, policy, out).with_context(|| format!("exporting {}", checkpoint.display()))?;
-    for dir in written {
-        println!("model: {}", dir.display());
-    }
-    Ok(())
-}
-
-/// `learner plot RUN_A RUN_B ... --key K --out F`: K against the step for every run, one line each
-/// (named by the run directory).
-fn compare_command(run_dirs: &[PathBuf], key: &str, out: &Path) -> anyhow::Result<()> {
-    let mut series = Vec::new();
-    for dir in run_dirs {
-        let path = dir.join(crate::metrics::METRICS_FILE);
-        let records = crate::metrics::read_metrics(&path).with_context(|| format!("reading {}", path.display()))?;
-        let points: Vec<(f64, f64)> =
-            records.iter().filter_map(|r| r.values.get(key).map(|v| (r.step as f64, *v))).filter(|(_, v)| v.is_finite()).collect();
-        if points.is_empty() {
-            bail!("{}: no `{key}` in any step", path.display());
-        }
-        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| dir.display().to_string());
-        series.push((name, points));
-    }
-    crate::plot::draw_lines(out, key, "step", &series).with_context(|| format!("drawing {}", out.display()))?;
-    println!("{}", out.display());
-    Ok(())
-}
-
-fn plot_command(run_dir: &Path) -> anyhow::Result<()> {
-    let metrics = run_dir.join("metrics.jsonl");
-    if !metrics.is_file() {
-        bail!("{}: no metrics.jsonl in this run directory", run_dir.display());
-    }
-    let written = crate::plot::plot_run(run_dir).with_context(|| format!("plotting {}", run_dir.display()))?;
-    for p in written {
-        println!("{}", p.display());
-    }
-    Ok(())
 }

@@ -424,7 +424,7 @@ fn update_kind(lora_scaling: Option<f64>) -> &'static str {
 
 /// A parameter as a contiguous CPU tensor of the wire's element type.
 fn wire_tensor(t: &Tensor, wire: WireDType) -> Tensor {
-    t.detach().to_device(tch::Device::Cpu).to_kind(wire_kind(wire)).contiguous()
+    t.detach().to_device(tch::Device::Cpu).to_kind(wire.kind()).contiguous()
 }
 
 /// Overwrites `file` with the parameters in the wire's element type, straight from the tensors' memory.
@@ -590,13 +590,6 @@ impl RolloutSource for PoolRollout {
             failed_attempts: self.pool.failed_attempts(),
             catch_ups: self.pool.catch_ups(),
         })
-    }
-}
-/// The libtorch kind of a wire dtype.
-fn wire_kind(wire: WireDType) -> tch::Kind {
-    match wire {
-        WireDType::F32 => tch::Kind::Float,
-        WireDType::Bf16 => tch::Kind::BFloat16,
     }
 }
 

@@ -5,6 +5,8 @@
 use serde_yaml_ng::{Mapping, Value};
 use tracing::{info, warn};
 
+mod era_2026;
+
 /// What the compatibility pass did to a config, for logs and tests.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CompatReport {
@@ -22,7 +24,6 @@ const IGNORED_TRAINER_KEYS: &[(&str, &str)] = &[
     ("eval_batch_size", "evaluation batching does not change its results"),
     ("parallel_training", "device placement; cotrain places work by its rollout workers and learner"),
     ("agent_devices", "device placement; cotrain places work by its rollout workers and learner"),
-    ("external_prompt_passthrough", "cotrain's prompts come from the prompt templates (prompts.agentN)"),
 ];
 
 /// Other keys that are accepted and ignored.
@@ -35,12 +36,14 @@ fn section_mut<'a>(root: &'a mut Mapping, key: &str) -> Option<&'a mut Mapping> 
     root.get_mut(key).and_then(Value::as_mapping_mut)
 }
 
-/// Rewrites the original's keys in `value` (the merged YAML, before typing) in place.
-pub fn apply(value: &mut Value, file: &str) -> CompatReport {
+/// Rewrites the original's keys in `value` (the merged YAML, before typing) in place. Fails, naming
+/// the key, on an original key whose behaviour cotrain does not have.
+pub fn apply(value: &mut Value, file: &str) -> Result<CompatReport, super::ConfigError> {
     let mut report = CompatReport::default();
     let Some(root) = value.as_mapping_mut() else {
-        return report;
+        return Ok(report);
     };
+    era_2026::apply(root, file, &mut report)?;
 
     // The August 2025 multi-turn configs name their trainer section `mt_magrpo`.
     if root.contains_key("mt_magrpo") && !root.contains_key("magrpo") {
@@ -68,6 +71,7 @@ pub fn apply(value: &mut Value, file: &str) -> CompatReport {
     for section in ["magrpo", "grpo"] {
         let mut shift: Option<Value> = None;
         let mut expert: Option<Value> = None;
+        let mut passthrough: Option<Value> = None;
         if let Some(s) = section_mut(root, section) {
             // `reward_shift: -4` is the reward processor's shift (null: no shift).
             if let Some(v) = s.remove("reward_shift") {
@@ -81,6 +85,9 @@ pub fn apply(value: &mut Value, file: &str) -> CompatReport {
             }
             if let Some(v) = s.remove("expert_model") {
                 expert = Some(v);
+            }
+            if let Some(v) = s.remove("external_prompt_passthrough") {
+                passthrough = Some(v);
             }
             for (key, why) in IGNORED_TRAINER_KEYS {
                 if s.remove(*key).is_some() {
@@ -107,6 +114,16 @@ pub fn apply(value: &mut Value, file: &str) -> CompatReport {
             }
             report.mapped.push((format!("{section}.expert_model"), "external.expert_model".into()));
         }
+        if let Some(v) = passthrough {
+            let ext = root.entry(Value::from("external")).or_insert_with(|| Value::Mapping(Mapping::new()));
+            if let Some(m) = ext.as_mapping_mut()
+                && !m.contains_key("prompt_passthrough")
+                && !m.contains_key("external_prompt_passthrough")
+            {
+                m.insert(Value::from("prompt_passthrough"), v);
+            }
+            report.mapped.push((format!("{section}.external_prompt_passthrough"), "external.prompt_passthrough".into()));
+        }
     }
 
     for (key, why) in IGNORED_KEYS {
@@ -129,7 +146,7 @@ pub fn apply(value: &mut Value, file: &str) -> CompatReport {
     for (key, why) in &report.ignored {
         warn!(file, key = %key, reason = why, "original config key accepted and ignored");
     }
-    report
+    Ok(report)
 }
 
 #[cfg(test)]
@@ -139,23 +156,24 @@ mod tests {
     #[test]
     fn original_keys_are_mapped_or_ignored_and_others_left_alone() {
         let mut v: Value = serde_yaml_ng::from_str(
-            "mt_magrpo: {num_turns: 2, reward_shift: -4, per_device_train_batch_size: 1, expert_model: m, beta: 0.0}\n\
+            "mt_magrpo: {num_turns: 2, reward_shift: -4, per_device_train_batch_size: 1, expert_model: m, beta: 0.0, external_prompt_passthrough: true}\n\
              agents: {num_agents: 2}\ntokenizer: {padding_side: left}\noutput: {save_path: x, base_dir: o}\n",
         )
         .unwrap();
-        let r = apply(&mut v, "f.yaml");
+        let r = apply(&mut v, "f.yaml").unwrap();
         assert_eq!(v["magrpo"]["num_turns"], Value::from(2));
         assert_eq!(v["magrpo"]["num_agents"], Value::from(2));
         assert_eq!(v["reward_processor"]["shift"], Value::from(-4));
         assert_eq!(v["reward_processor"]["enabled"], Value::Bool(true));
         assert_eq!(v["external"]["expert_model"], Value::from("m"));
+        assert_eq!(v["external"]["prompt_passthrough"], Value::Bool(true));
         assert!(v.get("tokenizer").is_none() && v.get("agents").is_none());
         assert_eq!(v["output"]["base_dir"], Value::from("o"));
         let ignored: Vec<&str> = r.ignored.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(ignored, vec!["magrpo.per_device_train_batch_size", "magrpo.beta", "tokenizer.padding_side", "output.save_path"]);
         // A key with no meaning anywhere stays for typing to reject.
         let mut v: Value = serde_yaml_ng::from_str("magrpo: {learnin_rate: 1}\n").unwrap();
-        apply(&mut v, "f.yaml");
+        apply(&mut v, "f.yaml").unwrap();
         assert_eq!(v["magrpo"]["learnin_rate"], Value::from(1));
     }
 }

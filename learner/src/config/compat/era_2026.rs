@@ -1,0 +1,157 @@
+//! The 2026 layout of CoMLRL's configs (v1.3–1.4 and the code-generation scripts' configs of 2026):
+//! recognised by its top-level keys, marked `comlrl_era: 2026`, and mapped onto cotrain's keys. The
+//! keys whose meaning changed (`train_batch_size`, `advantage_normalization`, evaluation) keep their
+//! names; `comlrl_era` decides what they mean (see `TrainerSection`).
+
+use serde_yaml_ng::{Mapping, Value};
+
+use super::CompatReport;
+use crate::config::ConfigError;
+
+/// Top-level keys only the 2026 layout has (`agents` counts when it is a list or null: the August
+/// 2025 writing configs have an `agents: {num_agents}` mapping).
+fn has_2026_layout(root: &Mapping) -> bool {
+    ["agent_model", "critic_model", "critics"].iter().any(|k| root.contains_key(*k))
+        || matches!(root.get("agents"), Some(Value::Null | Value::Sequence(_)))
+}
+
+/// Marks and maps a 2026 config in place; a config of the other era is left alone.
+pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -> Result<(), ConfigError> {
+    let invalid = |key: &str, message: &str| ConfigError::Invalid { file: file.to_string(), key: key.to_string(), message: message.to_string() };
+    if has_2026_layout(root) && !root.contains_key("comlrl_era") {
+        root.insert(Value::from("comlrl_era"), Value::from("2026"));
+        report.mapped.push(("agent_model/agents/critics (the 2026 layout)".into(), "comlrl_era: 2026".into()));
+    }
+    if root.get("comlrl_era").and_then(era_text).as_deref() != Some("2026") {
+        return Ok(());
+    }
+
+    if let Some(am) = root.remove("agent_model") {
+        if root.contains_key("model") {
+            return Err(invalid("agent_model", "and model are both present; keep one (agent_model is the 2026 name of model)"));
+        }
+        let Value::Mapping(mut m) = am else {
+            return Err(invalid("agent_model", "must be a mapping with at least `name`"));
+        };
+        match m.remove("special_tokens") {
+            None | Some(Value::Null) => {}
+            Some(Value::Mapping(t)) if t.is_empty() => {}
+            Some(_) => return Err(invalid("agent_model.special_tokens", "adding special tokens to the tokenizer is not built; leave it empty")),
+        }
+        if let Some(d) = m.remove("torch_dtype") {
+            m.insert(Value::from("dtype"), d);
+        }
+        root.insert(Value::from("model"), Value::Mapping(m));
+        report.mapped.push(("agent_model".into(), "model".into()));
+    }
+    match root.remove("agents") {
+        None => {}
+        Some(Value::Null) => report.mapped.push(("agents: null".into(), "model.name for every agent".into())),
+        Some(Value::Sequence(names)) => {
+            let model = root.entry(Value::from("model")).or_insert_with(|| Value::Mapping(Mapping::new()));
+            if let Some(m) = model.as_mapping_mut() {
+                m.insert(Value::from("agents"), Value::Sequence(names));
+            }
+            report.mapped.push(("agents".into(), "model.agents".into()));
+        }
+        // The August 2025 `agents: {num_agents}` is the general pass's.
+        Some(other) => {
+            root.insert(Value::from("agents"), other);
+        }
+    }
+    for key in ["critic_model", "critics"] {
+        match root.remove(key) {
+            None => {}
+            Some(Value::Null) => report.ignored.push((key.to_string(), "null: MAGRPO trains no critic")),
+            Some(_) => {
+                return Err(invalid(key, "names critics for CoMLRL's actor-critic trainers (IAC/MAAC), which cotrain has not built yet; MAGRPO takes none (leave it null)"));
+            }
+        }
+    }
+
+    for section in ["magrpo", "grpo"] {
+        let Some(s) = root.get_mut(section).and_then(Value::as_mapping_mut) else { continue };
+        let handoff = s.get("rollout").and_then(Value::as_str) == Some("handoff");
+        // 2026 renamed the tree's leaf threshold; the September handoff threshold of the same name
+        // no longer exists.
+        if !handoff && !s.contains_key("termination_threshold")
+            && let Some(v) = s.remove("early_termination_threshold")
+        {
+            s.insert(Value::from("termination_threshold"), v);
+            report.mapped.push((format!("{section}.early_termination_threshold"), format!("{section}.termination_threshold (tree leaf threshold)")));
+        }
+        match s.remove("reference_kl_enabled") {
+            None | Some(Value::Bool(false)) => {}
+            Some(_) => {
+                return Err(invalid(
+                    &format!("{section}.reference_kl_enabled"),
+                    "CoMLRL 2026 subtracts coef·Σk3 from the returns before the group baseline; cotrain has the reference KL in the loss only (`reference_kl`), a different objective, so the key is not mapped: set it false or use `reference_kl`",
+                ));
+            }
+        }
+        for (key, why) in [
+            ("reference_kl_coef", "the reference KL of 2026 configs is off (reference_kl_enabled false)"),
+            ("reference_devices", "device placement of the reference model; cotrain places work by its rollout workers and learner"),
+        ] {
+            if s.remove(key).is_some() {
+                report.ignored.push((format!("{section}.{key}"), why));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `comlrl_era` as written (`2026` may be typed as a number).
+fn era_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mapped(yaml: &str) -> Result<(Value, CompatReport), ConfigError> {
+        let mut v: Value = serde_yaml_ng::from_str(yaml).unwrap();
+        let mut r = CompatReport::default();
+        apply(v.as_mapping_mut().unwrap(), "f.yaml", &mut r)?;
+        Ok((v, r))
+    }
+
+    #[test]
+    fn the_2026_layout_is_marked_and_mapped() {
+        let (v, _) = mapped(
+            "agent_model: {name: m, temperature: 0.6, top_p: 0.6, top_k: null, special_tokens: {}, torch_dtype: bfloat16}\n\
+             agents: null\ncritic_model: null\ncritics: null\n\
+             magrpo: {num_turns: 2, early_termination_threshold: -0.2, train_batch_size: 2}\n",
+        )
+        .unwrap();
+        assert_eq!(v["comlrl_era"], Value::from("2026"));
+        assert_eq!(v["model"]["name"], Value::from("m"));
+        assert_eq!(v["model"]["dtype"], Value::from("bfloat16"));
+        assert!(v["model"].get("special_tokens").is_none() && v.get("agents").is_none() && v.get("critics").is_none());
+        assert_eq!(v["magrpo"]["termination_threshold"], Value::from(-0.2));
+        assert!(v["magrpo"].get("early_termination_threshold").is_none());
+    }
+
+    #[test]
+    fn september_configs_keep_their_handoff_threshold() {
+        let (v, r) = mapped("magrpo: {num_turns: 2, rollout: handoff, early_termination_threshold: 4.0}\nagents: {num_agents: 2}\n").unwrap();
+        assert!(v.get("comlrl_era").is_none() && r.mapped.is_empty());
+        assert_eq!(v["magrpo"]["early_termination_threshold"], Value::from(4.0));
+        assert_eq!(v["agents"]["num_agents"], Value::from(2));
+    }
+
+    #[test]
+    fn what_cotrain_lacks_is_refused_by_name() {
+        let e = mapped("agent_model: {name: m}\ncritics: [c]\nmagrpo: {}\n").unwrap_err().to_string();
+        assert!(e.contains("critics") && e.contains("actor-critic"), "{e}");
+        let e = mapped("agent_model: {name: m}\nmagrpo: {reference_kl_enabled: true}\n").unwrap_err().to_string();
+        assert!(e.contains("magrpo.reference_kl_enabled"), "{e}");
+        let e = mapped("agent_model: {name: m, special_tokens: {pad: x}}\nmagrpo: {}\n").unwrap_err().to_string();
+        assert!(e.contains("agent_model.special_tokens"), "{e}");
+    }
+}

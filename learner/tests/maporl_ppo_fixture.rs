@@ -1,0 +1,288 @@
+//! MaPoRL's PPO arithmetic and critic head against the ORIGINAL trainer's numbers
+//! (`tests/fixtures/maporl/*.json`, written by `scripts/reference/maporl_fixtures.py` from
+//! chanwoo-park-official/MAPoRL @ c204c2c): the fixture's raw responses, log-probs and values go
+//! through the functions the trainer calls (`cut_at_eos`, `training_response`,
+//! `shaped_training_scores`, `ppo_targets`) and what comes out is compared with the original's
+//! per-token rewards, GAE advantages, returns and per-(turn, agent) whitened advantages; and a PPO
+//! step through `ppo_update` leaves a `frozen_random` value head as it was while the critic's
+//! adapter trains.
+
+use std::path::{Path, PathBuf};
+
+use cotrain_learner::algo::discussion_score::{Incentives, InfluenceSigns, ScoreRule, shaped_training_scores};
+use cotrain_learner::config::{CriticHead, LegacyFlags, MaporlSection, ScorePosition, load_config};
+use cotrain_learner::maporl::agents::{Adapters, Bases, VALUE_HEAD_FILE, frozen_head_weights};
+use cotrain_learner::maporl::rollout::cut_at_eos;
+use cotrain_learner::maporl::update::{PpoRecord, PpoSample, ppo_targets, ppo_update, training_response};
+use rand::SeedableRng;
+use serde_json::Value;
+use tch::Tensor;
+
+fn fixture(name: &str) -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/maporl").join(name);
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+fn f64s(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+fn u32s(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn usize_of(v: &Value) -> usize {
+    v.as_u64().unwrap() as usize
+}
+
+/// `got` against the original's length-L row `want`: equal on `got`'s positions, and the original
+/// holds 0 on the masked positions beyond them.
+fn assert_row(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert!(got.len() <= want.len(), "{what}: {got:?} vs {want:?}");
+    for (j, w) in want.iter().enumerate() {
+        let g = got.get(j).copied().unwrap_or(0.0);
+        assert!((g - w).abs() < tol, "{what} at {j}: {g} vs the original's {w} (row {got:?} vs {want:?})");
+    }
+}
+
+/// The `maporl` section with MaPoRL's defaults and the fixture's constants.
+fn section(constants: &Value) -> MaporlSection {
+    let mut m: MaporlSection = serde_json::from_str("{}").unwrap();
+    m.kl_coef = constants["kl_coef"].as_f64().unwrap();
+    m.gamma = constants["gamma"].as_f64().unwrap();
+    m.lam = constants["lam"].as_f64().unwrap();
+    m.rule_discount = constants["rule_discount"].as_f64().unwrap();
+    assert!(!constants["whiten_rewards"].as_bool().unwrap() && !m.whiten_rewards);
+    m
+}
+
+/// Every (turn, agent, question) of the fixture through cotrain's PPO targets, for both incentive
+/// settings: token positions and masks, training scores R(t, i) + bonus, per-token rewards, GAE
+/// advantages and returns before whitening, and the advantages whitened per (turn, agent) over
+/// the questions, all as the original computed them. The original's inputs are f64 and cotrain
+/// holds log-probs and values in f32, hence the 1e-6.
+#[test]
+#[allow(clippy::needless_range_loop)] // (turn, agent, question) index several parallel tables
+fn ppo_targets_match_the_original_rewards_gae_returns_and_whitening() {
+    let f = fixture("rewards_gae.json");
+    let c = &f["constants"];
+    let m = section(c);
+    let (turns, agents, questions, l) = (usize_of(&c["turns"]), usize_of(&c["agents"]), usize_of(&c["questions"]), usize_of(&c["response_length"]));
+    let stops = u32s(&c["stop_token_ids"]);
+    let pad = Some(c["pad_token_id"].as_u64().unwrap() as u32);
+    let inputs = f["inputs"].as_array().unwrap();
+    let input = |t: usize, i: usize| inputs.iter().find(|x| usize_of(&x["turn"]) == t && usize_of(&x["agent"]) == i).unwrap();
+
+    for case in f["cases"].as_array().unwrap() {
+        let alpha: Vec<f64> = f64s(&case["alpha"]);
+        let expected = |t: usize, i: usize| case["per_turn_agent"].as_array().unwrap().iter().find(|x| usize_of(&x["turn"]) == t && usize_of(&x["agent"]) == i).unwrap();
+
+        // R(t, i) + bonus per question, through the score rule and incentives the trainer uses
+        // (the released code's influence signs: the fixture is the original).
+        let rule = ScoreRule { horizon: m.rule_horizon, agent_share: m.rule_agent_share, gamma: m.rule_discount, lookahead: None };
+        let inc = Incentives { alpha: [alpha[0], alpha[1], alpha[2], alpha[3]], influence_signs: InfluenceSigns::ReleasedCode };
+        let shaped: Vec<Vec<Vec<f64>>> = (0..questions)
+            .map(|b| {
+                let s: Vec<Vec<f64>> = (0..turns).map(|t| (0..agents).map(|i| f64s(&input(t, i)["score"])[b]).collect()).collect();
+                let correct: Vec<Vec<bool>> = (0..turns).map(|t| (0..agents).map(|i| input(t, i)["correct"][b].as_u64().unwrap() == 1).collect()).collect();
+                shaped_training_scores(&s, &correct, &rule, &inc).unwrap()
+            })
+            .collect();
+
+        let (mut samples, mut records, mut place) = (Vec::new(), Vec::new(), Vec::new());
+        for t in 0..turns {
+            for i in 0..agents {
+                let (x, e) = (input(t, i), expected(t, i));
+                for b in 0..questions {
+                    let training_score = f64s(&e["training_score"])[b];
+                    // Every turn, turn 0 included (no bonus there, as the original's bonus_rule).
+                    assert!((shaped[b][t][i] - training_score).abs() < 1e-6, "alpha {alpha:?} (t {t}, i {i}, q {b}): R {} vs {training_score}", shaped[b][t][i]);
+                    let sampled = u32s(&x["responses"][b]);
+                    assert_eq!(sampled.len(), l);
+                    let (kept, _) = cut_at_eos(&sampled, &stops);
+                    let (response, score_slot_after) = training_response(&kept, l, &stops, pad, ScorePosition::Trl);
+                    let sample = PpoSample {
+                        policy: format!("agent{i}.later"),
+                        critic: format!("critic.agent{i}"),
+                        turn: t,
+                        agent: i,
+                        prompt: vec![1],
+                        value_prompt: vec![1],
+                        response,
+                        score_slot_after,
+                        score: training_score,
+                    };
+                    // The original's positions: the policy's tokens 0..=sequence_length (~padding_mask),
+                    // the value positions 0..=actual_end (~padding_mask_p1), the score on actual_end.
+                    let (p, v) = (sample.response.len(), sample.value_len());
+                    assert_eq!(p as i64 - 1, x["sequence_lengths"][b].as_i64().unwrap(), "t {t}, i {i}, q {b}");
+                    assert_eq!(v - 1, usize_of(&e["actual_end"][b]), "t {t}, i {i}, q {b}");
+                    for j in 0..l {
+                        assert_eq!(x["padding_mask"][b][j].as_bool().unwrap(), j >= p, "t {t}, i {i}, q {b}, position {j}");
+                        assert_eq!(x["padding_mask_p1"][b][j].as_bool().unwrap(), j >= v, "t {t}, i {i}, q {b}, position {j}");
+                    }
+                    let f32s = |key: &str, n: usize| f64s(&x[key][b])[..n].iter().map(|&y| y as f32).collect::<Vec<f32>>();
+                    records.push(PpoRecord { logprobs: f32s("logprobs_raw", p), ref_logprobs: f32s("ref_logprobs_raw", p), values: f32s("values_raw", v), ..Default::default() });
+                    samples.push(sample);
+                    place.push((t, i, b));
+                }
+            }
+        }
+
+        let (whitened, stats) = ppo_targets(&m, &samples, &mut records);
+        assert!(stats["objective/kl"].is_finite());
+        for (k, &(t, i, b)) in place.iter().enumerate() {
+            let e = expected(t, i);
+            let what = |key: &str| format!("alpha {alpha:?}, t {t}, i {i}, q {b}: {key}");
+            assert_row(&what("rewards"), &records[k].rewards, &f64s(&e["rewards"][b]), 1e-6);
+            assert_row(&what("advantages"), &records[k].advantages, &f64s(&e["advantages_unwhitened"][b]), 1e-6);
+            assert_row(&what("returns"), &records[k].returns, &f64s(&e["returns"][b]), 1e-6);
+            assert_row(&what("whitened advantages"), &whitened[k], &f64s(&e["advantages_whitened"][b]), 1e-6);
+        }
+    }
+}
+
+/// `score_position: last_token` keeps cotrain's earlier placement: every kept token trained, the
+/// stop token included even as the pad token, and no slot after it.
+#[test]
+fn last_token_placement_trains_every_kept_token_and_scores_the_last() {
+    let stops = [0, 3];
+    for kept in [vec![5u32, 6, 3], vec![5, 6, 0], vec![5, 6, 7, 8]] {
+        assert_eq!(training_response(&kept, 6, &stops, Some(0), ScorePosition::LastToken), (kept.clone(), false));
+    }
+    // The original's: a non-pad stop token is trained and scored after; an eos-as-pad one is not
+    // trained and holds the score; a stop on the last sampled token holds it.
+    assert_eq!(training_response(&[5, 6, 3], 6, &stops, Some(0), ScorePosition::Trl), (vec![5, 6, 3], true));
+    assert_eq!(training_response(&[5, 6, 0], 6, &stops, Some(0), ScorePosition::Trl), (vec![5, 6], true));
+    assert_eq!(training_response(&[5, 6, 7, 3], 4, &stops, Some(0), ScorePosition::Trl), (vec![5, 6, 7, 3], false));
+    assert_eq!(training_response(&[5, 6, 7, 8], 4, &stops, Some(0), ScorePosition::Trl), (vec![5, 6, 7, 8], false));
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The seed GSM8K config on the committed tiny model, one PPO epoch of one mini-batch.
+fn tiny_run(critic_head: &str) -> (cotrain_learner::config::CheckedConfig, Bases, Adapters) {
+    let overrides: Vec<String> = [
+        "model.name=default",
+        "model.chat_template=false",
+        "maporl.num_ppo_epochs=1",
+        "maporl.num_mini_batches=1",
+        "maporl.learning_rate=1.0e-3",
+        "maporl.max_output_length=8",
+        "maporl.min_output_length=1",
+        "maporl.max_input_length=32",
+        "model.max_length=64",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([format!("maporl.critic_head={critic_head}")])
+    .collect();
+    let cfg = load_config(&repo().join("configs/maporl_gsm8k_config.yaml"), &overrides, &LegacyFlags::default()).unwrap();
+    let m = cfg.raw.maporl.clone().unwrap();
+    let bases = Bases::load(&cfg, &cotrain_learner::model_options::load_options(&cfg).unwrap()).unwrap();
+    let adapters = Adapters::new(&cfg, &m, &bases).unwrap();
+    (cfg, bases, adapters)
+}
+
+/// Samples of every trained adapter key of agent 0 (`agent0.later`, critic `critic.agent0`), two
+/// with the score slot after the response and one without.
+fn samples() -> Vec<PpoSample> {
+    [(vec![5u32, 6, 7], true, 1.0), (vec![8, 9, 10, 11], true, 0.0), (vec![12, 13], false, 1.0)]
+        .into_iter()
+        .enumerate()
+        .map(|(k, (response, score_slot_after, score))| PpoSample {
+            policy: "agent0.later".into(),
+            critic: "critic.agent0".into(),
+            turn: 1 + k % 2,
+            agent: 0,
+            prompt: vec![1, 20, 21, 22 + k as u32],
+            value_prompt: vec![1, 20, 21],
+            response,
+            score_slot_after,
+            score,
+        })
+        .collect()
+}
+
+fn snapshot(vs: &tch::nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().map(|(k, t)| (k, t.detach().copy())).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+fn changed(before: &[(String, Tensor)], vs: &tch::nn::VarStore) -> bool {
+    let now = snapshot(vs);
+    before.iter().zip(&now).any(|((_, a), (_, b))| a.f_sub(b).unwrap().abs().max().double_value(&[]) > 0.0)
+}
+
+/// `critic_head: frozen_random` (the default, MaPoRL's): the head is U(±1/√hidden), out of every
+/// optimiser, unchanged by a PPO step through the real update while the critic's LoRA adapter
+/// moves, and saved so that it reads back bit for bit. `trained` starts at zero and moves.
+#[test]
+fn frozen_random_value_head_is_not_trained_while_the_critic_adapter_is() {
+    let (cfg, bases, mut adapters) = tiny_run("frozen_random");
+    let m = cfg.raw.maporl.clone().unwrap();
+    assert_eq!(m.critic_head, CriticHead::FrozenRandom, "the default");
+    let hidden = bases.models[0].model.config().hidden_size;
+    let bound = 1.0 / (hidden as f64).sqrt();
+    let c = &adapters.critics["critic.agent0"];
+    let head: Vec<f32> = Vec::try_from(c.head.reshape([-1])).unwrap();
+    assert_eq!(head.len(), hidden);
+    assert!(head.iter().all(|w| f64::from(w.abs()) <= bound), "U(±1/√{hidden}): {head:?}");
+    assert!(head.iter().any(|w| *w != 0.0));
+    assert!(!c.head.requires_grad() && c.head_opt.parameters().is_empty(), "the frozen head is in no optimiser");
+    let other: Vec<f32> = Vec::try_from(adapters.critics["critic.agent1"].head.reshape([-1])).unwrap();
+    assert_ne!(head, other, "each critic draws its own head");
+    let (head_before, lora_before) = (c.head.detach().copy(), snapshot(&c.adapter.vs));
+
+    let samples = samples();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    let (records, stats) = ppo_update(&m, &bases, &mut adapters, &samples, &mut rng, &cotrain_learner::dist::SingleRank, false).unwrap();
+    assert!(stats["loss/value_avg"] > 0.0, "{stats:?}");
+    for (s, r) in samples.iter().zip(&records) {
+        assert_eq!((r.logprobs.len(), r.values.len(), r.returns.len()), (s.response.len(), s.value_len(), s.value_len()));
+    }
+    let c = &adapters.critics["critic.agent0"];
+    assert!(c.head.equal(&head_before), "a frozen head is not trained");
+    assert!(changed(&lora_before, &c.adapter.vs), "the critic's adapter is trained");
+
+    let dir = tempfile::tempdir().unwrap();
+    c.save(dir.path(), "default").unwrap();
+    let read = Tensor::read_safetensors(dir.path().join(VALUE_HEAD_FILE)).unwrap();
+    assert_eq!(read.len(), 1);
+    assert_eq!(read[0].0, "v_head.weight");
+    assert!(read[0].1.equal(&c.head.detach()), "value_head.safetensors round-trips the head");
+
+    // `trained`: cotrain's earlier head, zero at the start, in the head's optimiser, moved by the step.
+    let (cfg, bases, mut adapters) = tiny_run("trained");
+    let m = cfg.raw.maporl.clone().unwrap();
+    let c = &adapters.critics["critic.agent0"];
+    assert_eq!(c.head.abs().max().double_value(&[]), 0.0);
+    assert_eq!(c.head_opt.parameters().len(), 1);
+    ppo_update(&m, &bases, &mut adapters, &samples, &mut rng, &cotrain_learner::dist::SingleRank, false).unwrap();
+    // (Its adapter gets no gradient through a zero head in this first step.)
+    let c = &adapters.critics["critic.agent0"];
+    assert!(c.head.abs().max().double_value(&[]) > 0.0, "a trained head moves");
+}
+
+/// The frozen head's draw is PyTorch's default `nn.Linear` init: U(−1/√H, 1/√H) (the fixture's
+/// bound for H = 8), spread over the whole range, the same for the same seed.
+#[test]
+fn frozen_head_init_is_uniform_within_one_over_root_hidden() {
+    let f = fixture("value_head.json");
+    let h = usize_of(&f["hidden_size"]);
+    let bound = f["bound"].as_f64().unwrap();
+    assert!((bound - 1.0 / (h as f64).sqrt()).abs() < 1e-12);
+    // The original's own draw lies in the same range.
+    assert!(f64s(&f["weight"][0]).iter().all(|w| w.abs() <= bound));
+    let draws: Vec<f32> = (0..500).flat_map(|seed| frozen_head_weights(h, seed)).collect();
+    let (lo, hi) = draws.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &w| (lo.min(f64::from(w)), hi.max(f64::from(w))));
+    assert!(lo >= -bound && hi <= bound && lo < -0.99 * bound && hi > 0.99 * bound, "{lo}..{hi} vs ±{bound}");
+    let mean = draws.iter().map(|&w| f64::from(w)).sum::<f64>() / draws.len() as f64;
+    let var = draws.iter().map(|&w| (f64::from(w) - mean).powi(2)).sum::<f64>() / draws.len() as f64;
+    assert!(mean.abs() < 0.02 && (var - bound * bound / 3.0).abs() < 0.05 * bound * bound / 3.0, "mean {mean}, var {var}");
+    assert_eq!(frozen_head_weights(h, 3), frozen_head_weights(h, 3));
+    assert_ne!(frozen_head_weights(h, 3), frozen_head_weights(h, 4));
+}
