@@ -173,7 +173,7 @@ fn main() -> anyhow::Result<()> {
     let policies: Vec<Policy> = (0..2)
         .map(|i| Ok(Policy::new(&format!("agent{i}"), "default", cotrain_model::loader::load("default", &opts)?, None, adam)))
         .collect::<anyhow::Result<_>>()?;
-    let encoding = cotrain_learner::trainer::items::PromptEncoding::from_config(&cfg);
+    let encoding = cfg.prompt_encoding();
     let model_text = encoding.model_text(policies[0].model.chat_template.as_ref(), PROMPT)?;
     let prompt = cotrain_learner::trainer::items::encode_text(&policies[0].model.tokenizer, &model_text)?;
     let rt = runtime()?;

@@ -10,7 +10,7 @@ use crate::config::{CheckedConfig, LegacyFlags, load_config};
 /// `learner show-prompts`: the prompts exactly as the trainer builds them (templates, then the chat
 /// template if `model.chat_template`, then the agent's tokenizer), without loading any weights.
 pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize>, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
-    use crate::data::items::{PromptEncoding, render_prompt};
+    use crate::data::items::render_prompt;
     let spec = match split {
         PromptSplit::Train => &cfg.train_split,
         PromptSplit::Eval => cfg
@@ -20,7 +20,7 @@ pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize
     };
     let data = crate::data::load_split(&cfg.raw.dataset, spec)?;
     let prompter = crate::prompts::Prompter::from_config(cfg).with_context(|| cfg.source.display().to_string())?;
-    let encoding = PromptEncoding::from_config(cfg);
+    let encoding = cfg.prompt_encoding();
     // Agents naming the same model share one tokenizer and chat template.
     let mut sides = std::collections::BTreeMap::new();
     for name in &cfg.agent_models {
@@ -46,7 +46,7 @@ pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize
 /// the tokenizer), from placeholder responses (`<agent A turn T response>`) and placeholder
 /// diagnostics (`<placeholder: ...>`), since the real ones need the models and the reward server.
 pub fn show_turn_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize>, turn: usize, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
-    use crate::data::items::{PromptEncoding, encode_text, item_json, render_prompt};
+    use crate::data::items::{encode_text, item_json, render_prompt};
     use crate::prompts::comlrl::LevelReport;
     use crate::prompts::multiturn::{AgentTurn, NextTurn, NextTurnPrompter, TurnRecord, format_name};
     let turns = cfg.trainer.num_turns;
@@ -67,7 +67,7 @@ pub fn show_turn_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<
     let data = crate::data::load_split(&cfg.raw.dataset, spec)?;
     let prompter = crate::prompts::Prompter::from_config(cfg).with_context(|| cfg.source.display().to_string())?;
     let next_turn = NextTurnPrompter::from_config(cfg, kind.is_code()).with_context(|| cfg.source.display().to_string())?;
-    let encoding = PromptEncoding::from_config(cfg);
+    let encoding = cfg.prompt_encoding();
     let mut sides = std::collections::BTreeMap::new();
     for name in &cfg.agent_models {
         if !sides.contains_key(name) {

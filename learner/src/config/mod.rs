@@ -115,6 +115,13 @@ pub struct CheckedConfig {
     pub prompt_sources: Vec<Option<PromptSource>>,
 }
 
+impl CheckedConfig {
+    /// How this config's prompt texts become what the model reads.
+    pub fn prompt_encoding(&self) -> crate::data::items::PromptEncoding {
+        crate::data::items::PromptEncoding::new(self.raw.model.chat_template, self.raw.model.enable_thinking)
+    }
+}
+
 /// Where an agent's configured prompt template comes from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PromptSource {

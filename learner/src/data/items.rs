@@ -50,12 +50,14 @@ pub struct PromptEncoding {
 }
 
 impl PromptEncoding {
-    pub fn from_config(cfg: &crate::config::CheckedConfig) -> Self {
-        let extra = match cfg.raw.model.enable_thinking {
+    /// `model.chat_template` and `model.enable_thinking` (the config builds it:
+    /// `CheckedConfig::prompt_encoding`, so that `data` does not import `config`).
+    pub fn new(chat_template: bool, enable_thinking: Option<bool>) -> Self {
+        let extra = match enable_thinking {
             Some(b) => serde_json::json!({ "enable_thinking": b }),
             None => serde_json::Value::Null,
         };
-        Self { chat_template: cfg.raw.model.chat_template, extra }
+        Self { chat_template, extra }
     }
 
     /// The exact text the model receives: `text` itself (the original tokenises the raw prompt), or

@@ -24,7 +24,7 @@ pub use run::{MaporlSetup, MaporlSummary, MaporlTrainer};
 
 use crate::config::CheckedConfig;
 use crate::data::{DatasetKind, load_split};
-use crate::data::items::{PromptEncoding, prepare_items, reward_task};
+use crate::data::items::{prepare_items, reward_task};
 use crate::error::TrainError;
 use crate::services::connect::{ServiceGuard, Services, connect_services};
 
@@ -79,7 +79,7 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
     let bases = Bases::load(cfg, &crate::model_options::load_options(cfg)?)?;
     let adapters = Adapters::new(cfg, m, &bases)?;
     let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
-    let encoding = PromptEncoding::from_config(cfg);
+    let encoding = cfg.prompt_encoding();
     let max_prompt = cfg.raw.model.max_length.saturating_sub(m.max_output_length);
     let models: Vec<&cotrain_model::loader::LoadedModel> = bases.agent_base.iter().map(|&b| &bases.models[b]).collect();
     let train_items = prepare_items(&train, &models, &prompter, &encoding, max_prompt)?;

@@ -97,7 +97,7 @@ impl MaporlTrainer {
             None
         };
         let followup = Followup::new(m.followup_style, m.followup_template.as_deref()).map_err(TrainError::Config)?;
-        let encoding = PromptEncoding::from_config(&s.cfg);
+        let encoding = s.cfg.prompt_encoding();
         let rng = ChaCha8Rng::seed_from_u64(derive_seed(&[s.cfg.raw.seed, TAG_PPO]));
         let verifier = super::verifier_name(&s.cfg, &m)?;
         Ok(Self { m, encoding, followup, metrics, dist, rng, step: 0, history: Vec::new(), evals: Vec::new(), verifier, s })

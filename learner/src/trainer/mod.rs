@@ -235,7 +235,7 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
     };
     let (policies, agent_policy) = load_policies(cfg)?;
     let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
-    let encoding = items::PromptEncoding::from_config(cfg);
+    let encoding = cfg.prompt_encoding();
     let max_prompt = cfg.raw.model.max_length.saturating_sub(cfg.sampling.max_new_tokens);
     let models: Vec<&cotrain_model::loader::LoadedModel> = agent_policy.iter().map(|&p| &policies[p].model).collect();
     let train_items = prepare_items(&train, &models, &prompter, &encoding, max_prompt)?;

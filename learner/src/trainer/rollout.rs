@@ -13,7 +13,6 @@ use super::setup::Trainer;
 use super::transition::{TransitionInput, extend_history, feedback_texts, fit_prompt};
 use super::tree::{AgentPrompt, Forest, Node, expand, node_actions};
 use crate::algo::RewardProcessor;
-use crate::data::items::PromptEncoding;
 use crate::data::items::TrainItem;
 use crate::error::TrainError;
 use crate::prompts::multiturn::{AgentTurn, NextTurn};
@@ -128,7 +127,7 @@ impl Trainer {
                 .collect();
             let feedback = feedback_texts(self.s.reward.as_mut(), self.expert.as_ref(), &self.s.task, &self.s.cfg.raw.external, &inputs)?;
             drop(inputs);
-            let encoding = PromptEncoding::from_config(&self.s.cfg);
+            let encoding = self.s.cfg.prompt_encoding();
             let max_prompt = self.s.cfg.raw.model.max_length.saturating_sub(self.s.cfg.sampling.max_new_tokens);
             let mut next = Vec::with_capacity(specs.len());
             for (((spec, feedback), expert_failure), report) in specs.iter().zip(&feedback.texts).zip(feedback.expert_failures).zip(&feedback.reports) {
