@@ -60,7 +60,9 @@ fn every_external_mode_builds_turn_two_prompts_through_the_real_services() {
     let expert_http = expert.http.clone();
     let learner = binaries().unwrap().join("learner");
 
-    // (mode, rollout variant, what every turn-2 prompt must contain, what it must not).
+    // (mode, rollout variant, what every turn-2 prompt must contain, what it must not), in cotrain's
+    // wording (`next_turn_prompt: cotrain`); the originals' wordings are checked byte for byte against
+    // their fixtures in learner/tests/next_turn_prompts.rs.
     let cases = [
         ("level_feedback", "tree", "Feedback:\n- Helper function `aux`", "- Implementation:"),
         ("level_passed", "handoff", "- Implementation: ", "Feedback:"),
@@ -78,7 +80,7 @@ fn every_external_mode_builds_turn_two_prompts_through_the_real_services() {
                  dataset: {{name: coophumaneval, train_split: 'test[16:18]', eval_split: 'test[:1]'}}\n\
                  seed: 3\n\
                  output: {{base_dir: '{out}'}}\n\
-                 external: {{mode: {mode}, sandbox_slice: 1, original_prompt: false, previous_response: true, \
+                 external: {{mode: {mode}, next_turn_prompt: cotrain, sandbox_slice: 1, original_prompt: false, previous_response: true, \
                  expert_model: expert, expert_base_url: 'http://{expert_http}/v1', expert_max_tokens: 8, expert_timeout_secs: 60}}\n\
                  magrpo:\n  num_agents: 2\n  num_turns: 2\n  rollout: {variant}\n  handoff: best\n  num_generations: 2\n  max_new_tokens: 6\n  \
                  learning_rate: 0.001\n  num_train_epochs: 1\n  rollout_buffer_size: 2\n  eval_interval: 1000\n  save_steps: 100\n  logging_steps: 1\n  \

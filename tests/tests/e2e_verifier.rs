@@ -270,6 +270,9 @@ fn generate_balance_train_and_a_maporl_run_scored_by_the_verifier() {
             "logging.rollouts=true",
             "logging.progress=never",
             "logging.run_name=scored",
+            // The verifier scores the answers as sampled, so that this test can score the logged text
+            // itself (by default it scores MaPoRL's rewrite, which learner/tests/maporl_prompts.rs checks).
+            "maporl.rewrite_answers=false",
             "output.save_final_model=false",
         ])
         .arg(format!("output.base_dir={}", out_dir.display()))
