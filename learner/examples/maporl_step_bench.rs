@@ -1,8 +1,9 @@
-//! One MaPoRL step, timed: `configs/maporl_gsm8k_config.yaml` on the default model (SmolLM2-135M),
-//! shrunk to a size that runs in minutes on a laptop CPU (2 agents, 2 turns, 4 GSM8K questions,
-//! 64 new tokens per answer, 4 PPO epochs × 2 mini-batches), everything else as shipped: sampling at
-//! temperature 0.7 with top_k 0 / top_p 1 for exactly `max_output_length` tokens (EOS ignored), LoRA
-//! r 8 / alpha 16 on the 7 projections, kl_coef 0.002, vf_coef 0.1, turn 0 not trained.
+//! One MaPoRL step, timed: `configs/maporl_gsm8k_config.yaml` on the default model (SmolLM2-135M) at
+//! the original's batch (32 GSM8K questions per PPO update, 4 PPO epochs × 8 mini-batches of 4
+//! questions) and layout (one turn-0 and one later-turn adapter shared by the agents, one critic per
+//! trained turn), shrunk in length (2 turns, 64 new tokens per answer), everything else as shipped:
+//! sampling at temperature 0.7 with top_k 0 / top_p 1 for exactly `max_output_length` tokens (EOS
+//! ignored), LoRA r 8 / alpha 16 on the 7 projections, kl_coef 0.002, vf_coef 0.1, turn 0 not trained.
 //!
 //! The run is built as `learner train` builds it (`cotrain_learner::maporl::build`: the embedded
 //! rollout worker and reward server start in-process and are spoken to over real gRPC), then two
@@ -11,8 +12,8 @@
 //! the comparison is `scripts/bench/maporl_reference.py`; `scripts/bench/maporl_step.sh` runs both.
 //!
 //! ```sh
-//! cargo run --release -p cotrain-learner --example maporl_step_bench -- [--questions 4] [--tokens 64] \
-//!     [--turns 2] [--config configs/maporl_gsm8k_config.yaml] [--override key=value]...
+//! cargo run --release -p cotrain-learner --example maporl_step_bench -- [--questions 32] [--mini-batches 8] \
+//!     [--tokens 64] [--turns 2] [--config configs/maporl_gsm8k_config.yaml] [--override key=value]...
 //! ```
 //! Progress goes to stderr; the last stdout line is one JSON object (`"impl": "cotrain"`).
 
@@ -48,7 +49,8 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut questions = 4usize;
+    let mut questions = 32usize;
+    let mut mini_batches = 8usize;
     let mut tokens = 64usize;
     let mut turns = 2usize;
     let mut config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/maporl_gsm8k_config.yaml");
@@ -58,21 +60,23 @@ fn main() -> anyhow::Result<()> {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| anyhow::anyhow!("{name} needs a value"));
         match a.as_str() {
             "--questions" => questions = value(a)?.parse()?,
+            "--mini-batches" => mini_batches = value(a)?.parse()?,
             "--tokens" => tokens = value(a)?.parse()?,
             "--turns" => turns = value(a)?.parse()?,
             "--config" => config = PathBuf::from(value(a)?),
             "--override" => extra.push(value(a)?),
             "-h" | "--help" => {
-                eprintln!("usage: maporl_step_bench [--questions N] [--tokens N] [--turns N] [--config PATH] [--override key=value]...");
+                eprintln!("usage: maporl_step_bench [--questions N] [--mini-batches N] [--tokens N] [--turns N] [--config PATH] [--override key=value]...");
                 return Ok(());
             }
             other => anyhow::bail!("unknown argument `{other}` (see --help)"),
         }
     }
     anyhow::ensure!(questions > 0 && tokens > 0 && turns >= 2, "--questions and --tokens must be positive, --turns at least 2");
+    anyhow::ensure!(mini_batches > 0 && questions % mini_batches == 0, "--questions ({questions}) must be a multiple of --mini-batches ({mini_batches})");
 
     let tmp = std::env::temp_dir().join(format!("cotrain-maporl-step-bench-{}", std::process::id()));
-    // Questions per step = per_device_train_batch_size × gradient_accumulation_steps.
+    // Questions per step = per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches.
     let mut overrides: Vec<String> = vec![
         "model.name=default".into(),
         format!("dataset.train_split=train[:{}]", 2 * questions),
@@ -80,8 +84,8 @@ fn main() -> anyhow::Result<()> {
         format!("maporl.round_num={turns}"),
         format!("maporl.max_output_length={tokens}"),
         "maporl.per_device_train_batch_size=1".into(),
-        format!("maporl.gradient_accumulation_steps={questions}"),
-        "maporl.num_mini_batches=2".into(),
+        format!("maporl.gradient_accumulation_steps={}", questions / mini_batches),
+        format!("maporl.num_mini_batches={mini_batches}"),
         "maporl.num_ppo_epochs=4".into(),
         "maporl.eval_interval=0".into(),
         format!("output.base_dir={}", tmp.display()),

@@ -30,6 +30,14 @@ pub struct SamplingSpec {
     pub ignore_eos: bool,
 }
 
+impl SamplingSpec {
+    /// The same limits with argmax decoding: temperature 0 is greedy in the engine and on the wire
+    /// (top-k and top-p do not change an argmax).
+    pub fn greedy(self) -> Self {
+        Self { temperature: 0.0, ..self }
+    }
+}
+
 /// `n` samples of one prompt for one worker agent.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenRequest {

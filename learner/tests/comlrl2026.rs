@@ -1,12 +1,14 @@
 //! CoMLRL 2026 beside the September 2025 trainer: the upstream 2026 configs load unmodified with their
 //! 2026 meaning, cotrain's `configs/comlrl2026/` files carry the same values, and the 2026 advantage
-//! normalisation matches values computed by the original's code
+//! normalisation and reference-KL return shaping match values computed by the original's code
 //! (`tests/fixtures/comlrl2026/`, made by `scripts/reference/comlrl2026_fixtures.py`).
 
 use std::path::{Path, PathBuf};
 
-use cotrain_learner::algo::advantages;
-use cotrain_learner::config::{AdvantageMode, BatchUnit, CheckedConfig, Era, LegacyFlags, NormalizationForm, load_config};
+use cotrain_learner::algo::{LossOptions, advantages, kl_shaped_returns};
+use cotrain_learner::config::{
+    AdvantageMode, BatchUnit, CheckedConfig, Era, KlEstimator, KlPlacement, LegacyFlags, NormalizationForm, load_config,
+};
 
 fn here() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
@@ -79,13 +81,22 @@ fn a_2025_09_config_keeps_its_meaning() {
 fn centred_normalisation_matches_the_original_in_every_mode() {
     let text = std::fs::read_to_string(here().join("tests/fixtures/comlrl2026/advantages.json")).unwrap();
     let fixture: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let mut checked = 0;
+    let (mut checked, mut shaped_cases) = (0, 0);
     for case in fixture["cases"].as_array().unwrap() {
-        // Reference KL as return shaping is not built (the fidelity table says so).
+        let mut returns: Vec<f64> = serde_json::from_value(case["returns"].clone()).unwrap();
         if case["reference_kl_enabled"].as_bool().unwrap() {
-            continue;
+            // The reference KL as return shaping (`reference_kl.placement: returns`). Given fewer KLs
+            // than returns (the `one_winner` case), upstream shapes the first ones only; cotrain
+            // always has one per completion, so the missing ones are 0 here.
+            let mut kls: Vec<f64> = serde_json::from_value(case["reference_kls"].clone()).unwrap();
+            kls.resize(returns.len(), 0.0);
+            returns = kl_shaped_returns(&returns, &kls, case["reference_kl_coef"].as_f64().unwrap());
+            let shaped: Vec<f64> = serde_json::from_value(case["kl_shaped_returns"].clone()).unwrap();
+            for (g, e) in returns.iter().zip(&shaped) {
+                assert!((g - e).abs() < 1e-6 * (1.0 + e.abs()), "{}: shaped returns {returns:?} vs {shaped:?}", case["group"]);
+            }
+            shaped_cases += 1;
         }
-        let returns: Vec<f64> = serde_json::from_value(case["returns"].clone()).unwrap();
         let expected: Vec<f64> = serde_json::from_value(case["advantages_in_loss"].clone()).unwrap();
         let mode: AdvantageMode = serde_json::from_value(case["advantage_mode"].clone()).unwrap();
         let form = case["advantage_normalization"].as_bool().unwrap().then_some(NormalizationForm::Centred);
@@ -97,5 +108,32 @@ fn centred_normalisation_matches_the_original_in_every_mode() {
         assert_eq!(got.len(), expected.len());
         checked += 1;
     }
-    assert_eq!(checked, 40, "every non-KL case of the fixture");
+    assert_eq!((checked, shaped_cases), (44, 4), "every case of the fixture, the reference-KL ones among them");
+}
+
+/// A 2026 config that turns upstream's reference KL on (`reference_kl_enabled`, v1.3.8+) loads into
+/// cotrain's `reference_kl` with `placement: returns`; `reference_devices` (where upstream puts the
+/// reference models) changes nothing.
+#[test]
+fn a_2026_reference_kl_loads_as_return_shaping() {
+    let upstream = std::fs::read_to_string(here().join("tests/fixtures/comlrl2026/upstream/magrpo_he_config.yaml")).unwrap();
+    let text = upstream.replacen("magrpo:\n", "magrpo:\n  reference_kl_enabled: true\n  reference_kl_coef: 0.05\n  reference_devices:\n  - cuda:1\n", 1);
+    assert_ne!(text, upstream);
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("magrpo_he_kl_config.yaml");
+    std::fs::write(&path, &text).unwrap();
+    let cfg = load(&path);
+    assert_2026_tree(&cfg, "magrpo_he_kl_config.yaml");
+    let kl = &cfg.trainer.reference_kl;
+    assert_eq!((kl.enabled, kl.placement, kl.coef, kl.estimator), (true, KlPlacement::Returns, 0.05, KlEstimator::K3));
+    // The loss gets no KL term.
+    assert_eq!(LossOptions::from_section(&cfg.trainer).kl, None);
+
+    // Without a coefficient, upstream's default 0.1; a negative one is refused, naming the key.
+    let without = text.replacen("  reference_kl_coef: 0.05\n", "", 1);
+    std::fs::write(&path, &without).unwrap();
+    assert_eq!(load(&path).trainer.reference_kl.coef, 0.1);
+    std::fs::write(&path, text.replacen("reference_kl_coef: 0.05", "reference_kl_coef: -0.5", 1)).unwrap();
+    let e = load_config(&path, &[], &LegacyFlags::default()).unwrap_err().to_string();
+    assert!(e.contains("reference_kl.coef") && e.contains(">= 0"), "{e}");
 }

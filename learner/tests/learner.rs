@@ -8,7 +8,7 @@ use cotrain_learner::algo::{
     self, AdamW, AdamWConfig, AdvantageOptions, LossOptions, PolicyBatch, RewardProcessor, node_advantages, policy_loss,
 };
 use cotrain_learner::config::{
-    AdvantageMode, Algorithm, CheckedConfig, JointMode, KlEstimator, LegacyFlags, LossNormalization, load_config, merged_value,
+    AdapterLayout, AdvantageMode, Algorithm, CheckedConfig, JointMode, KlEstimator, LegacyFlags, LossNormalization, load_config, merged_value,
 };
 use cotrain_learner::data::{DatasetKind, SplitSpec, TaskItem, load_split};
 use tch::{Kind, Tensor, nn, nn::Module, nn::OptimizerConfig};
@@ -870,6 +870,14 @@ fn maporl_reward_feedback_needs_a_verifier_and_the_seed_configs_show_no_labels()
         let cfg = load_config(&repo().join("configs").join(name), &[], &LegacyFlags::default()).unwrap();
         let m = cfg.raw.maporl.as_ref().expect("a maporl section");
         assert!(!m.reward_feedback, "{name}: the original without a verifier shows no scores");
+        // The original's layout and batch: one turn-0 and one later-turn adapter shared by the
+        // agents, one critic per turn; 1 x 4 x 8 = 32 questions per PPO update in 8 mini-batches of
+        // 4 questions; TrainingArguments' 3 epochs.
+        assert_eq!((m.adapter_layout, m.critic_per_turn, m.task_training), (AdapterLayout::SharedByTurn, true, false), "{name}");
+        assert_eq!((m.questions_per_step(), m.questions_per_step() / m.num_mini_batches), (32, 4), "{name}");
+        assert_eq!(m.num_train_epochs, 3, "{name}");
+        let keys: Vec<String> = cotrain_learner::model_options::worker_agents(&cfg).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(keys, ["shared.later", "shared.turn0"], "{name}: the rollout workers serve the two shared adapters");
     }
     let gsm8k = repo().join("configs/maporl_gsm8k_config.yaml");
     let e = load_config(&gsm8k, &["maporl.reward_feedback=true".into()], &LegacyFlags::default()).unwrap_err().to_string();

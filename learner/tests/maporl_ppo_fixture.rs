@@ -10,7 +10,8 @@
 use std::path::{Path, PathBuf};
 
 use cotrain_learner::algo::discussion_score::{Incentives, InfluenceSigns, ScoreRule, shaped_training_scores};
-use cotrain_learner::config::{CriticHead, LegacyFlags, MaporlSection, ScorePosition, load_config};
+use cotrain_learner::config::{AdapterLayout, CriticHead, LegacyFlags, MaporlSection, ScorePosition, load_config};
+use cotrain_learner::maporl::adapter_key;
 use cotrain_learner::maporl::agents::{Adapters, Bases, VALUE_HEAD_FILE, frozen_head_weights};
 use cotrain_learner::maporl::rollout::cut_at_eos;
 use cotrain_learner::maporl::update::{PpoRecord, PpoSample, ppo_targets, ppo_update, training_response};
@@ -186,17 +187,18 @@ fn tiny_run(critic_head: &str) -> (cotrain_learner::config::CheckedConfig, Bases
     (cfg, bases, adapters)
 }
 
-/// Samples of every trained adapter key of agent 0 (`agent0.later`, critic `critic.agent0`), two
-/// with the score slot after the response and one without.
+/// Samples of the seed config's layout, as the trainer keys them: the shared later-turn adapter
+/// (`shared.later`) and the critic of each sample's turn (`critic.turn1`, `critic.turn2`), from
+/// both agents; two with the score slot after the response and one without.
 fn samples() -> Vec<PpoSample> {
     [(vec![5u32, 6, 7], true, 1.0), (vec![8, 9, 10, 11], true, 0.0), (vec![12, 13], false, 1.0)]
         .into_iter()
         .enumerate()
         .map(|(k, (response, score_slot_after, score))| PpoSample {
-            policy: "agent0.later".into(),
-            critic: "critic.agent0".into(),
+            policy: adapter_key(AdapterLayout::SharedByTurn, k % 2, 1 + k % 2),
+            critic: format!("critic.turn{}", 1 + k % 2),
             turn: 1 + k % 2,
-            agent: 0,
+            agent: k % 2,
             prompt: vec![1, 20, 21, 22 + k as u32],
             value_prompt: vec![1, 20, 21],
             response,
@@ -225,15 +227,19 @@ fn frozen_random_value_head_is_not_trained_while_the_critic_adapter_is() {
     let (cfg, bases, mut adapters) = tiny_run("frozen_random");
     let m = cfg.raw.maporl.clone().unwrap();
     assert_eq!(m.critic_head, CriticHead::FrozenRandom, "the default");
+    // The seed config's layout (MaPoRL's): two policy adapters shared by both agents, one critic per
+    // trained turn shared by both agents (turn 0 is the base and trains nothing).
+    assert_eq!(adapters.policies.keys().collect::<Vec<_>>(), ["shared.later", "shared.turn0"]);
+    assert_eq!(adapters.critics.keys().collect::<Vec<_>>(), ["critic.turn1", "critic.turn2"]);
     let hidden = bases.models[0].model.config().hidden_size;
     let bound = 1.0 / (hidden as f64).sqrt();
-    let c = &adapters.critics["critic.agent0"];
+    let c = &adapters.critics["critic.turn1"];
     let head: Vec<f32> = Vec::try_from(c.head.reshape([-1])).unwrap();
     assert_eq!(head.len(), hidden);
     assert!(head.iter().all(|w| f64::from(w.abs()) <= bound), "U(±1/√{hidden}): {head:?}");
     assert!(head.iter().any(|w| *w != 0.0));
     assert!(!c.head.requires_grad() && c.head_opt.parameters().is_empty(), "the frozen head is in no optimiser");
-    let other: Vec<f32> = Vec::try_from(adapters.critics["critic.agent1"].head.reshape([-1])).unwrap();
+    let other: Vec<f32> = Vec::try_from(adapters.critics["critic.turn2"].head.reshape([-1])).unwrap();
     assert_ne!(head, other, "each critic draws its own head");
     let (head_before, lora_before) = (c.head.detach().copy(), snapshot(&c.adapter.vs));
 
@@ -244,7 +250,7 @@ fn frozen_random_value_head_is_not_trained_while_the_critic_adapter_is() {
     for (s, r) in samples.iter().zip(&records) {
         assert_eq!((r.logprobs.len(), r.values.len(), r.returns.len()), (s.response.len(), s.value_len(), s.value_len()));
     }
-    let c = &adapters.critics["critic.agent0"];
+    let c = &adapters.critics["critic.turn1"];
     assert!(c.head.equal(&head_before), "a frozen head is not trained");
     assert!(changed(&lora_before, &c.adapter.vs), "the critic's adapter is trained");
 
@@ -258,12 +264,12 @@ fn frozen_random_value_head_is_not_trained_while_the_critic_adapter_is() {
     // `trained`: cotrain's earlier head, zero at the start, in the head's optimiser, moved by the step.
     let (cfg, bases, mut adapters) = tiny_run("trained");
     let m = cfg.raw.maporl.clone().unwrap();
-    let c = &adapters.critics["critic.agent0"];
+    let c = &adapters.critics["critic.turn1"];
     assert_eq!(c.head.abs().max().double_value(&[]), 0.0);
     assert_eq!(c.head_opt.parameters().len(), 1);
     ppo_update(&m, &bases, &mut adapters, &samples, &mut rng, &cotrain_learner::dist::SingleRank, false).unwrap();
     // (Its adapter gets no gradient through a zero head in this first step.)
-    let c = &adapters.critics["critic.agent0"];
+    let c = &adapters.critics["critic.turn1"];
     assert!(c.head.abs().max().double_value(&[]) > 0.0, "a trained head moves");
 }
 

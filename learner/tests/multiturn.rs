@@ -76,7 +76,7 @@ fn tree_returns_and_advantages_by_hand_aligned_with_an_early_stop() {
     close(&forest.nodes[0].returns, &[0.5, 1.125]);
     close(&forest.nodes[1].returns, &[1.0, 1.0]);
     close(&forest.nodes[2].returns, &[0.0, 0.5]);
-    forest.compute_advantages(2, &mean_adv());
+    forest.compute_advantages(2, &mean_adv(), None);
     for a in 0..2 {
         close(&forest.nodes[0].advantages[a], &[-0.3125, 0.3125]);
         close(&forest.nodes[1].advantages[a], &[0.0, 0.0]);
@@ -103,7 +103,7 @@ fn tree_returns_and_credit_by_hand_in_cross_mode() {
     assert_eq!(expand(&mut root, 2, Expansion::Tree { termination_threshold: None }, &mut rng).len(), 4);
     forest.compute_returns(0.9, true);
     let opts = AdvantageOptions { joint_mode: JointMode::Cross, ..mean_adv() };
-    forest.compute_advantages(2, &opts);
+    forest.compute_advantages(2, &opts, None);
     close(&forest.nodes[0].advantages[0], &[-0.5, 0.5]);
     close(&forest.nodes[0].advantages[1], &[-0.5, 0.5]);
     // Growth bound: Σ_{t<T} (G^N)^t = 1 + 16 + 256 for G 4, N 2, T 3; aligned 1 + 4 + 16.

@@ -8,7 +8,8 @@
 //!   returns of its joint actions, then the update;
 //! - PPO-style ratio clipping over several epochs on the same samples, and decoupled PPO when the
 //!   samples carry importance weights;
-//! - the KL penalty to a frozen reference (k3, and k1 in its score-function form).
+//! - the KL penalty to a frozen reference (k3, and k1 in its score-function form), and the KL as
+//!   return shaping (`reference_kl.placement: returns`, CoMLRL 2026).
 
 mod train_common;
 
@@ -219,14 +220,7 @@ fn reference_kl_penalties_match_their_formulas() {
         let hand = load(&spec, &LoadOptions::default()).unwrap();
         let base = load(&spec, &LoadOptions::default()).unwrap();
         // The frozen reference: the same model with its weights perturbed, so that KL ≠ 0.
-        let frozen = load(&spec, &LoadOptions::default()).unwrap();
-        tch::no_grad(|| {
-            tch::manual_seed(3);
-            for (_, mut t) in frozen.named_parameters() {
-                let noise = t.randn_like() * 0.05;
-                let _ = t.g_add_(&noise);
-            }
-        });
+        let frozen = perturbed(&spec, 3);
         let samples = vec![sample(&[65, 97, 48], &[120, 121, 10], 1.0), sample(&[65, 97, 48], &[33, 34], -1.0)];
         let ref_lp: Vec<Tensor> = samples.iter().map(|s| tch::no_grad(|| naive_logprobs(&frozen, s))).collect();
         let mut policy = Policy::new("agent0", &spec, model, Some(frozen), adam());
@@ -270,11 +264,21 @@ fn reference_kl_penalties_match_their_formulas() {
 struct Recording {
     inner: EngineRollout,
     seen: Arc<Mutex<Vec<Vec<GenSample>>>>,
+    /// Make each request's first sample end on the tiny model's EOS (id 2), with a made-up
+    /// log-prob of 0 for it.
+    first_ends_on_eos: bool,
 }
 
 impl RolloutSource for Recording {
     fn generate(&mut self, requests: &[GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError> {
-        let out = self.inner.generate(requests)?;
+        let mut out = self.inner.generate(requests)?;
+        if self.first_ends_on_eos {
+            for s in out.iter_mut().filter_map(|samples| samples.first_mut()) {
+                s.token_ids.push(2);
+                s.logprobs.push(0.0);
+                s.stopped = true;
+            }
+        }
         self.seen.lock().unwrap().extend(out.iter().cloned());
         Ok(out)
     }
@@ -349,7 +353,7 @@ fn cross_mode_credits(concurrent: bool) {
         is_code: false,
         policies,
         agent_policy: vec![0, 1],
-        rollout: Box::new(Recording { inner: EngineRollout::new(engines), seen: seen.clone() }),
+        rollout: Box::new(Recording { inner: EngineRollout::new(engines), seen: seen.clone(), first_ends_on_eos: false }),
         reward: Box::new(IndexReward { calls: calls.clone() }),
         train_items,
         eval_items: Vec::new(),
@@ -384,6 +388,115 @@ fn cross_mode_credits(concurrent: bool) {
         });
         assert_same_weights(&trainer.policies()[a].model, &hand, &base, &format!("cross mode, agent {a}"));
     }
+}
+
+/// The tiny model with its weights perturbed (seeded), so that its KL to the unperturbed one is not 0.
+fn perturbed(spec: &str, seed: i64) -> LoadedModel {
+    let m = load(spec, &LoadOptions::default()).unwrap();
+    tch::no_grad(|| {
+        tch::manual_seed(seed);
+        for (_, mut t) in m.named_parameters() {
+            let noise = t.randn_like() * 0.05;
+            let _ = t.g_add_(&noise);
+        }
+    });
+    m
+}
+
+/// `reference_kl.placement: returns` (CoMLRL 2026) through `Trainer::train_step`: each completion's
+/// return less coef·Σ_t k3_t against the frozen reference (the final EOS left out), before the
+/// group baseline, and no KL term in the loss.
+#[test]
+fn reference_kl_on_the_returns_shapes_each_completions_return_before_the_baseline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = tiny_model_dir(tmp.path()).display().to_string();
+    let opts = LoadOptions::default();
+    let coef = 0.1;
+    let cfg = config(
+        "model: {name: unused, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 64}\n\
+         dataset: {name: gsm8k, train_split: 'train[:1]'}\n\
+         seed: 9\n\
+         magrpo:\n  num_agents: 2\n  num_generations: 3\n  max_new_tokens: 4\n  learning_rate: 0.5\n  \
+         num_train_epochs: 1\n  rollout_buffer_size: 1\n  eval_interval: 0\n  save_steps: 100000\n  \
+         reference_kl: {enabled: true, placement: returns, coef: 0.1}\n\
+         logging: {tensorboard: false, plots: false, progress: never}\n",
+        &[],
+    );
+    assert_eq!(LossOptions::from_section(&cfg.trainer).kl, None, "no KL term in the loss");
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut policies = Vec::new();
+    let mut engines = Vec::new();
+    for a in 0..2 {
+        let name = format!("agent{a}");
+        policies.push(Policy::new(&name, &spec, load(&spec, &opts).unwrap(), Some(perturbed(&spec, 3 + a as i64)), adam()));
+        engines.push((name, load(&spec, &opts).unwrap()));
+    }
+    let train_items = items(1, 2);
+    let prompts = train_items[0].prompts.clone();
+    let mut trainer = Trainer::new(TrainerSetup {
+        cfg: cfg.clone(),
+        run_dir: tmp.path().join("run"),
+        task: "index".into(),
+        is_code: false,
+        policies,
+        agent_policy: vec![0, 1],
+        rollout: Box::new(Recording { inner: EngineRollout::new(engines), seen: seen.clone(), first_ends_on_eos: true }),
+        reward: Box::new(IndexReward { calls: Arc::new(Mutex::new(Vec::new())) }),
+        train_items,
+        eval_items: Vec::new(),
+    })
+    .unwrap();
+    trainer.sync_all_weights().unwrap();
+    let metrics = trainer.train_step(&[0]).unwrap();
+
+    // By hand: joint action j has reward (= return) 1 + j. Agent a's completion k: KL = Σ_t k3_t
+    // with d_t = log π_ref,a − log π_0 (the policy that sampled: the initial weights) over its tokens
+    // but a final EOS; R' = 1 + k − coef·KL; A = R' − mean R'. Each agent's first completion ends on
+    // an EOS whose made-up log-prob (0) would change its KL if it were counted.
+    let base = load(&spec, &opts).unwrap();
+    let stop = base.stop_token_ids();
+    let samples = seen.lock().unwrap().clone();
+    assert_eq!(samples.len(), 2, "one request per agent");
+    assert!(samples.iter().all(|s| s[0].stopped && stop.contains(s[0].token_ids.last().unwrap())));
+    let mut all_kls = Vec::new();
+    for a in 0..2 {
+        let reference = perturbed(&spec, 3 + a as i64);
+        let mut train: Vec<TrainSample> = samples[a]
+            .iter()
+            .map(|s| TrainSample { prompt: prompts[a].clone(), completion: s.token_ids.clone(), advantage: 0.0, weight: 1.0, old_logprobs: Vec::new() })
+            .collect();
+        let shaped: Vec<f64> = train
+            .iter()
+            .zip(&samples[a])
+            .enumerate()
+            .map(|(k, (t, s))| {
+                let counted = t.completion.len() - (s.stopped && stop.contains(t.completion.last().unwrap())) as usize;
+                let (lp, lr) = tch::no_grad(|| (naive_logprobs(&base, t), naive_logprobs(&reference, t)));
+                let d = (lr - lp).narrow(0, 0, counted as i64);
+                let kl = (d.exp() - &d - 1.0).sum(Kind::Double).double_value(&[]);
+                all_kls.push(kl);
+                1.0 + k as f64 - coef * kl
+            })
+            .collect();
+        let mean = shaped.iter().sum::<f64>() / shaped.len() as f64;
+        for (t, r) in train.iter_mut().zip(&shaped) {
+            t.advantage = r - mean;
+        }
+        // The shaping matters: without it the advantages would be [−1, 0, 1].
+        let moved = train.iter().enumerate().map(|(k, t)| (t.advantage - (k as f64 - 1.0)).abs()).fold(0.0, f64::max);
+        assert!(moved > 0.05, "agent {a}: the KL changes the advantages ({train:?})");
+
+        let hand = load(&spec, &opts).unwrap();
+        reference_update(&hand, 1, |m| {
+            let k = train.len() as f64;
+            train.iter().map(|s| naive_logprobs(m, s).sum(Kind::Float) * (-s.advantage / k)).fold(Tensor::from(0.0f32), |x, y| x + y)
+        });
+        assert_same_weights(&trainer.policies()[a].model, &hand, &base, &format!("return-shaped KL, agent {a}"));
+    }
+    // The step logs the mean KL per completion and the mean taken off the returns.
+    let kl = all_kls.iter().sum::<f64>() / all_kls.len() as f64;
+    assert!(metrics["kl"].is_finite() && (metrics["kl"] - kl).abs() < 1e-4 * (1.0 + kl), "kl {} vs {kl}", metrics["kl"]);
+    assert!((metrics["kl/return_penalty"] - coef * metrics["kl"]).abs() < 1e-12);
 }
 
 /// A group whose samples all got the same reward has all advantages 0: its loss, and so its

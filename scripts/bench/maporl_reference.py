@@ -5,11 +5,13 @@ The reference side of `scripts/bench/maporl_step.sh`; the cotrain side is
 `learner/examples/maporl_step_bench.rs`. Same model (SmolLM2-135M-Instruct from the GGUF, f32 on
 the CPU, 2 threads), same questions (GSM8K train rows), same settings:
 
-- per agent: the base with a PEFT LoRA model (r 8, alpha 16, dropout 0.05 switched off as TRL
+- (`--layout shared_by_turn`, MaPoRL's: one such model for all agents; `per_agent`: one per agent)
+  the base with a PEFT LoRA model (r 8, alpha 16, dropout 0.05 switched off as TRL
   switches off every dropout, all 7 projections) holding two policy adapters, `turn0` and `later`
   (MaPoRL's collaboration_separation: "policy" for turn 0, "col" for later turns); the reference
   policy is that model with its adapter disabled; a separate value model (its own copy of the base,
-  its own LoRA, a bias-free linear value head on the last hidden state);
+  one LoRA adapter per trained turn, each with a frozen random bias-free linear value head on the
+  last hidden state, as MaPoRL's value_t adapters and heads);
 - turn 0: per agent one `generate` over the batch of questions (left padding), do_sample, temperature
   0.7, top_k 0, top_p 1, EOS disabled in the generation config (as MaPoRL does), so exactly
   max_output_length new tokens, with the generation scores kept; responses cut after the first EOS;
@@ -155,29 +157,38 @@ def disable_dropout(model):
 
 
 class Agent:
-    """One agent: a policy model (base + LoRA adapters `turn0` and `later`) and a value model (own base
-    copy + LoRA + bias-free value head), one AdamW over everything trained."""
+    """A policy model (base + LoRA adapters `turn0` and `later`) and a value model (own base copy +
+    one LoRA adapter `value_t` and one frozen random bias-free value head per trained turn t, as
+    MaPoRL's `value_0..value_{T-1}` with heads its trainer never trains), one AdamW over everything
+    trained. With `--layout shared_by_turn` (MaPoRL's) every agent is this one object."""
 
-    def __init__(self, base, lora_cfg, lr):
+    def __init__(self, base, lora_cfg, lr, turns):
         from peft import get_peft_model
 
         self.policy = get_peft_model(copy.deepcopy(base), copy.deepcopy(lora_cfg), adapter_name="turn0")
         self.policy.add_adapter("later", copy.deepcopy(lora_cfg))
-        self.value = get_peft_model(copy.deepcopy(base), copy.deepcopy(lora_cfg), adapter_name="value")
-        self.head = nn.Linear(base.config.hidden_size, 1, bias=False)
-        nn.init.zeros_(self.head.weight)
+        self.value = get_peft_model(copy.deepcopy(base), copy.deepcopy(lora_cfg), adapter_name="value_1")
+        for t in range(2, turns):
+            self.value.add_adapter(f"value_{t}", copy.deepcopy(lora_cfg))
+        self.heads = {t: nn.Linear(base.config.hidden_size, 1, bias=False).requires_grad_(False) for t in range(1, turns)}
         disable_dropout(self.policy)
         disable_dropout(self.value)
         self.policy.set_adapter("later")  # trained: `later`; `turn0` frozen (task_training False)
         params = [p for n, p in self.policy.named_parameters() if "lora_" in n and ".later." in n]
-        params += [p for p in self.value.parameters() if p.requires_grad] + list(self.head.parameters())
+        params += [p for n, p in self.value.named_parameters() if "lora_" in n]
+        for p in params:
+            p.requires_grad_(True)  # PEFT's set_adapter leaves only the active adapter trainable
         self.optimizer = torch.optim.AdamW(params, lr=lr)
 
-    def values(self, ids, mask):
+    def values(self, ids, mask, turn):
         pos = (mask.cumsum(1) - 1).clamp(min=0)
+        self.value.set_adapter(f"value_{turn}")
+        for n, p in self.value.named_parameters():
+            if "lora_" in n:
+                p.requires_grad_(True)
         # MaPoRL calls the causal LM with output_hidden_states and reads the last hidden state.
         out = self.value(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True, return_dict=True)
-        return self.head(out.hidden_states[-1]).squeeze(-1)
+        return self.heads[turn](out.hidden_states[-1]).squeeze(-1)
 
 
 def lm_forward(model, ids, mask):
@@ -214,7 +225,11 @@ class Bench:
             target_modules=["up_proj", "down_proj", "gate_proj", "k_proj", "q_proj", "v_proj", "o_proj"],
         )
         torch.manual_seed(a.seed)
-        self.agents = [Agent(base, lora, a.lr) for _ in range(a.agents)]
+        if a.layout == "shared_by_turn":
+            shared = Agent(base, lora, a.lr, a.turns)
+            self.agents = [shared] * a.agents
+        else:
+            self.agents = [Agent(base, lora, a.lr, a.turns) for _ in range(a.agents)]
         del base
         log(f"reference: loaded in {time.perf_counter() - t:.1f} s; stop ids {self.stops}, pad {self.pad}")
 
@@ -338,7 +353,7 @@ class Bench:
                     vctx = f["ids"].shape[1]
                     v_ids = torch.cat([f["ids"], g["responses"]], 1)
                     v_mask = torch.cat([f["mask"], g["rmask"]], 1)
-                    values = ag.values(v_ids, v_mask)[:, vctx - 1 : -1]
+                    values = ag.values(v_ids, v_mask, t)[:, vctx - 1 : -1]
                 old = old.masked_fill(pad_mask, INVALID_LOGPROB)
                 ref = ref.masked_fill(pad_mask, INVALID_LOGPROB)
                 values = values.masked_fill(pad_mask, 0.0)
@@ -361,7 +376,7 @@ class Bench:
                 m = g["rmask"].float()
                 adv = masked_whiten(adv, m).masked_fill(pad_mask, 0.0)
                 batches.append(
-                    dict(agent=i, qr=qr, qr_mask=qr_mask, ctx=ctx, v_ids=v_ids, v_mask=v_mask, vctx=vctx, responses=g["responses"],
+                    dict(agent=i, turn=t, qr=qr, qr_mask=qr_mask, ctx=ctx, v_ids=v_ids, v_mask=v_mask, vctx=vctx, responses=g["responses"],
                          mask=m, old=old, values=values, returns=returns, adv=adv)
                 )
         times["ppo_prepare"] = time.perf_counter() - t1
@@ -384,7 +399,7 @@ class Bench:
                         mask = b["mask"][mi]
                         logits = lm_forward(ag.policy, b["qr"][mi], b["qr_mask"][mi])
                         new = response_logprobs(logits, b["ctx"], b["responses"][mi], a.temperature).masked_fill(mask == 0, INVALID_LOGPROB)
-                        vpred = ag.values(b["v_ids"][mi], b["v_mask"][mi])[:, b["vctx"] - 1 : -1].masked_fill(mask == 0, 0.0)
+                        vpred = ag.values(b["v_ids"][mi], b["v_mask"][mi], b["turn"])[:, b["vctx"] - 1 : -1].masked_fill(mask == 0, 0.0)
                         old_v = b["values"][mi]
                         vclip = torch.clamp(vpred, old_v - a.cliprange_value, old_v + a.cliprange_value)
                         ret = b["returns"][mi]
@@ -413,10 +428,12 @@ def main():
     p.add_argument("--data", default=os.path.join(ROOT, "data/gsm8k/train.jsonl.gz"))
     p.add_argument("--agents", type=int, default=2)
     p.add_argument("--turns", type=int, default=2)
-    p.add_argument("--questions", type=int, default=4)
+    p.add_argument("--questions", type=int, default=32, help="questions per PPO update (MaPoRL: 1 x 4 x 8 = 32)")
     p.add_argument("--tokens", type=int, default=64, help="max_output_length")
     p.add_argument("--num-ppo-epochs", type=int, default=4)
-    p.add_argument("--num-mini-batches", type=int, default=2)
+    p.add_argument("--num-mini-batches", type=int, default=8)
+    p.add_argument("--layout", choices=["shared_by_turn", "per_agent"], default="shared_by_turn",
+                   help="shared_by_turn: one policy (adapters turn0/later) and one critic per turn for all agents (MaPoRL's); per_agent: one of each per agent")
     p.add_argument("--micro-batch", type=int, default=1, help="per_device_train_batch_size (rows per forward/backward)")
     p.add_argument("--old-logprobs", choices=["scores", "forward"], default="scores",
                    help="behaviour log-probs from generate's scores (MaPoRL's trainer) or from a policy forward")
@@ -462,6 +479,7 @@ def main():
         "num_ppo_epochs": a.num_ppo_epochs,
         "num_mini_batches": a.num_mini_batches,
         "micro_batch": a.micro_batch,
+        "layout": a.layout,
         "old_logprobs": a.old_logprobs,
         "generated_tokens": a.questions * a.agents * a.turns * a.tokens,
         "trained_response_tokens": trained_tokens,

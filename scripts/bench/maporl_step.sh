@@ -6,7 +6,8 @@
 #   bash scripts/bench/maporl_step.sh
 #
 # Knobs (environment):
-#   QUESTIONS=4        questions per step (2 steps run on rows 0..Q and Q..2Q; the second is reported)
+#   QUESTIONS=32       questions per PPO update (2 steps run on rows 0..Q and Q..2Q; the second is reported)
+#   MINI_BATCHES=8     mini-batches per PPO epoch (MaPoRL: 32 questions in 8 mini-batches of 4)
 #   TOKENS=64          maporl.max_output_length (exactly this many new tokens, EOS ignored)
 #   TURNS=2            maporl.round_num (turn 0 is not trained)
 #   PROFILE=auto       cargo profile of the example: release, dev, or auto (release if
@@ -23,7 +24,8 @@
 #   OUT_DIR=target/bench/maporl_step   where the JSON lines and logs go
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-QUESTIONS=${QUESTIONS:-4}
+QUESTIONS=${QUESTIONS:-32}
+MINI_BATCHES=${MINI_BATCHES:-8}
 TOKENS=${TOKENS:-64}
 TURNS=${TURNS:-2}
 PROFILE=${PROFILE:-auto}
@@ -46,7 +48,8 @@ model=$(LC_ALL=C lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1)
 family=$(LC_ALL=C lscpu | sed -n 's/^CPU family:[[:space:]]*//p' | head -1)
 echo "CPU: $model (family $family), $(nproc) cores available"
 echo "settings: 2 agents, $TURNS turns, $QUESTIONS questions/step, max_output_length $TOKENS (EOS ignored), temperature 0.7, top_k 0, top_p 1,"
-echo "          LoRA r 8 / alpha 16 on 7 projections, 4 PPO epochs x 2 mini-batches, kl_coef 0.002, vf_coef 0.1, turn 0 not trained,"
+echo "          LoRA r 8 / alpha 16 on 7 projections, 4 PPO epochs x $MINI_BATCHES mini-batches, kl_coef 0.002, vf_coef 0.1, turn 0 not trained,"
+echo "          MaPoRL's layout: turn-0 and later-turn adapters shared by the agents, one critic per trained turn,"
 echo "          SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to f32), 2 threads; step 2 of 2 (rows $QUESTIONS..$((2 * QUESTIONS))) reported"
 echo
 
@@ -57,7 +60,7 @@ if [[ "${SKIP_COTRAIN:-0}" != 1 ]]; then
   fi
   echo "running cotrain ($BIN)..." >&2
   # shellcheck disable=SC2086
-  "$BIN" --questions "$QUESTIONS" --tokens "$TOKENS" --turns "$TURNS" ${COTRAIN_ARGS:-} \
+  "$BIN" --questions "$QUESTIONS" --mini-batches "$MINI_BATCHES" --tokens "$TOKENS" --turns "$TURNS" ${COTRAIN_ARGS:-} \
     2> >(tee "$OUT_DIR/cotrain.log" >&2) | tail -1 > "$OUT_DIR/cotrain.json"
 fi
 
@@ -72,7 +75,7 @@ if [[ "${SKIP_REFERENCE:-0}" != 1 ]]; then
   fi
   echo "running the reference ($REF_PY scripts/bench/maporl_reference.py, ${env_tuned[*]:-untuned})..." >&2
   # shellcheck disable=SC2086
-  env "${env_tuned[@]}" "$REF_PY" scripts/bench/maporl_reference.py --questions "$QUESTIONS" --tokens "$TOKENS" --turns "$TURNS" ${REF_ARGS:-} \
+  env "${env_tuned[@]}" "$REF_PY" scripts/bench/maporl_reference.py --questions "$QUESTIONS" --num-mini-batches "$MINI_BATCHES" --tokens "$TOKENS" --turns "$TURNS" ${REF_ARGS:-} \
     2> >(tee "$OUT_DIR/reference.log" >&2) | tail -1 > "$OUT_DIR/reference.json"
 fi
 

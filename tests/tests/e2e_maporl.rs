@@ -44,7 +44,8 @@ fn maporl_gsm8k_config_runs_through_the_real_services() {
     let tmp = tempfile::tempdir().unwrap();
     let reward = start_service("reward-server", &["--grpc-addr".into(), "127.0.0.1:0".into(), "--http-addr".into(), "127.0.0.1:0".into()], Duration::from_secs(120)).unwrap();
     let mut args: Vec<String> = ["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--separate-weights"].iter().map(|s| s.to_string()).collect();
-    for a in ["agent0.turn0", "agent0.later", "agent1.turn0", "agent1.later"] {
+    // The seed config's layout (MaPoRL's): one turn-0 and one later-turn adapter shared by the agents.
+    for a in ["shared.turn0", "shared.later"] {
         args.push("--agent".into());
         args.push(format!("{a}=default"));
     }
@@ -60,6 +61,7 @@ fn maporl_gsm8k_config_runs_through_the_real_services() {
             "maporl.max_output_length=12",
             "maporl.min_output_length=4",
             "maporl.gradient_accumulation_steps=1",
+            "maporl.num_train_epochs=1",
             "maporl.num_ppo_epochs=2",
             "maporl.num_mini_batches=1",
             "maporl.eval_interval=1000",
@@ -137,34 +139,34 @@ fn maporl_gsm8k_config_runs_through_the_real_services() {
         // The discussion turn reads the question and the turn-0 answers.
         let turn0 = lines.iter().find(|o| o["step"] == l["step"] && o["row"] == l["row"] && o["agent"] == l["agent"] && o["turn"] == 0).unwrap();
         assert!(l["prompt_tokens"].as_u64().unwrap() > turn0["prompt_tokens"].as_u64().unwrap());
-        assert_eq!(l["adapter"], format!("agent{}.later", l["agent"]));
+        assert_eq!(l["adapter"], "shared.later", "both agents' discussion turns are the shared adapter's");
     }
 
     // The worker serves what the learner pushed: every adapter once at start, the trained ones
     // after each of the 2 steps.
     let text = http_get(&worker.http, "/metrics");
-    assert_eq!(policy_version(&text, "agent0.later"), 3.0);
-    assert_eq!(policy_version(&text, "agent1.later"), 3.0);
-    assert_eq!(policy_version(&text, "agent0.turn0"), 1.0);
+    assert_eq!(policy_version(&text, "shared.later"), 3.0);
+    assert_eq!(policy_version(&text, "shared.turn0"), 1.0, "turn 0 (the base) is never trained");
 
-    // Adapters in PEFT's layout, critics with their value heads.
-    for key in ["agent0.turn0", "agent0.later", "agent1.later"] {
+    // Adapters in PEFT's layout, one critic per trained turn with its value head.
+    for key in ["shared.turn0", "shared.later"] {
         let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run.join("adapters").join(key).join("adapter_config.json")).unwrap()).unwrap();
         assert_eq!((cfg["r"].as_u64(), cfg["lora_alpha"].as_f64()), (Some(8), Some(16.0)));
         assert!(run.join("adapters").join(key).join("adapter_model.safetensors").is_file());
     }
-    assert!(run.join("adapters/critic.agent0/value_head.safetensors").is_file());
+    assert!(run.join("adapters/critic.turn1/value_head.safetensors").is_file());
+    assert!(!run.join("adapters/critic.turn0").exists(), "turn 0 is not trained, so it has no critic");
     assert!(run.join("plots/accuracy_per_turn.png").is_file());
 
     // `learner export` on the run directory copies the policy adapters (not the critics).
     let exported = tmp.path().join("exported");
     let out = Command::new(binaries().unwrap().join("learner")).args(["export", "--checkpoint"]).arg(&run).arg("--out").arg(&exported).output().unwrap();
     assert!(out.status.success(), "export failed\n{}", String::from_utf8_lossy(&out.stderr));
-    for key in ["agent0.turn0", "agent0.later", "agent1.turn0", "agent1.later"] {
+    for key in ["shared.turn0", "shared.later"] {
         let f = "adapter_model.safetensors";
         assert_eq!(std::fs::read(exported.join(key).join(f)).unwrap(), std::fs::read(run.join("adapters").join(key).join(f)).unwrap(), "{key}");
     }
-    assert!(!exported.join("critic.agent0").exists());
+    assert!(!exported.join("critic.turn1").exists());
     drop(worker);
     drop(reward);
 }

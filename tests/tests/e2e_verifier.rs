@@ -263,6 +263,7 @@ fn generate_balance_train_and_a_maporl_run_scored_by_the_verifier() {
             "maporl.max_output_length=12",
             "maporl.invalid_penalty=false",
             "maporl.gradient_accumulation_steps=1",
+            "maporl.num_train_epochs=1",
             "maporl.num_ppo_epochs=1",
             "maporl.num_mini_batches=1",
             "maporl.eval_interval=1000",

@@ -8,7 +8,7 @@
 
 use tch::{Kind, Tensor};
 
-use crate::config::{KlEstimator, LossNormalization, TrainerSection};
+use crate::config::{KlEstimator, KlPlacement, LossNormalization, TrainerSection};
 
 /// A padded batch of K completions. All tensors are (K, T) except `advantages` (K,).
 #[derive(Debug)]
@@ -63,7 +63,8 @@ impl LossOptions {
         Self {
             normalization: s.loss_normalization,
             clip: s.ppo_clip.enabled.then_some((s.ppo_clip.clip_low, s.ppo_clip.clip_high)),
-            kl: s.reference_kl.enabled.then_some((s.reference_kl.coef, s.reference_kl.estimator)),
+            // With `placement: returns` the KL shapes the returns instead (see `algo::reference_kl`).
+            kl: (s.reference_kl.enabled && s.reference_kl.placement == KlPlacement::Loss).then_some((s.reference_kl.coef, s.reference_kl.estimator)),
             scale: 1.0,
             truncated_is: None,
             measure_gap: false,

@@ -1,7 +1,8 @@
 //! The update math of GRPO / MAGRPO (algorithms.md), as pure functions over rewards and per-token
 //! log-prob tensors so that it is testable without a model:
 //! joint actions and credit ([`joint`]), reward processing and advantages ([`advantage`]), the policy
-//! loss with its options ([`loss`]), rollout buffers ([`buffer`]) and the optimiser side ([`optim`]).
+//! loss with its options ([`loss`]), the reference KL as return shaping ([`reference_kl`]), rollout
+//! buffers ([`buffer`]) and the optimiser side ([`optim`]).
 
 pub mod advantage;
 pub mod buffer;
@@ -11,12 +12,14 @@ pub mod discussion_score;
 pub mod optim;
 pub mod padding;
 pub mod ppo;
+pub mod reference_kl;
 
 pub use advantage::{RewardProcessor, advantages};
 pub use buffer::RolloutBuffer;
 pub use joint::{JointAction, credit_per_agent, joint_actions};
 pub use loss::{LossOptions, LossTerms, PolicyBatch, policy_loss};
 pub use optim::{AdamW, AdamWConfig};
+pub use reference_kl::{kl_shaped_returns, sequence_kl};
 
 use crate::config::{AdvantageMode, JointMode};
 

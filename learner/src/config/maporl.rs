@@ -25,6 +25,13 @@ pub enum AdapterLayout {
     /// One adapter for every turn and every agent (one model, as MaPoRL with
     /// `collaboration_separation: False` and shared policies).
     Shared,
+    /// MaPoRL's own layout (its `policy_separation` and `collaboration_separation`, adapters `policy`
+    /// and `col` of one PEFT model): one adapter for turn 0 and one for every later turn, each
+    /// shared by all agents (`shared.turn0`, `shared.later`). With `task_training: false` the turn-0
+    /// adapter is never trained, so turn 0 is the base model, as the original's zeroed and frozen
+    /// `policy` adapter. With `critic_per_turn`, one critic per turn shared by the agents
+    /// (`critic.turn1`, ...: the original's `value_0..value_{T−1}`).
+    SharedByTurn,
 }
 
 /// Where s(t, i) comes from.
@@ -154,13 +161,18 @@ pub struct MaporlSection {
     /// Passes over the train split.
     #[serde(default = "default_epochs")]
     pub num_train_epochs: usize,
-    /// Questions per step = per_device_train_batch_size × gradient_accumulation_steps.
+    /// Questions per step (one PPO update) = per_device_train_batch_size ×
+    /// gradient_accumulation_steps × num_mini_batches, as TRL's PPOv2 trainer that MaPoRL runs counts
+    /// its `local_batch_size` (1 × 4 × 8 = 32 in MaPoRL's configs); each PPO epoch splits them into
+    /// `num_mini_batches` mini-batches of per_device_train_batch_size × gradient_accumulation_steps
+    /// questions.
     #[serde(default = "default_one")]
     pub per_device_train_batch_size: usize,
     /// See `per_device_train_batch_size`.
     #[serde(default = "default_grad_accum")]
     pub gradient_accumulation_steps: usize,
-    /// Mini-batches each adapter's samples of a step are split into, per PPO epoch.
+    /// Mini-batches per PPO epoch: each adapter's and each critic's samples of a step are split into
+    /// this many parts (at most one sample each), one AdamW step per part.
     #[serde(default = "default_mini_batches")]
     pub num_mini_batches: usize,
     /// PPO passes over each step's samples.
@@ -260,7 +272,8 @@ pub struct MaporlSection {
     /// The critic values (question, response) without the discussion history.
     #[serde(default = "default_true")]
     pub value_simplification: bool,
-    /// One critic per turn group of the adapter layout (otherwise one per agent).
+    /// One critic per turn group of the adapter layout (otherwise one per agent); with
+    /// `adapter_layout: shared_by_turn`, one per turn shared by the agents (MaPoRL's).
     #[serde(default)]
     pub critic_per_turn: bool,
     /// The critics' value heads: `frozen_random` (MaPoRL's) or `trained`.
@@ -381,9 +394,9 @@ fn default_save_steps() -> usize {
 }
 
 impl MaporlSection {
-    /// Questions per step.
+    /// Questions per step: TRL PPOv2's `local_batch_size` (see `per_device_train_batch_size`).
     pub fn questions_per_step(&self) -> usize {
-        self.per_device_train_batch_size * self.gradient_accumulation_steps
+        self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
     }
 
     /// The keys the trainer-agnostic parts of the learner read (sampling, turns, schedule), as a

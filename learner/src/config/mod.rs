@@ -424,6 +424,25 @@ mod tests {
         assert_eq!(python_literals_to_yaml("[None, True,'False', Nonesuch]"), "[null, true,'False', Nonesuch]");
     }
 
+    /// `eval_decoding` is `sampled` in both eras unless set, `greedy` loads, and another value is
+    /// refused naming the key and the variants.
+    #[test]
+    fn eval_decoding_defaults_to_sampled_and_refuses_unknown_values() {
+        let load = |text: &str, overrides: &[&str]| {
+            let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+            merged_value(text, "x.yaml", &overrides, &LegacyFlags::default()).and_then(|v| CheckedConfig::from_value(v, Path::new("x.yaml")))
+        };
+        let text = "model: {name: m}\ndataset: {name: humaneval}\nmagrpo: {}\n";
+        assert_eq!(load(text, &[]).unwrap().trainer.eval_decoding, EvalDecoding::Sampled);
+        let text_2026 = "comlrl_era: '2026'\nmodel: {name: m}\ndataset: {name: humaneval}\nmagrpo: {}\n";
+        assert_eq!(load(text_2026, &[]).unwrap().trainer.eval_decoding, EvalDecoding::Sampled);
+        assert_eq!(load(text, &["magrpo.eval_decoding=greedy"]).unwrap().trainer.eval_decoding, EvalDecoding::Greedy);
+        assert_eq!(load(text_2026, &["magrpo.eval_decoding=greedy"]).unwrap().trainer.eval_decoding, EvalDecoding::Greedy);
+        let e = load(text, &["magrpo.eval_decoding=argmax"]).unwrap_err().to_string();
+        assert!(e.starts_with("x.yaml: magrpo.eval_decoding: unknown variant `argmax`"), "{e}");
+        assert!(e.contains("sampled") && e.contains("greedy"), "{e}");
+    }
+
     #[test]
     fn closest_suggests_plausible_typos_only() {
         let known = vec!["learning_rate".to_string(), "num_agents".to_string()];

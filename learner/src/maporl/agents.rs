@@ -64,6 +64,8 @@ impl Bases {
 pub fn adapter_key(layout: AdapterLayout, agent: usize, turn: usize) -> String {
     match layout {
         AdapterLayout::Shared => "shared".into(),
+        AdapterLayout::SharedByTurn if turn == 0 => "shared.turn0".into(),
+        AdapterLayout::SharedByTurn => "shared.later".into(),
         AdapterLayout::PerTurn => format!("agent{agent}.turn{turn}"),
         AdapterLayout::FirstAndLater if turn == 0 => format!("agent{agent}.turn0"),
         AdapterLayout::FirstAndLater => format!("agent{agent}.later"),
@@ -73,7 +75,8 @@ pub fn adapter_key(layout: AdapterLayout, agent: usize, turn: usize) -> String {
 /// The critic key of agent `agent` at turn `turn`.
 pub fn critic_key(m: &MaporlSection, agent: usize, turn: usize) -> String {
     match (m.adapter_layout, m.critic_per_turn) {
-        (AdapterLayout::Shared, _) => "critic.shared".into(),
+        (AdapterLayout::Shared, _) | (AdapterLayout::SharedByTurn, false) => "critic.shared".into(),
+        (AdapterLayout::SharedByTurn, true) => format!("critic.turn{turn}"),
         (_, true) => format!("critic.{}", adapter_key(m.adapter_layout, agent, turn)),
         (_, false) => format!("critic.agent{agent}"),
     }
@@ -195,10 +198,11 @@ impl Adapters {
     pub fn new(cfg: &CheckedConfig, m: &MaporlSection, bases: &Bases) -> Result<Self, TrainError> {
         let lora: LoraConfig = m.lora.to_model();
         let adam = AdamWConfig::new(m.learning_rate, m.weight_decay, m.max_grad_norm);
-        if m.adapter_layout == AdapterLayout::Shared && bases.models.len() > 1 {
+        if matches!(m.adapter_layout, AdapterLayout::Shared | AdapterLayout::SharedByTurn) && bases.models.len() > 1 {
             return Err(TrainError::Config(format!(
-                "{}: maporl.adapter_layout is shared but model.agents names {} different base models",
+                "{}: maporl.adapter_layout is {} (adapters shared by the agents) but model.agents names {} different base models",
                 cfg.source.display(),
+                serde_yaml_ng::to_string(&m.adapter_layout).unwrap_or_default().trim(),
                 bases.models.len()
             )));
         }
@@ -223,7 +227,10 @@ impl Adapters {
                     policies.insert(key.clone(), PolicyAdapter { key, base, weights, optimizer, version: 0 });
                 }
                 let ckey = critic_key(m, agent, turn);
-                if !critics.contains_key(&ckey) {
+                // A turn whose answers are not trained (turn 0 without `task_training`) gets no
+                // critic of its own: no sample would ever reach it.
+                let trained_turn = turn > 0 || m.task_training;
+                if trained_turn && !critics.contains_key(&ckey) {
                     let adapter = LoraAdapter::new(model, lora.clone()).map_err(|e| TrainError::Config(format!("maporl.lora: {e}")))?;
                     let mut head_vs = nn::VarStore::new(model.device());
                     let hidden = model.config().hidden_size;
@@ -280,6 +287,11 @@ mod tests {
         assert_eq!(adapter_key(AdapterLayout::FirstAndLater, 1, 1), adapter_key(AdapterLayout::FirstAndLater, 1, 2));
         assert_eq!(adapter_key(AdapterLayout::PerTurn, 0, 2), "agent0.turn2");
         assert_eq!(adapter_key(AdapterLayout::Shared, 1, 2), adapter_key(AdapterLayout::Shared, 0, 0));
+        // MaPoRL's: the agents share the turn-0 adapter and the later-turn adapter.
+        assert_eq!(adapter_key(AdapterLayout::SharedByTurn, 1, 0), "shared.turn0");
+        assert_eq!(adapter_key(AdapterLayout::SharedByTurn, 0, 0), "shared.turn0");
+        assert_eq!(adapter_key(AdapterLayout::SharedByTurn, 1, 2), "shared.later");
+        assert_eq!(adapter_key(AdapterLayout::SharedByTurn, 0, 1), "shared.later");
     }
 
     #[test]

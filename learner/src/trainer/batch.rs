@@ -16,6 +16,8 @@ pub struct RolloutPlan {
     /// Seed tag and step (training: the step; evaluation: 0, so evaluations are comparable).
     pub seed_tag: u64,
     pub seed_step: u64,
+    /// Argmax decoding instead of the training sampling parameters (`eval_decoding: greedy`).
+    pub greedy: bool,
 }
 
 /// Wall-clock seconds of a rollout's phases.

@@ -8,7 +8,7 @@ use super::batch::RolloutPlan;
 use super::setup::{TAG_EVAL, Trainer};
 use super::step_metrics::reward_metrics;
 use super::tree::{Expansion, Forest};
-use crate::config::{JointMode, MultiTurnMode};
+use crate::config::{EvalDecoding, JointMode, MultiTurnMode};
 use crate::data::items::TrainItem;
 use crate::error::TrainError;
 use crate::sources::{CodeOutcome, Score};
@@ -72,7 +72,7 @@ impl Trainer {
     /// of the reward and of each level over the paths' last turns and, for code, PassOrNot@k,
     /// Accuracy@k and MaxCoop@k for each k in `ks` that is at most `samples`. During training the
     /// original draws one joint sample per item (`samples` = 1); `learner eval --k 1,5,10` draws the
-    /// largest k.
+    /// largest k. With `eval_decoding: greedy` and `samples` = 1 every completion is the argmax one.
     pub fn evaluate(&mut self, samples: usize, ks: &[usize]) -> Result<BTreeMap<String, f64>, TrainError> {
         let count = self.s.cfg.trainer.eval_num_samples.min(self.s.eval_items.len());
         let items: Vec<TrainItem> = self.s.eval_items[..count].to_vec();
@@ -89,7 +89,10 @@ impl Trainer {
             MultiTurnMode::Tree => Expansion::Paths { stop_above: tr.termination_threshold, inclusive: false },
             MultiTurnMode::Handoff => Expansion::Paths { stop_above: tr.early_termination_threshold, inclusive: true },
         };
-        let plan = RolloutPlan { expansion, joint_mode: JointMode::Aligned, g: samples, seed_tag: TAG_EVAL, seed_step: 0 };
+        // The September 2025 trainer's eval generate followed the base model's generation_config
+        // (greedy for its Qwen2.5-Coder models) with one return sequence, and sampled with more.
+        let greedy = tr.eval_decoding == EvalDecoding::Greedy && samples == 1;
+        let plan = RolloutPlan { expansion, joint_mode: JointMode::Aligned, g: samples, seed_tag: TAG_EVAL, seed_step: 0, greedy };
         let (forest, _) = self.roll_out(&refs, &plan)?;
         let finals: Vec<Vec<Score>> = (0..items.len()).map(|i| path_final_scores(&forest, i)).collect();
         let all: Vec<&Score> = finals.iter().flatten().collect();

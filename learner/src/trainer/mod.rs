@@ -10,6 +10,7 @@
 //! - `batch`: what a step carries between its phases (plain data);
 //! - [`rollout`]: rolling the forest out depth by depth; [`transition`]: next-turn prompts;
 //!   [`rollout_log`]: `rollouts.jsonl`; [`tree`]: the forest (returns, advantages, turn weights);
+//! - `reference_kl`: the reference KL of each completion, for `reference_kl.placement: returns`;
 //! - [`policy`]: a trainable [`Policy`] and its update through the chunked log-prob kernel;
 //!   [`rounds`]: which policies update together;
 //! - `ranks`: the learner's ranks (layout, gathering, identical weights);
@@ -24,6 +25,7 @@ mod evaluate;
 mod pipeline;
 pub mod policy;
 mod ranks;
+mod reference_kl;
 pub mod rollout;
 pub mod rollout_log;
 pub mod rounds;

@@ -33,6 +33,7 @@ impl Trainer {
             let prompts = (0..n).map(|a| AgentPrompt { text: item.texts.get(a).cloned().unwrap_or_default(), ids: item.prompts[a].clone() }).collect();
             forest.nodes.push(Node::new(i, i, 0, 0, plan.g, prompts, vec![Vec::new(); n]));
         }
+        let sampling = if plan.greedy { self.sampling().greedy() } else { self.sampling() };
         let mut locals = vec![1usize; items.len()];
         let mut frontier: Vec<usize> = (0..items.len()).collect();
         while !frontier.is_empty() {
@@ -55,7 +56,7 @@ impl Trainer {
                         agent: worker_agent,
                         prompt: node.prompts[a].ids.clone(),
                         n: node.g,
-                        sampling: self.sampling(),
+                        sampling,
                         seed,
                         min_policy_version: version,
                     });

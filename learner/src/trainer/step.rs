@@ -11,7 +11,7 @@ use super::setup::{TAG_SAMPLE, Trainer};
 use super::step_metrics::{reward_metrics, turn_metrics};
 use super::tree::{Expansion, Forest};
 use crate::algo::{AdvantageOptions, LossOptions, RolloutBuffer};
-use crate::config::{BatchUnit, MultiTurnMode};
+use crate::config::{BatchUnit, KlPlacement, MultiTurnMode};
 use crate::data::items::TrainItem;
 use crate::dist::SingleRank;
 use crate::dist::rank_share;
@@ -28,7 +28,7 @@ impl Trainer {
             MultiTurnMode::Tree => Expansion::Tree { termination_threshold: t.termination_threshold },
             MultiTurnMode::Handoff => Expansion::Handoff { handoff: t.handoff, early_termination_threshold: t.early_termination_threshold },
         };
-        RolloutPlan { expansion, joint_mode: t.joint_mode, g: t.num_generations, seed_tag: TAG_SAMPLE, seed_step: step }
+        RolloutPlan { expansion, joint_mode: t.joint_mode, g: t.num_generations, seed_tag: TAG_SAMPLE, seed_step: step, greedy: false }
     }
 
     /// One step on the given rows of the train split (see the module docs); returns its scalars.
@@ -77,7 +77,12 @@ impl Trainer {
         let StepRollout { rows, items, mut forest, times } = batch;
         let handoff = cfg.trainer.rollout == MultiTurnMode::Handoff;
         forest.compute_returns(cfg.trainer.discount, !handoff);
-        forest.compute_advantages(n, &AdvantageOptions::from_section(&cfg.trainer));
+        let kl = &cfg.trainer.reference_kl;
+        let return_kl_coef = (kl.enabled && kl.placement == KlPlacement::Returns).then_some(kl.coef);
+        if return_kl_coef.is_some() {
+            self.measure_reference_kl(&mut forest)?;
+        }
+        forest.compute_advantages(n, &AdvantageOptions::from_section(&cfg.trainer), return_kl_coef);
         forest.assign_turn_weights(&cfg.turn_gradient_weights, cfg.trainer.early_termination_weight, handoff);
 
         // 4–5. updates: the groups of nodes the original updates on, one optimiser round per policy each.
@@ -182,7 +187,18 @@ impl Trainer {
         let trained: Vec<&UpdateStats> = rounds.iter().filter(|s| s.skipped.is_none() && s.steps > 0).collect();
         let avg = |f: fn(&UpdateStats) -> f64| if trained.is_empty() { f64::NAN } else { trained.iter().map(|s| f(s)).sum::<f64>() / trained.len() as f64 };
         m.insert("loss".into(), avg(|s| s.loss));
-        m.insert("kl".into(), avg(|s| s.kl));
+        match return_kl_coef {
+            // Return shaping: the mean KL per completion over the step (the loss holds no KL term),
+            // and the mean amount taken off the returns.
+            Some(coef) => {
+                let kls: Vec<f64> = forest.nodes.iter().flat_map(|n| n.reference_kl.iter().flatten().copied()).collect();
+                m.insert("kl".into(), mean(&kls));
+                m.insert("kl/return_penalty".into(), coef * mean(&kls));
+            }
+            None => {
+                m.insert("kl".into(), avg(|s| s.kl));
+            }
+        }
         m.insert("entropy".into(), avg(|s| s.entropy));
         m.insert("grad_norm".into(), avg(|s| s.grad_norm));
         if cfg.trainer.ppo_clip.enabled {

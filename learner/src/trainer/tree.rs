@@ -20,7 +20,7 @@
 
 use rand::Rng;
 
-use crate::algo::{AdvantageOptions, JointAction, advantages, credit_per_agent};
+use crate::algo::{AdvantageOptions, JointAction, advantages, credit_per_agent, kl_shaped_returns};
 use crate::config::{Handoff, JointMode};
 use crate::metrics::mean;
 use crate::prompts::multiturn::TurnRecord;
@@ -69,6 +69,10 @@ pub struct Node {
     pub returns: Vec<f64>,
     /// Per agent, per completion, as used in the loss.
     pub advantages: Vec<Vec<f64>>,
+    /// Per agent, per completion: Σ_t KL_t to the frozen reference, measured for
+    /// `reference_kl.placement: returns` (empty otherwise).
+    #[serde(default)]
+    pub reference_kl: Vec<Vec<f64>>,
     pub children: Vec<usize>,
     pub leaf: bool,
     /// A leaf before the last turn (the stopping rule fired).
@@ -99,6 +103,7 @@ impl Node {
             rewards: Vec::new(),
             returns: Vec::new(),
             advantages: Vec::new(),
+            reference_kl: Vec::new(),
             children: Vec::new(),
             leaf: false,
             early_stop: false,
@@ -242,11 +247,17 @@ impl Forest {
     }
 
     /// Advantages over each node's siblings, per agent: each completion's credit (aligned: its joint
-    /// action's return; cross: the sum over the joint actions that contain it), then the configured
-    /// advantage mode.
-    pub fn compute_advantages(&mut self, num_agents: usize, opts: &AdvantageOptions) {
+    /// action's return; cross: the sum over the joint actions that contain it), with `kl_coef`
+    /// (`reference_kl.placement: returns`) less coef·its `reference_kl` ([`kl_shaped_returns`]; a node
+    /// without them is left as it is), then the configured advantage mode.
+    pub fn compute_advantages(&mut self, num_agents: usize, opts: &AdvantageOptions, kl_coef: Option<f64>) {
         for node in &mut self.nodes {
-            let credit = credit_per_agent(opts.joint_mode, num_agents, node.g, &node.returns);
+            let mut credit = credit_per_agent(opts.joint_mode, num_agents, node.g, &node.returns);
+            if let Some(coef) = kl_coef {
+                for (c, kl) in credit.iter_mut().zip(&node.reference_kl) {
+                    *c = kl_shaped_returns(c, kl, coef);
+                }
+            }
             node.advantages = credit.iter().map(|c| advantages(c, opts.mode, opts.normalize, opts.clamp)).collect();
         }
     }

@@ -80,22 +80,44 @@ pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -
             s.insert(Value::from("termination_threshold"), v);
             report.mapped.push((format!("{section}.early_termination_threshold"), format!("{section}.termination_threshold (tree leaf threshold)")));
         }
+        // CoMLRL 2026 subtracts coef·Σk3 from each completion's return before the group baseline:
+        // cotrain's `reference_kl` with `placement: returns`.
         match s.remove("reference_kl_enabled") {
-            None | Some(Value::Bool(false)) => {}
-            Some(_) => {
-                return Err(invalid(
-                    &format!("{section}.reference_kl_enabled"),
-                    "CoMLRL 2026 subtracts coef·Σk3 from the returns before the group baseline; cotrain has the reference KL in the loss only (`reference_kl`), a different objective, so the key is not mapped: set it false or use `reference_kl`",
+            None | Some(Value::Bool(false)) => {
+                if s.remove("reference_kl_coef").is_some() {
+                    report.ignored.push((format!("{section}.reference_kl_coef"), "the reference KL is off (reference_kl_enabled false)"));
+                }
+            }
+            Some(Value::Bool(true)) => {
+                if s.contains_key("reference_kl") {
+                    return Err(invalid(
+                        &format!("{section}.reference_kl_enabled"),
+                        "and reference_kl are both present; keep one (reference_kl_enabled: true is reference_kl with placement: returns)",
+                    ));
+                }
+                let coef = match s.remove("reference_kl_coef") {
+                    None => Value::from(0.1),
+                    Some(v @ Value::Number(_)) => v,
+                    Some(_) => return Err(invalid(&format!("{section}.reference_kl_coef"), "must be a number (>= 0)")),
+                };
+                let mut kl = Mapping::new();
+                kl.insert(Value::from("enabled"), Value::from(true));
+                kl.insert(Value::from("placement"), Value::from("returns"));
+                kl.insert(Value::from("coef"), coef);
+                kl.insert(Value::from("estimator"), Value::from("k3"));
+                s.insert(Value::from("reference_kl"), Value::Mapping(kl));
+                report.mapped.push((
+                    format!("{section}.reference_kl_enabled/reference_kl_coef"),
+                    format!("{section}.reference_kl {{enabled: true, placement: returns, estimator: k3}}"),
                 ));
             }
+            Some(_) => return Err(invalid(&format!("{section}.reference_kl_enabled"), "must be true or false")),
         }
-        for (key, why) in [
-            ("reference_kl_coef", "the reference KL of 2026 configs is off (reference_kl_enabled false)"),
-            ("reference_devices", "device placement of the reference model; cotrain places work by its rollout workers and learner"),
-        ] {
-            if s.remove(key).is_some() {
-                report.ignored.push((format!("{section}.{key}"), why));
-            }
+        if s.remove("reference_devices").is_some() {
+            report.ignored.push((
+                format!("{section}.reference_devices"),
+                "device placement of the reference model; cotrain keeps each reference beside its policy on the learner",
+            ));
         }
     }
     Ok(())
@@ -146,11 +168,33 @@ mod tests {
     }
 
     #[test]
+    fn the_2026_reference_kl_is_return_shaping() {
+        let (v, r) = mapped("agent_model: {name: m}\nmagrpo: {reference_kl_enabled: true, reference_kl_coef: 0.05, reference_devices: [cuda:1]}\n").unwrap();
+        let kl = &v["magrpo"]["reference_kl"];
+        assert_eq!(kl["enabled"], Value::from(true));
+        assert_eq!(kl["placement"], Value::from("returns"));
+        assert_eq!(kl["coef"], Value::from(0.05));
+        assert_eq!(kl["estimator"], Value::from("k3"));
+        let m = &v["magrpo"];
+        assert!(["reference_kl_enabled", "reference_kl_coef", "reference_devices"].iter().all(|k| m.get(*k).is_none()), "{m:?}");
+        assert!(r.mapped.iter().any(|(from, to)| from.contains("reference_kl_enabled") && to.contains("placement: returns")), "{:?}", r.mapped);
+        assert!(r.ignored.iter().any(|(key, _)| key == "magrpo.reference_devices"), "{:?}", r.ignored);
+        // Upstream's default coefficient; off, the coefficient is reported as ignored.
+        let (v, _) = mapped("agent_model: {name: m}\ngrpo: {reference_kl_enabled: true}\n").unwrap();
+        assert_eq!(v["grpo"]["reference_kl"]["coef"], Value::from(0.1));
+        let (v, r) = mapped("agent_model: {name: m}\nmagrpo: {reference_kl_enabled: false, reference_kl_coef: 0.3}\n").unwrap();
+        assert!(v["magrpo"].get("reference_kl").is_none() && v["magrpo"].get("reference_kl_coef").is_none());
+        assert!(r.ignored.iter().any(|(key, _)| key == "magrpo.reference_kl_coef"), "{:?}", r.ignored);
+    }
+
+    #[test]
     fn what_cotrain_lacks_is_refused_by_name() {
         let e = mapped("agent_model: {name: m}\ncritics: [c]\nmagrpo: {}\n").unwrap_err().to_string();
         assert!(e.contains("critics") && e.contains("actor-critic"), "{e}");
-        let e = mapped("agent_model: {name: m}\nmagrpo: {reference_kl_enabled: true}\n").unwrap_err().to_string();
-        assert!(e.contains("magrpo.reference_kl_enabled"), "{e}");
+        let e = mapped("agent_model: {name: m}\nmagrpo: {reference_kl_enabled: true, reference_kl: {enabled: true}}\n").unwrap_err().to_string();
+        assert!(e.contains("magrpo.reference_kl_enabled") && e.contains("both present"), "{e}");
+        let e = mapped("agent_model: {name: m}\nmagrpo: {reference_kl_enabled: true, reference_kl_coef: high}\n").unwrap_err().to_string();
+        assert!(e.contains("magrpo.reference_kl_coef"), "{e}");
         let e = mapped("agent_model: {name: m, special_tokens: {pad: x}}\nmagrpo: {}\n").unwrap_err().to_string();
         assert!(e.contains("agent_model.special_tokens"), "{e}");
     }

@@ -105,6 +105,12 @@ pub struct TrainerSection {
     /// `false` for 2025-09.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_all_turns: Option<bool>,
+    /// How evaluation decodes: `sampled` (the training temperature, top_p and top_k; CoMLRL 2026) or
+    /// `greedy` (argmax whenever an evaluation draws one joint sample per item, as the September 2025
+    /// trainer did with its shipped base models, whose `generation_config` does not sample; `learner
+    /// eval --k N` with N above 1 still samples). `sampled` in both eras.
+    #[serde(default)]
+    pub eval_decoding: EvalDecoding,
     /// The oldest release clamps advantages to [-10, 10]; off by default.
     #[serde(default)]
     pub advantage_clamp: Option<f64>,
@@ -200,6 +206,19 @@ pub enum Handoff {
     Best,
 }
 
+/// `eval_decoding`: how evaluation draws its completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum EvalDecoding {
+    /// The training sampling parameters (temperature, top_p, top_k), as CoMLRL 2026 evaluates.
+    #[default]
+    Sampled,
+    /// Argmax decoding when an evaluation draws one joint sample per item (every evaluation during
+    /// training): the September 2025 trainer passed no sampling arguments to `generate`, so its
+    /// Qwen2.5-Coder base models decoded greedily. Several samples per item are still sampled.
+    Greedy,
+}
+
 /// Baseline of the advantage over the G siblings of a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
@@ -261,19 +280,43 @@ pub struct ReferenceKlConfig {
     /// Turn the KL penalty on.
     #[serde(default)]
     pub enabled: bool,
-    /// Weight of the KL term in the loss.
+    /// Weight of the KL term: in the loss (`placement: loss`) or of the KL subtracted from each
+    /// completion's return (`placement: returns`).
     #[serde(default = "default_kl_coef")]
     pub coef: f64,
-    /// The per-token KL estimator: `k3` differentiated in the loss, or `k1` in score-function form
-    /// (REINFORCE with the reward shaped by −coef·KL).
+    /// The per-token KL estimator: with `placement: loss`, `k3` differentiated in the loss, or `k1` in
+    /// score-function form (REINFORCE with the reward shaped by −coef·KL); with `placement: returns`,
+    /// the estimator's per-token values summed over the completion (CoMLRL 2026 uses `k3`).
     #[serde(default)]
     pub estimator: KlEstimator,
+    /// Where the penalty acts: `loss` (a term of the loss, with its gradient) or `returns` (CoMLRL
+    /// 2026's `reference_kl_enabled`: R − coef·KL of each completion before the group baseline, no
+    /// gradient). A 2026 config's `reference_kl_enabled: true` is `placement: returns` (the loader
+    /// maps it).
+    #[serde(default)]
+    pub placement: KlPlacement,
 }
 
 impl Default for ReferenceKlConfig {
     fn default() -> Self {
-        Self { enabled: false, coef: default_kl_coef(), estimator: KlEstimator::default() }
+        Self { enabled: false, coef: default_kl_coef(), estimator: KlEstimator::default(), placement: KlPlacement::default() }
     }
+}
+
+/// Where the reference KL penalty acts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum KlPlacement {
+    /// A term of the loss, coef·KL, differentiated (GRPO, Shao et al. 2024; cotrain's earlier and
+    /// only behaviour).
+    #[default]
+    Loss,
+    /// Return shaping (CoMLRL 2026): each completion's return (its credit) less coef·Σ_t KL_t, where
+    /// KL_t compares the policy that sampled it (the rollout workers' log-probs) with the frozen
+    /// reference, the EOS token left out; a constant (no gradient), applied before the group baseline
+    /// and the advantage normalisation, to the node's own completions only (a parent's return holds
+    /// its children's returns without their KL).
+    Returns,
 }
 
 pub(super) fn default_kl_coef() -> f64 {
