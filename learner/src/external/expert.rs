@@ -195,8 +195,17 @@ impl ExpertClient {
 
 /// The first characters of `text`, for error messages.
 fn snippet(text: &str) -> String {
-    let mut s: String = text.chars().take(BODY_SNIPPET_CHARS).collect();
-    if s.len() < text.len() {
+    // The reply is model-written: control characters (an ESC starting a terminal escape sequence,
+    // say) are shown escaped, so that a logged reply cannot drive the reader's terminal.
+    let mut s = String::new();
+    for c in text.chars().take(BODY_SNIPPET_CHARS) {
+        if c.is_control() {
+            s.extend(c.escape_default());
+        } else {
+            s.push(c);
+        }
+    }
+    if text.chars().nth(BODY_SNIPPET_CHARS).is_some() {
         s.push_str("...");
     }
     s
@@ -314,6 +323,18 @@ mod tests {
     use axum::routing::post;
 
     use super::*;
+
+    /// A model-written reply that fails to parse is named in the error (and the log) with its
+    /// control characters escaped: no raw ESC reaches a terminal or a piped log.
+    #[test]
+    fn a_reply_in_an_error_has_its_control_characters_escaped() {
+        let e = parse_edits("\u{1b}[31mred\u{7}\nno json").unwrap_err();
+        assert!(!e.chars().any(|c| c.is_control()), "{e:?}");
+        assert!(e.contains("\\u{1b}[31mred\\u{7}\\nno json"), "{e}");
+        let long = "x".repeat(BODY_SNIPPET_CHARS + 1);
+        assert!(snippet(&long).ends_with("..."));
+        assert!(!snippet(&long[1..]).ends_with("..."));
+    }
 
     #[test]
     fn parse_edits_reads_fenced_json() {
