@@ -143,6 +143,19 @@ if [ ! -f "$GGUF" ]; then
   mv "$MODELS.tmp/SmolLM2-135M-Instruct.Q4_1.gguf" "$GGUF"; rmdir "$MODELS.tmp"
 fi
 
+# --- the official OpenAI Python client, for the test that drives the rollout worker's OpenAI API
+# the way another trainer's agent loop does (rollout-worker/tests/openai_api.rs). Pinned, into the
+# cache (pip --target), never into the system's site-packages.
+OPENAI_VERSION=3.57.0
+OPENAI_PY="$CACHE/python-openai-$OPENAI_VERSION"
+if [ ! -f "$OPENAI_PY/.complete" ]; then
+  say "installing the openai Python client $OPENAI_VERSION for the tests (pip --target, once)"
+  rm -rf "$OPENAI_PY.tmp"
+  "$PY" -m pip install --quiet --disable-pip-version-check --target "$OPENAI_PY.tmp" "openai==$OPENAI_VERSION" \
+    || die "pip could not install openai==$OPENAI_VERSION (is PyPI reachable?)"
+  rm -rf "$OPENAI_PY"; mv "$OPENAI_PY.tmp" "$OPENAI_PY"; touch "$OPENAI_PY/.complete"
+fi
+
 # --- mdBook, for the book under docs/ (`make docs`; `make test` builds it first) -------------------
 # Pinned, and built without its `serve`/`watch` features (a local web server the build does not need).
 MDBOOK_VERSION=0.5.4
@@ -162,6 +175,7 @@ cat > "$ROOT/.cargo/config.toml.tmp" <<TOML
 LIBTORCH = "$LIBTORCH"
 LIBTORCH_CXX11_ABI = "1"
 COTRAIN_DEFAULT_MODEL = "$GGUF"
+COTRAIN_OPENAI_PYTHONPATH = "$OPENAI_PY"
 
 [target.x86_64-unknown-linux-gnu]
 rustflags = ["-C", "link-arg=-Wl,-rpath,$RPATH"]

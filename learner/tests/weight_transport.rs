@@ -126,7 +126,7 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
         kind: tch::Kind::Float,
         max_batch_size: 8,
         max_queued_requests: 64,
-        threads_per_engine: None,
+        engine_threads: Default::default(),
         verifiers: Vec::new(),
         agent_devices: Vec::new(),
     };

@@ -73,7 +73,8 @@ impl CpuFacts {
 pub struct Roofline {
     /// Read bandwidth (a 1 GiB f32 `sum`), bytes/s.
     pub read_bytes_per_s: f64,
-    /// f32 and bf16 matmul rates (2048³ `matmul`), FLOP/s.
+    /// f32 and bf16 matmul rates (2048³ `matmul`; 256³ for a kind that would take more than 3 s
+    /// there), FLOP/s.
     pub f32_flops: f64,
     pub bf16_flops: f64,
     pub threads: i32,
@@ -92,14 +93,21 @@ impl Roofline {
         }
         let read_bytes_per_s = 5.0 * 4.0 * (256u64 << 20) as f64 / t.elapsed().as_secs_f64();
         drop(big);
-        let rate = |kind: Kind| {
-            let a = Tensor::ones([2048, 2048], (Kind::Float, Device::Cpu)).to_kind(kind);
+        let timed = |kind: Kind, n: i64, reps: usize| {
+            let a = Tensor::ones([n, n], (Kind::Float, Device::Cpu)).to_kind(kind);
             let _ = a.matmul(&a);
             let t = Instant::now();
-            for _ in 0..5 {
+            for _ in 0..reps {
                 let _ = std::hint::black_box(a.matmul(&a));
             }
-            5.0 * 2.0 * 2048f64.powi(3) / t.elapsed().as_secs_f64()
+            reps as f64 * 2.0 * (n as f64).powi(3) / t.elapsed().as_secs_f64()
+        };
+        // A 256³ probe first: where the CPU lacks a kind (bf16 without AVX512_BF16 or AMX, e.g. Zen 3)
+        // libtorch runs a scalar fallback that would take minutes at 2048³ (it took 10 min here).
+        let rate = |kind: Kind| {
+            let probe = timed(kind, 256, 1);
+            let full_seconds = 5.0 * 2.0 * 2048f64.powi(3) / probe;
+            if full_seconds > 3.0 { probe } else { timed(kind, 2048, 5) }
         };
         Roofline { read_bytes_per_s, f32_flops: rate(Kind::Float), bf16_flops: rate(Kind::BFloat16), threads: tch::get_num_threads() }
     }

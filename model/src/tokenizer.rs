@@ -86,6 +86,9 @@ pub struct Tokenizer {
     eos_id: Option<u32>,
     pad_id: Option<u32>,
     stop_ids: BTreeSet<u32>,
+    /// Whether the decoder is byte-level BPE's (token strings spell bytes in GPT-2's printable
+    /// alphabet), read from the decoder once.
+    byte_level: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -157,12 +160,17 @@ impl Tokenizer {
     /// Wraps an already built `tokenizers` tokenizer. Special ids are looked up by the usual
     /// names; override them with the setters.
     pub fn from_inner(inner: tokenizers::Tokenizer) -> Self {
+        let byte_level = inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_string(d).ok())
+            .is_some_and(|json| json.contains("\"ByteLevel\""));
         let mut t = Self {
             inner,
             bos_id: None,
             eos_id: None,
             pad_id: None,
             stop_ids: BTreeSet::new(),
+            byte_level,
         };
         t.add_eos_like_specials();
         t
@@ -322,6 +330,21 @@ impl Tokenizer {
     /// The token string of an id (byte-level tokens are in their printable form, e.g. `Ġthe`).
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
+    }
+
+    /// The bytes token `id` stands for, as OpenAI's log-prob entries report them: a byte-level
+    /// token's own bytes (part of a character, when it is), otherwise the token decoded alone.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(token) = self.id_to_token(id) else {
+            return Vec::new();
+        };
+        if self.byte_level
+            && self.inner.get_added_vocabulary().simple_id_to_token(id).is_none()
+            && let Some(bytes) = byte_level_bytes(&token)
+        {
+            return bytes;
+        }
+        self.decode(&[id], false).map(String::into_bytes).unwrap_or_else(|_| token.into_bytes())
     }
 
     /// Number of ids, added tokens included (the embedding may be larger).
@@ -579,5 +602,38 @@ impl IncrementalDecoder {
     /// All ids pushed so far.
     pub fn ids(&self) -> &[u32] {
         &self.ids
+    }
+}
+
+/// The bytes a byte-level BPE token string spells: GPT-2's alphabet writes the printable bytes
+/// `!`..`~`, `¡`..`¬` and `®`..`ÿ` as themselves and every other byte b as the character 256 + n,
+/// n counting those other bytes in order. `None` when a character is outside that alphabet.
+fn byte_level_bytes(token: &str) -> Option<Vec<u8>> {
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    token
+        .chars()
+        .map(|c| {
+            let c = c as u32;
+            if c < 256 {
+                return printable(c).then_some(c as u8);
+            }
+            // The (c − 256)-th byte that is not printable.
+            (0u32..256).filter(|&b| !printable(b)).nth((c - 256) as usize).map(|b| b as u8)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod byte_level_tests {
+    use super::byte_level_bytes;
+
+    #[test]
+    fn byte_level_token_strings_map_back_to_their_bytes() {
+        assert_eq!(byte_level_bytes("Ġthe").unwrap(), b" the");
+        assert_eq!(byte_level_bytes("ĊĊ").unwrap(), b"\n\n");
+        assert_eq!(byte_level_bytes("é").unwrap(), [0xe9]);
+        // One half of "é" in UTF-8 (0xc3 0xa9) is written as the printable characters Ã and ©.
+        assert_eq!(byte_level_bytes("Ã©").unwrap(), "é".as_bytes());
+        assert_eq!(byte_level_bytes("▁x"), None);
     }
 }

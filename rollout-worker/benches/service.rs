@@ -125,7 +125,7 @@ fn main() -> anyhow::Result<()> {
         kind: cotrain_model::config::parse_dtype(&env_or("BENCH_DTYPE", "f32"))?,
         max_batch_size: 64,
         max_queued_requests: 1024,
-        threads_per_engine: None,
+        engine_threads: Default::default(),
         verifiers: Vec::new(),
         agent_devices: Vec::new(),
     };

@@ -42,10 +42,49 @@ pub(crate) struct StagedUpdate {
     pub keep: Option<crate::weights::Staging>,
 }
 
+/// One generated token of a streamed job, sent as the engine produces it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamToken {
+    /// The prompt (request) of the job it belongs to, by position.
+    pub prompt: usize,
+    /// The sample index within that prompt's `n`.
+    pub index: usize,
+    /// The token.
+    pub token: u32,
+    /// Its raw log-prob.
+    pub logprob: f32,
+    /// The position's most likely tokens, when the job asked for them.
+    pub top: Vec<(u32, f32)>,
+}
+
 pub(crate) enum Command {
-    Submit { id: u64, requests: Vec<Request>, reply: oneshot::Sender<Result<JobOutput>> },
+    /// A job; with `stream`, every token it generates is also sent there as it is produced.
+    Submit { id: u64, requests: Vec<Request>, reply: oneshot::Sender<Result<JobOutput>>, stream: Option<mpsc::UnboundedSender<StreamToken>> },
     Cancel { id: u64 },
     Update { update: StagedUpdate, reply: oneshot::Sender<Result<u64>> },
+}
+
+/// How many CPU threads an engine steps on.
+#[derive(Clone, Debug, Default)]
+pub enum EngineThreads {
+    /// libtorch's default (every core).
+    #[default]
+    Default,
+    /// A fixed count (`serve --threads-per-engine`).
+    Fixed(usize),
+    /// `total` threads split evenly between the engines that have work at the time (`busy` counts
+    /// them; every engine of a worker holds the same counter): an engine decoding alone steps on
+    /// every core, two at once on half each. What the learner's embedded worker uses: MaPoRL's turns
+    /// decode on one adapter's engine at a time, MAGRPO's agents on all of theirs at once, and an
+    /// agent whose samples finish early leaves its cores to the others.
+    Shared { total: usize, busy: Arc<AtomicUsize> },
+}
+
+impl EngineThreads {
+    /// Shared between engines: `total` threads.
+    pub fn shared(total: usize) -> Self {
+        EngineThreads::Shared { total: total.max(1), busy: Arc::new(AtomicUsize::new(0)) }
+    }
 }
 
 /// What the rest of the worker can read about a running loop without asking it.
@@ -66,12 +105,14 @@ struct Job {
     remaining: usize,
     version: u64,
     reply: oneshot::Sender<Result<JobOutput>>,
+    stream: Option<mpsc::UnboundedSender<StreamToken>>,
 }
 
 struct Waiting {
     id: u64,
     requests: Vec<Request>,
     reply: oneshot::Sender<Result<JobOutput>>,
+    stream: Option<mpsc::UnboundedSender<StreamToken>>,
 }
 
 /// Owns the engine; runs until every sender of its channel is gone.
@@ -93,8 +134,10 @@ pub(crate) struct EngineLoop {
     updates: VecDeque<(StagedUpdate, oneshot::Sender<Result<u64>>)>,
     window_start: Instant,
     window_tokens: u64,
-    /// CPU threads for this engine's steps (`WorkerConfig::threads_per_engine`).
-    threads: Option<usize>,
+    /// CPU threads for this engine's steps (`WorkerConfig::engine_threads`).
+    threads: EngineThreads,
+    /// Whether this loop counts itself in a shared thread budget's `busy` now.
+    counted_busy: bool,
 }
 
 impl EngineLoop {
@@ -122,14 +165,29 @@ impl EngineLoop {
             updates: VecDeque::new(),
             window_start: Instant::now(),
             window_tokens: 0,
-            threads: None,
+            threads: EngineThreads::Default,
+            counted_busy: false,
         }
     }
 
-    /// Steps on `threads` CPU threads (`None`: libtorch's default).
-    pub(crate) fn with_threads(mut self, threads: Option<usize>) -> Self {
+    /// Steps on `threads` CPU threads.
+    pub(crate) fn with_threads(mut self, threads: EngineThreads) -> Self {
         self.threads = threads;
         self
+    }
+
+    /// Counts this loop in (or out of) a shared thread budget's busy engines.
+    fn set_busy(&mut self, busy_now: bool) {
+        if let EngineThreads::Shared { busy, .. } = &self.threads
+            && busy_now != self.counted_busy
+        {
+            if busy_now {
+                busy.fetch_add(1, Ordering::SeqCst);
+            } else {
+                busy.fetch_sub(1, Ordering::SeqCst);
+            }
+            self.counted_busy = busy_now;
+        }
     }
 
     /// Runs the loop on the current thread until the channel closes.
@@ -138,6 +196,7 @@ impl EngineLoop {
         loop {
             let idle = self.engine.is_idle() && self.waiting.is_empty() && self.updates.is_empty();
             if idle {
+                self.set_busy(false);
                 self.publish();
                 match self.rx.blocking_recv() {
                     Some(cmd) => self.handle(cmd),
@@ -150,6 +209,7 @@ impl EngineLoop {
                     Err(mpsc::error::TryRecvError::Empty) => break,
                     Err(mpsc::error::TryRecvError::Disconnected) => {
                         if self.engine.is_idle() && self.waiting.is_empty() {
+                            self.set_busy(false);
                             info!(model = %self.model_id, "engine loop stopped");
                             return;
                         }
@@ -169,13 +229,14 @@ impl EngineLoop {
             }
             self.publish();
         }
+        self.set_busy(false);
         info!(model = %self.model_id, "engine loop stopped");
     }
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, requests, reply } => {
-                let w = Waiting { id, requests, reply };
+            Command::Submit { id, requests, reply, stream } => {
+                let w = Waiting { id, requests, reply, stream };
                 if self.updates.is_empty() {
                     self.admit(w);
                 } else {
@@ -211,7 +272,7 @@ impl EngineLoop {
         debug!(job = w.id, requests = handles.len(), version = self.version, "job admitted");
         self.running.insert(
             w.id,
-            Job { handles, samples: HashMap::new(), remaining, version: self.version, reply: w.reply },
+            Job { handles, samples: HashMap::new(), remaining, version: self.version, reply: w.reply, stream: w.stream },
         );
     }
 
@@ -269,9 +330,18 @@ impl EngineLoop {
     }
 
     fn step(&mut self) {
-        if let Some(n) = self.threads {
-            // Per step, not once: libtorch may reset a thread's count when it first parallelises.
-            cotrain_model::kernels::set_threads_of_this_thread(n);
+        self.set_busy(true);
+        // Per step, not once: libtorch may reset a thread's count when it first parallelises, and a
+        // shared budget changes as other engines start and finish.
+        match &self.threads {
+            EngineThreads::Default => {}
+            EngineThreads::Fixed(n) => {
+                cotrain_model::kernels::set_threads_of_this_thread(*n);
+            }
+            EngineThreads::Shared { total, busy } => {
+                let n = (*total / busy.load(Ordering::SeqCst).max(1)).max(1);
+                cotrain_model::kernels::set_threads_of_this_thread(n);
+            }
         }
         let out = match self.engine.step() {
             Ok(out) => out,
@@ -294,6 +364,14 @@ impl EngineLoop {
         self.metrics.decode_steps.with_label_values(&[model]).inc();
         self.metrics.generated_tokens.with_label_values(&[model]).inc_by(out.tokens.len() as u64);
         self.window_tokens += out.tokens.len() as u64;
+        for t in out.tokens {
+            let Some(job) = self.owner.get(&t.request).and_then(|id| self.running.get(id)) else { continue };
+            if let Some(stream) = &job.stream {
+                let prompt = job.handles.iter().position(|&h| h == t.request).unwrap_or(0);
+                // A closed receiver is a client that left; the job is dropped through its reply.
+                let _ = stream.send(StreamToken { prompt, index: t.index, token: t.token, logprob: t.logprob, top: t.top });
+            }
+        }
         for s in out.finished {
             let Some(&id) = self.owner.get(&s.request) else { continue };
             let job = self.running.get_mut(&id).expect("owner implies running");

@@ -127,6 +127,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             ignore_eos: args.ignore_eos,
         },
         logprobs: if args.sampling_logprobs { LogprobMode::Sampling } else { LogprobMode::Raw },
+        top_logprobs: 0,
     };
 
     let mut engine = Engine::new(loaded);

@@ -16,7 +16,7 @@ use tracing::info;
 
 use crate::metrics::Metrics;
 use crate::service::RolloutService;
-use crate::worker::{Worker, WorkerConfig};
+use crate::worker::{EngineThreads, Worker, WorkerConfig};
 
 /// Largest gRPC message accepted or sent (weight chunks, big generate batches).
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
@@ -169,7 +169,7 @@ impl ServeArgs {
             kind: cotrain_model::config::parse_dtype(&self.dtype).context("--dtype")?,
             max_batch_size: self.max_batch_size,
             max_queued_requests: self.max_queued_requests,
-            threads_per_engine: self.threads_per_engine.map(|n| n as usize),
+            engine_threads: self.threads_per_engine.map_or(EngineThreads::Default, |n| EngineThreads::Fixed(n as usize)),
             verifiers: self.verifiers.clone(),
         })
     }

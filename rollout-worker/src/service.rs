@@ -82,6 +82,7 @@ pub fn job_from_proto(req: GenerateRequest) -> Result<GenerateJob, WorkerError> 
         },
         seed: req.seed,
         min_policy_version: req.min_policy_version,
+        top_logprobs: 0,
     })
 }
 

@@ -24,6 +24,8 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::info;
 
 use crate::batcher::{Command, EngineLoop, JobOutput, LoopState, StagedUpdate};
+pub use crate::batcher::EngineThreads;
+pub use crate::batcher::StreamToken;
 use crate::error::{Result, WorkerError};
 use crate::metrics::Metrics;
 use crate::weights::{CompleteUpdate, Staging};
@@ -68,12 +70,13 @@ pub struct WorkerConfig {
     pub max_batch_size: usize,
     /// Most generate requests admitted and not answered, all models; beyond it RESOURCE_EXHAUSTED.
     pub max_queued_requests: usize,
-    /// CPU threads each model's engine steps on; `None` is libtorch's default (every core). With
-    /// several models in one process on a few cores, their engines step at the same time, and one
-    /// team of threads per engine spin-waiting on the same cores slows them all: one core each was
-    /// faster (MAGRPO's two batch-4 decodes on 2 cores, alternating runs: 3.2–4.2 s, mostly 4.0–4.1,
-    /// against 4.3–4.7 s).
-    pub threads_per_engine: Option<usize>,
+    /// CPU threads each model's engine steps on (default: libtorch's, every core). With several
+    /// models in one process on a few cores, their engines step at the same time, and one team of
+    /// threads per engine spin-waiting on the same cores slows them all: one core each was faster
+    /// (MAGRPO's two batch-4 decodes on 2 cores, alternating runs: 3.2–4.2 s, mostly 4.0–4.1,
+    /// against 4.3–4.7 s). [`EngineThreads::Shared`] splits the cores between the engines busy at
+    /// the time.
+    pub engine_threads: EngineThreads,
     /// `(name, directory)` of each learned verifier to load (`serve --verifier NAME=DIR`).
     pub verifiers: Vec<(String, std::path::PathBuf)>,
 }
@@ -106,6 +109,8 @@ pub struct GenerateJob {
     pub seed: u64,
     /// Refuse to sample from an older policy.
     pub min_policy_version: Option<u64>,
+    /// Most likely tokens to report at each generated position (OpenAI's `top_logprobs`); 0: none.
+    pub top_logprobs: usize,
 }
 
 /// One sample of a completion.
@@ -117,6 +122,9 @@ pub struct SampleOutput {
     pub text: String,
     /// Raw-model log-prob of every generated token.
     pub logprobs: Vec<f32>,
+    /// With [`GenerateJob::top_logprobs`] > 0, each position's most likely tokens and their raw
+    /// log-probs, most likely first.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Why it ended.
     pub finish_reason: FinishReason,
     /// The version whose weights produced every token.
@@ -428,7 +436,7 @@ impl Worker {
         }
         let engine_loop =
             EngineLoop::new(engine, id.to_string(), agents.clone(), config.max_batch_size, rx, state.clone(), metrics.clone())
-                .with_threads(config.threads_per_engine);
+                .with_threads(config.engine_threads.clone());
         let thread = std::thread::Builder::new()
             .name(format!("engine-{}", agents[0]))
             .spawn(move || engine_loop.run())
@@ -494,6 +502,11 @@ impl Worker {
     /// The model serving `agent`.
     pub fn model_of(&self, agent: &str) -> Result<String> {
         Ok(self.slot(agent)?.id.clone())
+    }
+
+    /// The tokenizer of the model serving `agent`.
+    pub fn tokenizer(&self, agent: &str) -> Result<&Tokenizer> {
+        Ok(&self.slot(agent)?.tokenizer)
     }
 
     /// Context length of the model serving `agent`.
@@ -600,6 +613,12 @@ impl Worker {
     /// Samples `n` completions of every prompt of `job` on `job.agent`'s model. Dropping the
     /// returned future cancels the job's sequences.
     pub async fn generate(&self, job: GenerateJob) -> Result<GenerateOutput> {
+        self.generate_streaming(job, None).await
+    }
+
+    /// [`Worker::generate`], sending each token to `stream` as the engine produces it (for
+    /// server-sent events); the returned output is the same as without a stream.
+    pub async fn generate_streaming(&self, job: GenerateJob, stream: Option<mpsc::UnboundedSender<StreamToken>>) -> Result<GenerateOutput> {
         let slot = self.slot(&job.agent)?;
         self.validate(&job)?;
         if let Some(&bad) = job.stop.stop_token_ids.iter().find(|&&t| t as usize >= slot.vocab_size) {
@@ -632,12 +651,13 @@ impl Worker {
                 seed: prompt_seed(job.seed, i),
                 stop: job.stop.clone(),
                 logprobs: LogprobMode::Raw,
+                top_logprobs: job.top_logprobs,
             })
             .collect();
         let id = self.next_job.fetch_add(1, Ordering::Relaxed);
         let (reply, rx) = oneshot::channel();
         slot.tx
-            .send(Command::Submit { id, requests, reply })
+            .send(Command::Submit { id, requests, reply, stream })
             .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))?;
         let cancel = CancelOnDrop { tx: &slot.tx, id, armed: true };
         let out: JobOutput = rx.await.map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
@@ -654,6 +674,7 @@ impl Worker {
                         token_ids: s.token_ids,
                         text: s.text,
                         logprobs: s.logprobs,
+                        top_logprobs: s.top_logprobs,
                         finish_reason: s.finish_reason,
                         policy_version: out.policy_version,
                     })
@@ -782,7 +803,7 @@ mod tests {
             kind: Kind::Float,
             max_batch_size: 1,
             max_queued_requests: 1,
-            threads_per_engine: None,
+            engine_threads: EngineThreads::Default,
             verifiers: Vec::new(),
         };
         assert_eq!(config.device_for(&["c".into()]).unwrap(), Device::Cuda(0));

@@ -70,6 +70,7 @@ fn reference(spec: &str, adapter: &[UpdatedTensor]) -> cotrain_model::engine::Sa
         seed: 11,
         stop: EngineStop { max_new_tokens: NEW_TOKENS as usize, stop_token_ids: vec![], stop_strings: vec![], ignore_eos: true },
         logprobs: LogprobMode::Raw,
+        top_logprobs: 0,
     };
     engine.generate(&[req]).unwrap().remove(0).remove(0)
 }

@@ -68,6 +68,7 @@ async fn grpc_generation_equals_the_engine_directly() {
             seed: prompt_seed(1234, i),
             stop: EngineStop { max_new_tokens: 24, stop_token_ids: vec![], stop_strings: vec![], ignore_eos: true },
             logprobs: LogprobMode::Raw,
+            top_logprobs: 0,
         })
         .collect();
     let want = engine.generate(&requests).unwrap();

@@ -100,11 +100,14 @@ impl EmbeddedRollout {
         verifiers: Vec<(String, std::path::PathBuf)>,
     ) -> Result<Self, TrainError> {
         let agents = agents.to_vec();
-        // The agents' engines (one per agent: no sharing) decode at the same time: on the CPU, split
-        // the cores between them.
+        // The agents' engines (one per agent: no sharing) may decode at the same time: on the CPU,
+        // split the cores between those busy at each step.
         let engines = agents.len();
-        let threads_per_engine = (device == tch::Device::Cpu && engines > 1)
-            .then(|| (tch::get_num_threads().max(1) as usize / engines).max(1));
+        let engine_threads = if device == tch::Device::Cpu && engines > 1 {
+            cotrain_rollout_worker::worker::EngineThreads::shared(tch::get_num_threads().max(1) as usize)
+        } else {
+            cotrain_rollout_worker::worker::EngineThreads::Default
+        };
         let config = cotrain_rollout_worker::worker::WorkerConfig {
             agents,
             // One model copy per policy: the learner trains each separately.
@@ -113,7 +116,7 @@ impl EmbeddedRollout {
             kind,
             max_batch_size: 64,
             max_queued_requests: 1024,
-            threads_per_engine,
+            engine_threads,
             verifiers,
             agent_devices: Vec::new(),
         };

@@ -53,6 +53,7 @@ impl RolloutSource for EngineRollout {
                         seed: r.seed,
                         stop: StopConditions { max_new_tokens: r.sampling.max_new_tokens, ignore_eos: r.sampling.ignore_eos, ..Default::default() },
                         logprobs: LogprobMode::Raw,
+                        top_logprobs: 0,
                     }
                 })
                 .collect();

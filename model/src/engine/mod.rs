@@ -72,6 +72,9 @@ pub struct Request {
     pub stop: StopConditions,
     /// Which log-probs to report.
     pub logprobs: LogprobMode,
+    /// How many most likely tokens (under the raw logits) to report at each position beside the
+    /// sampled one, as OpenAI's `top_logprobs`; 0: none, and no cost.
+    pub top_logprobs: usize,
 }
 
 impl Request {
@@ -84,6 +87,7 @@ impl Request {
             seed: 0,
             stop: StopConditions::default(),
             logprobs: LogprobMode::Raw,
+            top_logprobs: 0,
         }
     }
 }
@@ -124,6 +128,9 @@ pub struct Sample {
     pub text: String,
     /// Log-prob of each generated token (see [`LogprobMode`]).
     pub logprobs: Vec<f32>,
+    /// With [`Request::top_logprobs`] > 0: at each position, the most likely tokens and their raw
+    /// log-probs, most likely first; empty otherwise.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Why it ended.
     pub finish_reason: FinishReason,
     /// Prompt length in tokens.
@@ -131,7 +138,7 @@ pub struct Sample {
 }
 
 /// A token produced by a step (for streaming).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
     /// The request.
     pub request: RequestHandle,
@@ -141,6 +148,8 @@ pub struct TokenEvent {
     pub token: u32,
     /// Its log-prob.
     pub logprob: f32,
+    /// The position's most likely tokens (see [`Sample::top_logprobs`]).
+    pub top: Vec<(u32, f32)>,
 }
 
 /// What one [`Engine::step`] produced.
@@ -193,6 +202,8 @@ struct Seq {
     cached: usize,
     generated: Vec<u32>,
     logprobs: Vec<f32>,
+    top_logprobs: usize,
+    tops: Vec<Vec<(u32, f32)>>,
     decoder: Option<IncrementalDecoder>,
     finished: Option<(FinishReason, Option<usize>)>,
 }
@@ -502,14 +513,17 @@ impl Engine {
                 cached: len,
                 generated: Vec::new(),
                 logprobs: Vec::new(),
+                top_logprobs: req.top_logprobs,
+                tops: Vec::new(),
                 decoder: (!req.stop.stop_strings.is_empty()).then(|| IncrementalDecoder::new(true)),
                 finished: None,
             });
         }
         let logits = logits.expand([req.n as i64, -1], false).contiguous();
         let (tokens, lps) = sampling::sample(&logits, &specs)?;
+        let mut tops = sampling::top_logprobs(&logits, &vec![req.top_logprobs; req.n])?.into_iter();
         for (i, (t, lp)) in tokens.into_iter().zip(lps).enumerate() {
-            self.push_token(first_row + i, t as u32, lp, out)?;
+            self.push_token(first_row + i, t as u32, lp, tops.next().unwrap_or_default(), out)?;
         }
         Ok(())
     }
@@ -548,25 +562,31 @@ impl Engine {
             })
             .collect();
         let (tokens, lps) = sampling::sample(&logits, &specs)?;
+        let ks: Vec<usize> = self.active.iter().map(|s| s.top_logprobs).collect();
+        let mut tops = sampling::top_logprobs(&logits, &ks)?.into_iter();
         self.stats.decode_steps += 1;
         for (row, (t, lp)) in tokens.into_iter().zip(lps).enumerate() {
             self.active[row].cached += 1;
-            self.push_token(row, t as u32, lp, out)?;
+            self.push_token(row, t as u32, lp, tops.next().unwrap_or_default(), out)?;
         }
         Ok(())
     }
 
-    fn push_token(&mut self, row: usize, token: u32, lp: f32, out: &mut StepOutput) -> Result<()> {
+    fn push_token(&mut self, row: usize, token: u32, lp: f32, top: Vec<(u32, f32)>, out: &mut StepOutput) -> Result<()> {
         self.stats.generated_tokens += 1;
         let tokenizer = &self.loaded.tokenizer;
         let seq = &mut self.active[row];
         seq.generated.push(token);
         seq.logprobs.push(lp);
+        if seq.top_logprobs > 0 {
+            seq.tops.push(top.clone());
+        }
         out.tokens.push(TokenEvent {
             request: seq.request,
             index: seq.index,
             token,
             logprob: lp,
+            top,
         });
         if seq.stop_ids.contains(&token) {
             seq.finished = Some((FinishReason::Stop, None));
@@ -625,6 +645,7 @@ impl Engine {
                 token_ids: seq.generated,
                 text,
                 logprobs: seq.logprobs,
+                top_logprobs: seq.tops,
                 finish_reason: reason,
                 prompt_tokens: seq.prompt_len,
             });

@@ -86,6 +86,27 @@ pub(crate) struct RowSpec {
 }
 
 /// Samples one token per row of `logits` (B, V). Returns tokens and their log-probs.
+/// Each row's `ks[row]` most likely tokens under the raw logits (log-softmax, before temperature
+/// or filters, the distribution OpenAI's `top_logprobs` reports), most likely first. Rows with
+/// k = 0 get an empty list; when every k is 0 nothing is computed.
+pub(crate) fn top_logprobs(logits: &Tensor, ks: &[usize]) -> Result<Vec<Vec<(u32, f32)>>> {
+    let kmax = ks.iter().copied().max().unwrap_or(0);
+    if kmax == 0 {
+        return Ok(vec![Vec::new(); ks.len()]);
+    }
+    let _guard = tch::no_grad_guard();
+    let (_, v) = logits.size2()?;
+    let logp = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    let (values, indices) = logp.topk(kmax.min(v as usize) as i64, -1, true, true);
+    let values: Vec<Vec<f32>> = Vec::<Vec<f32>>::try_from(values.to_device(tch::Device::Cpu))?;
+    let indices: Vec<Vec<i64>> = Vec::<Vec<i64>>::try_from(indices.to_device(tch::Device::Cpu))?;
+    Ok(ks
+        .iter()
+        .zip(values.into_iter().zip(indices))
+        .map(|(&k, (vs, is))| is.into_iter().zip(vs).take(k).map(|(i, v)| (i as u32, v)).collect())
+        .collect())
+}
+
 pub(crate) fn sample(logits: &Tensor, rows: &[RowSpec]) -> Result<(Vec<i64>, Vec<f32>)> {
     let _guard = tch::no_grad_guard();
     #[cfg(target_arch = "x86_64")]

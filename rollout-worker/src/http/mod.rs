@@ -1,6 +1,15 @@
 //! The OpenAI-compatible HTTP API (`/v1/models`, `/v1/chat/completions`, `/v1/completions`),
-//! plus `/metrics` (Prometheus) and `/health`. `model` names an agent. Streaming is not offered;
-//! a request with `"stream": true` is refused with an OpenAI-shaped error.
+//! plus `/metrics` (Prometheus) and `/health`. `model` names an agent.
+//!
+//! Beside OpenAI's fields, for trainers that roll out through this API: `logprobs` /
+//! `top_logprobs` in OpenAI's shapes ([`logprobs`]), `"stream": true` as server-sent events
+//! ([`stream`]), the sampled token ids with `"return_token_ids": true` (vLLM's name and shape:
+//! `token_ids` per choice, `prompt_token_ids` per prompt) and the policy version that produced each
+//! response. A field this server does not implement is refused with a 400 naming it, never
+//! ignored: see [`refuse_unsupported`].
+
+mod logprobs;
+mod stream;
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -17,6 +26,7 @@ use serde_json::{json, Value};
 
 use crate::error::WorkerError;
 use crate::worker::{GenerateJob, GenerateOutput, PromptInput, Worker};
+use logprobs::MAX_TOP_LOGPROBS;
 
 /// Completion tokens when a request gives no `max_tokens` (and the context allows).
 pub const DEFAULT_MAX_TOKENS: usize = 512;
@@ -44,6 +54,15 @@ impl ApiError {
     fn invalid(param: &str, message: impl Into<String>) -> Self {
         Self { status: http::StatusCode::BAD_REQUEST, kind: "invalid_request_error", message: message.into(), param: Some(param.into()) }
     }
+
+    fn internal(message: impl Into<String>) -> Self {
+        Self { status: http::StatusCode::INTERNAL_SERVER_ERROR, kind: "server_error", message: message.into(), param: None }
+    }
+
+    /// The JSON body: `{"error": {...}}`.
+    fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": Value::Null}})
+    }
 }
 
 impl From<WorkerError> for ApiError {
@@ -62,8 +81,7 @@ impl From<JsonRejection> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": Value::Null}});
-        (self.status, Json(body)).into_response()
+        (self.status, Json(self.body())).into_response()
     }
 }
 
@@ -114,6 +132,61 @@ struct Common {
     stop: Option<StopField>,
     #[serde(default)]
     stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    /// Chat: a boolean; completions: how many alternatives per position (0..=20).
+    #[serde(default)]
+    logprobs: Option<Value>,
+    /// Chat only: alternatives per position, with `logprobs: true`.
+    #[serde(default)]
+    top_logprobs: Option<usize>,
+    /// vLLM's: the sampled (and prompt) token ids in the response.
+    #[serde(default)]
+    return_token_ids: Option<bool>,
+    /// OpenAI fields this server does not implement, refused when set to anything but their
+    /// no-op value (see [`refuse_unsupported`]).
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
+}
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// OpenAI request fields with an effect this server does not implement, and the value that means
+/// "no effect" (accepted). Any other field not named in [`Common`] or the endpoint's request is
+/// ignored, as OpenAI-compatible servers do with unknown extensions.
+const UNSUPPORTED: &[(&str, fn(&Value) -> bool)] = &[
+    ("logit_bias", |v| v.is_null() || v.as_object().is_some_and(|m| m.is_empty())),
+    ("presence_penalty", |v| v.is_null() || v.as_f64() == Some(0.0)),
+    ("frequency_penalty", |v| v.is_null() || v.as_f64() == Some(0.0)),
+    ("repetition_penalty", |v| v.is_null() || v.as_f64() == Some(1.0)),
+    ("tools", |v| v.is_null() || v.as_array().is_some_and(|a| a.is_empty())),
+    ("functions", |v| v.is_null() || v.as_array().is_some_and(|a| a.is_empty())),
+    ("tool_choice", |v| v.is_null() || v.as_str() == Some("none")),
+    ("function_call", |v| v.is_null() || v.as_str() == Some("none")),
+    ("response_format", |v| v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")),
+    ("echo", |v| v.is_null() || v.as_bool() == Some(false)),
+    ("suffix", |v| v.is_null() || v.as_str() == Some("")),
+    ("best_of", |v| v.is_null() || v.as_u64() == Some(1)),
+    ("audio", Value::is_null),
+    ("modalities", |v| v.is_null() || v.as_array().is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text")))),
+    ("prediction", Value::is_null),
+    ("prompt_logprobs", Value::is_null),
+];
+
+/// A 400 naming the first field set to something this server cannot do.
+fn refuse_unsupported(rest: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    for (name, no_op) in UNSUPPORTED {
+        if let Some(v) = rest.get(*name)
+            && !no_op(v)
+        {
+            return Err(ApiError::invalid(name, format!("`{name}` is not supported by this server (cotrain's rollout worker)")));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Deserialize)]
@@ -141,19 +214,47 @@ fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-fn job(worker: &Worker, c: Common, prompts: Vec<PromptInput>) -> Result<GenerateJob, ApiError> {
-    if c.stream == Some(true) {
-        return Err(ApiError::invalid("stream", "streaming is not supported by this server"));
+/// Alternatives per position for chat's `logprobs` (a boolean) and `top_logprobs`: `None` without
+/// log-probs.
+fn chat_top_logprobs(c: &Common) -> Result<Option<usize>, ApiError> {
+    let on = match &c.logprobs {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::invalid("logprobs", "must be a boolean on /v1/chat/completions (top_logprobs gives the alternatives)")),
+    };
+    match (on, c.top_logprobs) {
+        (_, Some(k)) if k > MAX_TOP_LOGPROBS => Err(ApiError::invalid("top_logprobs", format!("must be at most {MAX_TOP_LOGPROBS}, got {k}"))),
+        (false, Some(k)) if k > 0 => Err(ApiError::invalid("top_logprobs", "needs `logprobs: true`")),
+        (false, _) => Ok(None),
+        (true, k) => Ok(Some(k.unwrap_or(0))),
     }
+}
+
+/// Alternatives per position for the completions endpoint's `logprobs` (an integer).
+fn completion_top_logprobs(c: &Common) -> Result<Option<usize>, ApiError> {
+    if c.top_logprobs.is_some() {
+        return Err(ApiError::invalid("top_logprobs", "is a chat field; /v1/completions takes `logprobs: <alternatives>`"));
+    }
+    match &c.logprobs {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(k) if k as usize <= MAX_TOP_LOGPROBS => Ok(Some(k as usize)),
+            _ => Err(ApiError::invalid("logprobs", format!("must be an integer from 0 to {MAX_TOP_LOGPROBS} on /v1/completions"))),
+        },
+    }
+}
+
+fn job(worker: &Worker, c: &Common, prompts: Vec<PromptInput>, top_logprobs: usize) -> Result<GenerateJob, ApiError> {
+    refuse_unsupported(&c.rest)?;
     let context = worker.context_length(&c.model)?;
     let max_new_tokens = c.max_completion_tokens.or(c.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS.min(context));
-    let stop_strings = match c.stop {
+    let stop_strings = match &c.stop {
         None => Vec::new(),
-        Some(StopField::One(s)) => vec![s],
-        Some(StopField::Many(v)) => v,
+        Some(StopField::One(s)) => vec![s.clone()],
+        Some(StopField::Many(v)) => v.clone(),
     };
     Ok(GenerateJob {
-        agent: c.model,
+        agent: c.model.clone(),
         prompts,
         n: c.n.unwrap_or(1),
         sampling: SamplingParams {
@@ -166,7 +267,22 @@ fn job(worker: &Worker, c: Common, prompts: Vec<PromptInput>) -> Result<Generate
         // Without a seed, every request samples differently, as OpenAI's API does.
         seed: c.seed.unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0),
         min_policy_version: None,
+        top_logprobs,
     })
+}
+
+/// What a streamed answer of request `c` carries.
+fn stream_spec(shape: stream::Shape, c: &Common, id: String, logprobs: bool) -> stream::StreamSpec {
+    stream::StreamSpec {
+        shape,
+        id,
+        created: now_secs(),
+        agent: c.model.clone(),
+        n: c.n.unwrap_or(1),
+        logprobs,
+        token_ids: c.return_token_ids == Some(true),
+        include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+    }
 }
 
 fn usage(out: &GenerateOutput) -> Value {
@@ -213,7 +329,7 @@ fn text_of(content: Option<Value>, index: usize) -> Result<String, ApiError> {
 async fn chat_completions(
     State(worker): State<Arc<Worker>>,
     body: Result<Json<ChatRequest>, JsonRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let Json(req) = body?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid("messages", "no messages"));
@@ -224,35 +340,51 @@ async fn chat_completions(
         .enumerate()
         .map(|(i, m)| Ok(ChatMessage::new(m.role, text_of(m.content, i)?)))
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let agent = req.common.model.clone();
-    let job = job(&worker, req.common, vec![PromptInput::Chat(messages)])?;
+    let c = &req.common;
+    let top = chat_top_logprobs(c)?;
+    let job = job(&worker, c, vec![PromptInput::Chat(messages)], top.unwrap_or(0))?;
+    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    if c.stream == Some(true) {
+        return stream::respond(worker.clone(), job, stream_spec(stream::Shape::Chat, c, id, top.is_some())).await;
+    }
     let out = worker.generate(job).await.map_err(|e| match e {
         WorkerError::InvalidArgument { field, message } if field.starts_with("prompts") => ApiError::invalid("messages", message),
         e => e.into(),
     })?;
+    let tok = worker.tokenizer(&c.model)?;
+    let token_ids = c.return_token_ids == Some(true);
     let choices: Vec<Value> = out.completions[0]
         .samples
         .iter()
         .enumerate()
         .map(|(i, s)| {
-            json!({
+            let mut choice = json!({
                 "index": i,
                 "message": {"role": "assistant", "content": s.text},
                 "finish_reason": s.finish_reason.as_str(),
-                "logprobs": Value::Null,
-            })
+                "logprobs": if top.is_some() { logprobs::chat_logprobs(tok, &s.token_ids, &s.logprobs, &s.top_logprobs) } else { Value::Null },
+                "policy_version": s.policy_version,
+            });
+            if token_ids {
+                choice["token_ids"] = json!(s.token_ids);
+            }
+            choice
         })
         .collect();
-    Ok(Json(json!({
-        "id": format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
+    let mut body = json!({
+        "id": id,
         "object": "chat.completion",
         "created": now_secs(),
-        "model": agent,
+        "model": c.model,
         "choices": choices,
         "usage": usage(&out),
         "system_fingerprint": format!("policy-v{}", policy_version(&out)),
         "policy_version": policy_version(&out),
-    })))
+    });
+    if token_ids {
+        body["prompt_token_ids"] = json!(out.completions[0].prompt_token_ids);
+    }
+    Ok(Json(body).into_response())
 }
 
 /// OpenAI's `prompt`: a string, a list of strings, a list of token ids or a list of lists.
@@ -282,25 +414,39 @@ fn prompts_of(prompt: Value) -> Result<Vec<PromptInput>, ApiError> {
 async fn completions(
     State(worker): State<Arc<Worker>>,
     body: Result<Json<CompletionRequest>, JsonRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let Json(req) = body?;
     let prompts = prompts_of(req.prompt)?;
-    let agent = req.common.model.clone();
-    let job = job(&worker, req.common, prompts)?;
+    let c = &req.common;
+    let agent = c.model.clone();
+    let top = completion_top_logprobs(c)?;
+    let job = job(&worker, c, prompts, top.unwrap_or(0))?;
+    let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
+    if c.stream == Some(true) {
+        return stream::respond(worker.clone(), job, stream_spec(stream::Shape::Completion, c, id, top.is_some())).await;
+    }
     let out = worker.generate(job).await?;
+    let tok = worker.tokenizer(&agent)?;
+    let token_ids = c.return_token_ids == Some(true);
     let mut choices = Vec::new();
-    for c in &out.completions {
-        for s in &c.samples {
-            choices.push(json!({
+    for completion in &out.completions {
+        for s in &completion.samples {
+            let mut choice = json!({
                 "index": choices.len(),
                 "text": s.text,
                 "finish_reason": s.finish_reason.as_str(),
-                "logprobs": Value::Null,
-            }));
+                "logprobs": if top.is_some() { logprobs::completion_logprobs(tok, &s.token_ids, &s.logprobs, &s.top_logprobs, 0) } else { Value::Null },
+                "policy_version": s.policy_version,
+            });
+            if token_ids {
+                choice["token_ids"] = json!(s.token_ids);
+                choice["prompt_token_ids"] = json!(completion.prompt_token_ids);
+            }
+            choices.push(choice);
         }
     }
     Ok(Json(json!({
-        "id": format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
+        "id": id,
         "object": "text_completion",
         "created": now_secs(),
         "model": agent,
@@ -308,7 +454,8 @@ async fn completions(
         "usage": usage(&out),
         "system_fingerprint": format!("policy-v{}", policy_version(&out)),
         "policy_version": policy_version(&out),
-    })))
+    }))
+    .into_response())
 }
 
 async fn metrics(State(worker): State<Arc<Worker>>) -> impl IntoResponse {
