@@ -60,7 +60,10 @@ if [[ "${SKIP_COTRAIN:-0}" != 1 ]]; then
   fi
   echo "running cotrain ($BIN)..." >&2
   # shellcheck disable=SC2086
-  "$BIN" --questions "$QUESTIONS" --mini-batches "$MINI_BATCHES" --tokens "$TOKENS" --turns "$TURNS" ${COTRAIN_ARGS:-} \
+  # The reference never cuts a prompt; cotrain refuses one over maporl.max_input_length (600 in the
+  # seed config, which a discussion of 32 questions' longer rows passes): the whole context here.
+  "$BIN" --questions "$QUESTIONS" --mini-batches "$MINI_BATCHES" --tokens "$TOKENS" --turns "$TURNS" \
+    --override "maporl.max_input_length=$((1024 - TOKENS))" ${COTRAIN_ARGS:-} \
     2> >(tee "$OUT_DIR/cotrain.log" >&2) | tail -1 > "$OUT_DIR/cotrain.json"
 fi
 
