@@ -140,6 +140,14 @@ pub(crate) struct EngineLoop {
     counted_busy: bool,
 }
 
+impl Drop for EngineLoop {
+    /// Leaves a shared thread budget however the loop ends (a panic in a step included), so the
+    /// other engines are not left on a share for an engine that is gone.
+    fn drop(&mut self) {
+        self.set_busy(false);
+    }
+}
+
 impl EngineLoop {
     pub(crate) fn new(
         engine: Engine,

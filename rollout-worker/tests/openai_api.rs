@@ -94,20 +94,30 @@ async fn logprobs_token_ids_and_streams_match_the_sample_the_worker_trains_on() 
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], ids.len());
 
-    // A stop string: the stream never sends text the answer cuts.
-    let stop = json!({"model": AGENT, "prompt": "abc", "seed": 4, "temperature": 1.0, "max_tokens": 40, "stop": ["e", "xyz"]});
-    let (_, whole) = post(&base, "/v1/completions", &stop).await;
-    let whole: Value = serde_json::from_str(&whole).unwrap();
-    let mut stop_stream = stop.clone();
-    stop_stream["stream"] = json!(true);
-    let (status, body) = post(&base, "/v1/completions", &stop_stream).await;
-    assert_eq!(status, 200, "{body}");
-    let text: String = sse_data(&body)
-        .iter()
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap_or_default().to_string())
-        .collect();
-    assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+    // Stop strings: the stream never sends text the answer cuts. The stop strings are taken from
+    // the unstopped answer of the same seed, so that they are met: one character (nothing held
+    // back: the token that completes it must not be sent) and three.
+    let free = json!({"model": AGENT, "prompt": "abc", "seed": 4, "temperature": 1.0, "max_tokens": 40, "stop": []});
+    let (_, free_body) = post(&base, "/v1/completions", &free).await;
+    let free_text: Vec<char> = serde_json::from_str::<Value>(&free_body).unwrap()["choices"][0]["text"].as_str().unwrap().chars().collect();
+    assert!(free_text.len() >= 20, "{free_body}");
+    for stop in [free_text[12..13].iter().collect::<String>(), free_text[15..18].iter().collect::<String>()] {
+        let stopped = json!({"model": AGENT, "prompt": "abc", "seed": 4, "temperature": 1.0, "max_tokens": 40, "stop": [stop]});
+        let (_, whole) = post(&base, "/v1/completions", &stopped).await;
+        let whole: Value = serde_json::from_str(&whole).unwrap();
+        assert_eq!(whole["choices"][0]["finish_reason"], "stop", "{whole}");
+        let mut streamed = stopped.clone();
+        streamed["stream"] = json!(true);
+        let (status, body) = post(&base, "/v1/completions", &streamed).await;
+        assert_eq!(status, 200, "{body}");
+        let mut text = String::new();
+        for d in sse_data(&body).iter().filter(|d| *d != "[DONE]") {
+            text += serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap_or_default();
+            let want = whole["choices"][0]["text"].as_str().unwrap();
+            assert!(want.starts_with(&text), "stop {stop:?}: streamed {text:?} is not a prefix of {want:?}");
+        }
+        assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap(), "stop {stop:?}");
+    }
 
     // The completions endpoint's logprobs: `logprobs: k` alternatives in the legacy lists.
     let comp = json!({"model": AGENT, "prompt": ["ab", "cd"], "max_tokens": 5, "seed": 2, "logprobs": 2, "return_token_ids": true});
@@ -119,7 +129,13 @@ async fn logprobs_token_ids_and_streams_match_the_sample_the_worker_trains_on() 
         let n = ch["token_ids"].as_array().unwrap().len();
         assert_eq!(lp["tokens"].as_array().unwrap().len(), n);
         assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), n);
-        assert!(lp["top_logprobs"].as_array().unwrap().iter().all(|m| m.as_object().unwrap().len() <= 2 && !m.as_object().unwrap().is_empty()));
+        // The sampled token beside the 2 most likely: at most 3 entries (fewer where the sampled
+        // token is among them, or where tokens that are parts of characters share the key "\u{fffd}").
+        let tokens = lp["tokens"].as_array().unwrap();
+        for (m, t) in lp["top_logprobs"].as_array().unwrap().iter().zip(tokens) {
+            let m = m.as_object().unwrap();
+            assert!((1..=3).contains(&m.len()) && m.contains_key(t.as_str().unwrap()), "{lp}");
+        }
         assert_eq!(ch["prompt_token_ids"].as_array().unwrap().len(), 2);
     }
 }
@@ -141,6 +157,7 @@ async fn fields_this_server_cannot_honour_are_400s_naming_them() {
         ("/v1/completions", json!({"model": AGENT, "prompt": "x", "logprobs": true}), "logprobs"),
         ("/v1/completions", json!({"model": AGENT, "prompt": "x", "echo": true}), "echo"),
         ("/v1/completions", json!({"model": AGENT, "prompt": "x", "best_of": 3}), "best_of"),
+        ("/v1/completions", json!({"model": AGENT, "prompt": "x", "include_stop_str_in_output": true}), "include_stop_str_in_output"),
         // Before any token: a plain error, not a stream.
         ("/v1/chat/completions", json!({"model": "mallory", "messages": msg, "stream": true}), "model"),
     ];
@@ -151,7 +168,10 @@ async fn fields_this_server_cannot_honour_are_400s_naming_them() {
         assert_eq!(e["error"]["param"], field, "{body}: {text}");
     }
     // Their no-op values are accepted.
-    let ok = json!({"model": AGENT, "messages": msg, "max_tokens": 2, "logit_bias": {}, "presence_penalty": 0, "tools": [], "response_format": {"type": "text"}});
+    let ok = json!({
+        "model": AGENT, "messages": msg, "max_tokens": 2, "logit_bias": {}, "presence_penalty": 0, "tools": [], "response_format": {"type": "text"},
+        "skip_special_tokens": true, "ignore_eos": true, "stop_token_ids": [5],
+    });
     let (status, text) = post(&base, "/v1/chat/completions", &ok).await;
     assert_eq!(status, 200, "{text}");
 }

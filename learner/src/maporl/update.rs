@@ -426,8 +426,8 @@ fn value_minibatch(c: &mut Critic, net: &CausalLm, mb: &[usize], data: &EpochDat
 
 /// How many threads run the jobs and which jobs each runs (indices into `jobs`, with the thread's
 /// share of OpenMP threads), or `None` to run them in turn: with one job, several ranks (their
-/// collectives must keep one order), a base off the CPU, one OpenMP thread, or loads too uneven to
-/// gain ([`balanced`]). Jobs go to the least loaded thread by estimated cost, largest first.
+/// collectives must keep one order), a base off the CPU, one OpenMP thread, or (on up to 4
+/// threads) loads too uneven to gain ([`balanced`]). Jobs go to the least loaded thread by estimated cost, largest first.
 fn thread_shares(jobs: &[EpochJob], samples: &[PpoSample], bases: &Bases, dist: &dyn Collective) -> Option<Vec<(Vec<usize>, usize)>> {
     let threads = tch::get_num_threads().max(1) as usize;
     let on_cpu = bases.models.iter().all(|b| b.model.device() == tch::Device::Cpu)
@@ -451,7 +451,9 @@ fn thread_shares(jobs: &[EpochJob], samples: &[PpoSample], bases: &Bases, dist: 
         load[t] += c;
         assigned[t].push(i);
     }
-    if !balanced(&load) {
+    // Measured on 2 cores; with many cores one job scales worse over all of them, so uneven jobs
+    // still run at the same time there.
+    if threads <= 4 && !balanced(&load) {
         return None;
     }
     Some(assigned.into_iter().enumerate().map(|(t, mut js)| {

@@ -48,11 +48,13 @@ pub fn completion_logprobs(tok: &Tokenizer, ids: &[u32], lps: &[f32], tops: &[Ve
         at += text.chars().count();
         tokens.push(text);
     }
+    // As OpenAI's legacy endpoint: the sampled token beside the k most likely (up to k + 1 entries).
     let top: Vec<Value> = (0..ids.len())
         .map(|i| {
             let mut m = Map::new();
+            m.insert(tokens[i].clone(), json!(lps[i]));
             for &(t, lp) in top_at(tops, i) {
-                m.insert(String::from_utf8_lossy(&tok.token_bytes(t)).into_owned(), json!(lp));
+                m.entry(String::from_utf8_lossy(&tok.token_bytes(t)).into_owned()).or_insert(json!(lp));
             }
             Value::Object(m)
         })

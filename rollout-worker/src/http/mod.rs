@@ -143,6 +143,12 @@ struct Common {
     /// vLLM's: the sampled (and prompt) token ids in the response.
     #[serde(default)]
     return_token_ids: Option<bool>,
+    /// vLLM's: token ids that end a sample besides EOS.
+    #[serde(default)]
+    stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's: sample past EOS (until `max_tokens` or a stop).
+    #[serde(default)]
+    ignore_eos: Option<bool>,
     /// OpenAI fields this server does not implement, refused when set to anything but their
     /// no-op value (see [`refuse_unsupported`]).
     #[serde(flatten)]
@@ -175,6 +181,11 @@ const UNSUPPORTED: &[(&str, fn(&Value) -> bool)] = &[
     ("modalities", |v| v.is_null() || v.as_array().is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text")))),
     ("prediction", Value::is_null),
     ("prompt_logprobs", Value::is_null),
+    // vLLM's extensions that change the output.
+    ("include_stop_str_in_output", |v| v.is_null() || v.as_bool() == Some(false)),
+    ("skip_special_tokens", |v| v.is_null() || v.as_bool() == Some(true)),
+    ("min_tokens", |v| v.is_null() || v.as_u64() == Some(0)),
+    ("return_tokens_as_token_ids", |v| v.is_null() || v.as_bool() == Some(false)),
 ];
 
 /// A 400 naming the first field set to something this server cannot do.
@@ -263,7 +274,12 @@ fn job(worker: &Worker, c: &Common, prompts: Vec<PromptInput>, top_logprobs: usi
             top_p: c.top_p.unwrap_or(1.0),
             min_p: c.min_p.unwrap_or(0.0),
         },
-        stop: StopConditions { max_new_tokens, stop_token_ids: Vec::new(), stop_strings, ignore_eos: false },
+        stop: StopConditions {
+            max_new_tokens,
+            stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
+            stop_strings,
+            ignore_eos: c.ignore_eos.unwrap_or(false),
+        },
         // Without a seed, every request samples differently, as OpenAI's API does.
         seed: c.seed.unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0),
         min_policy_version: None,
@@ -347,10 +363,7 @@ async fn chat_completions(
     if c.stream == Some(true) {
         return stream::respond(worker.clone(), job, stream_spec(stream::Shape::Chat, c, id, top.is_some())).await;
     }
-    let out = worker.generate(job).await.map_err(|e| match e {
-        WorkerError::InvalidArgument { field, message } if field.starts_with("prompts") => ApiError::invalid("messages", message),
-        e => e.into(),
-    })?;
+    let out = worker.generate(job).await.map_err(chat_error)?;
     let tok = worker.tokenizer(&c.model)?;
     let token_ids = c.return_token_ids == Some(true);
     let choices: Vec<Value> = out.completions[0]
@@ -385,6 +398,14 @@ async fn chat_completions(
         body["prompt_token_ids"] = json!(out.completions[0].prompt_token_ids);
     }
     Ok(Json(body).into_response())
+}
+
+/// A worker error on the chat endpoint, whose prompt is `messages`.
+fn chat_error(e: WorkerError) -> ApiError {
+    match e {
+        WorkerError::InvalidArgument { field, message } if field.starts_with("prompts") => ApiError::invalid("messages", message),
+        e => e.into(),
+    }
 }
 
 /// OpenAI's `prompt`: a string, a list of strings, a list of token ids or a list of lists.

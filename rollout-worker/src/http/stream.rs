@@ -4,8 +4,10 @@
 //! (`stream_options.include_usage`), and `data: [DONE]`.
 //!
 //! Text is released as the tokens complete characters. With stop strings, the last
-//! `longest stop string − 1` bytes are held back until they cannot start a stop string, so that a
-//! client never receives text the final answer cuts; the finish chunk releases the rest.
+//! `longest stop string − 1` bytes are held back until they cannot start a stop string, and a token
+//! that completes one releases only the text before it (the engine reports a token before checking
+//! it), so that a client never receives text the final answer cuts; the finish chunk releases the
+//! rest.
 //! An error before the first token is an ordinary OpenAI error response (400, 404, 503, ...);
 //! one after it is a final `data: {"error": ...}` event.
 
@@ -22,6 +24,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::logprobs::{chat_entry, completion_logprobs};
 use super::{ApiError, usage};
+use crate::error::WorkerError;
 use crate::worker::{GenerateJob, GenerateOutput, StreamToken, Worker};
 
 /// Which endpoint's chunks to write.
@@ -47,12 +50,24 @@ pub(super) struct StreamSpec {
     pub include_usage: bool,
 }
 
+impl StreamSpec {
+    /// A worker error as this endpoint names its fields.
+    fn error(&self, e: WorkerError) -> ApiError {
+        match self.shape {
+            Shape::Chat => super::chat_error(e),
+            Shape::Completion => e.into(),
+        }
+    }
+}
+
 /// One choice's text so far.
 struct ChoiceText {
     decoder: IncrementalDecoder,
     /// Bytes of the decoder's text already sent.
     sent: usize,
     started: bool,
+    /// Characters of the token strings so far (the completions endpoint's `text_offset`).
+    token_chars: usize,
 }
 
 /// Turns token events and the final output into chunks.
@@ -61,6 +76,7 @@ struct Chunks<'a> {
     tok: &'a Tokenizer,
     /// Bytes held back for stop strings: the longest one's length − 1.
     hold: usize,
+    stops: Vec<String>,
     choices: Vec<ChoiceText>,
 }
 
@@ -68,9 +84,9 @@ impl<'a> Chunks<'a> {
     fn new(spec: &'a StreamSpec, tok: &'a Tokenizer, job: &GenerateJob) -> Self {
         let hold = job.stop.stop_strings.iter().map(String::len).max().unwrap_or(1).saturating_sub(1);
         let choices = (0..job.prompts.len() * job.n)
-            .map(|_| ChoiceText { decoder: IncrementalDecoder::new(true), sent: 0, started: false })
+            .map(|_| ChoiceText { decoder: IncrementalDecoder::new(true), sent: 0, started: false, token_chars: 0 })
             .collect();
-        Self { spec, tok, hold, choices }
+        Self { spec, tok, hold, stops: job.stop.stop_strings.clone(), choices }
     }
 
     fn object(&self) -> &'static str {
@@ -99,12 +115,17 @@ impl<'a> Chunks<'a> {
         // A tokenizer error leaves the text for the finish chunk, which sends the final answer's.
         let _ = choice.decoder.push(self.tok, t.token);
         let text = choice.decoder.text();
-        let mut until = text.len().saturating_sub(self.hold).max(choice.sent);
-        while !text.is_char_boundary(until) {
+        // A stop string this token completes starts at or after `sent` (everything before it was
+        // held back by `hold`): the answer ends there.
+        let stop_at = self.stops.iter().filter_map(|s| text.get(choice.sent..)?.find(s.as_str()).map(|p| choice.sent + p)).min();
+        let mut until = stop_at.unwrap_or_else(|| text.len().saturating_sub(self.hold)).max(choice.sent);
+        while until > choice.sent && !text.is_char_boundary(until) {
             until -= 1;
         }
-        let delta = text[choice.sent..until.max(choice.sent)].to_string();
-        choice.sent = until.max(choice.sent);
+        let delta = text.get(choice.sent..until).unwrap_or_default().to_string();
+        choice.sent = until;
+        let offset = choice.token_chars;
+        choice.token_chars += String::from_utf8_lossy(&self.tok.token_bytes(t.token)).chars().count();
         let mut c = match self.spec.shape {
             Shape::Chat => json!({
                 "index": index,
@@ -115,7 +136,7 @@ impl<'a> Chunks<'a> {
             Shape::Completion => json!({
                 "index": index,
                 "text": delta,
-                "logprobs": if self.spec.logprobs { completion_logprobs(self.tok, &[t.token], &[t.logprob], std::slice::from_ref(&t.top), 0) } else { Value::Null },
+                "logprobs": if self.spec.logprobs { completion_logprobs(self.tok, &[t.token], &[t.logprob], std::slice::from_ref(&t.top), offset) } else { Value::Null },
                 "finish_reason": Value::Null,
             }),
         };
@@ -197,10 +218,10 @@ pub(super) async fn respond(worker: Arc<Worker>, job: GenerateJob, spec: StreamS
                 }
             }
             Err(e) if !sent_any => {
-                send(Err(e.into()));
+                send(Err(spec.error(e)));
             }
             Err(e) => {
-                let e: ApiError = e.into();
+                let e = spec.error(e);
                 send(Ok(Event::default().data(e.body().to_string())));
             }
         }
