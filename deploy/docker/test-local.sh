@@ -173,7 +173,7 @@ OVERRIDES=(--override "dataset.train_split=train[:$STEPS]" dataset.eval_split=nu
 wait_listening() {
   local c=$1
   for _ in $(seq 1 300); do
-    dk logs "$c" 2>/dev/null | grep -q '^listening ' && return 0
+    dk logs "$c" 2>/dev/null | grep '^listening ' >/dev/null && return 0
     [ "$(dk inspect -f '{{.State.Running}}' "$c" 2>/dev/null)" = true ] || break
     sleep 1
   done
@@ -205,7 +205,9 @@ for w in 1 2; do
     rollout-worker serve --grpc-addr 0.0.0.0:50061 --http-addr 0.0.0.0:8001 "${AGENT_ARGS[@]}" --threads-per-engine 1 >/dev/null
 done
 wait_listening "$P-reward"
-dk logs "$P-reward" 2>&1 | grep -q 'sandbox isolation probe passed' || { dk logs "$P-reward" 2>&1 | tail -n 20 >&2; fail "the reward server did not log its sandbox probe"; }
+# grep without -q reads to the end: `grep -q` exits at the first match, `docker logs` then dies of
+# SIGPIPE writing the rest, and pipefail turns that into a failure (it failed CI once).
+dk logs "$P-reward" 2>&1 | grep 'sandbox isolation probe passed' >/dev/null || { dk logs "$P-reward" 2>&1 | tail -n 20 >&2; fail "the reward server did not log its sandbox probe"; }
 wait_listening "$P-worker1"
 wait_listening "$P-worker2"
 echo "reward server and 2 rollout workers listening on network $network ($(( $(date +%s) - t_cluster ))s)"
@@ -279,7 +281,7 @@ for w in 1 2; do
   n=$( [ -s "$prom" ] && ok_requests "$prom" "" || echo 0)
   [ "$n" -gt 0 ] || problems+=("worker$w answered no generate request ($prom)")
   total=$((total + n))
-  sed 's/\x1b\[[0-9;]*m//g' "$STATE/logs/worker$w.log" | grep 'rollout worker serving' | grep -q 'cluster_token=true' \
+  sed 's/\x1b\[[0-9;]*m//g' "$STATE/logs/worker$w.log" | grep 'rollout worker serving' | grep 'cluster_token=true' >/dev/null \
     || problems+=("worker$w did not run with the cluster token")
   updates=$(grep -c 'weight update applied' "$STATE/logs/worker$w.log" || true)
   [ "$updates" -ge $(( $(wc -w <<<"$agents") * STEPS )) ] || problems+=("worker$w applied $updates weight updates, not one per agent and step")
