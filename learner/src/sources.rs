@@ -19,7 +19,7 @@ use tch::Tensor;
 use crate::error::TrainError;
 
 /// Sampling parameters of one request.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SamplingSpec {
     pub temperature: f64,
     pub top_p: f64,
@@ -28,6 +28,8 @@ pub struct SamplingSpec {
     pub max_new_tokens: usize,
     /// Keep sampling past EOS up to `max_new_tokens` (benchmarks; training stops at EOS).
     pub ignore_eos: bool,
+    /// Strings that end a completion (cut from the text; the token that completed one is kept).
+    pub stop: Vec<String>,
 }
 
 impl SamplingSpec {

@@ -11,45 +11,10 @@ use std::sync::{Arc, Mutex};
 
 use cotrain_learner::algo::AdamWConfig;
 use cotrain_learner::services::EngineRollout;
-use cotrain_learner::trainer::{GenRequest, GenSample, Policy, RolloutSource, SamplingSpec, TrainError, Trainer, TrainerSetup};
+use cotrain_learner::trainer::{Policy, SamplingSpec, Trainer, TrainerSetup};
 use cotrain_model::loader::{LoadOptions, load};
 use tch::Tensor;
-use train_common::{TokenRule, config, items, tiny_model_dir};
-
-/// One generate request as the rollout workers saw it, with the token ids of its samples.
-#[derive(Debug, Clone)]
-struct Seen {
-    sampling: SamplingSpec,
-    prompt: Vec<u32>,
-    completions: Vec<Vec<u32>>,
-}
-
-/// The in-process engine, recording every request.
-struct Recording {
-    inner: EngineRollout,
-    seen: Arc<Mutex<Vec<Seen>>>,
-}
-
-impl RolloutSource for Recording {
-    fn generate(&mut self, requests: &[GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError> {
-        let out = self.inner.generate(requests)?;
-        let mut seen = self.seen.lock().unwrap();
-        for (r, samples) in requests.iter().zip(&out) {
-            let completions = samples.iter().map(|s| s.token_ids.clone()).collect();
-            seen.push(Seen { sampling: r.sampling, prompt: r.prompt.clone(), completions });
-        }
-        Ok(out)
-    }
-    fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
-        self.inner.policy_version(agent)
-    }
-    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
-        self.inner.push_weights(agent, version, params)
-    }
-    fn describe(&self) -> String {
-        "recording engine".into()
-    }
-}
+use train_common::{Recording, Seen, TokenRule, config, items, taken, tiny_model_dir};
 
 const YAML: &str = "model: {name: unused, temperature: 0.7, top_p: 0.9, top_k: 20, max_length: 64}\n\
 dataset: {name: gsm8k, train_split: 'train[:2]'}\n\
@@ -86,10 +51,6 @@ fn trainer(model: &std::path::Path, run: &std::path::Path, overrides: &[&str]) -
     .unwrap();
     trainer.sync_all_weights().unwrap();
     (trainer, seen)
-}
-
-fn taken(seen: &Arc<Mutex<Vec<Seen>>>) -> Vec<Seen> {
-    std::mem::take(&mut *seen.lock().unwrap())
 }
 
 fn training_parameters(s: &SamplingSpec) -> (f64, f64, u32) {

@@ -824,7 +824,7 @@ fn agents_on_different_base_models_and_shared_parameters() {
     let cfg = load_config(&base, &["model.agents=[Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B]".into()], &LegacyFlags::default()).unwrap();
     assert_eq!(cfg.agent_models, vec!["Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B"]);
     let e = load_config(&base, &["model.agents=[a]".into()], &LegacyFlags::default()).unwrap_err().to_string();
-    assert!(e.contains("model.agents has 1 models but magrpo.num_agents is 2"), "{e}");
+    assert!(e.contains("model.agents has 1 entries but magrpo.num_agents is 2"), "{e}");
     let e = load_config(&base, &["model.agents=[a, b]".into(), "magrpo.shared_parameters=true".into()], &LegacyFlags::default())
         .unwrap_err()
         .to_string();

@@ -165,6 +165,10 @@ fn repo() -> PathBuf {
 
 /// The seed GSM8K config on the committed tiny model, one PPO epoch of one mini-batch.
 fn tiny_run(critic_head: &str) -> (cotrain_learner::config::CheckedConfig, Bases, Adapters) {
+    tiny_run_with(critic_head, &[])
+}
+
+fn tiny_run_with(critic_head: &str, extra: &[&str]) -> (cotrain_learner::config::CheckedConfig, Bases, Adapters) {
     let overrides: Vec<String> = [
         "model.name=default",
         "model.chat_template=false",
@@ -179,6 +183,7 @@ fn tiny_run(critic_head: &str) -> (cotrain_learner::config::CheckedConfig, Bases
     .iter()
     .map(|s| s.to_string())
     .chain([format!("maporl.critic_head={critic_head}")])
+    .chain(extra.iter().map(|s| s.to_string()))
     .collect();
     let cfg = load_config(&repo().join("configs/maporl_gsm8k_config.yaml"), &overrides, &LegacyFlags::default()).unwrap();
     let m = cfg.raw.maporl.clone().unwrap();
@@ -291,4 +296,92 @@ fn frozen_head_init_is_uniform_within_one_over_root_hidden() {
     assert!(mean.abs() < 0.02 && (var - bound * bound / 3.0).abs() < 0.05 * bound * bound / 3.0, "mean {mean}, var {var}");
     assert_eq!(frozen_head_weights(h, 3), frozen_head_weights(h, 3));
     assert_ne!(frozen_head_weights(h, 3), frozen_head_weights(h, 4));
+}
+
+/// Every adapter's and critic's variables, by adapter key then variable name.
+fn all_variables(a: &Adapters) -> Vec<(String, Tensor)> {
+    let mut out = Vec::new();
+    for (key, p) in &a.policies {
+        out.extend(p.optimizer.parameters().iter().enumerate().map(|(i, t)| (format!("{key}/{i}"), t.detach().copy())));
+    }
+    for (key, c) in &a.critics {
+        out.extend(c.adapter_opt.parameters().iter().enumerate().map(|(i, t)| (format!("{key}/{i}"), t.detach().copy())));
+        out.push((format!("{key}/head"), c.head.detach().copy()));
+    }
+    out
+}
+
+/// Copies `values` (from [`all_variables`] of adapters of the same layout) into `a`'s variables.
+fn set_variables(a: &Adapters, values: &[(String, Tensor)]) {
+    let mut targets: Vec<Tensor> = Vec::new();
+    for p in a.policies.values() {
+        targets.extend(p.optimizer.parameters());
+    }
+    for c in a.critics.values() {
+        targets.extend(c.adapter_opt.parameters());
+        targets.push(c.head.shallow_clone());
+    }
+    assert_eq!(targets.len(), values.len());
+    tch::no_grad(|| {
+        for (mut t, (_, v)) in targets.into_iter().zip(values) {
+            t.copy_(v);
+        }
+    });
+}
+
+/// `gradient_accumulation_steps` forwards each mini-batch in that many micro-batches (TRL's
+/// arithmetic; the memory of one micro-batch rather than the mini-batch's), their losses weighted by
+/// token share: the update is the one of the whole mini-batch at once.
+#[test]
+fn micro_batches_accumulate_to_the_update_of_the_whole_mini_batch() {
+    // (LoRA dropout off: its masks are drawn per forward, so they differ between the two batchings.)
+    let samples = samples();
+    let mut runs: Vec<(Vec<(String, Tensor)>, Vec<(String, Tensor)>, Vec<_>)> = Vec::new();
+    for steps in [1, 3] {
+        let (cfg, bases, mut adapters) = tiny_run_with("frozen_random", &[&format!("maporl.gradient_accumulation_steps={steps}"), "maporl.learning_rate=0.5", "maporl.lora.lora_dropout=0"]);
+        let m = cfg.raw.maporl.clone().unwrap();
+        assert_eq!(m.gradient_accumulation_steps, steps);
+        // Both runs start from the first run's adapters (each run draws its own LoRA A).
+        if let Some((first, _, _)) = runs.first() {
+            let first: &[(String, Tensor)] = first;
+            set_variables(&adapters, first);
+        }
+        // Adam's eps set large: the steps are then nearly linear in the gradients (p −= lr·g/(|g| + 1)),
+        // so the weights compare the gradients themselves, not their signs.
+        for p in adapters.policies.values_mut() {
+            p.optimizer.cfg.eps = 1.0;
+        }
+        for c in adapters.critics.values_mut() {
+            c.adapter_opt.cfg.eps = 1.0;
+            c.head_opt.cfg.eps = 1.0;
+        }
+        let before = all_variables(&adapters);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        // One update (a second would start from policies that already differ by float noise and
+        // whose KL then shapes the critics' returns).
+        let stats = vec![ppo_update(&m, &bases, &mut adapters, &samples, &mut rng, &cotrain_learner::dist::SingleRank, false).unwrap().1];
+        runs.push((before, all_variables(&adapters), stats));
+    }
+    let ((before, whole, s1), (before3, micro, s3)) = (&runs[0], &runs[1]);
+    for ((n, a), (_, b)) in before.iter().zip(before3) {
+        assert!(a.equal(b), "{n}: both runs start from the same adapters");
+    }
+    let mut moved = 0;
+    for (((name, w), (_, x)), (_, b)) in whole.iter().zip(micro).zip(before) {
+        let diff = (w - x).abs().max().double_value(&[]);
+        let step = (w - b).abs().max().double_value(&[]);
+        moved += (step > 0.0) as usize;
+        // The critics' losses are plain means: equal to float precision (plus a few float steps of
+        // the weights themselves). The policy loss with whitened advantages is a sum of cancelling
+        // terms, where the forwards' batching (padding, kernel paths: log-probs equal to ~1e-5) shows
+        // more (up to 1% here); a micro-batch weighted wrongly moves it by tens of percent.
+        let tol = if name.starts_with("critic") { 1e-3 } else { 5e-2 };
+        assert!(diff <= tol * step + 1e-8, "{name}: the micro-batched update differs by {diff} (update size {step})");
+    }
+    assert!(moved >= 4, "the updates moved the adapters ({moved} tensors)");
+    for (a, b) in s1.iter().zip(s3) {
+        for key in ["loss/policy_avg", "loss/value_avg", "policy/clipfrac_avg", "policy/entropy_avg"] {
+            assert!((a[key] - b[key]).abs() <= 1e-5 * a[key].abs().max(1.0), "{key}: {} vs {}", a[key], b[key]);
+        }
+    }
 }

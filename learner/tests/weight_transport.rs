@@ -50,7 +50,7 @@ fn greedy_of(r: &mut PoolRollout, agent: &str, version: u64) -> Vec<u32> {
         agent: agent.into(),
         prompt: vec![65, 97, 48],
         n: 1,
-        sampling: SamplingSpec { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 12, ignore_eos: true },
+        sampling: SamplingSpec { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 12, ignore_eos: true, stop: Vec::new() },
         seed: 5,
         min_policy_version: version,
     };
@@ -227,7 +227,7 @@ fn bf16_on_the_wire_halves_the_bytes_and_serves_the_rounded_weights() {
             agent: "agent0".into(),
             prompt: vec![65, 97, 48],
             n: 1,
-            sampling: SamplingSpec { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 12, ignore_eos: true },
+            sampling: SamplingSpec { temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 12, ignore_eos: true, stop: Vec::new() },
             seed: 5,
             min_policy_version: version,
         };

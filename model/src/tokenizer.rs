@@ -609,7 +609,11 @@ impl IncrementalDecoder {
 /// `!`..`~`, `¡`..`¬` and `®`..`ÿ` as themselves and every other byte b as the character 256 + n,
 /// n counting those other bytes in order. `None` when a character is outside that alphabet.
 fn byte_level_bytes(token: &str) -> Option<Vec<u8>> {
-    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    fn printable(b: u32) -> bool {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    }
+    // The bytes that are not printable, in order: character 256 + n spells the n-th.
+    static OTHERS: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| (0u32..256).filter(|&b| !printable(b)).map(|b| b as u8).collect());
     token
         .chars()
         .map(|c| {
@@ -617,8 +621,7 @@ fn byte_level_bytes(token: &str) -> Option<Vec<u8>> {
             if c < 256 {
                 return printable(c).then_some(c as u8);
             }
-            // The (c − 256)-th byte that is not printable.
-            (0u32..256).filter(|&b| !printable(b)).nth((c - 256) as usize).map(|b| b as u8)
+            OTHERS.get((c - 256) as usize).copied()
         })
         .collect()
 }

@@ -89,6 +89,16 @@ pub struct Sampling {
     pub max_new_tokens: usize,
 }
 
+/// One agent's resolved settings: its `model.agents[i]` entry over the shared values.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct AgentSetup {
+    pub sampling: Sampling,
+    /// Strings that end this agent's completions.
+    pub stop: Vec<String>,
+    /// AdamW learning rate of this agent's policy.
+    pub learning_rate: f64,
+}
+
 /// A validated config: every value checked, fallbacks resolved. Build it with [`load_config`] or
 /// [`CheckedConfig::from_value`].
 #[derive(Debug, Clone, PartialEq)]
@@ -106,6 +116,9 @@ pub struct CheckedConfig {
     pub turn_gradient_weights: Vec<f64>,
     /// One model name per agent (`model.agents` or `model.name` repeated).
     pub agent_models: Vec<String>,
+    /// Per agent, its sampling, stop strings and learning rate (`model.agents[i]` over `sampling` and
+    /// the trainer section's `learning_rate`).
+    pub agents: Vec<AgentSetup>,
     pub train_split: SplitSpec,
     pub eval_split: Option<SplitSpec>,
     /// What every scoring call sends to the reward server: `reward.options`, with
@@ -135,6 +148,12 @@ impl CheckedConfig {
     pub fn collective_timeout(&self) -> Option<std::time::Duration> {
         let secs = self.raw.learner.collective_timeout_secs;
         (secs > 0).then(|| std::time::Duration::from_secs(secs))
+    }
+
+    /// The longest prompt agent `a` may be given: `model.max_length` less its `max_new_tokens`.
+    pub fn max_prompt_tokens(&self, a: usize) -> usize {
+        let new = self.agents.get(a).map_or(self.sampling.max_new_tokens, |s| s.sampling.max_new_tokens);
+        self.raw.model.max_length.saturating_sub(new)
     }
 
     /// True when the run needs the multi-turn trainer.
@@ -321,12 +340,26 @@ fn apply_legacy(value: &mut Value, legacy: &LegacyFlags, file: &str) -> Result<(
 }
 
 /// Types the merged value, turning serde's messages into ones that name the full key.
-fn typed(value: Value, file: &str) -> Result<RawConfig, ConfigError> {
+fn typed(mut value: Value, file: &str) -> Result<RawConfig, ConfigError> {
+    agent_names_as_settings(&mut value);
     serde_path_to_error::deserialize::<_, RawConfig>(value).map_err(|err| {
         let path = err.path().to_string();
         let message = err.inner().to_string();
         describe_serde_error(file, &path, &message)
     })
+}
+
+/// `model.agents` entries may be plain model names (the original's form); they become `{name: ...}`
+/// here so that mappings are typed with `deny_unknown_fields` and errors name the field.
+fn agent_names_as_settings(value: &mut Value) {
+    let Some(list) = value.get_mut("model").and_then(|m| m.get_mut("agents")).and_then(Value::as_sequence_mut) else { return };
+    for entry in list.iter_mut() {
+        if let Value::String(name) = entry {
+            let mut m = Mapping::new();
+            m.insert(Value::from("name"), Value::String(std::mem::take(name)));
+            *entry = Value::Mapping(m);
+        }
+    }
 }
 
 fn describe_serde_error(file: &str, path: &str, message: &str) -> ConfigError {

@@ -227,6 +227,20 @@ fn type_of(prop: &Value, defs: &Map<String, Value>, path: &str) -> (String, Opti
         }
         return (format!("map of string to {}{suffix}", type_of(map, defs, path).0), None);
     }
+    // A list of sections (`model.agents`): its entries' keys get a section of their own.
+    let is_array = match target.get("type") {
+        Some(Value::String(t)) => t == "array",
+        Some(Value::Array(ts)) => ts.iter().any(|t| t == "array"),
+        _ => false,
+    };
+    if let Some(items) = target.get("items").filter(|_| is_array) {
+        let (item_schema, item_def) = resolve(items, defs);
+        if item_schema.get("properties").is_some() {
+            let child = format!("{path}[i]");
+            let link = format!("list of section [`{child}`](#{})", anchor(&child));
+            return (format!("{link}{suffix}"), Some(Child { path: child, schema: item_schema.clone(), def: item_def }));
+        }
+    }
     let ty = match target.get("type") {
         Some(Value::String(t)) => t.clone(),
         Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).filter(|t| *t != "null").collect::<Vec<_>>().join(" or "),

@@ -173,12 +173,14 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
             if list.len() != num_agents {
                 return Err(invalid(
                     "model.agents",
-                    format!("has {} models but {} is {num_agents}", list.len(), k("num_agents")),
+                    format!("has {} entries but {} is {num_agents}", list.len(), k("num_agents")),
                 ));
             }
-            list.clone()
+            list.iter().map(|a| a.name.clone().unwrap_or_else(|| raw.model.name.clone())).collect()
         }
     };
+    let shared = Sampling { temperature, top_p, top_k, max_new_tokens: section.max_new_tokens };
+    let agents = agent_setups(&raw, algorithm, &section, shared, num_agents).map_err(|(key, message)| invalid(&key, message))?;
     if section.shared_parameters && agent_models.iter().any(|m| m != &agent_models[0]) {
         return Err(invalid(
             &k("shared_parameters"),
@@ -264,7 +266,8 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
         prompt_sources,
         score_options,
         source: source.to_path_buf(),
-        sampling: Sampling { temperature, top_p, top_k, max_new_tokens: trainer.max_new_tokens },
+        sampling: shared,
+        agents,
         raw,
         algorithm,
         trainer,
@@ -274,4 +277,69 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
         train_split,
         eval_split,
     })
+}
+
+/// Each agent's settings: its `model.agents[i]` entry, every key it leaves out taken from `shared`
+/// and the trainer section. Errors are (key, message).
+fn agent_setups(
+    raw: &RawConfig,
+    algorithm: Algorithm,
+    section: &super::TrainerSection,
+    shared: Sampling,
+    num_agents: usize,
+) -> Result<Vec<super::AgentSetup>, (String, String)> {
+    let entries = raw.model.agents.clone().unwrap_or_else(|| vec![Default::default(); num_agents]);
+    if algorithm == Algorithm::Maporl
+        && let Some(i) = entries.iter().position(|e| e.has_overrides())
+    {
+        return Err((
+            format!("model.agents[{i}]"),
+            "sets per-agent sampling or learning rate, which the maporl trainer does not read (it takes maporl.temperature and \
+             maporl.learning_rate for every agent); give model names only"
+                .into(),
+        ));
+    }
+    let mut setups = Vec::with_capacity(num_agents);
+    for (i, e) in entries.iter().enumerate() {
+        let key = |name: &str| format!("model.agents[{i}].{name}");
+        let sampling = Sampling {
+            temperature: e.temperature.unwrap_or(shared.temperature),
+            top_p: e.top_p.unwrap_or(shared.top_p),
+            top_k: e.top_k.unwrap_or(shared.top_k),
+            max_new_tokens: e.max_new_tokens.unwrap_or(shared.max_new_tokens),
+        };
+        if !(sampling.temperature.is_finite() && sampling.temperature > 0.0) {
+            return Err((key("temperature"), format!("must be positive, got {}", sampling.temperature)));
+        }
+        if !(sampling.top_p > 0.0 && sampling.top_p <= 1.0) {
+            return Err((key("top_p"), format!("must be in (0, 1], got {}", sampling.top_p)));
+        }
+        if sampling.max_new_tokens == 0 || sampling.max_new_tokens >= raw.model.max_length {
+            return Err((key("max_new_tokens"), format!("must be in [1, model.max_length = {}), got {}", raw.model.max_length, sampling.max_new_tokens)));
+        }
+        let stop = e.stop.clone().unwrap_or_default();
+        if stop.iter().any(String::is_empty) {
+            return Err((key("stop"), "holds an empty string, which would end every completion at once".into()));
+        }
+        let learning_rate = e.learning_rate.unwrap_or(section.learning_rate);
+        if !(learning_rate.is_finite() && learning_rate > 0.0) {
+            return Err((key("learning_rate"), format!("must be a positive number, got {learning_rate}")));
+        }
+        setups.push(super::AgentSetup { sampling, stop, learning_rate });
+    }
+    // Shared parameters are one policy with one optimiser.
+    if section.shared_parameters
+        && let Some(i) = setups.iter().position(|s| s.learning_rate != setups[0].learning_rate)
+    {
+        return Err((
+            format!("model.agents[{i}].learning_rate"),
+            format!(
+                "is {} but agent 0's is {}: with {}.shared_parameters the agents train one policy with one learning rate",
+                setups[i].learning_rate,
+                setups[0].learning_rate,
+                algorithm.section()
+            ),
+        ));
+    }
+    Ok(setups)
 }

@@ -123,7 +123,7 @@ pub fn prepare_items(
     models: &[&LoadedModel],
     prompter: &Prompter,
     encoding: &PromptEncoding,
-    max_prompt_tokens: usize,
+    max_prompt_tokens: &[usize],
 ) -> Result<Vec<TrainItem>, TrainError> {
     let n = models.len();
     (0..data.items.len())
@@ -132,9 +132,10 @@ pub fn prepare_items(
                 .map(|agent| {
                     let m = models[agent];
                     let p = render_prompt(data, index, agent, &m.tokenizer, m.chat_template.as_ref(), prompter, encoding)?;
-                    if p.ids.len() > max_prompt_tokens {
+                    let limit = max_prompt_tokens[agent];
+                    if p.ids.len() > limit {
                         return Err(TrainError::Data(format!(
-                            "row {} of split {}: agent {agent}'s prompt has {} tokens, more than model.max_length - max_new_tokens = {max_prompt_tokens}",
+                            "row {} of split {}: agent {agent}'s prompt has {} tokens, more than model.max_length - max_new_tokens = {limit}",
                             data.row_offset + index,
                             data.split,
                             p.ids.len()

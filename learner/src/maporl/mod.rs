@@ -80,11 +80,11 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
     let adapters = Adapters::new(cfg, m, &bases)?;
     let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
     let encoding = cfg.prompt_encoding();
-    let max_prompt = cfg.raw.model.max_length.saturating_sub(m.max_output_length);
+    let max_prompt = vec![cfg.raw.model.max_length.saturating_sub(m.max_output_length); cfg.num_agents];
     let models: Vec<&cotrain_model::loader::LoadedModel> = bases.agent_base.iter().map(|&b| &bases.models[b]).collect();
-    let train_items = prepare_items(&train, &models, &prompter, &encoding, max_prompt)?;
+    let train_items = prepare_items(&train, &models, &prompter, &encoding, &max_prompt)?;
     let eval_items = match &eval {
-        Some(d) => prepare_items(d, &models, &prompter, &encoding, max_prompt)?,
+        Some(d) => prepare_items(d, &models, &prompter, &encoding, &max_prompt)?,
         None => Vec::new(),
     };
     let agents = adapters.worker_agents(&bases);

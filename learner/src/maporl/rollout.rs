@@ -114,7 +114,7 @@ impl DiscussionSetup<'_> {
 
     fn sampling(&self) -> SamplingSpec {
         // MaPoRL samples exactly `max_output_length` tokens with top_k 0 and top_p 1, EOS ignored.
-        SamplingSpec { temperature: self.m.temperature, top_p: 1.0, top_k: 0, max_new_tokens: self.m.max_output_length, ignore_eos: true }
+        SamplingSpec { temperature: self.m.temperature, top_p: 1.0, top_k: 0, max_new_tokens: self.m.max_output_length, ignore_eos: true, stop: Vec::new() }
     }
 
     /// Runs the discussions of `items` through every turn. `seed` is the step's seed; each request's

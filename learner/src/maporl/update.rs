@@ -329,15 +329,30 @@ impl EpochJob<'_> {
     }
 }
 
-/// This rank's share of mini-batch `mb` and its share of the mini-batch's positions the loss
-/// averages over (`len` of each sample: response tokens for the policy, value positions for the
-/// critic, which has one more where the score lands after the response).
-fn rank_part(mb: &[usize], samples: &[PpoSample], dist: &dyn Collective, len: fn(&PpoSample) -> usize) -> (Vec<usize>, f64) {
+/// This rank's share of mini-batch `mb`, cut into micro-batches, each with its share of the
+/// mini-batch's positions the loss averages over (`len` of each sample: response tokens for the
+/// policy, value positions for the critic, which has one more where the score lands after the
+/// response). The loss is a mean over those positions, so micro-batch losses weighted by their
+/// shares and accumulated (over micro-batches and ranks) give the gradient of the whole mini-batch.
+///
+/// A rank's part is forwarded in `gradient_accumulation_steps` micro-batches, as TRL's PPOv2 trainer
+/// (that MaPoRL runs) forwards a mini-batch of per_device_train_batch_size × gradient_accumulation_steps
+/// questions: one discussion's worth of activations at a time rather than the whole mini-batch's.
+fn rank_micro_batches(
+    mb: &[usize],
+    samples: &[PpoSample],
+    dist: &dyn Collective,
+    micro_batches: usize,
+    len: fn(&PpoSample) -> usize,
+) -> Vec<(Vec<usize>, f64)> {
     let (rank, world) = (dist.rank(), dist.world());
-    let all_tokens: usize = mb.iter().map(|&k| len(&samples[k])).sum();
+    let all_tokens = mb.iter().map(|&k| len(&samples[k])).sum::<usize>().max(1) as f64;
     let part: Vec<usize> = mb.iter().enumerate().filter(|&(j, _)| j % world == rank).map(|(_, &k)| k).collect();
-    let share = part.iter().map(|&k| len(&samples[k])).sum::<usize>() as f64 / all_tokens.max(1) as f64;
-    (part, share)
+    if part.is_empty() {
+        return Vec::new();
+    }
+    let size = part.len().div_ceil(micro_batches.max(1));
+    part.chunks(size).map(|micro| (micro.to_vec(), micro.iter().map(|&k| len(&samples[k])).sum::<usize>() as f64 / all_tokens)).collect()
 }
 
 /// The positions the policy loss averages over: the response tokens.
@@ -347,10 +362,9 @@ const POLICY_LEN: fn(&PpoSample) -> usize = |s| s.response.len();
 /// (skipped when the loss or a gradient is not finite on any rank).
 fn policy_minibatch(p: &mut PolicyAdapter, net: &CausalLm, mb: &[usize], data: &EpochData, dist: &dyn Collective) -> Result<MinibatchStats, TrainError> {
     let EpochData { m, samples, records, whitened } = *data;
-    let (part, share) = rank_part(mb, samples, dist, POLICY_LEN);
     p.optimizer.zero_grad();
     let mut local = [0.0f64; 6]; // loss, clip fraction, approx kl, entropy, ratio, non-finite
-    if !part.is_empty() {
+    for (part, share) in rank_micro_batches(mb, samples, dist, m.gradient_accumulation_steps, POLICY_LEN) {
         let seqs: Vec<Sequence> = part.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
         let cmax = part.iter().map(|&k| samples[k].response.len()).max().unwrap_or(0);
         let old = pad_values(part.iter().map(|&k| records[k].logprobs.as_slice()), cmax);
@@ -365,7 +379,11 @@ fn policy_minibatch(p: &mut PolicyAdapter, net: &CausalLm, mb: &[usize], data: &
         let loss = terms.loss.double_value(&[]);
         tlp.backward(&(&terms.loss * share)).map_err(model_err("policy backward"))?;
         let entropy = tlp.entropy.mean(Kind::Float).double_value(&[]);
-        local = [loss * share, terms.clip_fraction * share, terms.approx_kl * share, entropy * share, terms.ratio_mean * share, !loss.is_finite() as u8 as f64];
+        let micro = [loss, terms.clip_fraction, terms.approx_kl, entropy, terms.ratio_mean];
+        for (sum, x) in local.iter_mut().zip(micro) {
+            *sum += x * share;
+        }
+        local[5] += !loss.is_finite() as u8 as f64;
     }
     let [loss, clipfrac, approxkl, entropy, ratio, bad] = dist.sum_f64(&local)?[..] else { unreachable!("six values") };
     if dist.world() > 1 {
@@ -386,11 +404,10 @@ fn policy_minibatch(p: &mut PolicyAdapter, net: &CausalLm, mb: &[usize], data: &
 /// skipped when the loss or a gradient is not finite on any rank).
 fn value_minibatch(c: &mut Critic, net: &CausalLm, mb: &[usize], data: &EpochData, dist: &dyn Collective) -> Result<MinibatchStats, TrainError> {
     let EpochData { m, samples, records, .. } = *data;
-    let (part, share) = rank_part(mb, samples, dist, PpoSample::value_len);
     c.adapter_opt.zero_grad();
     c.head_opt.zero_grad();
     let mut local = [0.0f64; 3]; // loss, clip fraction, non-finite
-    if !part.is_empty() {
+    for (part, share) in rank_micro_batches(mb, samples, dist, m.gradient_accumulation_steps, PpoSample::value_len) {
         let rows: Vec<(&[u32], &[u32])> = part.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
         let counts: Vec<usize> = part.iter().map(|&k| samples[k].value_len()).collect();
         let cmax = counts.iter().copied().max().unwrap_or(0);
@@ -404,7 +421,9 @@ fn value_minibatch(c: &mut Critic, net: &CausalLm, mb: &[usize], data: &EpochDat
             .map_err(|e| TrainError::Update(format!("value loss: {e}")))?;
         let loss = terms.loss.double_value(&[]);
         (&terms.loss * (m.vf_coef * share)).backward();
-        local = [loss * share, terms.clip_fraction * share, !loss.is_finite() as u8 as f64];
+        local[0] += loss * share;
+        local[1] += terms.clip_fraction * share;
+        local[2] += !loss.is_finite() as u8 as f64;
     }
     let [loss, clipfrac, bad] = dist.sum_f64(&local)?[..] else { unreachable!("three values") };
     if dist.world() > 1 {

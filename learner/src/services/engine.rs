@@ -51,7 +51,12 @@ impl RolloutSource for EngineRollout {
                             min_p: 0.0,
                         },
                         seed: r.seed,
-                        stop: StopConditions { max_new_tokens: r.sampling.max_new_tokens, ignore_eos: r.sampling.ignore_eos, ..Default::default() },
+                        stop: StopConditions {
+                            max_new_tokens: r.sampling.max_new_tokens,
+                            ignore_eos: r.sampling.ignore_eos,
+                            stop_strings: r.sampling.stop.clone(),
+                            ..Default::default()
+                        },
                         logprobs: LogprobMode::Raw,
                         top_logprobs: 0,
                     }

@@ -487,7 +487,11 @@ impl RolloutSource for PoolRollout {
                     min_p: None,
                 }),
                 seed: r.seed,
-                stop: r.sampling.ignore_eos.then(|| pb::StopConditions { ignore_eos: true, ..Default::default() }),
+                stop: (r.sampling.ignore_eos || !r.sampling.stop.is_empty()).then(|| pb::StopConditions {
+                    ignore_eos: r.sampling.ignore_eos,
+                    stop_strings: r.sampling.stop.clone(),
+                    ..Default::default()
+                }),
                 min_policy_version: Some(r.min_policy_version),
                 request_id: format!("learner-{}-{}", std::process::id(), base + i as u64),
             };

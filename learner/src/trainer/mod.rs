@@ -67,7 +67,8 @@ pub struct TrainOptions {
 pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), TrainError> {
     let opts = load_options(cfg)?;
     let t = &cfg.trainer;
-    let adam = AdamWConfig::new(t.learning_rate, t.weight_decay, t.max_grad_norm);
+    // A policy's learning rate is its first agent's (shared parameters: validation made them equal).
+    let adam = |agent: usize| AdamWConfig::new(cfg.agents[agent].learning_rate, t.weight_decay, t.max_grad_norm);
     let with_ref = t.reference_kl.enabled;
     if t.shared_parameters {
         let first = &cfg.agent_models[0];
@@ -78,7 +79,11 @@ pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), T
             )));
         }
     }
-    let policies = worker_agents(cfg).iter().map(|(agent, spec)| Policy::load(agent, spec, &opts, adam, with_ref)).collect::<Result<Vec<_>, _>>()?;
+    let policies = worker_agents(cfg)
+        .iter()
+        .enumerate()
+        .map(|(pi, (agent, spec))| Policy::load(agent, spec, &opts, adam(pi), with_ref))
+        .collect::<Result<Vec<_>, _>>()?;
     let agent_policy = if t.shared_parameters { vec![0; cfg.num_agents] } else { (0..cfg.num_agents).collect() };
     Ok((policies, agent_policy))
 }
@@ -238,11 +243,11 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
     let (policies, agent_policy) = load_policies(cfg)?;
     let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
     let encoding = cfg.prompt_encoding();
-    let max_prompt = cfg.raw.model.max_length.saturating_sub(cfg.sampling.max_new_tokens);
+    let max_prompt: Vec<usize> = (0..cfg.num_agents).map(|a| cfg.max_prompt_tokens(a)).collect();
     let models: Vec<&cotrain_model::loader::LoadedModel> = agent_policy.iter().map(|&p| &policies[p].model).collect();
-    let train_items = prepare_items(&train, &models, &prompter, &encoding, max_prompt)?;
+    let train_items = prepare_items(&train, &models, &prompter, &encoding, &max_prompt)?;
     let eval_items = match &eval {
-        Some(d) => prepare_items(d, &models, &prompter, &encoding, max_prompt)?,
+        Some(d) => prepare_items(d, &models, &prompter, &encoding, &max_prompt)?,
         None => Vec::new(),
     };
     let agents: Vec<(String, String)> = policies.iter().map(|p| (p.worker_agent.clone(), p.model_spec.clone())).collect();

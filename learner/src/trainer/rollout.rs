@@ -33,7 +33,7 @@ impl Trainer {
             let prompts = (0..n).map(|a| AgentPrompt { text: item.texts.get(a).cloned().unwrap_or_default(), ids: item.prompts[a].clone() }).collect();
             forest.nodes.push(Node::new(i, i, 0, 0, plan.g, prompts, vec![Vec::new(); n]));
         }
-        let sampling = if plan.greedy { self.sampling().greedy() } else { self.sampling() };
+        let sampling: Vec<_> = (0..n).map(|a| if plan.greedy { self.sampling(a).greedy() } else { self.sampling(a) }).collect();
         let mut locals = vec![1usize; items.len()];
         let mut frontier: Vec<usize> = (0..items.len()).collect();
         while !frontier.is_empty() {
@@ -56,7 +56,7 @@ impl Trainer {
                         agent: worker_agent,
                         prompt: node.prompts[a].ids.clone(),
                         n: node.g,
-                        sampling,
+                        sampling: sampling[a].clone(),
                         seed,
                         min_policy_version: version,
                     });
@@ -129,7 +129,6 @@ impl Trainer {
             let feedback = feedback_texts(self.s.reward.as_mut(), self.expert.as_ref(), &self.s.task, &self.s.cfg.raw.external, &inputs)?;
             drop(inputs);
             let encoding = self.s.cfg.prompt_encoding();
-            let max_prompt = self.s.cfg.raw.model.max_length.saturating_sub(self.s.cfg.sampling.max_new_tokens);
             let mut next = Vec::with_capacity(specs.len());
             for (((spec, feedback), expert_failure), report) in specs.iter().zip(&feedback.texts).zip(feedback.expert_failures).zip(&feedback.reports) {
                 let parent = &forest.nodes[spec.parent];
@@ -148,7 +147,7 @@ impl Trainer {
                         report: report.as_ref(),
                     };
                     let model = &self.s.policies[self.s.agent_policy[a]].model;
-                    let (prompt, dropped) = fit_prompt(&turn, &self.next_turn, model, &encoding, max_prompt)
+                    let (prompt, dropped) = fit_prompt(&turn, &self.next_turn, model, &encoding, self.s.cfg.max_prompt_tokens(a))
                         .map_err(|e| TrainError::Data(format!("row {} turn {}: agent {a}: {e}", item.index, parent.turn + 2)))?;
                     truncated += dropped;
                     prompts.push(prompt);

@@ -53,6 +53,12 @@ impl Trainer {
         let t_sync = self.sync_all_weights()?;
         info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
             steps = total, start_step = self.step, sync_secs = t_sync, rank = self.dist.rank(), ranks = self.dist.world(), "training");
+        if root && cfg.raw.model.agents.iter().flatten().any(|a| a.has_overrides()) {
+            for (a, s) in cfg.agents.iter().enumerate() {
+                info!(agent = a, model = %cfg.agent_models[a], temperature = s.sampling.temperature, top_p = s.sampling.top_p, top_k = s.sampling.top_k,
+                    max_new_tokens = s.sampling.max_new_tokens, stop = ?s.stop, learning_rate = s.learning_rate, "per-agent settings");
+            }
+        }
         let bar = if root { progress_bar(cfg.raw.logging.progress, total, self.step) } else { None };
         let mut stopped_early = false;
         // The control plane (rank 0): status after every step, checkpoints and stops between steps.

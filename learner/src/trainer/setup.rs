@@ -208,9 +208,18 @@ impl Trainer {
         self
     }
 
-    pub(super) fn sampling(&self) -> SamplingSpec {
-        let s = self.s.cfg.sampling;
-        SamplingSpec { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, max_new_tokens: s.max_new_tokens, ignore_eos: self.ignore_eos }
+    /// Agent `a`'s sampling parameters (`model.agents[a]` over the shared ones).
+    pub(super) fn sampling(&self, a: usize) -> SamplingSpec {
+        let agent = &self.s.cfg.agents[a];
+        let s = agent.sampling;
+        SamplingSpec {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            top_k: s.top_k,
+            max_new_tokens: s.max_new_tokens,
+            ignore_eos: self.ignore_eos,
+            stop: agent.stop.clone(),
+        }
     }
 
     /// The worker agent and the policy version agent `a` samples from.

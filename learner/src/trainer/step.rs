@@ -184,6 +184,14 @@ impl Trainer {
         m.insert("completion_len/mean".into(), mean(&lens));
         m.insert("completion_len/max".into(), lens.iter().cloned().fold(0.0, f64::max));
         m.insert("completion/stopped_frac".into(), mean(&samples.iter().map(|s| s.stopped as u8 as f64).collect::<Vec<_>>()));
+        if cfg.num_agents > 1 {
+            // Per agent: its completions (each may sample with its own settings) and its policy's learning rate.
+            for a in 0..cfg.num_agents {
+                let own: Vec<f64> = forest.nodes.iter().filter_map(|n| n.samples.get(a)).flatten().map(|s| s.token_ids.len() as f64).collect();
+                m.insert(format!("agent{a}/completion_len/mean"), mean(&own));
+                m.insert(format!("agent{a}/learning_rate"), self.s.policies[self.s.agent_policy[a]].optimizer.cfg.lr);
+            }
+        }
         let trained: Vec<&UpdateStats> = rounds.iter().filter(|s| s.skipped.is_none() && s.steps > 0).collect();
         let avg = |f: fn(&UpdateStats) -> f64| if trained.is_empty() { f64::NAN } else { trained.iter().map(|s| f(s)).sum::<f64>() / trained.len() as f64 };
         m.insert("loss".into(), avg(|s| s.loss));

@@ -128,10 +128,10 @@ impl Sampler {
             // One temperature per ask (MaPoRL draws one per question); each request its own seed
             // from the ask's stream, the first the seed an unsplit ask had, so asks a worker takes
             // at once sample what they always did.
-            let sampling = SamplingSpec { temperature: a.temperature.unwrap_or(drawn), top_p: v.top_p, top_k: 0, max_new_tokens: v.max_new_tokens, ignore_eos: false };
+            let sampling = SamplingSpec { temperature: a.temperature.unwrap_or(drawn), top_p: v.top_p, top_k: 0, max_new_tokens: v.max_new_tokens, ignore_eos: false, stop: Vec::new() };
             let before = requests.len();
             for n in request_sizes(a.n, max_n) {
-                requests.push(GenRequest { agent: AGENT.into(), prompt: prompt.clone(), n, sampling, seed: rng.random(), min_policy_version: 0 });
+                requests.push(GenRequest { agent: AGENT.into(), prompt: prompt.clone(), n, sampling: sampling.clone(), seed: rng.random(), min_policy_version: 0 });
             }
             spans.push(requests.len() - before);
         }

@@ -6,11 +6,15 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use cotrain_learner::algo::AdamWConfig;
 use cotrain_learner::config::{CheckedConfig, LegacyFlags, merged_value};
 use cotrain_learner::services::EngineRollout;
-use cotrain_learner::trainer::{Policy, RewardSource, Score, ScoreAction, TrainError, TrainItem, Trainer, TrainerSetup};
+use cotrain_learner::trainer::{
+    GenRequest, GenSample, Policy, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction, TrainError, TrainItem, Trainer, TrainerSetup,
+};
+use tch::Tensor;
 
 /// GPT-2's byte ↔ printable-character table (the ByteLevel pre-tokenizer's alphabet).
 fn byte_chars() -> Vec<char> {
@@ -60,6 +64,51 @@ pub fn tiny_model_dir(dir: &Path) -> PathBuf {
     }
     std::fs::write(out.join("tokenizer.json"), byte_tokenizer_json()).unwrap();
     out
+}
+
+/// One generate request as the rollout workers saw it, with the token ids of its samples.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub sampling: SamplingSpec,
+    pub prompt: Vec<u32>,
+    pub completions: Vec<Vec<u32>>,
+    /// The samples' texts.
+    pub texts: Vec<String>,
+    /// The worker agent asked.
+    pub agent: String,
+}
+
+/// The in-process engine, recording every request.
+pub struct Recording {
+    pub inner: EngineRollout,
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl RolloutSource for Recording {
+    fn generate(&mut self, requests: &[GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError> {
+        let out = self.inner.generate(requests)?;
+        let mut seen = self.seen.lock().unwrap();
+        for (r, samples) in requests.iter().zip(&out) {
+            let completions = samples.iter().map(|s| s.token_ids.clone()).collect();
+            let texts = samples.iter().map(|s| s.text.clone()).collect();
+            seen.push(Seen { sampling: r.sampling.clone(), prompt: r.prompt.clone(), completions, texts, agent: r.agent.clone() });
+        }
+        Ok(out)
+    }
+    fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
+        self.inner.policy_version(agent)
+    }
+    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+        self.inner.push_weights(agent, version, params)
+    }
+    fn describe(&self) -> String {
+        "recording engine".into()
+    }
+}
+
+/// The requests recorded since the last call.
+pub fn taken(seen: &Arc<Mutex<Vec<Seen>>>) -> Vec<Seen> {
+    std::mem::take(&mut *seen.lock().unwrap())
 }
 
 /// A checked config from YAML text (as if read from `source`).

@@ -125,7 +125,10 @@ impl<'a> Chunks<'a> {
         let delta = text.get(choice.sent..until).unwrap_or_default().to_string();
         choice.sent = until;
         let offset = choice.token_chars;
-        choice.token_chars += String::from_utf8_lossy(&self.tok.token_bytes(t.token)).chars().count();
+        // `text_offset` (legacy completions' log-probs) counts the characters of the tokens so far.
+        if self.spec.logprobs {
+            choice.token_chars += String::from_utf8_lossy(&self.tok.token_bytes(t.token)).chars().count();
+        }
         let mut c = match self.spec.shape {
             Shape::Chat => json!({
                 "index": index,

@@ -47,9 +47,10 @@ pub struct ModelConfig {
     /// Maximum prompt + completion length in tokens.
     #[serde(default = "default_max_length")]
     pub max_length: usize,
-    /// One model name per agent, for agents on different base models; `name` is used when absent.
+    /// One entry per agent: a model name (agents on different base models), or a mapping of that
+    /// agent's own settings (`model.agents[i]`); every setting left out is the shared one.
     #[serde(default)]
-    pub agents: Option<Vec<String>>,
+    pub agents: Option<Vec<AgentSettings>>,
     /// Render prompts with the model's chat template. The original tokenises the raw prompt text
     /// (`false`, the default); `true` wraps each prompt as one user message of the chat template.
     #[serde(default)]
@@ -65,6 +66,43 @@ pub struct ModelConfig {
     #[serde(default)]
     #[schemars(with = "BTreeMap<String, serde_json::Value>")]
     pub model_kwargs: BTreeMap<String, serde_yaml_ng::Value>,
+}
+
+/// `model.agents[i]`: one agent's own settings. An entry written as a plain string is its `name`.
+/// Each key left out takes the shared value (the trainer section's, else `model`'s).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AgentSettings {
+    /// This agent's base model (`model.name` when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Sampling temperature of this agent's rollouts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    /// Nucleus-sampling threshold of this agent's rollouts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f64>,
+    /// Top-k of this agent's rollouts (0 disables it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<u32>,
+    /// Completion length limit of this agent's rollouts, in tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_new_tokens: Option<usize>,
+    /// Strings that end this agent's completions (as vLLM's `stop`: the text is cut before the
+    /// string, the token ids keep the token that completed it). None by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<Vec<String>>,
+    /// AdamW learning rate of this agent's policy (agents that share parameters share one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub learning_rate: Option<f64>,
+}
+
+impl AgentSettings {
+    /// True when the entry sets anything besides the model name.
+    pub fn has_overrides(&self) -> bool {
+        let Self { name: _, temperature, top_p, top_k, max_new_tokens, stop, learning_rate } = self;
+        temperature.is_some() || top_p.is_some() || top_k.is_some() || max_new_tokens.is_some() || stop.is_some() || learning_rate.is_some()
+    }
 }
 
 pub(super) fn default_model_temperature() -> f64 {
