@@ -173,3 +173,36 @@ fn stop_strings_reach_the_workers_over_grpc() {
     assert!(cut.stopped, "a stop string is a stop, not a length cut");
     assert!(cut.token_ids.len() < 16 && full.token_ids.starts_with(&cut.token_ids), "{:?} then {:?}", full.token_ids, cut.token_ids);
 }
+
+/// What users type besides the mapping form: `--override` of one agent's key (as errors name it, or
+/// dotted), a config written back by the run (`config.yaml`) loading to the same settings, and the
+/// maporl trainer refusing settings it does not read.
+#[test]
+fn per_agent_keys_override_round_trip_and_are_refused_where_unread() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model_dir(tmp.path());
+    let m = model.display().to_string();
+    let text = yaml(&model, &format!("['{m}', {{top_p: 0.3}}]"));
+    let cfg = config(&text, &["model.agents[0].temperature=1.2".into(), "model.agents.1.learning_rate=0.01".into()]);
+    assert_eq!(cfg.agent_models, [m.clone(), m.clone()], "a plain name keeps its model when a key below it is set");
+    assert_eq!((cfg.agents[0].sampling.temperature, cfg.agents[1].sampling.temperature), (1.2, 0.7));
+    assert_eq!((cfg.agents[0].learning_rate, cfg.agents[1].learning_rate, cfg.agents[1].sampling.top_p), (0.5, 0.01, 0.3));
+    let again = config(&cfg.to_yaml(), &[]);
+    assert_eq!((again.agents, again.agent_models), (cfg.agents.clone(), cfg.agent_models.clone()), "the written config loads to the same settings");
+
+    let bad = |overrides: &[&str], text: &str| {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        match cotrain_learner::config::merged_value(text, "t.yaml", &o, &Default::default()) {
+            Err(e) => e.to_string(),
+            Ok(v) => cotrain_learner::config::CheckedConfig::from_value(v, std::path::Path::new("t.yaml")).unwrap_err().to_string(),
+        }
+    };
+    let e = bad(&["model.agents.2.temperature=1"], &text);
+    assert!(e.contains("`model.agents` is a list of 2"), "{e}");
+    let e = bad(&[], &yaml(&model, "[5, {}]"));
+    assert!(e.contains("model.agents[0]") && e.contains("a model name or a mapping"), "{e}");
+
+    let maporl = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/maporl_gsm8k_config.yaml")).unwrap();
+    let e = bad(&["model.agents=[{temperature: 0.9}, {}]"], &maporl);
+    assert!(e.contains("model.agents[0]") && e.contains("maporl trainer does not read"), "{e}");
+}

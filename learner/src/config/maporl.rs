@@ -169,8 +169,9 @@ pub struct MaporlSection {
     #[serde(default = "default_one")]
     pub per_device_train_batch_size: usize,
     /// See `per_device_train_batch_size`. Each mini-batch is also forwarded in this many
-    /// micro-batches, as TRL does, their gradients accumulated with each micro-batch's loss weighted
-    /// by its token share: the update is the whole mini-batch's, the memory one micro-batch's.
+    /// micro-batches (as many as TRL's), their gradients accumulated with each micro-batch's loss
+    /// weighted by its token share (TRL weights them equally): the update is the whole mini-batch's
+    /// token mean, the memory one micro-batch's.
     #[serde(default = "default_grad_accum")]
     pub gradient_accumulation_steps: usize,
     /// Mini-batches per PPO epoch: each adapter's and each critic's samples of a step are split into

@@ -264,12 +264,35 @@ fn python_literals_to_yaml(text: &str) -> String {
 
 /// Deep-merges `new` at the dotted `key`, creating mappings on the way.
 fn set_path(root: &mut Value, key: &str, new: Value) -> Result<(), String> {
-    let parts: Vec<&str> = key.split('.').collect();
+    // `model.agents[1].temperature` (as errors name keys) is `model.agents.1.temperature`.
+    let dotted = key.replace('[', ".").replace(']', "");
+    let parts: Vec<&str> = dotted.split('.').collect();
     if parts.iter().any(|p| p.is_empty()) {
         return Err(format!("empty segment in key `{key}`"));
     }
     let mut node = root;
     for (i, part) in parts.iter().enumerate() {
+        // A list entry by index (`model.agents.1`); a plain model name there becomes `{name: ...}`
+        // when a key below it is set.
+        if let Value::Sequence(list) = node {
+            let len = list.len();
+            let entry = part
+                .parse::<usize>()
+                .ok()
+                .and_then(|j| list.get_mut(j))
+                .ok_or_else(|| format!("`{}` is a list of {len}; `{part}` is not an index of it", parts[..i].join(".")))?;
+            if i + 1 == parts.len() {
+                *entry = new;
+                return Ok(());
+            }
+            if let Value::String(name) = entry {
+                let mut m = Mapping::new();
+                m.insert(Value::from("name"), Value::String(std::mem::take(name)));
+                *entry = Value::Mapping(m);
+            }
+            node = entry;
+            continue;
+        }
         let map = match node {
             Value::Mapping(m) => m,
             Value::Null => {
@@ -341,7 +364,7 @@ fn apply_legacy(value: &mut Value, legacy: &LegacyFlags, file: &str) -> Result<(
 
 /// Types the merged value, turning serde's messages into ones that name the full key.
 fn typed(mut value: Value, file: &str) -> Result<RawConfig, ConfigError> {
-    agent_names_as_settings(&mut value);
+    agent_names_as_settings(&mut value).map_err(|(key, message)| ConfigError::Invalid { file: file.to_string(), key, message })?;
     serde_path_to_error::deserialize::<_, RawConfig>(value).map_err(|err| {
         let path = err.path().to_string();
         let message = err.inner().to_string();
@@ -351,15 +374,24 @@ fn typed(mut value: Value, file: &str) -> Result<RawConfig, ConfigError> {
 
 /// `model.agents` entries may be plain model names (the original's form); they become `{name: ...}`
 /// here so that mappings are typed with `deny_unknown_fields` and errors name the field.
-fn agent_names_as_settings(value: &mut Value) {
-    let Some(list) = value.get_mut("model").and_then(|m| m.get_mut("agents")).and_then(Value::as_sequence_mut) else { return };
-    for entry in list.iter_mut() {
-        if let Value::String(name) = entry {
-            let mut m = Mapping::new();
-            m.insert(Value::from("name"), Value::String(std::mem::take(name)));
-            *entry = Value::Mapping(m);
+fn agent_names_as_settings(value: &mut Value) -> Result<(), (String, String)> {
+    let Some(list) = value.get_mut("model").and_then(|m| m.get_mut("agents")).and_then(Value::as_sequence_mut) else { return Ok(()) };
+    for (i, entry) in list.iter_mut().enumerate() {
+        match entry {
+            Value::String(name) => {
+                let mut m = Mapping::new();
+                m.insert(Value::from("name"), Value::String(std::mem::take(name)));
+                *entry = Value::Mapping(m);
+            }
+            Value::Null => *entry = Value::Mapping(Mapping::new()),
+            Value::Mapping(_) => {}
+            other => {
+                let shown = serde_yaml_ng::to_string(other).unwrap_or_default();
+                return Err((format!("model.agents[{i}]"), format!("is `{}`; each entry is a model name or a mapping of that agent's settings", shown.trim())));
+            }
         }
     }
+    Ok(())
 }
 
 fn describe_serde_error(file: &str, path: &str, message: &str) -> ConfigError {

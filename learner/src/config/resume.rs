@@ -56,7 +56,8 @@ pub fn forbidden_changes(run: &Value, given: &Value) -> Vec<ConfigChange> {
 
 fn key_matches(pattern: &str, key: &str) -> bool {
     let p: Vec<&str> = pattern.split('.').collect();
-    let k: Vec<&str> = key.split('.').collect();
+    // A list entry (`rollout.endpoints[1]`) counts as its list's key.
+    let k: Vec<&str> = key.split('.').map(|s| s.split_once('[').map_or(s, |(name, _)| name)).collect();
     // A pattern names a key or any key below it.
     k.len() >= p.len() && p.iter().zip(&k).all(|(a, b)| *a == "*" || a == b)
 }
@@ -85,6 +86,17 @@ fn diff(a: &Value, b: &Value, path: &mut Vec<String>, out: &mut Vec<ConfigChange
                 path.pop();
             }
         }
+        // Lists of the same length (`model.agents`) are compared entry by entry, so the change is
+        // named down to its key (`model.agents[1].temperature`).
+        (Value::Sequence(sa), Value::Sequence(sb)) if sa.len() == sb.len() && a != b => {
+            for (i, (x, y)) in sa.iter().zip(sb).enumerate() {
+                let last = path.pop().unwrap_or_default();
+                path.push(format!("{last}[{i}]"));
+                diff(x, y, path, out);
+                path.pop();
+                path.push(last);
+            }
+        }
         _ if a == b => {}
         _ => out.push(ConfigChange { key: path.join("."), was: show(Some(a)), now: show(Some(b)) }),
     }
@@ -109,6 +121,11 @@ mod tests {
         let keys: Vec<String> = forbidden_changes(&run, &given).into_iter().map(|c| c.key).collect();
         assert_eq!(keys, vec!["magrpo.learning_rate", "model.name"]);
         assert!(forbidden_changes(&run, &run).is_empty());
+        let agents = |t: f64| y(&format!("model: {{name: a, agents: [{{name: a}}, {{name: a, temperature: {t}}}]}}\n"));
+        let keys: Vec<String> = forbidden_changes(&agents(0.5), &agents(0.9)).into_iter().map(|c| c.key).collect();
+        assert_eq!(keys, vec!["model.agents[1].temperature"]);
+        let endpoints = |e: &str| y(&format!("rollout: {{endpoints: ['http://{e}:1']}}\n"));
+        assert!(forbidden_changes(&endpoints("a"), &endpoints("b")).is_empty(), "a list entry of a resumable key");
         let c = &forbidden_changes(&y("a: {b: 1}"), &y("a: {}"))[0];
         assert_eq!((c.key.as_str(), c.was.as_str(), c.now.as_str()), ("a.b", "1", "(absent)"));
     }

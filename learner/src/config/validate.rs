@@ -329,14 +329,17 @@ fn agent_setups(
     }
     // Shared parameters are one policy with one optimiser.
     if section.shared_parameters
-        && let Some(i) = setups.iter().position(|s| s.learning_rate != setups[0].learning_rate)
+        && let Some(j) = setups.iter().position(|s| s.learning_rate != setups[0].learning_rate)
     {
+        // Name an entry that sets a rate of its own (agent 0's when only it does).
+        let i = if entries[j].learning_rate.is_some() { j } else { 0 };
+        let (i, other) = if i == j { (j, 0) } else { (0, j) };
         return Err((
             format!("model.agents[{i}].learning_rate"),
             format!(
-                "is {} but agent 0's is {}: with {}.shared_parameters the agents train one policy with one learning rate",
+                "is {} but agent {other}'s is {}: with {}.shared_parameters the agents train one policy with one learning rate",
                 setups[i].learning_rate,
-                setups[0].learning_rate,
+                setups[other].learning_rate,
                 algorithm.section()
             ),
         ));

@@ -135,7 +135,8 @@ pub fn prepare_items(
                     let limit = max_prompt_tokens[agent];
                     if p.ids.len() > limit {
                         return Err(TrainError::Data(format!(
-                            "row {} of split {}: agent {agent}'s prompt has {} tokens, more than model.max_length - max_new_tokens = {limit}",
+                            "row {} of split {}: agent {agent}'s prompt has {} tokens, more than model.max_length - max_new_tokens = {limit} \
+                             (max_new_tokens: the agent's model.agents[i].max_new_tokens when set)",
                             data.row_offset + index,
                             data.split,
                             p.ids.len()

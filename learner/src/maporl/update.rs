@@ -335,9 +335,11 @@ impl EpochJob<'_> {
 /// response). The loss is a mean over those positions, so micro-batch losses weighted by their
 /// shares and accumulated (over micro-batches and ranks) give the gradient of the whole mini-batch.
 ///
-/// A rank's part is forwarded in `gradient_accumulation_steps` micro-batches, as TRL's PPOv2 trainer
-/// (that MaPoRL runs) forwards a mini-batch of per_device_train_batch_size × gradient_accumulation_steps
-/// questions: one discussion's worth of activations at a time rather than the whole mini-batch's.
+/// A rank's part is forwarded in `gradient_accumulation_steps` micro-batches, as many as TRL's PPOv2
+/// trainer (that MaPoRL runs) cuts a mini-batch of per_device_train_batch_size ×
+/// gradient_accumulation_steps questions into: a micro-batch's activations at a time rather than the
+/// whole mini-batch's. (TRL weights its micro-batches equally; the token-share weights here keep
+/// the mini-batch's token mean, which one forward of it gave.)
 fn rank_micro_batches(
     mb: &[usize],
     samples: &[PpoSample],

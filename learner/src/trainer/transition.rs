@@ -169,7 +169,7 @@ pub fn fit_prompt(
     }
     Err(TrainError::Data(format!(
         "a next-turn prompt has {last_len} tokens without any history, more than model.max_length - max_new_tokens = {max_tokens}; \
-         raise model.max_length, lower max_new_tokens, or set external.original_prompt: false / a smaller external.sandbox_slice"
+         raise model.max_length, lower max_new_tokens (or the agent's model.agents[i].max_new_tokens), or set external.original_prompt: false / a smaller external.sandbox_slice"
     )))
 }
 

@@ -50,6 +50,9 @@ pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -
         Some(Value::Sequence(names)) => {
             let model = root.entry(Value::from("model")).or_insert_with(|| Value::Mapping(Mapping::new()));
             if let Some(m) = model.as_mapping_mut() {
+                if m.get("agents").is_some_and(|a| !a.is_null()) {
+                    return Err(invalid("agents", "and model.agents are both present; keep one (agents is the 2026 name of model.agents)"));
+                }
                 m.insert(Value::from("agents"), Value::Sequence(names));
             }
             report.mapped.push(("agents".into(), "model.agents".into()));
@@ -195,6 +198,8 @@ mod tests {
         assert!(e.contains("magrpo.reference_kl_enabled") && e.contains("both present"), "{e}");
         let e = mapped("agent_model: {name: m}\nmagrpo: {reference_kl_enabled: true, reference_kl_coef: high}\n").unwrap_err().to_string();
         assert!(e.contains("magrpo.reference_kl_coef"), "{e}");
+        let e = mapped("agents: [a, b]\nmodel: {name: m, agents: [{temperature: 0.5}, {}]}\nmagrpo: {}\n").unwrap_err().to_string();
+        assert!(e.contains("agents and model.agents are both present"), "{e}");
         let e = mapped("agent_model: {name: m, special_tokens: {pad: x}}\nmagrpo: {}\n").unwrap_err().to_string();
         assert!(e.contains("agent_model.special_tokens"), "{e}");
     }
