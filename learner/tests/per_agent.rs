@@ -199,6 +199,8 @@ fn per_agent_keys_override_round_trip_and_are_refused_where_unread() {
     };
     let e = bad(&["model.agents.2.temperature=1"], &text);
     assert!(e.contains("`model.agents` is a list of 2"), "{e}");
+    let e = bad(&["model.agents[1].temperature=1"], &text.replace(&format!("agents: ['{m}', {{top_p: 0.3}}]"), "agents: null"));
+    assert!(e.contains("`model.agents` is not set"), "{e}");
     let e = bad(&[], &yaml(&model, "[5, {}]"));
     assert!(e.contains("model.agents[0]") && e.contains("a model name or a mapping"), "{e}");
 

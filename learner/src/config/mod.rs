@@ -272,6 +272,12 @@ fn set_path(root: &mut Value, key: &str, new: Value) -> Result<(), String> {
     }
     let mut node = root;
     for (i, part) in parts.iter().enumerate() {
+        if node.is_null() && part.parse::<usize>().is_ok() {
+            return Err(format!(
+                "`{}` is not set, so it has no entry {part}; give the whole list (e.g. model.agents=[{{}}, {{temperature: 0.9}}])",
+                parts[..i].join(".")
+            ));
+        }
         // A list entry by index (`model.agents.1`); a plain model name there becomes `{name: ...}`
         // when a key below it is set.
         if let Value::Sequence(list) = node {
