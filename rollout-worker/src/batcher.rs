@@ -74,9 +74,10 @@ pub enum EngineThreads {
     Fixed(usize),
     /// `total` threads split evenly between the engines that have work at the time (`busy` counts
     /// them; every engine of a worker holds the same counter): an engine decoding alone steps on
-    /// every core, two at once on half each. What the learner's embedded worker uses: MaPoRL's turns
-    /// decode on one adapter's engine at a time, MAGRPO's agents on all of theirs at once, and an
-    /// agent whose samples finish early leaves its cores to the others.
+    /// every core, two at once on half each. Faster when engines take turns (MaPoRL's turns decode
+    /// on one adapter's engine at a time), but the counts follow timing and the products' sums
+    /// follow the counts: samples are not reproducible from their seeds, so the learner's embedded
+    /// worker does not use it.
     Shared { total: usize, busy: Arc<AtomicUsize> },
 }
 

@@ -101,10 +101,12 @@ impl EmbeddedRollout {
     ) -> Result<Self, TrainError> {
         let agents = agents.to_vec();
         // The agents' engines (one per agent: no sharing) may decode at the same time: on the CPU,
-        // split the cores between those busy at each step.
+        // each gets an even, fixed share of the cores. Not `EngineThreads::Shared` (the cores of
+        // the engines busy at each step): its counts follow timing, the products' sums follow the
+        // counts, and a seeded run then did not repeat (a MaPoRL test learned in one run of two).
         let engines = agents.len();
         let engine_threads = if device == tch::Device::Cpu && engines > 1 {
-            cotrain_rollout_worker::worker::EngineThreads::shared(tch::get_num_threads().max(1) as usize)
+            cotrain_rollout_worker::worker::EngineThreads::Fixed((tch::get_num_threads().max(1) as usize / engines).max(1))
         } else {
             cotrain_rollout_worker::worker::EngineThreads::Default
         };
