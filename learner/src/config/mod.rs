@@ -292,9 +292,7 @@ fn set_path(root: &mut Value, key: &str, new: Value) -> Result<(), String> {
                 return Ok(());
             }
             if let Value::String(name) = entry {
-                let mut m = Mapping::new();
-                m.insert(Value::from("name"), Value::String(std::mem::take(name)));
-                *entry = Value::Mapping(m);
+                *entry = name_entry(std::mem::take(name));
             }
             node = entry;
             continue;
@@ -384,11 +382,7 @@ fn agent_names_as_settings(value: &mut Value) -> Result<(), (String, String)> {
     let Some(list) = value.get_mut("model").and_then(|m| m.get_mut("agents")).and_then(Value::as_sequence_mut) else { return Ok(()) };
     for (i, entry) in list.iter_mut().enumerate() {
         match entry {
-            Value::String(name) => {
-                let mut m = Mapping::new();
-                m.insert(Value::from("name"), Value::String(std::mem::take(name)));
-                *entry = Value::Mapping(m);
-            }
+            Value::String(name) => *entry = name_entry(std::mem::take(name)),
             Value::Null => *entry = Value::Mapping(Mapping::new()),
             Value::Mapping(_) => {}
             other => {
@@ -398,6 +392,13 @@ fn agent_names_as_settings(value: &mut Value) -> Result<(), (String, String)> {
         }
     }
     Ok(())
+}
+
+/// A `model.agents` entry written as a plain model name, as the mapping it means.
+fn name_entry(name: String) -> Value {
+    let mut m = Mapping::new();
+    m.insert(Value::from("name"), Value::String(name));
+    Value::Mapping(m)
 }
 
 fn describe_serde_error(file: &str, path: &str, message: &str) -> ConfigError {

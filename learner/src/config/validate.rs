@@ -332,8 +332,7 @@ fn agent_setups(
         && let Some(j) = setups.iter().position(|s| s.learning_rate != setups[0].learning_rate)
     {
         // Name an entry that sets a rate of its own (agent 0's when only it does).
-        let i = if entries[j].learning_rate.is_some() { j } else { 0 };
-        let (i, other) = if i == j { (j, 0) } else { (0, j) };
+        let (i, other) = if entries[j].learning_rate.is_some() { (j, 0) } else { (0, j) };
         return Err((
             format!("model.agents[{i}].learning_rate"),
             format!(
