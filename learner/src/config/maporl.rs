@@ -105,6 +105,19 @@ pub enum FollowupStyle {
     Cotrain,
 }
 
+/// The user message the learned verifier reads with each answer (`score: verifier`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum VerifierUserMessage {
+    /// The answering agent's own turn-0 question message, as MaPoRL's trainer sends it (the first
+    /// message of the agent's conversation, at every turn).
+    #[default]
+    FirstTurn,
+    /// `verifier.user_template` over the row's question: the message `learner verifier generate`
+    /// samples and trains with.
+    Template,
+}
+
 /// `maporl.lora`: the adapters' shape (PEFT's `LoraConfig`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -311,6 +324,11 @@ pub struct MaporlSection {
     /// the answer as sampled); false: every step reads the answer as sampled.
     #[serde(default = "default_true")]
     pub rewrite_answers: bool,
+    /// With `score: verifier`, the user message paired with each answer: `first_turn` (the agent's
+    /// own turn-0 question message, the original's) or `template` (`verifier.user_template`, what
+    /// `learner verifier generate` trains on).
+    #[serde(default)]
+    pub verifier_user_message: VerifierUserMessage,
     /// Evaluate before steps 0, n, 2n, ... (n = this value; 0: never).
     #[serde(default = "default_eval_interval")]
     pub eval_interval: usize,

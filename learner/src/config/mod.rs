@@ -11,7 +11,7 @@ mod validate;
 
 use std::path::{Path, PathBuf};
 
-pub use maporl::{AdapterLayout, AdvantageWhitening, CriticHead, FollowupStyle, LoraSection, MaporlScore, MaporlSection, ScorePosition};
+pub use maporl::{AdapterLayout, AdvantageWhitening, CriticHead, FollowupStyle, LoraSection, MaporlScore, MaporlSection, ScorePosition, VerifierUserMessage};
 pub use verifier::VerifierSection;
 pub use schema::*;
 use serde_yaml_ng::{Mapping, Value};

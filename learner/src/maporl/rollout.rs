@@ -90,10 +90,23 @@ pub struct DiscussionSetup<'a> {
 }
 
 /// How `score: verifier` asks the learned verifier: its name on the rollout workers and the user
-/// message template (`verifier.user_template`, the one it was trained with).
+/// message paired with each answer.
 pub struct VerifierScoring {
     pub name: String,
-    pub user_template: String,
+    /// `verifier.user_template` (the one it was trained with), rendered over each row's question;
+    /// `None`: each answering agent's own turn-0 question message, as the original sends it
+    /// (`maporl.verifier_user_message`).
+    pub user_template: Option<String>,
+}
+
+impl VerifierScoring {
+    /// The user message for agent `agent`'s answer to `item`.
+    fn user_message(&self, task: &str, item: &TrainItem, agent: usize) -> Result<String, TrainError> {
+        match &self.user_template {
+            Some(t) => crate::verifier::user_message(t, &crate::verifier::question_text(task, &item.item)).map_err(TrainError::Config),
+            None => Ok(item.texts[agent].clone()),
+        }
+    }
 }
 
 impl DiscussionSetup<'_> {
@@ -198,16 +211,14 @@ impl DiscussionSetup<'_> {
                 })
                 .collect();
             let scores = reward.score(self.task, &actions)?;
-            // s(t, i) from the learned verifier: (question, answer) as it was trained on them.
+            // s(t, i) from the learned verifier: (question message, answer as presented).
             let probabilities = match &self.verifier {
                 Some(v) => {
-                    let users = items
+                    let conversations = presented
                         .iter()
-                        .map(|it| crate::verifier::user_message(&v.user_template, &crate::verifier::question_text(self.task, &it.item)))
-                        .collect::<Result<Vec<_>, String>>()
-                        .map_err(TrainError::Config)?;
-                    let conversations: Vec<(String, String)> =
-                        presented.iter().enumerate().map(|(k, p)| (users[k / n].clone(), p.judged.clone())).collect();
+                        .enumerate()
+                        .map(|(k, p)| Ok((v.user_message(self.task, items[k / n], k % n)?, p.judged.clone())))
+                        .collect::<Result<Vec<(String, String)>, TrainError>>()?;
                     Some(rollout.score_verifier(&v.name, &conversations)?)
                 }
                 None => None,

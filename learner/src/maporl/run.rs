@@ -19,7 +19,7 @@ use super::agents::{Adapters, Bases, adapter_key, critic_key, scheduled_lr};
 use super::rollout::{Discussion, DiscussionSetup, discussion_metrics};
 use super::update::{PpoRecord, PpoSample, ppo_update, training_response};
 use crate::algo::discussion_score::{Incentives, ScoreRule, shaped_training_scores};
-use crate::config::{CheckedConfig, MaporlSection};
+use crate::config::{CheckedConfig, MaporlSection, VerifierUserMessage};
 use crate::dist::{Collective, SingleRank};
 use crate::metrics::MetricsWriter;
 use crate::prompts::Followup;
@@ -125,7 +125,10 @@ impl MaporlTrainer {
             max_prompt_tokens: self.max_prompt_tokens(),
             verifier: self.verifier.as_ref().map(|name| super::rollout::VerifierScoring {
                 name: name.clone(),
-                user_template: self.s.cfg.raw.verifier.clone().unwrap_or_default().template(&self.s.task),
+                user_template: match self.m.verifier_user_message {
+                    VerifierUserMessage::FirstTurn => None,
+                    VerifierUserMessage::Template => Some(self.s.cfg.raw.verifier.clone().unwrap_or_default().template(&self.s.task)),
+                },
             }),
         };
         setup.discuss(items, seed, self.s.rollout.as_mut(), self.s.reward.as_mut())
