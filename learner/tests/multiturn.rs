@@ -16,7 +16,7 @@ use cotrain_learner::config::{AdvantageMode, Handoff, JointMode};
 use cotrain_learner::services::EngineRollout;
 use cotrain_learner::trainer::sources::FeedbackSpec;
 use cotrain_learner::trainer::tree::{AgentPrompt, Expansion, Forest, Node, expand, handoff_picks, max_tree_nodes};
-use cotrain_learner::trainer::{GenSample, Policy, RewardSource, Score, ScoreAction, TrainError, TrainItem, Trainer, TrainerSetup};
+use cotrain_learner::trainer::{GenSample, Policy, RewardSource, RolloutSource, Score, ScoreAction, TrainError, TrainItem, Trainer, TrainerSetup};
 use rand::SeedableRng;
 use train_common::{config, tiny_model_dir};
 
@@ -372,4 +372,206 @@ fn learner_ranks_refuse_what_they_cannot_reproduce() {
     let shared = config(&mt_yaml(2, "handoff", 1, ""), &["learner.placement=agent".to_string(), "magrpo.shared_parameters=true".to_string()]);
     let err = check_ranks(&shared, 2).unwrap_err().to_string();
     assert!(err.contains("one policy") && err.contains("placement: data"), "{err}");
+}
+
+// ------------------------------------------- CoMLRL 2026's buffer schedule, item after item
+
+/// Rewards by the order items are first seen in (the original's item 0, 1, ...): -1 everywhere
+/// (a root below the -0.2 threshold grows its 4 children), except that `leaf_item`'s root scores
+/// 1 (a leaf).
+struct ByFirstSeen {
+    seen: Vec<usize>,
+    leaf_item: Option<usize>,
+}
+
+impl RewardSource for ByFirstSeen {
+    fn score(&mut self, _task: &str, actions: &[ScoreAction]) -> Result<Vec<Score>, TrainError> {
+        Ok(actions
+            .iter()
+            .map(|a| {
+                let row = a.item["row"].as_u64().unwrap() as usize;
+                if !self.seen.contains(&row) {
+                    self.seen.push(row);
+                }
+                let order = self.seen.iter().position(|&r| r == row).unwrap();
+                let r = if Some(order) == self.leaf_item { 1.0 } else { -1.0 };
+                Score { reward: r, levels: BTreeMap::from([("level_1".to_string(), r)]), ..Default::default() }
+            })
+            .collect())
+    }
+    fn feedback(&mut self, _task: &str, actions: &[ScoreAction], _spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
+        Ok(actions.iter().map(|a| vec!["d".to_string(); a.completions.len()]).collect())
+    }
+    fn describe(&self) -> String {
+        "by first seen".into()
+    }
+}
+
+/// The in-process engine, writing `G` for each generation call and `P` for each weight push.
+struct Events {
+    inner: EngineRollout,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl RolloutSource for Events {
+    fn generate(&mut self, requests: &[cotrain_learner::trainer::GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError> {
+        self.log.lock().unwrap().push('G');
+        self.inner.generate(requests)
+    }
+    fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
+        self.inner.policy_version(agent)
+    }
+    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, tch::Tensor>) -> Result<(), TrainError> {
+        self.log.lock().unwrap().push('P');
+        self.inner.push_weights(agent, version, params)
+    }
+    fn describe(&self) -> String {
+        "events".into()
+    }
+}
+
+/// A 2-agent, 2-turn tree trainer on `rows` rows (`{"row": i}`) with the 2026 keys and
+/// `overrides`, its rollouts written to the returned event log.
+fn buffer_trainer(dir: &std::path::Path, overrides: &[&str], rows: usize, reward: Box<dyn RewardSource>) -> (Trainer, std::sync::Arc<std::sync::Mutex<String>>) {
+    let yaml = mt_yaml(2, "tree", 1, "");
+    let mut all: Vec<String> = ["magrpo.termination_threshold=-0.2", "magrpo.discount=1.0", "magrpo.advantage_normalization=true", "comlrl_era=2026"]
+        .iter()
+        .chain(overrides)
+        .map(|s| s.to_string())
+        .collect();
+    all.push(format!("dataset.train_split=test[:{rows}]"));
+    let cfg = config(&yaml, &all);
+    let model = tiny_model_dir(dir);
+    let spec = model.display().to_string();
+    let opts = cotrain_model::loader::LoadOptions::default();
+    let adam = AdamWConfig::new(cfg.trainer.learning_rate, cfg.trainer.weight_decay, cfg.trainer.max_grad_norm);
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let mut policies = Vec::new();
+    let mut engines = Vec::new();
+    for a in 0..2 {
+        let name = format!("agent{a}");
+        policies.push(Policy::new(&name, &spec, cotrain_model::loader::load(&spec, &opts).unwrap(), None, adam));
+        engines.push((name, cotrain_model::loader::load(&spec, &opts).unwrap()));
+    }
+    let items: Vec<TrainItem> =
+        (0..rows).map(|i| TrainItem { index: i, item: serde_json::json!({"row": i}), prompts: vec![vec![81, 58]; 2], texts: vec!["Q:".into(); 2] }).collect();
+    let trainer = Trainer::new(TrainerSetup {
+        cfg: cfg.clone(),
+        run_dir: dir.join("run"),
+        task: "by_row".into(),
+        is_code: false,
+        policies,
+        agent_policy: vec![0, 1],
+        rollout: Box::new(Events { inner: EngineRollout::new(engines), log: log.clone() }),
+        reward,
+        train_items: items.clone(),
+        eval_items: items,
+    })
+    .unwrap();
+    (trainer, log)
+}
+
+/// One step of 2 items (the whole epoch) under `overrides`: the step's optimiser steps and the
+/// generation/push sequence, consecutive repeats folded (`GPGP`).
+fn two_item_step(overrides: &[&str], leaf_item: Option<usize>) -> (f64, String) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut trainer, log) = buffer_trainer(tmp.path(), overrides, 2, Box::new(ByFirstSeen { seen: Vec::new(), leaf_item }));
+    let m = trainer.train_step(&[1, 0]).unwrap();
+    let mut folded = String::new();
+    for c in log.lock().unwrap().chars() {
+        if !folded.ends_with(c) {
+            folded.push(c);
+        }
+    }
+    (m["optimizer_steps"], folded)
+}
+
+/// The original's optimiser steps (both agents) in `batch_schedule.json`'s run `name`, written by
+/// `scripts/reference/comlrl2026_fixtures.py` from CoMLRL 86d1bb9's `_train_step_returns` over two
+/// items and the end-of-epoch drain.
+fn original_steps(name: &str) -> f64 {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/comlrl2026/batch_schedule.json");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let run = v["runs"].as_array().unwrap().iter().find(|r| r["name"] == name).unwrap();
+    run["optimizer_steps"].as_array().unwrap().len() as f64
+}
+
+#[test]
+fn items_train_one_after_another_with_the_originals_optimiser_steps() {
+    let he = ["magrpo.rollout_buffer_size=2", "magrpo.train_batch_size=2"];
+    // Item by item: the second item is sampled after the first one's updates were pushed.
+    let (steps, events) = two_item_step(&he, None);
+    assert_eq!(steps, original_steps("he_buffer2_batch2"));
+    assert_eq!(events, "GPGP");
+    // The second item's root a leaf: its root trains with the first item's last child.
+    let (steps, events) = two_item_step(&he, Some(1));
+    assert_eq!(steps, original_steps("he_buffer2_batch2_early_stop_item1"));
+    assert_eq!(events, "GPGP");
+    // Buffer 4: the first item's last child waits for the second item (one push after each item).
+    let (steps, _) = two_item_step(&["magrpo.rollout_buffer_size=4", "magrpo.train_batch_size=4"], None);
+    assert_eq!(steps, original_steps("che_buffer4_batch4"));
+    // Mini-batches of 2 nodes in a buffer of 4: one optimiser step per mini-batch.
+    let (steps, _) = two_item_step(&["magrpo.rollout_buffer_size=4", "magrpo.train_batch_size=2"], None);
+    assert_eq!(steps, original_steps("buffer4_batch2"));
+    // The step-wise option samples both items first and trains once.
+    let (_, events) = two_item_step(&["magrpo.rollout_buffer_size=2", "magrpo.train_batch_size=2", "magrpo.train_between_items=false"], None);
+    assert_eq!(events, "GP");
+}
+
+/// Row 0's nodes score from 1 (its root is a leaf), every other node's from -1 (below the
+/// threshold: roots grow children), plus a tenth of agent 0's first token mod 5 (so that siblings
+/// differ and updates have a gradient).
+struct RowZeroLeaf;
+
+impl RewardSource for RowZeroLeaf {
+    fn score(&mut self, _task: &str, actions: &[ScoreAction]) -> Result<Vec<Score>, TrainError> {
+        Ok(actions
+            .iter()
+            .map(|a| {
+                let bonus = 0.1 * a.completion_ids[0].first().map_or(0, |t| t % 5) as f64;
+                let r = if a.item["row"] == 0 { 1.0 } else { -1.0 } + bonus;
+                Score { reward: r, levels: BTreeMap::from([("level_1".to_string(), r)]), ..Default::default() }
+            })
+            .collect())
+    }
+    fn feedback(&mut self, _task: &str, actions: &[ScoreAction], _spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
+        Ok(actions.iter().map(|a| vec!["d".to_string(); a.completions.len()]).collect())
+    }
+    fn describe(&self) -> String {
+        "row zero leaf".into()
+    }
+}
+
+#[test]
+fn a_partial_buffer_waits_for_the_next_step_and_survives_a_checkpoint() {
+    // G = 3, buffer 2: row 0 is a leaf (1 node), row 1 grows 3 children (4 nodes); the step's fifth
+    // node waits for the next step, whose items are not the epoch's last.
+    let settings = ["magrpo.num_generations=3", "magrpo.rollout_buffer_size=2", "magrpo.train_batch_size=2", "magrpo.learning_rate=0.0003"];
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut straight, _) = buffer_trainer(&tmp.path().join("a"), &settings, 6, Box::new(RowZeroLeaf));
+    let first = straight.train_step(&[0, 1]).unwrap();
+    // Nodes [root 0, root 1] (both turn 0: one update), [child, child] (one): 2 per agent.
+    assert_eq!(first["optimizer_steps"], 4.0);
+    let dir = straight.save_checkpoint().unwrap();
+    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap();
+    assert_eq!(state["extra"]["buffered_nodes"].as_array().unwrap().len(), 1, "the waiting node is in the checkpoint");
+    let next = straight.train_step(&[2, 3]).unwrap();
+    assert!(next["grad_norm"] > 0.0, "the second step has a gradient to compare: {next:?}");
+
+    // A new trainer resumed from the checkpoint trains the waiting node with the next step's.
+    let (mut resumed, _) = buffer_trainer(&tmp.path().join("b"), &settings, 6, Box::new(RowZeroLeaf));
+    resumed.restore(&dir).unwrap();
+    // As `run` does first: the workers serve the restored weights.
+    resumed.sync_all_weights().unwrap();
+    let second = resumed.train_step(&[2, 3]).unwrap();
+    // 1 waiting + 8 new nodes: [waiting child, root 2] (two updates: turn 0, then turn 1),
+    // [child, child] (one), [child, root 3] (two), [child, child] (one); the last child waits again.
+    assert_eq!(second["optimizer_steps"], 2.0 * 6.0);
+    for (p, q) in straight.policies().iter().zip(resumed.policies()) {
+        let (pa, qa) = (p.parameters(), q.parameters());
+        for (name, t) in &pa {
+            let diff = (t - &qa[name]).abs().max().double_value(&[]);
+            assert!(diff <= 1e-6, "{name} differs by {diff}");
+        }
+    }
 }

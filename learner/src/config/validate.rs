@@ -262,6 +262,7 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     trainer.advantage_normalization_form.get_or_insert(if new_era { NormalizationForm::Centred } else { NormalizationForm::Uncentred });
     trainer.train_batch_unit.get_or_insert(if new_era { BatchUnit::Nodes } else { BatchUnit::Completions });
     trainer.eval_all_turns.get_or_insert(new_era);
+    trainer.train_between_items.get_or_insert(new_era);
     Ok(CheckedConfig {
         prompt_sources,
         score_options,

@@ -48,6 +48,11 @@ impl Trainer {
         self.rng_seed = st.rng_seed;
         self.rng = ChaCha8Rng::seed_from_u64(st.rng_seed);
         self.rng.set_word_pos(word);
+        // The partial rollout buffer of `train_between_items` (absent from older checkpoints: empty).
+        self.buffered = match st.extra.get("buffered_nodes") {
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| TrainError::Checkpoint(format!("{}: buffered_nodes: {e}", dir.display())))?,
+            None => Vec::new(),
+        };
         info!(checkpoint = %dir.display(), step = st.step, epoch = st.epoch, position = st.data_position, "resumed");
         self.last_checkpoint = Some(dir);
         Ok(())
@@ -78,6 +83,7 @@ impl Trainer {
             extra: serde_json::json!({
                 "agent_policy": self.s.agent_policy,
                 "policies": self.s.policies.iter().map(|p| serde_json::json!({"worker_agent": p.worker_agent, "model": p.model_spec})).collect::<Vec<_>>(),
+                "buffered_nodes": self.buffered,
             }),
         };
         let pairs: Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> = self.s.policies.iter().map(|p| (&p.model.vs, &p.optimizer)).collect();

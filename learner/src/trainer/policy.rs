@@ -18,7 +18,7 @@ use crate::algo::{AdamW, AdamWConfig, LossOptions, PolicyBatch, policy_loss};
 use crate::error::TrainError;
 
 /// One completion with its advantage, ready for the loss.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TrainSample {
     pub prompt: Vec<u32>,
     pub completion: Vec<u32>,

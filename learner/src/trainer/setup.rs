@@ -97,6 +97,9 @@ pub struct Trainer {
     pub ignore_eos: bool,
     /// Asynchronous rollouts: the next step's rollout, drawn while this step trained.
     pub(super) pending: Option<StepRollout>,
+    /// `train_between_items`: the nodes of earlier items not yet trained (a partial buffer, carried
+    /// across steps and kept in checkpoints).
+    pub(super) buffered: Vec<super::step::BufferedNode>,
     /// While the policies train on another thread: each policy's (worker agent, served version),
     /// what rollouts read instead of the policies.
     pub(super) lent: Option<Vec<(String, u64)>>,
@@ -174,6 +177,7 @@ impl Trainer {
             stop_after_steps: None,
             ignore_eos: false,
             pending: None,
+            buffered: Vec::new(),
             lent: None,
             expert: None,
             s,

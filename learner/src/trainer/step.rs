@@ -34,8 +34,64 @@ impl Trainer {
     /// One step on the given rows of the train split (see the module docs); returns its scalars.
     pub fn train_step(&mut self, rows: &[usize]) -> Result<BTreeMap<String, f64>, TrainError> {
         let t_step = Instant::now();
+        if self.trains_between_items() {
+            return self.train_step_item_by_item(rows, t_step);
+        }
         let batch = self.roll_out_rows(rows, self.step)?;
         self.update_and_report(batch, t_step, None, AsyncReport::default())
+    }
+
+    /// Whether steps roll out and train item by item (`magrpo.train_between_items`, which applies
+    /// to one-rank synchronous tree runs of several turns).
+    pub(super) fn trains_between_items(&self) -> bool {
+        let cfg = &self.s.cfg;
+        cfg.trainer.train_between_items == Some(true)
+            && cfg.trainer.rollout == MultiTurnMode::Tree
+            && cfg.trainer.num_turns > 1
+            && self.dist.world() == 1
+            && cfg.raw.rollout.max_off_policy_steps == 0
+    }
+
+    /// A step as CoMLRL 2026 trains (`train_between_items`): each item is rolled out with the
+    /// weights the previous items' updates left, its nodes join the buffer carried from earlier
+    /// items (and steps), and every time the buffer holds `rollout_buffer_size` nodes they are
+    /// trained (one update per turn among them, first turn first) and pushed. The step that ends
+    /// an epoch trains what is left. The metrics are the whole step's.
+    fn train_step_item_by_item(&mut self, rows: &[usize], t_step: Instant) -> Result<BTreeMap<String, f64>, TrainError> {
+        let buffer_nodes = self.s.cfg.trainer.rollout_buffer_size.max(1);
+        let ends_epoch = self.position as usize + rows.len() >= self.s.train_items.len();
+        let mut step = StepRollout { rows: rows.to_vec(), items: Vec::new(), forest: Forest::default(), times: RolloutTimes::default() };
+        let mut updates = StepUpdates::default();
+        let mut return_kl_coef = None;
+        for (k, &row) in rows.iter().enumerate() {
+            let mut one = self.roll_out_rows(&[row], self.step)?;
+            return_kl_coef = self.prepare_forest(&mut one.forest)?;
+            self.buffered.extend(one.forest.preorder(0).into_iter().map(|id| buffered_node(&one.forest, id)));
+            let mut groups = Vec::new();
+            while self.buffered.len() >= buffer_nodes {
+                groups.extend(by_turn(self.buffered.drain(..buffer_nodes).collect()));
+            }
+            if ends_epoch && k + 1 == rows.len() {
+                groups.extend(by_turn(std::mem::take(&mut self.buffered)));
+            }
+            if !groups.is_empty() {
+                let t = Instant::now();
+                let (loss_opts, epochs) = self.loss_setup();
+                let rounds = self.rounds_of(groups)?;
+                let concurrent = self.s.cfg.raw.learner.concurrent_policies;
+                let done = run_rounds(&mut self.s.policies, &rounds, &loss_opts, epochs, self.dist.as_ref(), concurrent)?;
+                let t_train = t.elapsed().as_secs_f64();
+                let policies: Vec<usize> = rounds.iter().map(|r| r.policy).collect();
+                let push = self.push_updated(&done.updated)?;
+                updates.absorb(StepUpdates { stats: policies.into_iter().zip(done.stats).collect(), concurrent: done.concurrent, t_train, push });
+            }
+            step.forest.absorb(one.forest, step.items.len());
+            step.items.extend(one.items);
+            step.times.generate += one.times.generate;
+            step.times.reward += one.times.reward;
+            step.times.transition += one.times.transition;
+        }
+        self.report_step(step, updates, return_kl_coef, t_step, AsyncReport::default())
     }
 
     /// This rank's share of `rows` rolled out as step `step` (its seeds).
@@ -71,33 +127,15 @@ impl Trainer {
         lookahead: Option<&[usize]>,
         mut report: AsyncReport,
     ) -> Result<BTreeMap<String, f64>, TrainError> {
-        let cfg = self.s.cfg.clone();
-        let n = cfg.num_agents;
-        let world = self.dist.world();
         let StepRollout { rows, items, mut forest, times } = batch;
-        let handoff = cfg.trainer.rollout == MultiTurnMode::Handoff;
-        forest.compute_returns(cfg.trainer.discount, !handoff);
-        let kl = &cfg.trainer.reference_kl;
-        let return_kl_coef = (kl.enabled && kl.placement == KlPlacement::Returns).then_some(kl.coef);
-        if return_kl_coef.is_some() {
-            self.measure_reference_kl(&mut forest)?;
-        }
-        forest.compute_advantages(n, &AdvantageOptions::from_section(&cfg.trainer), return_kl_coef);
-        forest.assign_turn_weights(&cfg.turn_gradient_weights, cfg.trainer.early_termination_weight, handoff);
+        let handoff = self.s.cfg.trainer.rollout == MultiTurnMode::Handoff;
+        let return_kl_coef = self.prepare_forest(&mut forest)?;
 
         // 4–5. updates: the groups of nodes the original updates on, one optimiser round per policy each.
         let t = Instant::now();
-        let mut loss_opts = LossOptions::from_section(&cfg.trainer);
-        loss_opts.scale = 1.0;
-        if cfg.raw.rollout.max_off_policy_steps > 0 || super::rollout_precision_differs(&cfg) {
-            // Off-policy samples, or samples drawn in another precision (bf16 rollouts of an f32
-            // policy): the workers' log-probs are the behaviour policy.
-            loss_opts.truncated_is = cfg.raw.rollout.importance_weight_cap;
-            loss_opts.measure_gap = true;
-        }
-        let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
+        let (loss_opts, epochs) = self.loss_setup();
         let plans = self.plan_rounds(&forest, items.len(), handoff)?;
-        let concurrent = cfg.raw.learner.concurrent_policies;
+        let concurrent = self.s.cfg.raw.learner.concurrent_policies;
         let done = match lookahead {
             None => run_rounds(&mut self.s.policies, &plans, &loss_opts, epochs, self.dist.as_ref(), concurrent)?,
             Some(next) => {
@@ -126,12 +164,48 @@ impl Trainer {
             }
         };
         let t_train = t.elapsed().as_secs_f64();
-        let (rounds, updated) = (done.stats, done.updated);
+        let push = self.push_updated(&done.updated)?;
+        let policies: Vec<usize> = plans.iter().map(|r| r.policy).collect();
+        let updates = StepUpdates { stats: policies.into_iter().zip(done.stats).collect(), concurrent: done.concurrent, t_train, push };
+        self.report_step(StepRollout { rows, items, forest, times }, updates, return_kl_coef, t_step, report)
+    }
 
-        // 6. the new weights reach every worker before anything else is sampled (rank 0 pushes; the
-        // other ranks wait for it).
+    /// Returns, the reference KL where it shapes them, advantages and turn weights of `forest`'s
+    /// nodes; the KL coefficient when it shapes the returns.
+    fn prepare_forest(&mut self, forest: &mut Forest) -> Result<Option<f64>, TrainError> {
+        let cfg = self.s.cfg.clone();
+        let handoff = cfg.trainer.rollout == MultiTurnMode::Handoff;
+        forest.compute_returns(cfg.trainer.discount, !handoff);
+        let kl = &cfg.trainer.reference_kl;
+        let return_kl_coef = (kl.enabled && kl.placement == KlPlacement::Returns).then_some(kl.coef);
+        if return_kl_coef.is_some() {
+            self.measure_reference_kl(forest)?;
+        }
+        forest.compute_advantages(cfg.num_agents, &AdvantageOptions::from_section(&cfg.trainer), return_kl_coef);
+        forest.assign_turn_weights(&cfg.turn_gradient_weights, cfg.trainer.early_termination_weight, handoff);
+        Ok(return_kl_coef)
+    }
+
+    /// The loss options and epochs of every update.
+    fn loss_setup(&self) -> (LossOptions, usize) {
+        let cfg = &self.s.cfg;
+        let mut loss_opts = LossOptions::from_section(&cfg.trainer);
+        loss_opts.scale = 1.0;
+        if cfg.raw.rollout.max_off_policy_steps > 0 || super::rollout_precision_differs(cfg) {
+            // Off-policy samples, or samples drawn in another precision (bf16 rollouts of an f32
+            // policy): the workers' log-probs are the behaviour policy.
+            loss_opts.truncated_is = cfg.raw.rollout.importance_weight_cap;
+            loss_opts.measure_gap = true;
+        }
+        let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
+        (loss_opts, epochs)
+    }
+
+    /// 6. The new weights of the `updated` policies reach every worker before anything else is
+    /// sampled (rank 0 pushes; the other ranks wait for it).
+    fn push_updated(&mut self, updated: &[bool]) -> Result<PushReport, TrainError> {
         let t = Instant::now();
-        let (mut push_bytes, mut push_workers) = (0u64, 0usize);
+        let mut push = PushReport::default();
         let changed: Vec<usize> = updated.iter().enumerate().filter(|(_, c)| **c).map(|(pi, _)| pi).collect();
         if self.dist.is_root() && !changed.is_empty() {
             // Every changed policy at once: the pushes overlap where the source can.
@@ -145,19 +219,35 @@ impl Trainer {
                 })
                 .collect();
             self.s.rollout.push_weights_all(&updates)?;
-            if let Some(push) = self.s.rollout.last_push() {
-                push_bytes += push.bytes;
-                push_workers = push_workers.max(push.workers);
+            if let Some(last) = self.s.rollout.last_push() {
+                push.bytes += last.bytes;
+                push.workers = push.workers.max(last.workers);
             }
         }
         for &pi in &changed {
             self.s.policies[pi].wire_version += 1;
         }
-        if world > 1 {
+        if self.dist.world() > 1 {
             self.dist.barrier()?;
         }
-        let t_sync = t.elapsed().as_secs_f64();
+        push.secs = t.elapsed().as_secs_f64();
+        Ok(push)
+    }
 
+    /// The step's scalars (rank 0 gathers every rank's nodes first) and its rollout log.
+    fn report_step(
+        &mut self,
+        step: StepRollout,
+        updates: StepUpdates,
+        return_kl_coef: Option<f64>,
+        t_step: Instant,
+        report: AsyncReport,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
+        let cfg = self.s.cfg.clone();
+        let world = self.dist.world();
+        let StepRollout { rows, items, forest, times } = step;
+        let StepUpdates { stats: rounds, concurrent, t_train, push } = updates;
+        let PushReport { bytes: push_bytes, workers: push_workers, secs: t_sync } = push;
         // Rank 0 reports the whole step: every rank's nodes, its items in the same order.
         let (forest, items) = if world > 1 { self.gather_step(forest, &rows)? } else { (forest, items) };
         if forest.nodes.is_empty() && !self.dist.is_root() {
@@ -192,7 +282,7 @@ impl Trainer {
                 m.insert(format!("agent{a}/learning_rate"), self.s.policies[self.s.agent_policy[a]].optimizer.cfg.lr);
             }
         }
-        let trained: Vec<&UpdateStats> = rounds.iter().filter(|s| s.skipped.is_none() && s.steps > 0).collect();
+        let trained: Vec<&UpdateStats> = rounds.iter().map(|(_, s)| s).filter(|s| s.skipped.is_none() && s.steps > 0).collect();
         let avg = |f: fn(&UpdateStats) -> f64| if trained.is_empty() { f64::NAN } else { trained.iter().map(|s| f(s)).sum::<f64>() / trained.len() as f64 };
         m.insert("loss".into(), avg(|s| s.loss));
         match return_kl_coef {
@@ -215,13 +305,14 @@ impl Trainer {
         let policies = self.s.policies.len();
         if policies > 1 {
             for pi in 0..policies {
-                let own: Vec<f64> = rounds.iter().skip(pi).step_by(policies).filter(|s| s.skipped.is_none()).map(|s| s.loss).collect();
+                let own: Vec<f64> = rounds.iter().filter(|(p, s)| *p == pi && s.skipped.is_none() && s.steps > 0).map(|(_, s)| s.loss).collect();
                 m.insert(format!("policy{pi}/loss"), if own.is_empty() { f64::NAN } else { mean(&own) });
             }
         }
+        let rounds: Vec<&UpdateStats> = rounds.iter().map(|(_, s)| s).collect();
         m.insert("skipped_updates".into(), rounds.iter().filter(|s| s.skipped.is_some()).count() as f64);
         m.insert("optimizer_steps".into(), rounds.iter().map(|s| s.steps as f64).sum::<f64>());
-        m.insert("concurrent_policies".into(), done.concurrent as f64);
+        m.insert("concurrent_policies".into(), concurrent as f64);
         let train_tokens: f64 = rounds.iter().map(|s| s.tokens).sum();
         m.insert("tokens_per_s".into(), if times.generate > 0.0 { gen_tokens / times.generate } else { 0.0 });
         m.insert("train_tokens_per_s".into(), if t_train > 0.0 { train_tokens / t_train } else { 0.0 });
@@ -272,36 +363,33 @@ impl Trainer {
     }
 
     /// The optimiser rounds of a step: per update group (see [`Forest::update_groups`]; with several
-    /// ranks one group per turn, so that every rank runs the same rounds) and policy, the policy's
-    /// agents' samples in mini-batches and their counts over all ranks. Groups no rank has samples
-    /// in are left out.
+    /// ranks one group per turn, so that every rank runs the same rounds); see [`Self::rounds_of`].
     pub(super) fn plan_rounds(&mut self, forest: &Forest, items: usize, handoff: bool) -> Result<Vec<Round>, TrainError> {
         let cfg = &self.s.cfg;
-        let n = cfg.num_agents;
         let groups = if self.dist.world() > 1 {
             forest.groups_by_turn(items, cfg.trainer.num_turns)
         } else {
             forest.update_groups(items, cfg.trainer.rollout_buffer_size, handoff)
         };
+        let groups = groups.iter().map(|g| g.iter().map(|&id| buffered_node(forest, id)).collect()).collect();
+        self.rounds_of(groups)
+    }
+
+    /// The optimiser rounds of update groups of nodes: per group and policy, the policy's agents'
+    /// samples in mini-batches and their counts over all ranks. With `train_batch_unit: nodes` on
+    /// one rank, each mini-batch is a round of its own (CoMLRL 2026 steps the optimiser after
+    /// each); otherwise a group's mini-batches make one optimiser step. Groups no rank has samples
+    /// in are left out.
+    pub(super) fn rounds_of(&mut self, groups: Vec<Vec<BufferedNode>>) -> Result<Vec<Round>, TrainError> {
+        let cfg = &self.s.cfg;
+        let n = cfg.num_agents;
+        let step_per_minibatch = cfg.trainer.train_batch_unit == Some(BatchUnit::Nodes) && self.dist.world() == 1;
         let mut rounds = Vec::new();
-        for group in &groups {
+        for group in groups {
             let mut buffers: Vec<RolloutBuffer<TrainSample>> = (0..n).map(|_| RolloutBuffer::new(group.len())).collect();
-            for &id in group {
-                let node = &forest.nodes[id];
-                for (a, buffer) in buffers.iter_mut().enumerate() {
-                    buffer.push_node(
-                        node.samples[a]
-                            .iter()
-                            .enumerate()
-                            .map(|(k, s)| TrainSample {
-                                prompt: node.prompts[a].ids.clone(),
-                                completion: s.token_ids.clone(),
-                                advantage: node.advantages[a][k],
-                                weight: node.turn_weight,
-                                old_logprobs: s.logprobs.clone(),
-                            })
-                            .collect(),
-                    );
+            for node in group {
+                for (buffer, samples) in buffers.iter_mut().zip(node.samples) {
+                    buffer.push_node(samples);
                 }
             }
             let own = self.layout().own;
@@ -310,24 +398,98 @@ impl Trainer {
                 let scale = 1.0 / members.len().max(1) as f64;
                 // Agent placement: another rank computes this policy's gradients (this one adds zeros).
                 let mine = own.is_none_or(|o| o == policy);
-                let batches: Vec<AgentBatches> = members
+                let minibatches: Vec<Vec<Vec<TrainSample>>> = members
                     .iter()
-                    .map(|&a| AgentBatches {
-                        minibatches: match (mine, cfg.trainer.train_batch_unit) {
-                            (false, _) => Vec::new(),
-                            (true, Some(BatchUnit::Nodes)) => buffers[a].drain_node_minibatches(&mut self.rng, cfg.trainer.train_batch_size),
-                            (true, _) => buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size),
-                        },
-                        scale,
+                    .map(|&a| match (mine, cfg.trainer.train_batch_unit) {
+                        (false, _) => Vec::new(),
+                        (true, Some(BatchUnit::Nodes)) => buffers[a].drain_node_minibatches(&mut self.rng, cfg.trainer.train_batch_size),
+                        (true, _) => buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size),
                     })
                     .collect();
-                let local: Vec<f64> = batches.iter().map(|b| b.minibatches.iter().map(Vec::len).sum::<usize>() as f64).collect();
-                let totals: Vec<usize> = self.dist.sum_f64(&local)?.iter().map(|&c| c as usize).collect();
-                if totals.iter().any(|&c| c > 0) {
-                    rounds.push(Round { policy, batches, totals });
+                let parts: Vec<Vec<Vec<Vec<TrainSample>>>> = if step_per_minibatch {
+                    // Round k: every member's k-th mini-batch.
+                    let most = minibatches.iter().map(Vec::len).max().unwrap_or(0);
+                    let mut per_member: Vec<std::vec::IntoIter<Vec<TrainSample>>> = minibatches.into_iter().map(Vec::into_iter).collect();
+                    (0..most).map(|_| per_member.iter_mut().map(|it| it.next().into_iter().collect()).collect()).collect()
+                } else {
+                    vec![minibatches]
+                };
+                for part in parts {
+                    let batches: Vec<AgentBatches> = part.into_iter().map(|minibatches| AgentBatches { minibatches, scale }).collect();
+                    let local: Vec<f64> = batches.iter().map(|b| b.minibatches.iter().map(Vec::len).sum::<usize>() as f64).collect();
+                    let totals: Vec<usize> = self.dist.sum_f64(&local)?.iter().map(|&c| c as usize).collect();
+                    if totals.iter().any(|&c| c > 0) {
+                        rounds.push(Round { policy, batches, totals });
+                    }
                 }
             }
         }
         Ok(rounds)
     }
+}
+
+/// One tree node's training samples, per agent, waiting in the rollout buffer.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(super) struct BufferedNode {
+    pub(super) turn: usize,
+    pub(super) samples: Vec<Vec<TrainSample>>,
+}
+
+/// Node `id` of `forest` as its agents' training samples.
+fn buffered_node(forest: &Forest, id: usize) -> BufferedNode {
+    let node = &forest.nodes[id];
+    let samples = (0..node.samples.len())
+        .map(|a| {
+            node.samples[a]
+                .iter()
+                .enumerate()
+                .map(|(k, s)| TrainSample {
+                    prompt: node.prompts[a].ids.clone(),
+                    completion: s.token_ids.clone(),
+                    advantage: node.advantages[a][k],
+                    weight: node.turn_weight,
+                    old_logprobs: s.logprobs.clone(),
+                })
+                .collect()
+        })
+        .collect();
+    BufferedNode { turn: node.turn, samples }
+}
+
+/// A processed buffer's update groups: its nodes by turn, first turn first, each in buffer order.
+fn by_turn(nodes: Vec<BufferedNode>) -> Vec<Vec<BufferedNode>> {
+    let mut groups: BTreeMap<usize, Vec<BufferedNode>> = BTreeMap::new();
+    for node in nodes {
+        groups.entry(node.turn).or_default().push(node);
+    }
+    groups.into_values().collect()
+}
+
+/// What a step's optimiser rounds did: each round's policy and statistics, and the pushes.
+#[derive(Default)]
+struct StepUpdates {
+    stats: Vec<(usize, UpdateStats)>,
+    /// How many policies were updated at the same time (the most of any batch of rounds).
+    concurrent: usize,
+    t_train: f64,
+    push: PushReport,
+}
+
+impl StepUpdates {
+    fn absorb(&mut self, other: StepUpdates) {
+        self.stats.extend(other.stats);
+        self.concurrent = self.concurrent.max(other.concurrent);
+        self.t_train += other.t_train;
+        self.push.bytes += other.push.bytes;
+        self.push.workers = self.push.workers.max(other.push.workers);
+        self.push.secs += other.push.secs;
+    }
+}
+
+/// The weight pushes of a step.
+#[derive(Default)]
+struct PushReport {
+    bytes: u64,
+    workers: usize,
+    secs: f64,
 }

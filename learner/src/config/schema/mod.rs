@@ -102,7 +102,10 @@ fn default_true() -> bool {
 }
 
 /// `comlrl_era`: which release's meaning the trainer keys carry where CoMLRL changed it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+///
+/// Read from `"2025-09"` or `"2026"`, and from a bare `2026` (what `--override comlrl_era=2026` and
+/// an unquoted YAML value give).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, JsonSchema)]
 pub enum Era {
     /// The September 2025 trainer (MAGRPO's release with the handoff rollout).
     #[default]
@@ -112,6 +115,33 @@ pub enum Era {
     /// re-centred advantage normalisation, full-history next-turn prompts.
     #[serde(rename = "2026")]
     Comlrl2026,
+}
+
+/// How a config may spell [`Era`].
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum EraText {
+    Text(String),
+    Year(u64),
+}
+
+impl<'de> Deserialize<'de> for Era {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Era::try_from(EraText::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+impl TryFrom<EraText> for Era {
+    type Error = String;
+    fn try_from(v: EraText) -> Result<Self, String> {
+        match v {
+            EraText::Text(t) if t == "2025-09" => Ok(Era::September2025),
+            EraText::Text(t) if t == "2026" => Ok(Era::Comlrl2026),
+            EraText::Year(2026) => Ok(Era::Comlrl2026),
+            EraText::Text(t) => Err(format!("unknown era `{t}`: expected \"2025-09\" or \"2026\"")),
+            EraText::Year(y) => Err(format!("unknown era `{y}`: expected \"2025-09\" or \"2026\"")),
+        }
+    }
 }
 
 impl RawConfig {
