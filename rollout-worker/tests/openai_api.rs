@@ -74,6 +74,9 @@ async fn logprobs_token_ids_and_streams_match_the_sample_the_worker_trains_on() 
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
     let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    // The first chunk carries the prompt's ids (vLLM's streamed `prompt_token_ids`), the others not.
+    assert_eq!(chunks[0]["prompt_token_ids"], r["prompt_token_ids"], "{}", chunks[0]);
+    assert!(chunks[1..].iter().all(|c| c.get("prompt_token_ids").is_none()));
     assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
     let (mut text, mut stream_ids, mut stream_lps) = (String::new(), Vec::new(), Vec::new());
     for c in &chunks {
@@ -138,6 +141,27 @@ async fn logprobs_token_ids_and_streams_match_the_sample_the_worker_trains_on() 
         }
         assert_eq!(ch["prompt_token_ids"].as_array().unwrap().len(), 2);
     }
+    // Streamed: each choice's first chunk carries its own prompt's ids.
+    let mut streamed = comp.clone();
+    streamed["stream"] = json!(true);
+    let (status, body) = post(&base, "/v1/completions", &streamed).await;
+    assert_eq!(status, 200, "{body}");
+    let mut firsts: std::collections::BTreeMap<u64, Value> = std::collections::BTreeMap::new();
+    for d in sse_data(&body).iter().filter(|d| *d != "[DONE]") {
+        for ch in serde_json::from_str::<Value>(d).unwrap()["choices"].as_array().unwrap() {
+            let index = ch["index"].as_u64().unwrap();
+            match firsts.entry(index) {
+                std::collections::btree_map::Entry::Vacant(e) => {
+                    e.insert(ch["prompt_token_ids"].clone());
+                }
+                std::collections::btree_map::Entry::Occupied(_) => assert!(ch.get("prompt_token_ids").is_none(), "{ch}"),
+            }
+        }
+    }
+    for (index, ids) in &firsts {
+        assert_eq!(ids, &r["choices"][*index as usize]["prompt_token_ids"], "choice {index}");
+    }
+    assert_ne!(firsts[&0], firsts[&1], "two prompts, two id lists");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -215,6 +239,9 @@ async fn the_official_openai_python_client_streams_and_reads_logprobs() {
     assert!((stream_sum - sum).abs() < 1e-4);
     assert_eq!(r["stream"]["completion_tokens"], ids.len());
     assert_eq!(r["stream"]["finish_reason"], r["chat"]["finish_reason"]);
+    // vLLM's streamed extras as the client keeps them: every token's id and the prompt's ids.
+    assert_eq!(r["stream"]["token_ids"], r["chat"]["token_ids"]);
+    assert_eq!(r["stream"]["prompt_token_ids"], r["chat"]["prompt_token_ids"]);
     assert!(r["stream"]["chunks"].as_u64().unwrap() as usize >= ids.len());
     // The legacy completions endpoint, streamed.
     assert_eq!(r["completion_stream"]["text"], r["completion"]["text"]);

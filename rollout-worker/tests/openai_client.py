@@ -28,10 +28,15 @@ out["chat"] = {
     "prompt_token_ids": r.model_extra["prompt_token_ids"],
 }
 
-content, logprobs, chunks, usage, finish = "", [], 0, None, None
-stream = client.chat.completions.create(**sampling, logprobs=True, stream=True, stream_options={"include_usage": True})
+content, logprobs, chunks, usage, finish, stream_ids, stream_prompt = "", [], 0, None, None, [], None
+stream = client.chat.completions.create(
+    **sampling, logprobs=True, stream=True, stream_options={"include_usage": True}, extra_body={"return_token_ids": True}
+)
 for chunk in stream:
     chunks += 1
+    extra = chunk.model_extra or {}
+    if "prompt_token_ids" in extra:
+        stream_prompt = extra["prompt_token_ids"]
     if chunk.usage is not None:
         usage = chunk.usage.completion_tokens
     for c in chunk.choices:
@@ -39,7 +44,16 @@ for chunk in stream:
         if c.logprobs is not None and c.logprobs.content:
             logprobs += [t.logprob for t in c.logprobs.content]
         finish = c.finish_reason or finish
-out["stream"] = {"content": content, "logprobs": logprobs, "chunks": chunks, "completion_tokens": usage, "finish_reason": finish}
+        stream_ids += (c.model_extra or {}).get("token_ids") or []
+out["stream"] = {
+    "content": content,
+    "logprobs": logprobs,
+    "chunks": chunks,
+    "completion_tokens": usage,
+    "finish_reason": finish,
+    "token_ids": stream_ids,
+    "prompt_token_ids": stream_prompt,
+}
 
 completion = dict(model=agent, prompt="abc", seed=3, temperature=1.0, max_tokens=10, stop=["\n"])
 out["completion"] = {"text": client.completions.create(**completion).choices[0].text}

@@ -8,6 +8,10 @@
 //! that completes one releases only the text before it (the engine reports a token before checking
 //! it), so that a client never receives text the final answer cuts; the finish chunk releases the
 //! rest.
+//! With `return_token_ids` each token chunk carries its `token_ids`, and the first chunk of each
+//! choice its prompt's `prompt_token_ids` (chat: on the chunk, as vLLM streams it; completions: on
+//! the choice), as the unstreamed answers carry them.
+//!
 //! An error before the first token is an ordinary OpenAI error response (400, 404, 503, ...);
 //! one after it is a final `data: {"error": ...}` event.
 
@@ -25,7 +29,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use super::logprobs::{chat_entry, completion_logprobs};
 use super::{ApiError, usage};
 use crate::error::WorkerError;
-use crate::worker::{GenerateJob, GenerateOutput, StreamToken, Worker};
+use crate::worker::{GenerateJob, GenerateOutput, PromptInput, StreamToken, Worker};
 
 /// Which endpoint's chunks to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +78,8 @@ struct ChoiceText {
 struct Chunks<'a> {
     spec: &'a StreamSpec,
     tok: &'a Tokenizer,
+    /// Each prompt's token ids (sent with `return_token_ids`).
+    prompt_ids: Vec<Vec<u32>>,
     /// Bytes held back for stop strings: the longest one's length − 1.
     hold: usize,
     stops: Vec<String>,
@@ -81,12 +87,12 @@ struct Chunks<'a> {
 }
 
 impl<'a> Chunks<'a> {
-    fn new(spec: &'a StreamSpec, tok: &'a Tokenizer, job: &GenerateJob) -> Self {
+    fn new(spec: &'a StreamSpec, tok: &'a Tokenizer, job: &GenerateJob, prompt_ids: Vec<Vec<u32>>) -> Self {
         let hold = job.stop.stop_strings.iter().map(String::len).max().unwrap_or(1).saturating_sub(1);
         let choices = (0..job.prompts.len() * job.n)
             .map(|_| ChoiceText { decoder: IncrementalDecoder::new(true), sent: 0, started: false, token_chars: 0 })
             .collect();
-        Self { spec, tok, hold, stops: job.stop.stop_strings.clone(), choices }
+        Self { spec, tok, prompt_ids, hold, stops: job.stop.stop_strings.clone(), choices }
     }
 
     fn object(&self) -> &'static str {
@@ -96,9 +102,12 @@ impl<'a> Chunks<'a> {
         }
     }
 
+    fn body(&self, choices: Vec<Value>) -> Value {
+        json!({"id": self.spec.id, "object": self.object(), "created": self.spec.created, "model": self.spec.agent, "choices": choices})
+    }
+
     fn chunk(&self, choices: Vec<Value>) -> Event {
-        let body = json!({"id": self.spec.id, "object": self.object(), "created": self.spec.created, "model": self.spec.agent, "choices": choices});
-        Event::default().data(body.to_string())
+        Event::default().data(self.body(choices).to_string())
     }
 
     /// The chunks of one generated token: chat's role chunk first for a new choice, then the
@@ -107,8 +116,15 @@ impl<'a> Chunks<'a> {
         let index = t.prompt * self.spec.n + t.index;
         let mut events = Vec::new();
         let Some(choice) = self.choices.get_mut(index) else { return events };
-        if !choice.started && self.spec.shape == Shape::Chat {
-            events.push(self.chunk(vec![json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null})]));
+        let first = !choice.started;
+        let prompt_ids = (first && self.spec.token_ids).then(|| json!(self.prompt_ids.get(t.prompt).cloned().unwrap_or_default()));
+        if first && self.spec.shape == Shape::Chat {
+            let role = json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null});
+            let mut body = self.body(vec![role]);
+            if let Some(ids) = &prompt_ids {
+                body["prompt_token_ids"] = ids.clone();
+            }
+            events.push(Event::default().data(body.to_string()));
         }
         let choice = &mut self.choices[index];
         choice.started = true;
@@ -145,6 +161,9 @@ impl<'a> Chunks<'a> {
         };
         if self.spec.token_ids {
             c["token_ids"] = json!([t.token]);
+        }
+        if let (Some(ids), Shape::Completion) = (prompt_ids, self.spec.shape) {
+            c["prompt_token_ids"] = ids;
         }
         events.push(self.chunk(vec![c]));
         events
@@ -188,7 +207,17 @@ pub(super) async fn respond(worker: Arc<Worker>, job: GenerateJob, spec: StreamS
                 return;
             }
         };
-        let mut chunks = Chunks::new(&spec, tok, &job);
+        // The prompts' ids first (the first chunk carries them); the job then generates from them.
+        let mut job = job;
+        let prompt_ids = match worker.encode_prompts(&job) {
+            Ok(ids) => ids,
+            Err(e) => {
+                send(Err(spec.error(e)));
+                return;
+            }
+        };
+        job.prompts = prompt_ids.iter().cloned().map(PromptInput::Tokens).collect();
+        let mut chunks = Chunks::new(&spec, tok, &job, prompt_ids);
         let (tokens_tx, mut tokens) = mpsc::unbounded_channel();
         let generation = worker.generate_streaming(job, Some(tokens_tx));
         tokio::pin!(generation);
