@@ -372,6 +372,14 @@ fn learner_ranks_refuse_what_they_cannot_reproduce() {
     let shared = config(&mt_yaml(2, "handoff", 1, ""), &["learner.placement=agent".to_string(), "magrpo.shared_parameters=true".to_string()]);
     let err = check_ranks(&shared, 2).unwrap_err().to_string();
     assert!(err.contains("one policy") && err.contains("placement: data"), "{err}");
+    // 2026 mini-batches of nodes smaller than the buffer: one optimiser step each, one rank's schedule.
+    let nodes = |batch: &str| {
+        let o: Vec<String> = ["comlrl_era=2026", "magrpo.rollout_buffer_size=4", batch].iter().map(|s| s.to_string()).collect();
+        config(&mt_yaml(2, "handoff", 1, ""), &o)
+    };
+    let err = check_ranks(&nodes("magrpo.train_batch_size=2"), 2).unwrap_err().to_string();
+    assert!(err.contains("train_batch_size (2) below rollout_buffer_size (4)") && err.contains("one rank"), "{err}");
+    assert!(check_ranks(&nodes("magrpo.train_batch_size=4"), 2).is_ok());
 }
 
 // ------------------------------------------- CoMLRL 2026's buffer schedule, item after item
@@ -574,4 +582,52 @@ fn a_partial_buffer_waits_for_the_next_step_and_survives_a_checkpoint() {
             assert!(diff <= 1e-6, "{name} differs by {diff}");
         }
     }
+}
+
+/// -1 or -0.5 everywhere (roots grow children), failing once the `fail_at`-th distinct row is scored.
+struct FailsAtRow {
+    seen: Vec<usize>,
+    fail_at: usize,
+}
+
+impl RewardSource for FailsAtRow {
+    fn score(&mut self, _task: &str, actions: &[ScoreAction]) -> Result<Vec<Score>, TrainError> {
+        let mut out = Vec::new();
+        for a in actions {
+            let row = a.item["row"].as_u64().unwrap() as usize;
+            if !self.seen.contains(&row) {
+                self.seen.push(row);
+            }
+            if self.seen.len() >= self.fail_at {
+                return Err(TrainError::Reward("the reward server went away".into()));
+            }
+            let r = -1.0 + if a.completion_ids[0].first().is_some_and(|t| t % 2 == 1) { 0.5 } else { 0.0 };
+            out.push(Score { reward: r, levels: BTreeMap::from([("level_1".to_string(), r)]), ..Default::default() });
+        }
+        Ok(out)
+    }
+    fn feedback(&mut self, _task: &str, actions: &[ScoreAction], _spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
+        Ok(actions.iter().map(|a| vec!["d".to_string(); a.completions.len()]).collect())
+    }
+    fn describe(&self) -> String {
+        "fails at a row".into()
+    }
+}
+
+#[test]
+fn a_reward_failure_checkpoints_only_a_state_the_step_can_resume_from() {
+    let settings = ["magrpo.rollout_buffer_size=2", "magrpo.train_batch_size=2", "magrpo.eval_interval=0"];
+    // The third row (step 2's first item) fails before step 2 updates anything: the run keeps
+    // step 1's state in a checkpoint.
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut trainer, _) = buffer_trainer(tmp.path(), &settings, 4, Box::new(FailsAtRow { seen: Vec::new(), fail_at: 3 }));
+    let e = trainer.run().unwrap_err();
+    assert!(matches!(e, TrainError::Reward(_)) && e.to_string().contains("resume with"), "{e}");
+    assert!(cotrain_learner::checkpoint::latest_checkpoint(&tmp.path().join("run")).is_some_and(|c| c.ends_with("step-1")));
+    // The fourth row fails after step 2's first item trained: no checkpoint of that mixed state.
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut trainer, _) = buffer_trainer(tmp.path(), &settings, 4, Box::new(FailsAtRow { seen: Vec::new(), fail_at: 4 }));
+    let e = trainer.run().unwrap_err();
+    assert!(matches!(e, TrainError::Reward(_)) && !e.to_string().contains("resume with"), "{e}");
+    assert!(cotrain_learner::checkpoint::latest_checkpoint(&tmp.path().join("run")).is_none());
 }

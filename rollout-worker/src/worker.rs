@@ -545,14 +545,16 @@ impl Worker {
             .collect()
     }
 
-    /// Renders and tokenises one prompt, checking it against the model. `field` names it in errors.
-    /// The token ids of every prompt of `job`, as generation encodes them (errors name
-    /// `prompts[i]`). A streamed answer reads them before the first token.
+    /// The token ids of every prompt of `job`, as generation encodes them, after the checks
+    /// generation makes first (errors name the field as generation's do). A streamed answer reads
+    /// them before the first token.
     pub fn encode_prompts(&self, job: &GenerateJob) -> Result<Vec<Vec<u32>>> {
         let slot = self.slot(&job.agent)?;
+        self.validate(job)?;
         job.prompts.iter().enumerate().map(|(i, p)| self.encode(slot, p, &format!("prompts[{i}]"))).collect()
     }
 
+    /// Renders and tokenises one prompt, checking it against the model. `field` names it in errors.
     fn encode(&self, slot: &ModelSlot, prompt: &PromptInput, field: &str) -> Result<Vec<u32>> {
         let ids = match prompt {
             PromptInput::Text(t) => {

@@ -15,9 +15,11 @@ use super::LoraSection;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct VerifierSection {
-    /// The user message of every (question, answer) pair the verifier reads, generation and
-    /// scoring alike (minijinja; `question` is the dataset row's question or premise/hypothesis
-    /// text). Unset: cotrain's default for the task, asking for a reasoned answer ending in
+    /// The user message of every (question, answer) pair `learner verifier generate` samples and
+    /// `verifier train` trains on, and of MaPoRL's scoring with `maporl.verifier_user_message:
+    /// template` (minijinja; `question` is the dataset row's question or premise/hypothesis text;
+    /// MaPoRL's default scoring sends each agent's turn-0 question message instead, as the
+    /// original). Unset: cotrain's default for the task, asking for a reasoned answer ending in
     /// `\boxed{}` (a number for GSM8K, the relation for ANLI).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user_template: Option<String>,

@@ -101,7 +101,8 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
 pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, TrainError> {
     if crate::model_options::matmul_kind(cfg).is_some() {
         return Err(TrainError::NotBuilt(format!(
-            "{}: model.matmul_dtype is built for the GRPO/MAGRPO trainer; the maporl trainer's products run in model.dtype              (set model.dtype: bf16 to train adapters and critics in bf16, or remove model.matmul_dtype)",
+            "{}: model.matmul_dtype is built for the GRPO/MAGRPO trainer; the maporl trainer's products run in model.dtype \
+             (set model.dtype: bf16 to train adapters and critics in bf16, or remove model.matmul_dtype)",
             cfg.source.display()
         )));
     }

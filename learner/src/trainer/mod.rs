@@ -215,6 +215,18 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
             )));
         }
     }
+    if cfg.trainer.train_batch_unit == Some(crate::config::BatchUnit::Nodes)
+        && cfg.trainer.train_batch_size.is_some_and(|b| b < cfg.trainer.rollout_buffer_size)
+    {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: {world} learner ranks with {section}.train_batch_unit: nodes and train_batch_size ({}) below rollout_buffer_size \
+             ({}): one rank steps the optimiser once per mini-batch of nodes, which ranks holding parts of the buffer cannot \
+             reproduce; use one rank, or train_batch_size >= rollout_buffer_size",
+            cfg.source.display(),
+            cfg.trainer.train_batch_size.unwrap_or_default(),
+            cfg.trainer.rollout_buffer_size
+        )));
+    }
     if cfg.is_multi_turn() && cfg.trainer.rollout == crate::config::MultiTurnMode::Tree {
         return Err(TrainError::NotBuilt(format!(
             "{}: {world} learner ranks with a multi-turn `tree` rollout are not built yet (its update groups span items that \

@@ -22,11 +22,19 @@ use crate::error::TrainError;
 pub struct TrainSample {
     pub prompt: Vec<u32>,
     pub completion: Vec<u32>,
+    /// (JSON keeps a non-finite value as `null`, read back as NaN: a checkpoint's buffered samples.)
+    #[serde(deserialize_with = "null_as_nan")]
     pub advantage: f64,
     /// Multiplies this sample's loss: the turn weight (and early-termination weight) of its node.
+    #[serde(deserialize_with = "null_as_nan")]
     pub weight: f64,
     /// Behaviour log-probs from the rollout worker (for ratio clipping).
     pub old_logprobs: Vec<f32>,
+}
+
+/// A number that JSON wrote as `null` (NaN or an infinity) reads back as NaN.
+fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(<Option<f64> as serde::Deserialize>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// One agent's share of an update: its samples in mini-batches, and the factor its loss is scaled

@@ -172,8 +172,9 @@ impl Trainer {
             let values = match step {
                 Ok(v) => v,
                 // The reward server fails before the step updates anything (rewards come before the
-                // update), so the state is still the previous step's: keep it in a checkpoint.
-                Err(e @ TrainError::Reward(_)) if self.dist.world() == 1 && cfg.raw.rollout.max_off_policy_steps == 0 => {
+                // update), so the state is still the previous step's: keep it in a checkpoint. (Not
+                // when items train one after another and an earlier item of the step updated.)
+                Err(e @ TrainError::Reward(_)) if self.dist.world() == 1 && cfg.raw.rollout.max_off_policy_steps == 0 && !self.updated_mid_step => {
                     return Err(self.checkpoint_before_failing(e));
                 }
                 Err(e) => return Err(e),

@@ -100,6 +100,9 @@ pub struct Trainer {
     /// `train_between_items`: the nodes of earlier items not yet trained (a partial buffer, carried
     /// across steps and kept in checkpoints).
     pub(super) buffered: Vec<super::step::BufferedNode>,
+    /// `train_between_items`: the step under way has updated the policies already (a failure now
+    /// leaves no state a checkpoint could resume the step from).
+    pub(super) updated_mid_step: bool,
     /// While the policies train on another thread: each policy's (worker agent, served version),
     /// what rollouts read instead of the policies.
     pub(super) lent: Option<Vec<(String, u64)>>,
@@ -178,6 +181,7 @@ impl Trainer {
             ignore_eos: false,
             pending: None,
             buffered: Vec::new(),
+            updated_mid_step: false,
             lent: None,
             expert: None,
             s,

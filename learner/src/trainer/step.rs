@@ -58,6 +58,21 @@ impl Trainer {
     /// trained (one update per turn among them, first turn first) and pushed. The step that ends
     /// an epoch trains what is left. The metrics are the whole step's.
     fn train_step_item_by_item(&mut self, rows: &[usize], t_step: Instant) -> Result<BTreeMap<String, f64>, TrainError> {
+        // A failure before the step's first update leaves the state as the step found it (the
+        // buffer as it was), so that a checkpoint of it resumes exactly; one after it cannot.
+        let kept = self.buffered.len();
+        self.updated_mid_step = false;
+        let result = self.train_items_in_turn(rows, t_step);
+        if result.is_err() && !self.updated_mid_step {
+            self.buffered.truncate(kept);
+        }
+        if result.is_ok() {
+            self.updated_mid_step = false;
+        }
+        result
+    }
+
+    fn train_items_in_turn(&mut self, rows: &[usize], t_step: Instant) -> Result<BTreeMap<String, f64>, TrainError> {
         let buffer_nodes = self.s.cfg.trainer.rollout_buffer_size.max(1);
         let ends_epoch = self.position as usize + rows.len() >= self.s.train_items.len();
         let mut step = StepRollout { rows: rows.to_vec(), items: Vec::new(), forest: Forest::default(), times: RolloutTimes::default() };
@@ -79,6 +94,7 @@ impl Trainer {
                 let (loss_opts, epochs) = self.loss_setup();
                 let rounds = self.rounds_of(groups)?;
                 let concurrent = self.s.cfg.raw.learner.concurrent_policies;
+                self.updated_mid_step = true;
                 let done = run_rounds(&mut self.s.policies, &rounds, &loss_opts, epochs, self.dist.as_ref(), concurrent)?;
                 let t_train = t.elapsed().as_secs_f64();
                 let policies: Vec<usize> = rounds.iter().map(|r| r.policy).collect();

@@ -109,8 +109,9 @@ pub struct TrainerSection {
     /// each time a buffer fills, so later items sample from the updated weights, and a partial
     /// buffer waits for the next item (across steps; it is trained at the end of each epoch), as
     /// CoMLRL 2026 does; `false` rolls the step's items out together and trains the step's last
-    /// partial buffer at its end (fewer, larger rollouts). One-rank synchronous runs only: other
-    /// runs train per step. Default by `comlrl_era`: `true` for 2026, `false` for 2025-09.
+    /// partial buffer at its end (fewer, larger rollouts). (Multi-turn tree runs are one-rank and
+    /// synchronous: several ranks and asynchronous rollouts refuse them.) Default by `comlrl_era`:
+    /// `true` for 2026, `false` for 2025-09.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub train_between_items: Option<bool>,
     /// How evaluation decodes: `sampled` (the training temperature, top_p and top_k; CoMLRL 2026) or
