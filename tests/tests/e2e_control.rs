@@ -150,7 +150,10 @@ fn registered_workers_join_mid_run_and_a_killed_worker_costs_only_time() {
     // by another process in between).
     let top = "learner: {control_addr: '127.0.0.1:0'}\nrollout: {wait_for_registration: true, min_workers: 1, registration_timeout_secs: 120}\n";
     let cfg = write_config(tmp.path(), &model, "registered", 240, 1000, top);
-    let mut learner = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg));
+    // 60 steps an epoch, and epochs enough that the run is still going whenever the test acts on
+    // it (release binaries ran 60 steps before the third worker joined); the test stops it, and the
+    // resumed run ends at the end of the epoch it stopped in.
+    let mut learner = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg).args(["--override", "magrpo.num_train_epochs=1000"]));
     let control = learner.wait_line("control plane listening on ", Duration::from_secs(120));
     assert!(control.starts_with("127.0.0.1:") && !control.ends_with(":0"), "{control}");
 
@@ -246,9 +249,12 @@ fn registered_workers_join_mid_run_and_a_killed_worker_costs_only_time() {
     // The learner restarts on the same port and resumes: the third worker registers again
     // (its heartbeat finds a learner that does not know it) and the run finishes.
     let same_port = format!("learner.control_addr={control}");
-    let mut resumed = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg).arg("--resume").arg(&run_dir).args(["--override", &same_port]));
+    let epochs = stopped_at / 60 + 1;
+    let resume_epochs = format!("magrpo.num_train_epochs={epochs}");
+    let mut resumed =
+        Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg).arg("--resume").arg(&run_dir).args(["--override", &same_port, &resume_epochs]));
     assert!(resumed.wait_exit(Duration::from_secs(300)).success(), "{:?}", resumed.seen);
-    assert_eq!(metrics(&run_dir).len(), 60, "the resumed run ends at the last step");
+    assert_eq!(metrics(&run_dir).len() as u64, epochs * 60, "the resumed run ends at the last step");
     assert!(final_weights(&run_dir, 1).is_file());
     drop(third);
 }

@@ -281,17 +281,24 @@ fn generate_balance_train_and_a_maporl_run_scored_by_the_verifier() {
         .unwrap();
     assert!(out.status.success(), "learner train failed\n{}", String::from_utf8_lossy(&out.stderr));
 
-    // s(t, i) of every answer is the verifier's probability for (user message of the question, answer).
+    // s(t, i) of every answer is the verifier's probability for (user message, answer); the user
+    // message is the answering agent's turn-0 question message, as the original sends it (the
+    // message text `learner show-prompts` prints without the chat template).
     let v = cotrain_model::verifier::Verifier::load(&vdir, &cotrain_model::loader::LoadOptions::default()).unwrap();
-    let question = entries.iter().find(|(_, e)| e["row"] == 0).map(|(q, _)| q).unwrap();
     let lines: Vec<Value> = std::fs::read_to_string(out_dir.join("scored/rollouts.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 2 * 2);
-    let template = "Question: {{ question }}\n\nReason step by step, then give the final answer as \\boxed{ANSWER}.";
-    let user = template.replace("{{ question }}", question);
+    let shown = learner(&[
+        "show-prompts", "--config", cfg.to_str().unwrap(), "--limit", "1", "--override", "model.name=default", "model.chat_template=false",
+        "dataset.train_split=train[:1]",
+    ]);
+    let users: Vec<String> = shown.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["text"].as_str().unwrap().to_string()).collect();
+    assert_eq!(users.len(), 2, "{shown}");
+    let question = entries.iter().find(|(_, e)| e["row"] == 0).map(|(q, _)| q).unwrap();
+    assert!(users.iter().all(|u| u.contains(question.as_str()) && u.contains("\\boxed{XX}")), "the seed's turn-0 message: {users:?}");
     // The worker scores a turn's answers (one per agent) in one batch: score them the same way.
     for turn in 0..2 {
         let row: Vec<&Value> = (0..2).map(|a| lines.iter().find(|l| l["turn"] == turn && l["agent"] == a).unwrap()).collect();
-        let enc: Vec<_> = row.iter().map(|l| v.encode(&user, l["text"].as_str().unwrap()).unwrap()).collect();
+        let enc: Vec<_> = row.iter().enumerate().map(|(a, l)| v.encode(&users[a], l["text"].as_str().unwrap()).unwrap()).collect();
         let want = v.score(&enc.iter().collect::<Vec<_>>()).unwrap();
         for (l, w) in row.iter().zip(&want) {
             let score = l["score"].as_f64().unwrap();
