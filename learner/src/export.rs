@@ -7,6 +7,11 @@
 //! parameters by the checkpoint's, and writes it with [`cotrain_model::export::save_pretrained`].
 //! The optimiser moments are never read.
 //!
+//! A policy trained with LoRA (`model.lora`) is an adapter in the checkpoint, marked by
+//! `extra.policies[i].lora`: it exports as a PEFT adapter directory (`adapter_config.json` naming
+//! the base spec, `adapter_model.safetensors`) that PEFT loads over transformers, and with `merged`
+//! also as the base with the adapter merged in (`<dir>-merged`), a Hugging Face model directory.
+//!
 //! A MaPoRL run keeps its policies as LoRA adapters in PEFT's layout (or, with `full_finetune`, as
 //! model directories) beside a manifest ([`MAPORL_MANIFEST`]): [`export_maporl`] copies the policies
 //! (not the critics) and, on request, writes each adapter merged into its base as a model directory.
@@ -51,7 +56,7 @@ pub enum ExportError {
 }
 
 /// One policy of a checkpoint, as `state.json` describes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct CheckpointPolicy {
     /// Its index: the checkpoint's `agent-{index}` directory.
     pub index: usize,
@@ -61,6 +66,8 @@ pub struct CheckpointPolicy {
     pub model: String,
     /// Its directory name in an export: see [`policy_dir_name`].
     pub dir_name: String,
+    /// The adapter's shape when the policy was trained with LoRA (its tensors are the adapter's).
+    pub lora: Option<cotrain_model::lora::LoraConfig>,
 }
 
 /// The directory name of policy `policy` in an export and in `RUN_DIR/final_model`: `agent-{i}`
@@ -102,7 +109,14 @@ fn policies_of(state: &TrainState, path: &Path) -> Result<Vec<CheckpointPolicy>,
         .enumerate()
         .map(|(index, p)| {
             let model = p["model"].as_str().ok_or_else(|| bad(format!("`extra.policies[{index}].model` is missing")))?;
+            let lora = match p.get("lora") {
+                Some(v) if !v.is_null() => {
+                    Some(serde_json::from_value(v.clone()).map_err(|e| bad(format!("`extra.policies[{index}].lora`: {e}")))?)
+                }
+                _ => None,
+            };
             Ok(CheckpointPolicy {
+                lora,
                 index,
                 worker_agent: p["worker_agent"].as_str().unwrap_or_default().to_string(),
                 model: model.to_string(),
@@ -133,9 +147,34 @@ pub fn load_policy(dir: &Path, policy: &CheckpointPolicy) -> Result<LoadedModel,
     Ok(model)
 }
 
-/// `learner export`: writes the checkpoint's policies as model directories, `out/agent-{i}` (or
-/// `out/shared`) each, or only policy `policy` as `out` itself. Returns the directories written.
-pub fn export_checkpoint(checkpoint: &Path, policy: Option<usize>, out: &Path) -> Result<Vec<PathBuf>, ExportError> {
+/// Loads one LoRA policy of the checkpoint at `dir`: its base (in the adapter's dtype, on the CPU)
+/// and the adapter with the checkpoint's tensors.
+pub fn load_lora_policy(dir: &Path, policy: &CheckpointPolicy, config: &cotrain_model::lora::LoraConfig) -> Result<(LoadedModel, cotrain_model::lora::LoraAdapter), ExportError> {
+    let weights = read_weights(dir, policy.index)?;
+    let mismatch = |message: String| ExportError::WeightsMismatch { index: policy.index, spec: policy.model.clone(), message };
+    let kind = weights.values().next().map(|t| t.kind()).unwrap_or(Kind::Float);
+    let opts = LoadOptions { device: Device::Cpu, kind };
+    let base = cotrain_model::loader::load(&policy.model, &opts)
+        .map_err(|source| ExportError::BaseModel { index: policy.index, spec: policy.model.clone(), source })?;
+    let adapter = cotrain_model::lora::LoraAdapter::new(&base.model, config.clone()).map_err(|e| mismatch(e.to_string()))?;
+    let weights: HashMap<String, tch::Tensor> = weights.into_iter().collect();
+    adapter.load_tensors(&weights).map_err(|e| mismatch(e.to_string()))?;
+    Ok((base, adapter))
+}
+
+/// What [`export_checkpoint`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Exported {
+    /// A Hugging Face model directory.
+    Model(PathBuf),
+    /// A PEFT adapter directory.
+    Adapter(PathBuf),
+}
+
+/// `learner export`: writes the checkpoint's policies, `out/agent-{i}` (or `out/shared`) each, or
+/// only policy `policy` as `out` itself: model directories, or adapter directories for LoRA
+/// policies, each beside its merged model (`<dir>-merged`) when `merged`. Returns what was written.
+pub fn export_checkpoint(checkpoint: &Path, policy: Option<usize>, out: &Path, merged: bool) -> Result<Vec<Exported>, ExportError> {
     let (dir, policies) = checkpoint_policies(checkpoint)?;
     let chosen: Vec<(&CheckpointPolicy, PathBuf)> = match policy {
         Some(index) => {
@@ -144,10 +183,34 @@ pub fn export_checkpoint(checkpoint: &Path, policy: Option<usize>, out: &Path) -
         }
         None => policies.iter().map(|p| (p, out.join(&p.dir_name))).collect(),
     };
+    if merged && let Some((p, _)) = chosen.iter().find(|(p, _)| p.lora.is_none()) {
+        return Err(ExportError::BadState {
+            path: dir.join("state.json"),
+            message: format!("--merged: policy {} was fully fine-tuned, it has no adapter to merge", p.index),
+        });
+    }
     let mut written = Vec::new();
     for (p, target) in chosen {
-        let model = load_policy(&dir, p)?;
-        written.push(cotrain_model::export::save_pretrained(&model, &target)?);
+        match &p.lora {
+            None => {
+                let model = load_policy(&dir, p)?;
+                written.push(Exported::Model(cotrain_model::export::save_pretrained(&model, &target)?));
+            }
+            Some(config) => {
+                let (base, adapter) = load_lora_policy(&dir, p, config)?;
+                let mismatch = |message: String| ExportError::WeightsMismatch { index: p.index, spec: p.model.clone(), message };
+                adapter.save_peft(&target, &p.model).map_err(|e| mismatch(e.to_string()))?;
+                written.push(Exported::Adapter(target.clone()));
+                if merged {
+                    let weights: HashMap<String, tch::Tensor> =
+                        adapter.merged(&base.named_parameters()).map_err(|e| mismatch(e.to_string()))?.into_iter().collect();
+                    base.load_named_tensors(&weights).map_err(|e| mismatch(e.to_string()))?;
+                    let mut name = target.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+                    name.push("-merged");
+                    written.push(Exported::Model(cotrain_model::export::save_pretrained(&base, &target.with_file_name(name))?));
+                }
+            }
+        }
     }
     Ok(written)
 }

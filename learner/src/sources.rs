@@ -99,6 +99,9 @@ pub struct WeightPush<'a> {
     pub agent: &'a str,
     pub version: u64,
     pub params: &'a BTreeMap<String, Tensor>,
+    /// `Some(alpha / r)`: `params` are a LoRA adapter's pairs, which the workers merge into their
+    /// base weights ([`RolloutSource::push_adapter`]); `None`: the parameters themselves.
+    pub lora_scaling: Option<f64>,
 }
 
 pub trait RolloutSource: Send {
@@ -114,7 +117,10 @@ pub trait RolloutSource: Send {
     /// they go one after another.
     fn push_weights_all(&mut self, updates: &[WeightPush<'_>]) -> Result<(), TrainError> {
         for u in updates {
-            self.push_weights(u.agent, u.version, u.params)?;
+            match u.lora_scaling {
+                Some(scaling) => self.push_adapter(u.agent, u.version, u.params, scaling)?,
+                None => self.push_weights(u.agent, u.version, u.params)?,
+            }
         }
         Ok(())
     }

@@ -168,8 +168,8 @@ fn pushing_several_agents_together_gives_each_its_own_weights() {
 
     let mut together = connect(&rt, worker.grpc, WeightTransport::Auto);
     let updates = [
-        WeightPush { agent: "agent0", version: 1, params: &first },
-        WeightPush { agent: "agent1", version: 1, params: &second },
+        WeightPush { agent: "agent0", version: 1, params: &first, lora_scaling: None },
+        WeightPush { agent: "agent1", version: 1, params: &second, lora_scaling: None },
     ];
     together.push_weights_all(&updates).unwrap();
     assert_eq!(together.shm_pushes(), 2, "both agents should have gone through shared memory");
@@ -183,8 +183,8 @@ fn pushing_several_agents_together_gives_each_its_own_weights() {
     // The same weights swapped between the agents, over gRPC one push after another.
     let mut chunks = connect(&rt, worker.grpc, WeightTransport::Grpc);
     let swapped = [
-        WeightPush { agent: "agent0", version: 2, params: &second },
-        WeightPush { agent: "agent1", version: 2, params: &first },
+        WeightPush { agent: "agent0", version: 2, params: &second, lora_scaling: None },
+        WeightPush { agent: "agent1", version: 2, params: &first, lora_scaling: None },
     ];
     chunks.push_weights_all(&swapped).unwrap();
     assert_eq!(chunks.shm_pushes(), 0);
@@ -195,8 +195,8 @@ fn pushing_several_agents_together_gives_each_its_own_weights() {
     // (Through the pool that pushed last: `together` no longer holds the worker's versions of agent1,
     // which `chunks` took past it, so it would not readmit the worker.)
     let mixed = [
-        WeightPush { agent: "agent0", version: 3, params: &first },
-        WeightPush { agent: "nobody", version: 1, params: &first },
+        WeightPush { agent: "agent0", version: 3, params: &first, lora_scaling: None },
+        WeightPush { agent: "nobody", version: 1, params: &first, lora_scaling: None },
     ];
     let err = chunks.push_weights_all(&mixed).unwrap_err().to_string();
     assert!(err.contains("nobody"), "{err}");

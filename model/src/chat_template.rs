@@ -110,6 +110,14 @@ impl std::fmt::Debug for ChatTemplate {
     }
 }
 
+impl Clone for ChatTemplate {
+    /// Compiles the same source again (minijinja environments are not `Clone`); it compiled once,
+    /// so it compiles again.
+    fn clone(&self) -> Self {
+        Self::new(self.source.clone(), self.bos_token.as_deref(), self.eos_token.as_deref()).expect("a compiled template compiles again")
+    }
+}
+
 impl ChatTemplate {
     /// Compiles `source`. `bos_token`/`eos_token` are the strings the template sees as
     /// `bos_token`/`eos_token`; `None` leaves the variable undefined, as `transformers` does for a

@@ -99,6 +99,29 @@ impl LoadedModel {
         self.vs.variables().into_iter().collect()
     }
 
+    /// A second handle on this model that shares its parameters' storage (no copy): a network of
+    /// its own ([`CausalLm::share_weights`], so an adapter set on it leaves this one alone) and a
+    /// `VarStore` holding the same tensors, frozen. For LoRA training on one base: each policy's
+    /// view and the KL reference are such handles.
+    pub fn share_frozen(&self) -> LoadedModel {
+        let vs = VarStore::new(self.vs.device());
+        for (name, tensor) in self.vs.variables() {
+            // `Path::add` takes one segment: walk the dotted name's path first.
+            let mut parts: Vec<&str> = name.split('.').collect();
+            let leaf = parts.pop().expect("split gives at least one part");
+            let path = parts.iter().fold(vs.root(), |p, part| p / *part);
+            let _ = path.add(leaf, tensor.detach(), false);
+        }
+        LoadedModel {
+            model: self.model.share_weights(),
+            vs,
+            tokenizer: self.tokenizer.clone(),
+            chat_template: self.chat_template.clone(),
+            generation: self.generation.clone(),
+            source: self.source.clone(),
+        }
+    }
+
     /// Replaces parameters by name; see [`load_named_tensors`].
     pub fn load_named_tensors(&self, tensors: &HashMap<String, Tensor>) -> Result<()> {
         load_named_tensors(&self.vs, tensors)

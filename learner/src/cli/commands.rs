@@ -215,12 +215,12 @@ pub(super) fn export_command(checkpoint: &Path, policy: Option<usize>, out: &Pat
         }
         return Ok(());
     }
-    if merged {
-        bail!("--merged applies to MaPoRL runs (LoRA adapters); {} holds full models", checkpoint.display());
-    }
-    let written = crate::export::export_checkpoint(checkpoint, policy, out).with_context(|| format!("exporting {}", checkpoint.display()))?;
-    for dir in written {
-        println!("model: {}", dir.display());
+    let written = crate::export::export_checkpoint(checkpoint, policy, out, merged).with_context(|| format!("exporting {}", checkpoint.display()))?;
+    for w in written {
+        match w {
+            crate::export::Exported::Model(d) => println!("model: {}", d.display()),
+            crate::export::Exported::Adapter(d) => println!("adapter: {}", d.display()),
+        }
     }
     Ok(())
 }

@@ -108,7 +108,7 @@ pub enum Command {
         out: PathBuf,
     },
     /// Write a checkpoint's policies as Hugging Face model directories (for transformers, vLLM or
-    /// `rollout-worker generate --model DIR`).
+    /// `rollout-worker generate --model DIR`), or PEFT adapter directories for LoRA policies.
     Export {
         /// Checkpoint directory (`RUN_DIR/checkpoints/step-N`), or a run directory for its latest
         /// checkpoint.
@@ -122,8 +122,8 @@ pub enum Command {
         /// directory per adapter key (PEFT's layout, or a model with `full_finetune`).
         #[arg(long)]
         out: PathBuf,
-        /// MaPoRL runs: also write each adapter merged into its base as a Hugging Face model
-        /// directory (`<key>-merged`).
+        /// LoRA policies (`model.lora`, MaPoRL): also write each adapter merged into its base as a
+        /// Hugging Face model directory (`<dir>-merged`).
         #[arg(long)]
         merged: bool,
     },

@@ -11,7 +11,7 @@ mod validate;
 
 use std::path::{Path, PathBuf};
 
-pub use maporl::{AdapterLayout, AdvantageWhitening, CriticHead, FollowupStyle, LoraSection, MaporlScore, MaporlSection, ScorePosition, VerifierUserMessage};
+pub use maporl::{AdapterLayout, AdvantageWhitening, CriticHead, FollowupStyle, MaporlScore, MaporlSection, ScorePosition, VerifierUserMessage};
 pub use verifier::VerifierSection;
 pub use schema::*;
 use serde_yaml_ng::{Mapping, Value};
@@ -97,6 +97,9 @@ pub struct AgentSetup {
     pub stop: Vec<String>,
     /// AdamW learning rate of this agent's policy.
     pub learning_rate: f64,
+    /// The LoRA adapter this agent's policy trains (`model.agents[i].lora`, else `model.lora`);
+    /// `None`: full fine-tuning.
+    pub lora: Option<cotrain_model::lora::LoraConfig>,
 }
 
 /// A validated config: every value checked, fallbacks resolved. Build it with [`load_config`] or

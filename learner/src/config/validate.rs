@@ -295,10 +295,13 @@ fn agent_setups(
     {
         return Err((
             format!("model.agents[{i}]"),
-            "sets per-agent sampling or learning rate, which the maporl trainer does not read (it takes maporl.temperature and \
-             maporl.learning_rate for every agent); give model names only"
+            "sets per-agent sampling, learning rate or lora, which the maporl trainer does not read (it takes maporl.temperature, \
+             maporl.learning_rate and maporl.lora for every agent); give model names only"
                 .into(),
         ));
+    }
+    if algorithm == Algorithm::Maporl && raw.model.lora.is_some() {
+        return Err(("model.lora".into(), "is read by the GRPO/MAGRPO trainer; the maporl trainer's adapters are set by maporl.lora".into()));
     }
     let mut setups = Vec::with_capacity(num_agents);
     for (i, e) in entries.iter().enumerate() {
@@ -326,7 +329,25 @@ fn agent_setups(
         if !(learning_rate.is_finite() && learning_rate > 0.0) {
             return Err((key("learning_rate"), format!("must be a positive number, got {learning_rate}")));
         }
-        setups.push(super::AgentSetup { sampling, stop, learning_rate });
+        let lora = match e.lora.as_ref().or(raw.model.lora.as_ref()) {
+            Some(section) => {
+                let config = section.to_model();
+                let which = if e.lora.is_some() { key("lora") } else { "model.lora".to_string() };
+                config.validate().map_err(|err| (which, err.to_string()))?;
+                Some(config)
+            }
+            None => None,
+        };
+        setups.push(super::AgentSetup { sampling, stop, learning_rate, lora });
+    }
+    // One policy has one adapter (or none).
+    if section.shared_parameters
+        && let Some(j) = setups.iter().position(|s| s.lora != setups[0].lora)
+    {
+        return Err((
+            format!("model.agents[{j}].lora"),
+            format!("differs from agent 0's: with {}.shared_parameters the agents train one policy, with one adapter", algorithm.section()),
+        ));
     }
     // Shared parameters are one policy with one optimiser.
     if section.shared_parameters

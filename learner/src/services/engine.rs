@@ -1,5 +1,6 @@
 //! The generation engine in this process as a rollout source: one engine (one model copy) per worker
-//! agent, versions kept here.
+//! agent, versions kept here. An adapter update is merged into the weights the agent's engine had
+//! before its first adapter update (its base), as the rollout workers merge them.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -13,12 +14,14 @@ use crate::sources::{GenRequest, GenSample, RolloutSource};
 /// See the module docs.
 pub struct EngineRollout {
     engines: HashMap<String, (Engine, u64)>,
+    /// Per agent, copies of the base weights its adapter updates are merged into.
+    bases: HashMap<String, BTreeMap<String, Tensor>>,
 }
 
 impl EngineRollout {
     /// One engine per `(agent name, model)`.
     pub fn new(models: Vec<(String, LoadedModel)>) -> Self {
-        Self { engines: models.into_iter().map(|(name, m)| (name, (Engine::new(m), 0))).collect() }
+        Self { engines: models.into_iter().map(|(name, m)| (name, (Engine::new(m), 0))).collect(), bases: HashMap::new() }
     }
 
     fn engine(&mut self, agent: &str) -> Result<&mut (Engine, u64), TrainError> {
@@ -87,6 +90,19 @@ impl RolloutSource for EngineRollout {
         let (engine, v) = self.engine(agent)?;
         let map: HashMap<String, Tensor> = params.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
         engine.load_named_tensors(&map).map_err(|e| TrainError::Rollout(format!("agent `{agent}`: weight update: {e}")))?;
+        *v = version;
+        Ok(())
+    }
+
+    fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
+        let (engine, _) = self.engine(agent)?;
+        let params = engine.loaded().named_parameters();
+        let base = self.bases.entry(agent.to_string()).or_insert_with(|| params.iter().map(|(k, t)| (k.clone(), t.copy())).collect());
+        let merged = cotrain_model::lora::merge_into(|n| base.get(n).map(Tensor::shallow_clone), adapter, scaling)
+            .map_err(|e| TrainError::Rollout(format!("agent `{agent}`: adapter update: {e}")))?;
+        let map: HashMap<String, Tensor> = merged.into_iter().collect();
+        let (engine, v) = self.engine(agent)?;
+        engine.load_named_tensors(&map).map_err(|e| TrainError::Rollout(format!("agent `{agent}`: adapter update: {e}")))?;
         *v = version;
         Ok(())
     }

@@ -557,11 +557,16 @@ impl RolloutSource for PoolRollout {
     fn push_weights_all(&mut self, updates: &[WeightPush<'_>]) -> Result<(), TrainError> {
         let started = std::time::Instant::now();
         let distinct = updates.iter().map(|u| u.agent).collect::<HashSet<_>>().len() == updates.len();
-        if updates.len() > 1 && distinct && self.shm_transport() {
+        let adapters = updates.iter().any(|u| u.lora_scaling.is_some());
+        if updates.len() > 1 && distinct && !adapters && self.shm_transport() {
             self.push_all_shm(updates)?;
         } else {
+            // Adapters are small: one after another, each by the path `push` picks.
             for u in updates {
-                self.push(u.agent, u.version, u.params, None)?;
+                match u.lora_scaling {
+                    Some(scaling) => self.push_adapter(u.agent, u.version, u.params, scaling)?,
+                    None => self.push(u.agent, u.version, u.params, None)?,
+                }
             }
         }
         let bytes: u64 = updates.iter().flat_map(|u| u.params.values()).map(|t| (t.numel() * self.wire.size()) as u64).sum();

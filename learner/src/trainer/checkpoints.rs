@@ -36,7 +36,7 @@ impl Trainer {
     pub fn restore(&mut self, dir: &Path) -> Result<(), TrainError> {
         let dir = dir.to_path_buf();
         let mut pairs: Vec<(&mut tch::nn::VarStore, &mut crate::algo::AdamW)> =
-            self.s.policies.iter_mut().map(|p| (&mut p.model.vs, &mut p.optimizer)).collect();
+            self.s.policies.iter_mut().map(|p| p.trained_vs_and_optimizer()).collect();
         let st = load_checkpoint(&dir, &mut pairs).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         self.step = st.step;
         self.epoch = st.epoch;
@@ -64,7 +64,7 @@ impl Trainer {
         for (i, p) in self.s.policies.iter().enumerate() {
             let tensors: std::collections::HashMap<String, tch::Tensor> =
                 read_weights(dir, i).map_err(|e| TrainError::Checkpoint(e.to_string()))?.into_iter().collect();
-            p.model.load_named_tensors(&tensors).map_err(|e| TrainError::Checkpoint(format!("{} policy {i}: {e}", dir.display())))?;
+            p.load_trained(&tensors).map_err(|e| TrainError::Checkpoint(format!("{} policy {i}: {e}", dir.display())))?;
         }
         info!(checkpoint = %dir.display(), "weights loaded");
         Ok(())
@@ -82,19 +82,27 @@ impl Trainer {
             served_versions: self.s.policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect(),
             extra: serde_json::json!({
                 "agent_policy": self.s.agent_policy,
-                "policies": self.s.policies.iter().map(|p| serde_json::json!({"worker_agent": p.worker_agent, "model": p.model_spec})).collect::<Vec<_>>(),
+                // `lora` (the adapter's shape) marks a policy whose tensors are an adapter of `model`.
+                "policies": self.s.policies.iter().map(|p| {
+                    let mut entry = serde_json::json!({"worker_agent": p.worker_agent, "model": p.model_spec});
+                    if let Some(a) = &p.adapter {
+                        entry["lora"] = serde_json::to_value(&a.config).expect("a lora config serialises");
+                    }
+                    entry
+                }).collect::<Vec<_>>(),
                 "buffered_nodes": self.buffered,
             }),
         };
-        let pairs: Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> = self.s.policies.iter().map(|p| (&p.model.vs, &p.optimizer)).collect();
+        let pairs: Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> = self.s.policies.iter().map(|p| (p.trained_vs(), &p.optimizer)).collect();
         let dir = save_checkpoint(&self.s.run_dir, &pairs, &state).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         self.last_checkpoint = Some(dir.clone());
         crate::checkpoint::apply_save_total_limit(&self.s.run_dir, self.s.cfg.raw.output.save_total_limit);
         Ok(dir)
     }
 
-    /// Writes every policy as a Hugging Face model directory (see [`cotrain_model::export`]):
-    /// `RUN_DIR/final_model/agent-{i}`, or one `final_model/shared` for shared parameters.
+    /// Writes every policy as a Hugging Face model directory (see [`cotrain_model::export`]), or
+    /// with LoRA as a PEFT adapter directory: `RUN_DIR/final_model/agent-{i}`, or one
+    /// `final_model/shared` for shared parameters.
     pub fn save_final_models(&self) -> Result<Vec<PathBuf>, TrainError> {
         let root = self.s.run_dir.join("final_model");
         self.s
@@ -103,7 +111,7 @@ impl Trainer {
             .enumerate()
             .map(|(pi, p)| {
                 let dir = root.join(crate::export::policy_dir_name(&self.s.agent_policy, pi));
-                cotrain_model::export::save_pretrained(&p.model, &dir).map_err(|e| TrainError::Checkpoint(format!("final model: {e}")))
+                p.save_pretrained(&dir).map_err(|e| TrainError::Checkpoint(format!("final model: {e}")))
             })
             .collect()
     }

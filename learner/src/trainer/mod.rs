@@ -62,8 +62,12 @@ pub struct TrainOptions {
     pub resume: Option<PathBuf>,
 }
 
+/// Seed path tag of the LoRA adapters' initial draws.
+const TAG_LORA_INIT: u64 = 6;
+
 /// The policies a config asks for and which agent uses which: one per agent (each fine-tunes its own
-/// copy, on the same or different base models), or one for all with `shared_parameters`.
+/// copy, or with LoRA its own adapter, on the same or different base models), or one for all with
+/// `shared_parameters`.
 pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), TrainError> {
     let opts = load_options(cfg)?;
     let t = &cfg.trainer;
@@ -79,11 +83,30 @@ pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), T
             )));
         }
     }
-    let policies = worker_agents(cfg)
-        .iter()
-        .enumerate()
-        .map(|(pi, (agent, spec))| Policy::load(agent, spec, &opts, adam(pi), with_ref))
-        .collect::<Result<Vec<_>, _>>()?;
+    // LoRA policies share one frozen base per distinct spec (loaded once, dropped with the last
+    // policy holding it).
+    let mut bases: Vec<(String, cotrain_model::loader::LoadedModel)> = Vec::new();
+    let mut policies = Vec::new();
+    for (pi, (agent, spec)) in worker_agents(cfg).iter().enumerate() {
+        let policy = match &cfg.agents[pi].lora {
+            None => Policy::load(agent, spec, &opts, adam(pi), with_ref)?,
+            Some(lora) => {
+                let base = match bases.iter().position(|(s, _)| s == spec) {
+                    Some(i) => &bases[i].1,
+                    None => {
+                        let mut m = cotrain_model::loader::load(spec, &opts).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+                        m.vs.freeze();
+                        bases.push((spec.clone(), m));
+                        &bases[bases.len() - 1].1
+                    }
+                };
+                // Each adapter's A from its own seed: the same on every rank and in every resume.
+                tch::manual_seed(crate::seeds::derive_seed(&[cfg.raw.seed, TAG_LORA_INIT, pi as u64]) as i64);
+                Policy::lora(agent, spec, base, lora.clone(), adam(pi), with_ref)?
+            }
+        };
+        policies.push(policy);
+    }
     let agent_policy = if t.shared_parameters { vec![0; cfg.num_agents] } else { (0..cfg.num_agents).collect() };
     Ok((policies, agent_policy))
 }

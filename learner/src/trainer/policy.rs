@@ -5,11 +5,19 @@
 //! copy, on the same or on different base models), a single one for all agents with
 //! `shared_parameters`. Learner ranks sum the gradients between the backward passes and
 //! [`AdamW::step`] in [`Policy::update_ranked`].
+//!
+//! With LoRA (`model.lora`, [`Policy::lora`]) a policy trains an adapter on a frozen base instead:
+//! its `model` is a handle on the base's tensors shared with the other policies on that base
+//! ([`LoadedModel::share_frozen`]), with the adapter set on its own network; the optimiser, the
+//! checkpoints and the weight pushes see the adapter's tensors only ([`Policy::trained_vs`]), and
+//! the KL reference is another handle on the same base, with no adapter.
 
 use std::collections::BTreeMap;
 
 use cotrain_model::loader::{LoadOptions, LoadedModel};
 use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs};
+use cotrain_model::lora::{LoraAdapter, LoraConfig};
+use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 use tracing::warn;
 
@@ -84,9 +92,14 @@ pub struct Policy {
     pub worker_agent: String,
     /// The model spec it was loaded from.
     pub model_spec: String,
+    /// The network the policy's forwards run: its own trainable copy, or with LoRA a frozen
+    /// handle on the shared base whose network has `adapter` set.
     pub model: LoadedModel,
+    /// With LoRA: the adapter the policy trains (the optimiser's only variables).
+    pub adapter: Option<LoraAdapter>,
     pub optimizer: AdamW,
-    /// Frozen copy of the initial weights, when the KL penalty is on.
+    /// The KL penalty's reference (when it is on): a frozen copy of the initial weights, or with
+    /// LoRA the base itself (a handle, no copy).
     pub reference: Option<LoadedModel>,
     /// The version the workers serve (set by the trainer when it pushes weights).
     pub wire_version: u64,
@@ -123,12 +136,81 @@ impl Policy {
     /// A policy around an already loaded model.
     pub fn new(worker_agent: &str, spec: &str, model: LoadedModel, reference: Option<LoadedModel>, adam: AdamWConfig) -> Self {
         let optimizer = AdamW::new(&model.vs, adam);
-        Self { worker_agent: worker_agent.to_string(), model_spec: spec.to_string(), model, optimizer, reference, wire_version: 0, chunk_size: cotrain_model::logprobs::TRAINING_CHUNK }
+        Self {
+            worker_agent: worker_agent.to_string(),
+            model_spec: spec.to_string(),
+            model,
+            adapter: None,
+            optimizer,
+            reference,
+            wire_version: 0,
+            chunk_size: cotrain_model::logprobs::TRAINING_CHUNK,
+        }
     }
 
-    /// The parameters by name (shallow handles).
+    /// A LoRA policy on `base` (loaded from `spec` and frozen, see [`LoadedModel::share_frozen`]):
+    /// a fresh adapter (A Kaiming-uniform from libtorch's generator, B zero, so the policy starts
+    /// as the base; seed libtorch first), AdamW over the adapter alone, and the base as the KL
+    /// reference when `with_reference`.
+    pub fn lora(worker_agent: &str, spec: &str, base: &LoadedModel, lora: LoraConfig, adam: AdamWConfig, with_reference: bool) -> Result<Self, TrainError> {
+        let model = base.share_frozen();
+        let adapter = LoraAdapter::new(&model.model, lora).map_err(|e| TrainError::Config(format!("lora of `{worker_agent}`: {e}")))?;
+        model.model.set_adapter(Some(&adapter), false).map_err(|e| TrainError::Model(format!("lora of `{worker_agent}`: {e}")))?;
+        let optimizer = AdamW::new(&adapter.vs, adam);
+        Ok(Self {
+            worker_agent: worker_agent.to_string(),
+            model_spec: spec.to_string(),
+            reference: with_reference.then(|| base.share_frozen()),
+            model,
+            adapter: Some(adapter),
+            optimizer,
+            wire_version: 0,
+            chunk_size: cotrain_model::logprobs::TRAINING_CHUNK,
+        })
+    }
+
+    /// What the policy trains: the adapter's variables with LoRA, else the model's.
+    pub fn trained_vs(&self) -> &VarStore {
+        match &self.adapter {
+            Some(a) => &a.vs,
+            None => &self.model.vs,
+        }
+    }
+
+    /// [`Policy::trained_vs`] and the optimiser over it, both mutable (a checkpoint's restore).
+    pub fn trained_vs_and_optimizer(&mut self) -> (&mut VarStore, &mut AdamW) {
+        match &mut self.adapter {
+            Some(a) => (&mut a.vs, &mut self.optimizer),
+            None => (&mut self.model.vs, &mut self.optimizer),
+        }
+    }
+
+    /// The trained tensors by name (shallow handles): every parameter, or with LoRA the adapter's
+    /// `lora_A`/`lora_B` pairs. What pushes and checkpoints carry.
     pub fn parameters(&self) -> BTreeMap<String, Tensor> {
-        self.model.named_parameters()
+        self.trained_vs().variables().into_iter().collect()
+    }
+
+    /// The LoRA scale (alpha / r) the workers merge a pushed adapter with; `None` without LoRA.
+    pub fn lora_scaling(&self) -> Option<f64> {
+        self.adapter.as_ref().map(|a| a.config.scaling())
+    }
+
+    /// Replaces the trained tensors by name (all or nothing; see
+    /// [`cotrain_model::loader::load_named_tensors`]).
+    pub fn load_trained(&self, tensors: &std::collections::HashMap<String, Tensor>) -> Result<(), TrainError> {
+        cotrain_model::loader::load_named_tensors(self.trained_vs(), tensors).map_err(|e| TrainError::Model(e.to_string()))
+    }
+
+    /// Writes the policy as something other tools load: a Hugging Face model directory, or with
+    /// LoRA a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`) naming
+    /// its base spec.
+    pub fn save_pretrained(&self, dir: &std::path::Path) -> Result<std::path::PathBuf, TrainError> {
+        let written = match &self.adapter {
+            Some(a) => a.save_peft(dir, &self.model_spec).map_err(|e| e.to_string()),
+            None => cotrain_model::export::save_pretrained(&self.model, dir).map_err(|e| e.to_string()),
+        };
+        written.map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))
     }
 
     /// One optimiser round (per PPO epoch when clipping is on): every agent's mini-batches are
@@ -147,6 +229,32 @@ impl Policy {
     /// to skip (a non-finite loss on any rank, a non-finite summed gradient) is the same everywhere.
     /// Every rank calls this for the same rounds, also with no samples of its own.
     pub fn update_ranked(
+        &mut self,
+        agents: &[AgentBatches],
+        totals: &[usize],
+        loss_opts: &LossOptions,
+        epochs: usize,
+        dist: &dyn crate::dist::Collective,
+    ) -> Result<UpdateStats, TrainError> {
+        // LoRA's dropout acts in the training forwards only, as PEFT's in train mode.
+        self.set_adapter_training(true)?;
+        let out = self.run_update(agents, totals, loss_opts, epochs, dist);
+        self.set_adapter_training(false)?;
+        out
+    }
+
+    /// Sets the policy's adapter (if any) on its network with or without its dropout.
+    fn set_adapter_training(&self, training: bool) -> Result<(), TrainError> {
+        match &self.adapter {
+            Some(a) if a.config.dropout > 0.0 => {
+                self.model.model.set_adapter(Some(a), training).map_err(|e| TrainError::Model(format!("lora of `{}`: {e}", self.worker_agent)))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Policy::update_ranked`]'s body.
+    fn run_update(
         &mut self,
         agents: &[AgentBatches],
         totals: &[usize],

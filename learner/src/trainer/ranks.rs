@@ -59,7 +59,7 @@ impl Trainer {
                 .iter()
                 .zip(&versions)
                 .zip(&params)
-                .map(|((p, &version), params)| WeightPush { agent: &p.worker_agent, version, params })
+                .map(|((p, &version), params)| WeightPush { agent: &p.worker_agent, version, params, lora_scaling: p.lora_scaling() })
                 .collect();
             self.s.rollout.push_weights_all(&updates)?;
         }

@@ -263,7 +263,9 @@ impl Trainer {
                 Some((agent, expected, got)) if attempt == 0 => {
                     warn!(agent, expected, got, "stale sample: re-pushing weights and redrawing");
                     for p in &self.s.policies {
-                        self.s.rollout.push_weights(&p.worker_agent, p.wire_version, &p.parameters())?;
+                        let params = p.parameters();
+                        let push = crate::sources::WeightPush { agent: &p.worker_agent, version: p.wire_version, params: &params, lora_scaling: p.lora_scaling() };
+                        self.s.rollout.push_weights_all(&[push])?;
                     }
                 }
                 Some((agent, expected, got)) => return Err(TrainError::StaleSample { agent, expected, got }),

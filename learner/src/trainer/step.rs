@@ -231,7 +231,7 @@ impl Trainer {
                 .zip(&params)
                 .map(|(&pi, params)| {
                     let p = &self.s.policies[pi];
-                    WeightPush { agent: &p.worker_agent, version: p.wire_version + 1, params }
+                    WeightPush { agent: &p.worker_agent, version: p.wire_version + 1, params, lora_scaling: p.lora_scaling() }
                 })
                 .collect();
             self.s.rollout.push_weights_all(&updates)?;

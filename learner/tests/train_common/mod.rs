@@ -101,6 +101,9 @@ impl RolloutSource for Recording {
     fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
         self.inner.push_weights(agent, version, params)
     }
+    fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
+        self.inner.push_adapter(agent, version, adapter, scaling)
+    }
     fn describe(&self) -> String {
         "recording engine".into()
     }
@@ -150,6 +153,28 @@ pub fn items(rows: usize, agents: usize) -> Vec<TrainItem> {
             texts: (0..agents).map(|a| format!("{}{}{}", (65 + a as u8) as char, (97 + i as u8) as char, (48 + (i * 7 % 10) as u8) as char)).collect(),
         })
         .collect()
+}
+
+/// A trainer whose policies are what `cfg` asks for, loaded as `learner train` loads them
+/// ([`cotrain_learner::trainer::load_policies`]: `model.name` must be the model directory), with
+/// one in-process engine per worker agent and `reward`.
+pub fn config_trainer(cfg: &CheckedConfig, run_dir: &Path, reward: Box<dyn RewardSource>, rows: usize) -> Trainer {
+    let (policies, agent_policy) = cotrain_learner::trainer::load_policies(cfg).unwrap();
+    let rollout_opts = cotrain_model::loader::LoadOptions { kind: cotrain_learner::trainer::rollout_kind(cfg), ..Default::default() };
+    let engines = policies.iter().map(|p| (p.worker_agent.clone(), cotrain_model::loader::load(&p.model_spec, &rollout_opts).unwrap())).collect();
+    Trainer::new(TrainerSetup {
+        cfg: cfg.clone(),
+        run_dir: run_dir.to_path_buf(),
+        task: "token_rule".into(),
+        is_code: false,
+        policies,
+        agent_policy,
+        rollout: Box::new(EngineRollout::new(engines)),
+        reward,
+        train_items: items(rows, cfg.num_agents),
+        eval_items: items(2, cfg.num_agents),
+    })
+    .unwrap()
 }
 
 /// A trainer on the tiny model: one policy per agent, the in-process engine, `reward`.

@@ -4,6 +4,7 @@
 
 mod external;
 mod logging;
+mod lora;
 mod model;
 mod rollout;
 mod trainer;
@@ -15,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 pub use external::*;
 pub use logging::*;
+pub use lora::LoraSection;
 pub use model::*;
 pub use rollout::*;
 pub use trainer::*;

@@ -51,6 +51,13 @@ pub struct ModelConfig {
     /// agent's own settings (`model.agents[i]`); every setting left out is the shared one.
     #[serde(default)]
     pub agents: Option<Vec<AgentSettings>>,
+    /// Train LoRA adapters on the frozen base instead of every weight (GRPO/MAGRPO): the agents
+    /// on one base model share one copy of it in the learner, each with its own adapter (one for
+    /// `shared_parameters`); AdamW holds state for the adapters only; the KL reference is the base
+    /// itself; weight pushes and checkpoints carry the adapters only. Unset: full fine-tuning.
+    /// `model.agents[i].lora` replaces it for one agent. (MaPoRL reads `maporl.lora`.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<super::LoraSection>,
     /// Render prompts with the model's chat template. The original tokenises the raw prompt text
     /// (`false`, the default); `true` wraps each prompt as one user message of the chat template.
     #[serde(default)]
@@ -95,13 +102,23 @@ pub struct AgentSettings {
     /// AdamW learning rate of this agent's policy (agents that share parameters share one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub learning_rate: Option<f64>,
+    /// This agent's LoRA adapter shape, replacing `model.lora` as a whole (keys left out take
+    /// their defaults, not `model.lora`'s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<super::LoraSection>,
 }
 
 impl AgentSettings {
     /// True when the entry sets anything besides the model name.
     pub fn has_overrides(&self) -> bool {
-        let Self { name: _, temperature, top_p, top_k, max_new_tokens, stop, learning_rate } = self;
-        temperature.is_some() || top_p.is_some() || top_k.is_some() || max_new_tokens.is_some() || stop.is_some() || learning_rate.is_some()
+        let Self { name: _, temperature, top_p, top_k, max_new_tokens, stop, learning_rate, lora } = self;
+        temperature.is_some()
+            || top_p.is_some()
+            || top_k.is_some()
+            || max_new_tokens.is_some()
+            || stop.is_some()
+            || learning_rate.is_some()
+            || lora.is_some()
     }
 }
 
