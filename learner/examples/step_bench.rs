@@ -19,10 +19,17 @@
 //! false`) instead of at the same time; `--bf16-dot-products` (with `--rollout-dtype bf16`) decodes
 //! with AVX512_BF16 dot products (`rollout.bf16_dot_products`).
 //!
+//! `--lora R` trains LoRA adapters (`model.lora`: rank R, alpha 2R, no dropout, every projection) on
+//! one shared base, loaded by `load_policies` as `learner train` loads them; `--agents N` runs N
+//! agents (default 2). Either skips the Python reference (the original trains 2 full copies). The
+//! resident set is printed after the policies load, after the embedded worker starts (it holds one
+//! merged copy per agent) and after each step (AdamW state and gradients appear with the first).
+//!
 //! ```sh
 //! cargo run --release -p cotrain-learner --example step_bench [-- --steps 2 --skip-python]
 //! cargo run --release -p cotrain-learner --example step_bench -- --rollout-dtype bf16 --matmul-dtype bf16
 //! cargo run --release -p cotrain-learner --example step_bench -- --turns 2 --variant tree
+//! for a in 2 8; do cargo run --release -p cotrain-learner --example step_bench -- --skip-python --agents $a --lora 8; done
 //! ```
 //! The Python side needs the pyref environment (`scripts/reference/setup-pyref.sh`; `COTRAIN_PYREF_PYTHON`
 //! overrides its interpreter).
@@ -117,8 +124,11 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let steps: u64 = args.iter().position(|a| a == "--steps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(2);
-    let skip_python = args.iter().any(|a| a == "--skip-python");
     let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let lora_rank: Option<usize> = flag("--lora").map(|s| s.parse()).transpose()?;
+    let n_agents: usize = flag("--agents").map(|s| s.parse()).transpose()?.unwrap_or(2);
+    anyhow::ensure!(n_agents >= 1, "--agents must be at least 1");
+    let skip_python = args.iter().any(|a| a == "--skip-python") || lora_rank.is_some() || n_agents != 2;
     let turns: usize = flag("--turns").and_then(|s| s.parse().ok()).unwrap_or(1);
     let variant = flag("--variant").unwrap_or_else(|| "tree".into());
     if !matches!(variant.as_str(), "tree" | "handoff") {
@@ -151,10 +161,11 @@ fn main() -> anyhow::Result<()> {
     let (rollout_dtype, matmul_dtype) = (dtype("--rollout-dtype")?, dtype("--matmul-dtype")?);
     let concurrent = !args.iter().any(|a| a == "--policies-in-turn");
     let bf16_dot = args.iter().any(|a| a == "--bf16-dot-products");
+    let lora = lora_rank.map(|r| format!(", lora: {{r: {r}, lora_alpha: {}, lora_dropout: 0.0}}", 2 * r)).unwrap_or_default();
     let yaml = format!(
-        "model: {{name: default, dtype: f32, matmul_dtype: {matmul_dtype}, {sampling}, max_length: 1024, chat_template: true}}\n\
+        "model: {{name: default, dtype: f32, matmul_dtype: {matmul_dtype}, {sampling}, max_length: 1024, chat_template: true{lora}}}\n\
          dataset: {{name: coophumaneval, train_split: 'test[:1]'}}\n\
-         magrpo: {{num_agents: 2, num_generations: 4, max_new_tokens: 128, learning_rate: 1.0e-5, rollout_buffer_size: 1, \
+         magrpo: {{num_agents: {n_agents}, num_generations: 4, max_new_tokens: 128, learning_rate: 1.0e-5, rollout_buffer_size: 1, \
          num_train_epochs: 100, save_steps: 100000, eval_interval: 100000}}\n\
          rollout: {{dtype: {rollout_dtype}, weight_dtype: {rollout_dtype}, bf16_dot_products: {bf16_dot}}}\n\
          learner: {{concurrent_policies: {concurrent}}}\n\
@@ -170,14 +181,26 @@ fn main() -> anyhow::Result<()> {
     let cfg = CheckedConfig::from_value(value, Path::new("bench"))?;
     let opts = cotrain_model::loader::LoadOptions::default();
     let adam = AdamWConfig::new(1e-5, 0.0, None);
-    let policies: Vec<Policy> = (0..2)
-        .map(|i| Ok(Policy::new(&format!("agent{i}"), "default", cotrain_model::loader::load("default", &opts)?, None, adam)))
-        .collect::<anyhow::Result<_>>()?;
+    let rss_start = MemoryFacts::now().rss_bytes;
+    let policies: Vec<Policy> = if lora_rank.is_some() {
+        cotrain_learner::trainer::load_policies(&cfg)?.0
+    } else {
+        (0..n_agents)
+            .map(|i| Ok(Policy::new(&format!("agent{i}"), "default", cotrain_model::loader::load("default", &opts)?, None, adam)))
+            .collect::<anyhow::Result<_>>()?
+    };
+    let rss_policies = MemoryFacts::now().rss_bytes;
+    println!(
+        "{n_agents} agents, {}: learner policies resident {:.2} GB ({:.2} GB trained tensors)",
+        lora_rank.map(|r| format!("LoRA r {r}")).unwrap_or_else(|| "full fine-tuning".into()),
+        rss_policies.saturating_sub(rss_start) as f64 / 1e9,
+        policies.iter().flat_map(|p| p.parameters().into_values()).map(|t| t.numel() * 4).sum::<usize>() as f64 / 1e9
+    );
     let encoding = cfg.prompt_encoding();
     let model_text = encoding.model_text(policies[0].model.chat_template.as_ref(), PROMPT)?;
     let prompt = cotrain_learner::trainer::items::encode_text(&policies[0].model.tokenizer, &model_text)?;
     let rt = runtime()?;
-    let agents: Vec<(String, String)> = (0..2).map(|i| (format!("agent{i}"), "default".to_string())).collect();
+    let agents: Vec<(String, String)> = (0..n_agents).map(|i| (format!("agent{i}"), "default".to_string())).collect();
     if cfg.raw.rollout.bf16_dot_products {
         // As the learner does before it starts its embedded worker.
         cotrain_model::kernels::gemm_bf16dot::enable_for(cotrain_learner::trainer::rollout_kind(&cfg), tch::Device::Cpu, "--bf16-dot-products")
@@ -194,6 +217,8 @@ fn main() -> anyhow::Result<()> {
         std::time::Duration::from_secs(60),
     )?
     .with_weight_dtype(cfg.raw.rollout.weight_dtype);
+    let rss_worker = MemoryFacts::now().rss_bytes;
+    println!("embedded worker ({n_agents} served models) resident {:.2} GB", rss_worker.saturating_sub(rss_policies) as f64 / 1e9);
     let tmp = std::env::temp_dir().join(format!("cotrain-step-bench-{}", std::process::id()));
     let mut trainer = Trainer::new(TrainerSetup {
         cfg,
@@ -201,10 +226,10 @@ fn main() -> anyhow::Result<()> {
         task: "parity".into(),
         is_code: false,
         policies,
-        agent_policy: vec![0, 1],
+        agent_policy: (0..n_agents).collect(),
         rollout: Box::new(rollout),
         reward: Box::new(Parity),
-        train_items: vec![TrainItem { index: 0, item: serde_json::Value::Null, prompts: vec![prompt.clone(), prompt.clone()], texts: vec![PROMPT.into(), PROMPT.into()] }],
+        train_items: vec![TrainItem { index: 0, item: serde_json::Value::Null, prompts: vec![prompt.clone(); n_agents], texts: vec![PROMPT.into(); n_agents] }],
         eval_items: vec![],
     })?;
     trainer.ignore_eos = true;
@@ -238,11 +263,12 @@ fn main() -> anyhow::Result<()> {
         }
         times.push(secs);
     }
+    let rss_end = MemoryFacts::now().rss_bytes;
     drop(trainer);
     drop(worker);
     let _ = std::fs::remove_dir_all(&tmp);
     let best = times.iter().cloned().fold(f64::INFINITY, f64::min);
-    println!("{}", serde_json::json!({"impl": "cotrain", "turns": turns, "variant": variant, "agents": 2, "samples": 4, "new_tokens": 128, "prompt_tokens": prompt.len(), "step_seconds": times, "best_seconds": best}));
+    println!("{}", serde_json::json!({"impl": "cotrain", "turns": turns, "variant": variant, "agents": n_agents, "lora_rank": lora_rank, "samples": 4, "new_tokens": 128, "prompt_tokens": prompt.len(), "step_seconds": times, "best_seconds": best, "rss_gb_after_steps": rss_end as f64 / 1e9}));
 
     if !skip_python {
         let python = std::env::var("COTRAIN_PYREF_PYTHON")

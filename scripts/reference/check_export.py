@@ -11,11 +11,20 @@ is a user message rendered by the directory's chat template with the generation 
 tokenised without special tokens. Both stop at the ids of generation_config.json's eos_token_id,
 so the printed `token_ids` must equal rollout-worker's `samples[0].token_ids`.
 
+A LoRA policy (`model.lora`) exports as a PEFT adapter directory: with --adapter ADAPTER_DIR the
+adapter is loaded by PEFT over the base (MODEL_DIR, or a GGUF file such as the embedded default,
+which transformers dequantises) and left unmerged, so the tokens must equal rollout-worker's on the
+merged export (`learner export --merged`, `<dir>-merged`):
+
+    $PY scripts/reference/check_export.py ~/.cache/cotrain/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        "PROMPT" --adapter exported/agent-0
+
 Prints one JSON object: prompt_token_ids, token_ids, text, and what transformers loaded.
 Run with the reference env: ~/.cache/cotrain/pyref/bin/python scripts/reference/check_export.py
 """
 import argparse
 import json
+from pathlib import Path
 
 import torch
 import transformers
@@ -29,11 +38,23 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     ap.add_argument("--dtype", default="float32", help="compute dtype (rollout-worker generate uses f32 by default)")
+    ap.add_argument("--adapter", help="a PEFT adapter directory to load (unmerged) over MODEL_DIR")
     args = ap.parse_args()
     torch.set_num_threads(2)
 
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
+    path = Path(args.model_dir).expanduser()
+    if path.suffix == ".gguf":
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, args.dtype))
+    else:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    peft_version = None
+    if args.adapter:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, args.adapter)
+        peft_version = peft.__version__
     model.eval()
 
     if args.chat:
@@ -64,6 +85,7 @@ def main():
         "model_class": type(model).__name__,
         "dtype": str(next(model.parameters()).dtype),
         "transformers": transformers.__version__,
+        "peft": peft_version,
     }))
 
 
