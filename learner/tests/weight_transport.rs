@@ -121,6 +121,7 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
     // A worker without the opt-in: `shm` fails naming the flag, `auto` and `grpc` use chunks.
     let config = cotrain_rollout_worker::worker::WorkerConfig {
         share: Vec::new(),
+        adapters: Vec::new(),
         agents: agents.clone(),
         device: tch::Device::Cpu,
         kind: tch::Kind::Float,

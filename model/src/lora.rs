@@ -145,6 +145,42 @@ impl LoraAdapter {
         Ok(Self { config, vs, pairs, layers: cfg.num_hidden_layers })
     }
 
+    /// An adapter for `model` holding `tensors` (an adapter update: `lora_A`/`lora_B` pairs under
+    /// `VarStore` or PEFT names) scaled by `scaling`: its rank is read from the `A` shapes, its
+    /// targets from the names, alpha is `scaling · r`, no dropout. Every layer must carry every
+    /// targeted projection's pair.
+    pub fn from_tensors(model: &CausalLm, tensors: &HashMap<String, Tensor>, scaling: f64) -> Result<Self> {
+        let bad = |m: String| ModelError::InvalidConfig(m);
+        let mut targets: Vec<String> = Vec::new();
+        let mut rank: Option<i64> = None;
+        for (name, t) in tensors {
+            let key = name.strip_prefix(PEFT_PREFIX).unwrap_or(name);
+            let Some(stem) = key.strip_suffix(".lora_A.weight") else {
+                if key.ends_with(".lora_B.weight") {
+                    continue;
+                }
+                return Err(bad(format!("`{name}` is not a LoRA tensor (X.lora_A.weight / X.lora_B.weight)")));
+            };
+            let proj = stem.rsplit('.').next().unwrap_or_default();
+            if !targets.iter().any(|p| p == proj) {
+                targets.push(proj.to_string());
+            }
+            let r = t.size().first().copied().unwrap_or(0);
+            match rank {
+                None => rank = Some(r),
+                Some(r0) if r0 != r => return Err(bad(format!("`{name}` has rank {r}, other pairs {r0}"))),
+                _ => {}
+            }
+        }
+        let r = rank.ok_or_else(|| bad("an adapter update with no lora_A tensor".into()))? as usize;
+        // The projections in their canonical order, so that equal adapters get equal configs.
+        targets.sort_by_key(|p| PROJECTIONS.iter().position(|(_, q)| q == p).unwrap_or(usize::MAX));
+        let config = LoraConfig { r, alpha: scaling * r as f64, dropout: 0.0, target_modules: targets };
+        let adapter = Self::new(model, config)?;
+        adapter.load_tensors(tensors)?;
+        Ok(adapter)
+    }
+
     /// Decoder layers of the base model it fits.
     pub fn num_layers(&self) -> usize {
         self.layers

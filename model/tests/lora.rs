@@ -261,3 +261,71 @@ fn shared_weight_handles_carry_their_own_adapters_across_threads() {
         assert!(v.equal(&before[&k]), "{k}: the base must stay bit-identical");
     }
 }
+
+/// One engine serving three adapters unmerged on one base, their requests and a base request mixed
+/// in every batch (prefill and decode), gives each request the greedy tokens (and log-probs) of a
+/// model with that adapter merged in; an unknown adapter is refused, and one in use cannot be removed.
+#[test]
+fn one_engine_serves_several_adapters_unmerged_as_their_merged_models() {
+    use cotrain_model::engine::{Engine, Request, SamplingParams, StopConditions};
+    let greedy = |prompt: Vec<u32>| Request {
+        params: SamplingParams { temperature: 0.0, ..Default::default() },
+        stop: StopConditions { max_new_tokens: 12, ignore_eos: true, ..Default::default() },
+        ..Request::new(prompt)
+    };
+    for family in ["qwen2", "llama"] {
+        let base = tiny(family, &LoadOptions::default());
+        let qv = LoraConfig { r: 4, alpha: 8.0, dropout: 0.0, target_modules: vec!["q_proj".into(), "v_proj".into()] };
+        let adapters = [
+            trained_like_seeded(&base.model, no_dropout(), 7),
+            trained_like_seeded(&base.model, qv, 8),
+            trained_like_seeded(&base.model, LoraConfig { alpha: 64.0, ..no_dropout() }, 9),
+        ];
+        let merged = |id: usize| {
+            let m = tiny(family, &LoadOptions::default());
+            let w: HashMap<String, Tensor> = adapters[id].merged(&base.named_parameters()).unwrap().into_iter().collect();
+            m.load_named_tensors(&w).unwrap();
+            m
+        };
+        // Requests: (prompt, adapter); the batch mixes all three adapters and the base.
+        let asks: Vec<(Vec<u32>, Option<u32>)> =
+            vec![(vec![3, 17, 42, 9], Some(0)), (vec![101, 7, 55], Some(1)), (vec![3, 17, 42, 9], None), (vec![12, 99, 5, 5, 8], Some(2)), (vec![101, 7, 55], Some(0))];
+        let mut engine = Engine::new(tiny(family, &LoadOptions::default()));
+        for (id, ad) in adapters.iter().enumerate() {
+            let copy = LoraAdapter::new(&engine.loaded().model, ad.config.clone()).unwrap();
+            let tensors: HashMap<String, Tensor> = ad.named_tensors().into_iter().collect();
+            copy.load_tensors(&tensors).unwrap();
+            engine.set_adapter(id as u32, Some(copy)).unwrap();
+        }
+        assert_eq!(engine.adapter_ids(), vec![0, 1, 2]);
+        let requests: Vec<(Request, Option<u32>)> = asks.iter().map(|(p, a)| (greedy(p.clone()), *a)).collect();
+        let mixed = engine.generate_with_adapters(&requests).unwrap();
+        let mut differs_from_base = 0;
+        for ((prompt, adapter), got) in asks.iter().zip(&mixed) {
+            let mut alone = match adapter {
+                Some(id) => Engine::new(merged(*id as usize)),
+                None => Engine::new(tiny(family, &LoadOptions::default())),
+            };
+            let want = &alone.generate(&[greedy(prompt.clone())]).unwrap()[0][0];
+            assert_eq!(got[0].token_ids, want.token_ids, "{family} adapter {adapter:?}: unmerged vs merged greedy tokens");
+            for (a, b) in got[0].logprobs.iter().zip(&want.logprobs) {
+                assert!((a - b).abs() < 1e-4, "{family} adapter {adapter:?}: log-probs {a} vs {b}");
+            }
+            if adapter.is_some() {
+                let mut plain = Engine::new(tiny(family, &LoadOptions::default()));
+                let base_tokens = &plain.generate(&[greedy(prompt.clone())]).unwrap()[0][0].token_ids;
+                differs_from_base += (base_tokens != &got[0].token_ids) as usize;
+            }
+        }
+        assert!(differs_from_base >= 2, "{family}: the adapters must change the output (only {differs_from_base} of 4 did)");
+
+        let e = engine.add_with_adapter(greedy(vec![1, 2]), Some(9)).unwrap_err().to_string();
+        assert!(e.contains("no adapter 9"), "{e}");
+        let h = engine.add_with_adapter(greedy(vec![1, 2]), Some(1)).unwrap();
+        let e = engine.set_adapter(1, None).unwrap_err().to_string();
+        assert!(e.contains("adapter 1 is in use"), "{e}");
+        assert!(engine.cancel(h));
+        engine.set_adapter(1, None).unwrap();
+        assert_eq!(engine.adapter_ids(), vec![0, 2]);
+    }
+}

@@ -120,6 +120,7 @@ fn main() -> anyhow::Result<()> {
     let max_new_tokens: u32 = env_or("BENCH_MAX_NEW_TOKENS", "48").parse()?;
     let config = WorkerConfig {
         share: Vec::new(),
+        adapters: Vec::new(),
         agents: vec![(AGENT.into(), model.clone())],
         device: cotrain_model::config::parse_device(&env_or("BENCH_DEVICE", "cpu"))?,
         kind: cotrain_model::config::parse_dtype(&env_or("BENCH_DTYPE", "f32"))?,

@@ -11,6 +11,10 @@
 //! empty, bumps the version, and then admits the jobs that arrived meanwhile. So every token of a
 //! sample comes from one version, and the version reported with it is exactly that one: jobs
 //! admitted before the update finish on the old version, later jobs run on the new one.
+//!
+//! An adapter loop (`serve --adapters`) serves each of its agents as a LoRA adapter on one base,
+//! unmerged: a job names its agent's adapter, the batches mix agents, each agent has its own
+//! version, and an update replaces one agent's adapter (after the engine drains, as above).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -37,6 +41,9 @@ pub(crate) struct JobOutput {
 pub(crate) struct StagedUpdate {
     pub version: u64,
     pub tensors: HashMap<String, Tensor>,
+    /// In an adapter loop: the agent's adapter id and the update's LoRA scaling; the tensors are
+    /// the adapter's pairs, which replace that agent's adapter.
+    pub adapter: Option<(u32, f64)>,
     /// Where the tensors go once copied into the parameters (`None`: dropped), for the next
     /// update to read into.
     pub keep: Option<crate::weights::Staging>,
@@ -59,7 +66,14 @@ pub struct StreamToken {
 
 pub(crate) enum Command {
     /// A job; with `stream`, every token it generates is also sent there as it is produced.
-    Submit { id: u64, requests: Vec<Request>, reply: oneshot::Sender<Result<JobOutput>>, stream: Option<mpsc::UnboundedSender<StreamToken>> },
+    /// `adapter`: in an adapter loop, the agent's adapter id.
+    Submit {
+        id: u64,
+        requests: Vec<Request>,
+        adapter: Option<u32>,
+        reply: oneshot::Sender<Result<JobOutput>>,
+        stream: Option<mpsc::UnboundedSender<StreamToken>>,
+    },
     Cancel { id: u64 },
     Update { update: StagedUpdate, reply: oneshot::Sender<Result<u64>> },
 }
@@ -98,6 +112,16 @@ pub(crate) struct LoopState {
     pub queued_jobs: AtomicUsize,
     /// Updates waiting for the engine to drain.
     pub pending_updates: AtomicUsize,
+    /// In an adapter loop: each agent's version, by adapter id (`policy_version` is their most
+    /// recent).
+    pub agent_versions: Vec<AtomicU64>,
+}
+
+impl LoopState {
+    /// The state of an adapter loop serving `agents` adapters.
+    pub(crate) fn for_adapters(agents: usize) -> Self {
+        Self { agent_versions: (0..agents).map(|_| AtomicU64::new(0)).collect(), ..Self::default() }
+    }
 }
 
 struct Job {
@@ -112,6 +136,7 @@ struct Job {
 struct Waiting {
     id: u64,
     requests: Vec<Request>,
+    adapter: Option<u32>,
     reply: oneshot::Sender<Result<JobOutput>>,
     stream: Option<mpsc::UnboundedSender<StreamToken>>,
 }
@@ -126,6 +151,8 @@ pub(crate) struct EngineLoop {
     agents: Vec<String>,
     max_rows: usize,
     version: u64,
+    /// An adapter loop's per-agent versions, by adapter id (`None`: one model, one version).
+    adapter_versions: Option<Vec<u64>>,
     /// Jobs in the engine, by job id.
     running: HashMap<u64, Job>,
     /// Engine handle → job id.
@@ -168,6 +195,7 @@ impl EngineLoop {
             agents,
             max_rows,
             version: 0,
+            adapter_versions: None,
             running: HashMap::new(),
             owner: HashMap::new(),
             waiting: VecDeque::new(),
@@ -177,6 +205,13 @@ impl EngineLoop {
             threads: EngineThreads::Default,
             counted_busy: false,
         }
+    }
+
+    /// Serves each of its agents as an unmerged LoRA adapter on the base, by adapter id (the
+    /// agent's position); each starts as the base itself until its first update.
+    pub(crate) fn with_adapters(mut self) -> Self {
+        self.adapter_versions = Some(vec![0; self.agents.len()]);
+        self
     }
 
     /// Steps on `threads` CPU threads.
@@ -244,8 +279,8 @@ impl EngineLoop {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, requests, reply, stream } => {
-                let w = Waiting { id, requests, reply, stream };
+            Command::Submit { id, requests, adapter, reply, stream } => {
+                let w = Waiting { id, requests, adapter, reply, stream };
                 if self.updates.is_empty() {
                     self.admit(w);
                 } else {
@@ -263,8 +298,14 @@ impl EngineLoop {
         }
         let mut handles = Vec::with_capacity(w.requests.len());
         let remaining = w.requests.iter().map(|r| r.n).sum();
+        // An agent without an adapter yet is the base itself.
+        let adapter = w.adapter.filter(|id| self.engine.adapter_ids().contains(id));
+        let version = match (&self.adapter_versions, w.adapter) {
+            (Some(v), Some(id)) => v.get(id as usize).copied().unwrap_or(0),
+            _ => self.version,
+        };
         for r in w.requests {
-            match self.engine.add(r) {
+            match self.engine.add_with_adapter(r, adapter) {
                 Ok(h) => handles.push(h),
                 Err(e) => {
                     for h in handles {
@@ -278,11 +319,8 @@ impl EngineLoop {
         for &h in &handles {
             self.owner.insert(h, w.id);
         }
-        debug!(job = w.id, requests = handles.len(), version = self.version, "job admitted");
-        self.running.insert(
-            w.id,
-            Job { handles, samples: HashMap::new(), remaining, version: self.version, reply: w.reply, stream: w.stream },
-        );
+        debug!(job = w.id, requests = handles.len(), version, "job admitted");
+        self.running.insert(w.id, Job { handles, samples: HashMap::new(), remaining, version, reply: w.reply, stream: w.stream });
     }
 
     fn cancel(&mut self, id: u64) {
@@ -309,6 +347,10 @@ impl EngineLoop {
     fn apply_updates(&mut self) {
         while !self.updates.is_empty() && self.engine.is_idle() {
             let (update, reply) = self.updates.pop_front().expect("not empty");
+            if let Some((id, scaling)) = update.adapter {
+                let _ = reply.send(self.swap_adapter(id, scaling, update));
+                continue;
+            }
             if update.version <= self.version {
                 let _ = reply.send(Err(WorkerError::VersionNotNewer { current: self.version, offered: update.version }));
                 continue;
@@ -334,6 +376,40 @@ impl EngineLoop {
                     warn!(model = %self.model_id, error = %e, "weight swap rejected");
                     let _ = reply.send(Err(WorkerError::BadUpdate(e.to_string())));
                 }
+            }
+        }
+    }
+
+    /// Replaces the adapter of agent `id` (an adapter loop, engine empty).
+    fn swap_adapter(&mut self, id: u32, scaling: f64, update: StagedUpdate) -> Result<u64> {
+        let current = self.adapter_versions.as_ref().and_then(|v| v.get(id as usize).copied());
+        let Some(current) = current else {
+            return Err(WorkerError::BadUpdate(format!("adapter id {id} is not an agent of model `{}`", self.model_id)));
+        };
+        if update.version <= current {
+            return Err(WorkerError::VersionNotNewer { current, offered: update.version });
+        }
+        let started = Instant::now();
+        let adapter = cotrain_model::lora::LoraAdapter::from_tensors(&self.engine.loaded().model, &update.tensors, scaling)
+            .and_then(|a| self.engine.set_adapter(id, Some(a)));
+        let agent = self.agents[id as usize].clone();
+        match adapter {
+            Ok(()) => {
+                let versions = self.adapter_versions.as_mut().expect("checked above");
+                versions[id as usize] = update.version;
+                self.state.agent_versions[id as usize].store(update.version, Ordering::SeqCst);
+                let newest = versions.iter().copied().max().unwrap_or(0);
+                self.state.policy_version.store(newest, Ordering::SeqCst);
+                self.metrics.policy_version.with_label_values(&[agent.as_str()]).set(update.version as i64);
+                self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "applied"]).inc();
+                info!(model = %self.model_id, agent, version = update.version, tensors = update.tensors.len(),
+                    swap_ms = started.elapsed().as_millis() as u64, "adapter swapped");
+                Ok(update.version)
+            }
+            Err(e) => {
+                self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "rejected"]).inc();
+                warn!(model = %self.model_id, agent, error = %e, "adapter swap rejected");
+                Err(WorkerError::BadUpdate(e.to_string()))
             }
         }
     }

@@ -68,6 +68,13 @@ pub struct ServeArgs {
     /// learner training them as separate policies refuses such a worker.
     #[arg(long = "share", value_name = "A,B,...", value_parser = parse_share)]
     pub share: Vec<Vec<String>>,
+    /// Agents served as LoRA adapters on one loaded base, unmerged, e.g. `--adapters
+    /// agent0,agent1` (repeatable; the agents of a group name the same MODEL): one engine whose
+    /// batches mix the agents, each with its own adapter and policy version, for one base's memory
+    /// plus the adapters'. Each agent is the base until its first adapter update, and takes
+    /// adapter updates only. On the OpenAI endpoint an agent is also `MODEL:AGENT`.
+    #[arg(long = "adapters", value_name = "A,B,...", value_parser = parse_adapters)]
+    pub adapters: Vec<Vec<String>>,
     /// Accepted for older command lines: every agent has its own copy of the weights unless `--share`.
     #[arg(long, hide = true)]
     pub separate_weights: bool,
@@ -147,6 +154,14 @@ fn parse_share(s: &str) -> Result<Vec<String>, String> {
     Ok(names)
 }
 
+fn parse_adapters(s: &str) -> Result<Vec<String>, String> {
+    let names: Vec<String> = s.split(',').map(|n| n.trim().to_string()).collect();
+    if names.iter().any(String::is_empty) {
+        return Err(format!("expected agent names separated by commas, got `{s}`"));
+    }
+    Ok(names)
+}
+
 fn parse_agent(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((name, model)) if !name.is_empty() && !model.is_empty() => Ok((name.to_string(), model.to_string())),
@@ -160,6 +175,7 @@ impl ServeArgs {
         Ok(WorkerConfig {
             agents: self.agents.clone(),
             share: self.share.clone(),
+            adapters: self.adapters.clone(),
             device: cotrain_model::config::parse_device(&self.device).context("--device")?,
             agent_devices: self
                 .agent_devices

@@ -217,7 +217,8 @@ impl Rollout for RolloutService {
             .iter()
             .map(|a| {
                 let m = models.iter().find(|m| m.agents.contains(a)).expect("every agent has a model");
-                AgentInfo { name: a.clone(), model: m.id.clone(), policy_version: m.policy_version }
+                // An adapter group's agents each have their own version.
+                AgentInfo { name: a.clone(), model: m.id.clone(), policy_version: w.policy_version(a).unwrap_or(m.policy_version) }
             })
             .collect();
         let cfg = w.config();

@@ -6,7 +6,12 @@
 //! one loaded model. The policy version belongs to the model, so a weight update sent for one of
 //! them changes the policy of all of them; `Info` and the update's answer list who shares.
 //!
-//! Adapter updates (LoRA pairs, see [`crate::weights`]) are merged per adapter: the worker holds
+//! Adapter groups (`serve --adapters a,b`, [`WorkerConfig::adapters`]) serve their agents as LoRA
+//! adapters on one loaded base, unmerged: one engine, batches mixing the agents, each agent with its
+//! own adapter and policy version; such agents take adapter updates only, which replace the agent's
+//! adapter. N agents cost one base plus N adapters of memory.
+//!
+//! Elsewhere, adapter updates (LoRA pairs, see [`crate::weights`]) are merged per adapter: the worker holds
 //! one copy of the base weights per model slot, loaded from the model spec at the first adapter
 //! update, merges each adapter into it (`W0 + scaling·B·A`) and swaps the merged projections in
 //! like a partial update. Agents sharing a model slot share the merged weights too.
@@ -59,6 +64,9 @@ pub struct WorkerConfig {
     pub agents: Vec<(String, String)>,
     /// Groups of agents that share one model copy (all of a group name the same spec).
     pub share: Vec<Vec<String>>,
+    /// Groups of agents served as LoRA adapters on one shared base, unmerged (all of a group
+    /// name the same spec; `serve --adapters`).
+    pub adapters: Vec<Vec<String>>,
     /// Where the parameters live, for agents `agent_devices` does not place.
     pub device: Device,
     /// `(agent, device)`: agents whose model lives elsewhere than `device` (`--agent-device`), e.g.
@@ -177,11 +185,31 @@ pub(crate) struct ModelSlot {
     pub device: Device,
     pub tx: mpsc::UnboundedSender<Command>,
     pub state: Arc<LoopState>,
+    /// Whether its agents are served as unmerged adapters on its base (`serve --adapters`).
+    pub adapters: bool,
     /// The pristine weights adapter updates are merged into.
     pub base: Arc<BaseWeights>,
     /// Buffers whole-tensor updates read into (see [`Staging`]).
     pub staging: Staging,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ModelSlot {
+    /// `agent`'s adapter id in an adapter slot (its position), `None` elsewhere.
+    fn adapter_id(&self, agent: &str) -> Option<u32> {
+        if !self.adapters {
+            return None;
+        }
+        self.agents.iter().position(|a| a == agent).map(|i| i as u32)
+    }
+
+    /// The policy version serving `agent`: its own in an adapter slot, the model's elsewhere.
+    fn version_of(&self, agent: &str) -> u64 {
+        match self.adapter_id(agent) {
+            Some(id) => self.state.agent_versions[id as usize].load(Ordering::SeqCst),
+            None => self.state.policy_version.load(Ordering::SeqCst),
+        }
+    }
 }
 
 /// A model's base weights as loaded from its spec, for merging adapter updates into: the engine's
@@ -262,39 +290,44 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// The models to load: `(spec, agents)`, one per agent or sharing group, in the agents' order.
-    fn model_slots(config: &WorkerConfig) -> Result<Vec<(String, Vec<String>)>> {
+    /// The models to load: `(spec, agents, adapters)`, one per agent, sharing group or adapter
+    /// group (`adapters`: its agents are served as unmerged adapters), in the agents' order.
+    fn model_slots(config: &WorkerConfig) -> Result<Vec<(String, Vec<String>, bool)>> {
         let spec_of: HashMap<&str, &str> = config.agents.iter().map(|(a, s)| (a.as_str(), s.as_str())).collect();
         let mut group_of: HashMap<&str, usize> = HashMap::new();
-        for (g, members) in config.share.iter().enumerate() {
-            if members.len() < 2 {
+        let groups: Vec<(&str, &Vec<String>)> =
+            config.share.iter().map(|g| ("share", g)).chain(config.adapters.iter().map(|g| ("adapters", g))).collect();
+        for (g, (flag, members)) in groups.iter().enumerate() {
+            if *flag == "share" && members.len() < 2 {
                 return Err(WorkerError::invalid("share", format!("a sharing group needs at least two agents, got {members:?}")));
             }
-            for a in members {
+            for a in members.iter() {
                 let Some(spec) = spec_of.get(a.as_str()) else {
-                    return Err(WorkerError::invalid("share", format!("`{a}` in --share {} is not an agent", members.join(","))));
+                    return Err(WorkerError::invalid(*flag, format!("`{a}` in --{flag} {} is not an agent", members.join(","))));
                 };
                 if group_of.insert(a.as_str(), g).is_some() {
-                    return Err(WorkerError::invalid("share", format!("agent `{a}` is in two sharing groups")));
+                    return Err(WorkerError::invalid(*flag, format!("agent `{a}` is in two groups (--share and --adapters groups may not overlap)")));
                 }
                 if *spec != spec_of[members[0].as_str()] {
                     return Err(WorkerError::invalid(
-                        "share",
-                        format!("agents of --share {} name different models (`{}` and `{spec}`)", members.join(","), spec_of[members[0].as_str()]),
+                        *flag,
+                        format!("agents of --{flag} {} name different models (`{}` and `{spec}`)", members.join(","), spec_of[members[0].as_str()]),
                     ));
                 }
             }
         }
-        let mut slots: Vec<(String, Vec<String>)> = Vec::new();
+        let mut slots: Vec<(String, Vec<String>, bool)> = Vec::new();
         let mut slot_of_group: HashMap<usize, usize> = HashMap::new();
         for (name, spec) in &config.agents {
             match group_of.get(name.as_str()).and_then(|g| slot_of_group.get(g).copied()) {
                 Some(i) => slots[i].1.push(name.clone()),
                 None => {
-                    if let Some(&g) = group_of.get(name.as_str()) {
+                    let group = group_of.get(name.as_str()).copied();
+                    if let Some(g) = group {
                         slot_of_group.insert(g, slots.len());
                     }
-                    slots.push((spec.clone(), vec![name.clone()]));
+                    let adapters = group.is_some_and(|g| groups[g].0 == "adapters");
+                    slots.push((spec.clone(), vec![name.clone()], adapters));
                 }
             }
         }
@@ -324,15 +357,15 @@ impl Worker {
             return Err(WorkerError::invalid("agent-device", format!("`{a}` is not an agent of this worker")));
         }
         let mut copies: HashMap<&str, usize> = HashMap::new();
-        for (spec, _) in &slots {
+        for (spec, _, _) in &slots {
             *copies.entry(spec.as_str()).or_default() += 1;
         }
-        for (spec, names) in &slots {
+        for (spec, names, adapters) in &slots {
             // A model's id is its spec, or with several copies of it, the spec and its agents.
             let id = if copies[spec.as_str()] > 1 { format!("{spec}#{}", names.join("+")) } else { spec.clone() };
             let device = config.device_for(names)?;
             let base = Self::shared_base(&mut bases, spec, device, &config);
-            let slot = Self::start_model(spec, &id, names.clone(), device, &config, &metrics, base)?;
+            let slot = Self::start_model(spec, &id, names.clone(), *adapters, device, &config, &metrics, base)?;
             for n in names {
                 agents.insert(n.clone(), models.len());
             }
@@ -403,10 +436,12 @@ impl Worker {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn start_model(
         spec: &str,
         id: &str,
         agents: Vec<String>,
+        adapters: bool,
         device: Device,
         config: &WorkerConfig,
         metrics: &Metrics,
@@ -430,13 +465,16 @@ impl Worker {
         info!(model = id, ?agents, parameters = parameter_count, load_ms = started.elapsed().as_millis() as u64, "model loaded");
         let engine = Engine::with_config(loaded, EngineConfig { max_batch_rows: config.max_batch_size });
         let (tx, rx) = mpsc::unbounded_channel();
-        let state = Arc::new(LoopState::default());
+        let state = Arc::new(if adapters { LoopState::for_adapters(agents.len()) } else { LoopState::default() });
         for a in &agents {
             metrics.policy_version.with_label_values(&[a.as_str()]).set(0);
         }
-        let engine_loop =
+        let mut engine_loop =
             EngineLoop::new(engine, id.to_string(), agents.clone(), config.max_batch_size, rx, state.clone(), metrics.clone())
                 .with_threads(config.engine_threads.clone());
+        if adapters {
+            engine_loop = engine_loop.with_adapters();
+        }
         let thread = std::thread::Builder::new()
             .name(format!("engine-{}", agents[0]))
             .spawn(move || engine_loop.run())
@@ -454,6 +492,7 @@ impl Worker {
             device,
             tx,
             state,
+            adapters,
             base,
             staging: Staging::default(),
             thread: Some(thread),
@@ -514,9 +553,31 @@ impl Worker {
         Ok(self.slot(agent)?.context_length)
     }
 
+    /// Whether `agent` is served as an unmerged adapter (`serve --adapters`).
+    pub fn is_adapter(&self, agent: &str) -> bool {
+        self.slot(agent).is_ok_and(|s| s.adapter_id(agent).is_some())
+    }
+
+    /// The agent an OpenAI `model` names: an agent's own name, or `BASE:AGENT` for an agent
+    /// served as an adapter on base model `BASE` (its model id); anything else is returned as it
+    /// is, for the usual unknown-agent error.
+    pub fn resolve_agent(&self, model: &str) -> String {
+        if self.agents.contains_key(model) {
+            return model.to_string();
+        }
+        if let Some((base, agent)) = model.rsplit_once(':')
+            && let Ok(slot) = self.slot(agent)
+            && slot.adapter_id(agent).is_some()
+            && slot.id == base
+        {
+            return agent.to_string();
+        }
+        model.to_string()
+    }
+
     /// The policy version of `agent`.
     pub fn policy_version(&self, agent: &str) -> Result<u64> {
-        Ok(self.slot(agent)?.state.policy_version.load(Ordering::SeqCst))
+        Ok(self.slot(agent)?.version_of(agent))
     }
 
     /// Parameter names and shapes of `agent`'s model, sorted by name.
@@ -644,7 +705,7 @@ impl Worker {
             return Err(WorkerError::invalid("prompts", format!("{rows} sequences in one request is too many")));
         }
         if let Some(min) = job.min_policy_version {
-            let current = slot.state.policy_version.load(Ordering::SeqCst);
+            let current = slot.version_of(&job.agent);
             if current < min {
                 return Err(WorkerError::StalePolicy { agent: job.agent.clone(), current, required: min });
             }
@@ -666,7 +727,7 @@ impl Worker {
         let id = self.next_job.fetch_add(1, Ordering::Relaxed);
         let (reply, rx) = oneshot::channel();
         slot.tx
-            .send(Command::Submit { id, requests, reply, stream })
+            .send(Command::Submit { id, requests, adapter: slot.adapter_id(&job.agent), reply, stream })
             .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))?;
         let cancel = CancelOnDrop { tx: &slot.tx, id, armed: true };
         let out: JobOutput = rx.await.map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
@@ -700,7 +761,7 @@ impl Worker {
             WorkerError::InvalidArgument { message, .. } => WorkerError::invalid("header.agent", message),
             e => e,
         })?;
-        Ok((slot.params.clone(), slot.state.policy_version.load(Ordering::SeqCst), slot.staging.clone()))
+        Ok((slot.params.clone(), slot.version_of(agent), slot.staging.clone()))
     }
 
     /// Swaps in a validated update between decode steps (after the jobs in the engine finish on
@@ -713,6 +774,26 @@ impl Worker {
         let slot = self.slot(&update.agent)?;
         let (kind, device) = (slot.kind, slot.device);
         let version = update.version;
+        if let Some(id) = slot.adapter_id(&update.agent) {
+            // An adapter slot keeps the adapter as sent (in the model's dtype) and serves it unmerged.
+            let Some(scaling) = update.lora_scaling else {
+                return Err(WorkerError::BadUpdate(format!(
+                    "agent `{}` is served as a LoRA adapter on a shared base (serve --adapters): it takes adapter updates \
+                     (header.lora_scaling > 0), not parameters",
+                    update.agent
+                )));
+            };
+            let agent = update.agent.clone();
+            let tensors = tokio::task::spawn_blocking(move || update.into_tensors(kind, device))
+                .await
+                .map_err(|e| WorkerError::Internal(format!("tensor conversion panicked: {e}")))?;
+            let (reply, rx) = oneshot::channel();
+            slot.tx
+                .send(Command::Update { update: StagedUpdate { version, tensors, keep: None, adapter: Some((id, scaling)) }, reply })
+                .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))?;
+            let version = rx.await.map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
+            return Ok((slot.id.clone(), version, vec![agent]));
+        }
         // Conversion to the model's dtype and device (and any merge) happens here, off the engine
         // loop, so the loop pauses only for the copy into the parameters.
         // A plain update's tensors are the assembler's buffers (or their conversion): the slot keeps
@@ -735,7 +816,7 @@ impl Worker {
         };
         let (reply, rx) = oneshot::channel();
         slot.tx
-            .send(Command::Update { update: StagedUpdate { version, tensors, keep }, reply })
+            .send(Command::Update { update: StagedUpdate { version, tensors, keep, adapter: None }, reply })
             .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))?;
         let version = rx.await.map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
         Ok((slot.id.clone(), version, slot.agents.clone()))
@@ -807,6 +888,7 @@ mod tests {
         let config = WorkerConfig {
             agents: vec![("a".into(), "m".into()), ("b".into(), "m".into()), ("c".into(), "m".into())],
             share: vec![vec!["a".into(), "b".into()]],
+            adapters: Vec::new(),
             device: Device::Cpu,
             agent_devices: vec![("b".into(), Device::Cuda(1)), ("c".into(), Device::Cuda(0))],
             kind: Kind::Float,

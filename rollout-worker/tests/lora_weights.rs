@@ -150,3 +150,78 @@ async fn adapter_updates_merge_into_the_pristine_base_over_grpc_and_shm() {
     let still = probe(&mut c).await;
     assert_eq!((still.policy_version, &still.token_ids, &still.logprobs), (2, &base.token_ids, &base.logprobs));
 }
+
+/// One greedy sample of [`PROMPT`] from `agent`.
+async fn probe_agent(c: &mut RolloutClient<Channel>, agent: &str) -> Sample {
+    let mut req = request(agent, vec![token_prompt(PROMPT.to_vec())], 1, 11, NEW_TOKENS);
+    req.sampling.as_mut().unwrap().temperature = Some(0.0);
+    let mut resp = c.generate(req).await.expect("generate").into_inner();
+    resp.completions.remove(0).samples.remove(0)
+}
+
+/// `serve --adapters alice,bob,carol`: three agents on one loaded base, each served as its own
+/// adapter without merging. Requests of all three decode together; each agent's greedy tokens are
+/// those of the base with its adapter merged in (or the base itself before its first update), each
+/// has its own version, a parameter update is refused for them, and the OpenAI endpoint serves an
+/// agent as `BASE:AGENT`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_group_serves_each_agent_unmerged_on_one_base() {
+    let model = TinyModel::new("llama");
+    let spec = model.spec();
+    let agents = [("alice", spec.as_str()), ("bob", spec.as_str()), ("carol", spec.as_str())];
+    let w = WorkerProcess::start(&agents, &["--adapters", "alice,bob,carol"]).await;
+    let info = w.info().await;
+    assert_eq!(info.models.len(), 1, "one base for the three agents: {:?}", info.models);
+    let mut c = w.client().await;
+    let params = c.list_parameters(ListParametersRequest { agent: "alice".into() }).await.unwrap().into_inner().parameters;
+    let base = probe_agent(&mut c, "carol").await;
+
+    let pool = RolloutPool::new(PoolConfig { endpoints: vec![w.endpoint()], ..PoolConfig::default() }).await.unwrap();
+    let adapters = [("alice", Arc::new(adapter(&params, 1, false))), ("bob", Arc::new(adapter(&params, 7, false)))];
+    for (agent, tensors) in &adapters {
+        let header = UpdateHeader { agent: agent.to_string(), ..adapter_header(1) };
+        let answers = pool.push_update_except(header, tensors.clone(), &HashSet::new()).await;
+        let ok = answers[0].1.as_ref().expect("adapter update accepted");
+        assert_eq!((ok.version, ok.agents.clone()), (1, vec![agent.to_string()]));
+    }
+    let info = w.info().await;
+    let versions: Vec<(String, u64)> = info.agents.iter().map(|a| (a.name.clone(), a.policy_version)).collect();
+    assert_eq!(versions, vec![("alice".into(), 1), ("bob".into(), 1), ("carol".into(), 0)]);
+
+    // The three at once, so that their sequences share the engine's batches.
+    let (mut c1, mut c2, mut c3) = (w.client().await, w.client().await, w.client().await);
+    let (a, b, plain) = tokio::join!(probe_agent(&mut c1, "alice"), probe_agent(&mut c2, "bob"), probe_agent(&mut c3, "carol"));
+    for ((agent, tensors), got) in adapters.iter().zip([&a, &b]) {
+        let want = reference(&spec, tensors);
+        assert_eq!(got.token_ids, want.token_ids, "{agent}: unmerged adapter vs merged model greedy tokens");
+        assert!(max_abs_diff(&got.logprobs, &want.logprobs) < 1e-4, "{agent}: {:?} vs {:?}", got.logprobs, want.logprobs);
+        assert_eq!(got.policy_version, 1);
+        assert_ne!(got.token_ids, base.token_ids, "{agent}: the adapter did not change the greedy output");
+    }
+    assert_ne!(a.token_ids, b.token_ids);
+    // The base agent's sequences decode beside adapter rows (the unfused route): equal up to rounding.
+    assert_eq!((plain.token_ids.clone(), plain.policy_version), (base.token_ids.clone(), 0));
+    assert!(max_abs_diff(&plain.logprobs, &base.logprobs) < 1e-4, "{:?} vs {:?}", plain.logprobs, base.logprobs);
+
+    // Parameters cannot be pushed to an adapter agent.
+    let full: Vec<UpdatedTensor> = params
+        .iter()
+        .filter(|p| p.name.ends_with("q_proj.weight"))
+        .map(|p| UpdatedTensor { name: p.name.clone(), dtype: WireDType::F32, shape: p.shape.clone(), data: random_f32_bytes(p.shape.iter().product::<i64>() as usize, 3) })
+        .collect();
+    let header = UpdateHeader { agent: "carol".into(), version: 1, tensor_count: full.len() as u32, partial: true, lora_scaling: 0.0 };
+    let e = c.update_weights(update_stream(header, Arc::new(full), 1 << 16)).await.unwrap_err();
+    assert!(e.message().contains("takes adapter updates"), "{}", e.message());
+
+    // OpenAI: `BASE:AGENT` names bob's adapter; /v1/models lists it so.
+    let http = format!("http://{}", w.http);
+    let models: serde_json::Value = reqwest::get(format!("{http}/v1/models")).await.unwrap().json().await.unwrap();
+    let ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    let named = format!("{spec}:bob");
+    assert!(ids.contains(&named.as_str()) && ids.contains(&"bob"), "{ids:?}");
+    let body = serde_json::json!({"model": named, "prompt": PROMPT.to_vec(), "max_tokens": NEW_TOKENS, "temperature": 0.0,
+        "ignore_eos": true, "return_token_ids": true});
+    let r: serde_json::Value = reqwest::Client::new().post(format!("{http}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap();
+    let ids: Vec<u32> = r["choices"][0]["token_ids"].as_array().unwrap_or_else(|| panic!("{r}")).iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    assert_eq!(ids, b.token_ids, "{r}");
+}

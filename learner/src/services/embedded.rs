@@ -114,6 +114,7 @@ impl EmbeddedRollout {
             agents,
             // One model copy per policy: the learner trains each separately.
             share: Vec::new(),
+            adapters: Vec::new(),
             device,
             kind,
             max_batch_size: 64,

@@ -10,6 +10,12 @@
 //! costing compute. Requests can be added and cancelled between steps (continuous batching), and
 //! parameters can be swapped by name between steps.
 //!
+//! Adapters: LoRA adapters registered by id ([`Engine::set_adapter`]) are served on top of the
+//! base without merging; a request names one ([`Engine::add_with_adapter`]) and the batches mix
+//! them: each forward adds every adapter's low-rank product to its own rows
+//! ([`crate::families::CausalLm::set_row_adapters`]), so N adapters cost one base plus N adapters
+//! of memory, not N models.
+//!
 //! Reproducibility: sample `i` of a request draws its uniforms from a ChaCha8 stream seeded by
 //! `(seed, i)`, and sampling orders the CDF by vocabulary index, so a sample's tokens depend on
 //! the model, prompt, params, seed and `i` only — not on the other requests in the batch — up to
@@ -29,6 +35,7 @@ pub use sampling::{LogprobMode, SamplingParams};
 use crate::error::{ModelError, Result};
 use crate::families::KvCache;
 use crate::loader::LoadedModel;
+use crate::lora::LoraAdapter;
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 use sampling::RowSpec;
 
@@ -190,6 +197,8 @@ impl Default for EngineConfig {
 /// A running sequence, occupying one cache row.
 struct Seq {
     request: RequestHandle,
+    /// The adapter it decodes with (an id of [`Engine::set_adapter`]); `None`: the base.
+    adapter: Option<u32>,
     index: usize,
     rng: ChaCha8Rng,
     params: SamplingParams,
@@ -219,6 +228,10 @@ pub struct Engine {
     next_id: u64,
     eos_ids: Vec<u32>,
     stats: EngineStats,
+    /// Adapters served unmerged, by id.
+    adapters: HashMap<u32, LoraAdapter>,
+    /// The adapter of each queued request that names one.
+    pending_adapter: HashMap<RequestHandle, u32>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -249,7 +262,65 @@ impl Engine {
             next_id: 0,
             eos_ids,
             stats: EngineStats::default(),
+            adapters: HashMap::new(),
+            pending_adapter: HashMap::new(),
         }
+    }
+
+    /// Registers (or replaces) adapter `id`, served unmerged to the requests that name it; `None`
+    /// removes it, which is refused while a queued or running request uses it. A replaced adapter
+    /// serves its running sequences' next tokens, as a weight update does.
+    pub fn set_adapter(&mut self, id: u32, adapter: Option<LoraAdapter>) -> Result<()> {
+        match adapter {
+            Some(a) => {
+                self.loaded.model.check_adapter(&a)?;
+                self.adapters.insert(id, a);
+            }
+            None => {
+                let in_use = self.pending_adapter.values().any(|&x| x == id) || self.active.iter().any(|s| s.adapter == Some(id));
+                if in_use {
+                    return Err(ModelError::InvalidRequest(format!("adapter {id} is in use by a queued or running request")));
+                }
+                self.adapters.remove(&id);
+            }
+        }
+        Ok(())
+    }
+
+    /// The ids of the registered adapters.
+    pub fn adapter_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self.adapters.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// [`Engine::add`] for adapter `adapter` (registered with [`Engine::set_adapter`]) on the base.
+    pub fn add_with_adapter(&mut self, request: Request, adapter: Option<u32>) -> Result<RequestHandle> {
+        if let Some(id) = adapter
+            && !self.adapters.contains_key(&id)
+        {
+            return Err(ModelError::InvalidRequest(format!("no adapter {id} is registered on this engine")));
+        }
+        let handle = self.add(request)?;
+        if let Some(id) = adapter {
+            self.pending_adapter.insert(handle, id);
+        }
+        Ok(handle)
+    }
+
+    /// Sets the per-row adapters of a forward whose row `i` belongs to adapter `row_adapters[i]`.
+    fn set_row_adapters(&self, row_adapters: impl Iterator<Item = Option<u32>>) {
+        let mut groups: std::collections::BTreeMap<u32, Vec<i64>> = std::collections::BTreeMap::new();
+        for (row, a) in row_adapters.enumerate() {
+            if let Some(id) = a {
+                groups.entry(id).or_default().push(row as i64);
+            }
+        }
+        if groups.is_empty() {
+            return;
+        }
+        let list: Vec<(&LoraAdapter, &[i64])> = groups.iter().map(|(id, rows)| (&self.adapters[id], rows.as_slice())).collect();
+        self.loaded.model.set_row_adapters(&list);
     }
 
     /// The model, tokenizer and metadata.
@@ -342,6 +413,7 @@ impl Engine {
     pub fn cancel(&mut self, handle: RequestHandle) -> bool {
         let before = self.pending.len();
         self.pending.retain(|(h, _)| *h != handle);
+        self.pending_adapter.remove(&handle);
         let mut found = self.pending.len() != before;
         let mut i = self.active.len();
         while i > 0 {
@@ -356,9 +428,15 @@ impl Engine {
 
     /// Runs requests to completion: samples per request, in request order and sample order.
     pub fn generate(&mut self, requests: &[Request]) -> Result<Vec<Vec<Sample>>> {
+        let requests: Vec<(Request, Option<u32>)> = requests.iter().map(|r| (r.clone(), None)).collect();
+        self.generate_with_adapters(&requests)
+    }
+
+    /// [`Engine::generate`] with each request's adapter (`None`: the base), all in one batch.
+    pub fn generate_with_adapters(&mut self, requests: &[(Request, Option<u32>)]) -> Result<Vec<Vec<Sample>>> {
         let mut handles = Vec::with_capacity(requests.len());
-        for r in requests {
-            match self.add(r.clone()) {
+        for (r, adapter) in requests {
+            match self.add_with_adapter(r.clone(), *adapter) {
                 Ok(h) => handles.push(h),
                 Err(e) => {
                     // All or nothing: withdraw the requests queued so far.
@@ -370,7 +448,7 @@ impl Engine {
             }
         }
         let mut out: HashMap<RequestHandle, Vec<Sample>> = HashMap::new();
-        let mut missing: usize = requests.iter().map(|r| r.n).sum();
+        let mut missing: usize = requests.iter().map(|(r, _)| r.n).sum();
         while missing > 0 {
             if self.is_idle() {
                 return Err(ModelError::InvalidRequest(
@@ -447,7 +525,10 @@ impl Engine {
         }
         let ids = Tensor::from_slice(&ids).to_device(device).view([group.len() as i64, width as i64]);
         let mut prompt_cache = KvCache::new(model, group.len(), width);
-        let hidden = model.forward_hidden_cached(&ids, &vec![0; group.len()], &mut prompt_cache)?;
+        self.set_row_adapters(group.iter().map(|(h, _)| self.pending_adapter.get(h).copied()));
+        let hidden = model.forward_hidden_cached(&ids, &vec![0; group.len()], &mut prompt_cache);
+        model.clear_row_adapters();
+        let hidden = hidden?;
         // Only each prompt's last position is needed: (G, L, H) -> (G, H) -> (G, V).
         let last: Vec<i64> = lens.iter().enumerate().map(|(i, &l)| (i * width + l - 1) as i64).collect();
         let hidden = hidden.reshape([(group.len() * width) as i64, -1]);
@@ -470,6 +551,7 @@ impl Engine {
         logits: &Tensor,
         out: &mut StepOutput,
     ) -> Result<()> {
+        let adapter = self.pending_adapter.remove(&handle);
         let model = &self.loaded.model;
         let len = req.prompt.len();
         let first_row = self.active.len();
@@ -502,6 +584,7 @@ impl Engine {
             });
             self.active.push(Seq {
                 request: handle,
+                adapter,
                 index: i,
                 rng,
                 params: req.params,
@@ -549,7 +632,13 @@ impl Engine {
         let ids = Tensor::from_slice(&ids)
             .to_device(model.device())
             .unsqueeze(1);
-        let hidden = model.forward_hidden_cached(&ids, &starts, cache)?;
+        let row_adapters: Vec<Option<u32>> = self.active.iter().map(|s| s.adapter).collect();
+        self.set_row_adapters(row_adapters.into_iter());
+        let model = &self.loaded.model;
+        let cache = self.cache.as_mut().expect("prefill created the cache");
+        let hidden = model.forward_hidden_cached(&ids, &starts, cache);
+        model.clear_row_adapters();
+        let hidden = hidden?;
         // (B, 1, H) -> (B, V)
         let logits = model.lm_head(&hidden.squeeze_dim(1));
         let specs: Vec<RowSpec> = self

@@ -14,7 +14,7 @@ use tch::{Device, Kind, Tensor, nn};
 mod decode_cpu;
 mod layers;
 
-use layers::{AttnInputs, CacheStep, DecoderLayer, Linear, PrefixKv, RmsNorm, Rotary, linear, param};
+use layers::{AttnInputs, CacheStep, DecoderLayer, Linear, PrefixKv, RmsNorm, Rotary, RowLora, linear, param};
 pub use layers::WeightInit;
 pub(crate) use layers::linear_in;
 
@@ -175,6 +175,8 @@ pub struct CausalLm {
     device: Device,
     /// Whether a LoRA adapter is set (cotrain's decode kernels read the base weights only).
     adapter_active: std::cell::Cell<bool>,
+    /// Whether per-row adapters are set ([`CausalLm::set_row_adapters`]).
+    row_adapters_active: std::cell::Cell<bool>,
     /// The dtype of the products of forwards that autograd records (training), when it is not
     /// the parameters' (see [`CausalLm::set_matmul_kind`]).
     matmul_kind: std::cell::Cell<Option<Kind>>,
@@ -219,6 +221,7 @@ impl CausalLm {
             kind,
             device,
             adapter_active: std::cell::Cell::new(false),
+            row_adapters_active: std::cell::Cell::new(false),
             matmul_kind: std::cell::Cell::new(None),
         })
     }
@@ -239,6 +242,7 @@ impl CausalLm {
             kind: self.kind,
             device: self.device,
             adapter_active: std::cell::Cell::new(false),
+            row_adapters_active: std::cell::Cell::new(false),
             matmul_kind: std::cell::Cell::new(self.matmul_kind.get()),
         }
     }
@@ -289,23 +293,7 @@ impl CausalLm {
     /// forwards that are trained on). The base's weights are never written.
     pub fn set_adapter(&self, adapter: Option<&LoraAdapter>, training: bool) -> Result<()> {
         if let Some(a) = adapter {
-            if a.num_layers() != self.layers.len() {
-                return Err(ModelError::InvalidConfig(format!(
-                    "an adapter for {} layers cannot be set on a model of {}",
-                    a.num_layers(),
-                    self.layers.len()
-                )));
-            }
-            for (layer, proj, la, lb) in a.pairs() {
-                let (out_dim, in_dim) = self.projection_shape(proj);
-                if la.size()[1] != in_dim || lb.size()[0] != out_dim {
-                    return Err(ModelError::InvalidConfig(format!(
-                        "adapter of layer {layer} {proj}: A {:?} / B {:?} do not fit the model's ({out_dim}, {in_dim}) projection",
-                        la.size(),
-                        lb.size()
-                    )));
-                }
-            }
+            self.check_adapter(a)?;
         }
         for layer in &self.layers {
             let a = &layer.self_attn;
@@ -323,6 +311,66 @@ impl CausalLm {
             }
         }
         Ok(())
+    }
+
+    /// Checks that `adapter` fits this model: its layer count and every pair's shape.
+    pub fn check_adapter(&self, a: &LoraAdapter) -> Result<()> {
+        if a.num_layers() != self.layers.len() {
+            return Err(ModelError::InvalidConfig(format!(
+                "an adapter for {} layers cannot be set on a model of {}",
+                a.num_layers(),
+                self.layers.len()
+            )));
+        }
+        for (layer, proj, la, lb) in a.pairs() {
+            let (out_dim, in_dim) = self.projection_shape(proj);
+            if la.size()[1] != in_dim || lb.size()[0] != out_dim {
+                return Err(ModelError::InvalidConfig(format!(
+                    "adapter of layer {layer} {proj}: A {:?} / B {:?} do not fit the model's ({out_dim}, {in_dim}) projection",
+                    la.size(),
+                    lb.size()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the following forwards serve several adapters in one batch, unmerged: `groups[i] =
+    /// (adapter, rows)` adds that adapter's update (no dropout) to the given rows of the batch
+    /// (dimension 0 of the input ids); rows in no group run the base alone. Replaces any earlier
+    /// groups; [`CausalLm::clear_row_adapters`] removes them. Each adapter must have passed
+    /// [`CausalLm::check_adapter`] (the engine checks when an adapter is registered).
+    pub fn set_row_adapters(&self, groups: &[(&LoraAdapter, &[i64])]) {
+        self.clear_row_adapters();
+        for (adapter, rows) in groups {
+            if rows.is_empty() {
+                continue;
+            }
+            let idx = Tensor::from_slice(rows).to_device(self.device);
+            for (layer, proj, a, b) in adapter.pairs() {
+                let lin = self.projection(layer, proj).expect("checked against the config");
+                lin.row_loras.borrow_mut().push(RowLora {
+                    a: a.shallow_clone(),
+                    b: b.shallow_clone(),
+                    scaling: adapter.config.scaling(),
+                    rows: idx.shallow_clone(),
+                });
+            }
+            self.row_adapters_active.set(true);
+        }
+    }
+
+    /// Removes the per-row adapters of [`CausalLm::set_row_adapters`].
+    pub fn clear_row_adapters(&self) {
+        if !self.row_adapters_active.replace(false) {
+            return;
+        }
+        for layer in &self.layers {
+            let a = &layer.self_attn;
+            for lin in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &layer.mlp.gate_proj, &layer.mlp.up_proj, &layer.mlp.down_proj] {
+                lin.row_loras.borrow_mut().clear();
+            }
+        }
     }
 
     /// Whether an adapter is set.

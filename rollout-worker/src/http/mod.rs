@@ -312,17 +312,18 @@ fn policy_version(out: &GenerateOutput) -> u64 {
 }
 
 async fn models(State(worker): State<Arc<Worker>>) -> Json<Value> {
-    let data: Vec<Value> = worker
-        .agent_names()
-        .iter()
-        .map(|a| {
-            json!({
-                "id": a, "object": "model", "created": 0, "owned_by": "cotrain",
-                "root": worker.model_of(a).unwrap_or_default(),
-                "policy_version": worker.policy_version(a).unwrap_or(0),
-            })
-        })
-        .collect();
+    let mut data: Vec<Value> = Vec::new();
+    for a in worker.agent_names() {
+        let root = worker.model_of(a).unwrap_or_default();
+        let version = worker.policy_version(a).unwrap_or(0);
+        data.push(json!({"id": a, "object": "model", "created": 0, "owned_by": "cotrain", "root": root, "policy_version": version}));
+        // An unmerged adapter is also listed as `BASE:AGENT`, with its base as parent (as vLLM
+        // lists LoRA modules).
+        if worker.is_adapter(a) {
+            data.push(json!({"id": format!("{root}:{a}"), "object": "model", "created": 0, "owned_by": "cotrain",
+                "root": root, "parent": root, "policy_version": version}));
+        }
+    }
     Json(json!({"object": "list", "data": data}))
 }
 
@@ -346,7 +347,8 @@ async fn chat_completions(
     State(worker): State<Arc<Worker>>,
     body: Result<Json<ChatRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
-    let Json(req) = body?;
+    let Json(mut req) = body?;
+    req.common.model = worker.resolve_agent(&req.common.model);
     if req.messages.is_empty() {
         return Err(ApiError::invalid("messages", "no messages"));
     }
@@ -436,7 +438,8 @@ async fn completions(
     State(worker): State<Arc<Worker>>,
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
-    let Json(req) = body?;
+    let Json(mut req) = body?;
+    req.common.model = worker.resolve_agent(&req.common.model);
     let prompts = prompts_of(req.prompt)?;
     let c = &req.common;
     let agent = c.model.clone();

@@ -86,6 +86,7 @@ impl CausalLm {
     /// Whether [`CausalLm::decode_step_cpu`] can serve a step on this model and cache.
     pub(super) fn fast_decode_applies(&self, cache: &KvCache) -> bool {
         if self.adapter_active.get()
+            || self.row_adapters_active.get()
             || !matches!(self.kind, Kind::Float | Kind::BFloat16)
             || self.device != Device::Cpu
             || cache.kind != self.kind

@@ -197,15 +197,28 @@ pub(crate) struct Linear {
     pub(super) bias: Option<Tensor>,
     /// The LoRA pair the next forwards add (see [`super::CausalLm::set_adapter`]).
     pub(super) lora: RefCell<Option<LoraSlot>>,
+    /// Per-row adapters the next forwards add, each to its own rows of the batch (see
+    /// [`super::CausalLm::set_row_adapters`]).
+    pub(super) row_loras: RefCell<Vec<RowLora>>,
     /// The dtype products run in when it is not the weight's (see [`super::CausalLm::set_matmul_kind`]).
     pub(super) matmul_kind: std::cell::Cell<Option<Kind>>,
+}
+
+/// One adapter of a mixed batch: its pair and the batch rows it applies to.
+#[derive(Debug)]
+pub(crate) struct RowLora {
+    pub a: Tensor,
+    pub b: Tensor,
+    pub scaling: f64,
+    /// Row indices (i64, on the model's device).
+    pub rows: Tensor,
 }
 
 impl Linear {
     pub(super) fn new(vs: nn::Path, in_dim: usize, out_dim: usize, bias: bool, init: WeightInit) -> Self {
         let weight = param(&vs, "weight", &[out_dim as i64, in_dim as i64], init);
         let bias = bias.then(|| vs.var("bias", &[out_dim as i64], Init::Const(0.0)));
-        Linear { weight, bias, lora: RefCell::new(None), matmul_kind: std::cell::Cell::new(None) }
+        Linear { weight, bias, lora: RefCell::new(None), row_loras: RefCell::new(Vec::new()), matmul_kind: std::cell::Cell::new(None) }
     }
 
     /// The same weights, without an adapter set.
@@ -214,6 +227,7 @@ impl Linear {
             weight: self.weight.shallow_clone(),
             bias: self.bias.as_ref().map(Tensor::shallow_clone),
             lora: RefCell::new(None),
+            row_loras: RefCell::new(Vec::new()),
             matmul_kind: std::cell::Cell::new(self.matmul_kind.get()),
         }
     }
@@ -223,14 +237,27 @@ impl Linear {
             Some(kind) => linear_in(kind, xs, &self.weight, self.bias.as_ref()),
             None => linear(xs, &self.weight, self.bias.as_ref()),
         };
-        match &*self.lora.borrow() {
+        let y = match &*self.lora.borrow() {
             None => y,
             // y + scaling · dropout(x)·Aᵀ·Bᵀ (LoRA, Hu et al. 2021), never materialising B·A.
             Some(s) => {
                 let x = if s.dropout > 0.0 { xs.dropout(s.dropout, true) } else { xs.shallow_clone() };
                 y + x.linear::<&Tensor>(&s.a, None).linear::<&Tensor>(&s.b, None) * s.scaling
             }
+        };
+        let groups = self.row_loras.borrow();
+        if groups.is_empty() {
+            return y;
         }
+        // Several adapters in one batch: each group's rows (batch dimension 0) gather, take their
+        // adapter's low-rank product and add it back in place; rows of no group get the base alone.
+        let mut y = y;
+        for g in groups.iter() {
+            let x = xs.index_select(0, &g.rows);
+            let delta = x.linear::<&Tensor>(&g.a, None).linear::<&Tensor>(&g.b, None) * g.scaling;
+            y = y.index_add(0, &g.rows, &delta.to_kind(y.kind()));
+        }
+        y
     }
 }
 
