@@ -65,6 +65,28 @@ pub fn rollout_precision_differs(cfg: &CheckedConfig) -> bool {
     rollout_kind(cfg) != policy_kind(cfg) || matmul_kind(cfg).is_some()
 }
 
+/// The worker agents trained as LoRA adapters, grouped by base spec (`rollout-worker serve
+/// --adapters`): GRPO/MAGRPO policies with `lora`, MaPoRL's adapter keys unless `full_finetune`.
+pub fn adapter_groups(cfg: &CheckedConfig) -> Vec<Vec<String>> {
+    let agents = worker_agents(cfg);
+    let lora: Vec<bool> = match cfg.raw.maporl.as_ref().filter(|_| cfg.algorithm == crate::config::Algorithm::Maporl) {
+        Some(m) => vec![!m.full_finetune; agents.len()],
+        // Policy i is agent i's (shared parameters: one policy, agent 0's settings for all).
+        None => (0..agents.len()).map(|i| cfg.agents[i].lora.is_some()).collect(),
+    };
+    let mut groups: Vec<(String, Vec<String>)> = Vec::new();
+    for ((name, spec), is_lora) in agents.into_iter().zip(lora) {
+        if !is_lora {
+            continue;
+        }
+        match groups.iter_mut().find(|(s, _)| *s == spec) {
+            Some((_, g)) => g.push(name),
+            None => groups.push((spec, vec![name])),
+        }
+    }
+    groups.into_iter().map(|(_, g)| g).collect()
+}
+
 /// The rollout workers' agents a run of `cfg` trains, as `(agent name, model spec)`, each needing
 /// weights of its own on every worker: `shared` with shared parameters, `agent{i}` otherwise, and
 /// MaPoRL's adapter keys. `learner worker-args` prints them for the deploy scripts.

@@ -244,6 +244,7 @@ impl Rollout for RolloutService {
                     max_batch_size: cfg.max_batch_size as u32,
                     queued_requests: m.queued_requests as u32,
                     pending_weight_updates: m.pending_weight_updates as u32,
+                    unmerged_adapters: m.unmerged_adapters,
                 })
                 .collect(),
             max_queued_requests: cfg.max_queued_requests as u32,

@@ -272,6 +272,8 @@ pub struct ModelStatus {
     pub queued_requests: usize,
     /// Weight updates waiting for the running sequences to finish.
     pub pending_weight_updates: usize,
+    /// Its agents are served as unmerged adapters, each with its own version.
+    pub unmerged_adapters: bool,
 }
 
 /// The rollout worker's business logic; the gRPC and HTTP layers are thin adapters over it.
@@ -602,6 +604,7 @@ impl Worker {
                 running_sequences: m.state.running_sequences.load(Ordering::SeqCst),
                 queued_requests: m.state.queued_jobs.load(Ordering::SeqCst),
                 pending_weight_updates: m.state.pending_updates.load(Ordering::SeqCst),
+                unmerged_adapters: m.adapters,
             })
             .collect()
     }

@@ -161,3 +161,60 @@ fn learner_refuses_a_worker_that_shares_weights_it_trains_separately() {
     assert!(!out.status.success(), "training must be refused\nstderr:\n{stderr}");
     assert!(stderr.contains("--share") && stderr.contains("agent0"), "{stderr}");
 }
+
+/// LoRA agents (`model.lora`) served unmerged by the learner's embedded worker
+/// (`rollout.lora_serving: unmerged`: both agents' adapters on one base and one engine): `learner
+/// train` pushes adapter updates that the worker swaps in per agent, each agent's samples carry its
+/// own version (the learner checks every sample's), the checkpoint holds the adapters, and `learner
+/// eval` and `learner export --merged` read it back.
+#[test]
+fn learner_trains_lora_agents_served_unmerged_by_its_embedded_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model_dir(tmp.path()).unwrap();
+    let out_dir = tmp.path().join("out");
+    let config = tmp.path().join("lora.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model: {{name: '{model}', temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 4096, lora: {{r: 4, lora_alpha: 8, lora_dropout: 0.0}}}}\n\
+             dataset: {{name: coophumaneval, train_split: 'test[16:18]', eval_split: 'test[:1]'}}\n\
+             seed: 3\n\
+             output: {{base_dir: '{out}'}}\n\
+             magrpo:\n  num_agents: 2\n  num_generations: 2\n  max_new_tokens: 6\n  learning_rate: 0.01\n  \
+             num_train_epochs: 1\n  rollout_buffer_size: 1\n  eval_interval: 100\n  save_steps: 1\n  logging_steps: 1\n\
+             rollout: {{lora_serving: unmerged}}\n\
+             logging: {{run_name: lora, progress: never}}\n",
+            model = model.display(),
+            out = out_dir.display(),
+        ),
+    )
+    .unwrap();
+    let learner = binaries().unwrap().join("learner");
+    let args = Command::new(&learner).args(["worker-args", "--config"]).arg(&config).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&args.stdout).lines().filter(|l| *l == "agent0,agent1").count(), 1, "{}", String::from_utf8_lossy(&args.stdout));
+
+    let out = Command::new(&learner).args(["train", "--config"]).arg(&config).env("RUST_LOG", "info").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "learner train failed\nstderr:\n{stderr}");
+    // The worker swapped adapters (unmerged), never merged weights, for both agents.
+    for agent in ["agent0", "agent1"] {
+        assert!(stderr.lines().any(|l| l.contains("adapter swapped") && l.contains(&format!("agent=\"{agent}\""))), "{agent}: {stderr}");
+    }
+    assert!(!stderr.contains("weights swapped"), "{stderr}");
+    let run_dir = out_dir.join("lora");
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(text.lines().count(), 2, "{text}");
+
+    let ckpt = run_dir.join("checkpoints/step-2");
+    let weights = std::fs::metadata(ckpt.join("agent-0/model.safetensors")).unwrap().len();
+    let base = std::fs::metadata(model.join("model.safetensors")).unwrap().len();
+    assert!(weights * 4 < base, "the checkpoint holds the adapter ({weights} bytes), not the model ({base} bytes)");
+    let out = Command::new(&learner).args(["eval", "--config"]).arg(&config).arg("--checkpoint").arg(&ckpt).output().unwrap();
+    assert!(out.status.success(), "learner eval failed: {}", String::from_utf8_lossy(&out.stderr));
+    let exported = tmp.path().join("exported");
+    let out = Command::new(&learner).args(["export", "--checkpoint"]).arg(&ckpt).arg("--out").arg(&exported).arg("--merged").output().unwrap();
+    assert!(out.status.success(), "learner export failed: {}", String::from_utf8_lossy(&out.stderr));
+    for d in ["agent-0/adapter_config.json", "agent-1/adapter_model.safetensors", "agent-0-merged/model.safetensors"] {
+        assert!(exported.join(d).is_file(), "{d}");
+    }
+}

@@ -156,7 +156,8 @@ pub enum Command {
     },
     /// Print the `--agent NAME=MODEL` arguments (one per line) a standalone `rollout-worker serve`
     /// needs to serve this config's policies, each with weights of its own; deploy scripts pass them
-    /// on together with `--separate-weights`.
+    /// on together with `--separate-weights`. With `rollout.lora_serving: unmerged`, also one
+    /// `--adapters A,B` per base for its LoRA agents.
     WorkerArgs {
         #[command(flatten)]
         config: ConfigArgs,
@@ -338,6 +339,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             for (agent, spec) in crate::model_options::worker_agents(&cfg) {
                 println!("--agent");
                 println!("{agent}={spec}");
+            }
+            // `rollout.lora_serving: unmerged`: the LoRA agents of each base as one adapter group.
+            if cfg.raw.rollout.lora_serving == crate::config::LoraServing::Unmerged {
+                for group in crate::model_options::adapter_groups(&cfg) {
+                    println!("--adapters");
+                    println!("{}", group.join(","));
+                }
             }
             Ok(())
         }

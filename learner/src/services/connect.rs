@@ -106,7 +106,11 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
         if ro.bf16_dot_products {
             cotrain_model::kernels::gemm_bf16dot::enable_for(rollout_kind(cfg), opts.device, "rollout.bf16_dot_products").map_err(TrainError::Config)?;
         }
-        let worker = EmbeddedRollout::start_with_verifiers(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers)?;
+        let adapter_groups = match ro.lora_serving {
+            crate::config::LoraServing::Merged => Vec::new(),
+            crate::config::LoraServing::Unmerged => crate::model_options::adapter_groups(cfg),
+        };
+        let worker = EmbeddedRollout::start_full(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers, adapter_groups)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
         (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120), None, Some(services::process_token()))?), Some(worker))
     } else {

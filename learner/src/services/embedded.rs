@@ -99,12 +99,26 @@ impl EmbeddedRollout {
         kind: tch::Kind,
         verifiers: Vec<(String, std::path::PathBuf)>,
     ) -> Result<Self, TrainError> {
+        Self::start_full(rt, agents, device, kind, verifiers, Vec::new())
+    }
+
+    /// As [`EmbeddedRollout::start_with_verifiers`], serving each group of `adapter_groups` as
+    /// unmerged adapters on one base (`rollout-worker serve --adapters`).
+    pub fn start_full(
+        rt: Arc<Runtime>,
+        agents: &[(String, String)],
+        device: tch::Device,
+        kind: tch::Kind,
+        verifiers: Vec<(String, std::path::PathBuf)>,
+        adapter_groups: Vec<Vec<String>>,
+    ) -> Result<Self, TrainError> {
         let agents = agents.to_vec();
         // The agents' engines (one per agent: no sharing) may decode at the same time: on the CPU,
         // each gets an even, fixed share of the cores. Not `EngineThreads::Shared` (the cores of
         // the engines busy at each step): its counts follow timing, the products' sums follow the
         // counts, and a seeded run then did not repeat (a MaPoRL test learned in one run of two).
-        let engines = agents.len();
+        // An adapter group is one engine.
+        let engines = agents.len() - adapter_groups.iter().map(|g| g.len().saturating_sub(1)).sum::<usize>();
         let engine_threads = if device == tch::Device::Cpu && engines > 1 {
             cotrain_rollout_worker::worker::EngineThreads::Fixed((tch::get_num_threads().max(1) as usize / engines).max(1))
         } else {
@@ -114,7 +128,7 @@ impl EmbeddedRollout {
             agents,
             // One model copy per policy: the learner trains each separately.
             share: Vec::new(),
-            adapters: Vec::new(),
+            adapters: adapter_groups,
             device,
             kind,
             max_batch_size: 64,

@@ -388,7 +388,8 @@ impl PoolRollout {
     pub fn check_separate_models(&self, worker_agents: &[String]) -> Result<(), TrainError> {
         for (addr, info) in self.rt.block_on(self.pool.info_all()) {
             let info = info.map_err(|s| TrainError::Rollout(format!("{addr}: Info failed: {}", s.message())))?;
-            for model in &info.models {
+            // An adapter group's agents each have their own adapter and version.
+            for model in info.models.iter().filter(|m| !m.unmerged_adapters) {
                 let trained: Vec<&String> = model.agents.iter().filter(|a| worker_agents.contains(a)).collect();
                 if trained.len() > 1 {
                     return Err(TrainError::Rollout(format!(

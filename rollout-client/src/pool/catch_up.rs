@@ -66,7 +66,7 @@ impl Inner {
             // Agents the pool updates separately must have weights of their own on the worker: a
             // shared model would take the second agent's push as "not newer" and serve the first's.
             let pushed: HashSet<&str> = latest.iter().map(|l| l.header.agent.as_str()).collect();
-            for m in &info.models {
+            for m in info.models.iter().filter(|m| !m.unmerged_adapters) {
                 let shared: Vec<&String> = m.agents.iter().filter(|a| pushed.contains(a.as_str())).collect();
                 if shared.len() > 1 {
                     return Err(format!("it serves {shared:?} from one shared model (--share), but they are updated separately"));

@@ -42,6 +42,13 @@ pub struct RolloutConfig {
     /// learner's) or `bf16` (half the bytes; the workers convert to their own dtype).
     #[serde(default)]
     pub weight_dtype: WeightDtype,
+    /// How the embedded worker serves LoRA policies (`model.lora`, MaPoRL's adapters): `merged`
+    /// (each agent its own copy of the base with its adapter merged in; decodes on the fused CPU
+    /// step) or `unmerged` (the agents on one base share one copy and one engine, each adapter
+    /// applied in the forward: one base of memory plus the adapters). Remote workers serve
+    /// adapters unmerged when started with `rollout-worker serve --adapters a,b`.
+    #[serde(default)]
+    pub lora_serving: LoraServing,
     /// The precision rollouts are drawn in: `auto` (the policy's `model.dtype`), `f32` or `bf16`.
     /// The embedded worker loads its models in it; remote workers are started with the matching
     /// `rollout-worker serve --dtype`. When it differs from the training precision, the loss
@@ -96,6 +103,17 @@ impl Precision {
             Precision::Bf16 => tch::Kind::BFloat16,
         }
     }
+}
+
+/// `rollout.lora_serving`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum LoraServing {
+    /// One merged copy of the base per agent.
+    #[default]
+    Merged,
+    /// One base per model for all its LoRA agents, adapters applied unmerged.
+    Unmerged,
 }
 
 /// `rollout.weight_dtype`.
@@ -211,6 +229,7 @@ impl Default for RolloutConfig {
             importance_weight_cap: default_importance_weight_cap(),
             weight_transport: WeightTransport::Auto,
             weight_dtype: WeightDtype::F32,
+            lora_serving: LoraServing::Merged,
             dtype: Precision::Auto,
             bf16_dot_products: false,
             wait_for_registration: false,
