@@ -23,13 +23,14 @@
 //! one shared base, loaded by `load_policies` as `learner train` loads them; `--agents N` runs N
 //! agents (default 2). Either skips the Python reference (the original trains 2 full copies). The
 //! resident set is printed after the policies load, after the embedded worker starts (it holds one
-//! merged copy per agent) and after each step (AdamW state and gradients appear with the first).
+//! merged copy per agent, or with `--unmerged` one base for all the adapters) and after each step
+//! (AdamW state and gradients appear with the first).
 //!
 //! ```sh
 //! cargo run --release -p cotrain-learner --example step_bench [-- --steps 2 --skip-python]
 //! cargo run --release -p cotrain-learner --example step_bench -- --rollout-dtype bf16 --matmul-dtype bf16
 //! cargo run --release -p cotrain-learner --example step_bench -- --turns 2 --variant tree
-//! for a in 2 8; do cargo run --release -p cotrain-learner --example step_bench -- --skip-python --agents $a --lora 8; done
+//! for a in 2 8; do cargo run --release -p cotrain-learner --example step_bench -- --skip-python --agents $a --lora 8 [--unmerged]; done
 //! ```
 //! The Python side needs the pyref environment (`scripts/reference/setup-pyref.sh`; `COTRAIN_PYREF_PYTHON`
 //! overrides its interpreter).
@@ -206,7 +207,11 @@ fn main() -> anyhow::Result<()> {
         cotrain_model::kernels::gemm_bf16dot::enable_for(cotrain_learner::trainer::rollout_kind(&cfg), tch::Device::Cpu, "--bf16-dot-products")
             .map_err(anyhow::Error::msg)?;
     }
-    let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, cotrain_learner::trainer::rollout_kind(&cfg))?;
+    // `--unmerged` (with `--lora`): the agents as adapters on one base in the embedded worker.
+    let groups = if args.iter().any(|a| a == "--unmerged") { vec![agents.iter().map(|(a, _)| a.clone()).collect()] } else { Vec::new() };
+    anyhow::ensure!(groups.is_empty() || lora_rank.is_some(), "--unmerged needs --lora");
+    let worker =
+        EmbeddedRollout::start_full(rt.clone(), &agents, tch::Device::Cpu, cotrain_learner::trainer::rollout_kind(&cfg), Vec::new(), groups)?;
     let rollout = PoolRollout::connect(
         rt.clone(),
         vec![format!("http://{}", worker.grpc)],

@@ -49,4 +49,16 @@ impl EmbeddedRollout {
     ) -> Result<Self, TrainError> {
         Err(not_built("a rollout worker", "rollout.endpoints (or rollout.dns_name)"))
     }
+
+    /// Refuses: see the module docs.
+    pub fn start_full(
+        _rt: Arc<Runtime>,
+        _agents: &[(String, String)],
+        _device: tch::Device,
+        _kind: tch::Kind,
+        _verifiers: Vec<(String, std::path::PathBuf)>,
+        _adapter_groups: Vec<Vec<String>>,
+    ) -> Result<Self, TrainError> {
+        Err(not_built("a rollout worker", "rollout.endpoints (or rollout.dns_name)"))
+    }
 }

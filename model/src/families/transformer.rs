@@ -354,6 +354,7 @@ impl CausalLm {
                     b: b.shallow_clone(),
                     scaling: adapter.config.scaling(),
                     rows: idx.shallow_clone(),
+                    row_list: rows.iter().map(|&r| r as usize).collect(),
                 });
             }
             self.row_adapters_active.set(true);

@@ -43,10 +43,11 @@ pub struct RolloutConfig {
     #[serde(default)]
     pub weight_dtype: WeightDtype,
     /// How the embedded worker serves LoRA policies (`model.lora`, MaPoRL's adapters): `merged`
-    /// (each agent its own copy of the base with its adapter merged in; decodes on the fused CPU
-    /// step) or `unmerged` (the agents on one base share one copy and one engine, each adapter
-    /// applied in the forward: one base of memory plus the adapters). Remote workers serve
-    /// adapters unmerged when started with `rollout-worker serve --adapters a,b`.
+    /// (each agent its own copy of the base with its adapter merged in, its own engine) or
+    /// `unmerged` (the agents on one base share one copy and one engine whose batches mix them,
+    /// each adapter's low-rank product added to its own rows: one base of memory plus the
+    /// adapters). Remote workers serve adapters unmerged when started with `rollout-worker serve
+    /// --adapters a,b`.
     #[serde(default)]
     pub lora_serving: LoraServing,
     /// The precision rollouts are drawn in: `auto` (the policy's `model.dtype`), `f32` or `bf16`.

@@ -86,7 +86,6 @@ impl CausalLm {
     /// Whether [`CausalLm::decode_step_cpu`] can serve a step on this model and cache.
     pub(super) fn fast_decode_applies(&self, cache: &KvCache) -> bool {
         if self.adapter_active.get()
-            || self.row_adapters_active.get()
             || !matches!(self.kind, Kind::Float | Kind::BFloat16)
             || self.device != Device::Cpu
             || cache.kind != self.kind
@@ -109,7 +108,11 @@ impl CausalLm {
                 &l.mlp.down_proj,
             ]
             .into_iter()
-            .all(|lin: &Linear| servable(&lin.weight) && lin.bias.as_ref().is_none_or(&servable))
+            .all(|lin: &Linear| {
+                servable(&lin.weight)
+                    && lin.bias.as_ref().is_none_or(&servable)
+                    && lin.row_loras.borrow().iter().all(|g| servable(&g.a) && servable(&g.b))
+            })
         };
         let norms = |l: &DecoderLayer| {
             let a = &l.self_attn;
@@ -251,6 +254,7 @@ fn project<W: Elem>(lin: &Linear, x: &[f32], rows: usize, out: &mut [f32], threa
     let (n, k) = (lin.weight.size()[0] as usize, lin.weight.size()[1] as usize);
     if !own_products {
         libtorch_product_into(x, rows, &lin.weight, lin.bias.as_ref(), out);
+        add_row_adapters::<W>(lin, x, out, k, n);
         return;
     }
     // SAFETY: `fast_decode_applies` checked the weight and bias: contiguous, of the model's kind,
@@ -260,6 +264,30 @@ fn project<W: Elem>(lin: &Linear, x: &[f32], rows: usize, out: &mut [f32], threa
     if let Some(b) = &lin.bias {
         // SAFETY: as above.
         ops::add_bias(&mut out[..rows * n], unsafe { elems::<W>(b) });
+    }
+    add_row_adapters::<W>(lin, x, out, k, n);
+}
+
+/// Adds each per-row adapter's update to its rows of `out` (rows × n) from `x` (rows × k):
+/// `out[row] += scaling · B·(A·x[row])`, the low-rank product row by row (rank r: r·(k + n)
+/// multiply-adds per row, against n·k for the projection itself).
+fn add_row_adapters<W: Elem>(lin: &Linear, x: &[f32], out: &mut [f32], k: usize, n: usize) {
+    for g in lin.row_loras.borrow().iter() {
+        let r = g.a.size()[0] as usize;
+        // SAFETY: `fast_decode_applies` checked the pairs: contiguous, of the model's kind, on CPU,
+        // not written during the step.
+        let (a, b) = unsafe { (elems::<W>(&g.a), elems::<W>(&g.b)) };
+        let mut t = vec![0f32; r];
+        for &row in &g.row_list {
+            let xr = &x[row * k..(row + 1) * k];
+            for (j, tj) in t.iter_mut().enumerate() {
+                *tj = a[j * k..(j + 1) * k].iter().zip(xr).map(|(w, v)| w.to_f32() * v).sum::<f32>() * g.scaling as f32;
+            }
+            let orow = &mut out[row * n..(row + 1) * n];
+            for (i, o) in orow.iter_mut().enumerate() {
+                *o += b[i * r..(i + 1) * r].iter().zip(&t).map(|(w, v)| w.to_f32() * v).sum::<f32>();
+            }
+        }
     }
 }
 

@@ -212,6 +212,8 @@ pub(crate) struct RowLora {
     pub scaling: f64,
     /// Row indices (i64, on the model's device).
     pub rows: Tensor,
+    /// The same row indices, for the fused CPU decode step.
+    pub row_list: Vec<usize>,
 }
 
 impl Linear {
