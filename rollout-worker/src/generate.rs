@@ -17,6 +17,10 @@ pub struct GenerateArgs {
     /// cache, or `default` (the embedded SmolLM2-135M-Instruct).
     #[arg(long, default_value = "default")]
     model: String,
+    /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`, e.g.
+    /// `learner export` of a `model.lora` run) to serve on top of `--model`, unmerged.
+    #[arg(long)]
+    adapter: Option<std::path::PathBuf>,
     /// The prompt text.
     #[arg(long)]
     prompt: String,
@@ -130,11 +134,26 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         top_logprobs: 0,
     };
 
+    let adapter = match &args.adapter {
+        Some(dir) => Some(
+            cotrain_model::lora::LoraAdapter::load_peft(dir, &loaded.model)
+                .with_context(|| format!("loading the adapter {} over `{}`", dir.display(), args.model))?,
+        ),
+        None => None,
+    };
     let mut engine = Engine::new(loaded);
+    // The adapter is served unmerged, as `serve --adapters` serves an agent's.
+    let adapter_id = match adapter {
+        Some(a) => {
+            engine.set_adapter(0, Some(a))?;
+            Some(0)
+        }
+        None => None,
+    };
     let start = Instant::now();
     let stream = !args.json && args.n == 1 && args.stop.is_empty();
     let samples = if stream {
-        let handle = engine.add(request)?;
+        let handle = engine.add_with_adapter(request, adapter_id)?;
         let mut decoder = engine.tokenizer().incremental_decoder(true);
         let mut finished = Vec::new();
         let mut stdout = std::io::stdout().lock();
@@ -150,7 +169,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         writeln!(stdout, "{}", decoder.finish(engine.tokenizer())?)?;
         finished
     } else {
-        engine.generate(std::slice::from_ref(&request))?.remove(0)
+        engine.generate_with_adapters(&[(request, adapter_id)])?.remove(0)
     };
     let secs = start.elapsed().as_secs_f64();
     let generated: usize = samples.iter().map(|s| s.token_ids.len()).sum();

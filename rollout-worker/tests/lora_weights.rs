@@ -1,6 +1,7 @@
 //! Adapter-only weight updates end to end: the real binary on an ephemeral port, LoRA pairs sent
 //! through the client pool as gRPC chunks and through a shared-memory file, merged by the worker
-//! into its base weights.
+//! into its base weights; or, for an adapter group (`serve --adapters`), served unmerged on one
+//! base; and `generate --adapter DIR` serving a PEFT directory unmerged.
 
 mod support;
 
@@ -224,4 +225,50 @@ async fn an_adapter_group_serves_each_agent_unmerged_on_one_base() {
     let r: serde_json::Value = reqwest::Client::new().post(format!("{http}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap();
     let ids: Vec<u32> = r["choices"][0]["token_ids"].as_array().unwrap_or_else(|| panic!("{r}")).iter().map(|v| v.as_u64().unwrap() as u32).collect();
     assert_eq!(ids, b.token_ids, "{r}");
+}
+
+/// `rollout-worker generate --adapter DIR` serves a PEFT adapter directory unmerged on top of
+/// `--model`: the same greedy tokens as the model with that adapter merged in (written as a model
+/// directory), and a directory that is not an adapter is refused naming it.
+#[test]
+fn generate_serves_a_peft_adapter_directory_unmerged() {
+    let model = TinyModel::new("llama");
+    let base = loader::load(&model.spec(), &LoadOptions::default()).unwrap();
+    tch::manual_seed(5);
+    let adapter = cotrain_model::lora::LoraAdapter::new(&base.model, cotrain_model::lora::LoraConfig { dropout: 0.0, ..Default::default() }).unwrap();
+    tch::no_grad(|| {
+        for (name, mut t) in adapter.named_tensors() {
+            if name.contains("lora_B") {
+                t.copy_(&(Tensor::randn(t.size(), (tch::Kind::Float, tch::Device::Cpu)) * 0.05));
+            }
+        }
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    let adapter_dir = tmp.path().join("adapter");
+    adapter.save_peft(&adapter_dir, &model.spec()).unwrap();
+    let merged: HashMap<String, Tensor> = adapter.merged(&base.named_parameters()).unwrap().into_iter().collect();
+    base.load_named_tensors(&merged).unwrap();
+    let merged_dir = tmp.path().join("merged");
+    cotrain_model::export::save_pretrained(&base, &merged_dir).unwrap();
+
+    let generate = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_rollout-worker"))
+            .args(["generate", "--prompt", "hello there", "--max-new-tokens", "12", "--ignore-eos", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let tokens = |extra: &[&str]| {
+        let (ok, stdout, stderr) = generate(extra);
+        assert!(ok, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        v["samples"][0]["token_ids"].clone()
+    };
+    let (spec, adapter_path, merged_path) = (model.spec(), adapter_dir.display().to_string(), merged_dir.display().to_string());
+    let unmerged = tokens(&["--model", &spec, "--adapter", &adapter_path]);
+    assert_eq!(unmerged, tokens(&["--model", &merged_path]), "unmerged adapter vs merged model");
+    assert_ne!(unmerged, tokens(&["--model", &spec]), "the adapter must change the output");
+    let (ok, _, stderr) = generate(&["--model", &spec, "--adapter", &spec]);
+    assert!(!ok && stderr.contains("loading the adapter") && stderr.contains("adapter_config.json"), "{stderr}");
 }
