@@ -129,6 +129,7 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
         max_queued_requests: 64,
         engine_threads: Default::default(),
         verifiers: Vec::new(),
+        lora_modules: Vec::new(),
         agent_devices: Vec::new(),
     };
     let loopback = "127.0.0.1:0".parse().unwrap();

@@ -128,6 +128,7 @@ fn main() -> anyhow::Result<()> {
         max_queued_requests: 1024,
         engine_threads: Default::default(),
         verifiers: Vec::new(),
+        lora_modules: Vec::new(),
         agent_devices: Vec::new(),
     };
     let _ = tracing_subscriber::fmt()

@@ -208,9 +208,10 @@ impl EngineLoop {
     }
 
     /// Serves each of its agents as an unmerged LoRA adapter on the base, by adapter id (the
-    /// agent's position); each starts as the base itself until its first update.
-    pub(crate) fn with_adapters(mut self) -> Self {
-        self.adapter_versions = Some(vec![0; self.agents.len()]);
+    /// agent's position), starting at `versions` (0: the base itself until its first update; the
+    /// engine holds the adapters of the others).
+    pub(crate) fn with_adapters(mut self, versions: Vec<u64>) -> Self {
+        self.adapter_versions = Some(versions);
         self
     }
 

@@ -75,6 +75,13 @@ pub struct ServeArgs {
     /// adapter updates only. On the OpenAI endpoint an agent is also `MODEL:AGENT`.
     #[arg(long = "adapters", value_name = "A,B,...", value_parser = parse_adapters)]
     pub adapters: Vec<Vec<String>>,
+    /// A PEFT LoRA adapter directory served as agent NAME (repeatable; vLLM's `--lora-modules`):
+    /// its base is the directory's `base_model_name_or_path` (a `learner export` of a
+    /// `model.lora` run names its base spec); the adapters of one base are served unmerged on one
+    /// copy of it, with the agents of an `--adapters` group on that base if there is one. Each
+    /// starts at policy version 1 and can be replaced by adapter updates.
+    #[arg(long = "lora-module", value_name = "NAME=DIR", value_parser = parse_verifier)]
+    pub lora_modules: Vec<(String, std::path::PathBuf)>,
     /// Accepted for older command lines: every agent has its own copy of the weights unless `--share`.
     #[arg(long, hide = true)]
     pub separate_weights: bool,
@@ -172,10 +179,30 @@ fn parse_agent(s: &str) -> Result<(String, String), String> {
 impl ServeArgs {
     /// The checked worker configuration.
     pub fn worker_config(&self) -> anyhow::Result<WorkerConfig> {
+        let (mut agents, mut adapters) = (self.agents.clone(), self.adapters.clone());
+        for (name, dir) in &self.lora_modules {
+            let path = dir.join("adapter_config.json");
+            let text = std::fs::read_to_string(&path).with_context(|| format!("--lora-module {name}={}: reading {}", dir.display(), path.display()))?;
+            let config: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("--lora-module {name}: {}", path.display()))?;
+            let Some(base) = config["base_model_name_or_path"].as_str() else {
+                anyhow::bail!("--lora-module {name}: {} names no base_model_name_or_path", path.display());
+            };
+            if agents.iter().any(|(a, _)| a == name) {
+                anyhow::bail!("--lora-module {name}: `{name}` is also an --agent");
+            }
+            agents.push((name.clone(), base.to_string()));
+            // With the other adapters of that base, else in a group of its own.
+            let spec_of = |a: &String| agents.iter().find(|(n, _)| n == a).map(|(_, s)| s.clone());
+            match adapters.iter_mut().find(|g| g.first().and_then(spec_of).as_deref() == Some(base)) {
+                Some(g) => g.push(name.clone()),
+                None => adapters.push(vec![name.clone()]),
+            }
+        }
         Ok(WorkerConfig {
-            agents: self.agents.clone(),
+            agents,
             share: self.share.clone(),
-            adapters: self.adapters.clone(),
+            adapters,
+            lora_modules: self.lora_modules.clone(),
             device: cotrain_model::config::parse_device(&self.device).context("--device")?,
             agent_devices: self
                 .agent_devices

@@ -87,6 +87,9 @@ pub struct WorkerConfig {
     pub engine_threads: EngineThreads,
     /// `(name, directory)` of each learned verifier to load (`serve --verifier NAME=DIR`).
     pub verifiers: Vec<(String, std::path::PathBuf)>,
+    /// `(agent, directory)`: PEFT adapter directories loaded at start as those agents' adapters
+    /// (agents of an adapter group; `serve --lora-module`), at version 1.
+    pub lora_modules: Vec<(String, std::path::PathBuf)>,
 }
 
 /// A prompt as a client gives it.
@@ -465,17 +468,30 @@ impl Worker {
         };
         let tokenizer = loaded.tokenizer.clone();
         info!(model = id, ?agents, parameters = parameter_count, load_ms = started.elapsed().as_millis() as u64, "model loaded");
-        let engine = Engine::with_config(loaded, EngineConfig { max_batch_rows: config.max_batch_size });
+        let mut engine = Engine::with_config(loaded, EngineConfig { max_batch_rows: config.max_batch_size });
         let (tx, rx) = mpsc::unbounded_channel();
         let state = Arc::new(if adapters { LoopState::for_adapters(agents.len()) } else { LoopState::default() });
         for a in &agents {
             metrics.policy_version.with_label_values(&[a.as_str()]).set(0);
         }
+        // `--lora-module` adapters, loaded before the first request, at version 1.
+        let mut start_versions = vec![0; agents.len()];
+        for (agent, dir) in &config.lora_modules {
+            let Some(id) = agents.iter().position(|a| a == agent).filter(|_| adapters) else { continue };
+            let adapter = cotrain_model::lora::LoraAdapter::load_peft(dir, &engine.loaded().model)
+                .map_err(|e| WorkerError::invalid("lora-module", format!("{agent}={}: {e}", dir.display())))?;
+            engine.set_adapter(id as u32, Some(adapter)).map_err(|e| WorkerError::invalid("lora-module", format!("{agent}: {e}")))?;
+            start_versions[id] = 1;
+            state.agent_versions[id].store(1, Ordering::SeqCst);
+            state.policy_version.store(1, Ordering::SeqCst);
+            metrics.policy_version.with_label_values(&[agent.as_str()]).set(1);
+            info!(agent, dir = %dir.display(), "LoRA module loaded");
+        }
         let mut engine_loop =
             EngineLoop::new(engine, id.to_string(), agents.clone(), config.max_batch_size, rx, state.clone(), metrics.clone())
                 .with_threads(config.engine_threads.clone());
         if adapters {
-            engine_loop = engine_loop.with_adapters();
+            engine_loop = engine_loop.with_adapters(start_versions);
         }
         let thread = std::thread::Builder::new()
             .name(format!("engine-{}", agents[0]))
@@ -561,8 +577,9 @@ impl Worker {
     }
 
     /// The agent an OpenAI `model` names: an agent's own name, or `BASE:AGENT` for an agent
-    /// served as an adapter on base model `BASE` (its model id); anything else is returned as it
-    /// is, for the usual unknown-agent error.
+    /// served as an adapter on base model `BASE` (its model id, or the spec that id starts with
+    /// when the worker holds several copies of it); anything else is returned as it is, for the
+    /// usual unknown-agent error.
     pub fn resolve_agent(&self, model: &str) -> String {
         if self.agents.contains_key(model) {
             return model.to_string();
@@ -570,7 +587,7 @@ impl Worker {
         if let Some((base, agent)) = model.rsplit_once(':')
             && let Ok(slot) = self.slot(agent)
             && slot.adapter_id(agent).is_some()
-            && slot.id == base
+            && (slot.id == base || slot.id.split('#').next() == Some(base))
         {
             return agent.to_string();
         }
@@ -899,6 +916,7 @@ mod tests {
             max_queued_requests: 1,
             engine_threads: EngineThreads::Default,
             verifiers: Vec::new(),
+            lora_modules: Vec::new(),
         };
         assert_eq!(config.device_for(&["c".into()]).unwrap(), Device::Cuda(0));
         let e = config.device_for(&["a".into(), "b".into()]).unwrap_err().to_string();

@@ -230,9 +230,9 @@ async fn an_adapter_group_serves_each_agent_unmerged_on_one_base() {
 /// `rollout-worker generate --adapter DIR` serves a PEFT adapter directory unmerged on top of
 /// `--model`: the same greedy tokens as the model with that adapter merged in (written as a model
 /// directory), and a directory that is not an adapter is refused naming it.
-#[test]
-fn generate_serves_a_peft_adapter_directory_unmerged() {
-    let model = TinyModel::new("llama");
+/// A PEFT adapter directory for `model` (B random, naming the model's directory as its base) and the
+/// model with it merged in, written as a model directory: `(adapter dir, merged dir)`.
+fn peft_adapter(model: &TinyModel, tmp: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let base = loader::load(&model.spec(), &LoadOptions::default()).unwrap();
     tch::manual_seed(5);
     let adapter = cotrain_model::lora::LoraAdapter::new(&base.model, cotrain_model::lora::LoraConfig { dropout: 0.0, ..Default::default() }).unwrap();
@@ -243,13 +243,20 @@ fn generate_serves_a_peft_adapter_directory_unmerged() {
             }
         }
     });
-    let tmp = tempfile::tempdir().unwrap();
-    let adapter_dir = tmp.path().join("adapter");
+    let adapter_dir = tmp.join("adapter");
     adapter.save_peft(&adapter_dir, &model.spec()).unwrap();
     let merged: HashMap<String, Tensor> = adapter.merged(&base.named_parameters()).unwrap().into_iter().collect();
     base.load_named_tensors(&merged).unwrap();
-    let merged_dir = tmp.path().join("merged");
+    let merged_dir = tmp.join("merged");
     cotrain_model::export::save_pretrained(&base, &merged_dir).unwrap();
+    (adapter_dir, merged_dir)
+}
+
+#[test]
+fn generate_serves_a_peft_adapter_directory_unmerged() {
+    let model = TinyModel::new("llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let (adapter_dir, merged_dir) = peft_adapter(&model, tmp.path());
 
     let generate = |extra: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_rollout-worker"))
@@ -271,4 +278,34 @@ fn generate_serves_a_peft_adapter_directory_unmerged() {
     assert_ne!(unmerged, tokens(&["--model", &spec]), "the adapter must change the output");
     let (ok, _, stderr) = generate(&["--model", &spec, "--adapter", &spec]);
     assert!(!ok && stderr.contains("loading the adapter") && stderr.contains("adapter_config.json"), "{stderr}");
+}
+
+/// `serve --lora-module bob=DIR`: the PEFT directory is agent `bob` from the start (version 1),
+/// unmerged on its base, with the greedy tokens of the merged model; over gRPC and as `BASE:bob`
+/// on the OpenAI endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_module_directory_is_served_as_an_agent() {
+    let model = TinyModel::new("llama");
+    let tmp = tempfile::tempdir().unwrap();
+    let (adapter_dir, merged_dir) = peft_adapter(&model, tmp.path());
+    let module = format!("bob={}", adapter_dir.display());
+    let spec = model.spec();
+    let w = WorkerProcess::start(&[("alice", spec.as_str())], &["--lora-module", &module]).await;
+    let info = w.info().await;
+    let versions: Vec<(String, u64)> = info.agents.iter().map(|a| (a.name.clone(), a.policy_version)).collect();
+    assert_eq!(versions, vec![("alice".into(), 0), ("bob".into(), 1)]);
+    let bob = info.models.iter().find(|m| m.agents.contains(&"bob".to_string())).unwrap();
+    assert!(bob.unmerged_adapters, "{:?}", info.models);
+    let mut c = w.client().await;
+    let got = probe_agent(&mut c, "bob").await;
+    let merged = WorkerProcess::start(&[("m", merged_dir.to_str().unwrap())], &[]).await;
+    let want = probe_agent(&mut merged.client().await, "m").await;
+    assert_eq!(got.token_ids, want.token_ids, "the module unmerged vs the merged model");
+    assert!(max_abs_diff(&got.logprobs, &want.logprobs) < 1e-4);
+    assert_ne!(got.token_ids, probe_agent(&mut c, "alice").await.token_ids);
+    let body = serde_json::json!({"model": format!("{spec}:bob"), "prompt": PROMPT.to_vec(), "max_tokens": NEW_TOKENS, "temperature": 0.0,
+        "ignore_eos": true, "return_token_ids": true});
+    let r: serde_json::Value = reqwest::Client::new().post(format!("http://{}/v1/completions", w.http)).json(&body).send().await.unwrap().json().await.unwrap();
+    let ids: Vec<u32> = r["choices"][0]["token_ids"].as_array().unwrap_or_else(|| panic!("{r}")).iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    assert_eq!(ids, got.token_ids);
 }

@@ -135,6 +135,7 @@ impl EmbeddedRollout {
             max_queued_requests: 1024,
             engine_threads,
             verifiers,
+            lora_modules: Vec::new(),
             agent_devices: Vec::new(),
         };
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");

@@ -320,8 +320,10 @@ async fn models(State(worker): State<Arc<Worker>>) -> Json<Value> {
         // An unmerged adapter is also listed as `BASE:AGENT`, with its base as parent (as vLLM
         // lists LoRA modules).
         if worker.is_adapter(a) {
-            data.push(json!({"id": format!("{root}:{a}"), "object": "model", "created": 0, "owned_by": "cotrain",
-                "root": root, "parent": root, "policy_version": version}));
+            // The base's spec (a model id is `SPEC#AGENTS` when the worker holds several copies).
+            let base = root.split('#').next().unwrap_or_default();
+            data.push(json!({"id": format!("{base}:{a}"), "object": "model", "created": 0, "owned_by": "cotrain",
+                "root": root, "parent": base, "policy_version": version}));
         }
     }
     Json(json!({"object": "list", "data": data}))
