@@ -183,7 +183,9 @@ pub fn export_checkpoint(checkpoint: &Path, policy: Option<usize>, out: &Path, m
         }
         None => policies.iter().map(|p| (p, out.join(&p.dir_name))).collect(),
     };
-    if merged && let Some((p, _)) = chosen.iter().find(|(p, _)| p.lora.is_none()) {
+    // `--merged` merges the LoRA policies' adapters; fully fine-tuned ones are model directories
+    // already. With no adapter among the chosen policies it is a mistake worth saying.
+    if merged && let Some((p, _)) = chosen.iter().find(|(p, _)| p.lora.is_none()).filter(|_| chosen.iter().all(|(p, _)| p.lora.is_none())) {
         return Err(ExportError::BadState {
             path: dir.join("state.json"),
             message: format!("--merged: policy {} was fully fine-tuned, it has no adapter to merge", p.index),

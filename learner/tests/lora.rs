@@ -35,6 +35,14 @@ fn yaml(model: &str, epochs: usize, lr: f64) -> String {
     )
 }
 
+/// The tests of this file run one at a time: LoRA draws (A's start, dropout masks) come from
+/// libtorch's one generator, which tests running in parallel threads would share.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[])
 }
@@ -68,6 +76,7 @@ impl RolloutSource for PushLog {
 
 #[test]
 fn magrpo_with_lora_learns_on_one_frozen_base_and_pushes_adapters_only() {
+    let _serial = serial();
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model_dir(tmp.path());
     let spec = model.display().to_string();
@@ -156,6 +165,7 @@ fn export(args: &[&str]) -> anyhow::Result<()> {
 
 #[test]
 fn lora_checkpoints_hold_adapters_resume_to_them_and_export_for_peft() {
+    let _serial = serial();
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model_dir(tmp.path());
     let spec = model.display().to_string();
@@ -205,6 +215,7 @@ fn lora_checkpoints_hold_adapters_resume_to_them_and_export_for_peft() {
 
 #[test]
 fn lora_settings_are_checked_and_shared_parameters_need_one_adapter() {
+    let _serial = serial();
     let base = "model: {name: m, lora: {r: 4}}\ndataset: {name: gsm8k}\nmagrpo: {num_agents: 2}\n";
     let v = |yaml: &str, o: &[&str]| {
         let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
@@ -225,4 +236,36 @@ fn lora_settings_are_checked_and_shared_parameters_need_one_adapter() {
     assert!(e.contains("rank"), "{e}");
     let e = check(base, &["magrpo.shared_parameters=true", "model.agents=[{lora: {r: 16}}, {}]"]).unwrap_err().to_string();
     assert!(e.contains("model.agents[1].lora") && e.contains("one adapter"), "{e}");
+}
+
+/// LoRA dropout draws masks from libtorch's one generator: seeded per policy and optimiser step,
+/// with the policies updated in turn, a seeded run repeats exactly and a run resumed from its
+/// checkpoint ends on the same adapters as the uninterrupted one.
+#[test]
+fn lora_dropout_runs_repeat_and_resume_exactly() {
+    let _serial = serial();
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model_dir(tmp.path());
+    let cfg = config(&yaml(&model.display().to_string(), 3, 0.02), &["model.lora.lora_dropout=0.3".into()]);
+    let run = |dir: &str| {
+        let mut t = config_trainer(&cfg, &tmp.path().join(dir), Box::new(TokenRule { rule: same_class }), 4);
+        t.run().unwrap();
+        t
+    };
+    let (a, b) = (run("a"), run("b"));
+    for (pa, pb) in a.policies().iter().zip(b.policies()) {
+        assert!(pa.draws_dropout());
+        for (name, t) in pa.parameters() {
+            assert_eq!(max_diff(&t, &pb.parameters()[&name]), 0.0, "a repeated run differs at {name}");
+        }
+    }
+    let mut resumed = config_trainer(&cfg, &tmp.path().join("a"), Box::new(TokenRule { rule: same_class }), 4);
+    resumed.restore(&a.run_dir().join("checkpoints/step-2")).unwrap();
+    resumed.run().unwrap();
+    assert_eq!(resumed.step(), 3);
+    for (pa, pr) in a.policies().iter().zip(resumed.policies()) {
+        for (name, t) in pa.parameters() {
+            assert_eq!(max_diff(&t, &pr.parameters()[&name]), 0.0, "the resumed run differs at {name}");
+        }
+    }
 }

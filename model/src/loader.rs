@@ -517,8 +517,9 @@ pub fn load_hf_weights(dir: &Path, opts: &LoadOptions) -> Result<(VarStore, Caus
 fn for_each_safetensor(file: &Path, mut f: impl FnMut(&str, Tensor) -> Result<()>) -> Result<()> {
     let bad = |message: String| ModelError::InvalidFile { path: file.to_path_buf(), message };
     let handle = std::fs::File::open(file).map_err(|source| ModelError::Io { path: file.to_path_buf(), source })?;
-    // SAFETY: the mapping is read-only and lives until the end of this function; a file changed
-    // by another process while it is mapped could give wrong bytes, as reading it could.
+    // SAFETY: the mapping is read-only and lives until the end of this function. Another process
+    // rewriting the file meanwhile could give wrong bytes, as reading it could, and truncating it
+    // would stop this process (SIGBUS): model files are not written while a model loads from them.
     let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|source| ModelError::Io { path: file.to_path_buf(), source })?;
     if map.len() < 8 {
         return Err(bad("not a readable safetensors file: shorter than its 8-byte header length".into()));
@@ -544,16 +545,21 @@ fn for_each_safetensor(file: &Path, mut f: impl FnMut(&str, Tensor) -> Result<()
             Some("BOOL") => Kind::Bool,
             other => return Err(bad(format!("tensor `{name}`: unsupported dtype {other:?}"))),
         };
-        let shape: Vec<i64> = entry["shape"].as_array().map(|a| a.iter().filter_map(|v| v.as_i64()).collect()).unwrap_or_default();
-        let offsets: Vec<usize> = entry["data_offsets"].as_array().map(|a| a.iter().filter_map(|v| v.as_u64().map(|v| v as usize)).collect()).unwrap_or_default();
+        let dims = entry["shape"].as_array().ok_or_else(|| bad(format!("tensor `{name}`: no shape")))?;
+        let shape: Vec<i64> = dims.iter().map(|v| v.as_u64().and_then(|d| i64::try_from(d).ok())).collect::<Option<_>>()
+            .ok_or_else(|| bad(format!("tensor `{name}`: shape {dims:?} is not a list of sizes")))?;
+        let offsets: Vec<u64> = entry["data_offsets"].as_array().map(|a| a.iter().filter_map(|v| v.as_u64()).collect()).unwrap_or_default();
         let [start, end] = offsets[..] else {
             return Err(bad(format!("tensor `{name}`: no data_offsets")));
         };
-        let want = shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes();
-        if start > end || body + end > map.len() || end - start != want {
-            return Err(bad(format!("tensor `{name}`: data_offsets [{start}, {end}] do not hold its {shape:?} {kind:?}")));
-        }
-        let t = Tensor::f_from_data_size(&map[body + start..body + end], &shape, kind)?;
+        // The byte count the shape implies, and the data's place in the file, without overflow.
+        let want = shape.iter().try_fold(kind.elt_size_in_bytes() as u64, |n, &d| n.checked_mul(d as u64));
+        let range = (body as u64).checked_add(start).zip((body as u64).checked_add(end));
+        let (from, to) = match (want, range) {
+            (Some(want), Some((from, to))) if start <= end && to <= map.len() as u64 && end - start == want => (from as usize, to as usize),
+            _ => return Err(bad(format!("tensor `{name}`: data_offsets [{start}, {end}] do not hold its {shape:?} {kind:?}"))),
+        };
+        let t = Tensor::f_from_data_size(&map[from..to], &shape, kind)?;
         f(name, t)?;
     }
     Ok(())

@@ -115,6 +115,16 @@ impl LoraAdapter {
     /// A fresh adapter for `model` (A Kaiming-uniform from libtorch's generator, B zeros), in the
     /// model's dtype and on its device. Seed libtorch (`tch::manual_seed`) first for a reproducible A.
     pub fn new(model: &CausalLm, config: LoraConfig) -> Result<Self> {
+        Self::build(model, config, true)
+    }
+
+    /// An adapter of zeros, for tensors that are loaded next: no draw from libtorch's generator,
+    /// which a worker loading adapters shares with whatever else the process seeds.
+    fn zeros(model: &CausalLm, config: LoraConfig) -> Result<Self> {
+        Self::build(model, config, false)
+    }
+
+    fn build(model: &CausalLm, config: LoraConfig, random_a: bool) -> Result<Self> {
         config.validate()?;
         let cfg = model.config();
         let mut vs = VarStore::new(model.device());
@@ -126,7 +136,8 @@ impl LoraAdapter {
                 let (out_dim, in_dim) = model.projection_shape(proj);
                 let p = &root / "model" / "layers" / layer / group / proj;
                 let bound = 1.0 / (in_dim as f64).sqrt();
-                let a = (&p / "lora_A").var("weight", &[config.r as i64, in_dim], nn::Init::Uniform { lo: -bound, up: bound });
+                let init = if random_a { nn::Init::Uniform { lo: -bound, up: bound } } else { nn::Init::Const(0.0) };
+                let a = (&p / "lora_A").var("weight", &[config.r as i64, in_dim], init);
                 let b = (&p / "lora_B").var("weight", &[out_dim, config.r as i64], nn::Init::Const(0.0));
                 pairs.insert((layer, proj), (a, b));
             }
@@ -176,7 +187,7 @@ impl LoraAdapter {
         // The projections in their canonical order, so that equal adapters get equal configs.
         targets.sort_by_key(|p| PROJECTIONS.iter().position(|(_, q)| q == p).unwrap_or(usize::MAX));
         let config = LoraConfig { r, alpha: scaling * r as f64, dropout: 0.0, target_modules: targets };
-        let adapter = Self::new(model, config)?;
+        let adapter = Self::zeros(model, config)?;
         adapter.load_tensors(tensors)?;
         Ok(adapter)
     }
@@ -273,7 +284,7 @@ impl LoraAdapter {
             dropout: v["lora_dropout"].as_f64().unwrap_or(0.0),
             target_modules: targets,
         };
-        let adapter = Self::new(model, config)?;
+        let adapter = Self::zeros(model, config)?;
         let file = dir.join("adapter_model.safetensors");
         let tensors: HashMap<String, Tensor> = Tensor::read_safetensors(&file)?.into_iter().collect();
         adapter.load_tensors(&tensors)?;

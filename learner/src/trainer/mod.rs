@@ -62,8 +62,9 @@ pub struct TrainOptions {
     pub resume: Option<PathBuf>,
 }
 
-/// Seed path tag of the LoRA adapters' initial draws.
+/// Seed path tags of the LoRA adapters' initial draws and of their dropout masks.
 const TAG_LORA_INIT: u64 = 6;
+const TAG_LORA_DROPOUT: u64 = 7;
 
 /// The policies a config asks for and which agent uses which: one per agent (each fine-tunes its own
 /// copy, or with LoRA its own adapter, on the same or different base models), or one for all with
@@ -102,7 +103,8 @@ pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), T
                 };
                 // Each adapter's A from its own seed: the same on every rank and in every resume.
                 tch::manual_seed(crate::seeds::derive_seed(&[cfg.raw.seed, TAG_LORA_INIT, pi as u64]) as i64);
-                Policy::lora(agent, spec, base, lora.clone(), adam(pi), with_ref)?
+                let dropout_seed = crate::seeds::derive_seed(&[cfg.raw.seed, TAG_LORA_DROPOUT, pi as u64]);
+                Policy::lora(agent, spec, base, lora.clone(), adam(pi), with_ref, dropout_seed)?
             }
         };
         policies.push(policy);

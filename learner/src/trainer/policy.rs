@@ -105,6 +105,9 @@ pub struct Policy {
     pub wire_version: u64,
     /// Completion positions per LM-head chunk in the log-prob kernel.
     pub chunk_size: usize,
+    /// With LoRA dropout: the seed its masks are drawn from, with the optimiser's step count (see
+    /// [`Policy::update_ranked`]).
+    pub dropout_seed: u64,
 }
 
 impl std::fmt::Debug for Policy {
@@ -145,14 +148,24 @@ impl Policy {
             reference,
             wire_version: 0,
             chunk_size: cotrain_model::logprobs::TRAINING_CHUNK,
+            dropout_seed: 0,
         }
     }
 
     /// A LoRA policy on `base` (loaded from `spec` and frozen, see [`LoadedModel::share_frozen`]):
     /// a fresh adapter (A Kaiming-uniform from libtorch's generator, B zero, so the policy starts
     /// as the base; seed libtorch first), AdamW over the adapter alone, and the base as the KL
-    /// reference when `with_reference`.
-    pub fn lora(worker_agent: &str, spec: &str, base: &LoadedModel, lora: LoraConfig, adam: AdamWConfig, with_reference: bool) -> Result<Self, TrainError> {
+    /// reference when `with_reference`. `dropout_seed` seeds the dropout masks (with the optimiser's
+    /// step count).
+    pub fn lora(
+        worker_agent: &str,
+        spec: &str,
+        base: &LoadedModel,
+        lora: LoraConfig,
+        adam: AdamWConfig,
+        with_reference: bool,
+        dropout_seed: u64,
+    ) -> Result<Self, TrainError> {
         let model = base.share_frozen();
         let adapter = LoraAdapter::new(&model.model, lora).map_err(|e| TrainError::Config(format!("lora of `{worker_agent}`: {e}")))?;
         model.model.set_adapter(Some(&adapter), false).map_err(|e| TrainError::Model(format!("lora of `{worker_agent}`: {e}")))?;
@@ -166,7 +179,14 @@ impl Policy {
             optimizer,
             wire_version: 0,
             chunk_size: cotrain_model::logprobs::TRAINING_CHUNK,
+            dropout_seed,
         })
+    }
+
+    /// Whether its forwards draw LoRA dropout masks (libtorch's one generator: see
+    /// [`Policy::update_ranked`]).
+    pub fn draws_dropout(&self) -> bool {
+        self.adapter.as_ref().is_some_and(|a| a.config.dropout > 0.0)
     }
 
     /// What the policy trains: the adapter's variables with LoRA, else the model's.
@@ -236,7 +256,13 @@ impl Policy {
         epochs: usize,
         dist: &dyn crate::dist::Collective,
     ) -> Result<UpdateStats, TrainError> {
-        // LoRA's dropout acts in the training forwards only, as PEFT's in train mode.
+        // LoRA's dropout acts in the training forwards only, as PEFT's in train mode. Its masks come
+        // from libtorch's one generator, seeded here from the policy's seed and optimiser step (a
+        // checkpoint restores the step), so seeded runs repeat and resume exactly; the policies'
+        // updates then run in turn (`rounds`), never drawing from it at the same time.
+        if self.draws_dropout() {
+            tch::manual_seed(crate::seeds::derive_seed(&[self.dropout_seed, self.optimizer.step]) as i64);
+        }
         self.set_adapter_training(true)?;
         let out = self.run_update(agents, totals, loss_opts, epochs, dist);
         self.set_adapter_training(false)?;

@@ -66,12 +66,14 @@ fn involved(rounds: &[Round]) -> Vec<usize> {
 
 /// Each involved policy (index, OpenMP threads of its thread), this thread's threads shared out, or
 /// `None` to run the rounds in turn: with one policy, several ranks (their collectives must keep
-/// one order), a GPU, or more policies than this thread's OpenMP threads.
+/// one order), a GPU, more policies than this thread's OpenMP threads, or LoRA dropout (its masks
+/// come from libtorch's one generator, which concurrent updates would share in timing's order).
 fn threads_per_policy(policies: &[Policy], rounds: &[Round], dist: &dyn Collective) -> Option<Vec<(usize, usize)>> {
     let involved = involved(rounds);
     let (n, threads) = (involved.len(), tch::get_num_threads().max(1) as usize);
     let on_cpu = involved.iter().all(|&p| policies[p].model.model.device() == tch::Device::Cpu);
-    if dist.world() > 1 || n < 2 || n > threads || !on_cpu {
+    let dropout = involved.iter().any(|&p| policies[p].draws_dropout());
+    if dist.world() > 1 || n < 2 || n > threads || !on_cpu || dropout {
         return None;
     }
     Some(involved.into_iter().enumerate().map(|(i, p)| (p, threads / n + usize::from(i < threads % n))).collect())

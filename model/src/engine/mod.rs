@@ -528,6 +528,12 @@ impl Engine {
         self.set_row_adapters(group.iter().map(|(h, _)| self.pending_adapter.get(h).copied()));
         let hidden = model.forward_hidden_cached(&ids, &vec![0; group.len()], &mut prompt_cache);
         model.clear_row_adapters();
+        if hidden.is_err() {
+            // The group's requests are dropped: so is their hold on their adapters.
+            for (h, _) in &group {
+                self.pending_adapter.remove(h);
+            }
+        }
         let hidden = hidden?;
         // Only each prompt's last position is needed: (G, L, H) -> (G, H) -> (G, V).
         let last: Vec<i64> = lens.iter().enumerate().map(|(i, &l)| (i * width + l - 1) as i64).collect();

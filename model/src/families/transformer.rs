@@ -313,7 +313,8 @@ impl CausalLm {
         Ok(())
     }
 
-    /// Checks that `adapter` fits this model: its layer count and every pair's shape.
+    /// Checks that `adapter` fits this model: its layer count, every pair's shape, and the
+    /// model's dtype and device.
     pub fn check_adapter(&self, a: &LoraAdapter) -> Result<()> {
         if a.num_layers() != self.layers.len() {
             return Err(ModelError::InvalidConfig(format!(
@@ -329,6 +330,15 @@ impl CausalLm {
                     "adapter of layer {layer} {proj}: A {:?} / B {:?} do not fit the model's ({out_dim}, {in_dim}) projection",
                     la.size(),
                     lb.size()
+                )));
+            }
+            if la.kind() != self.kind || la.device() != self.device {
+                return Err(ModelError::InvalidConfig(format!(
+                    "adapter of layer {layer} {proj}: {:?} on {:?}, the model is {:?} on {:?}",
+                    la.kind(),
+                    la.device(),
+                    self.kind,
+                    self.device
                 )));
             }
         }
