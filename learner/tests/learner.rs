@@ -885,4 +885,12 @@ fn maporl_reward_feedback_needs_a_verifier_and_the_seed_configs_show_no_labels()
     let with_verifier = ["maporl.reward_feedback=true".into(), "maporl.score=verifier".into(), "maporl.verifier_name=v".into()];
     let cfg = load_config(&gsm8k, &with_verifier, &LegacyFlags::default()).unwrap();
     assert!(cfg.raw.maporl.as_ref().unwrap().reward_feedback);
+    // The incentives follow the paper unless asked otherwise; the key's earlier name still reads.
+    use cotrain_learner::algo::discussion_score::IncentiveRule;
+    let cfg = load_config(&gsm8k, &[], &LegacyFlags::default()).unwrap();
+    assert_eq!(cfg.raw.maporl.as_ref().unwrap().incentive_rule, IncentiveRule::Paper);
+    for key in ["incentive_rule", "influence_signs"] {
+        let cfg = load_config(&gsm8k, &[format!("maporl.{key}=released_code")], &LegacyFlags::default()).unwrap();
+        assert_eq!(cfg.raw.maporl.as_ref().unwrap().incentive_rule, IncentiveRule::ReleasedCode, "{key}");
+    }
 }

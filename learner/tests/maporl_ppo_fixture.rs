@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use cotrain_learner::algo::discussion_score::{Incentives, InfluenceSigns, ScoreRule, shaped_training_scores};
+use cotrain_learner::algo::discussion_score::{IncentiveRule, Incentives, ScoreRule, shaped_training_scores};
 use cotrain_learner::config::{AdapterLayout, CriticHead, LegacyFlags, MaporlSection, ScorePosition, load_config};
 use cotrain_learner::maporl::adapter_key;
 use cotrain_learner::maporl::agents::{Adapters, Bases, VALUE_HEAD_FILE, frozen_head_weights};
@@ -79,9 +79,9 @@ fn ppo_targets_match_the_original_rewards_gae_returns_and_whitening() {
         let expected = |t: usize, i: usize| case["per_turn_agent"].as_array().unwrap().iter().find(|x| usize_of(&x["turn"]) == t && usize_of(&x["agent"]) == i).unwrap();
 
         // R(t, i) + bonus per question, through the score rule and incentives the trainer uses
-        // (the released code's influence signs: the fixture is the original).
+        // (the released code's rule: the fixture is the original).
         let rule = ScoreRule { horizon: m.rule_horizon, agent_share: m.rule_agent_share, gamma: m.rule_discount, lookahead: None };
-        let inc = Incentives { alpha: [alpha[0], alpha[1], alpha[2], alpha[3]], influence_signs: InfluenceSigns::ReleasedCode };
+        let inc = Incentives { alpha: [alpha[0], alpha[1], alpha[2], alpha[3]], rule: IncentiveRule::ReleasedCode };
         let shaped: Vec<Vec<Vec<f64>>> = (0..questions)
             .map(|b| {
                 let s: Vec<Vec<f64>> = (0..turns).map(|t| (0..agents).map(|i| f64s(&input(t, i)["score"])[b]).collect()).collect();

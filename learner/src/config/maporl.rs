@@ -11,7 +11,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::LoraSection;
-use crate::algo::discussion_score::{AgentShare, Horizon, InfluenceSigns};
+use crate::algo::discussion_score::{AgentShare, Horizon, IncentiveRule};
 
 /// Which adapter serves which turn of an agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
@@ -209,13 +209,14 @@ pub struct MaporlSection {
     /// cotrain option: look at most this many turns ahead in the score rule.
     #[serde(default)]
     pub rule_lookahead: Option<usize>,
-    /// Incentive weights α0..α3 (0 = off).
+    /// Incentive weights (0 = off): the paper's [α0, α1, β0, β1] under `incentive_rule: paper`,
+    /// the released code's alpha[0..4] under `released_code`.
     #[serde(default)]
     pub alpha: [f64; 4],
-    /// Sign convention of the influence incentives α2 and α3.
-    #[serde(default)]
-    #[schemars(with = "super::reference::InfluenceSignsSchema")]
-    pub influence_signs: InfluenceSigns,
+    /// Which incentive table reads `alpha` (`influence_signs` is its earlier name).
+    #[serde(default, alias = "influence_signs")]
+    #[schemars(with = "super::reference::IncentiveRuleSchema")]
+    pub incentive_rule: IncentiveRule,
     /// Score that replaces an invalid answer's.
     #[serde(default = "default_penalty")]
     pub penalty_reward_value: f64,

@@ -315,21 +315,23 @@ pub enum AgentShareSchema {
     Individual,
 }
 
-/// `maporl.influence_signs` (`algo::discussion_score::InfluenceSigns`).
+/// `maporl.incentive_rule` (`algo::discussion_score::IncentiveRule`).
 #[derive(JsonSchema)]
 #[serde(rename_all = "snake_case")]
 #[allow(dead_code)]
-pub enum InfluenceSignsSchema {
-    /// + when the others become right, − when they become wrong (the paper's aim).
+pub enum IncentiveRuleSchema {
+    /// The paper's Tables 1 and 2 (arXiv 2502.18439v2, §3.3): alpha = [α0, α1, β0, β1]; the others
+    /// going wrong → right earns +β, right → wrong costs −β.
     Paper,
-    /// The released code's signs: the opposite.
+    /// The released code's bonus_rule: the influence signs opposite to the paper's, the weights
+    /// grouped as in the code, no bonus at turn 0.
     ReleasedCode,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algo::discussion_score::{AgentShare, Horizon, InfluenceSigns};
+    use crate::algo::discussion_score::{AgentShare, Horizon, IncentiveRule};
 
     /// Every object of the schema, with where it is.
     fn objects(schema: &Value) -> Vec<(String, &Value)> {
@@ -406,9 +408,9 @@ mod tests {
             AgentShare::All | AgentShare::Individual => a,
         };
         check(&[a(AgentShare::All), AgentShare::Individual], names::<AgentShareSchema>());
-        let i = |i: InfluenceSigns| match i {
-            InfluenceSigns::Paper | InfluenceSigns::ReleasedCode => i,
+        let i = |i: IncentiveRule| match i {
+            IncentiveRule::Paper | IncentiveRule::ReleasedCode => i,
         };
-        check(&[i(InfluenceSigns::Paper), InfluenceSigns::ReleasedCode], names::<InfluenceSignsSchema>());
+        check(&[i(IncentiveRule::Paper), IncentiveRule::ReleasedCode], names::<IncentiveRuleSchema>());
     }
 }

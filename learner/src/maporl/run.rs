@@ -161,7 +161,7 @@ impl MaporlTrainer {
         let discussions = self.discuss_ranked(items, seed)?;
         let t_rollout = t0.elapsed().as_secs_f64();
         let rule = ScoreRule { horizon: self.m.rule_horizon, agent_share: self.m.rule_agent_share, gamma: self.m.rule_discount, lookahead: self.m.rule_lookahead };
-        let inc = Incentives { alpha: self.m.alpha, influence_signs: self.m.influence_signs };
+        let inc = Incentives { alpha: self.m.alpha, rule: self.m.incentive_rule };
         let mut samples = Vec::new();
         let mut where_from = Vec::new();
         let mut training_scores = Vec::new();

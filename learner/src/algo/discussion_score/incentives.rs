@@ -28,24 +28,25 @@ pub fn answer_changes(prev_correct: bool, now_correct: bool) -> Transition {
     }
 }
 
-/// Sign convention of the influence bonuses α2 and α3 (see the module docs).
+/// Which table of incentives `alpha` weighs (see [`incentive_bonus`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum InfluenceSigns {
-    /// + when the others become right, − when they become wrong (the paper's aim).
+pub enum IncentiveRule {
+    /// The paper's Tables 1 and 2 (arXiv 2502.18439v2, §3.3), `alpha` = [α0, α1, β0, β1].
     #[default]
     Paper,
-    /// The released code's signs: the opposite.
+    /// The released code's `bonus_rule`: the influence terms' signs opposite to the paper's, and
+    /// the weights grouped differently.
     ReleasedCode,
 }
 
 /// The incentive weights; all 0 (off) by default, as released.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Incentives {
-    /// [α0, α1, α2, α3], see [`incentive_bonus`].
+    /// Four weights, see [`incentive_bonus`].
     pub alpha: [f64; 4],
-    /// Sign convention of α2 and α3.
-    pub influence_signs: InfluenceSigns,
+    /// Which rule reads them.
+    pub rule: IncentiveRule,
 }
 
 /// Where the others stand: "right" when more than half of them are, "wrong" when fewer than half are.
@@ -68,29 +69,37 @@ fn others(row: &[bool], me: usize) -> Others {
 
 /// Incentive bonus of every agent at every turn of one question, from `correct[t][a]` (is agent a's
 /// answer at turn t right). "The others" are the other agents, right or wrong by majority (a tie gives
-/// no bonus). Summed per (t, i):
+/// no bonus). `alpha` = [w0, w1, w2, w3]; summed per (t, i):
 ///
-/// Answer change, t ≥ 1, from the agent's own answer at t − 1 to t and the others at t − 1:
-/// - wrong → right, the others were right: +α0 (persuaded to the right answer);
-/// - right → wrong, the others were wrong: −α0 (persuaded to a wrong answer);
-/// - wrong → right, the others were wrong: +α1 (corrected itself against them);
-/// - right → wrong, the others were right: −α1 (left the right answer they shared);
-/// - with a single agent: wrong → right +α1, right → wrong −α1.
+/// **Answer change** (t ≥ 1, at least two agents), from the agent's own answer at t − 1 to t, and
+/// the others at t − 1:
 ///
-/// Influence, t ≥ 1 with t + 1 played and at least two agents (the released `bonus_rule` returns no
-/// bonus at all at turn 0), from the others at t and t + 1 and the agent's
-/// answer at t (signs of [`InfluenceSigns::Paper`]; `ReleasedCode` negates all four):
-/// - the others go wrong → right while the agent is right: +α3 (it persuaded them);
-/// - the others go right → wrong while the agent is wrong: −α3 (it misled them);
-/// - the others go wrong → right while the agent is wrong: +α2;
-/// - the others go right → wrong while the agent is right: −α2.
+/// | change | others at t − 1 | [`IncentiveRule::Paper`] (Table 1) | [`IncentiveRule::ReleasedCode`] |
+/// | --- | --- | --- | --- |
+/// | right → wrong | right | −w1 | −w1 |
+/// | right → wrong | wrong | −w0 | −w0 |
+/// | wrong → right | wrong | +w0 (α0: reasoning past wrong answers) | +w1 |
+/// | wrong → right | right | +w1 (α1: persuaded by right ones) | +w0 |
+///
+/// A single agent has no others: both rules give wrong → right +w1, right → wrong −w1 (the
+/// released code's; the paper's table needs a majority).
+///
+/// **Influence** (at least two agents, turn t + 1 played), on the agent's answer at t from the
+/// others at t and t + 1:
+///
+/// | others t → t + 1 | agent at t | Paper (Table 2) | ReleasedCode |
+/// | --- | --- | --- | --- |
+/// | wrong → right | right | +w3 (β1) | −w3 |
+/// | wrong → right | wrong | +w2 (β0) | −w2 |
+/// | right → wrong | right | −w3 (β1) | +w2 |
+/// | right → wrong | wrong | −w2 (β0) | +w3 |
+///
+/// The released `bonus_rule` gives no bonus at turn 0 at all, influence included; the paper's
+/// tables hold from turn 0, so `Paper` gives turn 0 its influence term (turn 0 has no change).
 pub fn incentive_bonus(correct: &[Vec<bool>], inc: &Incentives) -> Result<Vec<Vec<f64>>, MaporlError> {
     let n = agents_of(correct)?;
-    let [a0, a1, a2, a3] = inc.alpha;
-    let sign = match inc.influence_signs {
-        InfluenceSigns::Paper => 1.0,
-        InfluenceSigns::ReleasedCode => -1.0,
-    };
+    let [w0, w1, w2, w3] = inc.alpha;
+    let paper = inc.rule == IncentiveRule::Paper;
     let bonus = (0..correct.len())
         .map(|t| {
             (0..n)
@@ -98,25 +107,30 @@ pub fn incentive_bonus(correct: &[Vec<bool>], inc: &Incentives) -> Result<Vec<Ve
                     let me = correct[t][i];
                     let mut b = 0.0;
                     if t >= 1 {
-                        // With one agent there are no others: every change is its own (α1).
+                        // With one agent there are no others: every change is its own (w1).
                         let before = (n > 1).then(|| others(&correct[t - 1], i));
                         b += match (answer_changes(correct[t - 1][i], me), before) {
-                            (Transition::WrongToCorrect, Some(Others::Right)) => a0,
-                            (Transition::CorrectToWrong, Some(Others::Wrong)) => -a0,
-                            (Transition::WrongToCorrect, Some(Others::Wrong) | None) => a1,
-                            (Transition::CorrectToWrong, Some(Others::Right) | None) => -a1,
+                            (Transition::CorrectToWrong, Some(Others::Right) | None) => -w1,
+                            (Transition::CorrectToWrong, Some(Others::Wrong)) => -w0,
+                            (Transition::WrongToCorrect, None) => w1,
+                            (Transition::WrongToCorrect, Some(Others::Wrong)) => if paper { w0 } else { w1 },
+                            (Transition::WrongToCorrect, Some(Others::Right)) => if paper { w1 } else { w0 },
                             _ => 0.0,
                         };
                     }
-                    if n > 1 && t >= 1 && t + 1 < correct.len() {
-                        b += sign
-                            * match (others(&correct[t], i), others(&correct[t + 1], i), me) {
-                                (Others::Wrong, Others::Right, true) => a3,
-                                (Others::Right, Others::Wrong, false) => -a3,
-                                (Others::Wrong, Others::Right, false) => a2,
-                                (Others::Right, Others::Wrong, true) => -a2,
-                                _ => 0.0,
-                            };
+                    let influence_turn = if paper { true } else { t >= 1 };
+                    if n > 1 && influence_turn && t + 1 < correct.len() {
+                        b += match (others(&correct[t], i), others(&correct[t + 1], i), me, paper) {
+                            (Others::Wrong, Others::Right, true, true) => w3,
+                            (Others::Wrong, Others::Right, false, true) => w2,
+                            (Others::Right, Others::Wrong, true, true) => -w3,
+                            (Others::Right, Others::Wrong, false, true) => -w2,
+                            (Others::Wrong, Others::Right, true, false) => -w3,
+                            (Others::Wrong, Others::Right, false, false) => -w2,
+                            (Others::Right, Others::Wrong, true, false) => w2,
+                            (Others::Right, Others::Wrong, false, false) => w3,
+                            _ => 0.0,
+                        };
                     }
                     b
                 })

@@ -26,19 +26,21 @@
 //! **Incentives.** `alpha` is a list of four weights (all 0 by default), read from correctness (the 0/1
 //! answer check, not the verifier), an agent counting as right above 0.5 and the others' mean
 //! correctness compared with 0.5 (exactly 0.5, e.g. one of two others right, gives no bonus). The bonus
-//! is added after the discount, undiscounted. α0 and α1 (answer changes) are used as in the released
-//! code, whose signs agree with the paper's stated aim (incentives "to encourage corrective and
-//! persuasive discussions"): a change to the right answer earns +α, a change to a wrong one costs −α;
-//! α0 when the agent moved with the others (persuaded by them), α1 when it moved against them.
-//! The influence weights α2 and α3 have the OPPOSITE sign in the released code: an agent that is right
-//! while the others are wrong, and whose others are right at the next turn (it persuaded them), gets
-//! −α3 there, and one that is wrong while the others go from right to wrong (it misled them) gets +α3.
-//! That penalises exactly the persuasion the paper sets out to reward, so cotrain's default
-//! ([`InfluenceSigns::Paper`]) gives the bonus the sign of the others' change (+ when they become right,
-//! − when they become wrong), α3 when the agent's own answer was on the side the others moved to, α2
-//! when it was not; [`InfluenceSigns::ReleasedCode`] reproduces the released signs. (Only the paper's
-//! abstract and summaries of it could be consulted here, not its section on shaping; the decision rests
-//! on that stated aim.)
+//! is added after the discount, undiscounted. The paper (arXiv 2502.18439v2, §3.3, Tables 1 and 2;
+//! its names are α0, α1 for an agent's own answer changes and β0, β1 for its influence on the
+//! others) and the released `bonus_rule` differ:
+//! - answer changes: the same signs; a change to the right answer is weighted by α1 in the paper
+//!   when the others were right (persuaded by them) and α0 when they were wrong, the code swaps the
+//!   two weights there (its penalties match the paper's);
+//! - influence: the paper rewards the others going wrong → right and penalises right → wrong (β1
+//!   when the agent was right at t, β0 when it was wrong); the released code has the OPPOSITE sign
+//!   in all four cases and groups the weights by whether the others end on the agent's side (α3) or
+//!   not (α2);
+//! - the code gives no bonus at turn 0; the paper's influence table applies there too.
+//!
+//! cotrain's default is the paper ([`IncentiveRule::Paper`], `alpha` = [α0, α1, β0, β1]);
+//! [`IncentiveRule::ReleasedCode`] reproduces the released code (checked against its fixture).
+//! With the seed configs' `alpha` of zeros both give no bonus.
 //!
 //! **Invalid outputs.** The released trainer replaces (does not add to) the score of an invalid answer
 //! by `penalty_reward_value = -10` BEFORE the score rule, so an invalid answer also drags down the other
@@ -58,7 +60,7 @@ mod rule;
 #[cfg(test)]
 mod tests;
 
-pub use incentives::{Incentives, InfluenceSigns, Transition, answer_changes, incentive_bonus};
+pub use incentives::{IncentiveRule, Incentives, Transition, answer_changes, incentive_bonus};
 pub use invalid::{InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason};
 pub use rule::{AgentShare, Horizon, ScoreRule, training_scores};
 

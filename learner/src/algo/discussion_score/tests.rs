@@ -89,13 +89,13 @@ fn answer_changes_covers_the_four_transitions() {
     assert_eq!(answer_changes(false, false), Transition::StayedWrong);
 }
 
-fn only(k: usize, signs: InfluenceSigns) -> Incentives {
+fn only(k: usize, rule: IncentiveRule) -> Incentives {
     let mut alpha = [0.0; 4];
     alpha[k] = 1.0;
-    Incentives { alpha, influence_signs: signs }
+    Incentives { alpha, rule }
 }
-const P: InfluenceSigns = InfluenceSigns::Paper;
-const R: InfluenceSigns = InfluenceSigns::ReleasedCode;
+const P: IncentiveRule = IncentiveRule::Paper;
+const R: IncentiveRule = IncentiveRule::ReleasedCode;
 
 // Tables are correct[turn][agent]; with two agents "the others" is the other agent.
 fn bonus(c: &[&[bool]], inc: Incentives) -> Vec<Vec<f64>> {
@@ -103,59 +103,76 @@ fn bonus(c: &[&[bool]], inc: Incentives) -> Vec<Vec<f64>> {
     incentive_bonus(&c, &inc).unwrap()
 }
 
-#[test]
-fn alpha0_rewards_following_right_others_and_penalises_following_wrong_ones() {
-    // Agent 0 wrong → right while agent 1 was right: +α0 at turn 1.
-    assert_eq!(bonus(&[&[false, true], &[true, true]], only(0, P)), [[0.0, 0.0], [1.0, 0.0]]);
-    // Agent 0 right → wrong while agent 1 was wrong: −α0 at turn 1.
-    assert_eq!(bonus(&[&[true, false], &[false, false]], only(0, P)), [[0.0, 0.0], [-1.0, 0.0]]);
+/// Agent 0's bonus at turn 1 for each weight alone: `[w0, w1, w2, w3]`.
+fn turn1_weights(c: &[&[bool]], rule: IncentiveRule) -> [f64; 4] {
+    std::array::from_fn(|k| bonus(c, only(k, rule))[1][0])
 }
 
 #[test]
-fn alpha1_rewards_correcting_against_the_others_and_penalises_leaving_a_shared_right_answer() {
-    // Agent 0 wrong → right while agent 1 was wrong: +α1.
-    assert_eq!(bonus(&[&[false, false], &[true, false]], only(1, P)), [[0.0, 0.0], [1.0, 0.0]]);
-    // Agent 0 right → wrong while agent 1 was right: −α1.
-    assert_eq!(bonus(&[&[true, true], &[false, true]], only(1, P)), [[0.0, 0.0], [-1.0, 0.0]]);
-    // A single agent: every change is its own.
-    assert_eq!(bonus(&[&[false], &[true], &[false]], only(1, P)), [[0.0], [1.0], [-1.0]]);
-    assert_eq!(bonus(&[&[false], &[true], &[false]], only(0, P)), [[0.0], [0.0], [0.0]]);
+fn answer_changes_follow_the_papers_table_1_and_the_released_code() {
+    // (agent 0 at turns 0 and 1, agent 1 at turn 0) → agent 0's weight at turn 1: paper, released.
+    // Right → wrong, the other right: −α1 in both.
+    let c: &[&[bool]] = &[&[true, true], &[false, true]];
+    assert_eq!(turn1_weights(c, P), [0.0, -1.0, 0.0, 0.0]);
+    assert_eq!(turn1_weights(c, R), [0.0, -1.0, 0.0, 0.0]);
+    // Right → wrong, the other wrong: −α0 in both.
+    let c: &[&[bool]] = &[&[true, false], &[false, false]];
+    assert_eq!(turn1_weights(c, P), [-1.0, 0.0, 0.0, 0.0]);
+    assert_eq!(turn1_weights(c, R), [-1.0, 0.0, 0.0, 0.0]);
+    // Wrong → right, the other wrong: +α0 (paper: reasoning past a wrong answer), +w1 released.
+    let c: &[&[bool]] = &[&[false, false], &[true, false]];
+    assert_eq!(turn1_weights(c, P), [1.0, 0.0, 0.0, 0.0]);
+    assert_eq!(turn1_weights(c, R), [0.0, 1.0, 0.0, 0.0]);
+    // Wrong → right, the other right: +α1 (paper: persuaded by a right answer), +w0 released.
+    let c: &[&[bool]] = &[&[false, true], &[true, true]];
+    assert_eq!(turn1_weights(c, P), [0.0, 1.0, 0.0, 0.0]);
+    assert_eq!(turn1_weights(c, R), [1.0, 0.0, 0.0, 0.0]);
+    // A single agent: every change is its own (w1), in both rules.
+    for rule in [P, R] {
+        assert_eq!(bonus(&[&[false], &[true], &[false]], only(1, rule)), [[0.0], [1.0], [-1.0]]);
+        assert_eq!(bonus(&[&[false], &[true], &[false]], only(0, rule)), [[0.0], [0.0], [0.0]]);
+    }
 }
 
 #[test]
-fn alpha3_rewards_persuading_the_others_and_penalises_misleading_them() {
-    // Agent 0 right at turn 1, agent 1 wrong → right: +α3 to agent 0 at turn 1 (paper signs).
-    assert_eq!(bonus(&[&[true, false], &[true, false], &[true, true]], only(3, P)), [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]);
-    // Agent 0 wrong at turn 1, agent 1 right → wrong: −α3.
-    assert_eq!(bonus(&[&[false, true], &[false, true], &[false, false]], only(3, P)), [[0.0, 0.0], [-1.0, 0.0], [0.0, 0.0]]);
-    // The released code's signs are the opposite.
-    assert_eq!(bonus(&[&[true, false], &[true, false], &[true, true]], only(3, R)), [[0.0, 0.0], [-1.0, 0.0], [0.0, 0.0]]);
-    assert_eq!(bonus(&[&[false, true], &[false, true], &[false, false]], only(3, R)), [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]);
-    // The released `bonus_rule` gives nothing at turn 0, influence included.
-    assert_eq!(bonus(&[&[true, false], &[true, true]], only(3, P)), [[0.0, 0.0], [0.0, 0.0]]);
+fn influence_follows_the_papers_table_2_and_the_released_code_has_the_opposite_signs() {
+    // Agent 0's answer at turn 1 stays; agent 1 changes from turn 1 to turn 2.
+    // The other wrong → right while agent 0 is right: +β1 (paper), −w3 (released).
+    let c: &[&[bool]] = &[&[true, false], &[true, false], &[true, true]];
+    assert_eq!(turn1_weights(c, P), [0.0, 0.0, 0.0, 1.0]);
+    assert_eq!(turn1_weights(c, R), [0.0, 0.0, 0.0, -1.0]);
+    // The other wrong → right while agent 0 is wrong: +β0 (paper), −w2 (released).
+    let c: &[&[bool]] = &[&[false, false], &[false, false], &[false, true]];
+    assert_eq!(turn1_weights(c, P), [0.0, 0.0, 1.0, 0.0]);
+    assert_eq!(turn1_weights(c, R), [0.0, 0.0, -1.0, 0.0]);
+    // The other right → wrong while agent 0 is right: −β1 (paper), +w2 (released).
+    let c: &[&[bool]] = &[&[true, true], &[true, true], &[true, false]];
+    assert_eq!(turn1_weights(c, P), [0.0, 0.0, 0.0, -1.0]);
+    assert_eq!(turn1_weights(c, R), [0.0, 0.0, 1.0, 0.0]);
+    // The other right → wrong while agent 0 is wrong: −β0 (paper), +w3 (released).
+    let c: &[&[bool]] = &[&[false, true], &[false, true], &[false, false]];
+    assert_eq!(turn1_weights(c, P), [0.0, 0.0, -1.0, 0.0]);
+    assert_eq!(turn1_weights(c, R), [0.0, 0.0, 0.0, 1.0]);
 }
 
 #[test]
-fn alpha2_follows_the_others_change_when_the_agent_was_not_on_its_side() {
-    // Agent 0 wrong at turn 1 and stays wrong, agent 1 wrong → right: +α2 (paper), −α2 (released).
-    let t = [&[false, false][..], &[false, false], &[false, true]];
-    assert_eq!(bonus(&t, only(2, P)), [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]);
-    assert_eq!(bonus(&t, only(2, R)), [[0.0, 0.0], [-1.0, 0.0], [0.0, 0.0]]);
-    // Agent 0 right, agent 1 right → wrong: −α2 (paper), +α2 (released).
-    let t = [&[true, true][..], &[true, true], &[true, false]];
-    assert_eq!(bonus(&t, only(2, P)), [[0.0, 0.0], [-1.0, 0.0], [0.0, 0.0]]);
-    assert_eq!(bonus(&t, only(2, R)), [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]);
+fn turn_0_gets_the_papers_influence_term_and_nothing_from_the_released_code() {
+    // Agent 0 right at turn 0, agent 1 wrong → right by turn 1.
+    let c: &[&[bool]] = &[&[true, false], &[true, true]];
+    assert_eq!(bonus(c, only(3, P)), [[1.0, 0.0], [0.0, 0.0]]);
+    assert_eq!(bonus(c, only(3, R)), [[0.0, 0.0], [0.0, 0.0]]);
 }
 
 #[test]
 fn bonuses_add_up_and_vanish_without_weights_or_on_a_tie() {
-    // Agent 1 wrong → right at turn 2 after agent 0 was right: +α0 for agent 1 at turn 2, +α3 for agent 0 at 1.
-    let inc = Incentives { alpha: [0.5, 0.0, 0.0, 2.0], influence_signs: P };
+    // Agent 1 wrong → right at turn 2 with agent 0 right: +α1 for agent 1 at turn 2 (paper), and
+    // +β1 for agent 0 at turn 1 (it was right when agent 1 came round).
+    let inc = Incentives { alpha: [0.5, 0.25, 0.0, 2.0], rule: P };
     let t = [&[true, false][..], &[true, false], &[true, true]];
-    assert_eq!(bonus(&t, inc), [[0.0, 0.0], [2.0, 0.0], [0.0, 0.5]]);
+    assert_eq!(bonus(&t, inc), [[0.0, 0.0], [2.0, 0.0], [0.0, 0.25]]);
     assert_eq!(bonus(&t, Incentives::default()), [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]);
     // Three agents: agent 0 wrong → right while the others were split (one right, one wrong).
-    let all = Incentives { alpha: [1.0; 4], influence_signs: P };
+    let all = Incentives { alpha: [1.0; 4], rule: P };
     let b = bonus(&[&[false, true, false], &[true, true, false]], all);
     assert_eq!(b[1][0], 0.0);
 }
@@ -164,11 +181,11 @@ fn bonuses_add_up_and_vanish_without_weights_or_on_a_tie() {
 fn shaped_scores_add_the_bonus_after_the_discount() {
     let s = vec![vec![1.0, 0.0], vec![1.0, 0.0], vec![1.0, 1.0]];
     let c = vec![vec![true, false], vec![true, false], vec![true, true]];
-    let inc = Incentives { alpha: [0.5, 0.0, 0.0, 2.0], influence_signs: P };
-    // R(1,0) = (1 + 0.3·1) / 1.3 = 1, + α3 = 3; R(1,1) = 0.3 / 1.3; R(2,1) = 1, + α0 = 1.5.
+    let inc = Incentives { alpha: [0.5, 0.0, 0.0, 2.0], rule: R };
+    // Released rule: R(1,0) = (1 + 0.3·1) / 1.3 = 1, − w3 = −1; R(1,1) = 0.3 / 1.3; R(2,1) = 1, + w0 = 1.5.
     // R(0,0) = (1 + 0.3·0.5 + 0.09·1) / 1.39; R(0,1) = (0 + 0.3·0.5 + 0.09·1) / 1.39; no bonus at turn 0.
     let r = shaped_training_scores(&s, &c, &ScoreRule::default(), &inc).unwrap();
-    close(&r, &[vec![1.24 / 1.39, 0.24 / 1.39], vec![3.0, 0.3 / 1.3], vec![1.0, 1.5]]);
+    close(&r, &[vec![1.24 / 1.39, 0.24 / 1.39], vec![-1.0, 0.3 / 1.3], vec![1.0, 1.5]]);
     let err = shaped_training_scores(&s, &c[..1], &ScoreRule::default(), &inc).unwrap_err();
     assert!(matches!(err, MaporlError::ShapeMismatch { .. }));
 }
