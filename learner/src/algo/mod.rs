@@ -4,6 +4,7 @@
 //! loss with its options ([`loss`]), the reference KL as return shaping ([`reference_kl`]), rollout
 //! buffers ([`buffer`]) and the optimiser side ([`optim`]).
 
+pub mod actor_critic;
 pub mod advantage;
 pub mod buffer;
 pub mod joint;

@@ -1,6 +1,7 @@
 //! Configs: raw YAML → deep-merged `--override a.b.c=value` → legacy flags → typed [`RawConfig`] →
 //! validation into a [`CheckedConfig`]. Every error names the file and the offending key.
 
+mod actor_critic;
 pub mod compat;
 mod maporl;
 mod verifier;
@@ -12,6 +13,7 @@ mod validate;
 use std::path::{Path, PathBuf};
 
 pub use maporl::{AdapterLayout, AdvantageWhitening, CriticHead, FollowupStyle, MaporlScore, MaporlSection, ScorePosition, VerifierUserMessage};
+pub use actor_critic::ActorCriticSetup;
 pub use verifier::VerifierSection;
 pub use schema::*;
 use serde_yaml_ng::{Mapping, Value};
@@ -66,6 +68,10 @@ pub enum Algorithm {
     Grpo,
     Magrpo,
     Maporl,
+    /// CoMLRL's independent actor-critic.
+    Iac,
+    /// CoMLRL's multi-agent actor-critic (one centralised critic).
+    Maac,
 }
 
 impl Algorithm {
@@ -75,7 +81,14 @@ impl Algorithm {
             Algorithm::Grpo => "grpo",
             Algorithm::Magrpo => "magrpo",
             Algorithm::Maporl => "maporl",
+            Algorithm::Iac => "iac",
+            Algorithm::Maac => "maac",
         }
+    }
+
+    /// IAC or MAAC: MAGRPO's rollouts, trained against critics.
+    pub fn is_actor_critic(self) -> bool {
+        matches!(self, Algorithm::Iac | Algorithm::Maac)
     }
 }
 
@@ -129,6 +142,8 @@ pub struct CheckedConfig {
     pub score_options: cotrain_proto::reward_options::ScoreOptions,
     /// Per agent, the configured prompt template (`None`: the task's default).
     pub prompt_sources: Vec<Option<PromptSource>>,
+    /// `iac` / `maac`: the critics.
+    pub actor_critic: Option<ActorCriticSetup>,
 }
 
 impl CheckedConfig {

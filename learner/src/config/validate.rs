@@ -12,23 +12,41 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     let file = source.display().to_string();
     let invalid = |key: &str, message: String| ConfigError::Invalid { file: file.clone(), key: key.to_string(), message };
 
-    let (algorithm, section) = match (&raw.magrpo, &raw.grpo, &raw.maporl) {
-        (Some(s), None, None) => (Algorithm::Magrpo, s.clone()),
-        (None, Some(s), None) => (Algorithm::Grpo, s.clone()),
-        (None, None, Some(m)) => {
+    let present: Vec<&str> = [
+        ("magrpo", raw.magrpo.is_some()),
+        ("grpo", raw.grpo.is_some()),
+        ("maporl", raw.maporl.is_some()),
+        ("iac", raw.iac.is_some()),
+        ("maac", raw.maac.is_some()),
+    ]
+    .iter()
+    .filter(|(_, p)| *p)
+    .map(|(n, _)| *n)
+    .collect();
+    if present.len() > 1 {
+        return Err(invalid(present[0], format!("and {} are both present; keep exactly one trainer section", present[1..].join(" and "))));
+    }
+    let (algorithm, section) = match present.first().copied() {
+        Some("magrpo") => (Algorithm::Magrpo, raw.magrpo.clone().expect("present")),
+        Some("grpo") => (Algorithm::Grpo, raw.grpo.clone().expect("present")),
+        Some("maporl") => {
+            let m = raw.maporl.as_ref().expect("present");
             m.check().map_err(|(key, message)| invalid(&key, message))?;
             (Algorithm::Maporl, m.trainer_view())
         }
-        (None, None, None) => return Err(ConfigError::MissingKey { file: file.clone(), key: "magrpo (or grpo, or maporl)".into() }),
-        _ => {
-            let present: Vec<&str> = [("magrpo", raw.magrpo.is_some()), ("grpo", raw.grpo.is_some()), ("maporl", raw.maporl.is_some())]
-                .iter()
-                .filter(|(_, p)| *p)
-                .map(|(n, _)| *n)
-                .collect();
-            return Err(invalid(present[0], format!("and {} are both present; keep exactly one trainer section", present[1..].join(" and "))));
-        }
+        Some("iac") => (Algorithm::Iac, raw.iac.clone().expect("present")),
+        Some("maac") => (Algorithm::Maac, raw.maac.clone().expect("present")),
+        _ => return Err(ConfigError::MissingKey { file: file.clone(), key: "magrpo (or grpo, maporl, iac, maac)".into() }),
     };
+    if !algorithm.is_actor_critic() {
+        if let Some(key) = super::actor_critic::critic_key_set(&section) {
+            return Err(invalid(&format!("{}.{key}", algorithm.section()), "is a key of the actor-critic trainers (iac, maac)".into()));
+        }
+        if raw.critic_model.is_some() || raw.critics.is_some() {
+            let key = if raw.critics.is_some() { "critics" } else { "critic_model" };
+            return Err(invalid(key, format!("names critics, which only the iac and maac trainers train ({} takes none)", algorithm.section())));
+        }
+    }
     if raw.output.save_total_limit == Some(0) {
         return Err(invalid("output.save_total_limit", "must be at least 1 (unset keeps every checkpoint)".into()));
     }
@@ -53,6 +71,9 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
         (Algorithm::Magrpo, Some(0)) => return Err(invalid(&k("num_agents"), "must be at least 1".into())),
         (Algorithm::Magrpo, Some(n)) => n,
         (Algorithm::Maporl, n) => n.unwrap_or(2),
+        (Algorithm::Iac | Algorithm::Maac, None) => 2,
+        (Algorithm::Iac | Algorithm::Maac, Some(0)) => return Err(invalid(&k("num_agents"), "must be at least 1".into())),
+        (Algorithm::Iac | Algorithm::Maac, Some(n)) => n,
     };
 
     if let Some(v) = &raw.verifier
@@ -72,7 +93,10 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     if !(section.learning_rate.is_finite() && section.learning_rate > 0.0) {
         return Err(invalid(&k("learning_rate"), format!("must be a positive number, got {}", section.learning_rate)));
     }
-    if algorithm != Algorithm::Maporl && section.num_generations < 2 {
+    if algorithm.is_actor_critic() && section.num_generations == 0 {
+        return Err(invalid(&k("num_generations"), "must be at least 1".into()));
+    }
+    if !algorithm.is_actor_critic() && algorithm != Algorithm::Maporl && section.num_generations < 2 {
         return Err(invalid(
             &k("num_generations"),
             format!("is {} but advantages are taken over at least 2 siblings", section.num_generations),
@@ -188,6 +212,12 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
         ));
     }
 
+    let actor_critic = if algorithm.is_actor_critic() {
+        Some(super::actor_critic::resolve(&raw, algorithm, &section, &agent_models).map_err(|(key, message)| invalid(&key, message))?)
+    } else {
+        None
+    };
+
     let split = |key: &str, text: &str| {
         SplitSpec::parse(text).map_err(|e| ConfigError::Invalid { file: file.clone(), key: key.into(), message: format!("is invalid: {e}") })
     };
@@ -277,6 +307,7 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
         agent_models,
         train_split,
         eval_split,
+        actor_critic,
     })
 }
 

@@ -37,6 +37,8 @@ impl Trainer {
         let dir = dir.to_path_buf();
         let mut pairs: Vec<(&mut tch::nn::VarStore, &mut crate::algo::AdamW)> =
             self.s.policies.iter_mut().map(|p| p.trained_vs_and_optimizer()).collect();
+        // The actor-critic trainers' critics follow the policies (`agent-{P + c}`).
+        pairs.extend(self.critics.iter_mut().map(|c| (&mut c.model.vs, &mut c.optimizer)));
         let st = load_checkpoint(&dir, &mut pairs).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         self.step = st.step;
         self.epoch = st.epoch;
@@ -51,6 +53,10 @@ impl Trainer {
         // The partial rollout buffer of `train_between_items` (absent from older checkpoints: empty).
         self.buffered = match st.extra.get("buffered_nodes") {
             Some(v) => serde_json::from_value(v.clone()).map_err(|e| TrainError::Checkpoint(format!("{}: buffered_nodes: {e}", dir.display())))?,
+            None => Vec::new(),
+        };
+        self.ac_buffer = match st.extra.get("actor_critic_buffer") {
+            Some(v) => serde_json::from_value(v.clone()).map_err(|e| TrainError::Checkpoint(format!("{}: actor_critic_buffer: {e}", dir.display())))?,
             None => Vec::new(),
         };
         info!(checkpoint = %dir.display(), step = st.step, epoch = st.epoch, position = st.data_position, "resumed");
@@ -78,7 +84,7 @@ impl Trainer {
             data_position: self.position,
             rng_seed: self.rng_seed,
             rng_word_pos: self.rng.get_word_pos().to_string(),
-            optimizer_steps: self.s.policies.iter().map(|p| p.optimizer.step).collect(),
+            optimizer_steps: self.s.policies.iter().map(|p| p.optimizer.step).chain(self.critics.iter().map(|c| c.optimizer.step)).collect(),
             served_versions: self.s.policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect(),
             extra: serde_json::json!({
                 "agent_policy": self.s.agent_policy,
@@ -91,9 +97,12 @@ impl Trainer {
                     entry
                 }).collect::<Vec<_>>(),
                 "buffered_nodes": self.buffered,
+                "critics": self.critics.iter().map(|c| serde_json::json!({"model": c.spec})).collect::<Vec<_>>(),
+                "actor_critic_buffer": self.ac_buffer,
             }),
         };
-        let pairs: Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> = self.s.policies.iter().map(|p| (p.trained_vs(), &p.optimizer)).collect();
+        let mut pairs: Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> = self.s.policies.iter().map(|p| (p.trained_vs(), &p.optimizer)).collect();
+        pairs.extend(self.critics.iter().map(|c| (&c.model.vs, &c.optimizer)));
         let dir = save_checkpoint(&self.s.run_dir, &pairs, &state).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         self.last_checkpoint = Some(dir.clone());
         crate::checkpoint::apply_save_total_limit(&self.s.run_dir, self.s.cfg.raw.output.save_total_limit);

@@ -20,7 +20,9 @@
 //!   eval` entry points ([`train`], [`evaluate_checkpoint`]).
 
 mod batch;
+mod actor_critic;
 mod checkpoints;
+pub mod critic;
 mod evaluate;
 mod pipeline;
 pub mod policy;
@@ -146,6 +148,13 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
             ))),
         };
     }
+    if cfg.algorithm.is_actor_critic() && cfg.raw.rollout.max_off_policy_steps > 0 {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: rollout.max_off_policy_steps is {}: the {section} trainer samples on-policy, item by item, as upstream",
+            cfg.source.display(),
+            cfg.raw.rollout.max_off_policy_steps
+        )));
+    }
     if cfg.is_multi_turn() && t.rollout == crate::config::MultiTurnMode::Tree {
         let nodes = tree::max_tree_nodes(t.joint_mode, cfg.num_agents, t.num_generations, t.num_turns);
         if nodes > t.max_nodes_per_item as u128 {
@@ -217,6 +226,12 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
         return Ok(());
     }
     let section = cfg.algorithm.section();
+    if cfg.algorithm.is_actor_critic() {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: {world} learner ranks: the {section} trainer runs on one rank so far (its critics are not synchronised across ranks)",
+            cfg.source.display()
+        )));
+    }
     if cfg.raw.rollout.max_off_policy_steps > 0 {
         return Err(TrainError::NotBuilt(format!(
             "{}: {world} learner ranks with rollout.max_off_policy_steps > 0: asynchronous rollouts run on one rank so far",

@@ -17,7 +17,7 @@ pub fn node_json(step: u64, forest: &Forest, id: usize, items: &[&TrainItem]) ->
         .zip(&node.samples)
         .map(|(p, s)| serde_json::json!({ "prompt": p.text, "completions": s.iter().map(|c| c.text.as_str()).collect::<Vec<_>>() }))
         .collect();
-    serde_json::json!({
+    let mut line = serde_json::json!({
         "step": step,
         "item_index": items[node.item].index,
         "node_id": node.id,
@@ -36,7 +36,13 @@ pub fn node_json(step: u64, forest: &Forest, id: usize, items: &[&TrainItem]) ->
         "turn_weight": node.turn_weight,
         "history_truncated": node.truncated,
         "expert_failure": node.expert_failure,
-    })
+    });
+    // The actor-critic trainers' critic values and TD targets (`advantages` is then y − V).
+    if !node.values.is_empty() {
+        line["values"] = serde_json::json!(node.values);
+        line["value_targets"] = serde_json::json!(node.value_targets);
+    }
+    line
 }
 
 /// Appends every node of `forest` (items in order, each in pre-order) to `path`.

@@ -106,6 +106,10 @@ pub struct Trainer {
     /// While the policies train on another thread: each policy's (worker agent, served version),
     /// what rollouts read instead of the policies.
     pub(super) lent: Option<Vec<(String, u64)>>,
+    /// `iac` / `maac`: the critics (one per agent, or one), and each agent's samples not yet
+    /// trained on (kept in checkpoints).
+    pub(super) critics: Vec<super::critic::Critic>,
+    pub(super) ac_buffer: Vec<super::actor_critic::AcSample>,
 }
 
 pub(super) const TAG_ORDER: u64 = 1;
@@ -166,7 +170,13 @@ impl Trainer {
         };
         let next_turn = NextTurnPrompter::from_config(&s.cfg, s.is_code).map_err(|e| TrainError::Config(format!("{}: {e}", s.cfg.source.display())))?;
         let rng_seed = derive_seed(&[s.cfg.raw.seed, TAG_BUFFER]);
+        let critics = super::actor_critic::load_critics(&s.cfg)?;
+        for c in &critics {
+            c.model.model.set_matmul_kind(matmul_kind);
+        }
         Ok(Self {
+            critics,
+            ac_buffer: Vec::new(),
             next_turn,
             step: 0,
             epoch: 0,

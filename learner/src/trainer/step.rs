@@ -34,6 +34,9 @@ impl Trainer {
     /// One step on the given rows of the train split (see the module docs); returns its scalars.
     pub fn train_step(&mut self, rows: &[usize]) -> Result<BTreeMap<String, f64>, TrainError> {
         let t_step = Instant::now();
+        if self.s.cfg.algorithm.is_actor_critic() {
+            return self.train_step_actor_critic(rows, t_step);
+        }
         if self.trains_between_items() {
             return self.train_step_item_by_item(rows, t_step);
         }
@@ -203,7 +206,7 @@ impl Trainer {
     }
 
     /// The loss options and epochs of every update.
-    fn loss_setup(&self) -> (LossOptions, usize) {
+    pub(super) fn loss_setup(&self) -> (LossOptions, usize) {
         let cfg = &self.s.cfg;
         let mut loss_opts = LossOptions::from_section(&cfg.trainer);
         loss_opts.scale = 1.0;
@@ -219,7 +222,7 @@ impl Trainer {
 
     /// 6. The new weights of the `updated` policies reach every worker before anything else is
     /// sampled (rank 0 pushes; the other ranks wait for it).
-    fn push_updated(&mut self, updated: &[bool]) -> Result<PushReport, TrainError> {
+    pub(super) fn push_updated(&mut self, updated: &[bool]) -> Result<PushReport, TrainError> {
         let t = Instant::now();
         let mut push = PushReport::default();
         let changed: Vec<usize> = updated.iter().enumerate().filter(|(_, c)| **c).map(|(pi, _)| pi).collect();
@@ -251,7 +254,7 @@ impl Trainer {
     }
 
     /// The step's scalars (rank 0 gathers every rank's nodes first) and its rollout log.
-    fn report_step(
+    pub(super) fn report_step(
         &mut self,
         step: StepRollout,
         updates: StepUpdates,
@@ -483,16 +486,16 @@ fn by_turn(nodes: Vec<BufferedNode>) -> Vec<Vec<BufferedNode>> {
 
 /// What a step's optimiser rounds did: each round's policy and statistics, and the pushes.
 #[derive(Default)]
-struct StepUpdates {
-    stats: Vec<(usize, UpdateStats)>,
+pub(super) struct StepUpdates {
+    pub(super) stats: Vec<(usize, UpdateStats)>,
     /// How many policies were updated at the same time (the most of any batch of rounds).
-    concurrent: usize,
-    t_train: f64,
-    push: PushReport,
+    pub(super) concurrent: usize,
+    pub(super) t_train: f64,
+    pub(super) push: PushReport,
 }
 
 impl StepUpdates {
-    fn absorb(&mut self, other: StepUpdates) {
+    pub(super) fn absorb(&mut self, other: StepUpdates) {
         self.stats.extend(other.stats);
         self.concurrent = self.concurrent.max(other.concurrent);
         self.t_train += other.t_train;
@@ -504,7 +507,7 @@ impl StepUpdates {
 
 /// The weight pushes of a step.
 #[derive(Default)]
-struct PushReport {
+pub(super) struct PushReport {
     bytes: u64,
     workers: usize,
     secs: f64,

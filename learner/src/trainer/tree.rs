@@ -73,6 +73,12 @@ pub struct Node {
     /// `reference_kl.placement: returns` (empty otherwise).
     #[serde(default)]
     pub reference_kl: Vec<Vec<f64>>,
+    /// Actor-critic trainers: per agent, per completion, the critic's rollout-time value and the
+    /// TD target (empty otherwise).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub values: Vec<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub value_targets: Vec<Vec<f64>>,
     pub children: Vec<usize>,
     pub leaf: bool,
     /// A leaf before the last turn (the stopping rule fired).
@@ -104,6 +110,8 @@ impl Node {
             returns: Vec::new(),
             advantages: Vec::new(),
             reference_kl: Vec::new(),
+            values: Vec::new(),
+            value_targets: Vec::new(),
             children: Vec::new(),
             leaf: false,
             early_stop: false,

@@ -62,17 +62,22 @@ pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -
             root.insert(Value::from("agents"), other);
         }
     }
+    let actor_critic = root.contains_key("iac") || root.contains_key("maac");
     for key in ["critic_model", "critics"] {
         match root.remove(key) {
             None => {}
-            Some(Value::Null) => report.ignored.push((key.to_string(), "null: MAGRPO trains no critic")),
+            Some(Value::Null) => report.ignored.push((key.to_string(), "null: no critic named")),
+            Some(v) if actor_critic => {
+                let v = if key == "critic_model" { critic_model(v, &invalid, report)? } else { v };
+                root.insert(Value::from(key), v);
+            }
             Some(_) => {
-                return Err(invalid(key, "names critics for CoMLRL's actor-critic trainers (IAC/MAAC), which cotrain has not built yet; MAGRPO takes none (leave it null)"));
+                return Err(invalid(key, "names critics, which only CoMLRL's actor-critic trainers (iac, maac sections) train; MAGRPO takes none (leave it null)"));
             }
         }
     }
 
-    for section in ["magrpo", "grpo"] {
+    for section in ["magrpo", "grpo", "iac", "maac"] {
         let Some(s) = root.get_mut(section).and_then(Value::as_mapping_mut) else { continue };
         let handoff = s.get("rollout").and_then(Value::as_str) == Some("handoff");
         // 2026 renamed the tree's leaf threshold; the September handoff threshold of the same name
@@ -124,6 +129,21 @@ pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -
         }
     }
     Ok(())
+}
+
+/// A 2026 `critic_model` section as cotrain's: its `name` (and the checkpoint's dtype, which cotrain
+/// takes from `model.dtype` for every model it trains); the sampling and length keys, which the
+/// critic does not use upstream either, are dropped.
+fn critic_model(v: Value, invalid: &dyn Fn(&str, &str) -> ConfigError, report: &mut CompatReport) -> Result<Value, ConfigError> {
+    let Value::Mapping(mut m) = v else {
+        return Err(invalid("critic_model", "must be a mapping with `name`"));
+    };
+    for key in ["type", "max_length", "temperature", "top_p", "top_k", "torch_dtype", "dtype"] {
+        if m.remove(key).is_some() {
+            report.ignored.push((format!("critic_model.{key}"), "the critic loads like the agents (model.dtype); upstream's critic does not sample"));
+        }
+    }
+    Ok(Value::Mapping(m))
 }
 
 /// `comlrl_era` as written (`2026` may be typed as a number).

@@ -5,6 +5,7 @@
 use serde_yaml_ng::{Mapping, Value};
 use tracing::{info, warn};
 
+mod actor_critic;
 mod era_2026;
 
 /// What the compatibility pass did to a config, for logs and tests.
@@ -24,6 +25,7 @@ const IGNORED_TRAINER_KEYS: &[(&str, &str)] = &[
     ("eval_batch_size", "evaluation batching does not change its results"),
     ("parallel_training", "device placement; cotrain places work by its rollout workers and learner"),
     ("agent_devices", "device placement; cotrain places work by its rollout workers and learner"),
+    ("critic_devices", "device placement; cotrain keeps the critics beside the policies on the learner"),
 ];
 
 /// Other keys that are accepted and ignored.
@@ -68,7 +70,7 @@ pub fn apply(value: &mut Value, file: &str) -> Result<CompatReport, super::Confi
         }
     }
 
-    for section in ["magrpo", "grpo"] {
+    for section in ["magrpo", "grpo", "iac", "maac"] {
         let mut shift: Option<Value> = None;
         let mut expert: Option<Value> = None;
         let mut passthrough: Option<Value> = None;
@@ -125,6 +127,8 @@ pub fn apply(value: &mut Value, file: &str) -> Result<CompatReport, super::Confi
             report.mapped.push((format!("{section}.external_prompt_passthrough"), "external.prompt_passthrough".into()));
         }
     }
+
+    actor_critic::apply(root, file, &mut report)?;
 
     for (key, why) in IGNORED_KEYS {
         let (sec, name) = key.split_once('.').expect("dotted key");

@@ -2,6 +2,7 @@
 //! defaults (algorithms.md). Values that fall back to another section (sampling parameters of the
 //! trainer section fall back to `model`) stay `Option` here and are resolved in [`crate::config::CheckedConfig`].
 
+mod actor_critic;
 mod external;
 mod logging;
 mod lora;
@@ -14,6 +15,7 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+pub use actor_critic::{CriticModelConfig, CriticType};
 pub use external::*;
 pub use logging::*;
 pub use lora::LoraSection;
@@ -46,12 +48,26 @@ pub struct RawConfig {
     /// How the next turn's prompts are built in multi-turn training.
     #[serde(default)]
     pub external: ExternalConfig,
-    /// Multi-agent trainer section (MAGRPO); exactly one of `magrpo` / `grpo` / `maporl` must be present.
+    /// Multi-agent trainer section (MAGRPO); exactly one of `magrpo` / `grpo` / `maporl` / `iac` /
+    /// `maac` must be present.
     #[serde(default)]
     pub magrpo: Option<TrainerSection>,
     /// Single-agent trainer section (GRPO = MAGRPO with one agent).
     #[serde(default)]
     pub grpo: Option<TrainerSection>,
+    /// CoMLRL's independent actor-critic (IAC): MAGRPO's rollouts, each agent with its own critic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iac: Option<TrainerSection>,
+    /// CoMLRL's multi-agent actor-critic (MAAC): one centralised critic over every agent's prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub maac: Option<TrainerSection>,
+    /// `iac`/`maac`: the model the critics start from (default: each agent's own model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critic_model: Option<CriticModelConfig>,
+    /// `iac`/`maac`: one model per critic (one per agent under `iac`, one under `maac`), instead of
+    /// `critic_model`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critics: Option<Vec<String>>,
     /// MaPoRL's multi-agent PPO with a critic and LoRA adapters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub maporl: Option<crate::config::MaporlSection>,

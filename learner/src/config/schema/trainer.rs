@@ -4,7 +4,8 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// `magrpo` / `grpo`: every key of the original trainer config plus cotrain's options.
+/// `magrpo` / `grpo` (and `iac` / `maac`, which add their critic's keys): every key of the original
+/// trainer config plus cotrain's options.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TrainerSection {
@@ -142,6 +143,29 @@ pub struct TrainerSection {
     /// AdamW weight decay.
     #[serde(default)]
     pub weight_decay: f64,
+    /// `iac`/`maac`: the critics' AdamW learning rate (default: `learning_rate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critic_learning_rate: Option<f64>,
+    /// `iac`/`maac`: weight of the critics' squared error (0.6 when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_loss_coef: Option<f64>,
+    /// `iac`: the value clip of a value head shared with the actor (upstream ignores it with a
+    /// separate critic, as cotrain does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_clip_range: Option<f64>,
+    /// `iac`: a separate critic model per agent (true, the default) or a value head on each actor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_separate_critic: Option<bool>,
+    /// `iac`/`maac`: V(h) (`v`, the default) or Q(h, a) (`q`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critic_type: Option<super::CriticType>,
+    /// `iac`/`maac`: a hidden layer of this width in the critics' value head (Linear, Tanh, Linear);
+    /// one Linear when absent or 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critic_value_head_hidden_dim: Option<usize>,
+    /// `iac`: the same for a value head on the actor (`use_separate_critic: false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_head_hidden_dim: Option<usize>,
 }
 
 pub(super) fn default_num_turns() -> usize {

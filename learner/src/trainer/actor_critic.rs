@@ -1,0 +1,313 @@
+//! The actor-critic trainers, IAC and MAAC (CoMLRL 1.4.3's `IACTrainer`/`MAACTrainer`), on the
+//! MAGRPO trainer's rollouts: items are rolled out one at a time (a chain of turns with one sample
+//! per agent, or `num_generations` samples of a single turn), the critics value every completion
+//! when it is drawn, each completion joins its agent's buffer with its TD target
+//! ([`crate::algo::actor_critic`]), and whenever the buffers hold `rollout_buffer_size` samples
+//! (checked after each item, as upstream) they are drained: per agent, per turn (first turn
+//! first), the advantages are normalised, shuffled into mini-batches of `train_batch_size`, and
+//! each mini-batch takes one actor step (MAGRPO's summed-log-prob loss with the advantage) and one
+//! critic step (value_loss_coef · mean squared error). The updated actors are pushed before the
+//! next item is rolled out. The epoch's last step drains what is left.
+//!
+//! IAC: critic i reads agent i's own prompt (V) or prompt and completion (Q). MAAC: one critic reads
+//! every agent's prompt as one text (`[Agent i] ...`), with the joint action for Q, tokenised with
+//! agent 0's tokenizer; its value is every agent's baseline.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use rand::seq::SliceRandom;
+use tracing::warn;
+
+use super::batch::{AsyncReport, RolloutTimes, StepRollout};
+use super::critic::Critic;
+use super::policy::{AgentBatches, TrainSample};
+use super::setup::Trainer;
+use super::step::StepUpdates;
+use super::tree::Forest;
+use crate::algo::AdamWConfig;
+use crate::algo::actor_critic::{critic_input, normalized_advantages, td_targets};
+use crate::config::{CheckedConfig, CriticType, KlPlacement};
+use crate::error::TrainError;
+use crate::metrics::mean;
+
+/// Seed path tag of the critics' value heads.
+const TAG_CRITIC_HEAD: u64 = 8;
+
+/// One completion waiting in its agent's buffer.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(super) struct AcSample {
+    pub(super) agent: usize,
+    pub(super) turn: usize,
+    /// The actor's sample; `advantage` is y − V_old until the drain normalises it.
+    pub(super) train: TrainSample,
+    /// What the critic reads.
+    pub(super) value_input: Vec<u32>,
+    pub(super) old_value: f64,
+    pub(super) target: f64,
+    /// The reward after the processor, and after the reference KL where it shapes it.
+    pub(super) reward: f64,
+    /// Σ of this and the later turns' rewards (upstream's `expected_return`).
+    pub(super) expected_return: f64,
+}
+
+/// The critics a config asks for: one per agent (IAC) or one (MAAC), each value head drawn from
+/// its own seed.
+pub(super) fn load_critics(cfg: &CheckedConfig) -> Result<Vec<Critic>, TrainError> {
+    let Some(ac) = &cfg.actor_critic else { return Ok(Vec::new()) };
+    let opts = super::load_options(cfg)?;
+    let adam = AdamWConfig::new(ac.critic_learning_rate, cfg.trainer.weight_decay, None);
+    ac.critic_models
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            tch::manual_seed(crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]) as i64);
+            Critic::load(spec, &opts, ac.head_hidden, adam)
+        })
+        .collect()
+}
+
+/// What a step's drains did to the critics, for its metrics.
+#[derive(Default)]
+pub(super) struct CriticReport {
+    value_losses: Vec<(usize, usize, f64)>,
+    grad_norms: Vec<f64>,
+    skipped: usize,
+    drained: Vec<AcSample>,
+}
+
+impl Trainer {
+    /// One step of the actor-critic trainers; see the module docs.
+    pub(super) fn train_step_actor_critic(&mut self, rows: &[usize], t_step: Instant) -> Result<BTreeMap<String, f64>, TrainError> {
+        let size = self.s.cfg.trainer.rollout_buffer_size.max(1);
+        let ends_epoch = self.position as usize + rows.len() >= self.s.train_items.len();
+        let kl = &self.s.cfg.trainer.reference_kl;
+        let kl_coef = (kl.enabled && kl.placement == KlPlacement::Returns).then_some(kl.coef);
+        let mut step = StepRollout { rows: rows.to_vec(), items: Vec::new(), forest: Forest::default(), times: RolloutTimes::default() };
+        let mut updates = StepUpdates::default();
+        let mut report = CriticReport::default();
+        for (k, &row) in rows.iter().enumerate() {
+            let mut one = self.roll_out_rows(&[row], self.step)?;
+            if kl_coef.is_some() {
+                self.measure_reference_kl(&mut one.forest)?;
+            }
+            let samples = self.value_samples(&mut one.forest, kl_coef)?;
+            self.ac_buffer.extend(samples);
+            let fullest = (0..self.s.cfg.num_agents).map(|a| self.ac_buffer.iter().filter(|s| s.agent == a).count()).max().unwrap_or(0);
+            let last = ends_epoch && k + 1 == rows.len();
+            if fullest >= size || (last && !self.ac_buffer.is_empty()) {
+                self.updated_mid_step = true;
+                updates.absorb(self.drain_buffers(&mut report)?);
+            }
+            step.forest.absorb(one.forest, step.items.len());
+            step.items.extend(one.items);
+            step.times.generate += one.times.generate;
+            step.times.reward += one.times.reward;
+            step.times.transition += one.times.transition;
+        }
+        let mut m = self.report_step(step, updates, kl_coef, t_step, AsyncReport::default())?;
+        critic_metrics(&mut m, &report);
+        Ok(m)
+    }
+
+    /// The critics' rollout-time values of every completion of `forest` (one item), their TD
+    /// targets and raw advantages (also written into the nodes, for the rollout log), as buffer
+    /// samples.
+    fn value_samples(&mut self, forest: &mut Forest, kl_coef: Option<f64>) -> Result<Vec<AcSample>, TrainError> {
+        let ac = self.s.cfg.actor_critic.clone().expect("an actor-critic config");
+        let n = self.s.cfg.num_agents;
+        // Each completion's critic input, per critic.
+        let mut inputs: Vec<Vec<Vec<u32>>> = vec![Vec::new(); self.critics.len()];
+        let mut slot: Vec<Vec<Vec<(usize, usize)>>> = Vec::new(); // [node][agent][k] = (critic, row)
+        for node in &forest.nodes {
+            let g = node.g;
+            let mut per_agent: Vec<Vec<(usize, usize)>> = vec![Vec::with_capacity(g); n];
+            if ac.centralised {
+                let tokenizer = &self.s.policies[self.s.agent_policy[0]].model.tokenizer;
+                let prompts: Vec<&str> = node.prompts.iter().map(|p| p.text.as_str()).collect();
+                for k in 0..g {
+                    let actions: Vec<&str> = (0..n).map(|a| node.samples[a][k].text.as_str()).collect();
+                    let text = match ac.critic_type {
+                        CriticType::V => critic_input(&prompts, None),
+                        CriticType::Q => critic_input(&prompts, Some(&actions)),
+                    };
+                    // V: one input for the node, its value every completion's baseline.
+                    let row = if ac.critic_type == CriticType::V && k > 0 {
+                        per_agent[0][0].1
+                    } else {
+                        inputs[0].push(crate::data::items::encode_text(tokenizer, &text)?);
+                        inputs[0].len() - 1
+                    };
+                    for a in per_agent.iter_mut() {
+                        a.push((0, row));
+                    }
+                }
+            } else {
+                for (a, slots) in per_agent.iter_mut().enumerate() {
+                    for k in 0..g {
+                        let mut ids = node.prompts[a].ids.clone();
+                        if ac.critic_type == CriticType::Q {
+                            ids.extend_from_slice(&node.samples[a][k].token_ids);
+                        }
+                        inputs[a].push(ids);
+                        slots.push((a, inputs[a].len() - 1));
+                    }
+                }
+            }
+            slot.push(per_agent);
+        }
+        let values: Vec<Vec<f64>> = self.critics.iter().zip(&inputs).map(|(c, rows)| if rows.is_empty() { Ok(Vec::new()) } else { c.predict(rows) }).collect::<Result<_, _>>()?;
+
+        // Targets and returns, children before parents (a chain: the child continuing joint k).
+        let discount = self.s.cfg.trainer.discount;
+        let ids: Vec<usize> = forest.preorder(0);
+        let mut samples = Vec::new();
+        let (mut node_values, mut node_targets, mut node_adv, mut node_returns) =
+            (vec![Vec::new(); forest.nodes.len()], vec![Vec::new(); forest.nodes.len()], vec![Vec::new(); forest.nodes.len()], vec![Vec::new(); forest.nodes.len()]);
+        for &id in ids.iter().rev() {
+            let node = &forest.nodes[id];
+            let (mut vs, mut ys, mut adv, mut rets) = (vec![Vec::new(); n], vec![Vec::new(); n], vec![Vec::new(); n], vec![Vec::new(); n]);
+            for a in 0..n {
+                for k in 0..node.g {
+                    let (c, row) = slot[id][a][k];
+                    let v = values[c][row];
+                    let mut r = node.rewards[k];
+                    if let Some(coef) = kl_coef {
+                        r -= coef * node.reference_kl[a][k];
+                    }
+                    let child = node.children.iter().copied().find(|&ch| forest.nodes[ch].parent_joint == Some(k));
+                    let (rewards, values_next) = match child {
+                        Some(ch) => (vec![r, 0.0], vec![v, node_values[ch].get(a).and_then(|x: &Vec<f64>| x.first().copied()).unwrap_or(0.0)]),
+                        None => (vec![r], vec![v]),
+                    };
+                    let y = td_targets(&rewards, &values_next, discount)[0];
+                    let ret = r + child.map_or(0.0, |ch| node_returns[ch].get(a).and_then(|x: &Vec<f64>| x.first().copied()).unwrap_or(0.0));
+                    let s = &node.samples[a][k];
+                    samples.push(AcSample {
+                        agent: a,
+                        turn: node.turn,
+                        train: TrainSample { prompt: node.prompts[a].ids.clone(), completion: s.token_ids.clone(), advantage: y - v, weight: 1.0, old_logprobs: s.logprobs.clone() },
+                        value_input: inputs[c][row].clone(),
+                        old_value: v,
+                        target: y,
+                        reward: r,
+                        expected_return: ret,
+                    });
+                    vs[a].push(v);
+                    ys[a].push(y);
+                    adv[a].push(y - v);
+                    rets[a].push(ret);
+                }
+            }
+            node_values[id] = vs;
+            node_targets[id] = ys;
+            node_adv[id] = adv;
+            node_returns[id] = rets;
+        }
+        for (id, node) in forest.nodes.iter_mut().enumerate() {
+            node.values = std::mem::take(&mut node_values[id]);
+            node.value_targets = std::mem::take(&mut node_targets[id]);
+            node.advantages = std::mem::take(&mut node_adv[id]);
+        }
+        // Buffer order as upstream appends: turn by turn, agent by agent.
+        samples.sort_by_key(|s| (s.turn, s.agent));
+        Ok(samples)
+    }
+
+    /// Drains every agent's buffer: per agent, per turn, normalised advantages, shuffled
+    /// mini-batches, one actor and one critic step each; then pushes the updated actors.
+    fn drain_buffers(&mut self, report: &mut CriticReport) -> Result<StepUpdates, TrainError> {
+        let t = Instant::now();
+        let cfg = self.s.cfg.clone();
+        let ac = cfg.actor_critic.as_ref().expect("an actor-critic config");
+        let batch = cfg.trainer.train_batch_size.unwrap_or(cfg.trainer.rollout_buffer_size).max(1);
+        let (loss_opts, _) = self.loss_setup();
+        let buffer = std::mem::take(&mut self.ac_buffer);
+        let mut stats = Vec::new();
+        let mut updated = vec![false; self.s.policies.len()];
+        for a in 0..cfg.num_agents {
+            let mut by_turn: BTreeMap<usize, Vec<AcSample>> = BTreeMap::new();
+            for s in buffer.iter().filter(|s| s.agent == a) {
+                by_turn.entry(s.turn).or_default().push(s.clone());
+            }
+            for (turn, mut group) in by_turn {
+                let targets: Vec<f64> = group.iter().map(|s| s.target).collect();
+                let old: Vec<f64> = group.iter().map(|s| s.old_value).collect();
+                let (_, norm) = normalized_advantages(&targets, &old, cfg.trainer.advantage_normalization);
+                for (s, adv) in group.iter_mut().zip(norm) {
+                    s.train.advantage = adv;
+                }
+                group.shuffle(&mut self.rng);
+                let policy = self.s.agent_policy[a];
+                let critic = if ac.centralised { 0 } else { a };
+                for chunk in group.chunks(batch) {
+                    let samples: Vec<TrainSample> = chunk.iter().map(|s| s.train.clone()).collect();
+                    let s = self.s.policies[policy].update(&[AgentBatches { minibatches: vec![samples], scale: 1.0 }], &loss_opts, 1)?;
+                    updated[policy] |= s.steps > 0;
+                    stats.push((policy, s));
+                    let rows: Vec<Vec<u32>> = chunk.iter().map(|s| s.value_input.clone()).collect();
+                    let ys: Vec<f64> = chunk.iter().map(|s| s.target).collect();
+                    match self.critics[critic].update(&rows, &ys, ac.value_loss_coef) {
+                        Ok(c) => {
+                            report.value_losses.push((a, turn, c.value_loss));
+                            report.grad_norms.push(c.grad_norm);
+                        }
+                        Err(TrainError::Update(m)) => {
+                            warn!("{m}");
+                            report.skipped += 1;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                report.drained.extend(group);
+            }
+        }
+        let t_train = t.elapsed().as_secs_f64();
+        let push = self.push_updated(&updated)?;
+        Ok(StepUpdates { stats, concurrent: 1, t_train, push })
+    }
+}
+
+/// The critics' scalars of a step (none when no buffer was drained): value loss (before the
+/// coefficient), explained variance of the targets by the rollout-time values, their means, the
+/// raw advantages, and per turn the return and value loss.
+fn critic_metrics(m: &mut BTreeMap<String, f64>, r: &CriticReport) {
+    m.insert("critic/skipped_updates".into(), r.skipped as f64);
+    if r.drained.is_empty() {
+        return;
+    }
+    let losses: Vec<f64> = r.value_losses.iter().map(|x| x.2).collect();
+    if !losses.is_empty() {
+        m.insert("critic/value_loss".into(), mean(&losses));
+        m.insert("critic/grad_norm".into(), mean(&r.grad_norms));
+    }
+    let values: Vec<f64> = r.drained.iter().map(|s| s.old_value).collect();
+    let targets: Vec<f64> = r.drained.iter().map(|s| s.target).collect();
+    let adv: Vec<f64> = r.drained.iter().map(|s| s.target - s.old_value).collect();
+    m.insert("critic/explained_variance".into(), crate::algo::ppo::explained_variance(&values, &targets));
+    m.insert("critic/value_mean".into(), mean(&values));
+    m.insert("critic/target_mean".into(), mean(&targets));
+    m.insert("critic/advantage_mean".into(), mean(&adv));
+    let var = adv.iter().map(|x| (x - mean(&adv)).powi(2)).sum::<f64>() / adv.len() as f64;
+    m.insert("critic/advantage_std".into(), var.sqrt());
+    let turns = r.drained.iter().map(|s| s.turn).max().unwrap_or(0) + 1;
+    for t in 0..turns {
+        let own: Vec<&super::actor_critic::AcSample> = r.drained.iter().filter(|s| s.turn == t).collect();
+        if own.is_empty() {
+            continue;
+        }
+        m.insert(format!("critic/turn{}/expected_return", t + 1), mean(&own.iter().map(|s| s.expected_return).collect::<Vec<_>>()));
+        m.insert(format!("critic/turn{}/reward_mean", t + 1), mean(&own.iter().map(|s| s.reward).collect::<Vec<_>>()));
+        let l: Vec<f64> = r.value_losses.iter().filter(|x| x.1 == t).map(|x| x.2).collect();
+        if !l.is_empty() {
+            m.insert(format!("critic/turn{}/value_loss", t + 1), mean(&l));
+        }
+    }
+    let agents = r.value_losses.iter().map(|x| x.0).max().map_or(0, |a| a + 1);
+    if agents > 1 {
+        for a in 0..agents {
+            let l: Vec<f64> = r.value_losses.iter().filter(|x| x.0 == a).map(|x| x.2).collect();
+            m.insert(format!("agent{a}/value_loss"), mean(&l));
+        }
+    }
+}
