@@ -59,6 +59,13 @@ const GROUPS: &[(&str, &str, &[&str])] = &[
     ("reward.png", "reward", &["reward/mean", "reward/max", "eval/reward/mean", "reward/level_"]),
     ("loss.png", "loss and kl", &["loss", "kl", "policy", "objective/kl"]),
     ("accuracy.png", "accuracy per turn", &["eval/accuracy/turn", "accuracy/turn"]),
+    // The actor-critic trainers' critics.
+    ("critic.png", "critic: value loss, explained variance", &["critic/value_loss", "critic/explained_variance", "critic/value_mean", "critic/target_mean"]),
+    (
+        "returns.png",
+        "return per turn",
+        &["critic/turn1/expected_return", "critic/turn2/expected_return", "critic/turn3/expected_return", "critic/turn4/expected_return", "critic/turn5/expected_return"],
+    ),
     ("throughput.png", "throughput", &["tokens_per_s", "train_tokens_per_s", "throughput", "time/"]),
 ];
 

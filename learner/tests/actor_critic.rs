@@ -63,13 +63,11 @@ fn advantages_targets_critic_input_and_losses_match_upstream() {
         assert_eq!(critic_input(&prompts, actions.as_deref()), case["text"].as_str().unwrap());
     }
     // One mini-batch's losses and gradients, through the actor's loss (MAGRPO's, original options)
-    // and the critic's squared error, against upstream's `_ac_step`: the separate-critic and MAAC
-    // cases (a value head shared with the actor is not built; its clipped cases are recorded).
+    // and the critic's squared error, against upstream's `_ac_step`: separate critics (no clip),
+    // MAAC, and a value head on the actor with and without the value clip.
     let mut checked = 0;
     for case in f["ac_step"].as_array().unwrap() {
-        if case["use_separate_critic"] == false {
-            continue;
-        }
+        let shared_head = case["use_separate_critic"] == false;
         let samples = case["samples"].as_array().unwrap();
         let pick = |k: &str| Tensor::from_slice(&samples.iter().map(|s| s[k].as_f64().unwrap()).collect::<Vec<_>>());
         let lp = pick("logprob_sum").view([-1, 1]).set_requires_grad(true);
@@ -81,13 +79,15 @@ fn advantages_targets_critic_input_and_losses_match_upstream() {
         terms.loss.backward();
         close(&Vec::<f64>::try_from(lp.grad().view([-1])).unwrap(), &f64s(&case["grad_logprob_sum"]), "d loss / d log-prob sum");
         let v = pick("value").set_requires_grad(true);
-        let l = value_loss(&v, &pick("value_target"));
+        let old = pick("old_value");
+        let clip = case["value_clip_range"].as_f64().filter(|_| shared_head).map(|eps| (&old, eps));
+        let l = value_loss(&v, &pick("value_target"), clip);
         close(&[l.double_value(&[])], &[case["value_loss"].as_f64().unwrap()], "value loss");
         (l * case["value_loss_coef"].as_f64().unwrap()).backward();
         close(&Vec::<f64>::try_from(v.grad()).unwrap(), &f64s(&case["grad_value"]), "d loss / d value");
         checked += 1;
     }
-    assert!(checked >= 2, "the fixture's separate-critic and MAAC steps");
+    assert!(checked >= 4, "the fixture's separate-critic, MAAC and value-head steps");
 }
 
 fn upstream(name: &str) -> PathBuf {
@@ -117,9 +117,13 @@ fn the_upstream_configs_load_unmodified_with_upstreams_meaning() {
         assert_eq!((c.trainer.num_turns, c.trainer.num_generations, c.num_agents), (1, 1, 2), "{name}");
         assert_eq!((c.sampling.temperature, c.sampling.top_p), (0.7, 0.9), "{name}");
     }
-    // A MAGRPO config naming critics, and a shared value head, are refused by name.
+    // A value head on the actor takes no critic model (upstream refuses both at once) and keeps
+    // upstream's value clip.
     let e = load_config(&upstream("iac_he_config.yaml"), &["iac.use_separate_critic=false".into()], &LegacyFlags::default()).unwrap_err().to_string();
-    assert!(e.contains("iac.use_separate_critic") && e.contains("not built"), "{e}");
+    assert!(e.contains("critic_model") && e.contains("use_separate_critic"), "{e}");
+    let shared = load_config(&upstream("iac_he_config.yaml"), &["iac.use_separate_critic=false".into(), "critic_model=null".into()], &LegacyFlags::default()).unwrap();
+    let ac = shared.actor_critic.as_ref().unwrap();
+    assert!(ac.value_head_on_actor && ac.critic_models.is_empty() && ac.value_clip == Some(0.2));
     let e = load_config(&upstream("iac_he_config.yaml"), &["iac.num_generations=2".into()], &LegacyFlags::default()).unwrap_err().to_string();
     assert!(e.contains("iac.num_generations"), "{e}");
 }
@@ -143,7 +147,15 @@ fn yaml(section: &str, model: &Path, epochs: usize, extra: &str) -> String {
 fn run(section: &str, flip: bool) -> Vec<BTreeMap<String, f64>> {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model_dir(tmp.path());
-    let overrides: Vec<String> = if flip { vec!["reward_processor={enabled: true, scale_factor: -1.0, shift: 0.0}".into()] } else { vec![] };
+    let mut overrides: Vec<String> = if flip { vec!["reward_processor={enabled: true, scale_factor: -1.0, shift: 0.0}".into()] } else { vec![] };
+    // `iac-head`: IAC with the value head on each actor.
+    let section = match section {
+        "iac-head" => {
+            overrides.push("iac.use_separate_critic=false".into());
+            "iac"
+        }
+        s => s,
+    };
     let cfg = config(&yaml(section, &model, 24, ""), &overrides);
     let mut trainer = config_trainer(&cfg, &tmp.path().join("run"), Box::new(TokenRule { rule: same_class }), 4);
     trainer.run().unwrap().history
@@ -157,7 +169,7 @@ fn window(h: &[BTreeMap<String, f64>], key: &str, from_end: bool, k: usize) -> f
 
 #[test]
 fn iac_and_maac_learn_the_cooperative_task_and_the_flipped_sign_does_not() {
-    for section in ["iac", "maac"] {
+    for section in ["iac", "maac", "iac-head"] {
         let h = run(section, false);
         let (first, last) = (h[0]["reward/mean"], window(&h, "reward/mean", true, 5));
         let (loss_first, loss_last) = (window(&h, "critic/value_loss", false, 5), window(&h, "critic/value_loss", true, 5));
@@ -172,5 +184,161 @@ fn iac_and_maac_learn_the_cooperative_task_and_the_flipped_sign_does_not() {
         let last_flipped = window(&flipped, "reward/mean", true, 5);
         eprintln!("{section} flipped: reward -> {last_flipped:.3}");
         assert!(last_flipped < 0.5, "{section}: the flipped sign must not learn, got {last_flipped}");
+    }
+}
+
+/// The toy of the multi-turn tests: each item hides a target class; the turn-2 prompt (the
+/// feedback) is a character of that class. Reward: the share of agents whose first token is in it.
+struct HiddenTarget;
+
+fn target(item: &Value) -> u32 {
+    item["target"].as_u64().unwrap() as u32
+}
+
+impl cotrain_learner::trainer::RewardSource for HiddenTarget {
+    fn score(&mut self, _task: &str, actions: &[cotrain_learner::trainer::ScoreAction]) -> Result<Vec<cotrain_learner::trainer::Score>, cotrain_learner::trainer::TrainError> {
+        Ok(actions
+            .iter()
+            .map(|a| {
+                let t = target(&a.item);
+                let hits: Vec<f64> = a.completion_ids.iter().map(|c| (c.first().is_some_and(|x| x % 4 == t)) as u8 as f64).collect();
+                let r = hits.iter().sum::<f64>() / hits.len() as f64;
+                cotrain_learner::trainer::Score { reward: r, levels: BTreeMap::from([("level_1".to_string(), r)]), ..Default::default() }
+            })
+            .collect())
+    }
+    fn feedback(
+        &mut self,
+        _task: &str,
+        actions: &[cotrain_learner::trainer::ScoreAction],
+        _spec: &cotrain_learner::trainer::FeedbackSpec,
+    ) -> Result<Vec<Vec<String>>, cotrain_learner::trainer::TrainError> {
+        Ok(actions.iter().map(|a| vec![char::from(b'd' + target(&a.item) as u8).to_string(); a.completions.len()]).collect())
+    }
+    fn describe(&self) -> String {
+        "hidden target".into()
+    }
+}
+
+fn hidden_trainer(section: &str, dir: &Path, rows: usize) -> cotrain_learner::trainer::Trainer {
+    let model = tiny_model_dir(dir);
+    let yaml = format!(
+        "model: {{name: '{}', temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 64}}\n\
+         dataset: {{name: coophumaneval, train_split: 'test[:4]'}}\n\
+         seed: 5\n\
+         external: {{mode: level_feedback, previous_response: false}}\n\
+         {section}:\n  num_agents: 2\n  num_turns: 2\n  max_new_tokens: 1\n  learning_rate: 0.003\n  num_train_epochs: 1\n  \
+         rollout_buffer_size: 4\n  eval_interval: 1000\n  save_steps: 100000\n  logging_steps: 1\n  discount: 0.9\n  early_termination_threshold: 0.4\n\
+         logging: {{tensorboard: false, plots: true, progress: never, rollouts: true}}\n",
+        model.display()
+    );
+    let cfg = config(&yaml, &[]);
+    let (policies, agent_policy) = cotrain_learner::trainer::load_policies(&cfg).unwrap();
+    let engines = policies.iter().map(|p| (p.worker_agent.clone(), cotrain_model::loader::load(&p.model_spec, &Default::default()).unwrap())).collect();
+    let items = (0..rows)
+        .map(|i| cotrain_learner::trainer::TrainItem { index: i, item: serde_json::json!({"target": (i * 3 + i / 4) % 4}), prompts: vec![vec![81, 58]; 2], texts: vec!["Q:".into(); 2] })
+        .collect::<Vec<_>>();
+    cotrain_learner::trainer::Trainer::new(cotrain_learner::trainer::TrainerSetup {
+        cfg,
+        run_dir: dir.join("run"),
+        task: "hidden_target".into(),
+        is_code: false,
+        policies,
+        agent_policy,
+        rollout: Box::new(cotrain_learner::services::EngineRollout::new(engines)),
+        reward: Box::new(HiddenTarget),
+        train_items: items.clone(),
+        eval_items: items,
+    })
+    .unwrap()
+}
+
+/// Every logged node of a two-turn run: the chain (one sample per agent, a leaf when the mean
+/// reward is above the threshold or at turn 2), each completion's TD target from its own reward and
+/// the next turn's value of the same agent (γ 0.9), advantage = target − value; MAAC's one value per
+/// node for every agent.
+#[test]
+fn two_turn_rollouts_log_values_targets_and_advantages_as_recomputed() {
+    for section in ["iac", "maac"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut trainer = hidden_trainer(section, tmp.path(), 8);
+        let summary = trainer.run().unwrap();
+        assert_eq!(summary.steps, 2);
+        let text = std::fs::read_to_string(tmp.path().join("run/rollouts.jsonl")).unwrap();
+        let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let key = |l: &Value| (l["step"].as_u64().unwrap(), l["node_id"].as_u64().unwrap());
+        let by_id: BTreeMap<(u64, u64), &Value> = lines.iter().map(|l| (key(l), l)).collect();
+        let (mut continued, mut stopped) = (0, 0);
+        for l in &lines {
+            let reward = l["rewards"][0].as_f64().unwrap();
+            let turn = l["turn"].as_u64().unwrap();
+            let child = by_id.values().find(|c| c["step"] == l["step"] && c["parent_id"].as_u64() == l["node_id"].as_u64());
+            assert_eq!(child.is_none(), turn == 2 || reward > 0.4, "{section}: {l}");
+            if turn == 1 {
+                if child.is_some() { continued += 1 } else { stopped += 1 }
+            }
+            for a in 0..2 {
+                let v = l["values"][a][0].as_f64().unwrap();
+                let y = l["value_targets"][a][0].as_f64().unwrap();
+                let expected = match child {
+                    Some(c) => reward + 0.9 * c["values"][a][0].as_f64().unwrap(),
+                    None => reward,
+                };
+                close(&[y], &[expected], &format!("{section} target"));
+                close(&[l["advantages"][a][0].as_f64().unwrap()], &[y - v], &format!("{section} advantage"));
+            }
+            if section == "maac" {
+                assert_eq!(l["values"][0], l["values"][1], "MAAC: one joint value per node");
+            } else {
+                assert_eq!(l["agents"][0]["prompt"], l["agents"][1]["prompt"]);
+            }
+        }
+        assert!(continued > 0 && stopped > 0, "{section}: chains both continued ({continued}) and stopped early ({stopped})");
+        let m = &summary.history[summary.history.len() - 1];
+        assert!(m.contains_key("critic/turn2/expected_return") && m.contains_key("critic/value_loss"), "{m:?}");
+        for png in ["critic.png", "returns.png"] {
+            assert!(summary.plots.iter().any(|p| p.ends_with(png)), "{section}: plots/{png} in {:?}", summary.plots);
+        }
+    }
+}
+
+const COMPARED: &[&str] = &["reward/mean", "loss", "critic/value_loss", "critic/value_mean", "epoch"];
+
+/// 6 steps straight (5 rows, 3 items per step, 3 epochs) equal 3 steps, a stop, and 3 resumed from the checkpoint: the critics' weights
+/// and optimiser state and the partly filled buffer (3 samples per drain, 2 per item) come back.
+#[test]
+fn a_resumed_actor_critic_run_equals_an_uninterrupted_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model_dir(tmp.path());
+    let extra = "  train_batch_size: 3\n";
+    let cfg = config(&yaml("iac", &model, 3, extra), &["iac.num_generations=2".into(), "iac.rollout_buffer_size=3".into(), "iac.save_steps=3".into()]);
+    let trainer = |dir: &Path| config_trainer(&cfg, dir, Box::new(TokenRule { rule: same_class }), 5);
+    let mut straight = trainer(&tmp.path().join("straight"));
+    let full = straight.run().unwrap();
+    assert_eq!(full.steps, 6);
+    let split = tmp.path().join("split");
+    let mut first = trainer(&split);
+    first.stop_after_steps = Some(3);
+    let part1 = first.run().unwrap();
+    drop(first);
+    let ckpt = cotrain_learner::checkpoint::latest_checkpoint(&split).unwrap();
+    for f in ["agent-2/model.safetensors", "agent-3/optimizer.safetensors"] {
+        assert!(ckpt.join(f).is_file(), "the critics are in the checkpoint: {f}");
+    }
+    let state: Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap();
+    assert!(!state["extra"]["actor_critic_buffer"].as_array().unwrap().is_empty(), "a partly filled buffer at step 3 (the first step of an epoch)");
+    let mut second = trainer(&split);
+    second.resume(&split).unwrap();
+    let part2 = second.run().unwrap();
+    let resumed: Vec<_> = part1.history.iter().chain(&part2.history).collect();
+    assert_eq!(resumed.len(), full.history.len());
+    for (i, (a, b)) in full.history.iter().zip(&resumed).enumerate() {
+        for k in COMPARED {
+            match (a.get(*k), b.get(*k)) {
+                (Some(x), Some(y)) => assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "step {}: {k} straight {x} vs resumed {y}", i + 1),
+                (None, None) => {}
+                (x, y) => panic!("step {}: {k} straight {x:?} vs resumed {y:?}", i + 1),
+            }
+        }
     }
 }

@@ -54,10 +54,22 @@ pub fn normalized_advantages(targets: &[f64], old_values: &[f64], normalize: boo
     (adv, norm)
 }
 
-/// The critic's loss before `value_loss_coef`: mean_k (targets[k] − values[k])², values (K,) with
-/// the gradient, targets detached (upstream's separate-critic loss; MAAC's always).
-pub fn value_loss(values: &tch::Tensor, targets: &tch::Tensor) -> tch::Tensor {
-    (targets.detach().to_kind(values.kind()) - values).square().mean(values.kind())
+/// The critic's loss before `value_loss_coef`, values (K,) with the gradient, targets and old
+/// values detached: mean_k (y_k − V_k)², or with `clip` = (V_old, ε) (IAC's value head on the
+/// actor) mean_k max((y_k − V_k)², (y_k − V_clip,k)²), V_clip = V_old + clamp(V − V_old, −ε, ε).
+pub fn value_loss(values: &tch::Tensor, targets: &tch::Tensor, clip: Option<(&tch::Tensor, f64)>) -> tch::Tensor {
+    let kind = values.kind();
+    let y = targets.detach().to_kind(kind);
+    let plain = (&y - values).square();
+    let per_sample = match clip {
+        None => plain,
+        Some((old, eps)) => {
+            let old = old.detach().to_kind(kind);
+            let clipped = &old + (values - &old).clamp(-eps, eps);
+            plain.maximum(&(&y - clipped).square())
+        }
+    };
+    per_sample.mean(kind)
 }
 
 /// The MAAC critic's input: `[Agent i] <prompt i>` per agent, joined by blank lines; for Q(h, a) a

@@ -12,7 +12,13 @@ pub struct ActorCriticSetup {
     /// IAC: one critic per agent, on that agent's prompt; MAAC: one critic on every agent's.
     pub centralised: bool,
     pub critic_type: CriticType,
-    /// The model each critic starts from: one per agent (IAC) or one (MAAC).
+    /// IAC with `use_separate_critic: false`: a value head on each actor, trained with it.
+    pub value_head_on_actor: bool,
+    /// The value clip ε of a value head on the actor (`value_clip_range`; upstream ignores it
+    /// with separate critics).
+    pub value_clip: Option<f64>,
+    /// The model each separate critic starts from: one per agent (IAC) or one (MAAC); empty with
+    /// value heads on the actors.
     pub critic_models: Vec<String>,
     pub critic_learning_rate: f64,
     pub value_loss_coef: f64,
@@ -43,11 +49,10 @@ pub(super) fn resolve(raw: &RawConfig, algorithm: Algorithm, section: &TrainerSe
     if section.reference_kl.enabled && section.reference_kl.placement == super::KlPlacement::Loss {
         return bad("reference_kl.placement", "is loss; the actor-critic trainers shape the rewards with the reference KL (placement: returns)".into());
     }
-    if section.use_separate_critic == Some(false) {
-        return bad(
-            "use_separate_critic",
-            "is false: a value head on each actor (upstream's shared mode) is not built in cotrain yet; use a separate critic (true, what every upstream config uses)".into(),
-        );
+    let value_head_on_actor = section.use_separate_critic == Some(false);
+    if value_head_on_actor && (raw.critic_model.is_some() || raw.critics.is_some()) {
+        let key = if raw.critics.is_some() { "critics" } else { "critic_model" };
+        return Err((key.into(), format!("names a critic model, but {s}.use_separate_critic is false (a value head on each actor); upstream refuses this too")));
     }
     if algorithm == Algorithm::Maac {
         for key in ["use_separate_critic", "value_clip_range", "value_head_hidden_dim"] {
@@ -77,6 +82,7 @@ pub(super) fn resolve(raw: &RawConfig, algorithm: Algorithm, section: &TrainerSe
     let centralised = algorithm == Algorithm::Maac;
     let wanted = if centralised { 1 } else { agent_models.len() };
     let critic_models = match (&raw.critics, &raw.critic_model) {
+        _ if value_head_on_actor => Vec::new(),
         (Some(_), Some(_)) => return Err(("critics".into(), "and critic_model are both present; keep one".into())),
         (Some(list), None) if list.len() == wanted => list.clone(),
         (Some(list), None) if list.len() == 1 => vec![list[0].clone(); wanted],
@@ -94,10 +100,12 @@ pub(super) fn resolve(raw: &RawConfig, algorithm: Algorithm, section: &TrainerSe
     Ok(ActorCriticSetup {
         centralised,
         critic_type: section.critic_type.unwrap_or_default(),
+        value_head_on_actor,
+        value_clip: section.value_clip_range,
         critic_models,
         critic_learning_rate,
         value_loss_coef,
-        head_hidden: section.critic_value_head_hidden_dim.filter(|&d| d > 0),
+        head_hidden: if value_head_on_actor { section.value_head_hidden_dim } else { section.critic_value_head_hidden_dim }.filter(|&d| d > 0),
     })
 }
 

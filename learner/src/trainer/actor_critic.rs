@@ -20,7 +20,7 @@ use rand::seq::SliceRandom;
 use tracing::warn;
 
 use super::batch::{AsyncReport, RolloutTimes, StepRollout};
-use super::critic::Critic;
+use super::critic::{Critic, ValueHead};
 use super::policy::{AgentBatches, TrainSample};
 use super::setup::Trainer;
 use super::step::StepUpdates;
@@ -51,10 +51,24 @@ pub(super) struct AcSample {
     pub(super) expected_return: f64,
 }
 
-/// The critics a config asks for: one per agent (IAC) or one (MAAC), each value head drawn from
-/// its own seed.
+/// The value heads on the actors (`use_separate_critic: false`): one per policy, trained by the
+/// policy's own AdamW settings, each drawn from its own seed.
+pub(super) fn load_heads(cfg: &CheckedConfig, policies: &[super::Policy]) -> Vec<ValueHead> {
+    let Some(ac) = cfg.actor_critic.as_ref().filter(|ac| ac.value_head_on_actor) else { return Vec::new() };
+    policies
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            tch::manual_seed(crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]) as i64);
+            ValueHead::new(&p.model.model, ac.head_hidden, p.optimizer.cfg)
+        })
+        .collect()
+}
+
+/// The separate critics a config asks for: one per agent (IAC) or one (MAAC), each value head
+/// drawn from its own seed.
 pub(super) fn load_critics(cfg: &CheckedConfig) -> Result<Vec<Critic>, TrainError> {
-    let Some(ac) = &cfg.actor_critic else { return Ok(Vec::new()) };
+    let Some(ac) = cfg.actor_critic.as_ref().filter(|ac| !ac.value_head_on_actor) else { return Ok(Vec::new()) };
     let opts = super::load_options(cfg)?;
     let adam = AdamWConfig::new(ac.critic_learning_rate, cfg.trainer.weight_decay, None);
     ac.critic_models
@@ -116,8 +130,8 @@ impl Trainer {
     fn value_samples(&mut self, forest: &mut Forest, kl_coef: Option<f64>) -> Result<Vec<AcSample>, TrainError> {
         let ac = self.s.cfg.actor_critic.clone().expect("an actor-critic config");
         let n = self.s.cfg.num_agents;
-        // Each completion's critic input, per critic.
-        let mut inputs: Vec<Vec<Vec<u32>>> = vec![Vec::new(); self.critics.len()];
+        // Each completion's critic input, per critic (separate critics, or the actors' heads).
+        let mut inputs: Vec<Vec<Vec<u32>>> = vec![Vec::new(); self.critics.len().max(self.heads.len())];
         let mut slot: Vec<Vec<Vec<(usize, usize)>>> = Vec::new(); // [node][agent][k] = (critic, row)
         for node in &forest.nodes {
             let g = node.g;
@@ -144,19 +158,29 @@ impl Trainer {
                 }
             } else {
                 for (a, slots) in per_agent.iter_mut().enumerate() {
+                    // IAC: agent a's critic, or the head on its policy.
+                    let c = if ac.value_head_on_actor { self.s.agent_policy[a] } else { a };
                     for k in 0..g {
                         let mut ids = node.prompts[a].ids.clone();
                         if ac.critic_type == CriticType::Q {
                             ids.extend_from_slice(&node.samples[a][k].token_ids);
                         }
-                        inputs[a].push(ids);
-                        slots.push((a, inputs[a].len() - 1));
+                        inputs[c].push(ids);
+                        slots.push((c, inputs[c].len() - 1));
                     }
                 }
             }
             slot.push(per_agent);
         }
-        let values: Vec<Vec<f64>> = self.critics.iter().zip(&inputs).map(|(c, rows)| if rows.is_empty() { Ok(Vec::new()) } else { c.predict(rows) }).collect::<Result<_, _>>()?;
+        let values: Vec<Vec<f64>> = inputs
+            .iter()
+            .enumerate()
+            .map(|(c, rows)| match (rows.is_empty(), ac.value_head_on_actor) {
+                (true, _) => Ok(Vec::new()),
+                (false, false) => self.critics[c].predict(rows),
+                (false, true) => self.heads[c].predict(&self.s.policies[c].model.model, rows),
+            })
+            .collect::<Result<_, _>>()?;
 
         // Targets and returns, children before parents (a chain: the child continuing joint k).
         let discount = self.s.cfg.trainer.discount;
@@ -242,11 +266,41 @@ impl Trainer {
                 let critic = if ac.centralised { 0 } else { a };
                 for chunk in group.chunks(batch) {
                     let samples: Vec<TrainSample> = chunk.iter().map(|s| s.train.clone()).collect();
-                    let s = self.s.policies[policy].update(&[AgentBatches { minibatches: vec![samples], scale: 1.0 }], &loss_opts, 1)?;
-                    updated[policy] |= s.steps > 0;
-                    stats.push((policy, s));
+                    let batches = [AgentBatches { minibatches: vec![samples], scale: 1.0 }];
                     let rows: Vec<Vec<u32>> = chunk.iter().map(|s| s.value_input.clone()).collect();
                     let ys: Vec<f64> = chunk.iter().map(|s| s.target).collect();
+                    if ac.value_head_on_actor {
+                        // One step over L_pi + coef·L_v: the head's gradient joins the actor's.
+                        let old: Vec<f64> = chunk.iter().map(|s| s.old_value).collect();
+                        let head = &mut self.heads[policy];
+                        head.optimizer.zero_grad();
+                        let mut value_loss = f64::NAN;
+                        let mut extra = |model: &cotrain_model::families::CausalLm| -> Result<f64, TrainError> {
+                            let v = head.values(model, &rows, true)?;
+                            let y = tch::Tensor::from_slice(&ys).to_device(v.device());
+                            let old = tch::Tensor::from_slice(&old).to_device(v.device());
+                            let l = crate::algo::actor_critic::value_loss(&v, &y, ac.value_clip.map(|eps| (&old, eps)));
+                            value_loss = l.double_value(&[]);
+                            (l * ac.value_loss_coef).backward();
+                            Ok(value_loss)
+                        };
+                        let s = self.s.policies[policy].update_with(&batches, &loss_opts, &mut extra)?;
+                        if s.steps > 0 {
+                            let norm = head.optimizer.grad_norm();
+                            head.optimizer.step_with_norm(norm);
+                            report.value_losses.push((a, turn, value_loss));
+                            report.grad_norms.push(s.grad_norm.hypot(norm));
+                        } else {
+                            report.skipped += 1;
+                        }
+                        head.optimizer.zero_grad();
+                        updated[policy] |= s.steps > 0;
+                        stats.push((policy, s));
+                        continue;
+                    }
+                    let s = self.s.policies[policy].update(&batches, &loss_opts, 1)?;
+                    updated[policy] |= s.steps > 0;
+                    stats.push((policy, s));
                     match self.critics[critic].update(&rows, &ys, ac.value_loss_coef) {
                         Ok(c) => {
                             report.value_losses.push((a, turn, c.value_loss));

@@ -37,8 +37,12 @@ impl Trainer {
         let dir = dir.to_path_buf();
         let mut pairs: Vec<(&mut tch::nn::VarStore, &mut crate::algo::AdamW)> =
             self.s.policies.iter_mut().map(|p| p.trained_vs_and_optimizer()).collect();
-        // The actor-critic trainers' critics follow the policies (`agent-{P + c}`).
-        pairs.extend(self.critics.iter_mut().map(|c| (&mut c.model.vs, &mut c.optimizer)));
+        // The actor-critic trainers' critics (backbone, head) and value heads follow the policies.
+        for c in self.critics.iter_mut() {
+            pairs.push((&mut c.model.vs, &mut c.optimizer));
+            pairs.push((&mut c.head.vs, &mut c.head.optimizer));
+        }
+        pairs.extend(self.heads.iter_mut().map(|h| (&mut h.vs, &mut h.optimizer)));
         let st = load_checkpoint(&dir, &mut pairs).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         self.step = st.step;
         self.epoch = st.epoch;
@@ -84,7 +88,7 @@ impl Trainer {
             data_position: self.position,
             rng_seed: self.rng_seed,
             rng_word_pos: self.rng.get_word_pos().to_string(),
-            optimizer_steps: self.s.policies.iter().map(|p| p.optimizer.step).chain(self.critics.iter().map(|c| c.optimizer.step)).collect(),
+            optimizer_steps: self.optimizers().iter().map(|o| o.step).collect(),
             served_versions: self.s.policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect(),
             extra: serde_json::json!({
                 "agent_policy": self.s.agent_policy,
@@ -101,12 +105,28 @@ impl Trainer {
                 "actor_critic_buffer": self.ac_buffer,
             }),
         };
-        let mut pairs: Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> = self.s.policies.iter().map(|p| (p.trained_vs(), &p.optimizer)).collect();
-        pairs.extend(self.critics.iter().map(|c| (&c.model.vs, &c.optimizer)));
+        let pairs = self.checkpointed();
         let dir = save_checkpoint(&self.s.run_dir, &pairs, &state).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         self.last_checkpoint = Some(dir.clone());
         crate::checkpoint::apply_save_total_limit(&self.s.run_dir, self.s.cfg.raw.output.save_total_limit);
         Ok(dir)
+    }
+
+    /// What a checkpoint holds, in order: each policy's trained tensors, then the actor-critic
+    /// trainers' critics (backbone, then head) and the value heads on the actors, each with its
+    /// AdamW (`agent-{i}` in that order).
+    fn checkpointed(&self) -> Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> {
+        let mut pairs: Vec<(&tch::nn::VarStore, &crate::algo::AdamW)> = self.s.policies.iter().map(|p| (p.trained_vs(), &p.optimizer)).collect();
+        for c in &self.critics {
+            pairs.push((&c.model.vs, &c.optimizer));
+            pairs.push((&c.head.vs, &c.head.optimizer));
+        }
+        pairs.extend(self.heads.iter().map(|h| (&h.vs, &h.optimizer)));
+        pairs
+    }
+
+    fn optimizers(&self) -> Vec<&crate::algo::AdamW> {
+        self.checkpointed().into_iter().map(|(_, o)| o).collect()
     }
 
     /// Writes every policy as a Hugging Face model directory (see [`cotrain_model::export`]), or

@@ -1,112 +1,146 @@
-//! The critics of the actor-critic trainers (IAC, MAAC): a causal LM of its own with a value head
-//! (comlrl's `CausalLMWithValueHead` with `ValueHead`: one Linear hidden → 1, or Linear, Tanh,
-//! Linear with a hidden width; weights N(0, 0.02), biases 0), read on the final hidden state (after
-//! the last norm) at the last token of its input, and trained, backbone and head, by one AdamW.
+//! The critics of the actor-critic trainers (IAC, MAAC): comlrl's `CausalLMWithValueHead` with
+//! `ValueHead` (one Linear hidden → 1, or Linear, Tanh, Linear with a hidden width; weights
+//! N(0, 0.02), biases 0), read on the final hidden state (after the last norm) at the last token of
+//! its input.
+//!
+//! - [`Critic`]: a separate model of its own with a head, both trained on the critic's loss
+//!   (`use_separate_critic: true`, and MAAC's one critic).
+//! - [`ValueHead`] alone on an actor's network (`use_separate_critic: false`): the actor's update
+//!   adds the value loss's gradient to its own ([`super::Policy::update_with`]).
+//!
+//! A head has its own var store and AdamW: with the same settings as the backbone's, stepped
+//! together, that is one AdamW over both (AdamW acts on each parameter alone, and upstream clips
+//! no gradient norm).
 
+use cotrain_model::families::CausalLm;
 use cotrain_model::loader::{LoadOptions, LoadedModel};
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::algo::{AdamW, AdamWConfig};
 use crate::error::TrainError;
 
-/// One critic; see the module docs.
-pub struct Critic {
-    /// The model it was loaded from.
-    pub spec: String,
-    /// The backbone; its var store also holds the head (`value_head.*`), so that one AdamW and a
-    /// checkpoint's one weights file cover both.
-    pub model: LoadedModel,
-    head: Vec<(Tensor, Tensor)>,
+/// A value head; see the module docs.
+pub struct ValueHead {
+    pub vs: nn::VarStore,
+    layers: Vec<(Tensor, Tensor)>,
     pub optimizer: AdamW,
 }
 
-/// What one critic update did.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CriticStats {
-    /// mean_k (y_k − V(h_k))² before the update (before `value_loss_coef`).
-    pub value_loss: f64,
-    pub grad_norm: f64,
-}
-
-impl Critic {
-    /// Loads `spec` as a trainable backbone and adds a fresh value head, drawn from libtorch's
-    /// generator (seed it first); `hidden` adds the head's hidden layer.
-    pub fn load(spec: &str, opts: &LoadOptions, hidden: Option<usize>, adam: AdamWConfig) -> Result<Self, TrainError> {
-        let mut model = cotrain_model::loader::load(spec, opts).map_err(|e| TrainError::Model(format!("loading critic `{spec}`: {e}")))?;
-        let width = model.model.config().hidden_size as i64;
-        let kind = model.model.kind();
-        let root = model.vs.root() / "value_head";
+impl ValueHead {
+    /// A fresh head for `model`'s hidden size, in its dtype and on its device, drawn from
+    /// libtorch's generator (seed it first); `hidden` adds the hidden layer.
+    pub fn new(model: &CausalLm, hidden: Option<usize>, adam: AdamWConfig) -> Self {
+        let width = model.config().hidden_size as i64;
+        let mut vs = nn::VarStore::new(model.device());
+        let root = vs.root() / "value_head";
         let linear = |path: nn::Path, inp: i64, out: i64| {
             let w = path.var("weight", &[out, inp], nn::Init::Randn { mean: 0.0, stdev: 0.02 });
             let b = path.var("bias", &[out], nn::Init::Const(0.0));
             (w, b)
         };
-        let mut head = Vec::new();
+        let mut layers = Vec::new();
         let last = match hidden {
             Some(h) => {
-                head.push(linear(&root / "pre_projection" / "0", width, h as i64));
+                layers.push(linear(&root / "pre_projection" / "0", width, h as i64));
                 h as i64
             }
             None => width,
         };
-        head.push(linear(&root / "value_projection", last, 1));
+        layers.push(linear(&root / "value_projection", last, 1));
         // Drawn in f32, then held in the backbone's dtype as upstream casts its head (in place:
         // the handles above stay the variables).
-        if kind != Kind::Float {
-            model.vs.set_kind(kind);
+        if model.kind() != Kind::Float {
+            vs.set_kind(model.kind());
         }
-        let optimizer = AdamW::new(&model.vs, adam);
-        Ok(Self { spec: spec.to_string(), model, head, optimizer })
+        let optimizer = AdamW::new(&vs, adam);
+        Self { vs, layers, optimizer }
     }
 
-    /// The value at the last token of each row (B,), f64 on the CPU when not `with_grad`.
-    pub fn values(&self, rows: &[Vec<u32>], with_grad: bool) -> Result<Tensor, TrainError> {
+    /// The value at the last token of each row (B,) on `model` (the critic's backbone, or the
+    /// actor's network), with or without autograd.
+    pub fn values(&self, model: &CausalLm, rows: &[Vec<u32>], with_grad: bool) -> Result<Tensor, TrainError> {
         let _guard = (!with_grad).then(tch::no_grad_guard);
-        let device = self.model.model.device();
-        let longest = rows.iter().map(Vec::len).max().unwrap_or(0);
         if rows.is_empty() || rows.iter().any(Vec::is_empty) {
             return Err(TrainError::Model("critic input: every row needs at least one token".into()));
         }
+        let device = model.device();
+        let longest = rows.iter().map(Vec::len).max().unwrap_or(0);
         // Right padding: causal attention keeps it away from every real position.
         let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().map(|&t| t as i64).chain(std::iter::repeat_n(0, longest - r.len()))).collect();
         let ids = Tensor::from_slice(&flat).view([rows.len() as i64, longest as i64]).to_device(device);
-        let hidden = self.model.model.forward_hidden(&ids).map_err(|e| TrainError::Model(format!("critic forward: {e}")))?;
+        let hidden = model.forward_hidden(&ids).map_err(|e| TrainError::Model(format!("critic forward: {e}")))?;
         let last: Vec<i64> = rows.iter().map(|r| r.len() as i64 - 1).collect();
         let index = Tensor::from_slice(&last).to_device(device).view([-1, 1, 1]).expand([-1, 1, hidden.size()[2]], false);
         let mut x = hidden.gather(1, &index, false).squeeze_dim(1);
-        for (i, (w, b)) in self.head.iter().enumerate() {
+        for (i, (w, b)) in self.layers.iter().enumerate() {
             x = x.linear(w, Some(b));
-            if i + 1 < self.head.len() {
+            if i + 1 < self.layers.len() {
                 x = x.tanh();
             }
         }
         Ok(x.squeeze_dim(-1))
     }
 
-    /// Rollout-time values of `rows`, no gradient.
-    pub fn predict(&self, rows: &[Vec<u32>]) -> Result<Vec<f64>, TrainError> {
-        let v = self.values(rows, false)?.to_kind(Kind::Double).to_device(Device::Cpu);
+    /// Rollout-time values of `rows` on `model`, no gradient, as f64.
+    pub fn predict(&self, model: &CausalLm, rows: &[Vec<u32>]) -> Result<Vec<f64>, TrainError> {
+        let v = self.values(model, rows, false)?.to_kind(Kind::Double).to_device(Device::Cpu);
         Vec::<f64>::try_from(&v).map_err(|e| TrainError::Model(format!("critic values: {e}")))
+    }
+}
+
+/// A separate critic: a backbone of its own with a value head.
+pub struct Critic {
+    /// The model it was loaded from.
+    pub spec: String,
+    pub model: LoadedModel,
+    /// Over the backbone.
+    pub optimizer: AdamW,
+    pub head: ValueHead,
+}
+
+/// What one critic update did.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CriticStats {
+    /// The value loss before the update (before `value_loss_coef`).
+    pub value_loss: f64,
+    pub grad_norm: f64,
+}
+
+impl Critic {
+    /// Loads `spec` as a trainable backbone and adds a fresh value head (drawn from libtorch's
+    /// generator: seed it first).
+    pub fn load(spec: &str, opts: &LoadOptions, hidden: Option<usize>, adam: AdamWConfig) -> Result<Self, TrainError> {
+        let model = cotrain_model::loader::load(spec, opts).map_err(|e| TrainError::Model(format!("loading critic `{spec}`: {e}")))?;
+        let head = ValueHead::new(&model.model, hidden, adam);
+        let optimizer = AdamW::new(&model.vs, adam);
+        Ok(Self { spec: spec.to_string(), model, optimizer, head })
+    }
+
+    pub fn predict(&self, rows: &[Vec<u32>]) -> Result<Vec<f64>, TrainError> {
+        self.head.predict(&self.model.model, rows)
     }
 
     /// One AdamW step on `coef`·mean_k (targets[k] − V(rows[k]))². A non-finite loss or gradient
-    /// skips the step (returned as an error naming it).
+    /// skips the step (an [`TrainError::Update`] naming it).
     pub fn update(&mut self, rows: &[Vec<u32>], targets: &[f64], coef: f64) -> Result<CriticStats, TrainError> {
         self.optimizer.zero_grad();
-        let v = self.values(rows, true)?;
-        let y = Tensor::from_slice(targets).to_device(v.device()).to_kind(v.kind());
-        let loss = crate::algo::actor_critic::value_loss(&v, &y);
+        self.head.optimizer.zero_grad();
+        let v = self.head.values(&self.model.model, rows, true)?;
+        let y = Tensor::from_slice(targets).to_device(v.device());
+        let loss = crate::algo::actor_critic::value_loss(&v, &y, None);
         let value_loss = loss.double_value(&[]);
         if !value_loss.is_finite() {
             return Err(TrainError::Update(format!("critic `{}`: the value loss is {value_loss}; the step is skipped", self.spec)));
         }
         (loss * coef).backward();
-        let grad_norm = self.optimizer.grad_norm();
+        let grad_norm = self.optimizer.grad_norm().hypot(self.head.optimizer.grad_norm());
         if !grad_norm.is_finite() {
             self.optimizer.zero_grad();
+            self.head.optimizer.zero_grad();
             return Err(TrainError::Update(format!("critic `{}`: the gradient norm is {grad_norm}; the step is skipped", self.spec)));
         }
         self.optimizer.step_with_norm(grad_norm);
+        self.head.optimizer.step_with_norm(grad_norm);
         Ok(CriticStats { value_loss, grad_norm })
     }
 }

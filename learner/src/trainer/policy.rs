@@ -264,7 +264,27 @@ impl Policy {
             tch::manual_seed(crate::seeds::derive_seed(&[self.dropout_seed, self.optimizer.step]) as i64);
         }
         self.set_adapter_training(true)?;
-        let out = self.run_update(agents, totals, loss_opts, epochs, dist);
+        let out = self.run_update(agents, totals, loss_opts, epochs, dist, None);
+        self.set_adapter_training(false)?;
+        out
+    }
+
+    /// [`Policy::update`] on one rank, one epoch, with `extra` adding its own gradient to the
+    /// policy's before the optimiser step: it gets the policy's network (adapter set) after the
+    /// policy loss's backward, back-propagates its loss and returns its value (a non-finite one
+    /// skips the step). IAC's value head on the actor trains this way, one step over both losses.
+    pub fn update_with(
+        &mut self,
+        agents: &[AgentBatches],
+        loss_opts: &LossOptions,
+        extra: &mut dyn FnMut(&cotrain_model::families::CausalLm) -> Result<f64, TrainError>,
+    ) -> Result<UpdateStats, TrainError> {
+        let totals: Vec<usize> = agents.iter().map(|a| a.minibatches.iter().map(Vec::len).sum()).collect();
+        if self.draws_dropout() {
+            tch::manual_seed(crate::seeds::derive_seed(&[self.dropout_seed, self.optimizer.step]) as i64);
+        }
+        self.set_adapter_training(true)?;
+        let out = self.run_update(agents, &totals, loss_opts, 1, &crate::dist::SingleRank, Some(extra));
         self.set_adapter_training(false)?;
         out
     }
@@ -287,6 +307,7 @@ impl Policy {
         loss_opts: &LossOptions,
         epochs: usize,
         dist: &dyn crate::dist::Collective,
+        mut extra: Option<&mut dyn FnMut(&cotrain_model::families::CausalLm) -> Result<f64, TrainError>>,
     ) -> Result<UpdateStats, TrainError> {
         let mut stats = UpdateStats::default();
         let behaviour = loss_opts.clip.is_some() || loss_opts.truncated_is.is_some() || loss_opts.measure_gap;
@@ -386,6 +407,14 @@ impl Policy {
                     cut_tok += terms.is_truncated_fraction * terms.tokens;
                     ent_sum += tlp.entropy.detach().sum(Kind::Double).double_value(&[]);
                     tokens += terms.tokens;
+                }
+            }
+            if bad_loss.is_none()
+                && let Some(extra) = extra.as_mut()
+            {
+                let value = extra(&self.model.model)?;
+                if !value.is_finite() {
+                    bad_loss = Some(value);
                 }
             }
             // Every rank takes part in the same reductions, whatever its own samples did.

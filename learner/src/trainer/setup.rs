@@ -109,6 +109,8 @@ pub struct Trainer {
     /// `iac` / `maac`: the critics (one per agent, or one), and each agent's samples not yet
     /// trained on (kept in checkpoints).
     pub(super) critics: Vec<super::critic::Critic>,
+    /// `iac` with `use_separate_critic: false`: a value head on each policy.
+    pub(super) heads: Vec<super::critic::ValueHead>,
     pub(super) ac_buffer: Vec<super::actor_critic::AcSample>,
 }
 
@@ -171,11 +173,13 @@ impl Trainer {
         let next_turn = NextTurnPrompter::from_config(&s.cfg, s.is_code).map_err(|e| TrainError::Config(format!("{}: {e}", s.cfg.source.display())))?;
         let rng_seed = derive_seed(&[s.cfg.raw.seed, TAG_BUFFER]);
         let critics = super::actor_critic::load_critics(&s.cfg)?;
+        let heads = super::actor_critic::load_heads(&s.cfg, &s.policies);
         for c in &critics {
             c.model.model.set_matmul_kind(matmul_kind);
         }
         Ok(Self {
             critics,
+            heads,
             ac_buffer: Vec::new(),
             next_turn,
             step: 0,

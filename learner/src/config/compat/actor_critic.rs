@@ -26,6 +26,10 @@ pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -
                 s.insert(Value::from("termination_threshold"), Value::from(-0.2));
             }
         }
+        // Upstream's default clip; `null` turns it off.
+        if section == "iac" && !s.contains_key("value_clip_range") {
+            s.insert(Value::from("value_clip_range"), Value::from(0.2));
+        }
         if !s.contains_key("advantage_normalization") {
             s.insert(Value::from("advantage_normalization"), Value::Bool(true));
         }

@@ -149,8 +149,8 @@ pub struct TrainerSection {
     /// `iac`/`maac`: weight of the critics' squared error (0.6 when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub value_loss_coef: Option<f64>,
-    /// `iac`: the value clip of a value head shared with the actor (upstream ignores it with a
-    /// separate critic, as cotrain does).
+    /// `iac`: the value clip of a value head on the actor (0.2 when absent, `null`: off; upstream
+    /// ignores it with a separate critic, as cotrain does).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub value_clip_range: Option<f64>,
     /// `iac`: a separate critic model per agent (true, the default) or a value head on each actor.
