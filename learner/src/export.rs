@@ -98,8 +98,15 @@ fn policies_of(state: &TrainState, path: &Path) -> Result<Vec<CheckpointPolicy>,
     let list = state.extra["policies"]
         .as_array()
         .ok_or_else(|| bad("no `extra.policies` list naming each policy's base model".into()))?;
-    if list.len() != state.optimizer_steps.len() {
-        return Err(bad(format!("{} policies in `extra.policies`, {} models in the checkpoint", list.len(), state.optimizer_steps.len())));
+    // The actor-critic trainers' critics and value heads follow the policies (`extra.critics`,
+    // `extra.value_heads`); export writes the policies.
+    let extra_models = state.extra["critics"].as_array().map_or(0, |c| 2 * c.len()) + state.extra["value_heads"].as_u64().unwrap_or(0) as usize;
+    if list.len() + extra_models != state.optimizer_steps.len() {
+        return Err(bad(format!(
+            "{} policies in `extra.policies` and {extra_models} critic parts, {} models in the checkpoint",
+            list.len(),
+            state.optimizer_steps.len()
+        )));
     }
     let agent_policy: Vec<usize> = state.extra["agent_policy"]
         .as_array()

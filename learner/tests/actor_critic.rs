@@ -167,6 +167,45 @@ fn window(h: &[BTreeMap<String, f64>], key: &str, from_end: bool, k: usize) -> f
     part.iter().sum::<f64>() / k as f64
 }
 
+/// The critic's step through the trainer: with a buffer of one item's samples (4 per agent) each
+/// item is drained right after its rollout, before the critic changes, so every drain's value loss
+/// is mean (y − V)² over the logged rollout-time values and targets; the step's `critic/value_loss`
+/// is the mean over its drains (one per agent and item, each of 4 samples). MAAC's one critic takes
+/// agent 0's mini-batch first and agent 1's after that step, as upstream: there agent 0's loss is
+/// checked (`agent0/value_loss`).
+#[test]
+fn the_logged_critic_loss_is_the_squared_td_error_of_the_logged_values() {
+    for section in ["iac", "maac", "iac-head"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let model = tiny_model_dir(tmp.path());
+        let sec = if section == "maac" { "maac" } else { "iac" };
+        let mut overrides = vec![format!("{sec}.num_generations=4"), format!("{sec}.num_train_epochs=2")];
+        if section == "iac-head" {
+            overrides.push("iac.use_separate_critic=false".into());
+        }
+        let cfg = config(&yaml(sec, &model, 2, ""), &overrides);
+        let mut trainer = config_trainer(&cfg, &tmp.path().join("run"), Box::new(TokenRule { rule: same_class }), 4);
+        let summary = trainer.run().unwrap();
+        let text = std::fs::read_to_string(tmp.path().join("run/rollouts.jsonl")).unwrap();
+        for (i, m) in summary.history.iter().enumerate() {
+            let step = i as u64 + 1;
+            let mut squares = Vec::new();
+            let agents: &[usize] = if section == "maac" { &[0] } else { &[0, 1] };
+            for l in text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()).filter(|l| l["step"] == step) {
+                for &a in agents {
+                    for (v, y) in f64s(&l["values"][a]).iter().zip(f64s(&l["value_targets"][a])) {
+                        squares.push((y - v).powi(2));
+                    }
+                }
+            }
+            assert_eq!(squares.len(), 4 * 4 * agents.len(), "{section}: 4 items, 4 samples per agent");
+            let want = squares.iter().sum::<f64>() / squares.len() as f64;
+            let key = if section == "maac" { "agent0/value_loss" } else { "critic/value_loss" };
+            close(&[m[key]], &[want], &format!("{section} step {step} {key}"));
+        }
+    }
+}
+
 #[test]
 fn iac_and_maac_learn_the_cooperative_task_and_the_flipped_sign_does_not() {
     for section in ["iac", "maac", "iac-head"] {
@@ -289,9 +328,10 @@ fn two_turn_rollouts_log_values_targets_and_advantages_as_recomputed() {
             }
             if section == "maac" {
                 assert_eq!(l["values"][0], l["values"][1], "MAAC: one joint value per node");
-            } else {
-                assert_eq!(l["agents"][0]["prompt"], l["agents"][1]["prompt"]);
             }
+            // The logged return is this turn's reward plus the next turn's return (undiscounted).
+            let expected_return = reward + child.map_or(0.0, |c| c["returns"][0].as_f64().unwrap());
+            close(&[l["returns"][0].as_f64().unwrap()], &[expected_return], &format!("{section} return"));
         }
         assert!(continued > 0 && stopped > 0, "{section}: chains both continued ({continued}) and stopped early ({stopped})");
         let m = &summary.history[summary.history.len() - 1];
@@ -308,10 +348,21 @@ const COMPARED: &[&str] = &["reward/mean", "loss", "critic/value_loss", "critic/
 /// and optimiser state and the partly filled buffer (3 samples per drain, 2 per item) come back.
 #[test]
 fn a_resumed_actor_critic_run_equals_an_uninterrupted_one() {
+    for variant in ["iac", "maac", "iac-head"] {
+        resume_equals_straight(variant);
+    }
+}
+
+fn resume_equals_straight(variant: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model_dir(tmp.path());
     let extra = "  train_batch_size: 3\n";
-    let cfg = config(&yaml("iac", &model, 3, extra), &["iac.num_generations=2".into(), "iac.rollout_buffer_size=3".into(), "iac.save_steps=3".into()]);
+    let section = if variant == "maac" { "maac" } else { "iac" };
+    let mut overrides: Vec<String> = vec![format!("{section}.num_generations=2"), format!("{section}.rollout_buffer_size=3"), format!("{section}.save_steps=3")];
+    if variant == "iac-head" {
+        overrides.push("iac.use_separate_critic=false".into());
+    }
+    let cfg = config(&yaml(section, &model, 3, extra), &overrides);
     let trainer = |dir: &Path| config_trainer(&cfg, dir, Box::new(TokenRule { rule: same_class }), 5);
     let mut straight = trainer(&tmp.path().join("straight"));
     let full = straight.run().unwrap();
@@ -322,9 +373,19 @@ fn a_resumed_actor_critic_run_equals_an_uninterrupted_one() {
     let part1 = first.run().unwrap();
     drop(first);
     let ckpt = cotrain_learner::checkpoint::latest_checkpoint(&split).unwrap();
-    for f in ["agent-2/model.safetensors", "agent-3/optimizer.safetensors"] {
-        assert!(ckpt.join(f).is_file(), "the critics are in the checkpoint: {f}");
+    // After the two policies: each critic's backbone and head, or each actor's value head.
+    let parts = match variant {
+        "iac" => 4,
+        "maac" => 2,
+        _ => 2,
+    };
+    for i in 2..2 + parts {
+        assert!(ckpt.join(format!("agent-{i}/optimizer.safetensors")).is_file(), "{variant}: part {i} of the checkpoint");
     }
+    assert!(!ckpt.join(format!("agent-{}", 2 + parts)).exists(), "{variant}");
+    // `learner export` writes the two policies and leaves the critics.
+    let exported = cotrain_learner::export::export_checkpoint(&ckpt, None, &tmp.path().join("export"), false).unwrap();
+    assert_eq!(exported.len(), 2, "{variant}");
     let state: Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap();
     assert!(!state["extra"]["actor_critic_buffer"].as_array().unwrap().is_empty(), "a partly filled buffer at step 3 (the first step of an epoch)");
     let mut second = trainer(&split);
@@ -335,9 +396,9 @@ fn a_resumed_actor_critic_run_equals_an_uninterrupted_one() {
     for (i, (a, b)) in full.history.iter().zip(&resumed).enumerate() {
         for k in COMPARED {
             match (a.get(*k), b.get(*k)) {
-                (Some(x), Some(y)) => assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "step {}: {k} straight {x} vs resumed {y}", i + 1),
+                (Some(x), Some(y)) => assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{variant} step {}: {k} straight {x} vs resumed {y}", i + 1),
                 (None, None) => {}
-                (x, y) => panic!("step {}: {k} straight {x:?} vs resumed {y:?}", i + 1),
+                (x, y) => panic!("{variant} step {}: {k} straight {x:?} vs resumed {y:?}", i + 1),
             }
         }
     }

@@ -66,6 +66,20 @@ pub(super) fn resolve(raw: &RawConfig, algorithm: Algorithm, section: &TrainerSe
             }
         }
     }
+    // MAGRPO's options with no actor-critic meaning are refused rather than ignored.
+    if section.turn_gradient_weights.is_some() {
+        return bad("turn_gradient_weights", "weighs MAGRPO's tree turns; the actor-critic trainers weigh every sample alike".into());
+    }
+    if section.early_termination_weight != 2.0 {
+        return bad("early_termination_weight", "weighs MAGRPO's early-stopped nodes; the actor-critic trainers weigh every sample alike".into());
+    }
+    if section.advantage_mode != super::AdvantageMode::Mean || section.advantage_clamp.is_some() {
+        let key = if section.advantage_clamp.is_some() { "advantage_clamp" } else { "advantage_mode" };
+        return bad(key, "shapes MAGRPO's group baseline; the actor-critic trainers' advantage is the TD error y − V".into());
+    }
+    if section.max_grad_norm.is_some() {
+        return bad("max_grad_norm", "clips gradients, which upstream's actor-critic trainers never do (and cotrain's critics would not)".into());
+    }
     let critic_learning_rate = section.critic_learning_rate.unwrap_or(section.learning_rate);
     if !(critic_learning_rate.is_finite() && critic_learning_rate > 0.0) {
         return bad("critic_learning_rate", format!("must be positive, got {critic_learning_rate}"));

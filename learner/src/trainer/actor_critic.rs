@@ -45,7 +45,7 @@ pub(super) struct AcSample {
     pub(super) value_input: Vec<u32>,
     pub(super) old_value: f64,
     pub(super) target: f64,
-    /// The reward after the processor, and after the reference KL where it shapes it.
+    /// The reward after the processor (before any reference-KL shaping; upstream's `reward`).
     pub(super) reward: f64,
     /// Σ of this and the later turns' rewards (upstream's `expected_return`).
     pub(super) expected_return: f64,
@@ -67,7 +67,7 @@ pub(super) fn load_heads(cfg: &CheckedConfig, policies: &[super::Policy]) -> Vec
 
 /// The separate critics a config asks for: one per agent (IAC) or one (MAAC), each value head
 /// drawn from its own seed.
-pub(super) fn load_critics(cfg: &CheckedConfig) -> Result<Vec<Critic>, TrainError> {
+pub(super) fn load_critics(cfg: &CheckedConfig, policies: &[super::Policy], agent_policy: &[usize]) -> Result<Vec<Critic>, TrainError> {
     let Some(ac) = cfg.actor_critic.as_ref().filter(|ac| !ac.value_head_on_actor) else { return Ok(Vec::new()) };
     let opts = super::load_options(cfg)?;
     let adam = AdamWConfig::new(ac.critic_learning_rate, cfg.trainer.weight_decay, None);
@@ -76,7 +76,21 @@ pub(super) fn load_critics(cfg: &CheckedConfig) -> Result<Vec<Critic>, TrainErro
         .enumerate()
         .map(|(i, spec)| {
             tch::manual_seed(crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]) as i64);
-            Critic::load(spec, &opts, ac.head_hidden, adam)
+            let critic = Critic::load(spec, &opts, ac.head_hidden, adam)?;
+            // The critic reads its agents' token ids (MAAC: agent 0's tokenizer), as upstream.
+            let readers: Vec<usize> = if ac.centralised { vec![0] } else { vec![i] };
+            for a in readers {
+                let agent_vocab = policies[agent_policy[a]].model.model.config().vocab_size;
+                let own = critic.model.model.config().vocab_size;
+                if own < agent_vocab {
+                    return Err(TrainError::Config(format!(
+                        "{}: critic `{spec}` has a vocabulary of {own} tokens, but it reads agent {a}'s token ids (`{}`, {agent_vocab} tokens); give the critic a model with the agent's tokenizer",
+                        cfg.source.display(),
+                        cfg.agent_models[a]
+                    )));
+                }
+            }
+            Ok(critic)
         })
         .collect()
 }
@@ -91,8 +105,22 @@ pub(super) struct CriticReport {
 }
 
 impl Trainer {
-    /// One step of the actor-critic trainers; see the module docs.
+    /// One step of the actor-critic trainers; see the module docs. A failure before the step's
+    /// first drain leaves the buffers as the step found them, so that a checkpoint of that state
+    /// resumes exactly; one after it cannot.
     pub(super) fn train_step_actor_critic(&mut self, rows: &[usize], t_step: Instant) -> Result<BTreeMap<String, f64>, TrainError> {
+        let kept = self.ac_buffer.len();
+        self.updated_mid_step = false;
+        let result = self.actor_critic_items(rows, t_step);
+        match &result {
+            Err(_) if !self.updated_mid_step => self.ac_buffer.truncate(kept),
+            Ok(_) => self.updated_mid_step = false,
+            Err(_) => {}
+        }
+        result
+    }
+
+    fn actor_critic_items(&mut self, rows: &[usize], t_step: Instant) -> Result<BTreeMap<String, f64>, TrainError> {
         let size = self.s.cfg.trainer.rollout_buffer_size.max(1);
         let ends_epoch = self.position as usize + rows.len() >= self.s.train_items.len();
         let kl = &self.s.cfg.trainer.reference_kl;
@@ -149,7 +177,10 @@ impl Trainer {
                     let row = if ac.critic_type == CriticType::V && k > 0 {
                         per_agent[0][0].1
                     } else {
-                        inputs[0].push(crate::data::items::encode_text(tokenizer, &text)?);
+                        // Upstream's tokenizer call truncates at the model's length.
+                        let mut ids = crate::data::items::encode_text(tokenizer, &text)?;
+                        ids.truncate(self.s.cfg.raw.model.max_length);
+                        inputs[0].push(ids);
                         inputs[0].len() - 1
                     };
                     for a in per_agent.iter_mut() {
@@ -195,7 +226,8 @@ impl Trainer {
                 for k in 0..node.g {
                     let (c, row) = slot[id][a][k];
                     let v = values[c][row];
-                    let mut r = node.rewards[k];
+                    let env_reward = node.rewards[k];
+                    let mut r = env_reward;
                     if let Some(coef) = kl_coef {
                         r -= coef * node.reference_kl[a][k];
                     }
@@ -214,7 +246,7 @@ impl Trainer {
                         value_input: inputs[c][row].clone(),
                         old_value: v,
                         target: y,
-                        reward: r,
+                        reward: env_reward,
                         expected_return: ret,
                     });
                     vs[a].push(v);
@@ -229,6 +261,9 @@ impl Trainer {
             node_returns[id] = rets;
         }
         for (id, node) in forest.nodes.iter_mut().enumerate() {
+            // Per joint action (aligned: sample k of every agent), the agents' mean return from
+            // this turn on (the same for every agent unless the reference KL shapes the rewards).
+            node.returns = (0..node.g).map(|k| node_returns[id].iter().map(|r| r[k]).sum::<f64>() / n as f64).collect();
             node.values = std::mem::take(&mut node_values[id]);
             node.value_targets = std::mem::take(&mut node_targets[id]);
             node.advantages = std::mem::take(&mut node_adv[id]);
@@ -299,8 +334,14 @@ impl Trainer {
                         continue;
                     }
                     let s = self.s.policies[policy].update(&batches, &loss_opts, 1)?;
+                    let skipped = s.skipped.is_some();
                     updated[policy] |= s.steps > 0;
                     stats.push((policy, s));
+                    if skipped {
+                        // Upstream stops on a non-finite loss; cotrain skips the mini-batch, both models.
+                        report.skipped += 1;
+                        continue;
+                    }
                     match self.critics[critic].update(&rows, &ys, ac.value_loss_coef) {
                         Ok(c) => {
                             report.value_losses.push((a, turn, c.value_loss));

@@ -101,7 +101,9 @@ impl Trainer {
                     entry
                 }).collect::<Vec<_>>(),
                 "buffered_nodes": self.buffered,
+                // Each critic is two models (backbone, head); each value head one.
                 "critics": self.critics.iter().map(|c| serde_json::json!({"model": c.spec})).collect::<Vec<_>>(),
+                "value_heads": self.heads.len(),
                 "actor_critic_buffer": self.ac_buffer,
             }),
         };

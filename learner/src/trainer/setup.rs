@@ -172,7 +172,7 @@ impl Trainer {
         };
         let next_turn = NextTurnPrompter::from_config(&s.cfg, s.is_code).map_err(|e| TrainError::Config(format!("{}: {e}", s.cfg.source.display())))?;
         let rng_seed = derive_seed(&[s.cfg.raw.seed, TAG_BUFFER]);
-        let critics = super::actor_critic::load_critics(&s.cfg)?;
+        let critics = super::actor_critic::load_critics(&s.cfg, &s.policies, &s.agent_policy)?;
         let heads = super::actor_critic::load_heads(&s.cfg, &s.policies);
         for c in &critics {
             c.model.model.set_matmul_kind(matmul_kind);

@@ -7,9 +7,24 @@ use serde_yaml_ng::{Mapping, Value};
 use super::CompatReport;
 use crate::config::ConfigError;
 
-/// (key, upstream default) inserted when absent: advantages normalised, γ 1.0, one sample per
-/// agent, torch's AdamW weight decay, and the tree stop at a mean reward above −0.2.
-const DEFAULTS: &[(&str, f64)] = &[("discount", 1.0), ("num_generations", 1.0), ("weight_decay", 0.01)];
+/// (key, upstream default) inserted when absent (besides advantages normalised and the tree stop
+/// at a mean reward above −0.2): γ 1.0, one sample per agent, torch's AdamW weight decay, the
+/// dataclasses' buffer of 8, 40 epochs, evaluation every 16 items, logging every step, and both
+/// learning rates 5e-6.
+const DEFAULTS: &[(&str, f64)] = &[
+    ("discount", 1.0),
+    ("num_generations", 1.0),
+    ("weight_decay", 0.01),
+    ("rollout_buffer_size", 8.0),
+    ("num_train_epochs", 40.0),
+    ("eval_interval", 16.0),
+    ("logging_steps", 1.0),
+    ("learning_rate", 5e-6),
+    ("critic_learning_rate", 5e-6),
+];
+
+/// The DEFAULTS that are counts (YAML integers).
+const COUNTS: &[&str] = &["num_generations", "rollout_buffer_size", "num_train_epochs", "eval_interval", "logging_steps"];
 
 pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -> Result<(), ConfigError> {
     for section in ["iac", "maac"] {
@@ -26,6 +41,10 @@ pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -
                 s.insert(Value::from("termination_threshold"), Value::from(-0.2));
             }
         }
+        // Upstream evaluates with the training rollout's early stop.
+        if !s.contains_key("eval_all_turns") {
+            s.insert(Value::from("eval_all_turns"), Value::Bool(false));
+        }
         // Upstream's default clip; `null` turns it off.
         if section == "iac" && !s.contains_key("value_clip_range") {
             s.insert(Value::from("value_clip_range"), Value::from(0.2));
@@ -35,7 +54,7 @@ pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -
         }
         for (key, v) in DEFAULTS {
             if !s.contains_key(*key) {
-                let v = if *key == "num_generations" { Value::from(1) } else { Value::from(*v) };
+                let v = if COUNTS.contains(key) { Value::from(*v as u64) } else { Value::from(*v) };
                 s.insert(Value::from(*key), v);
             }
         }
