@@ -58,10 +58,7 @@ pub(super) fn load_heads(cfg: &CheckedConfig, policies: &[super::Policy]) -> Vec
     policies
         .iter()
         .enumerate()
-        .map(|(i, p)| {
-            tch::manual_seed(crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]) as i64);
-            ValueHead::new(&p.model.model, ac.head_hidden, p.optimizer.cfg)
-        })
+        .map(|(i, p)| ValueHead::new(&p.model.model, ac.head_hidden, p.optimizer.cfg, crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64])))
         .collect()
 }
 
@@ -75,8 +72,7 @@ pub(super) fn load_critics(cfg: &CheckedConfig, policies: &[super::Policy], agen
         .iter()
         .enumerate()
         .map(|(i, spec)| {
-            tch::manual_seed(crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]) as i64);
-            let critic = Critic::load(spec, &opts, ac.head_hidden, adam)?;
+            let critic = Critic::load(spec, &opts, ac.head_hidden, adam, crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]))?;
             // The critic reads its agents' token ids (MAAC: agent 0's tokenizer), as upstream.
             let readers: Vec<usize> = if ac.centralised { vec![0] } else { vec![i] };
             for a in readers {

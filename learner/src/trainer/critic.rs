@@ -14,6 +14,8 @@
 
 use cotrain_model::families::CausalLm;
 use cotrain_model::loader::{LoadOptions, LoadedModel};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::algo::{AdamW, AdamWConfig};
@@ -27,14 +29,17 @@ pub struct ValueHead {
 }
 
 impl ValueHead {
-    /// A fresh head for `model`'s hidden size, in its dtype and on its device, drawn from
-    /// libtorch's generator (seed it first); `hidden` adds the hidden layer.
-    pub fn new(model: &CausalLm, hidden: Option<usize>, adam: AdamWConfig) -> Self {
+    /// A fresh head for `model`'s hidden size, in its dtype and on its device, its weights drawn
+    /// from their own stream of `seed` (not libtorch's one generator, which other threads share);
+    /// `hidden` adds the hidden layer.
+    pub fn new(model: &CausalLm, hidden: Option<usize>, adam: AdamWConfig, seed: u64) -> Self {
         let width = model.config().hidden_size as i64;
         let mut vs = nn::VarStore::new(model.device());
         let root = vs.root() / "value_head";
-        let linear = |path: nn::Path, inp: i64, out: i64| {
-            let w = path.var("weight", &[out, inp], nn::Init::Randn { mean: 0.0, stdev: 0.02 });
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut linear = |path: nn::Path, inp: i64, out: i64| {
+            let draws = normal_draws(&mut rng, (inp * out) as usize, 0.02);
+            let w = path.var_copy("weight", &Tensor::from_slice(&draws).view([out, inp]));
             let b = path.var("bias", &[out], nn::Init::Const(0.0));
             (w, b)
         };
@@ -88,6 +93,17 @@ impl ValueHead {
     }
 }
 
+/// `n` draws of N(0, std²) (Box–Muller over the stream's uniforms), as f32.
+fn normal_draws(rng: &mut ChaCha8Rng, n: usize, std: f64) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let u1: f64 = 1.0 - rng.random::<f64>();
+            let u2: f64 = rng.random::<f64>();
+            (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        })
+        .collect()
+}
+
 /// A separate critic: a backbone of its own with a value head.
 pub struct Critic {
     /// The model it was loaded from.
@@ -107,11 +123,10 @@ pub struct CriticStats {
 }
 
 impl Critic {
-    /// Loads `spec` as a trainable backbone and adds a fresh value head (drawn from libtorch's
-    /// generator: seed it first).
-    pub fn load(spec: &str, opts: &LoadOptions, hidden: Option<usize>, adam: AdamWConfig) -> Result<Self, TrainError> {
+    /// Loads `spec` as a trainable backbone and adds a fresh value head drawn from `seed`.
+    pub fn load(spec: &str, opts: &LoadOptions, hidden: Option<usize>, adam: AdamWConfig, seed: u64) -> Result<Self, TrainError> {
         let model = cotrain_model::loader::load(spec, opts).map_err(|e| TrainError::Model(format!("loading critic `{spec}`: {e}")))?;
-        let head = ValueHead::new(&model.model, hidden, adam);
+        let head = ValueHead::new(&model.model, hidden, adam, seed);
         let optimizer = AdamW::new(&model.vs, adam);
         Ok(Self { spec: spec.to_string(), model, optimizer, head })
     }
