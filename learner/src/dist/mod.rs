@@ -145,6 +145,48 @@ impl Collective for SingleRank {
     }
 }
 
+/// A handle on a collective that the caller keeps while a trainer owns another: see [`run_ranked`].
+pub struct Shared(pub std::rc::Rc<dyn Collective>);
+
+impl Collective for Shared {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world(&self) -> usize {
+        self.0.world()
+    }
+    fn backend(&self) -> &'static str {
+        self.0.backend()
+    }
+    fn device(&self) -> Device {
+        self.0.device()
+    }
+    fn all_reduce_sum(&self, t: &mut Tensor) -> Result<(), DistError> {
+        self.0.all_reduce_sum(t)
+    }
+    fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), DistError> {
+        self.0.broadcast(t, root)
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor, DistError> {
+        self.0.all_gather(t)
+    }
+}
+
+/// Runs `job` (a trainer's whole run) on `dist`, so that a rank that fails on its own stops the
+/// job instead of hanging it: leaving MPI (`MPI_Finalize`) waits for every rank, while the others
+/// wait in their next collective for this one. A failed rank of several therefore leaves without
+/// it (the error goes back to `main`, which prints it and exits non-zero), and the launcher, seeing
+/// a rank exit without finalising, stops the others.
+pub fn run_ranked<T, E>(dist: Box<dyn Collective>, job: impl FnOnce(Box<dyn Collective>) -> Result<T, E>) -> Result<T, E> {
+    let dist: std::rc::Rc<dyn Collective> = std::rc::Rc::from(dist);
+    let result = job(Box::new(Shared(dist.clone())));
+    if result.is_err() && dist.world() > 1 {
+        tracing::error!(rank = dist.rank(), world = dist.world(), "this rank failed: it leaves the job without finalising MPI, so that the launcher stops the other ranks");
+        std::mem::forget(dist);
+    }
+    result
+}
+
 /// Joins the job this process was launched into (one rank when no launcher is in the environment).
 /// `device` is where the learner's tensors live; `backend` the config's `learner.backend`.
 pub fn init(backend: DistBackend, device: Device) -> Result<Box<dyn Collective>, DistError> {
@@ -210,9 +252,17 @@ fn init_nccl(env: &RankEnv, _device: Device) -> Result<Box<dyn Collective>, Dist
 }
 
 /// Sums the gradients of `params` over the ranks, in buckets of [`DEFAULT_BUCKET_BYTES`] (see
-/// [`buckets`]). Parameters without a gradient on this rank contribute zeros.
+/// [`buckets`]). A parameter with a gradient on some rank gets the sum on every rank (zeros where a
+/// rank has none); one without a gradient on any rank keeps none, as on one rank, so AdamW leaves it
+/// alone (no weight decay): a critic's unused LM head, say.
 pub fn all_reduce_grads(coll: &dyn Collective, params: &[Tensor]) -> Result<(), DistError> {
-    all_reduce_grads_bucketed(coll, params, DEFAULT_BUCKET_BYTES)
+    if coll.world() == 1 {
+        return Ok(());
+    }
+    let has: Vec<f64> = params.iter().map(|p| p.grad().defined() as u8 as f64).collect();
+    let any = coll.sum_f64(&has)?;
+    let used: Vec<Tensor> = params.iter().zip(&any).filter(|(_, n)| **n > 0.0).map(|(p, _)| p.shallow_clone()).collect();
+    all_reduce_grads_bucketed(coll, &used, DEFAULT_BUCKET_BYTES)
 }
 
 /// Copies rank `root`'s values of `tensors` into every rank's (weights, optimiser moments).

@@ -107,6 +107,11 @@ pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, Tra
         )));
     }
     let dist = crate::dist::init_with_timeout(cfg.raw.learner.backend, crate::model_options::learner_device(cfg)?, cfg.collective_timeout())?;
+    crate::dist::run_ranked(dist, |dist| train_ranked(cfg, run_dir, dist))
+}
+
+/// [`train`] as one rank of `dist`.
+fn train_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::dist::Collective>) -> Result<MaporlSummary, TrainError> {
     if dist.world() > 1 && cfg.raw.learner.placement == crate::config::Placement::Agent {
         return Err(TrainError::NotBuilt(format!(
             "{}: learner.placement: agent is built for the GRPO/MAGRPO trainer; the maporl trainer splits data (learner.placement: data)",

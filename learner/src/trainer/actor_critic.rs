@@ -28,6 +28,8 @@ use super::tree::Forest;
 use crate::algo::AdamWConfig;
 use crate::algo::actor_critic::{critic_input, normalized_advantages, td_targets};
 use crate::config::{CheckedConfig, CriticType, KlPlacement};
+use crate::data::items::TrainItem;
+use crate::dist::rank_share;
 use crate::error::TrainError;
 use crate::metrics::mean;
 
@@ -43,11 +45,16 @@ pub(super) struct AcSample {
     pub(super) train: TrainSample,
     /// What the critic reads.
     pub(super) value_input: Vec<u32>,
+    // (JSON, in checkpoints and between ranks, writes a non-finite value as `null`: read as NaN.)
+    #[serde(deserialize_with = "super::policy::null_as_nan")]
     pub(super) old_value: f64,
+    #[serde(deserialize_with = "super::policy::null_as_nan")]
     pub(super) target: f64,
     /// The reward after the processor (before any reference-KL shaping; upstream's `reward`).
+    #[serde(deserialize_with = "super::policy::null_as_nan")]
     pub(super) reward: f64,
     /// Σ of this and the later turns' rewards (upstream's `expected_return`).
+    #[serde(deserialize_with = "super::policy::null_as_nan")]
     pub(super) expected_return: f64,
 }
 
@@ -121,18 +128,28 @@ impl Trainer {
         let ends_epoch = self.position as usize + rows.len() >= self.s.train_items.len();
         let kl = &self.s.cfg.trainer.reference_kl;
         let kl_coef = (kl.enabled && kl.placement == KlPlacement::Returns).then_some(kl.coef);
+        // With several ranks (data placement) the ranks go through their shares in lockstep: round
+        // k rolls out item k of each rank's share at once, and every rank's samples join one
+        // buffer that every rank holds (see `drain_buffers`).
+        let layout = self.layout();
+        let mine = rank_share(rows, layout.shard, layout.shards);
+        let rounds = rows.len().div_ceil(layout.shards);
         let mut step = StepRollout { rows: rows.to_vec(), items: Vec::new(), forest: Forest::default(), times: RolloutTimes::default() };
         let mut updates = StepUpdates::default();
         let mut report = CriticReport::default();
-        for (k, &row) in rows.iter().enumerate() {
-            let mut one = self.roll_out_rows(&[row], self.step)?;
-            if kl_coef.is_some() {
-                self.measure_reference_kl(&mut one.forest)?;
+        for k in 0..rounds {
+            let mut one = self.roll_out_item(mine.get(k).copied())?;
+            let mut samples = Vec::new();
+            if !one.forest.nodes.is_empty() {
+                if kl_coef.is_some() {
+                    self.measure_reference_kl(&mut one.forest)?;
+                }
+                samples = self.value_samples(&mut one.forest, kl_coef)?;
             }
-            let samples = self.value_samples(&mut one.forest, kl_coef)?;
+            let samples = self.gather_samples(samples)?;
             self.ac_buffer.extend(samples);
             let fullest = (0..self.s.cfg.num_agents).map(|a| self.ac_buffer.iter().filter(|s| s.agent == a).count()).max().unwrap_or(0);
-            let last = ends_epoch && k + 1 == rows.len();
+            let last = ends_epoch && k + 1 == rounds;
             if fullest >= size || (last && !self.ac_buffer.is_empty()) {
                 self.updated_mid_step = true;
                 updates.absorb(self.drain_buffers(&mut report)?);
@@ -144,8 +161,37 @@ impl Trainer {
             step.times.transition += one.times.transition;
         }
         let mut m = self.report_step(step, updates, kl_coef, t_step, AsyncReport::default())?;
-        critic_metrics(&mut m, &report);
+        if self.dist.is_root() {
+            critic_metrics(&mut m, &report);
+        }
         Ok(m)
+    }
+
+    /// Train row `row` rolled out alone (nothing when this rank has no item in this round).
+    fn roll_out_item(&mut self, row: Option<usize>) -> Result<StepRollout, TrainError> {
+        let items: Vec<TrainItem> = row.map(|r| self.s.train_items[r].clone()).into_iter().collect();
+        let (forest, times) = if items.is_empty() {
+            (Forest::default(), RolloutTimes::default())
+        } else {
+            let plan = self.train_plan(self.step);
+            let refs: Vec<&TrainItem> = items.iter().collect();
+            self.roll_out(&refs, &plan)?
+        };
+        Ok(StepRollout { rows: row.into_iter().collect(), items, forest, times })
+    }
+
+    /// Every rank's new buffer samples of this round, in rank order (one rank: its own).
+    fn gather_samples(&self, mine: Vec<AcSample>) -> Result<Vec<AcSample>, TrainError> {
+        if self.dist.world() == 1 {
+            return Ok(mine);
+        }
+        let bytes = serde_json::to_vec(&mine).map_err(|e| TrainError::Dist(format!("serialising the buffer's new samples: {e}")))?;
+        let mut all = Vec::new();
+        for (rank, b) in self.dist.all_gather_bytes(&bytes)?.iter().enumerate() {
+            let part: Vec<AcSample> = serde_json::from_slice(b).map_err(|e| TrainError::Dist(format!("rank {rank}'s buffer samples: {e}")))?;
+            all.extend(part);
+        }
+        Ok(all)
     }
 
     /// The critics' rollout-time values of every completion of `forest` (one item), their TD
@@ -271,12 +317,19 @@ impl Trainer {
 
     /// Drains every agent's buffer: per agent, per turn, normalised advantages, shuffled
     /// mini-batches, one actor and one critic step each; then pushes the updated actors.
+    ///
+    /// With several ranks every rank holds the same buffer (every rank's samples, gathered after
+    /// each round) and the same RNG, so every rank normalises, shuffles and cuts the same
+    /// mini-batches; sample p of a mini-batch is rank p mod W's to back-propagate, each rank's
+    /// losses are divided by the mini-batch's whole size, and the gradients are summed over the
+    /// ranks before each step: every rank takes the step one rank would take on the mini-batch.
     fn drain_buffers(&mut self, report: &mut CriticReport) -> Result<StepUpdates, TrainError> {
         let t = Instant::now();
         let cfg = self.s.cfg.clone();
         let ac = cfg.actor_critic.as_ref().expect("an actor-critic config");
         let batch = cfg.trainer.train_batch_size.unwrap_or(cfg.trainer.rollout_buffer_size).max(1);
         let (loss_opts, _) = self.loss_setup();
+        let (rank, world) = (self.dist.rank(), self.dist.world());
         let buffer = std::mem::take(&mut self.ac_buffer);
         let mut stats = Vec::new();
         let mut updated = vec![false; self.s.policies.len()];
@@ -296,27 +349,37 @@ impl Trainer {
                 let policy = self.s.agent_policy[a];
                 let critic = if ac.centralised { 0 } else { a };
                 for chunk in group.chunks(batch) {
-                    let samples: Vec<TrainSample> = chunk.iter().map(|s| s.train.clone()).collect();
+                    let total = chunk.len();
+                    let own: Vec<&AcSample> = chunk.iter().skip(rank).step_by(world).collect();
+                    let samples: Vec<TrainSample> = own.iter().map(|s| s.train.clone()).collect();
                     let batches = [AgentBatches { minibatches: vec![samples], scale: 1.0 }];
-                    let rows: Vec<Vec<u32>> = chunk.iter().map(|s| s.value_input.clone()).collect();
-                    let ys: Vec<f64> = chunk.iter().map(|s| s.target).collect();
+                    let rows: Vec<Vec<u32>> = own.iter().map(|s| s.value_input.clone()).collect();
+                    let ys: Vec<f64> = own.iter().map(|s| s.target).collect();
                     if ac.value_head_on_actor {
                         // One step over L_pi + coef·L_v: the head's gradient joins the actor's.
-                        let old: Vec<f64> = chunk.iter().map(|s| s.old_value).collect();
+                        let old: Vec<f64> = own.iter().map(|s| s.old_value).collect();
                         let head = &mut self.heads[policy];
                         head.optimizer.zero_grad();
-                        let mut value_loss = f64::NAN;
+                        let mut value_loss = 0.0;
                         let mut extra = |model: &cotrain_model::families::CausalLm| -> Result<f64, TrainError> {
+                            if rows.is_empty() {
+                                return Ok(0.0);
+                            }
                             let v = head.values(model, &rows, true)?;
                             let y = tch::Tensor::from_slice(&ys).to_device(v.device());
                             let old = tch::Tensor::from_slice(&old).to_device(v.device());
-                            let l = crate::algo::actor_critic::value_loss(&v, &y, ac.value_clip.map(|eps| (&old, eps)));
+                            let l = crate::algo::actor_critic::value_loss(&v, &y, ac.value_clip.map(|eps| (&old, eps))) * (rows.len() as f64 / total as f64);
                             value_loss = l.double_value(&[]);
                             (l * ac.value_loss_coef).backward();
                             Ok(value_loss)
                         };
-                        let s = self.s.policies[policy].update_with(&batches, &loss_opts, &mut extra)?;
+                        let s = self.s.policies[policy].update_with(&batches, &[total], &loss_opts, self.dist.as_ref(), &mut extra)?;
+                        // The same on every rank: the skip decision is the ranks' (see `update_with`).
                         if s.steps > 0 {
+                            let value_loss = self.dist.sum_f64(&[value_loss])?[0];
+                            if world > 1 {
+                                crate::dist::all_reduce_grads(self.dist.as_ref(), &head.optimizer.parameters())?;
+                            }
                             let norm = head.optimizer.grad_norm();
                             head.optimizer.step_with_norm(norm);
                             report.value_losses.push((a, turn, value_loss));
@@ -329,7 +392,7 @@ impl Trainer {
                         stats.push((policy, s));
                         continue;
                     }
-                    let s = self.s.policies[policy].update(&batches, &loss_opts, 1)?;
+                    let s = self.s.policies[policy].update_ranked(&batches, &[total], &loss_opts, 1, self.dist.as_ref())?;
                     let skipped = s.skipped.is_some();
                     updated[policy] |= s.steps > 0;
                     stats.push((policy, s));
@@ -338,7 +401,7 @@ impl Trainer {
                         report.skipped += 1;
                         continue;
                     }
-                    match self.critics[critic].update(&rows, &ys, ac.value_loss_coef) {
+                    match self.critics[critic].update(&rows, &ys, ac.value_loss_coef, total, self.dist.as_ref()) {
                         Ok(c) => {
                             report.value_losses.push((a, turn, c.value_loss));
                             report.grad_norms.push(c.grad_norm);

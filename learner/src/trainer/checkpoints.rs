@@ -127,7 +127,8 @@ impl Trainer {
         pairs
     }
 
-    fn optimizers(&self) -> Vec<&crate::algo::AdamW> {
+    /// Every optimiser, in [`Trainer::checkpointed`]'s order.
+    pub(super) fn optimizers(&self) -> Vec<&crate::algo::AdamW> {
         self.checkpointed().into_iter().map(|(_, o)| o).collect()
     }
 

@@ -19,6 +19,7 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::algo::{AdamW, AdamWConfig};
+use crate::dist::Collective;
 use crate::error::TrainError;
 
 /// A value head; see the module docs.
@@ -135,19 +136,36 @@ impl Critic {
         self.head.predict(&self.model.model, rows)
     }
 
-    /// One AdamW step on `coef`·mean_k (targets[k] − V(rows[k]))². A non-finite loss or gradient
-    /// skips the step (an [`TrainError::Update`] naming it).
-    pub fn update(&mut self, rows: &[Vec<u32>], targets: &[f64], coef: f64) -> Result<CriticStats, TrainError> {
+    /// One AdamW step on `coef`·mean_k (targets[k] − V(rows[k]))² over a mini-batch of `total`
+    /// samples split over the ranks of `dist`: this rank's `rows` (possibly none) add their squared
+    /// errors divided by `total`, the gradients are summed over the ranks, and every rank steps
+    /// alike (one rank: `total` is `rows.len()`). A non-finite loss on any rank, or a non-finite
+    /// summed gradient, skips the step everywhere (an [`TrainError::Update`] naming it).
+    pub fn update(&mut self, rows: &[Vec<u32>], targets: &[f64], coef: f64, total: usize, dist: &dyn Collective) -> Result<CriticStats, TrainError> {
         self.optimizer.zero_grad();
         self.head.optimizer.zero_grad();
-        let v = self.head.values(&self.model.model, rows, true)?;
-        let y = Tensor::from_slice(targets).to_device(v.device());
-        let loss = crate::algo::actor_critic::value_loss(&v, &y, None);
-        let value_loss = loss.double_value(&[]);
-        if !value_loss.is_finite() {
-            return Err(TrainError::Update(format!("critic `{}`: the value loss is {value_loss}; the step is skipped", self.spec)));
+        let (mut local, mut bad) = (0.0, false);
+        if !rows.is_empty() {
+            let v = self.head.values(&self.model.model, rows, true)?;
+            let y = Tensor::from_slice(targets).to_device(v.device());
+            let loss = crate::algo::actor_critic::value_loss(&v, &y, None) * (rows.len() as f64 / total.max(1) as f64);
+            local = loss.double_value(&[]);
+            bad = !local.is_finite();
+            if !bad {
+                (loss * coef).backward();
+            }
         }
-        (loss * coef).backward();
+        let summed = dist.sum_f64(&[if bad { 0.0 } else { local }, bad as u8 as f64])?;
+        if summed[1] > 0.0 {
+            self.optimizer.zero_grad();
+            self.head.optimizer.zero_grad();
+            let what = if bad { format!("{local}") } else { "non-finite on another rank".into() };
+            return Err(TrainError::Update(format!("critic `{}`: the value loss is {what}; the step is skipped", self.spec)));
+        }
+        if dist.world() > 1 {
+            crate::dist::all_reduce_grads(dist, &self.optimizer.parameters())?;
+            crate::dist::all_reduce_grads(dist, &self.head.optimizer.parameters())?;
+        }
         let grad_norm = self.optimizer.grad_norm().hypot(self.head.optimizer.grad_norm());
         if !grad_norm.is_finite() {
             self.optimizer.zero_grad();
@@ -156,6 +174,6 @@ impl Critic {
         }
         self.optimizer.step_with_norm(grad_norm);
         self.head.optimizer.step_with_norm(grad_norm);
-        Ok(CriticStats { value_loss, grad_norm })
+        Ok(CriticStats { value_loss: summed[0], grad_norm })
     }
 }

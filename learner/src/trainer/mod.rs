@@ -219,18 +219,26 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
 }
 
 /// Refuses what data-parallel ranks do not do yet, naming the key: with `world` > 1 ranks, the
-/// multi-turn `tree` rollout (the original's update groups chunk nodes across items, which ranks
-/// holding different items cannot reproduce) and agent placement.
+/// multi-turn `tree` rollout of MAGRPO (the original's update groups chunk nodes across items,
+/// which ranks holding different items cannot reproduce), and agent placement for the
+/// actor-critic trainers.
 pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> {
     if world == 1 {
         return Ok(());
     }
     let section = cfg.algorithm.section();
-    if cfg.algorithm.is_actor_critic() {
+    if cfg.algorithm.is_actor_critic() && cfg.raw.learner.placement == crate::config::Placement::Agent {
         return Err(TrainError::NotBuilt(format!(
-            "{}: {world} learner ranks: the {section} trainer runs on one rank so far (its critics are not synchronised across ranks)",
+            "{}: learner.placement: agent with {world} ranks: the {section} trainer places data only so far (each rank rolls out \
+             its share of the items and trains every actor and critic on its share of each mini-batch); use learner.placement: data",
             cfg.source.display()
         )));
+    }
+    if cfg.algorithm.is_actor_critic() {
+        // Whole items per rank (chains included) and one buffer held by every rank: the limits
+        // below are MAGRPO's update groups' (asynchronous rollouts are refused for these trainers
+        // on any number of ranks).
+        return Ok(());
     }
     if cfg.raw.rollout.max_off_policy_steps > 0 {
         return Err(TrainError::NotBuilt(format!(
@@ -357,6 +365,11 @@ fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainE
 /// its state).
 pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, TrainError> {
     let dist = crate::dist::init_with_timeout(cfg.raw.learner.backend, learner_device(cfg)?, cfg.collective_timeout())?;
+    crate::dist::run_ranked(dist, |dist| train_ranked(cfg, opts, dist))
+}
+
+/// [`train`] as one rank of `dist`.
+fn train_ranked(cfg: &CheckedConfig, opts: &TrainOptions, dist: Box<dyn crate::dist::Collective>) -> Result<RunSummary, TrainError> {
     check_ranks(cfg, dist.world())?;
     let root = dist.is_root();
     let mut run_dir = match &opts.resume {

@@ -41,7 +41,7 @@ pub struct TrainSample {
 }
 
 /// A number that JSON wrote as `null` (NaN or an infinity) reads back as NaN.
-fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+pub(super) fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(<Option<f64> as serde::Deserialize>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
@@ -269,22 +269,25 @@ impl Policy {
         out
     }
 
-    /// [`Policy::update`] on one rank, one epoch, with `extra` adding its own gradient to the
-    /// policy's before the optimiser step: it gets the policy's network (adapter set) after the
-    /// policy loss's backward, back-propagates its loss and returns its value (a non-finite one
-    /// skips the step). IAC's value head on the actor trains this way, one step over both losses.
+    /// [`Policy::update_ranked`] for one epoch, with `extra` adding its own gradient to the
+    /// policy's before the gradients are summed over the ranks and the optimiser steps: it gets the
+    /// policy's network (adapter set) after the policy loss's backward, back-propagates its loss
+    /// (scaled by this rank's share, as the policy loss is) and returns its value (a non-finite one
+    /// skips the step on every rank). IAC's value head on the actor trains this way, one step over
+    /// both losses; what `extra` trains outside the policy's optimiser its caller sums over the ranks.
     pub fn update_with(
         &mut self,
         agents: &[AgentBatches],
+        totals: &[usize],
         loss_opts: &LossOptions,
+        dist: &dyn crate::dist::Collective,
         extra: &mut dyn FnMut(&cotrain_model::families::CausalLm) -> Result<f64, TrainError>,
     ) -> Result<UpdateStats, TrainError> {
-        let totals: Vec<usize> = agents.iter().map(|a| a.minibatches.iter().map(Vec::len).sum()).collect();
         if self.draws_dropout() {
             tch::manual_seed(crate::seeds::derive_seed(&[self.dropout_seed, self.optimizer.step]) as i64);
         }
         self.set_adapter_training(true)?;
-        let out = self.run_update(agents, &totals, loss_opts, 1, &crate::dist::SingleRank, Some(extra));
+        let out = self.run_update(agents, totals, loss_opts, 1, dist, Some(extra));
         self.set_adapter_training(false)?;
         out
     }

@@ -80,14 +80,14 @@ impl Trainer {
         if self.dist.world() == 1 {
             return Ok(());
         }
-        let d = self.dist.as_ref();
         let mut state = serde_json::to_vec(&serde_json::json!({
             "step": self.step, "epoch": self.epoch, "position": self.position,
             "rng_seed": self.rng_seed, "rng_word_pos": self.rng.get_word_pos().to_string(),
-            "moments": self.s.policies.iter().map(|p| p.optimizer.has_state() && p.optimizer.step > 0).collect::<Vec<_>>(),
-            "optimizer_steps": self.s.policies.iter().map(|p| p.optimizer.step).collect::<Vec<_>>(),
+            "moments": self.optimizers().iter().map(|o| o.has_state() && o.step > 0).collect::<Vec<_>>(),
+            "optimizer_steps": self.optimizers().iter().map(|o| o.step).collect::<Vec<_>>(),
         }))
         .map_err(|e| TrainError::Dist(e.to_string()))?;
+        let d = self.dist.as_ref();
         d.broadcast_bytes(&mut state, 0)?;
         let st: serde_json::Value = serde_json::from_slice(&state).map_err(|e| TrainError::Dist(format!("rank 0's train state: {e}")))?;
         let num = |k: &str| st[k].as_u64().ok_or_else(|| TrainError::Dist(format!("rank 0's train state lacks {k}")));
@@ -97,22 +97,44 @@ impl Trainer {
         self.rng_seed = num("rng_seed")?;
         self.rng = ChaCha8Rng::seed_from_u64(self.rng_seed);
         self.rng.set_word_pos(st["rng_word_pos"].as_str().and_then(|w| w.parse().ok()).unwrap_or(0));
-        for (pi, p) in self.s.policies.iter_mut().enumerate() {
-            crate::dist::broadcast_tensors(d, &p.optimizer.parameters(), 0)?;
-            if st["moments"][pi].as_bool() == Some(true) {
-                crate::dist::broadcast_tensors(d, &p.optimizer.moments_mut(), 0)?;
-                p.optimizer.step = st["optimizer_steps"][pi].as_u64().unwrap_or(p.optimizer.step);
+        // Every optimiser's tensors: the policies', then the actor-critic trainers' critics and value heads.
+        let mut optimizers: Vec<&mut crate::algo::AdamW> = self.s.policies.iter_mut().map(|p| &mut p.optimizer).collect();
+        for c in self.critics.iter_mut() {
+            optimizers.push(&mut c.optimizer);
+            optimizers.push(&mut c.head.optimizer);
+        }
+        optimizers.extend(self.heads.iter_mut().map(|h| &mut h.optimizer));
+        for (i, o) in optimizers.into_iter().enumerate() {
+            crate::dist::broadcast_tensors(d, &o.parameters(), 0)?;
+            if st["moments"][i].as_bool() == Some(true) {
+                crate::dist::broadcast_tensors(d, &o.moments_mut(), 0)?;
+                o.step = st["optimizer_steps"][i].as_u64().unwrap_or(o.step);
             }
+        }
+        // The actor-critic trainers' partly filled buffer (rank 0's, from its checkpoint).
+        if self.s.cfg.algorithm.is_actor_critic() {
+            let mut buffer = serde_json::to_vec(&self.ac_buffer).map_err(|e| TrainError::Dist(format!("serialising the actor-critic buffer: {e}")))?;
+            d.broadcast_bytes(&mut buffer, 0)?;
+            self.ac_buffer = serde_json::from_slice(&buffer).map_err(|e| TrainError::Dist(format!("rank 0's actor-critic buffer: {e}")))?;
         }
         info!(rank = d.rank(), world = d.world(), backend = d.backend(), step = self.step, "ranks start from rank 0's state");
         Ok(())
     }
 
-    /// Compares the policies' weights over the ranks (see [`crate::dist::check_same`]).
+    /// Compares the policies' weights (and the actor-critic trainers' critics and value heads)
+    /// over the ranks (see [`crate::dist::check_same`]).
     pub(super) fn check_ranks_agree(&self) -> Result<(), TrainError> {
+        let step = self.step;
         for p in &self.s.policies {
-            crate::dist::check_same(self.dist.as_ref(), &format!("policy `{}` after step {}", p.worker_agent, self.step), &p.optimizer.parameters())
-                ?;
+            crate::dist::check_same(self.dist.as_ref(), &format!("policy `{}` after step {step}", p.worker_agent), &p.optimizer.parameters())?;
+        }
+        for (i, c) in self.critics.iter().enumerate() {
+            let mut params = c.optimizer.parameters();
+            params.extend(c.head.optimizer.parameters());
+            crate::dist::check_same(self.dist.as_ref(), &format!("critic {i} (`{}`) after step {step}", c.spec), &params)?;
+        }
+        for (i, h) in self.heads.iter().enumerate() {
+            crate::dist::check_same(self.dist.as_ref(), &format!("value head of policy {i} after step {step}"), &h.optimizer.parameters())?;
         }
         Ok(())
     }
