@@ -5,6 +5,7 @@
 //! - a two-turn run whose `rollouts.jsonl` values, TD targets and advantages are recomputed here;
 //! - learning: on a cooperative toy task both trainers raise the reward and lower the critic's loss,
 //!   and the sign-flipped reward does not learn;
+//! - one drain's actor steps, recomputed by hand from the logged values and targets;
 //! - a resumed run (critics and the partial buffer in the checkpoint) equals an uninterrupted one.
 
 mod train_common;
@@ -16,6 +17,7 @@ use cotrain_learner::algo::actor_critic::{critic_input, normalized_advantages, t
 use cotrain_learner::algo::{LossOptions, PolicyBatch, policy_loss};
 use cotrain_learner::config::{Algorithm, CriticType, LegacyFlags, load_config};
 use serde_json::Value;
+use tch::nn::OptimizerConfig;
 use tch::{Kind, Tensor};
 use train_common::{TokenRule, config, config_trainer, tiny_model_dir};
 
@@ -402,4 +404,107 @@ fn resume_equals_straight(variant: &str) {
             }
         }
     }
+}
+
+/// log π(y_t | prompt, y_<t) summed over a completion's tokens: one plain forward of prompt +
+/// completion (the trainer's chunked kernel is not used).
+fn summed_logprob(model: &cotrain_model::loader::LoadedModel, prompt: &[u32], completion: &[u32]) -> Tensor {
+    let ids: Vec<i64> = prompt.iter().chain(completion).map(|&t| t as i64).collect();
+    let logits = model.model.forward(&Tensor::from_slice(&ids).unsqueeze(0)).unwrap().squeeze_dim(0);
+    let (p, c) = (prompt.len() as i64, completion.len() as i64);
+    let lp = logits.narrow(0, p - 1, c).log_softmax(-1, Kind::Float);
+    let targets = Tensor::from_slice(&completion.iter().map(|&t| t as i64).collect::<Vec<_>>());
+    lp.gather(1, &targets.unsqueeze(1), false).sum(Kind::Float)
+}
+
+/// One drain of IAC recomputed by hand: one item, 4 single-turn samples per agent (Q critics, so
+/// that each sample has its own value), a buffer of 4
+/// and mini-batches of 4, so the step drains once, and each actor takes one AdamW step. After the step
+/// each actor must equal a fresh copy of the model stepped once by libtorch's AdamW on
+/// −mean_k Â_k Σ_t log π(c_k,t), where Â is y − V from the logged targets and values, centred and
+/// divided by its population std. AdamW's ε is 1 here, so the step is close to linear in the
+/// gradient and tells advantages of another scale apart; the same step on the raw y − V lands
+/// elsewhere.
+#[test]
+fn one_drain_steps_each_actor_on_its_normalised_advantages_as_recomputed_by_hand() {
+    const LR: f64 = 0.05;
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model_dir(tmp.path());
+    let yaml = format!(
+        "model: {{name: '{}', temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 64}}\n\
+         dataset: {{name: gsm8k, train_split: 'train[:1]'}}\n\
+         seed: 7\n\
+         iac:\n  num_agents: 2\n  num_generations: 4\n  max_new_tokens: 3\n  learning_rate: {LR}\n  critic_learning_rate: 0.01\n  critic_type: q\n  \
+         weight_decay: 0.0\n  num_train_epochs: 1\n  rollout_buffer_size: 4\n  train_batch_size: 4\n  eval_interval: 1000\n  \
+         save_steps: 100000\n  logging_steps: 1\n\
+         logging: {{tensorboard: false, plots: false, progress: never, rollouts: true}}\n",
+        model.display()
+    );
+    let cfg = config(&yaml, &[]);
+    let (mut policies, agent_policy) = cotrain_learner::trainer::load_policies(&cfg).unwrap();
+    let adam = cotrain_learner::algo::AdamWConfig { eps: 1.0, ..cotrain_learner::algo::AdamWConfig::new(LR, 0.0, None) };
+    for p in &mut policies {
+        p.optimizer = cotrain_learner::algo::AdamW::new(p.trained_vs(), adam);
+    }
+    let engines = policies.iter().map(|p| (p.worker_agent.clone(), cotrain_model::loader::load(&p.model_spec, &Default::default()).unwrap())).collect();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let rollout = train_common::Recording { inner: cotrain_learner::services::EngineRollout::new(engines), seen: seen.clone() };
+    let rows = train_common::items(1, 2);
+    let mut trainer = cotrain_learner::trainer::Trainer::new(cotrain_learner::trainer::TrainerSetup {
+        cfg: cfg.clone(),
+        run_dir: tmp.path().join("run"),
+        task: "token_rule".into(),
+        is_code: false,
+        policies,
+        agent_policy,
+        rollout: Box::new(rollout),
+        reward: Box::new(TokenRule { rule: same_class }),
+        train_items: rows,
+        // No evaluation: every request is the step's.
+        eval_items: Vec::new(),
+    })
+    .unwrap();
+    let summary = trainer.run().unwrap();
+    assert_eq!(summary.steps, 1);
+    let log: Vec<Value> = std::fs::read_to_string(tmp.path().join("run/rollouts.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(log.len(), 1, "one node: one item, one turn");
+    let requests = train_common::taken(&seen);
+    let mut moved_apart = 0.0f64;
+    for (a, policy) in trainer.policies().iter().enumerate() {
+        // The agent's 4 samples, in the order drawn (a request may carry one or several).
+        let own: Vec<&train_common::Seen> = requests.iter().filter(|r| r.agent == policy.worker_agent).collect();
+        let prompt = own[0].prompt.clone();
+        assert!(own.iter().all(|r| r.prompt == prompt));
+        let completions: Vec<Vec<u32>> = own.iter().flat_map(|r| r.completions.clone()).collect();
+        let drawn: Vec<&str> = own.iter().flat_map(|r| r.texts.iter().map(String::as_str)).collect();
+        assert_eq!(completions.len(), 4);
+        let texts: Vec<&str> = log[0]["agents"][a]["completions"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        assert_eq!(texts, drawn, "the log's samples are the requests'");
+        let (v, y) = (f64s(&log[0]["values"][a]), f64s(&log[0]["value_targets"][a]));
+        let raw: Vec<f64> = y.iter().zip(&v).map(|(y, v)| y - v).collect();
+        let m = raw.iter().sum::<f64>() / 4.0;
+        let std = (raw.iter().map(|x| (x - m).powi(2)).sum::<f64>() / 4.0).sqrt().max(1e-6);
+        let normalised: Vec<f64> = raw.iter().map(|x| (x - m) / std).collect();
+        assert!(normalised.iter().any(|x| x.abs() > 0.1), "the rewards or values must vary: {raw:?}");
+        let step = |adv: &[f64]| {
+            let fresh = cotrain_model::loader::load(&policy.model_spec, &Default::default()).unwrap();
+            let mut opt = tch::nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.0, eps: 1.0, amsgrad: false }.build(&fresh.vs, LR).unwrap();
+            opt.zero_grad();
+            let loss = completions.iter().zip(adv).map(|(c, &adv_k)| summed_logprob(&fresh, &prompt, c) * (-adv_k / 4.0)).reduce(|x, y| x + y).unwrap();
+            loss.backward();
+            opt.step();
+            fresh
+        };
+        let (by_hand, unnormalised) = (step(&normalised), step(&raw));
+        let trained = policy.model.named_parameters();
+        let base = cotrain_model::loader::load(&policy.model_spec, &Default::default()).unwrap().named_parameters();
+        let (hand, raw_step) = (by_hand.named_parameters(), unnormalised.named_parameters());
+        for (name, t) in &trained {
+            let diff = (t - &hand[name]).abs().max().double_value(&[]);
+            let update = (&hand[name] - &base[name]).abs().max().double_value(&[]);
+            assert!(diff <= 1e-3 * update + 1e-6, "agent {a}: {name} differs from the hand computation by {diff} (update {update})");
+            moved_apart = moved_apart.max((t - &raw_step[name]).abs().max().double_value(&[]));
+        }
+    }
+    assert!(moved_apart > 1e-4, "a step on the raw advantages must land elsewhere (largest difference {moved_apart})");
 }
