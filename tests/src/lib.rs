@@ -206,23 +206,38 @@ pub struct Proc {
     lines: std::sync::mpsc::Receiver<String>,
     /// Every line read so far, stdout and stderr interleaved as they came.
     pub seen: Vec<String>,
+    /// The program, and the last [`TAIL_LINES`] lines it wrote (read or not): printed when a test
+    /// fails while the process is still held, so that the failure shows what the process said.
+    program: String,
+    tail: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>,
 }
+
+/// How many of a [`Proc`]'s last lines a failing test prints.
+const TAIL_LINES: usize = 60;
 
 impl Proc {
     pub fn spawn(cmd: &mut Command) -> Self {
+        let program = cmd.get_program().to_string_lossy().rsplit('/').next().unwrap_or_default().to_string();
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
         let (tx, lines) = std::sync::mpsc::channel();
+        let tail = std::sync::Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
         let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().expect("piped stdout"));
         let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().expect("piped stderr"));
         for stream in [out, err] {
-            let tx = tx.clone();
+            let (tx, tail) = (tx.clone(), tail.clone());
             std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    if let Ok(mut t) = tail.lock() {
+                        if t.len() == TAIL_LINES {
+                            t.pop_front();
+                        }
+                        t.push_back(line.clone());
+                    }
                     let _ = tx.send(line);
                 }
             });
         }
-        Self { child, lines, seen: Vec::new() }
+        Self { child, lines, seen: Vec::new(), program, tail }
     }
 
     /// Waits for a line starting with `prefix`; returns the rest of it.
@@ -268,6 +283,15 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            let exited = self.child.try_wait().ok().flatten().map_or("still running".to_string(), |s| format!("exited: {s}"));
+            eprintln!("--- the last lines of `{}` (pid {}, {exited}) ---", self.program, self.child.id());
+            if let Ok(t) = self.tail.lock() {
+                for l in t.iter() {
+                    eprintln!("{l}");
+                }
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

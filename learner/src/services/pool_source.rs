@@ -168,6 +168,15 @@ impl PoolRollout {
         let what = update_kind(lora_scaling);
         let refused: Vec<String> = answers.iter().filter_map(|(w, a)| a.as_ref().err().map(|s| format!("{w}: {s}"))).collect();
         if refused.len() == answers.len() && skip.is_empty() {
+            // Workers that could not be reached (one that deregistered or died as the push began:
+            // its connection is refused) are gone, not refusing: the update waits for the next
+            // worker that joins or comes back, as with no worker at all. Only a refusal by a worker
+            // that was reached says the update itself is wrong.
+            let unreachable = answers.iter().all(|(_, a)| a.as_ref().err().is_some_and(cotrain_rollout_client::pool::worker_failed));
+            if unreachable {
+                warn!(agent, version, refusals = refused.join("; "), "no rollout worker could be reached for the update; it waits for the next worker that joins");
+                return Ok(());
+            }
             return Err(TrainError::Rollout(format!("{what} of `{agent}` to v{version} refused by every worker: {}", refused.join("; "))));
         }
         for r in refused {

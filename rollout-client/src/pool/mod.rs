@@ -50,6 +50,7 @@ pub use member::{Origin, WorkerSnapshot};
 pub use push::{is_loopback, update_stream};
 use replay::Replay;
 pub use resolve::{Resolve, SystemResolver};
+pub use route::worker_failed;
 
 struct Inner {
     cfg: PoolConfig,

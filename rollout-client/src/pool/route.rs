@@ -21,7 +21,7 @@ fn retryable(status: &Status) -> bool {
 }
 
 /// Errors that say the worker itself is in trouble, not just busy or behind.
-pub(super) fn worker_failed(status: &Status) -> bool {
+pub fn worker_failed(status: &Status) -> bool {
     // Not `Internal`: a worker answers it for a model error one request caused, and is fine.
     matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Cancelled)
 }
