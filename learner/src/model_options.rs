@@ -11,15 +11,24 @@ use crate::error::TrainError;
 /// This process's device for `model.device`, resolved once per request (so `auto` logs its choice
 /// once): `cuda` means this rank's GPU, by the launcher's local rank.
 pub fn learner_device(cfg: &CheckedConfig) -> Result<Device, TrainError> {
-    static RESOLVED: std::sync::Mutex<Vec<((cotrain_model::cuda::DeviceRequest, usize), Result<Device, String>)>> = std::sync::Mutex::new(Vec::new());
+    static RESOLVED: std::sync::Mutex<
+        Vec<(
+            (cotrain_model::cuda::DeviceRequest, usize),
+            Result<Device, String>,
+        )>,
+    > = std::sync::Mutex::new(Vec::new());
     let request = cfg.raw.model.device;
     // A broken launcher environment is reported by `dist::init`; the device then is rank 0's.
-    let local_rank = crate::dist::RankEnv::from_env().map(|e| e.local_rank).unwrap_or(0);
+    let local_rank = crate::dist::RankEnv::from_env()
+        .map(|e| e.local_rank)
+        .unwrap_or(0);
     let mut resolved = RESOLVED.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((_, d)) = resolved.iter().find(|(k, _)| *k == (request, local_rank)) {
         return d.clone().map_err(TrainError::Config);
     }
-    let d = request.resolve(local_rank).map_err(|e| format!("model.device: {e}"));
+    let d = request
+        .resolve(local_rank)
+        .map_err(|e| format!("model.device: {e}"));
     resolved.push(((request, local_rank), d.clone()));
     d.map_err(TrainError::Config)
 }
@@ -27,7 +36,10 @@ pub fn learner_device(cfg: &CheckedConfig) -> Result<Device, TrainError> {
 /// Device and dtype of the learner's models (`model.device`, `model.dtype`).
 pub fn load_options(cfg: &CheckedConfig) -> Result<LoadOptions, TrainError> {
     let device = learner_device(cfg)?;
-    Ok(LoadOptions { device, kind: param_kind(cfg.raw.model.dtype, device) })
+    Ok(LoadOptions {
+        device,
+        kind: param_kind(cfg.raw.model.dtype, device),
+    })
 }
 
 fn param_kind(dtype: Dtype, device: Device) -> Kind {
@@ -41,7 +53,10 @@ fn param_kind(dtype: Dtype, device: Device) -> Kind {
 /// The policies' parameter dtype. A device that cannot be resolved counts as the CPU here: such a
 /// run stops at [`load_options`] before any of these kinds is used.
 fn policy_kind(cfg: &CheckedConfig) -> Kind {
-    param_kind(cfg.raw.model.dtype, learner_device(cfg).unwrap_or(Device::Cpu))
+    param_kind(
+        cfg.raw.model.dtype,
+        learner_device(cfg).unwrap_or(Device::Cpu),
+    )
 }
 
 /// The precision rollouts are drawn in (`rollout.dtype`; `auto`: the policy's own).
@@ -57,6 +72,29 @@ pub fn matmul_kind(cfg: &CheckedConfig) -> Option<Kind> {
     (kind != params).then_some(kind)
 }
 
+/// Logs the speed of `kind`'s products against f32's on this CPU when training products run in
+/// `kind` (`model.matmul_dtype`), and warns where they are the slower ones: some CPUs with
+/// avx512_bf16 but no AMX run libtorch's bf16 products slower than f32, and training would then be
+/// slower and less precise than asked for.
+pub fn announce_matmul_rate(kind: Kind, device: Device) {
+    if device != Device::Cpu {
+        return;
+    }
+    let (ours, f32_rate) = (
+        cotrain_model::kernels::dispatch::product_gflops(kind),
+        cotrain_model::kernels::dispatch::product_gflops(Kind::Float),
+    );
+    if ours < f32_rate {
+        tracing::warn!(
+            "model.matmul_dtype: {kind:?} products run at {ours:.0} GFLOP/s on this CPU against {f32_rate:.0} for f32: training will be slower, not faster"
+        );
+    } else {
+        tracing::info!(
+            "model.matmul_dtype: {kind:?} products at {ours:.0} GFLOP/s on this CPU, f32 at {f32_rate:.0}"
+        );
+    }
+}
+
 /// Whether rollouts are drawn in another precision than the policy trains in: their dtype is not
 /// the parameters', or training's products run in another dtype (then even bf16 rollouts are not
 /// bit-identical: they keep f32 activations). The loss then measures the log-prob gap and corrects
@@ -69,10 +107,17 @@ pub fn rollout_precision_differs(cfg: &CheckedConfig) -> bool {
 /// --adapters`): GRPO/MAGRPO policies with `lora`, MaPoRL's adapter keys unless `full_finetune`.
 pub fn adapter_groups(cfg: &CheckedConfig) -> Vec<Vec<String>> {
     let agents = worker_agents(cfg);
-    let lora: Vec<bool> = match cfg.raw.maporl.as_ref().filter(|_| cfg.algorithm == crate::config::Algorithm::Maporl) {
+    let lora: Vec<bool> = match cfg
+        .raw
+        .maporl
+        .as_ref()
+        .filter(|_| cfg.algorithm == crate::config::Algorithm::Maporl)
+    {
         Some(m) => vec![!m.full_finetune; agents.len()],
         // Policy i is agent i's (shared parameters: one policy, agent 0's settings for all).
-        None => (0..agents.len()).map(|i| cfg.agents[i].lora.is_some()).collect(),
+        None => (0..agents.len())
+            .map(|i| cfg.agents[i].lora.is_some())
+            .collect(),
     };
     let mut groups: Vec<(String, Vec<String>)> = Vec::new();
     for ((name, spec), is_lora) in agents.into_iter().zip(lora) {
@@ -91,7 +136,12 @@ pub fn adapter_groups(cfg: &CheckedConfig) -> Vec<Vec<String>> {
 /// weights of its own on every worker: `shared` with shared parameters, `agent{i}` otherwise, and
 /// MaPoRL's adapter keys. `learner worker-args` prints them for the deploy scripts.
 pub fn worker_agents(cfg: &CheckedConfig) -> Vec<(String, String)> {
-    if let Some(m) = cfg.raw.maporl.as_ref().filter(|_| cfg.algorithm == crate::config::Algorithm::Maporl) {
+    if let Some(m) = cfg
+        .raw
+        .maporl
+        .as_ref()
+        .filter(|_| cfg.algorithm == crate::config::Algorithm::Maporl)
+    {
         let mut agents: Vec<(String, String)> = Vec::new();
         for (agent, spec) in cfg.agent_models.iter().enumerate().take(cfg.num_agents) {
             for turn in 0..m.round_num {
@@ -107,5 +157,9 @@ pub fn worker_agents(cfg: &CheckedConfig) -> Vec<(String, String)> {
     if cfg.trainer.shared_parameters {
         return vec![("shared".into(), cfg.agent_models[0].clone())];
     }
-    cfg.agent_models.iter().enumerate().map(|(i, spec)| (format!("agent{i}"), spec.clone())).collect()
+    cfg.agent_models
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| (format!("agent{i}"), spec.clone()))
+        .collect()
 }

@@ -30,13 +30,19 @@ pub struct SamplingSpec {
     pub ignore_eos: bool,
     /// Strings that end a completion (cut from the text; the token that completed one is kept).
     pub stop: Vec<String>,
+    /// Report the log-probs under the distribution sampled from (over the temperature, after the
+    /// filters) rather than the raw logits' (see [`GenSample::logprobs`]).
+    pub sampling_logprobs: bool,
 }
 
 impl SamplingSpec {
     /// The same limits with argmax decoding: temperature 0 is greedy in the engine and on the wire
     /// (top-k and top-p do not change an argmax).
     pub fn greedy(self) -> Self {
-        Self { temperature: 0.0, ..self }
+        Self {
+            temperature: 0.0,
+            ..self
+        }
     }
 }
 
@@ -60,7 +66,8 @@ pub struct GenRequest {
 pub struct GenSample {
     pub token_ids: Vec<u32>,
     pub text: String,
-    /// Behaviour-policy log-prob of each token (raw logits, temperature 1).
+    /// Behaviour-policy log-prob of each token: under the raw logits (temperature 1), or with
+    /// [`SamplingSpec::sampling_logprobs`] under the distribution sampled from.
     pub logprobs: Vec<f32>,
     /// Ended on EOS / a stop condition rather than the length limit.
     pub stopped: bool,
@@ -111,7 +118,12 @@ pub trait RolloutSource: Send {
     fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError>;
     /// Replaces `agent`'s weights on every worker with `params` as `version`, and returns once every
     /// worker serves that version.
-    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError>;
+    fn push_weights(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+    ) -> Result<(), TrainError>;
     /// Pushes several distinct agents' weights, each as [`Self::push_weights`], and returns once
     /// every worker serves every new version. Sources that can overlap the pushes do; by default
     /// they go one after another.
@@ -147,15 +159,31 @@ pub trait RolloutSource: Send {
     /// every parameter the adapter does not name keeps its value. A push of a few megabytes instead
     /// of the whole model when only the adapter trains. Sources that cannot merge refuse, naming
     /// themselves.
-    fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
+    fn push_adapter(
+        &mut self,
+        agent: &str,
+        version: u64,
+        adapter: &BTreeMap<String, Tensor>,
+        scaling: f64,
+    ) -> Result<(), TrainError> {
         let _ = (agent, version, adapter, scaling);
-        Err(TrainError::Rollout(format!("{} cannot take adapter-only weight updates", self.describe())))
+        Err(TrainError::Rollout(format!(
+            "{} cannot take adapter-only weight updates",
+            self.describe()
+        )))
     }
     /// Scores (user, assistant) conversations with the learned verifier `name` (empty: a worker's
     /// only verifier) that a rollout worker serves: the probability each answer is correct.
-    fn score_verifier(&mut self, name: &str, conversations: &[(String, String)]) -> Result<Vec<f32>, TrainError> {
+    fn score_verifier(
+        &mut self,
+        name: &str,
+        conversations: &[(String, String)],
+    ) -> Result<Vec<f32>, TrainError> {
         let _ = (name, conversations);
-        Err(TrainError::Rollout(format!("{} serves no learned verifier", self.describe())))
+        Err(TrainError::Rollout(format!(
+            "{} serves no learned verifier",
+            self.describe()
+        )))
     }
     /// A short description for logs (`embedded worker at 127.0.0.1:41234`, ...).
     fn describe(&self) -> String;
@@ -208,7 +236,11 @@ impl CodeOutcome {
             bonus: Option<Bonus>,
         }
         let d = Details::deserialize(details).ok()?;
-        Some(Self { passed_tests: d.passed_tests, total_tests: d.total_tests, cooperation_bonus: d.bonus.map_or(0.0, |b| b.total) })
+        Some(Self {
+            passed_tests: d.passed_tests,
+            total_tests: d.total_tests,
+            cooperation_bonus: d.bonus.map_or(0.0, |b| b.total),
+        })
     }
 
     /// Every test passed (an item without tests never counts as passed).
@@ -217,7 +249,11 @@ impl CodeOutcome {
     }
 
     pub fn pass_rate(&self) -> f64 {
-        if self.total_tests == 0 { 0.0 } else { self.passed_tests as f64 / self.total_tests as f64 }
+        if self.total_tests == 0 {
+            0.0
+        } else {
+            self.passed_tests as f64 / self.total_tests as f64
+        }
     }
 }
 
@@ -248,15 +284,35 @@ pub trait RewardSource: Send {
     /// The next-turn feedback text of every agent of every joint action (the reward server's
     /// `Analyze`): per action, one text per agent, each ending with the request to revise. Sources
     /// without an analysis refuse, naming themselves.
-    fn feedback(&mut self, task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
+    fn feedback(
+        &mut self,
+        task: &str,
+        actions: &[ScoreAction],
+        spec: &FeedbackSpec,
+    ) -> Result<Vec<Vec<String>>, TrainError> {
         let _ = (actions, spec);
-        Err(TrainError::Reward(format!("{} gives no next-turn feedback for task `{task}`", self.describe())))
+        Err(TrainError::Reward(format!(
+            "{} gives no next-turn feedback for task `{task}`",
+            self.describe()
+        )))
     }
     /// The analysis behind [`Self::feedback`]: per action, the texts and, where the source has
     /// them, the structured code diagnostics (what the original's next-turn wordings print).
     /// Sources without diagnostics give the texts alone.
-    fn analyze(&mut self, task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Analysis>, TrainError> {
-        Ok(self.feedback(task, actions, spec)?.into_iter().map(|feedback| Analysis { feedback, diagnostics: None }).collect())
+    fn analyze(
+        &mut self,
+        task: &str,
+        actions: &[ScoreAction],
+        spec: &FeedbackSpec,
+    ) -> Result<Vec<Analysis>, TrainError> {
+        Ok(self
+            .feedback(task, actions, spec)?
+            .into_iter()
+            .map(|feedback| Analysis {
+                feedback,
+                diagnostics: None,
+            })
+            .collect())
     }
     fn describe(&self) -> String;
 }

@@ -12,13 +12,13 @@ use std::time::Instant;
 
 use cotrain_proto::rollout::rollout_client::RolloutClient;
 use cotrain_proto::rollout::{
-    prompt, ChatMessage, ChatMessages, GenerateRequest, GenerateResponse, ListParametersRequest, Prompt, SamplingParams,
-    StopConditions, UpdateHeader,
+    ChatMessage, ChatMessages, GenerateRequest, GenerateResponse, ListParametersRequest, Prompt,
+    SamplingParams, StopConditions, UpdateHeader, prompt,
 };
 use cotrain_rollout_client::pool::update_stream;
-use cotrain_rollout_worker::server;
 use cotrain_rollout_client::wire::{UpdatedTensor, WireDType};
 use cotrain_rollout_worker::WorkerConfig;
+use cotrain_rollout_worker::server;
 use tonic::transport::Channel;
 
 const AGENT: &str = "policy";
@@ -32,7 +32,12 @@ fn env_or(key: &str, default: &str) -> String {
 fn chat_prompt(i: usize) -> Prompt {
     let content = format!("Write a short story about the number {i}.");
     Prompt {
-        kind: Some(prompt::Kind::Chat(ChatMessages { messages: vec![ChatMessage { role: "user".into(), content }] })),
+        kind: Some(prompt::Kind::Chat(ChatMessages {
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content,
+            }],
+        })),
     }
 }
 
@@ -41,24 +46,48 @@ fn request(prompts: Vec<Prompt>, seed: u64, max_new_tokens: u32) -> GenerateRequ
         agent: AGENT.into(),
         prompts,
         n: 1,
-        sampling: Some(SamplingParams { temperature: Some(1.0), top_p: Some(1.0), top_k: 0, max_new_tokens, min_p: None }),
+        sampling: Some(SamplingParams {
+            temperature: Some(1.0),
+            top_p: Some(1.0),
+            top_k: 0,
+            max_new_tokens,
+            min_p: None,
+            sampling_logprobs: false,
+        }),
         seed,
         // Fixed-length completions so both runs do the same work.
-        stop: Some(StopConditions { ignore_eos: true, ..Default::default() }),
+        stop: Some(StopConditions {
+            ignore_eos: true,
+            ..Default::default()
+        }),
         min_policy_version: None,
         request_id: String::new(),
     }
 }
 
 fn completion_tokens(r: &GenerateResponse) -> usize {
-    r.completions.iter().flat_map(|c| &c.samples).map(|s| s.token_ids.len()).sum()
+    r.completions
+        .iter()
+        .flat_map(|c| &c.samples)
+        .map(|s| s.token_ids.len())
+        .sum()
 }
 
 async fn one_big_request(c: &RolloutClient<Channel>, max_new_tokens: u32) -> (usize, f64) {
     let mut c = c.clone();
     let start = Instant::now();
-    let r = c.generate(request((0..PROMPTS).map(chat_prompt).collect(), 1, max_new_tokens)).await.expect("generate");
-    (completion_tokens(&r.into_inner()), start.elapsed().as_secs_f64())
+    let r = c
+        .generate(request(
+            (0..PROMPTS).map(chat_prompt).collect(),
+            1,
+            max_new_tokens,
+        ))
+        .await
+        .expect("generate");
+    (
+        completion_tokens(&r.into_inner()),
+        start.elapsed().as_secs_f64(),
+    )
 }
 
 async fn many_small_requests(c: &RolloutClient<Channel>, max_new_tokens: u32) -> (usize, f64) {
@@ -67,7 +96,10 @@ async fn many_small_requests(c: &RolloutClient<Channel>, max_new_tokens: u32) ->
         .map(|i| {
             let mut c = c.clone();
             tokio::spawn(async move {
-                let r = c.generate(request(vec![chat_prompt(i)], 1 + i as u64, max_new_tokens)).await.expect("generate");
+                let r = c
+                    .generate(request(vec![chat_prompt(i)], 1 + i as u64, max_new_tokens))
+                    .await
+                    .expect("generate");
                 completion_tokens(&r.into_inner())
             })
         })
@@ -81,7 +113,13 @@ async fn many_small_requests(c: &RolloutClient<Channel>, max_new_tokens: u32) ->
 
 async fn weight_update(c: &RolloutClient<Channel>, dtype: WireDType, version: u64) -> (u64, f64) {
     let mut c = c.clone();
-    let params = c.list_parameters(ListParametersRequest { agent: AGENT.into() }).await.expect("params").into_inner();
+    let params = c
+        .list_parameters(ListParametersRequest {
+            agent: AGENT.into(),
+        })
+        .await
+        .expect("params")
+        .into_inner();
     let tensors: Vec<UpdatedTensor> = params
         .parameters
         .iter()
@@ -92,13 +130,28 @@ async fn weight_update(c: &RolloutClient<Channel>, dtype: WireDType, version: u6
                 WireDType::F32 => 0.01f32.to_le_bytes().to_vec(),
                 WireDType::Bf16 => half::bf16::from_f32(0.01).to_le_bytes().to_vec(),
             };
-            UpdatedTensor { name: p.name.clone(), dtype, shape: p.shape.clone(), data: one.repeat(numel as usize) }
+            UpdatedTensor {
+                name: p.name.clone(),
+                dtype,
+                shape: p.shape.clone(),
+                data: one.repeat(numel as usize),
+            }
         })
         .collect();
     let bytes: u64 = tensors.iter().map(|t| t.data.len() as u64).sum();
-    let header = UpdateHeader { agent: AGENT.into(), version, tensor_count: tensors.len() as u32, partial: false, lora_scaling: 0.0 };
+    let header = UpdateHeader {
+        agent: AGENT.into(),
+        version,
+        tensor_count: tensors.len() as u32,
+        partial: false,
+        lora_scaling: 0.0,
+    };
     let start = Instant::now();
-    let r = c.update_weights(update_stream(header, Arc::new(tensors), 4 << 20)).await.expect("update").into_inner();
+    let r = c
+        .update_weights(update_stream(header, Arc::new(tensors), 4 << 20))
+        .await
+        .expect("update")
+        .into_inner();
     assert_eq!(r.version, version);
     (bytes, start.elapsed().as_secs_f64())
 }
@@ -111,7 +164,11 @@ fn cpu_secs() -> f64 {
     // ticks of 1/100 s) are the 12th and 13th; they sum over all threads.
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let tick = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(f64::NAN);
+    let tick = |i: usize| {
+        f.get(i)
+            .and_then(|x| x.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
     (tick(11) + tick(12)) / 100.0
 }
 
@@ -132,10 +189,15 @@ fn main() -> anyhow::Result<()> {
         agent_devices: Vec::new(),
     };
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
         .with_writer(std::io::stderr)
         .try_init();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let load = Instant::now();
         let srv = server::start(config, "127.0.0.1:0".parse()?, "127.0.0.1:0".parse()?).await?;

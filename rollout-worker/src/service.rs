@@ -6,10 +6,10 @@ use cotrain_model::chat_template::ChatMessage;
 use cotrain_model::engine::{FinishReason as EngineFinish, SamplingParams, StopConditions};
 use cotrain_proto::rollout::rollout_server::Rollout;
 use cotrain_proto::rollout::{
-    ScoreVerifierRequest, ScoreVerifierResponse,
-    prompt, update_weights_request::Item, AgentInfo, Completion, FinishReason, GenerateRequest, GenerateResponse,
-    InfoRequest, InfoResponse, ListParametersRequest, ListParametersResponse, ModelInfo, ParameterInfo, Sample,
-    UpdateWeightsRequest, UpdateWeightsResponse,
+    AgentInfo, Completion, FinishReason, GenerateRequest, GenerateResponse, InfoRequest,
+    InfoResponse, ListParametersRequest, ListParametersResponse, ModelInfo, ParameterInfo, Sample,
+    ScoreVerifierRequest, ScoreVerifierResponse, UpdateWeightsRequest, UpdateWeightsResponse,
+    prompt, update_weights_request::Item,
 };
 use futures::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
@@ -32,7 +32,11 @@ pub struct RolloutService {
 impl RolloutService {
     /// Wraps a worker; shared-memory weight updates are refused.
     pub fn new(worker: Arc<Worker>) -> Self {
-        Self { worker, shm: ShmPolicy::new(false), token: None }
+        Self {
+            worker,
+            shm: ShmPolicy::new(false),
+            token: None,
+        }
     }
 
     /// Requires the cluster token on weight updates (none: updates are not authenticated).
@@ -55,11 +59,19 @@ pub fn job_from_proto(req: GenerateRequest) -> Result<GenerateJob, WorkerError> 
         let field = format!("prompts[{i}]");
         prompts.push(match p.kind {
             Some(prompt::Kind::Text(t)) => PromptInput::Text(t),
-            Some(prompt::Kind::Chat(c)) => {
-                PromptInput::Chat(c.messages.into_iter().map(|m| ChatMessage::new(m.role, m.content)).collect())
-            }
+            Some(prompt::Kind::Chat(c)) => PromptInput::Chat(
+                c.messages
+                    .into_iter()
+                    .map(|m| ChatMessage::new(m.role, m.content))
+                    .collect(),
+            ),
             Some(prompt::Kind::TokenIds(t)) => PromptInput::Tokens(t.ids),
-            None => return Err(WorkerError::invalid(field, "empty prompt (none of text, chat, token_ids)")),
+            None => {
+                return Err(WorkerError::invalid(
+                    field,
+                    "empty prompt (none of text, chat, token_ids)",
+                ));
+            }
         });
     }
     let s = req.sampling.unwrap_or_default();
@@ -83,11 +95,21 @@ pub fn job_from_proto(req: GenerateRequest) -> Result<GenerateJob, WorkerError> 
         seed: req.seed,
         min_policy_version: req.min_policy_version,
         top_logprobs: 0,
+        logprobs: if s.sampling_logprobs {
+            cotrain_model::engine::LogprobMode::Sampling
+        } else {
+            cotrain_model::engine::LogprobMode::Raw
+        },
     })
 }
 
 /// Converts an answer into its protocol form.
-pub fn response_to_proto(out: GenerateOutput, agent: String, worker_id: String, request_id: String) -> GenerateResponse {
+pub fn response_to_proto(
+    out: GenerateOutput,
+    agent: String,
+    worker_id: String,
+    request_id: String,
+) -> GenerateResponse {
     GenerateResponse {
         completions: out
             .completions
@@ -120,7 +142,10 @@ pub fn response_to_proto(out: GenerateOutput, agent: String, worker_id: String, 
 #[tonic::async_trait]
 impl Rollout for RolloutService {
     #[tracing::instrument(skip_all, fields(agent = %request.get_ref().agent, request_id = %request.get_ref().request_id))]
-    async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<GenerateResponse>, Status> {
+    async fn generate(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<Response<GenerateResponse>, Status> {
         let req = request.into_inner();
         let (agent, request_id) = (req.agent.clone(), req.request_id.clone());
         let job = job_from_proto(req)?;
@@ -131,9 +156,18 @@ impl Rollout for RolloutService {
             Err(WorkerError::Overloaded { .. }) => "overloaded",
             Err(_) => "error",
         };
-        self.worker.metrics().requests.with_label_values(&[agent.as_str(), outcome]).inc();
+        self.worker
+            .metrics()
+            .requests
+            .with_label_values(&[agent.as_str(), outcome])
+            .inc();
         let out = result?;
-        Ok(Response::new(response_to_proto(out, agent, self.worker.id().to_string(), request_id)))
+        Ok(Response::new(response_to_proto(
+            out,
+            agent,
+            self.worker.id().to_string(),
+            request_id,
+        )))
     }
 
     #[tracing::instrument(skip_all)]
@@ -142,9 +176,16 @@ impl Rollout for RolloutService {
         request: Request<Streaming<UpdateWeightsRequest>>,
     ) -> Result<Response<UpdateWeightsResponse>, Status> {
         if let Some(token) = &self.token {
-            let given = request.metadata().get(cotrain_proto::auth::METADATA_KEY).and_then(|v| v.to_str().ok());
+            let given = request
+                .metadata()
+                .get(cotrain_proto::auth::METADATA_KEY)
+                .and_then(|v| v.to_str().ok());
             if !token.verify(given) {
-                let why = if given.is_none() { "the request carried none" } else { "the request carried another one" };
+                let why = if given.is_none() {
+                    "the request carried none"
+                } else {
+                    "the request carried another one"
+                };
                 warn!(why, "weight update refused: no valid cluster token");
                 return Err(Status::unauthenticated(format!(
                     "this rollout worker requires the cluster token for weight updates and {why}: give the learner the worker's token file \
@@ -155,8 +196,14 @@ impl Rollout for RolloutService {
         }
         let mut stream = request.into_inner();
         let header = match stream.next().await {
-            Some(Ok(UpdateWeightsRequest { item: Some(Item::Header(h)) })) => h,
-            Some(Ok(_)) => return Err(WorkerError::BadUpdate("the first message must be the header".into()).into()),
+            Some(Ok(UpdateWeightsRequest {
+                item: Some(Item::Header(h)),
+            })) => h,
+            Some(Ok(_)) => {
+                return Err(
+                    WorkerError::BadUpdate("the first message must be the header".into()).into(),
+                );
+            }
             Some(Err(e)) => return Err(WorkerError::StreamBroken(e.to_string()).into()),
             None => return Err(WorkerError::BadUpdate("empty stream".into()).into()),
         };
@@ -172,7 +219,9 @@ impl Rollout for RolloutService {
                 WorkerError::StreamBroken(e.to_string())
             })?;
             if shm.is_some() {
-                return Err(WorkerError::BadUpdate("a message after the shm message".into()).into());
+                return Err(
+                    WorkerError::BadUpdate("a message after the shm message".into()).into(),
+                );
             }
             match msg.item {
                 Some(Item::Chunk(c)) => {
@@ -182,30 +231,68 @@ impl Rollout for RolloutService {
                     self.worker.metrics().weight_update_bytes.inc_by(n);
                 }
                 Some(Item::Shm(m)) if chunks == 0 => shm = Some(m),
-                Some(Item::Shm(_)) => return Err(WorkerError::BadUpdate("an shm message after chunks".into()).into()),
-                Some(Item::Header(_)) => return Err(WorkerError::BadUpdate("a second header".into()).into()),
-                None => return Err(WorkerError::BadUpdate("a message with neither header nor chunk".into()).into()),
+                Some(Item::Shm(_)) => {
+                    return Err(WorkerError::BadUpdate("an shm message after chunks".into()).into());
+                }
+                Some(Item::Header(_)) => {
+                    return Err(WorkerError::BadUpdate("a second header".into()).into());
+                }
+                None => {
+                    return Err(WorkerError::BadUpdate(
+                        "a message with neither header nor chunk".into(),
+                    )
+                    .into());
+                }
             }
         }
         let update = match shm {
             None => assembler.finish()?,
             Some(m) => {
                 let policy = self.shm.clone();
-                let update = tokio::task::spawn_blocking(move || shm::read_update(&policy, &m, assembler))
-                    .await
-                    .map_err(|e| WorkerError::Internal(format!("reading the shm update panicked: {e}")))?
-                    .inspect_err(|e| warn!(agent, error = %e, "shm weight update refused, old weights kept"))?;
-                self.worker.metrics().weight_update_bytes.inc_by(update.bytes_received);
+                let update = tokio::task::spawn_blocking(move || {
+                    shm::read_update(&policy, &m, assembler)
+                })
+                .await
+                .map_err(|e| {
+                    WorkerError::Internal(format!("reading the shm update panicked: {e}"))
+                })?
+                .inspect_err(
+                    |e| warn!(agent, error = %e, "shm weight update refused, old weights kept"),
+                )?;
+                self.worker
+                    .metrics()
+                    .weight_update_bytes
+                    .inc_by(update.bytes_received);
                 update
             }
         };
         let bytes = update.bytes_received;
         let adapter = update.lora_scaling.is_some();
         // The parameters replaced: for an adapter, one per (A, B) pair.
-        let tensors = if adapter { update.len() / 2 } else { update.len() } as u32;
+        let tensors = if adapter {
+            update.len() / 2
+        } else {
+            update.len()
+        } as u32;
         let (model, version, agents) = self.worker.apply_update(update).await?;
-        info!(agent, model, version, tensors, bytes, adapter, secs = started.elapsed().as_secs_f64(), "weight update applied");
-        Ok(Response::new(UpdateWeightsResponse { agent, model, version, tensors_updated: tensors, bytes_received: bytes, agents }))
+        info!(
+            agent,
+            model,
+            version,
+            tensors,
+            bytes,
+            adapter,
+            secs = started.elapsed().as_secs_f64(),
+            "weight update applied"
+        );
+        Ok(Response::new(UpdateWeightsResponse {
+            agent,
+            model,
+            version,
+            tensors_updated: tensors,
+            bytes_received: bytes,
+            agents,
+        }))
     }
 
     #[tracing::instrument(skip_all)]
@@ -216,9 +303,16 @@ impl Rollout for RolloutService {
             .agent_names()
             .iter()
             .map(|a| {
-                let m = models.iter().find(|m| m.agents.contains(a)).expect("every agent has a model");
+                let m = models
+                    .iter()
+                    .find(|m| m.agents.contains(a))
+                    .expect("every agent has a model");
                 // An adapter group's agents each have their own version.
-                AgentInfo { name: a.clone(), model: m.id.clone(), policy_version: w.policy_version(a).unwrap_or(m.policy_version) }
+                AgentInfo {
+                    name: a.clone(),
+                    model: m.id.clone(),
+                    policy_version: w.policy_version(a).unwrap_or(m.policy_version),
+                }
             })
             .collect();
         let cfg = w.config();
@@ -256,10 +350,20 @@ impl Rollout for RolloutService {
     }
 
     #[tracing::instrument(skip_all)]
-    async fn score_verifier(&self, request: Request<ScoreVerifierRequest>) -> Result<Response<ScoreVerifierResponse>, Status> {
+    async fn score_verifier(
+        &self,
+        request: Request<ScoreVerifierRequest>,
+    ) -> Result<Response<ScoreVerifierResponse>, Status> {
         let req = request.into_inner();
-        let conversations = req.conversations.into_iter().map(|c| (c.user, c.assistant)).collect();
-        let (verifier, scores) = self.worker.score_verifier(&req.verifier, conversations).await?;
+        let conversations = req
+            .conversations
+            .into_iter()
+            .map(|c| (c.user, c.assistant))
+            .collect();
+        let (verifier, scores) = self
+            .worker
+            .score_verifier(&req.verifier, conversations)
+            .await?;
         Ok(Response::new(ScoreVerifierResponse { scores, verifier }))
     }
 
@@ -271,7 +375,10 @@ impl Rollout for RolloutService {
         let (model, params) = self.worker.parameters(&request.get_ref().agent)?;
         Ok(Response::new(ListParametersResponse {
             model,
-            parameters: params.into_iter().map(|(name, shape)| ParameterInfo { name, shape }).collect(),
+            parameters: params
+                .into_iter()
+                .map(|(name, shape)| ParameterInfo { name, shape })
+                .collect(),
         }))
     }
 }

@@ -21,16 +21,18 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cotrain_model::chat_template::{ChatMessage, ChatTemplate};
-use cotrain_model::engine::{Engine, EngineConfig, FinishReason, LogprobMode, Request, SamplingParams, StopConditions};
+use cotrain_model::engine::{
+    Engine, EngineConfig, FinishReason, LogprobMode, Request, SamplingParams, StopConditions,
+};
 use cotrain_model::loader::{self, LoadOptions};
 use cotrain_model::tokenizer::Tokenizer;
 use tch::{Device, Kind, Tensor};
 use tokio::sync::{mpsc, oneshot};
 use tracing::info;
 
-use crate::batcher::{Command, EngineLoop, JobOutput, LoopState, StagedUpdate};
 pub use crate::batcher::EngineThreads;
 pub use crate::batcher::StreamToken;
+use crate::batcher::{Command, EngineLoop, JobOutput, LoopState, StagedUpdate};
 use crate::error::{Result, WorkerError};
 use crate::metrics::Metrics;
 use crate::weights::{CompleteUpdate, Staging};
@@ -41,12 +43,22 @@ pub type ParameterShape = (String, Vec<i64>);
 impl WorkerConfig {
     /// The device of the model copy serving `agents` (one slot's agents).
     fn device_for(&self, agents: &[String]) -> Result<Device> {
-        let of = |a: &String| self.agent_devices.iter().find(|(n, _)| n == a).map(|(_, d)| *d).unwrap_or(self.device);
+        let of = |a: &String| {
+            self.agent_devices
+                .iter()
+                .find(|(n, _)| n == a)
+                .map(|(_, d)| *d)
+                .unwrap_or(self.device)
+        };
         let device = of(&agents[0]);
         if let Some(other) = agents.iter().find(|a| of(a) != device) {
             return Err(WorkerError::invalid(
                 "agent-device",
-                format!("agents `{}` and `{other}` share one model copy but are placed on {device:?} and {:?}", agents[0], of(other)),
+                format!(
+                    "agents `{}` and `{other}` share one model copy but are placed on {device:?} and {:?}",
+                    agents[0],
+                    of(other)
+                ),
             ));
         }
         Ok(device)
@@ -122,6 +134,8 @@ pub struct GenerateJob {
     pub min_policy_version: Option<u64>,
     /// Most likely tokens to report at each generated position (OpenAI's `top_logprobs`); 0: none.
     pub top_logprobs: usize,
+    /// Which log-prob each sample reports per token (`SamplingParams.sampling_logprobs`).
+    pub logprobs: LogprobMode,
 }
 
 /// One sample of a completion.
@@ -203,7 +217,10 @@ impl ModelSlot {
         if !self.adapters {
             return None;
         }
-        self.agents.iter().position(|a| a == agent).map(|i| i as u32)
+        self.agents
+            .iter()
+            .position(|a| a == agent)
+            .map(|i| i as u32)
     }
 
     /// The policy version serving `agent`: its own in an adapter slot, the model's elsewhere.
@@ -230,26 +247,46 @@ pub(crate) struct BaseWeights {
 
 impl BaseWeights {
     fn new(spec: &str, opts: LoadOptions) -> Self {
-        Self { spec: spec.to_string(), opts, weights: Mutex::new(None) }
+        Self {
+            spec: spec.to_string(),
+            opts,
+            weights: Mutex::new(None),
+        }
     }
 
     /// `W0 + scaling·B·A` for every pair of `adapter`, by base parameter name, in the model's dtype
     /// and on its device; loads the base first if needed. Blocking: call it off the async runtime.
-    fn merge(&self, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<HashMap<String, Tensor>> {
+    fn merge(
+        &self,
+        adapter: &BTreeMap<String, Tensor>,
+        scaling: f64,
+    ) -> Result<HashMap<String, Tensor>> {
         let mut weights = self.weights.lock().unwrap_or_else(|e| e.into_inner());
         if weights.is_none() {
             let started = std::time::Instant::now();
-            let loaded = loader::load(&self.spec, &self.opts)
-                .map_err(|e| WorkerError::Internal(format!("loading the base weights of `{}` to merge an adapter: {e}", self.spec)))?;
-            let base: BTreeMap<String, Tensor> =
-                loaded.named_parameters().into_iter().filter(|(_, t)| t.dim() == 2).map(|(k, t)| (k, t.detach())).collect();
+            let loaded = loader::load(&self.spec, &self.opts).map_err(|e| {
+                WorkerError::Internal(format!(
+                    "loading the base weights of `{}` to merge an adapter: {e}",
+                    self.spec
+                ))
+            })?;
+            let base: BTreeMap<String, Tensor> = loaded
+                .named_parameters()
+                .into_iter()
+                .filter(|(_, t)| t.dim() == 2)
+                .map(|(k, t)| (k, t.detach()))
+                .collect();
             info!(model = %self.spec, tensors = base.len(), load_ms = started.elapsed().as_millis() as u64,
                 "base weights loaded for adapter merges");
             *weights = Some(base);
         }
         let base = weights.as_ref().expect("loaded above");
-        let merged = cotrain_model::lora::merge_into(|n| base.get(n).map(Tensor::shallow_clone), adapter, scaling)
-            .map_err(|e| WorkerError::BadUpdate(format!("merging the adapter: {e}")))?;
+        let merged = cotrain_model::lora::merge_into(
+            |n| base.get(n).map(Tensor::shallow_clone),
+            adapter,
+            scaling,
+        )
+        .map_err(|e| WorkerError::BadUpdate(format!("merging the adapter: {e}")))?;
         Ok(merged.into_iter().collect())
     }
 }
@@ -298,25 +335,48 @@ impl Worker {
     /// The models to load: `(spec, agents, adapters)`, one per agent, sharing group or adapter
     /// group (`adapters`: its agents are served as unmerged adapters), in the agents' order.
     fn model_slots(config: &WorkerConfig) -> Result<Vec<(String, Vec<String>, bool)>> {
-        let spec_of: HashMap<&str, &str> = config.agents.iter().map(|(a, s)| (a.as_str(), s.as_str())).collect();
+        let spec_of: HashMap<&str, &str> = config
+            .agents
+            .iter()
+            .map(|(a, s)| (a.as_str(), s.as_str()))
+            .collect();
         let mut group_of: HashMap<&str, usize> = HashMap::new();
-        let groups: Vec<(&str, &Vec<String>)> =
-            config.share.iter().map(|g| ("share", g)).chain(config.adapters.iter().map(|g| ("adapters", g))).collect();
+        let groups: Vec<(&str, &Vec<String>)> = config
+            .share
+            .iter()
+            .map(|g| ("share", g))
+            .chain(config.adapters.iter().map(|g| ("adapters", g)))
+            .collect();
         for (g, (flag, members)) in groups.iter().enumerate() {
             if *flag == "share" && members.len() < 2 {
-                return Err(WorkerError::invalid("share", format!("a sharing group needs at least two agents, got {members:?}")));
+                return Err(WorkerError::invalid(
+                    "share",
+                    format!("a sharing group needs at least two agents, got {members:?}"),
+                ));
             }
             for a in members.iter() {
                 let Some(spec) = spec_of.get(a.as_str()) else {
-                    return Err(WorkerError::invalid(*flag, format!("`{a}` in --{flag} {} is not an agent", members.join(","))));
+                    return Err(WorkerError::invalid(
+                        *flag,
+                        format!("`{a}` in --{flag} {} is not an agent", members.join(",")),
+                    ));
                 };
                 if group_of.insert(a.as_str(), g).is_some() {
-                    return Err(WorkerError::invalid(*flag, format!("agent `{a}` is in two groups (--share and --adapters groups may not overlap)")));
+                    return Err(WorkerError::invalid(
+                        *flag,
+                        format!(
+                            "agent `{a}` is in two groups (--share and --adapters groups may not overlap)"
+                        ),
+                    ));
                 }
                 if *spec != spec_of[members[0].as_str()] {
                     return Err(WorkerError::invalid(
                         *flag,
-                        format!("agents of --{flag} {} name different models (`{}` and `{spec}`)", members.join(","), spec_of[members[0].as_str()]),
+                        format!(
+                            "agents of --{flag} {} name different models (`{}` and `{spec}`)",
+                            members.join(","),
+                            spec_of[members[0].as_str()]
+                        ),
                     ));
                 }
             }
@@ -324,7 +384,10 @@ impl Worker {
         let mut slots: Vec<(String, Vec<String>, bool)> = Vec::new();
         let mut slot_of_group: HashMap<usize, usize> = HashMap::new();
         for (name, spec) in &config.agents {
-            match group_of.get(name.as_str()).and_then(|g| slot_of_group.get(g).copied()) {
+            match group_of
+                .get(name.as_str())
+                .and_then(|g| slot_of_group.get(g).copied())
+            {
                 Some(i) => slots[i].1.push(name.clone()),
                 None => {
                     let group = group_of.get(name.as_str()).copied();
@@ -342,10 +405,16 @@ impl Worker {
     /// Loads every model (one per agent or sharing group) and starts one engine loop each.
     pub fn start(config: WorkerConfig, metrics: Metrics) -> Result<Self> {
         if config.agents.is_empty() && config.verifiers.is_empty() {
-            return Err(WorkerError::invalid("agents", "at least one agent or verifier is needed"));
+            return Err(WorkerError::invalid(
+                "agents",
+                "at least one agent or verifier is needed",
+            ));
         }
         if config.max_batch_size == 0 || config.max_queued_requests == 0 {
-            return Err(WorkerError::invalid("max_batch_size", "batch size and queue bound must be positive"));
+            return Err(WorkerError::invalid(
+                "max_batch_size",
+                "batch size and queue bound must be positive",
+            ));
         }
         let mut models: Vec<ModelSlot> = Vec::new();
         let mut agents = HashMap::new();
@@ -353,13 +422,23 @@ impl Worker {
         let mut bases: HashMap<(std::path::PathBuf, Device), Arc<BaseWeights>> = HashMap::new();
         for (name, _) in &config.agents {
             if name.is_empty() || agents.insert(name.clone(), usize::MAX).is_some() {
-                return Err(WorkerError::invalid("agent", format!("agent name `{name}` is empty or repeated")));
+                return Err(WorkerError::invalid(
+                    "agent",
+                    format!("agent name `{name}` is empty or repeated"),
+                ));
             }
             agent_order.push(name.clone());
         }
         let slots = Self::model_slots(&config)?;
-        if let Some((a, _)) = config.agent_devices.iter().find(|(a, _)| !agents.contains_key(a)) {
-            return Err(WorkerError::invalid("agent-device", format!("`{a}` is not an agent of this worker")));
+        if let Some((a, _)) = config
+            .agent_devices
+            .iter()
+            .find(|(a, _)| !agents.contains_key(a))
+        {
+            return Err(WorkerError::invalid(
+                "agent-device",
+                format!("`{a}` is not an agent of this worker"),
+            ));
         }
         let mut copies: HashMap<&str, usize> = HashMap::new();
         for (spec, _, _) in &slots {
@@ -367,10 +446,23 @@ impl Worker {
         }
         for (spec, names, adapters) in &slots {
             // A model's id is its spec, or with several copies of it, the spec and its agents.
-            let id = if copies[spec.as_str()] > 1 { format!("{spec}#{}", names.join("+")) } else { spec.clone() };
+            let id = if copies[spec.as_str()] > 1 {
+                format!("{spec}#{}", names.join("+"))
+            } else {
+                spec.clone()
+            };
             let device = config.device_for(names)?;
             let base = Self::shared_base(&mut bases, spec, device, &config);
-            let slot = Self::start_model(spec, &id, names.clone(), *adapters, device, &config, &metrics, base)?;
+            let slot = Self::start_model(
+                spec,
+                &id,
+                names.clone(),
+                *adapters,
+                device,
+                &config,
+                &metrics,
+                base,
+            )?;
             for n in names {
                 agents.insert(n.clone(), models.len());
             }
@@ -379,10 +471,22 @@ impl Worker {
         let mut verifiers = std::collections::BTreeMap::new();
         for (name, dir) in &config.verifiers {
             if name.is_empty() || verifiers.contains_key(name) {
-                return Err(WorkerError::invalid("verifier", format!("verifier name `{name}` is empty or repeated")));
+                return Err(WorkerError::invalid(
+                    "verifier",
+                    format!("verifier name `{name}` is empty or repeated"),
+                ));
             }
-            let opts = LoadOptions { device: config.device, kind: config.kind };
-            let host = crate::verifier::VerifierHost::start(name, dir.clone(), opts, config.max_batch_size.min(16), metrics.clone())?;
+            let opts = LoadOptions {
+                device: config.device,
+                kind: config.kind,
+            };
+            let host = crate::verifier::VerifierHost::start(
+                name,
+                dir.clone(),
+                opts,
+                config.max_batch_size.min(16),
+                metrics.clone(),
+            )?;
             verifiers.insert(name.clone(), host);
         }
         Ok(Self {
@@ -404,21 +508,48 @@ impl Worker {
     }
 
     /// Scores (user, assistant) conversations with the verifier `name` (empty: the only one).
-    pub async fn score_verifier(&self, name: &str, conversations: Vec<(String, String)>) -> Result<(String, Vec<f32>)> {
+    pub async fn score_verifier(
+        &self,
+        name: &str,
+        conversations: Vec<(String, String)>,
+    ) -> Result<(String, Vec<f32>)> {
         if conversations.is_empty() {
-            return Err(WorkerError::invalid("conversations", "at least one conversation is needed"));
+            return Err(WorkerError::invalid(
+                "conversations",
+                "at least one conversation is needed",
+            ));
         }
         let host = if name.is_empty() {
             match self.verifiers.len() {
                 1 => self.verifiers.values().next().expect("one"),
-                0 => return Err(WorkerError::invalid("verifier", "this worker serves no verifier (start it with --verifier NAME=DIR)")),
-                _ => return Err(WorkerError::invalid("verifier", format!("name one of {:?}", self.verifier_names()))),
+                0 => {
+                    return Err(WorkerError::invalid(
+                        "verifier",
+                        "this worker serves no verifier (start it with --verifier NAME=DIR)",
+                    ));
+                }
+                _ => {
+                    return Err(WorkerError::invalid(
+                        "verifier",
+                        format!("name one of {:?}", self.verifier_names()),
+                    ));
+                }
             }
         } else {
-            self.verifiers.get(name).ok_or_else(|| WorkerError::invalid("verifier", format!("no verifier `{name}` here (serving {:?})", self.verifier_names())))?
+            self.verifiers.get(name).ok_or_else(|| {
+                WorkerError::invalid(
+                    "verifier",
+                    format!(
+                        "no verifier `{name}` here (serving {:?})",
+                        self.verifier_names()
+                    ),
+                )
+            })?
         };
         let rx = host.submit(conversations)?;
-        let scores = rx.await.map_err(|_| WorkerError::Unavailable(format!("verifier `{}` stopped", host.name)))??;
+        let scores = rx
+            .await
+            .map_err(|_| WorkerError::Unavailable(format!("verifier `{}` stopped", host.name)))??;
         Ok((host.name.clone(), scores))
     }
 
@@ -431,12 +562,20 @@ impl Worker {
         device: Device,
         config: &WorkerConfig,
     ) -> Arc<BaseWeights> {
-        let opts = LoadOptions { device, kind: config.kind };
+        let opts = LoadOptions {
+            device,
+            kind: config.kind,
+        };
         let file = loader::resolve(spec).ok().map(|s| match s {
-            loader::ModelSource::Gguf(p) | loader::ModelSource::HfDir(p) => std::fs::canonicalize(&p).unwrap_or(p),
+            loader::ModelSource::Gguf(p) | loader::ModelSource::HfDir(p) => {
+                std::fs::canonicalize(&p).unwrap_or(p)
+            }
         });
         match file {
-            Some(f) => bases.entry((f, device)).or_insert_with(|| Arc::new(BaseWeights::new(spec, opts))).clone(),
+            Some(f) => bases
+                .entry((f, device))
+                .or_insert_with(|| Arc::new(BaseWeights::new(spec, opts)))
+                .clone(),
             None => Arc::new(BaseWeights::new(spec, opts)),
         }
     }
@@ -452,44 +591,83 @@ impl Worker {
         metrics: &Metrics,
         base: Arc<BaseWeights>,
     ) -> Result<ModelSlot> {
-        let opts = LoadOptions { device, kind: config.kind };
+        let opts = LoadOptions {
+            device,
+            kind: config.kind,
+        };
         let started = std::time::Instant::now();
         let loaded = loader::load(spec, &opts)?;
         let cfg = loaded.model.config().clone();
         let named = loaded.named_parameters();
-        let params: HashMap<String, Vec<i64>> = named.iter().map(|(k, t)| (k.clone(), t.size())).collect();
+        let params: HashMap<String, Vec<i64>> =
+            named.iter().map(|(k, t)| (k.clone(), t.size())).collect();
         let parameter_count = named.values().map(|t| t.numel() as u64).sum();
         let chat_template = match &loaded.chat_template {
             Some(t) => Some(
-                ChatTemplate::new(t.source().to_string(), t.bos_token(), t.eos_token())
-                    .map_err(|e| WorkerError::Internal(format!("chat template of `{spec}`: {e}")))?,
+                ChatTemplate::new(t.source().to_string(), t.bos_token(), t.eos_token()).map_err(
+                    |e| WorkerError::Internal(format!("chat template of `{spec}`: {e}")),
+                )?,
             ),
             None => None,
         };
         let tokenizer = loaded.tokenizer.clone();
-        info!(model = id, ?agents, parameters = parameter_count, load_ms = started.elapsed().as_millis() as u64, "model loaded");
-        let mut engine = Engine::with_config(loaded, EngineConfig { max_batch_rows: config.max_batch_size });
+        info!(
+            model = id,
+            ?agents,
+            parameters = parameter_count,
+            load_ms = started.elapsed().as_millis() as u64,
+            "model loaded"
+        );
+        let mut engine = Engine::with_config(
+            loaded,
+            EngineConfig {
+                max_batch_rows: config.max_batch_size,
+            },
+        );
         let (tx, rx) = mpsc::unbounded_channel();
-        let state = Arc::new(if adapters { LoopState::for_adapters(agents.len()) } else { LoopState::default() });
+        let state = Arc::new(if adapters {
+            LoopState::for_adapters(agents.len())
+        } else {
+            LoopState::default()
+        });
         for a in &agents {
-            metrics.policy_version.with_label_values(&[a.as_str()]).set(0);
+            metrics
+                .policy_version
+                .with_label_values(&[a.as_str()])
+                .set(0);
         }
         // `--lora-module` adapters, loaded before the first request, at version 1.
         let mut start_versions = vec![0; agents.len()];
         for (agent, dir) in &config.lora_modules {
-            let Some(id) = agents.iter().position(|a| a == agent).filter(|_| adapters) else { continue };
+            let Some(id) = agents.iter().position(|a| a == agent).filter(|_| adapters) else {
+                continue;
+            };
             let adapter = cotrain_model::lora::LoraAdapter::load_peft(dir, &engine.loaded().model)
-                .map_err(|e| WorkerError::invalid("lora-module", format!("{agent}={}: {e}", dir.display())))?;
-            engine.set_adapter(id as u32, Some(adapter)).map_err(|e| WorkerError::invalid("lora-module", format!("{agent}: {e}")))?;
+                .map_err(|e| {
+                    WorkerError::invalid("lora-module", format!("{agent}={}: {e}", dir.display()))
+                })?;
+            engine
+                .set_adapter(id as u32, Some(adapter))
+                .map_err(|e| WorkerError::invalid("lora-module", format!("{agent}: {e}")))?;
             start_versions[id] = 1;
             state.agent_versions[id].store(1, Ordering::SeqCst);
             state.policy_version.store(1, Ordering::SeqCst);
-            metrics.policy_version.with_label_values(&[agent.as_str()]).set(1);
+            metrics
+                .policy_version
+                .with_label_values(&[agent.as_str()])
+                .set(1);
             info!(agent, dir = %dir.display(), "LoRA module loaded");
         }
-        let mut engine_loop =
-            EngineLoop::new(engine, id.to_string(), agents.clone(), config.max_batch_size, rx, state.clone(), metrics.clone())
-                .with_threads(config.engine_threads.clone());
+        let mut engine_loop = EngineLoop::new(
+            engine,
+            id.to_string(),
+            agents.clone(),
+            config.max_batch_size,
+            rx,
+            state.clone(),
+            metrics.clone(),
+        )
+        .with_threads(config.engine_threads.clone());
         if adapters {
             engine_loop = engine_loop.with_adapters(start_versions);
         }
@@ -546,14 +724,22 @@ impl Worker {
         if self.agent_order.is_empty() {
             return Err(WorkerError::invalid(
                 "agent",
-                format!("this worker serves no agent, only the verifiers {:?} (start it with --agent NAME=MODEL to generate)", self.verifier_names()),
+                format!(
+                    "this worker serves no agent, only the verifiers {:?} (start it with --agent NAME=MODEL to generate)",
+                    self.verifier_names()
+                ),
             ));
         }
         let known = || self.agent_order.join(", ");
         self.agents
             .get(agent)
             .map(|&i| &self.models[i])
-            .ok_or_else(|| WorkerError::invalid("agent", format!("unknown agent `{agent}` (this worker serves: {})", known())))
+            .ok_or_else(|| {
+                WorkerError::invalid(
+                    "agent",
+                    format!("unknown agent `{agent}` (this worker serves: {})", known()),
+                )
+            })
     }
 
     /// The model serving `agent`.
@@ -573,7 +759,8 @@ impl Worker {
 
     /// Whether `agent` is served as an unmerged adapter (`serve --adapters`).
     pub fn is_adapter(&self, agent: &str) -> bool {
-        self.slot(agent).is_ok_and(|s| s.adapter_id(agent).is_some())
+        self.slot(agent)
+            .is_ok_and(|s| s.adapter_id(agent).is_some())
     }
 
     /// The agent an OpenAI `model` names: an agent's own name, or `BASE:AGENT` for an agent
@@ -602,7 +789,11 @@ impl Worker {
     /// Parameter names and shapes of `agent`'s model, sorted by name.
     pub fn parameters(&self, agent: &str) -> Result<(String, Vec<ParameterShape>)> {
         let slot = self.slot(agent)?;
-        let mut v: Vec<_> = slot.params.iter().map(|(k, s)| (k.clone(), s.clone())).collect();
+        let mut v: Vec<_> = slot
+            .params
+            .iter()
+            .map(|(k, s)| (k.clone(), s.clone()))
+            .collect();
         v.sort();
         Ok((slot.id.clone(), v))
     }
@@ -632,7 +823,11 @@ impl Worker {
     pub fn encode_prompts(&self, job: &GenerateJob) -> Result<Vec<Vec<u32>>> {
         let slot = self.slot(&job.agent)?;
         self.validate(job)?;
-        job.prompts.iter().enumerate().map(|(i, p)| self.encode(slot, p, &format!("prompts[{i}]"))).collect()
+        job.prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| self.encode(slot, p, &format!("prompts[{i}]")))
+            .collect()
     }
 
     /// Renders and tokenises one prompt, checking it against the model. `field` names it in errors.
@@ -642,20 +837,27 @@ impl Worker {
                 if t.is_empty() {
                     return Err(WorkerError::invalid(field, "empty prompt"));
                 }
-                slot.tokenizer.encode(t, true).map_err(|e| WorkerError::invalid(field, e.to_string()))?
+                slot.tokenizer
+                    .encode(t, true)
+                    .map_err(|e| WorkerError::invalid(field, e.to_string()))?
             }
             PromptInput::Chat(messages) => {
                 if messages.is_empty() {
                     return Err(WorkerError::invalid(field, "no chat messages"));
                 }
                 let Some(template) = &slot.chat_template else {
-                    return Err(WorkerError::invalid(field, format!("model `{}` has no chat template", slot.id)));
+                    return Err(WorkerError::invalid(
+                        field,
+                        format!("model `{}` has no chat template", slot.id),
+                    ));
                 };
                 let text = template
                     .render(messages, true, &serde_json::Value::Null)
                     .map_err(|e| WorkerError::invalid(field, format!("chat template: {e}")))?;
                 // The template writes any BOS it wants.
-                slot.tokenizer.encode(&text, false).map_err(|e| WorkerError::invalid(field, e.to_string()))?
+                slot.tokenizer
+                    .encode(&text, false)
+                    .map_err(|e| WorkerError::invalid(field, e.to_string()))?
             }
             PromptInput::Tokens(ids) => ids.clone(),
         };
@@ -665,11 +867,21 @@ impl Worker {
         if ids.len() >= slot.context_length {
             return Err(WorkerError::invalid(
                 field,
-                format!("prompt of {} tokens leaves no room in the model's context of {} tokens", ids.len(), slot.context_length),
+                format!(
+                    "prompt of {} tokens leaves no room in the model's context of {} tokens",
+                    ids.len(),
+                    slot.context_length
+                ),
             ));
         }
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= slot.vocab_size) {
-            return Err(WorkerError::invalid(field, format!("token id {bad} is outside the vocabulary of {}", slot.vocab_size)));
+            return Err(WorkerError::invalid(
+                field,
+                format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    slot.vocab_size
+                ),
+            ));
         }
         Ok(ids)
     }
@@ -677,25 +889,46 @@ impl Worker {
     fn validate(&self, job: &GenerateJob) -> Result<()> {
         let s = &job.sampling;
         if !(s.temperature.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&s.temperature)) {
-            return Err(WorkerError::invalid("sampling.temperature", format!("{} is not in [0, {MAX_TEMPERATURE}]", s.temperature)));
+            return Err(WorkerError::invalid(
+                "sampling.temperature",
+                format!("{} is not in [0, {MAX_TEMPERATURE}]", s.temperature),
+            ));
         }
         if !(s.top_p > 0.0 && s.top_p <= 1.0) {
-            return Err(WorkerError::invalid("sampling.top_p", format!("{} is not in (0, 1]", s.top_p)));
+            return Err(WorkerError::invalid(
+                "sampling.top_p",
+                format!("{} is not in (0, 1]", s.top_p),
+            ));
         }
         if !(s.min_p >= 0.0 && s.min_p < 1.0) {
-            return Err(WorkerError::invalid("sampling.min_p", format!("{} is not in [0, 1)", s.min_p)));
+            return Err(WorkerError::invalid(
+                "sampling.min_p",
+                format!("{} is not in [0, 1)", s.min_p),
+            ));
         }
         if job.stop.max_new_tokens == 0 {
-            return Err(WorkerError::invalid("sampling.max_new_tokens", "must be at least 1"));
+            return Err(WorkerError::invalid(
+                "sampling.max_new_tokens",
+                "must be at least 1",
+            ));
         }
         if job.n == 0 || job.n > self.config.max_batch_size {
-            return Err(WorkerError::invalid("n", format!("{} is not in [1, {}] (the batch size)", job.n, self.config.max_batch_size)));
+            return Err(WorkerError::invalid(
+                "n",
+                format!(
+                    "{} is not in [1, {}] (the batch size)",
+                    job.n, self.config.max_batch_size
+                ),
+            ));
         }
         if job.prompts.is_empty() {
             return Err(WorkerError::invalid("prompts", "no prompts"));
         }
         if job.stop.stop_strings.iter().any(String::is_empty) {
-            return Err(WorkerError::invalid("stop.stop_strings", "empty stop string"));
+            return Err(WorkerError::invalid(
+                "stop.stop_strings",
+                "empty stop string",
+            ));
         }
         Ok(())
     }
@@ -708,11 +941,23 @@ impl Worker {
 
     /// [`Worker::generate`], sending each token to `stream` as the engine produces it (for
     /// server-sent events); the returned output is the same as without a stream.
-    pub async fn generate_streaming(&self, job: GenerateJob, stream: Option<mpsc::UnboundedSender<StreamToken>>) -> Result<GenerateOutput> {
+    pub async fn generate_streaming(
+        &self,
+        job: GenerateJob,
+        stream: Option<mpsc::UnboundedSender<StreamToken>>,
+    ) -> Result<GenerateOutput> {
         let slot = self.slot(&job.agent)?;
         self.validate(&job)?;
-        if let Some(&bad) = job.stop.stop_token_ids.iter().find(|&&t| t as usize >= slot.vocab_size) {
-            return Err(WorkerError::invalid("stop.stop_token_ids", format!("token id {bad} is outside the vocabulary")));
+        if let Some(&bad) = job
+            .stop
+            .stop_token_ids
+            .iter()
+            .find(|&&t| t as usize >= slot.vocab_size)
+        {
+            return Err(WorkerError::invalid(
+                "stop.stop_token_ids",
+                format!("token id {bad} is outside the vocabulary"),
+            ));
         }
         let prompts: Vec<Vec<u32>> = job
             .prompts
@@ -722,15 +967,26 @@ impl Worker {
             .collect::<Result<_>>()?;
         let rows = job.n * prompts.len();
         if rows > self.config.max_batch_size * 64 {
-            return Err(WorkerError::invalid("prompts", format!("{rows} sequences in one request is too many")));
+            return Err(WorkerError::invalid(
+                "prompts",
+                format!("{rows} sequences in one request is too many"),
+            ));
         }
         if let Some(min) = job.min_policy_version {
             let current = slot.version_of(&job.agent);
             if current < min {
-                return Err(WorkerError::StalePolicy { agent: job.agent.clone(), current, required: min });
+                return Err(WorkerError::StalePolicy {
+                    agent: job.agent.clone(),
+                    current,
+                    required: min,
+                });
             }
         }
-        let _admitted = Admission::try_new(&self.in_flight, self.config.max_queued_requests, &self.metrics)?;
+        let _admitted = Admission::try_new(
+            &self.in_flight,
+            self.config.max_queued_requests,
+            &self.metrics,
+        )?;
         let requests: Vec<Request> = prompts
             .iter()
             .enumerate()
@@ -740,17 +996,29 @@ impl Worker {
                 params: job.sampling,
                 seed: prompt_seed(job.seed, i),
                 stop: job.stop.clone(),
-                logprobs: LogprobMode::Raw,
+                logprobs: job.logprobs,
                 top_logprobs: job.top_logprobs,
             })
             .collect();
         let id = self.next_job.fetch_add(1, Ordering::Relaxed);
         let (reply, rx) = oneshot::channel();
         slot.tx
-            .send(Command::Submit { id, requests, adapter: slot.adapter_id(&job.agent), reply, stream })
+            .send(Command::Submit {
+                id,
+                requests,
+                adapter: slot.adapter_id(&job.agent),
+                reply,
+                stream,
+            })
             .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))?;
-        let cancel = CancelOnDrop { tx: &slot.tx, id, armed: true };
-        let out: JobOutput = rx.await.map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
+        let cancel = CancelOnDrop {
+            tx: &slot.tx,
+            id,
+            armed: true,
+        };
+        let out: JobOutput = rx
+            .await
+            .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
         cancel.disarm();
         let completions = out
             .samples
@@ -771,17 +1039,26 @@ impl Worker {
                     .collect(),
             })
             .collect();
-        Ok(GenerateOutput { model: slot.id.clone(), completions })
+        Ok(GenerateOutput {
+            model: slot.id.clone(),
+            completions,
+        })
     }
 
     /// Parameter shapes, current version and staging buffers of `agent`'s model, to start
     /// assembling an update.
     pub fn update_target(&self, agent: &str) -> Result<(HashMap<String, Vec<i64>>, u64, Staging)> {
         let slot = self.slot(agent).map_err(|e| match e {
-            WorkerError::InvalidArgument { message, .. } => WorkerError::invalid("header.agent", message),
+            WorkerError::InvalidArgument { message, .. } => {
+                WorkerError::invalid("header.agent", message)
+            }
             e => e,
         })?;
-        Ok((slot.params.clone(), slot.version_of(agent), slot.staging.clone()))
+        Ok((
+            slot.params.clone(),
+            slot.version_of(agent),
+            slot.staging.clone(),
+        ))
     }
 
     /// Swaps in a validated update between decode steps (after the jobs in the engine finish on
@@ -809,9 +1086,19 @@ impl Worker {
                 .map_err(|e| WorkerError::Internal(format!("tensor conversion panicked: {e}")))?;
             let (reply, rx) = oneshot::channel();
             slot.tx
-                .send(Command::Update { update: StagedUpdate { version, tensors, keep: None, adapter: Some((id, scaling)) }, reply })
+                .send(Command::Update {
+                    update: StagedUpdate {
+                        version,
+                        tensors,
+                        keep: None,
+                        adapter: Some((id, scaling)),
+                    },
+                    reply,
+                })
                 .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))?;
-            let version = rx.await.map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
+            let version = rx
+                .await
+                .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
             return Ok((slot.id.clone(), version, vec![agent]));
         }
         // Conversion to the model's dtype and device (and any merge) happens here, off the engine
@@ -827,24 +1114,43 @@ impl Worker {
                 let base = slot.base.clone();
                 tokio::task::spawn_blocking(move || {
                     // f32 whatever the model's dtype: the merge computes in f32 and rounds once.
-                    let adapter: BTreeMap<String, Tensor> = update.into_tensors(Kind::Float, device).into_iter().collect();
+                    let adapter: BTreeMap<String, Tensor> = update
+                        .into_tensors(Kind::Float, device)
+                        .into_iter()
+                        .collect();
                     base.merge(&adapter, scaling)
                 })
                 .await
-                .map_err(|e| WorkerError::Internal(format!("merging the adapter panicked: {e}")))??
+                .map_err(|e| {
+                    WorkerError::Internal(format!("merging the adapter panicked: {e}"))
+                })??
             }
         };
         let (reply, rx) = oneshot::channel();
         slot.tx
-            .send(Command::Update { update: StagedUpdate { version, tensors, keep, adapter: None }, reply })
+            .send(Command::Update {
+                update: StagedUpdate {
+                    version,
+                    tensors,
+                    keep,
+                    adapter: None,
+                },
+                reply,
+            })
             .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))?;
-        let version = rx.await.map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
+        let version = rx
+            .await
+            .map_err(|_| WorkerError::Unavailable("engine loop stopped".into()))??;
         Ok((slot.id.clone(), version, slot.agents.clone()))
     }
 
     /// Stops every engine loop after its current jobs and waits for the threads.
     pub fn shutdown(mut self) {
-        let threads: Vec<_> = self.models.iter_mut().filter_map(|m| m.thread.take()).collect();
+        let threads: Vec<_> = self
+            .models
+            .iter_mut()
+            .filter_map(|m| m.thread.take())
+            .collect();
         drop(self);
         for t in threads {
             let _ = t.join();
@@ -906,7 +1212,11 @@ mod tests {
     #[test]
     fn a_model_copy_lives_on_its_agents_device() {
         let config = WorkerConfig {
-            agents: vec![("a".into(), "m".into()), ("b".into(), "m".into()), ("c".into(), "m".into())],
+            agents: vec![
+                ("a".into(), "m".into()),
+                ("b".into(), "m".into()),
+                ("c".into(), "m".into()),
+            ],
             share: vec![vec!["a".into(), "b".into()]],
             adapters: Vec::new(),
             device: Device::Cpu,
@@ -919,10 +1229,22 @@ mod tests {
             lora_modules: Vec::new(),
         };
         assert_eq!(config.device_for(&["c".into()]).unwrap(), Device::Cuda(0));
-        let e = config.device_for(&["a".into(), "b".into()]).unwrap_err().to_string();
-        assert!(e.contains("agents `a` and `b` share one model copy but are placed on Cpu and Cuda(1)"), "{e}");
-        let placed = WorkerConfig { agent_devices: vec![("a".into(), Device::Cuda(1)), ("b".into(), Device::Cuda(1))], ..config };
-        assert_eq!(placed.device_for(&["a".into(), "b".into()]).unwrap(), Device::Cuda(1));
+        let e = config
+            .device_for(&["a".into(), "b".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("agents `a` and `b` share one model copy but are placed on Cpu and Cuda(1)"),
+            "{e}"
+        );
+        let placed = WorkerConfig {
+            agent_devices: vec![("a".into(), Device::Cuda(1)), ("b".into(), Device::Cuda(1))],
+            ..config
+        };
+        assert_eq!(
+            placed.device_for(&["a".into(), "b".into()]).unwrap(),
+            Device::Cuda(1)
+        );
     }
 
     #[test]
@@ -933,4 +1255,3 @@ mod tests {
         assert_ne!(prompt_seed(42, 1), prompt_seed(43, 1));
     }
 }
-

@@ -92,6 +92,21 @@ pub enum ScorePosition {
     LastToken,
 }
 
+/// Where the PPO update's behaviour ("old") log-probs come from (`maporl.old_logprobs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OldLogprobs {
+    /// cotrain's: one forward of each answer by the learner before the epochs, in the precision the
+    /// epochs train in, so the first epoch's ratio is exactly 1 whatever the rollouts' precision.
+    #[default]
+    Recompute,
+    /// MaPoRL's (TRL PPOv2 reads them from `generate`'s scores): the rollout workers report each
+    /// token's log-prob under the distribution it was sampled from (the logits over the
+    /// temperature), and the learner saves that forward. With rollouts in another precision than
+    /// training (`rollout.dtype`, `model.matmul_dtype`) the first ratio is off 1 by the gap.
+    Generation,
+}
+
 /// The text of the discussion's next-turn prompt (`prompts::discussion`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
@@ -260,6 +275,10 @@ pub struct MaporlSection {
     /// Which tokens the update trains and where the score lands: `trl` (MaPoRL's) or `last_token`.
     #[serde(default)]
     pub score_position: ScorePosition,
+    /// Where the PPO update's behaviour log-probs come from: `recompute` (a learner forward) or
+    /// `generation` (the rollout workers' sampling log-probs, as MaPoRL's trainer takes them).
+    #[serde(default)]
+    pub old_logprobs: OldLogprobs,
     /// Which adapter serves which turn of an agent.
     #[serde(default)]
     pub adapter_layout: AdapterLayout,
@@ -399,7 +418,8 @@ impl MaporlSection {
             self.save_steps,
             self.weight_decay,
         );
-        let mut t: super::TrainerSection = serde_yaml_ng::from_str(&yaml).expect("the view's keys are the schema's");
+        let mut t: super::TrainerSection =
+            serde_yaml_ng::from_str(&yaml).expect("the view's keys are the schema's");
         t.max_grad_norm = self.max_grad_norm;
         t
     }
@@ -415,12 +435,21 @@ impl MaporlSection {
             return bad("round_num", "must be at least 1".into());
         }
         if self.round_num == 1 && !self.task_training {
-            return bad("task_training", "is false but round_num is 1: no turn would be trained".into());
+            return bad(
+                "task_training",
+                "is false but round_num is 1: no turn would be trained".into(),
+            );
         }
         for (k, v) in [
             ("num_train_epochs", self.num_train_epochs),
-            ("per_device_train_batch_size", self.per_device_train_batch_size),
-            ("gradient_accumulation_steps", self.gradient_accumulation_steps),
+            (
+                "per_device_train_batch_size",
+                self.per_device_train_batch_size,
+            ),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps,
+            ),
             ("num_mini_batches", self.num_mini_batches),
             ("num_ppo_epochs", self.num_ppo_epochs),
             ("max_output_length", self.max_output_length),
@@ -431,25 +460,45 @@ impl MaporlSection {
             }
         }
         if !positive(self.learning_rate) {
-            return bad("learning_rate", format!("must be positive, got {}", self.learning_rate));
+            return bad(
+                "learning_rate",
+                format!("must be positive, got {}", self.learning_rate),
+            );
         }
         if !(self.lr_end_factor.is_finite() && (0.0..=1.0).contains(&self.lr_end_factor)) {
-            return bad("lr_end_factor", format!("must be in [0, 1], got {}", self.lr_end_factor));
+            return bad(
+                "lr_end_factor",
+                format!("must be in [0, 1], got {}", self.lr_end_factor),
+            );
         }
         if !positive(self.temperature) {
-            return bad("temperature", format!("must be positive, got {}", self.temperature));
+            return bad(
+                "temperature",
+                format!("must be positive, got {}", self.temperature),
+            );
         }
-        for (k, v) in [("kl_coef", self.kl_coef), ("vf_coef", self.vf_coef), ("weight_decay", self.weight_decay)] {
+        for (k, v) in [
+            ("kl_coef", self.kl_coef),
+            ("vf_coef", self.vf_coef),
+            ("weight_decay", self.weight_decay),
+        ] {
             if !(v.is_finite() && v >= 0.0) {
                 return bad(k, format!("must be >= 0, got {v}"));
             }
         }
-        for (k, v) in [("cliprange", self.cliprange), ("cliprange_value", self.cliprange_value)] {
+        for (k, v) in [
+            ("cliprange", self.cliprange),
+            ("cliprange_value", self.cliprange_value),
+        ] {
             if !positive(v) {
                 return bad(k, format!("must be positive, got {v}"));
             }
         }
-        for (k, v) in [("gamma", self.gamma), ("lam", self.lam), ("rule_discount", self.rule_discount)] {
+        for (k, v) in [
+            ("gamma", self.gamma),
+            ("lam", self.lam),
+            ("rule_discount", self.rule_discount),
+        ] {
             if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
                 return bad(k, format!("must be in [0, 1], got {v}"));
             }

@@ -4,19 +4,22 @@
 mod actor_critic;
 pub mod compat;
 mod maporl;
-mod verifier;
 pub mod reference;
 pub mod resume;
 mod schema;
 mod validate;
+mod verifier;
 
 use std::path::{Path, PathBuf};
 
-pub use maporl::{AdapterLayout, AdvantageWhitening, CriticHead, FollowupStyle, MaporlScore, MaporlSection, ScorePosition, VerifierUserMessage};
 pub use actor_critic::ActorCriticSetup;
-pub use verifier::VerifierSection;
+pub use maporl::{
+    AdapterLayout, AdvantageWhitening, CriticHead, FollowupStyle, MaporlScore, MaporlSection,
+    OldLogprobs, ScorePosition, VerifierUserMessage,
+};
 pub use schema::*;
 use serde_yaml_ng::{Mapping, Value};
+pub use verifier::VerifierSection;
 
 use crate::data::SplitSpec;
 
@@ -25,25 +28,44 @@ use crate::data::SplitSpec;
 pub enum ConfigError {
     /// The file could not be read.
     #[error("{file}: cannot read config: {source}")]
-    Io { file: String, source: std::io::Error },
+    Io {
+        file: String,
+        source: std::io::Error,
+    },
     /// The file is not valid YAML (or not a mapping at the top).
     #[error("{file}: invalid yaml: {message}")]
     Yaml { file: String, message: String },
     /// A key that the schema does not know.
     #[error("{file}: unknown key {key}{}", suggestion.as_ref().map(|s| format!(" (did you mean {s}?)")).unwrap_or_default())]
-    UnknownKey { file: String, key: String, suggestion: Option<String> },
+    UnknownKey {
+        file: String,
+        key: String,
+        suggestion: Option<String>,
+    },
     /// A required key is absent.
     #[error("{file}: missing key {key}")]
     MissingKey { file: String, key: String },
     /// A value of the wrong type or an unknown variant.
     #[error("{file}: {key}: {message}")]
-    WrongType { file: String, key: String, message: String },
+    WrongType {
+        file: String,
+        key: String,
+        message: String,
+    },
     /// A value of the right type that is not allowed.
     #[error("{file}: {key} {message}")]
-    Invalid { file: String, key: String, message: String },
+    Invalid {
+        file: String,
+        key: String,
+        message: String,
+    },
     /// An `--override` argument that is not `a.b.c=value` or cannot be merged.
     #[error("{file}: bad override `{arg}`: {message}")]
-    Override { file: String, arg: String, message: String },
+    Override {
+        file: String,
+        arg: String,
+        message: String,
+    },
 }
 
 /// The original training scripts' command-line flags; each one really changes the config.
@@ -149,7 +171,10 @@ pub struct CheckedConfig {
 impl CheckedConfig {
     /// How this config's prompt texts become what the model reads.
     pub fn prompt_encoding(&self) -> crate::data::items::PromptEncoding {
-        crate::data::items::PromptEncoding::new(self.raw.model.chat_template, self.raw.model.enable_thinking)
+        crate::data::items::PromptEncoding::new(
+            self.raw.model.chat_template,
+            self.raw.model.enable_thinking,
+        )
     }
 }
 
@@ -170,7 +195,10 @@ impl CheckedConfig {
 
     /// The longest prompt agent `a` may be given: `model.max_length` less its `max_new_tokens`.
     pub fn max_prompt_tokens(&self, a: usize) -> usize {
-        let new = self.agents.get(a).map_or(self.sampling.max_new_tokens, |s| s.sampling.max_new_tokens);
+        let new = self
+            .agents
+            .get(a)
+            .map_or(self.sampling.max_new_tokens, |s| s.sampling.max_new_tokens);
         self.raw.model.max_length.saturating_sub(new)
     }
 
@@ -181,7 +209,8 @@ impl CheckedConfig {
 
     /// The merged config as YAML, with every default written out.
     pub fn to_yaml(&self) -> String {
-        serde_yaml_ng::to_string(&self.raw).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
+        serde_yaml_ng::to_string(&self.raw)
+            .unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
     }
 
     /// Parses, types and validates an already merged YAML value.
@@ -194,9 +223,16 @@ impl CheckedConfig {
 
 /// Loads `path`, merges `overrides` (`a.b.c=value`, values typed as YAML) and the legacy flags, then
 /// types and validates the result.
-pub fn load_config(path: &Path, overrides: &[String], legacy: &LegacyFlags) -> Result<CheckedConfig, ConfigError> {
+pub fn load_config(
+    path: &Path,
+    overrides: &[String],
+    legacy: &LegacyFlags,
+) -> Result<CheckedConfig, ConfigError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io { file: file.clone(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        file: file.clone(),
+        source,
+    })?;
     let value = merged_value(&text, &file, overrides, legacy)?;
     CheckedConfig::from_value(value, path)
 }
@@ -208,13 +244,18 @@ pub fn merged_value(
     overrides: &[String],
     legacy: &LegacyFlags,
 ) -> Result<Value, ConfigError> {
-    let mut value: Value =
-        serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Yaml { file: file.to_string(), message: e.to_string() })?;
+    let mut value: Value = serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Yaml {
+        file: file.to_string(),
+        message: e.to_string(),
+    })?;
     if value.is_null() {
         value = Value::Mapping(Mapping::new());
     }
     if !value.is_mapping() {
-        return Err(ConfigError::Yaml { file: file.to_string(), message: "the top level must be a mapping".into() });
+        return Err(ConfigError::Yaml {
+            file: file.to_string(),
+            message: "the top level must be a mapping".into(),
+        });
     }
     for arg in overrides {
         let (key, raw_value) = arg.split_once('=').ok_or_else(|| ConfigError::Override {
@@ -222,8 +263,13 @@ pub fn merged_value(
             arg: arg.clone(),
             message: "expected key=value (e.g. magrpo.learning_rate=1e-5)".into(),
         })?;
-        set_path(&mut value, key.trim(), parse_override_value(raw_value))
-            .map_err(|message| ConfigError::Override { file: file.to_string(), arg: arg.clone(), message })?;
+        set_path(&mut value, key.trim(), parse_override_value(raw_value)).map_err(|message| {
+            ConfigError::Override {
+                file: file.to_string(),
+                arg: arg.clone(),
+                message,
+            }
+        })?;
     }
     // The original projects' own keys, from the file or an override, before the legacy flags
     // (which name cotrain's sections).
@@ -304,7 +350,12 @@ fn set_path(root: &mut Value, key: &str, new: Value) -> Result<(), String> {
                 .parse::<usize>()
                 .ok()
                 .and_then(|j| list.get_mut(j))
-                .ok_or_else(|| format!("`{}` is a list of {len}; `{part}` is not an index of it", parts[..i].join(".")))?;
+                .ok_or_else(|| {
+                    format!(
+                        "`{}` is a list of {len}; `{part}` is not an index of it",
+                        parts[..i].join(".")
+                    )
+                })?;
             if i + 1 == parts.len() {
                 *entry = new;
                 return Ok(());
@@ -326,7 +377,9 @@ fn set_path(root: &mut Value, key: &str, new: Value) -> Result<(), String> {
         let k = Value::String(part.to_string());
         if i + 1 == parts.len() {
             match (map.get_mut(&k), new) {
-                (Some(Value::Mapping(existing)), Value::Mapping(incoming)) => deep_merge(existing, incoming),
+                (Some(Value::Mapping(existing)), Value::Mapping(incoming)) => {
+                    deep_merge(existing, incoming)
+                }
                 (_, new) => {
                     map.insert(k, new);
                 }
@@ -352,7 +405,11 @@ fn deep_merge(base: &mut Mapping, incoming: Mapping) {
 /// The trainer section a raw value uses: `grpo` if only that is present, else `magrpo`.
 fn trainer_section_of(value: &Value) -> &'static str {
     let has = |k: &str| value.get(k).is_some_and(|v| !v.is_null());
-    if has("grpo") && !has("magrpo") { "grpo" } else { "magrpo" }
+    if has("grpo") && !has("magrpo") {
+        "grpo"
+    } else {
+        "magrpo"
+    }
 }
 
 fn apply_legacy(value: &mut Value, legacy: &LegacyFlags, file: &str) -> Result<(), ConfigError> {
@@ -362,14 +419,23 @@ fn apply_legacy(value: &mut Value, legacy: &LegacyFlags, file: &str) -> Result<(
         sets.push(("model.name".into(), Value::String(name.clone())));
     }
     if let Some(n) = legacy.num_epochs {
-        sets.push((format!("{section}.num_train_epochs"), Value::Number((n as u64).into())));
+        sets.push((
+            format!("{section}.num_train_epochs"),
+            Value::Number((n as u64).into()),
+        ));
     }
     if let Some(n) = legacy.num_turns {
-        sets.push((format!("{section}.num_turns"), Value::Number((n as u64).into())));
+        sets.push((
+            format!("{section}.num_turns"),
+            Value::Number((n as u64).into()),
+        ));
     }
     if let Some(w) = &legacy.turn_gradient_weights {
         let list = w.iter().map(|x| Value::Number((*x).into())).collect();
-        sets.push((format!("{section}.turn_gradient_weights"), Value::Sequence(list)));
+        sets.push((
+            format!("{section}.turn_gradient_weights"),
+            Value::Sequence(list),
+        ));
     }
     if let Some(dir) = &legacy.output_base_dir {
         sets.push(("output.base_dir".into(), Value::String(dir.clone())));
@@ -386,7 +452,11 @@ fn apply_legacy(value: &mut Value, legacy: &LegacyFlags, file: &str) -> Result<(
 
 /// Types the merged value, turning serde's messages into ones that name the full key.
 fn typed(mut value: Value, file: &str) -> Result<RawConfig, ConfigError> {
-    agent_names_as_settings(&mut value).map_err(|(key, message)| ConfigError::Invalid { file: file.to_string(), key, message })?;
+    agent_names_as_settings(&mut value).map_err(|(key, message)| ConfigError::Invalid {
+        file: file.to_string(),
+        key,
+        message,
+    })?;
     serde_path_to_error::deserialize::<_, RawConfig>(value).map_err(|err| {
         let path = err.path().to_string();
         let message = err.inner().to_string();
@@ -397,7 +467,13 @@ fn typed(mut value: Value, file: &str) -> Result<RawConfig, ConfigError> {
 /// `model.agents` entries may be plain model names (the original's form); they become `{name: ...}`
 /// here so that mappings are typed with `deny_unknown_fields` and errors name the field.
 fn agent_names_as_settings(value: &mut Value) -> Result<(), (String, String)> {
-    let Some(list) = value.get_mut("model").and_then(|m| m.get_mut("agents")).and_then(Value::as_sequence_mut) else { return Ok(()) };
+    let Some(list) = value
+        .get_mut("model")
+        .and_then(|m| m.get_mut("agents"))
+        .and_then(Value::as_sequence_mut)
+    else {
+        return Ok(());
+    };
     for (i, entry) in list.iter_mut().enumerate() {
         match entry {
             Value::String(name) => *entry = name_entry(std::mem::take(name)),
@@ -405,7 +481,13 @@ fn agent_names_as_settings(value: &mut Value) -> Result<(), (String, String)> {
             Value::Mapping(_) => {}
             other => {
                 let shown = serde_yaml_ng::to_string(other).unwrap_or_default();
-                return Err((format!("model.agents[{i}]"), format!("is `{}`; each entry is a model name or a mapping of that agent's settings", shown.trim())));
+                return Err((
+                    format!("model.agents[{i}]"),
+                    format!(
+                        "is `{}`; each entry is a model name or a mapping of that agent's settings",
+                        shown.trim()
+                    ),
+                ));
             }
         }
     }
@@ -420,9 +502,20 @@ fn name_entry(name: String) -> Value {
 }
 
 fn describe_serde_error(file: &str, path: &str, message: &str) -> ConfigError {
-    let path = if path == "." { String::new() } else { path.to_string() };
-    let join = |name: &str| if path.is_empty() { name.to_string() } else { format!("{path}.{name}") };
-    let unknown = regex::Regex::new(r"^unknown field `([^`]*)`(?:, expected (.*))?").expect("static regex");
+    let path = if path == "." {
+        String::new()
+    } else {
+        path.to_string()
+    };
+    let join = |name: &str| {
+        if path.is_empty() {
+            name.to_string()
+        } else {
+            format!("{path}.{name}")
+        }
+    };
+    let unknown =
+        regex::Regex::new(r"^unknown field `([^`]*)`(?:, expected (.*))?").expect("static regex");
     if let Some(c) = unknown.captures(message) {
         let field = c.get(1).map_or("", |m| m.as_str());
         let expected: Vec<String> = c
@@ -436,17 +529,36 @@ fn describe_serde_error(file: &str, path: &str, message: &str) -> ConfigError {
             })
             .unwrap_or_default();
         // serde_path_to_error may or may not include the unknown key itself in the path.
-        let key = if path.ends_with(field) && !path.is_empty() { path.clone() } else { join(field) };
-        return ConfigError::UnknownKey { file: file.to_string(), key, suggestion: closest(field, &expected) };
+        let key = if path.ends_with(field) && !path.is_empty() {
+            path.clone()
+        } else {
+            join(field)
+        };
+        return ConfigError::UnknownKey {
+            file: file.to_string(),
+            key,
+            suggestion: closest(field, &expected),
+        };
     }
     let missing = regex::Regex::new(r"^missing field `([^`]*)`").expect("static regex");
     if let Some(c) = missing.captures(message) {
-        return ConfigError::MissingKey { file: file.to_string(), key: join(&c[1]) };
+        return ConfigError::MissingKey {
+            file: file.to_string(),
+            key: join(&c[1]),
+        };
     }
-    let message = message.split(" at line ").next().unwrap_or(message).to_string();
+    let message = message
+        .split(" at line ")
+        .next()
+        .unwrap_or(message)
+        .to_string();
     ConfigError::WrongType {
         file: file.to_string(),
-        key: if path.is_empty() { "(top level)".into() } else { path },
+        key: if path.is_empty() {
+            "(top level)".into()
+        } else {
+            path
+        },
         message,
     }
 }
@@ -511,7 +623,10 @@ mod tests {
         assert!(!cfg.raw.output.save_final_model);
         // A quoted value stays a string.
         assert_eq!(cfg.raw.model.name, "None");
-        assert_eq!(python_literals_to_yaml("[None, True,'False', Nonesuch]"), "[null, true,'False', Nonesuch]");
+        assert_eq!(
+            python_literals_to_yaml("[None, True,'False', Nonesuch]"),
+            "[null, true,'False', Nonesuch]"
+        );
     }
 
     /// `eval_decoding` is `sampled` in both eras unless set, `greedy` loads, and another value is
@@ -520,23 +635,51 @@ mod tests {
     fn eval_decoding_defaults_to_sampled_and_refuses_unknown_values() {
         let load = |text: &str, overrides: &[&str]| {
             let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
-            merged_value(text, "x.yaml", &overrides, &LegacyFlags::default()).and_then(|v| CheckedConfig::from_value(v, Path::new("x.yaml")))
+            merged_value(text, "x.yaml", &overrides, &LegacyFlags::default())
+                .and_then(|v| CheckedConfig::from_value(v, Path::new("x.yaml")))
         };
         let text = "model: {name: m}\ndataset: {name: humaneval}\nmagrpo: {}\n";
-        assert_eq!(load(text, &[]).unwrap().trainer.eval_decoding, EvalDecoding::Sampled);
-        let text_2026 = "comlrl_era: '2026'\nmodel: {name: m}\ndataset: {name: humaneval}\nmagrpo: {}\n";
-        assert_eq!(load(text_2026, &[]).unwrap().trainer.eval_decoding, EvalDecoding::Sampled);
-        assert_eq!(load(text, &["magrpo.eval_decoding=greedy"]).unwrap().trainer.eval_decoding, EvalDecoding::Greedy);
-        assert_eq!(load(text_2026, &["magrpo.eval_decoding=greedy"]).unwrap().trainer.eval_decoding, EvalDecoding::Greedy);
-        let e = load(text, &["magrpo.eval_decoding=argmax"]).unwrap_err().to_string();
-        assert!(e.starts_with("x.yaml: magrpo.eval_decoding: unknown variant `argmax`"), "{e}");
+        assert_eq!(
+            load(text, &[]).unwrap().trainer.eval_decoding,
+            EvalDecoding::Sampled
+        );
+        let text_2026 =
+            "comlrl_era: '2026'\nmodel: {name: m}\ndataset: {name: humaneval}\nmagrpo: {}\n";
+        assert_eq!(
+            load(text_2026, &[]).unwrap().trainer.eval_decoding,
+            EvalDecoding::Sampled
+        );
+        assert_eq!(
+            load(text, &["magrpo.eval_decoding=greedy"])
+                .unwrap()
+                .trainer
+                .eval_decoding,
+            EvalDecoding::Greedy
+        );
+        assert_eq!(
+            load(text_2026, &["magrpo.eval_decoding=greedy"])
+                .unwrap()
+                .trainer
+                .eval_decoding,
+            EvalDecoding::Greedy
+        );
+        let e = load(text, &["magrpo.eval_decoding=argmax"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("x.yaml: magrpo.eval_decoding: unknown variant `argmax`"),
+            "{e}"
+        );
         assert!(e.contains("sampled") && e.contains("greedy"), "{e}");
     }
 
     #[test]
     fn closest_suggests_plausible_typos_only() {
         let known = vec!["learning_rate".to_string(), "num_agents".to_string()];
-        assert_eq!(closest("learnin_rate", &known).as_deref(), Some("learning_rate"));
+        assert_eq!(
+            closest("learnin_rate", &known).as_deref(),
+            Some("learning_rate")
+        );
         assert_eq!(closest("zzzzzzzzzzzzzzzzz", &known), None);
     }
 }

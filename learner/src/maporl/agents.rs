@@ -41,12 +41,14 @@ pub struct Bases {
 impl Bases {
     /// Loads each distinct spec of `cfg.agent_models` once and freezes it.
     pub fn load(cfg: &CheckedConfig, opts: &LoadOptions) -> Result<Self, TrainError> {
-        let (mut specs, mut models, mut agent_base) = (Vec::<String>::new(), Vec::new(), Vec::new());
+        let (mut specs, mut models, mut agent_base) =
+            (Vec::<String>::new(), Vec::new(), Vec::new());
         for spec in &cfg.agent_models {
             let idx = match specs.iter().position(|s| s == spec) {
                 Some(i) => i,
                 None => {
-                    let mut m = cotrain_model::loader::load(spec, opts).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+                    let mut m = cotrain_model::loader::load(spec, opts)
+                        .map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
                     m.vs.freeze();
                     specs.push(spec.clone());
                     models.push(m);
@@ -55,7 +57,12 @@ impl Bases {
             };
             agent_base.push(idx);
         }
-        Ok(Self { specs, models, agent_base, opts: *opts })
+        Ok(Self {
+            specs,
+            models,
+            agent_base,
+            opts: *opts,
+        })
     }
 }
 
@@ -104,12 +111,18 @@ impl PolicyAdapter {
     /// Runs `f` on the policy's network: `base` (the network of base `self.base`, or a
     /// [`CausalLm::share_weights`] copy of it) with the adapter set (and unset afterwards, even when
     /// `f` fails), or the policy's own full copy.
-    pub fn with_model<R>(&self, base: &CausalLm, f: impl FnOnce(&CausalLm) -> R) -> Result<R, TrainError> {
+    pub fn with_model<R>(
+        &self,
+        base: &CausalLm,
+        f: impl FnOnce(&CausalLm) -> R,
+    ) -> Result<R, TrainError> {
         match &self.weights {
             PolicyWeights::Lora(adapter) => {
-                base.set_adapter(Some(adapter), false).map_err(|e| TrainError::Model(format!("adapter `{}`: {e}", self.key)))?;
+                base.set_adapter(Some(adapter), false)
+                    .map_err(|e| TrainError::Model(format!("adapter `{}`: {e}", self.key)))?;
                 let out = f(base);
-                base.set_adapter(None, false).map_err(|e| TrainError::Model(format!("adapter `{}`: {e}", self.key)))?;
+                base.set_adapter(None, false)
+                    .map_err(|e| TrainError::Model(format!("adapter `{}`: {e}", self.key)))?;
                 Ok(out)
             }
             PolicyWeights::Full(m) => Ok(f(&m.model)),
@@ -118,10 +131,18 @@ impl PolicyAdapter {
 
     /// Sends the policy to the rollout workers as `version`: the adapter tensors alone, or every
     /// parameter of a fully fine-tuned copy.
-    pub fn push(&self, rollout: &mut dyn crate::sources::RolloutSource, version: u64) -> Result<(), TrainError> {
+    pub fn push(
+        &self,
+        rollout: &mut dyn crate::sources::RolloutSource,
+        version: u64,
+    ) -> Result<(), TrainError> {
         match &self.weights {
-            PolicyWeights::Lora(a) => rollout.push_adapter(&self.key, version, &a.named_tensors(), a.config.scaling()),
-            PolicyWeights::Full(m) => rollout.push_weights(&self.key, version, &m.named_parameters()),
+            PolicyWeights::Lora(a) => {
+                rollout.push_adapter(&self.key, version, &a.named_tensors(), a.config.scaling())
+            }
+            PolicyWeights::Full(m) => {
+                rollout.push_weights(&self.key, version, &m.named_parameters())
+            }
         }
     }
 
@@ -130,9 +151,13 @@ impl PolicyAdapter {
     pub fn save(&self, dir: &std::path::Path, base_spec: &str) -> Result<(), TrainError> {
         let written = match &self.weights {
             PolicyWeights::Lora(a) => a.save_peft(dir, base_spec).map_err(|e| e.to_string()),
-            PolicyWeights::Full(m) => cotrain_model::export::save_pretrained(m, dir).map_err(|e| e.to_string()),
+            PolicyWeights::Full(m) => {
+                cotrain_model::export::save_pretrained(m, dir).map_err(|e| e.to_string())
+            }
         };
-        written.map(|_| ()).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))
+        written
+            .map(|_| ())
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))
     }
 }
 
@@ -154,21 +179,41 @@ impl Critic {
     /// Values (B, L) of right-padded token rows (B, L) with the critic adapter set on `base` (the
     /// network of base `self.base`, or a [`CausalLm::share_weights`] copy of it). Values of padding
     /// positions are garbage; callers gather real positions.
-    pub fn values(&self, base: &CausalLm, ids: &Tensor, with_grad: bool) -> Result<Tensor, TrainError> {
+    pub fn values(
+        &self,
+        base: &CausalLm,
+        ids: &Tensor,
+        with_grad: bool,
+    ) -> Result<Tensor, TrainError> {
         let _guard = (!with_grad).then(tch::no_grad_guard);
-        base.set_adapter(Some(&self.adapter), false).map_err(|e| TrainError::Model(e.to_string()))?;
+        base.set_adapter(Some(&self.adapter), false)
+            .map_err(|e| TrainError::Model(e.to_string()))?;
         let hidden = base.forward_hidden(ids);
-        base.set_adapter(None, false).map_err(|e| TrainError::Model(e.to_string()))?;
+        base.set_adapter(None, false)
+            .map_err(|e| TrainError::Model(e.to_string()))?;
         let hidden = hidden.map_err(|e| TrainError::Model(format!("critic forward: {e}")))?;
-        Ok(hidden.to_kind(Kind::Float).matmul(&self.head.to_kind(Kind::Float).transpose(0, 1)).squeeze_dim(-1))
+        Ok(hidden
+            .to_kind(Kind::Float)
+            .matmul(&self.head.to_kind(Kind::Float).transpose(0, 1))
+            .squeeze_dim(-1))
     }
 
     /// Writes the critic into `dir`: its adapter in PEFT's layout (naming `base_spec`) and
     /// `value_head.safetensors` (`v_head.weight`, (1, hidden), f32 as held).
     pub fn save(&self, dir: &std::path::Path, base_spec: &str) -> Result<(), TrainError> {
-        let err = |e: &dyn std::fmt::Display| TrainError::Checkpoint(format!("{}: {e}", dir.display()));
-        self.adapter.save_peft(dir, base_spec).map_err(|e| err(&e))?;
-        Tensor::write_safetensors(&[("v_head.weight", self.head.detach().to_device(tch::Device::Cpu))], dir.join(VALUE_HEAD_FILE)).map_err(|e| err(&e))
+        let err =
+            |e: &dyn std::fmt::Display| TrainError::Checkpoint(format!("{}: {e}", dir.display()));
+        self.adapter
+            .save_peft(dir, base_spec)
+            .map_err(|e| err(&e))?;
+        Tensor::write_safetensors(
+            &[(
+                "v_head.weight",
+                self.head.detach().to_device(tch::Device::Cpu),
+            )],
+            dir.join(VALUE_HEAD_FILE),
+        )
+        .map_err(|e| err(&e))
     }
 }
 
@@ -182,7 +227,9 @@ pub const VALUE_HEAD_FILE: &str = "value_head.safetensors";
 pub fn frozen_head_weights(hidden: usize, seed: u64) -> Vec<f32> {
     let bound = 1.0 / (hidden as f64).sqrt();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..hidden).map(|_| rng.random_range(-bound..bound) as f32).collect()
+    (0..hidden)
+        .map(|_| rng.random_range(-bound..bound) as f32)
+        .collect()
 }
 
 /// Every adapter and critic of a run, by key.
@@ -192,17 +239,38 @@ pub struct Adapters {
 }
 
 impl Adapters {
+    /// Runs the products of every forward of the update in `kind` (`None`: the parameters' own
+    /// dtype): the frozen bases, which every LoRA policy, the reference policy and every critic run
+    /// on, and the whole trainable copies of `full_finetune`.
+    fn set_matmul_kind(&self, bases: &Bases, kind: Option<tch::Kind>) {
+        for b in &bases.models {
+            b.model.set_matmul_kind(kind);
+        }
+        for p in self.policies.values() {
+            if let PolicyWeights::Full(m) = &p.weights {
+                m.model.set_matmul_kind(kind);
+            }
+        }
+    }
+
     /// Fresh adapters (A Kaiming-uniform, B zero: every policy starts as its base) and critics (value
     /// head per `critic_head`: frozen U(±1/√hidden) or trained from zero) for every key the config's
-    /// layout uses, seeded from the run's seed.
+    /// layout uses, seeded from the run's seed. The products of every update forward then run in
+    /// `model.matmul_dtype` ([`Adapters::set_matmul_kind`]).
     pub fn new(cfg: &CheckedConfig, m: &MaporlSection, bases: &Bases) -> Result<Self, TrainError> {
         let lora: LoraConfig = m.lora.to_model();
         let adam = AdamWConfig::new(m.learning_rate, m.weight_decay, m.max_grad_norm);
-        if matches!(m.adapter_layout, AdapterLayout::Shared | AdapterLayout::SharedByTurn) && bases.models.len() > 1 {
+        if matches!(
+            m.adapter_layout,
+            AdapterLayout::Shared | AdapterLayout::SharedByTurn
+        ) && bases.models.len() > 1
+        {
             return Err(TrainError::Config(format!(
                 "{}: maporl.adapter_layout is {} (adapters shared by the agents) but model.agents names {} different base models",
                 cfg.source.display(),
-                serde_yaml_ng::to_string(&m.adapter_layout).unwrap_or_default().trim(),
+                serde_yaml_ng::to_string(&m.adapter_layout)
+                    .unwrap_or_default()
+                    .trim(),
                 bases.models.len()
             )));
         }
@@ -216,38 +284,77 @@ impl Adapters {
                 if !policies.contains_key(&key) {
                     let (weights, optimizer) = if m.full_finetune {
                         let spec = &bases.specs[base];
-                        let copy = cotrain_model::loader::load(spec, &bases.opts).map_err(|e| TrainError::Model(format!("loading `{spec}` for `{key}`: {e}")))?;
+                        let copy = cotrain_model::loader::load(spec, &bases.opts).map_err(|e| {
+                            TrainError::Model(format!("loading `{spec}` for `{key}`: {e}"))
+                        })?;
                         let optimizer = AdamW::new(&copy.vs, adam);
                         (PolicyWeights::Full(Box::new(copy)), optimizer)
                     } else {
-                        let adapter = LoraAdapter::new(model, lora.clone()).map_err(|e| TrainError::Config(format!("maporl.lora: {e}")))?;
+                        let adapter = LoraAdapter::new(model, lora.clone())
+                            .map_err(|e| TrainError::Config(format!("maporl.lora: {e}")))?;
                         let optimizer = AdamW::new(&adapter.vs, adam);
                         (PolicyWeights::Lora(adapter), optimizer)
                     };
-                    policies.insert(key.clone(), PolicyAdapter { key, base, weights, optimizer, version: 0 });
+                    policies.insert(
+                        key.clone(),
+                        PolicyAdapter {
+                            key,
+                            base,
+                            weights,
+                            optimizer,
+                            version: 0,
+                        },
+                    );
                 }
                 let ckey = critic_key(m, agent, turn);
                 // A turn whose answers are not trained (turn 0 without `task_training`) gets no
                 // critic of its own: no sample would ever reach it.
                 let trained_turn = turn > 0 || m.task_training;
                 if trained_turn && !critics.contains_key(&ckey) {
-                    let adapter = LoraAdapter::new(model, lora.clone()).map_err(|e| TrainError::Config(format!("maporl.lora: {e}")))?;
+                    let adapter = LoraAdapter::new(model, lora.clone())
+                        .map_err(|e| TrainError::Config(format!("maporl.lora: {e}")))?;
                     let mut head_vs = nn::VarStore::new(model.device());
                     let hidden = model.config().hidden_size;
-                    let mut head = (head_vs.root() / "v_head").var("weight", &[1, hidden as i64], nn::Init::Const(0.0));
+                    let mut head = (head_vs.root() / "v_head").var(
+                        "weight",
+                        &[1, hidden as i64],
+                        nn::Init::Const(0.0),
+                    );
                     if m.critic_head == CriticHead::FrozenRandom {
-                        let w = frozen_head_weights(hidden, derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, critics.len() as u64]));
-                        tch::no_grad(|| head.copy_(&Tensor::from_slice(&w).view([1, hidden as i64]).to_device(model.device())));
+                        let w = frozen_head_weights(
+                            hidden,
+                            derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, critics.len() as u64]),
+                        );
+                        tch::no_grad(|| {
+                            head.copy_(
+                                &Tensor::from_slice(&w)
+                                    .view([1, hidden as i64])
+                                    .to_device(model.device()),
+                            )
+                        });
                         // Out of every optimiser: the head gets no gradient and AdamW never sees it.
                         head_vs.freeze();
                     }
                     let adapter_opt = AdamW::new(&adapter.vs, adam);
                     let head_opt = AdamW::new(&head_vs, adam);
-                    critics.insert(ckey.clone(), Critic { key: ckey, base, adapter, head_vs, head, adapter_opt, head_opt });
+                    critics.insert(
+                        ckey.clone(),
+                        Critic {
+                            key: ckey,
+                            base,
+                            adapter,
+                            head_vs,
+                            head,
+                            adapter_opt,
+                            head_opt,
+                        },
+                    );
                 }
             }
         }
-        Ok(Self { policies, critics })
+        let adapters = Self { policies, critics };
+        adapters.set_matmul_kind(bases, crate::model_options::matmul_kind(cfg));
+        Ok(adapters)
     }
 
     /// Sets every optimiser's learning rate.
@@ -263,7 +370,10 @@ impl Adapters {
 
     /// The rollout workers' agents: (key, base spec) of every policy adapter.
     pub fn worker_agents(&self, bases: &Bases) -> Vec<(String, String)> {
-        self.policies.values().map(|p| (p.key.clone(), bases.specs[p.base].clone())).collect()
+        self.policies
+            .values()
+            .map(|p| (p.key.clone(), bases.specs[p.base].clone()))
+            .collect()
     }
 }
 
@@ -282,16 +392,40 @@ mod tests {
 
     #[test]
     fn layouts_name_one_adapter_per_turn_group() {
-        assert_eq!(adapter_key(AdapterLayout::FirstAndLater, 1, 0), "agent1.turn0");
-        assert_eq!(adapter_key(AdapterLayout::FirstAndLater, 1, 2), "agent1.later");
-        assert_eq!(adapter_key(AdapterLayout::FirstAndLater, 1, 1), adapter_key(AdapterLayout::FirstAndLater, 1, 2));
+        assert_eq!(
+            adapter_key(AdapterLayout::FirstAndLater, 1, 0),
+            "agent1.turn0"
+        );
+        assert_eq!(
+            adapter_key(AdapterLayout::FirstAndLater, 1, 2),
+            "agent1.later"
+        );
+        assert_eq!(
+            adapter_key(AdapterLayout::FirstAndLater, 1, 1),
+            adapter_key(AdapterLayout::FirstAndLater, 1, 2)
+        );
         assert_eq!(adapter_key(AdapterLayout::PerTurn, 0, 2), "agent0.turn2");
-        assert_eq!(adapter_key(AdapterLayout::Shared, 1, 2), adapter_key(AdapterLayout::Shared, 0, 0));
+        assert_eq!(
+            adapter_key(AdapterLayout::Shared, 1, 2),
+            adapter_key(AdapterLayout::Shared, 0, 0)
+        );
         // MaPoRL's: the agents share the turn-0 adapter and the later-turn adapter.
-        assert_eq!(adapter_key(AdapterLayout::SharedByTurn, 1, 0), "shared.turn0");
-        assert_eq!(adapter_key(AdapterLayout::SharedByTurn, 0, 0), "shared.turn0");
-        assert_eq!(adapter_key(AdapterLayout::SharedByTurn, 1, 2), "shared.later");
-        assert_eq!(adapter_key(AdapterLayout::SharedByTurn, 0, 1), "shared.later");
+        assert_eq!(
+            adapter_key(AdapterLayout::SharedByTurn, 1, 0),
+            "shared.turn0"
+        );
+        assert_eq!(
+            adapter_key(AdapterLayout::SharedByTurn, 0, 0),
+            "shared.turn0"
+        );
+        assert_eq!(
+            adapter_key(AdapterLayout::SharedByTurn, 1, 2),
+            "shared.later"
+        );
+        assert_eq!(
+            adapter_key(AdapterLayout::SharedByTurn, 0, 1),
+            "shared.later"
+        );
     }
 
     #[test]

@@ -14,18 +14,19 @@ use cotrain_model::chat_template::ChatMessage as TemplateMessage;
 
 use super::agents::{Bases, adapter_key};
 use super::rewrite::{self, Rewritten};
-use crate::algo::discussion_score::{InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason};
-use crate::config::{FollowupStyle, MaporlSection};
-use crate::prompts::{ChatMessage, Followup, Shown};
-use crate::data::items::{PromptEncoding, encode_text};
+use crate::algo::discussion_score::{
+    InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason,
+};
+use crate::config::{FollowupStyle, MaporlSection, OldLogprobs};
 use crate::data::items::TrainItem;
+use crate::data::items::{PromptEncoding, encode_text};
 use crate::error::TrainError;
+use crate::prompts::{ChatMessage, Followup, Shown};
 use crate::seeds::derive_seed;
 use crate::sources::{GenRequest, RewardSource, RolloutSource, SamplingSpec, ScoreAction};
 
 /// One agent's answer at one turn.
-#[derive(Debug, Clone, PartialEq)]
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Answer {
     /// The tokens the policy read (question and discussion so far).
     pub prompt: Vec<u32>,
@@ -50,6 +51,10 @@ pub struct Answer {
     pub shown: String,
     pub invalid: Option<InvalidReason>,
     pub adapter: String,
+    /// With `maporl.old_logprobs: generation`: the worker's log-prob of each of `tokens` under the
+    /// distribution it was sampled from; empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<f32>,
 }
 
 /// One question's discussion: `answers[turn][agent]`.
@@ -63,12 +68,18 @@ pub struct Discussion {
 impl Discussion {
     /// The scores table s(t, i).
     pub fn scores(&self) -> Vec<Vec<f64>> {
-        self.answers.iter().map(|row| row.iter().map(|a| a.score).collect()).collect()
+        self.answers
+            .iter()
+            .map(|row| row.iter().map(|a| a.score).collect())
+            .collect()
     }
 
     /// The correctness table.
     pub fn correct(&self) -> Vec<Vec<bool>> {
-        self.answers.iter().map(|row| row.iter().map(|a| a.correct).collect()).collect()
+        self.answers
+            .iter()
+            .map(|row| row.iter().map(|a| a.correct).collect())
+            .collect()
     }
 }
 
@@ -101,9 +112,17 @@ pub struct VerifierScoring {
 
 impl VerifierScoring {
     /// The user message for agent `agent`'s answer to `item`.
-    fn user_message(&self, task: &str, item: &TrainItem, agent: usize) -> Result<String, TrainError> {
+    fn user_message(
+        &self,
+        task: &str,
+        item: &TrainItem,
+        agent: usize,
+    ) -> Result<String, TrainError> {
         match &self.user_template {
-            Some(t) => crate::verifier::user_message(t, &crate::verifier::question_text(task, &item.item)).map_err(TrainError::Config),
+            Some(t) => {
+                crate::verifier::user_message(t, &crate::verifier::question_text(task, &item.item))
+                    .map_err(TrainError::Config)
+            }
             None => Ok(item.texts[agent].clone()),
         }
     }
@@ -115,19 +134,35 @@ impl DiscussionSetup<'_> {
     fn render(&self, agent: usize, messages: &[ChatMessage]) -> Result<String, TrainError> {
         let base = &self.bases.models[self.bases.agent_base[agent]];
         if !self.encoding.chat_template {
-            let mut text = messages.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n\n");
+            let mut text = messages
+                .iter()
+                .map(|m| m.content.as_str())
+                .collect::<Vec<_>>()
+                .join("\n\n");
             if messages.len() > 1 {
                 text.push_str("\n\n");
             }
             return Ok(text);
         }
-        let msgs: Vec<TemplateMessage> = messages.iter().map(|m| TemplateMessage::new(m.role.as_str(), m.content.as_str())).collect();
-        self.encoding.render_chat(base.chat_template.as_ref(), &msgs)
+        let msgs: Vec<TemplateMessage> = messages
+            .iter()
+            .map(|m| TemplateMessage::new(m.role.as_str(), m.content.as_str()))
+            .collect();
+        self.encoding
+            .render_chat(base.chat_template.as_ref(), &msgs)
     }
 
     fn sampling(&self) -> SamplingSpec {
         // MaPoRL samples exactly `max_output_length` tokens with top_k 0 and top_p 1, EOS ignored.
-        SamplingSpec { temperature: self.m.temperature, top_p: 1.0, top_k: 0, max_new_tokens: self.m.max_output_length, ignore_eos: true, stop: Vec::new() }
+        SamplingSpec {
+            temperature: self.m.temperature,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: self.m.max_output_length,
+            ignore_eos: true,
+            stop: Vec::new(),
+            sampling_logprobs: self.m.old_logprobs == OldLogprobs::Generation,
+        }
     }
 
     /// Runs the discussions of `items` through every turn. `seed` is the step's seed; each request's
@@ -141,9 +176,20 @@ impl DiscussionSetup<'_> {
         reward: &mut dyn RewardSource,
     ) -> Result<Vec<Discussion>, TrainError> {
         let n = self.num_agents;
-        let mut histories: Vec<Vec<Vec<ChatMessage>>> =
-            items.iter().map(|it| (0..n).map(|i| vec![ChatMessage::user(it.texts[i].clone())]).collect()).collect();
-        let mut discussions: Vec<Discussion> = (0..items.len()).map(|q| Discussion { item: q, answers: Vec::new() }).collect();
+        let mut histories: Vec<Vec<Vec<ChatMessage>>> = items
+            .iter()
+            .map(|it| {
+                (0..n)
+                    .map(|i| vec![ChatMessage::user(it.texts[i].clone())])
+                    .collect()
+            })
+            .collect();
+        let mut discussions: Vec<Discussion> = (0..items.len())
+            .map(|q| Discussion {
+                item: q,
+                answers: Vec::new(),
+            })
+            .collect();
         for turn in 0..self.m.round_num {
             // Prompts of this turn.
             let mut prompts = Vec::with_capacity(items.len() * n);
@@ -153,7 +199,15 @@ impl DiscussionSetup<'_> {
                         it.prompts[i].clone()
                     } else {
                         let prev = &discussions[q].answers[turn - 1];
-                        histories[q][i] = followup_chat(self.followup, self.m, &histories[q][i], &it.texts[i], prev, i).map_err(TrainError::Config)?;
+                        histories[q][i] = followup_chat(
+                            self.followup,
+                            self.m,
+                            &histories[q][i],
+                            &it.texts[i],
+                            prev,
+                            i,
+                        )
+                        .map_err(TrainError::Config)?;
                         let base = &self.bases.models[self.bases.agent_base[i]];
                         encode_text(&base.tokenizer, &self.render(i, &histories[q][i])?)?
                     };
@@ -189,22 +243,51 @@ impl DiscussionSetup<'_> {
             let mut answers = Vec::with_capacity(requests.len());
             for (k, (req, got)) in requests.iter().zip(samples).enumerate() {
                 let i = k % n;
-                let sample = got.into_iter().next().ok_or_else(|| TrainError::Rollout(format!("no sample for `{}`", req.agent)))?;
+                let sample = got
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| TrainError::Rollout(format!("no sample for `{}`", req.agent)))?;
                 if sample.policy_version != req.min_policy_version {
-                    return Err(TrainError::StaleSample { agent: i, expected: req.min_policy_version, got: sample.policy_version });
+                    return Err(TrainError::StaleSample {
+                        agent: i,
+                        expected: req.min_policy_version,
+                        got: sample.policy_version,
+                    });
                 }
                 let base = &self.bases.models[self.bases.agent_base[i]];
                 let stops = base.stop_token_ids();
                 let (tokens, body) = cut_at_eos(&sample.token_ids, &stops);
-                let text = base.tokenizer.decode(body, true).map_err(|e| TrainError::Model(format!("decode: {e}")))?;
-                answers.push((req.agent.clone(), tokens, body.len(), text));
+                let text = base
+                    .tokenizer
+                    .decode(body, true)
+                    .map_err(|e| TrainError::Model(format!("decode: {e}")))?;
+                let logprobs = if req.sampling.sampling_logprobs {
+                    sample
+                        .logprobs
+                        .get(..tokens.len())
+                        .map(<[f32]>::to_vec)
+                        .ok_or_else(|| {
+                            TrainError::Rollout(format!(
+                                "`{}`: {} log-probs for {} tokens",
+                                req.agent,
+                                sample.logprobs.len(),
+                                tokens.len()
+                            ))
+                        })?
+                } else {
+                    Vec::new()
+                };
+                answers.push((req.agent.clone(), tokens, body.len(), text, logprobs));
             }
             let rewriting = self.m.rewrite_answers && rewrite::rewrites(self.task);
-            let presented: Vec<Rewritten> = answers.iter().map(|(_, _, _, text)| present(self.m, self.task, text)).collect();
+            let presented: Vec<Rewritten> = answers
+                .iter()
+                .map(|(_, _, _, text, _)| present(self.m, self.task, text))
+                .collect();
             let actions: Vec<ScoreAction> = answers
                 .iter()
                 .enumerate()
-                .map(|(k, (_, tokens, _, _))| ScoreAction {
+                .map(|(k, (_, tokens, _, _, _))| ScoreAction {
                     completions: vec![presented[k].judged.clone()],
                     completion_ids: vec![tokens.clone()],
                     item: items[k / n].item.clone(),
@@ -217,7 +300,12 @@ impl DiscussionSetup<'_> {
                     let conversations = presented
                         .iter()
                         .enumerate()
-                        .map(|(k, p)| Ok((v.user_message(self.task, items[k / n], k % n)?, p.judged.clone())))
+                        .map(|(k, p)| {
+                            Ok((
+                                v.user_message(self.task, items[k / n], k % n)?,
+                                p.judged.clone(),
+                            ))
+                        })
                         .collect::<Result<Vec<(String, String)>, TrainError>>()?;
                     Some(rollout.score_verifier(&v.name, &conversations)?)
                 }
@@ -233,25 +321,48 @@ impl DiscussionSetup<'_> {
                 d.answers.push(Vec::with_capacity(n));
                 for i in 0..n {
                     let k = q * n + i;
-                    let (adapter, tokens, body_len, text) = answers[k].clone();
+                    let (adapter, tokens, body_len, text, logprobs) = answers[k].clone();
                     let sc = &scores[k];
                     let judged = &presented[k].judged;
                     // The original reads correctness from the verifier's copy of the rewrite with its
                     // own extraction, against the reference the reward server read from the row.
-                    let reference = sc.details.get("reference").or_else(|| sc.details.get("label")).and_then(|v| v.as_str());
+                    let reference = sc
+                        .details
+                        .get("reference")
+                        .or_else(|| sc.details.get("label"))
+                        .and_then(|v| v.as_str());
                     let (correct, extracted) = match reference {
                         Some(reference) if rewriting => {
                             let e = rewrite::extract_answer(self.task, judged);
-                            (e.as_deref() == Some(reference), e.map_or(serde_json::Value::Null, serde_json::Value::String))
+                            (
+                                e.as_deref() == Some(reference),
+                                e.map_or(serde_json::Value::Null, serde_json::Value::String),
+                            )
                         }
-                        _ => (sc.reward > 0.5, sc.details.get("answer").cloned().unwrap_or(serde_json::Value::Null)),
+                        _ => (
+                            sc.reward > 0.5,
+                            sc.details
+                                .get("answer")
+                                .cloned()
+                                .unwrap_or(serde_json::Value::Null),
+                        ),
                     };
                     // The box check of the penalty reads the answer as sampled, not the rewrite.
-                    let invalid = if self.m.invalid_penalty { invalid_reason(&text, body_len, &rule) } else { None };
-                    let value_prompt = if self.m.value_simplification { items[q].prompts[i].clone() } else { prompts[k].clone() };
+                    let invalid = if self.m.invalid_penalty {
+                        invalid_reason(&text, body_len, &rule)
+                    } else {
+                        None
+                    };
+                    let value_prompt = if self.m.value_simplification {
+                        items[q].prompts[i].clone()
+                    } else {
+                        prompts[k].clone()
+                    };
                     let shown = presented[k].shown.clone();
                     histories[q][i].push(ChatMessage::assistant(shown.clone()));
-                    let raw_score = probabilities.as_ref().map_or(if correct { 1.0 } else { 0.0 }, |p| f64::from(p[k]));
+                    let raw_score = probabilities
+                        .as_ref()
+                        .map_or(if correct { 1.0 } else { 0.0 }, |p| f64::from(p[k]));
                     d.answers[turn].push(Answer {
                         prompt: prompts[k].clone(),
                         value_prompt,
@@ -264,6 +375,7 @@ impl DiscussionSetup<'_> {
                         shown,
                         invalid,
                         adapter,
+                        logprobs,
                     });
                 }
             }
@@ -278,7 +390,11 @@ pub fn present(m: &MaporlSection, task: &str, text: &str) -> Rewritten {
     if m.rewrite_answers && rewrite::rewrites(task) {
         rewrite::rewrite(task, text)
     } else {
-        Rewritten { answer: rewrite::extract_answer(task, text), shown: text.to_string(), judged: text.to_string() }
+        Rewritten {
+            answer: rewrite::extract_answer(task, text),
+            shown: text.to_string(),
+            judged: text.to_string(),
+        }
     }
 }
 
@@ -286,14 +402,31 @@ pub fn present(m: &MaporlSection, task: &str, text: &str) -> Rewritten {
 /// follow-ups so far) plus the follow-up message showing the other agents' answers of `previous`
 /// (every agent's answer of turn t − 1) and, with `reward_feedback`, the scores: the raw s(t − 1, ·)
 /// in the original style (the agent's own in front), the penalised one floored at 0 in cotrain's.
-pub fn followup_chat(followup: &Followup, m: &MaporlSection, history: &[ChatMessage], question: &str, previous: &[Answer], agent: usize) -> Result<Vec<ChatMessage>, String> {
+pub fn followup_chat(
+    followup: &Followup,
+    m: &MaporlSection,
+    history: &[ChatMessage],
+    question: &str,
+    previous: &[Answer],
+    agent: usize,
+) -> Result<Vec<ChatMessage>, String> {
     let shown_score = |a: &Answer| match followup.style() {
         FollowupStyle::Original => a.raw_score,
         FollowupStyle::Cotrain => a.score.max(0.0),
     };
-    let others: Vec<Shown<'_>> =
-        previous.iter().enumerate().filter(|(a, _)| *a != agent).map(|(_, a)| Shown { text: &a.shown, score: m.reward_feedback.then(|| shown_score(a)) }).collect();
-    let own = previous.get(agent).filter(|_| m.reward_feedback).map(shown_score);
+    let others: Vec<Shown<'_>> = previous
+        .iter()
+        .enumerate()
+        .filter(|(a, _)| *a != agent)
+        .map(|(_, a)| Shown {
+            text: &a.shown,
+            score: m.reward_feedback.then(|| shown_score(a)),
+        })
+        .collect();
+    let own = previous
+        .get(agent)
+        .filter(|_| m.reward_feedback)
+        .map(shown_score);
     followup.next_turn(history, question, own, &others)
 }
 
@@ -310,13 +443,22 @@ pub fn cut_at_eos<'a>(tokens: &'a [u32], stops: &[u32]) -> (Vec<u32>, &'a [u32])
 /// answer), answer transitions between consecutive turns, invalid fractions, mean score.
 pub fn discussion_metrics(discussions: &[Discussion], prefix: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
-    let Some(first) = discussions.first() else { return out };
-    let (turns, n) = (first.answers.len(), first.answers.first().map_or(0, Vec::len));
+    let Some(first) = discussions.first() else {
+        return out;
+    };
+    let (turns, n) = (
+        first.answers.len(),
+        first.answers.first().map_or(0, Vec::len),
+    );
     let q = discussions.len() as f64;
     for t in 0..turns {
         let mut acc = 0.0;
         for i in 0..n {
-            let a = discussions.iter().filter(|d| d.answers[t][i].correct).count() as f64 / q;
+            let a = discussions
+                .iter()
+                .filter(|d| d.answers[t][i].correct)
+                .count() as f64
+                / q;
             out.insert(format!("{prefix}accuracy/turn{t}/agent{i}"), a);
             acc += a / n as f64;
         }
@@ -326,7 +468,9 @@ pub fn discussion_metrics(discussions: &[Discussion], prefix: &str) -> BTreeMap<
             let row = &d.answers[t];
             let mut counts: BTreeMap<String, (usize, bool)> = BTreeMap::new();
             for a in row.iter().filter(|a| !a.extracted.is_null()) {
-                let e = counts.entry(a.extracted.to_string()).or_insert((0, a.correct));
+                let e = counts
+                    .entry(a.extracted.to_string())
+                    .or_insert((0, a.correct));
                 e.0 += 1;
             }
             if counts.values().any(|(c, right)| 2 * c > n && *right) {
@@ -344,12 +488,26 @@ pub fn discussion_metrics(discussions: &[Discussion], prefix: &str) -> BTreeMap<
         out.insert(format!("{prefix}score/turn{t}"), score / q);
         if t >= 1 {
             let count = |from: bool, to: bool| {
-                discussions.iter().map(|d| (0..n).filter(|&i| d.answers[t - 1][i].correct == from && d.answers[t][i].correct == to).count()).sum::<usize>()
-                    as f64
+                discussions
+                    .iter()
+                    .map(|d| {
+                        (0..n)
+                            .filter(|&i| {
+                                d.answers[t - 1][i].correct == from && d.answers[t][i].correct == to
+                            })
+                            .count()
+                    })
+                    .sum::<usize>() as f64
                     / (q * n as f64)
             };
-            out.insert(format!("{prefix}transitions/turn{t}/correct_to_wrong"), count(true, false));
-            out.insert(format!("{prefix}transitions/turn{t}/wrong_to_correct"), count(false, true));
+            out.insert(
+                format!("{prefix}transitions/turn{t}/correct_to_wrong"),
+                count(true, false),
+            );
+            out.insert(
+                format!("{prefix}transitions/turn{t}/wrong_to_correct"),
+                count(false, true),
+            );
         }
     }
     out
@@ -381,13 +539,26 @@ mod tests {
             shown: String::new(),
             invalid: None,
             adapter: String::new(),
+            logprobs: vec![],
         }
     }
 
     #[test]
     fn metrics_count_accuracy_majority_agreement_and_transitions() {
-        let d1 = Discussion { item: 0, answers: vec![vec![answer(true, "7"), answer(false, "3"), answer(false, "4")], vec![answer(true, "7"), answer(true, "7"), answer(false, "4")]] };
-        let d2 = Discussion { item: 1, answers: vec![vec![answer(false, "1"), answer(false, "1"), answer(false, "1")], vec![answer(false, "1"), answer(false, "1"), answer(true, "2")]] };
+        let d1 = Discussion {
+            item: 0,
+            answers: vec![
+                vec![answer(true, "7"), answer(false, "3"), answer(false, "4")],
+                vec![answer(true, "7"), answer(true, "7"), answer(false, "4")],
+            ],
+        };
+        let d2 = Discussion {
+            item: 1,
+            answers: vec![
+                vec![answer(false, "1"), answer(false, "1"), answer(false, "1")],
+                vec![answer(false, "1"), answer(false, "1"), answer(true, "2")],
+            ],
+        };
         let m = discussion_metrics(&[d1, d2], "");
         assert!((m["accuracy/turn0"] - 1.0 / 6.0).abs() < 1e-12);
         assert!((m["accuracy/turn1"] - 3.0 / 6.0).abs() < 1e-12);

@@ -20,12 +20,12 @@ use super::rollout::{Discussion, DiscussionSetup, discussion_metrics};
 use super::update::{PpoRecord, PpoSample, ppo_update, training_response};
 use crate::algo::discussion_score::{Incentives, ScoreRule, shaped_training_scores};
 use crate::config::{CheckedConfig, MaporlSection, VerifierUserMessage};
-use crate::dist::{Collective, SingleRank};
-use crate::metrics::MetricsWriter;
-use crate::prompts::Followup;
 use crate::data::items::PromptEncoding;
 use crate::data::items::TrainItem;
+use crate::dist::{Collective, SingleRank};
 use crate::error::TrainError;
+use crate::metrics::MetricsWriter;
+use crate::prompts::Followup;
 use crate::seeds::derive_seed;
 use crate::sources::{RewardSource, RolloutSource};
 
@@ -86,30 +86,65 @@ impl MaporlTrainer {
 
     /// A trainer that is one of the data-parallel ranks of `dist`.
     pub fn new_ranked(s: MaporlSetup, dist: Box<dyn Collective>) -> Result<Self, TrainError> {
-        let m = s.cfg.raw.maporl.clone().ok_or_else(|| TrainError::Config("the config has no maporl section".into()))?;
+        let m = s
+            .cfg
+            .raw
+            .maporl
+            .clone()
+            .ok_or_else(|| TrainError::Config("the config has no maporl section".into()))?;
         if s.train_items.is_empty() {
             return Err(TrainError::Data("the train split selects no rows".into()));
         }
         let metrics = if dist.is_root() {
-            std::fs::create_dir_all(&s.run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
-            Some(MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?)
+            std::fs::create_dir_all(&s.run_dir)
+                .map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+            Some(
+                MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard)
+                    .map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?,
+            )
         } else {
             None
         };
-        let followup = Followup::new(m.followup_style, m.followup_template.as_deref()).map_err(TrainError::Config)?;
+        let followup = Followup::new(m.followup_style, m.followup_template.as_deref())
+            .map_err(TrainError::Config)?;
         let encoding = s.cfg.prompt_encoding();
         let rng = ChaCha8Rng::seed_from_u64(derive_seed(&[s.cfg.raw.seed, TAG_PPO]));
         let verifier = super::verifier_name(&s.cfg, &m)?;
-        Ok(Self { m, encoding, followup, metrics, dist, rng, step: 0, history: Vec::new(), evals: Vec::new(), verifier, s })
+        Ok(Self {
+            m,
+            encoding,
+            followup,
+            metrics,
+            dist,
+            rng,
+            step: 0,
+            history: Vec::new(),
+            evals: Vec::new(),
+            verifier,
+            s,
+        })
     }
 
     fn versions(&self) -> BTreeMap<String, u64> {
-        self.s.adapters.policies.iter().map(|(k, p)| (k.clone(), p.version)).collect()
+        self.s
+            .adapters
+            .policies
+            .iter()
+            .map(|(k, p)| (k.clone(), p.version))
+            .collect()
     }
 
     fn max_prompt_tokens(&self) -> usize {
-        let by_length = self.s.cfg.raw.model.max_length.saturating_sub(self.m.max_output_length);
-        self.m.max_input_length.map_or(by_length, |l| l.min(by_length))
+        let by_length = self
+            .s
+            .cfg
+            .raw
+            .model
+            .max_length
+            .saturating_sub(self.m.max_output_length);
+        self.m
+            .max_input_length
+            .map_or(by_length, |l| l.min(by_length))
     }
 
     fn discuss(&mut self, items: &[&TrainItem], seed: u64) -> Result<Vec<Discussion>, TrainError> {
@@ -123,20 +158,35 @@ impl MaporlTrainer {
             followup: &self.followup,
             versions: &versions,
             max_prompt_tokens: self.max_prompt_tokens(),
-            verifier: self.verifier.as_ref().map(|name| super::rollout::VerifierScoring {
-                name: name.clone(),
-                user_template: match self.m.verifier_user_message {
-                    VerifierUserMessage::FirstTurn => None,
-                    VerifierUserMessage::Template => Some(self.s.cfg.raw.verifier.clone().unwrap_or_default().template(&self.s.task)),
-                },
-            }),
+            verifier: self
+                .verifier
+                .as_ref()
+                .map(|name| super::rollout::VerifierScoring {
+                    name: name.clone(),
+                    user_template: match self.m.verifier_user_message {
+                        VerifierUserMessage::FirstTurn => None,
+                        VerifierUserMessage::Template => Some(
+                            self.s
+                                .cfg
+                                .raw
+                                .verifier
+                                .clone()
+                                .unwrap_or_default()
+                                .template(&self.s.task),
+                        ),
+                    },
+                }),
         };
         setup.discuss(items, seed, self.s.rollout.as_mut(), self.s.reward.as_mut())
     }
 
     /// Steps of one epoch and of the run.
     pub fn total_steps(&self) -> u64 {
-        let per_epoch = self.s.train_items.len().div_ceil(self.m.questions_per_step()) as u64;
+        let per_epoch = self
+            .s
+            .train_items
+            .len()
+            .div_ceil(self.m.questions_per_step()) as u64;
         per_epoch * self.m.num_train_epochs as u64
     }
 
@@ -155,13 +205,25 @@ impl MaporlTrainer {
     }
 
     /// One training step over `items`.
-    pub fn train_step(&mut self, items: &[&TrainItem], total_steps: u64) -> Result<BTreeMap<String, f64>, TrainError> {
+    pub fn train_step(
+        &mut self,
+        items: &[&TrainItem],
+        total_steps: u64,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
         let t0 = Instant::now();
         let seed = derive_seed(&[self.s.cfg.raw.seed, TAG_SAMPLE, self.step]);
         let discussions = self.discuss_ranked(items, seed)?;
         let t_rollout = t0.elapsed().as_secs_f64();
-        let rule = ScoreRule { horizon: self.m.rule_horizon, agent_share: self.m.rule_agent_share, gamma: self.m.rule_discount, lookahead: self.m.rule_lookahead };
-        let inc = Incentives { alpha: self.m.alpha, rule: self.m.incentive_rule };
+        let rule = ScoreRule {
+            horizon: self.m.rule_horizon,
+            agent_share: self.m.rule_agent_share,
+            gamma: self.m.rule_discount,
+            lookahead: self.m.rule_lookahead,
+        };
+        let inc = Incentives {
+            alpha: self.m.alpha,
+            rule: self.m.incentive_rule,
+        };
         let mut samples = Vec::new();
         let mut where_from = Vec::new();
         let mut training_scores = Vec::new();
@@ -170,17 +232,30 @@ impl MaporlTrainer {
         let ends: Vec<(Vec<u32>, Option<u32>)> = (0..self.s.cfg.num_agents)
             .map(|i| {
                 let base = &self.s.bases.models[self.s.bases.agent_base[i]];
-                (base.stop_token_ids(), base.tokenizer.pad_id().or(base.tokenizer.eos_id()))
+                (
+                    base.stop_token_ids(),
+                    base.tokenizer.pad_id().or(base.tokenizer.eos_id()),
+                )
             })
             .collect();
         for (q, d) in discussions.iter().enumerate() {
-            let r = shaped_training_scores(&d.scores(), &d.correct(), &rule, &inc).map_err(|e| TrainError::Data(e.to_string()))?;
+            let r = shaped_training_scores(&d.scores(), &d.correct(), &rule, &inc)
+                .map_err(|e| TrainError::Data(e.to_string()))?;
             for (t, row) in d.answers.iter().enumerate() {
                 for (i, a) in row.iter().enumerate() {
                     let (stops, pad) = &ends[i];
-                    let (response, score_slot_after) = training_response(&a.tokens, self.m.max_output_length, stops, *pad, self.m.score_position);
+                    let (response, score_slot_after) = training_response(
+                        &a.tokens,
+                        self.m.max_output_length,
+                        stops,
+                        *pad,
+                        self.m.score_position,
+                    );
                     // An answer with no token to train (an EOS-as-pad first token) is left out.
                     if (t > 0 || self.m.task_training) && !response.is_empty() {
+                        // The response is a prefix of the sampled tokens (see `training_response`).
+                        let behaviour_logprobs =
+                            (!a.logprobs.is_empty()).then(|| a.logprobs[..response.len()].to_vec());
                         samples.push(PpoSample {
                             policy: adapter_key(self.m.adapter_layout, i, t),
                             critic: critic_key(&self.m, i, t),
@@ -189,6 +264,7 @@ impl MaporlTrainer {
                             prompt: a.prompt.clone(),
                             value_prompt: a.value_prompt.clone(),
                             response,
+                            behaviour_logprobs,
                             score_slot_after,
                             score: r[t][i],
                         });
@@ -198,16 +274,35 @@ impl MaporlTrainer {
             }
             training_scores.push(r);
         }
-        let lr = scheduled_lr(self.m.learning_rate, self.m.lr_end_factor, self.step, total_steps);
+        let lr = scheduled_lr(
+            self.m.learning_rate,
+            self.m.lr_end_factor,
+            self.step,
+            total_steps,
+        );
         self.s.adapters.set_lr(lr);
         let t1 = Instant::now();
         let concurrent = self.s.cfg.raw.learner.concurrent_policies;
-        let (records, mut values) = ppo_update(&self.m, &self.s.bases, &mut self.s.adapters, &samples, &mut self.rng, self.dist.as_ref(), concurrent)?;
+        let (records, mut values) = ppo_update(
+            &self.m,
+            &self.s.bases,
+            &mut self.s.adapters,
+            &samples,
+            &mut self.rng,
+            self.dist.as_ref(),
+            concurrent,
+        )?;
         let t_update = t1.elapsed().as_secs_f64();
         let t2 = Instant::now();
-        let trained: std::collections::BTreeSet<&str> = samples.iter().map(|s| s.policy.as_str()).collect();
+        let trained: std::collections::BTreeSet<&str> =
+            samples.iter().map(|s| s.policy.as_str()).collect();
         for key in trained {
-            let p = self.s.adapters.policies.get_mut(key).expect("sampled keys exist");
+            let p = self
+                .s
+                .adapters
+                .policies
+                .get_mut(key)
+                .expect("sampled keys exist");
             let next = p.version + 1;
             if self.dist.is_root() {
                 p.push(self.s.rollout.as_mut(), next)?;
@@ -220,8 +315,16 @@ impl MaporlTrainer {
         }
         let t_sync = t2.elapsed().as_secs_f64();
         values.extend(discussion_metrics(&discussions, ""));
-        let all_r: Vec<f64> = training_scores.iter().flatten().flatten().copied().collect();
-        values.insert("training_score/mean".into(), all_r.iter().sum::<f64>() / all_r.len().max(1) as f64);
+        let all_r: Vec<f64> = training_scores
+            .iter()
+            .flatten()
+            .flatten()
+            .copied()
+            .collect();
+        values.insert(
+            "training_score/mean".into(),
+            all_r.iter().sum::<f64>() / all_r.len().max(1) as f64,
+        );
         values.insert("lr".into(), lr);
         values.insert("time/rollout".into(), t_rollout);
         values.insert("time/update".into(), t_update);
@@ -243,9 +346,15 @@ impl MaporlTrainer {
         where_from: &[(usize, usize, usize)],
         records: &[PpoRecord],
     ) -> std::io::Result<()> {
-        let by_place: BTreeMap<(usize, usize, usize), &PpoRecord> = where_from.iter().copied().zip(records).collect();
+        let by_place: BTreeMap<(usize, usize, usize), &PpoRecord> =
+            where_from.iter().copied().zip(records).collect();
         let path = self.s.run_dir.join("rollouts.jsonl");
-        let mut f = std::io::BufWriter::new(std::fs::OpenOptions::new().create(true).append(true).open(path)?);
+        let mut f = std::io::BufWriter::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?,
+        );
         for (q, d) in discussions.iter().enumerate() {
             for (t, row) in d.answers.iter().enumerate() {
                 for (i, a) in row.iter().enumerate() {
@@ -296,31 +405,50 @@ impl MaporlTrainer {
             full_finetune: self.m.full_finetune,
         };
         let text = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
-        std::fs::write(dir.join(crate::export::MAPORL_MANIFEST), text).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))?;
+        std::fs::write(dir.join(crate::export::MAPORL_MANIFEST), text)
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))?;
         Ok(dir.to_path_buf())
     }
 
     /// This rank's share of `items` discussed (every world-th question), then every rank's
     /// discussions in the items' order, on every rank.
-    fn discuss_ranked(&mut self, items: &[&TrainItem], seed: u64) -> Result<Vec<Discussion>, TrainError> {
+    fn discuss_ranked(
+        &mut self,
+        items: &[&TrainItem],
+        seed: u64,
+    ) -> Result<Vec<Discussion>, TrainError> {
         let (rank, world) = (self.dist.rank(), self.dist.world());
         if world == 1 {
             return self.discuss(items, seed);
         }
-        let positions: Vec<usize> = crate::dist::rank_share(&(0..items.len()).collect::<Vec<_>>(), rank, world);
+        let positions: Vec<usize> =
+            crate::dist::rank_share(&(0..items.len()).collect::<Vec<_>>(), rank, world);
         let mine: Vec<&TrainItem> = positions.iter().map(|&q| items[q]).collect();
-        let own = if mine.is_empty() { Vec::new() } else { self.discuss(&mine, seed)? };
-        let bytes = serde_json::to_vec(&own).map_err(|e| TrainError::Dist(format!("serialising discussions: {e}")))?;
+        let own = if mine.is_empty() {
+            Vec::new()
+        } else {
+            self.discuss(&mine, seed)?
+        };
+        let bytes = serde_json::to_vec(&own)
+            .map_err(|e| TrainError::Dist(format!("serialising discussions: {e}")))?;
         let mut all: Vec<Option<Discussion>> = vec![None; items.len()];
         for (r, part) in self.dist.all_gather_bytes(&bytes)?.iter().enumerate() {
-            let theirs: Vec<Discussion> = serde_json::from_slice(part).map_err(|e| TrainError::Dist(format!("rank {r}'s discussions: {e}")))?;
+            let theirs: Vec<Discussion> = serde_json::from_slice(part)
+                .map_err(|e| TrainError::Dist(format!("rank {r}'s discussions: {e}")))?;
             let at = crate::dist::rank_share(&(0..items.len()).collect::<Vec<_>>(), r, world);
             for (mut d, q) in theirs.into_iter().zip(at) {
                 d.item = q;
                 all[q] = Some(d);
             }
         }
-        all.into_iter().enumerate().map(|(q, d)| d.ok_or_else(|| TrainError::Dist(format!("no rank discussed question {q} of the step")))).collect()
+        all.into_iter()
+            .enumerate()
+            .map(|(q, d)| {
+                d.ok_or_else(|| {
+                    TrainError::Dist(format!("no rank discussed question {q} of the step"))
+                })
+            })
+            .collect()
     }
 
     /// Gives every rank rank 0's adapters and critics (weights only: the run starts here).
@@ -341,7 +469,9 @@ impl MaporlTrainer {
 
     fn log(&mut self, values: &BTreeMap<String, f64>) -> Result<(), TrainError> {
         if let Some(metrics) = &mut self.metrics {
-            metrics.log(self.step, values).map_err(|e| TrainError::Io(format!("metrics: {e}")))?;
+            metrics
+                .log(self.step, values)
+                .map_err(|e| TrainError::Io(format!("metrics: {e}")))?;
         }
         self.history.push(values.clone());
         Ok(())
@@ -368,12 +498,20 @@ impl MaporlTrainer {
         self.sync_all()?;
         info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
             steps = total, adapters = self.s.adapters.policies.len(), critics = self.s.adapters.critics.len(), "MaPoRL training");
-        let bar = if root { crate::metrics::progress::progress_bar(self.s.cfg.raw.logging.progress, total, 0) } else { None };
+        let bar = if root {
+            crate::metrics::progress::progress_bar(self.s.cfg.raw.logging.progress, total, 0)
+        } else {
+            None
+        };
         let qps = self.m.questions_per_step();
         let interval = self.m.eval_interval as u64;
         for epoch in 0..self.m.num_train_epochs as u64 {
             let mut order: Vec<usize> = (0..self.s.train_items.len()).collect();
-            order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[self.s.cfg.raw.seed, TAG_ORDER, epoch])));
+            order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[
+                self.s.cfg.raw.seed,
+                TAG_ORDER,
+                epoch,
+            ])));
             for chunk in order.chunks(qps) {
                 let mut values = BTreeMap::new();
                 if root && interval > 0 && self.step.is_multiple_of(interval) {
@@ -383,30 +521,53 @@ impl MaporlTrainer {
                     }
                     values.extend(e);
                 }
-                let items: Vec<TrainItem> = chunk.iter().map(|&k| self.s.train_items[k].clone()).collect();
+                let items: Vec<TrainItem> = chunk
+                    .iter()
+                    .map(|&k| self.s.train_items[k].clone())
+                    .collect();
                 let refs: Vec<&TrainItem> = items.iter().collect();
                 values.extend(self.train_step(&refs, total)?);
                 self.step += 1;
                 self.log(&values)?;
-                let acc_last = values.get(&format!("accuracy/turn{}", self.m.round_num - 1)).copied().unwrap_or(f64::NAN);
+                let acc_last = values
+                    .get(&format!("accuracy/turn{}", self.m.round_num - 1))
+                    .copied()
+                    .unwrap_or(f64::NAN);
                 let kl = values.get("objective/kl").copied().unwrap_or(f64::NAN);
                 match &bar {
                     Some(pb) => {
                         pb.set_position(self.step);
                         pb.set_message(format!("last-turn accuracy {acc_last:.3} kl {kl:.4}"));
                     }
-                    None if self.step.is_multiple_of(self.m.logging_steps as u64) || self.step == total => {
+                    None if self.step.is_multiple_of(self.m.logging_steps as u64)
+                        || self.step == total =>
+                    {
                         // One line a person reads; every scalar of the step at debug (and in metrics.jsonl).
                         let secs = values.get("time/step").copied().unwrap_or(0.0);
-                        info!("step {}/{total}: last-turn accuracy {acc_last:.3}, kl {kl:.4}, {secs:.1} s", self.step);
+                        info!(
+                            "step {}/{total}: last-turn accuracy {acc_last:.3}, kl {kl:.4}, {secs:.1} s",
+                            self.step
+                        );
                         tracing::debug!(step = self.step, scalars = ?values, "step scalars");
                     }
                     None => {}
                 }
-                if root && self.m.save_steps > 0 && self.step.is_multiple_of(self.m.save_steps as u64) {
-                    let dir = self.save_policies(&self.s.run_dir.join("checkpoints").join(format!("step-{}", self.step)))?;
+                if root
+                    && self.m.save_steps > 0
+                    && self.step.is_multiple_of(self.m.save_steps as u64)
+                {
+                    let dir = self.save_policies(
+                        &self
+                            .s
+                            .run_dir
+                            .join("checkpoints")
+                            .join(format!("step-{}", self.step)),
+                    )?;
                     info!(step = self.step, checkpoint = %dir.display(), "policies saved");
-                    crate::checkpoint::apply_save_total_limit(&self.s.run_dir, self.s.cfg.raw.output.save_total_limit);
+                    crate::checkpoint::apply_save_total_limit(
+                        &self.s.run_dir,
+                        self.s.cfg.raw.output.save_total_limit,
+                    );
                 }
             }
         }
@@ -415,29 +576,57 @@ impl MaporlTrainer {
         }
         if self.dist.world() > 1 {
             for (key, p) in &self.s.adapters.policies {
-                crate::dist::check_same(self.dist.as_ref(), &format!("adapter `{key}` at the end"), &p.optimizer.parameters())?;
+                crate::dist::check_same(
+                    self.dist.as_ref(),
+                    &format!("adapter `{key}` at the end"),
+                    &p.optimizer.parameters(),
+                )?;
             }
         }
         if !root {
-            return Ok(MaporlSummary { run_dir: self.s.run_dir.clone(), steps: self.step, history: Vec::new(), evals: Vec::new(), final_dir: None, plots: Vec::new() });
+            return Ok(MaporlSummary {
+                run_dir: self.s.run_dir.clone(),
+                steps: self.step,
+                history: Vec::new(),
+                evals: Vec::new(),
+                final_dir: None,
+                plots: Vec::new(),
+            });
         }
         let e = self.evaluate()?;
         if !e.is_empty() {
             self.evals.push((self.step, e.clone()));
             self.log(&e)?;
         }
-        let final_name = if self.m.full_finetune { "final_model" } else { "adapters" };
-        let final_dir = if self.s.cfg.raw.output.save_final_model { Some(self.save_policies(&self.s.run_dir.join(final_name))?) } else { None };
+        let final_name = if self.m.full_finetune {
+            "final_model"
+        } else {
+            "adapters"
+        };
+        let final_dir = if self.s.cfg.raw.output.save_final_model {
+            Some(self.save_policies(&self.s.run_dir.join(final_name))?)
+        } else {
+            None
+        };
         let mut plots = Vec::new();
         if self.s.cfg.raw.logging.plots {
             match crate::plot::plot_run(&self.s.run_dir) {
                 Ok(p) => plots = p,
                 Err(err) => warn!(error = %err, "plots not drawn"),
             }
-            if let Some(p) = super::plot::accuracy_per_turn(&self.s.run_dir, &self.evals, self.m.round_num) {
+            if let Some(p) =
+                super::plot::accuracy_per_turn(&self.s.run_dir, &self.evals, self.m.round_num)
+            {
                 plots.push(p);
             }
         }
-        Ok(MaporlSummary { run_dir: self.s.run_dir.clone(), steps: self.step, history: self.history.clone(), evals: self.evals.clone(), final_dir, plots })
+        Ok(MaporlSummary {
+            run_dir: self.s.run_dir.clone(),
+            steps: self.step,
+            history: self.history.clone(),
+            evals: self.evals.clone(),
+            final_dir,
+            plots,
+        })
     }
 }

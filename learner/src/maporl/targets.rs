@@ -24,6 +24,9 @@ pub struct PpoSample {
     pub score_slot_after: bool,
     /// R(t, i) (with incentives and penalties).
     pub score: f64,
+    /// The behaviour log-prob of each response token as the rollout worker sampled it
+    /// (`maporl.old_logprobs: generation`); `None`: the update computes them.
+    pub behaviour_logprobs: Option<Vec<f32>>,
 }
 
 impl PpoSample {
@@ -70,11 +73,19 @@ pub struct PpoRecord {
 /// after the answer, trained toward the score, and the last trained token's advantage bootstraps
 /// from it; and an eos-as-pad model gets no gradient on its EOS. `last_token` stays an option for
 /// users who want the policy to learn to end its answer with any tokenizer.
-pub fn training_response(tokens: &[u32], sampled: usize, stops: &[u32], pad: Option<u32>, position: ScorePosition) -> (Vec<u32>, bool) {
+pub fn training_response(
+    tokens: &[u32],
+    sampled: usize,
+    stops: &[u32],
+    pad: Option<u32>,
+    position: ScorePosition,
+) -> (Vec<u32>, bool) {
     let stop = tokens.last().copied().filter(|t| stops.contains(t));
     match (position, stop) {
         (ScorePosition::LastToken, _) | (ScorePosition::Trl, None) => (tokens.to_vec(), false),
-        (ScorePosition::Trl, Some(s)) if Some(s) == pad => (tokens[..tokens.len() - 1].to_vec(), true),
+        (ScorePosition::Trl, Some(s)) if Some(s) == pad => {
+            (tokens[..tokens.len() - 1].to_vec(), true)
+        }
         (ScorePosition::Trl, Some(_)) => (tokens.to_vec(), tokens.len() < sampled),
     }
 }
@@ -95,7 +106,11 @@ pub fn training_response(tokens: &[u32], sampled: usize, stops: &[u32], pad: Opt
 /// The groups are `maporl.whiten`'s: per (turn, agent) over the step's questions, or per policy
 /// adapter. With several ranks every rank holds every sample, so a group spans the whole step's
 /// questions (MaPoRL whitens each process's local questions).
-pub fn ppo_targets(m: &MaporlSection, samples: &[PpoSample], records: &mut [PpoRecord]) -> (Vec<Vec<f64>>, BTreeMap<String, f64>) {
+pub fn ppo_targets(
+    m: &MaporlSection,
+    samples: &[PpoSample],
+    records: &mut [PpoRecord],
+) -> (Vec<Vec<f64>>, BTreeMap<String, f64>) {
     let mut stats: BTreeMap<String, f64> = BTreeMap::new();
     let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     for (k, s) in samples.iter().enumerate() {
@@ -114,9 +129,15 @@ pub fn ppo_targets(m: &MaporlSection, samples: &[PpoSample], records: &mut [PpoR
             let (s, rec) = (&samples[k], &records[k]);
             let kl: f64 = kl_per_token(&rec.logprobs, &rec.ref_logprobs).iter().sum();
             *stats.entry("objective/kl".into()).or_insert(0.0) += kl / n;
-            *stats.entry("objective/rlhf_reward".into()).or_insert(0.0) += (s.score - m.kl_coef * kl) / n;
+            *stats.entry("objective/rlhf_reward".into()).or_insert(0.0) +=
+                (s.score - m.kl_coef * kl) / n;
             // The score goes on the last value position: the slot after the response, or its last token.
-            let mut r = token_rewards(&rec.logprobs, &rec.ref_logprobs, if s.score_slot_after { 0.0 } else { s.score }, m.kl_coef);
+            let mut r = token_rewards(
+                &rec.logprobs,
+                &rec.ref_logprobs,
+                if s.score_slot_after { 0.0 } else { s.score },
+                m.kl_coef,
+            );
             if s.score_slot_after {
                 r.push(s.score);
             }
@@ -151,6 +172,9 @@ pub fn ppo_targets(m: &MaporlSection, samples: &[PpoSample], records: &mut [PpoR
             at += len;
         }
     }
-    stats.insert("val/explained_variance".into(), explained_variance(&all_values, &all_returns));
+    stats.insert(
+        "val/explained_variance".into(),
+        explained_variance(&all_values, &all_returns),
+    );
     (whitened, stats)
 }

@@ -1,6 +1,7 @@
 //! MaPoRL's PPO update of one step (TRL's PPO, as `crate::algo::ppo` spells out), per adapter:
 //!
-//! 1. without grad: behaviour log-probs under the sampling temperature (the adapter set), reference
+//! 1. without grad: behaviour log-probs under the sampling temperature (the adapter set; or as the
+//!    rollout workers sampled them, `maporl.old_logprobs: generation`), reference
 //!    log-probs (the base alone) and the critic's values at the positions predicting each response
 //!    token (and after the last one, where the score lands there);
 //! 2. ([`super::targets::ppo_targets`]) per-token rewards −kl_coef·(log π − log π_ref) with the training score
@@ -29,10 +30,10 @@ use cotrain_model::families::CausalLm;
 
 use super::agents::{Adapters, Bases, Critic, PolicyAdapter};
 pub use super::targets::{PpoRecord, PpoSample, ppo_targets, training_response};
-use crate::dist::{Collective, SingleRank};
-use crate::algo::ppo::{clipped_policy_loss, clipped_value_loss};
 use crate::algo::padding::pad_values;
+use crate::algo::ppo::{clipped_policy_loss, clipped_value_loss};
 use crate::config::MaporlSection;
+use crate::dist::{Collective, SingleRank};
 use crate::error::TrainError;
 
 fn model_err(what: &str) -> impl Fn(cotrain_model::ModelError) -> TrainError + '_ {
@@ -41,35 +42,59 @@ fn model_err(what: &str) -> impl Fn(cotrain_model::ModelError) -> TrainError + '
 
 /// Right-padded (B, L) ids of prompt + response rows, and each row's prompt length.
 fn pad_sequences(rows: &[(&[u32], &[u32])]) -> (Tensor, Vec<usize>) {
-    let l = rows.iter().map(|(p, r)| p.len() + r.len()).max().unwrap_or(1);
+    let l = rows
+        .iter()
+        .map(|(p, r)| p.len() + r.len())
+        .max()
+        .unwrap_or(1);
     let mut ids = vec![0i64; rows.len() * l];
     for (b, (p, r)) in rows.iter().enumerate() {
         for (j, t) in p.iter().chain(r.iter()).enumerate() {
             ids[b * l + j] = *t as i64;
         }
     }
-    (Tensor::from_slice(&ids).view([rows.len() as i64, l as i64]), rows.iter().map(|(p, _)| p.len()).collect())
+    (
+        Tensor::from_slice(&ids).view([rows.len() as i64, l as i64]),
+        rows.iter().map(|(p, _)| p.len()).collect(),
+    )
 }
 
 /// Values (B, Cmax) at the first `counts[b]` positions predicting each response token (prompt_len
 /// − 1 + t; t = len(response) is the state after the response), zero beyond.
-fn response_values(critic: &Critic, base: &CausalLm, rows: &[(&[u32], &[u32])], counts: &[usize], with_grad: bool) -> Result<Tensor, TrainError> {
+fn response_values(
+    critic: &Critic,
+    base: &CausalLm,
+    rows: &[(&[u32], &[u32])],
+    counts: &[usize],
+    with_grad: bool,
+) -> Result<Tensor, TrainError> {
     let (ids, prompt_lens) = pad_sequences(rows);
     let v = critic.values(base, &ids.to_device(base.device()), with_grad)?;
     let l = v.size()[1];
     let cmax = counts.iter().copied().max().unwrap_or(0) as i64;
     let (mut src, mut dst) = (Vec::new(), Vec::new());
     for (b, (_, r)) in rows.iter().enumerate() {
-        assert!(counts[b] <= r.len() + 1, "at most one value position past the response");
+        assert!(
+            counts[b] <= r.len() + 1,
+            "at most one value position past the response"
+        );
         for t in 0..counts[b] {
             src.push(b as i64 * l + (prompt_lens[b] + t - 1) as i64);
             dst.push(b as i64 * cmax + t as i64);
         }
     }
     let device = v.device();
-    let flat = v.reshape([-1]).index_select(0, &Tensor::from_slice(&src).to_device(device));
+    let flat = v
+        .reshape([-1])
+        .index_select(0, &Tensor::from_slice(&src).to_device(device));
     let out = Tensor::zeros([rows.len() as i64 * cmax], (Kind::Float, device));
-    Ok(out.index_put(&[Some(Tensor::from_slice(&dst).to_device(device))], &flat, false).view([rows.len() as i64, cmax]))
+    Ok(out
+        .index_put(
+            &[Some(Tensor::from_slice(&dst).to_device(device))],
+            &flat,
+            false,
+        )
+        .view([rows.len() as i64, cmax]))
 }
 
 /// Per-sample vectors padded into (B, Cmax) f32.
@@ -84,8 +109,12 @@ fn pad(rows: &[&[f64]], cmax: usize) -> Tensor {
 }
 
 fn split(flat: &Tensor, offsets: &[usize]) -> Vec<Vec<f32>> {
-    let all: Vec<f32> = Vec::try_from(flat.to_kind(Kind::Float).to_device(tch::Device::Cpu)).unwrap_or_default();
-    offsets.windows(2).map(|w| all[w[0]..w[1]].to_vec()).collect()
+    let all: Vec<f32> =
+        Vec::try_from(flat.to_kind(Kind::Float).to_device(tch::Device::Cpu)).unwrap_or_default();
+    offsets
+        .windows(2)
+        .map(|w| all[w[0]..w[1]].to_vec())
+        .collect()
 }
 
 /// Runs the update of one step over `samples`; returns each sample's record (in order) and the
@@ -114,9 +143,15 @@ pub fn ppo_update(
     let mine = |k: usize| k % world == rank;
     let mut records = vec![PpoRecord::default(); samples.len()];
     let mut stats: BTreeMap<String, f64> = BTreeMap::new();
-    let acc = |k: &str, v: f64, stats: &mut BTreeMap<String, f64>| *stats.entry(k.to_string()).or_insert(0.0) += v;
+    let acc = |k: &str, v: f64, stats: &mut BTreeMap<String, f64>| {
+        *stats.entry(k.to_string()).or_insert(0.0) += v
+    };
     let chunk = cotrain_model::logprobs::TRAINING_CHUNK;
-    let lp_opts = |with_grad| LogProbOptions { chunk_size: chunk, with_grad, temperature: m.temperature };
+    let lp_opts = |with_grad| LogProbOptions {
+        chunk_size: chunk,
+        with_grad,
+        temperature: m.temperature,
+    };
 
     // 1. Old log-probs, reference log-probs, old values.
     let t_prep = std::time::Instant::now();
@@ -127,16 +162,52 @@ pub fn ppo_update(
         by_critic.entry(&s.critic).or_default().push(k);
     }
     for (key, idx) in &by_policy {
-        let p = adapters.policies.get(*key).ok_or_else(|| TrainError::Config(format!("no adapter `{key}`")))?;
+        let p = adapters
+            .policies
+            .get(*key)
+            .ok_or_else(|| TrainError::Config(format!("no adapter `{key}`")))?;
         let idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
         if idx.is_empty() {
             continue;
         }
-        let seqs: Vec<Sequence> = idx.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
-        let old = p.with_model(&bases.models[p.base].model, |model| completion_logprobs(model, &seqs, &lp_opts(false)))?.map_err(model_err("behaviour log-probs"))?;
+        let seqs: Vec<Sequence> = idx
+            .iter()
+            .map(|&k| Sequence {
+                prompt: samples[k].prompt.clone(),
+                completion: samples[k].response.clone(),
+            })
+            .collect();
+        // The behaviour log-probs: as sampled (`old_logprobs: generation`), else one forward.
+        let sampled: Option<Vec<Vec<f32>>> = idx
+            .iter()
+            .map(|&k| samples[k].behaviour_logprobs.clone())
+            .collect();
+        let old = match sampled {
+            Some(lps) => lps,
+            None => {
+                let old = p
+                    .with_model(&bases.models[p.base].model, |model| {
+                        completion_logprobs(model, &seqs, &lp_opts(false))
+                    })?
+                    .map_err(model_err("behaviour log-probs"))?;
+                split(&old.logprobs, &old.offsets)
+            }
+        };
         // The reference policy is the frozen base itself.
-        let reference = completion_logprobs(&bases.models[p.base].model, &seqs, &lp_opts(false)).map_err(model_err("reference log-probs"))?;
-        for ((&k, lp), lr) in idx.iter().zip(split(&old.logprobs, &old.offsets)).zip(split(&reference.logprobs, &reference.offsets)) {
+        let reference = completion_logprobs(&bases.models[p.base].model, &seqs, &lp_opts(false))
+            .map_err(model_err("reference log-probs"))?;
+        for ((&k, lp), lr) in idx
+            .iter()
+            .zip(old)
+            .zip(split(&reference.logprobs, &reference.offsets))
+        {
+            if lp.len() != samples[k].response.len() {
+                return Err(TrainError::Update(format!(
+                    "sample {k}: {} behaviour log-probs for {} response tokens",
+                    lp.len(),
+                    samples[k].response.len()
+                )));
+            }
             records[k].logprobs = lp;
             records[k].ref_logprobs = lr;
         }
@@ -145,10 +216,19 @@ pub fn ppo_update(
         let c = &adapters.critics[*key];
         let idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
         for part in idx.chunks(16) {
-            let rows: Vec<(&[u32], &[u32])> = part.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
+            let rows: Vec<(&[u32], &[u32])> = part
+                .iter()
+                .map(|&k| {
+                    (
+                        samples[k].value_prompt.as_slice(),
+                        samples[k].response.as_slice(),
+                    )
+                })
+                .collect();
             let counts: Vec<usize> = part.iter().map(|&k| samples[k].value_len()).collect();
             let v = response_values(c, &bases.models[c.base].model, &rows, &counts, false)?;
-            let v: Vec<f32> = Vec::try_from(v.to_device(tch::Device::Cpu).reshape([-1])).unwrap_or_default();
+            let v: Vec<f32> =
+                Vec::try_from(v.to_device(tch::Device::Cpu).reshape([-1])).unwrap_or_default();
             let cmax = counts.iter().copied().max().unwrap_or(0);
             for (b, &k) in part.iter().enumerate() {
                 records[k].values = v[b * cmax..b * cmax + counts[b]].to_vec();
@@ -158,10 +238,16 @@ pub fn ppo_update(
 
     if world > 1 {
         // Every rank gets every sample's inputs.
-        let own: Vec<(usize, &PpoRecord)> = records.iter().enumerate().filter(|&(k, _)| mine(k)).collect();
-        let bytes = serde_json::to_vec(&own).map_err(|e| TrainError::Dist(format!("serialising PPO inputs: {e}")))?;
+        let own: Vec<(usize, &PpoRecord)> = records
+            .iter()
+            .enumerate()
+            .filter(|&(k, _)| mine(k))
+            .collect();
+        let bytes = serde_json::to_vec(&own)
+            .map_err(|e| TrainError::Dist(format!("serialising PPO inputs: {e}")))?;
         for (r, part) in dist.all_gather_bytes(&bytes)?.iter().enumerate() {
-            let theirs: Vec<(usize, PpoRecord)> = serde_json::from_slice(part).map_err(|e| TrainError::Dist(format!("rank {r}'s PPO inputs: {e}")))?;
+            let theirs: Vec<(usize, PpoRecord)> = serde_json::from_slice(part)
+                .map_err(|e| TrainError::Dist(format!("rank {r}'s PPO inputs: {e}")))?;
             for (k, rec) in theirs {
                 records[k] = rec;
             }
@@ -195,22 +281,46 @@ pub fn ppo_update(
     let mut jobs: Vec<EpochJob> = Vec::with_capacity(by_policy.len() + by_critic.len());
     let mut policies = adapters.policies.iter_mut();
     for (key, orders) in by_policy.keys().zip(policy_orders) {
-        let (_, p) = policies.find(|(k, _)| k.as_str() == *key).expect("checked above");
-        jobs.push(EpochJob { adapter: JobAdapter::Policy(p), orders });
+        let (_, p) = policies
+            .find(|(k, _)| k.as_str() == *key)
+            .expect("checked above");
+        jobs.push(EpochJob {
+            adapter: JobAdapter::Policy(p),
+            orders,
+        });
     }
     let mut critics = adapters.critics.iter_mut();
     for (key, orders) in by_critic.keys().zip(critic_orders) {
-        let (_, c) = critics.find(|(k, _)| k.as_str() == *key).expect("keys come from the adapters");
-        jobs.push(EpochJob { adapter: JobAdapter::Critic(c), orders });
+        let (_, c) = critics
+            .find(|(k, _)| k.as_str() == *key)
+            .expect("keys come from the adapters");
+        jobs.push(EpochJob {
+            adapter: JobAdapter::Critic(c),
+            orders,
+        });
     }
-    let data = EpochData { m, samples, records: &records, whitened: &whitened };
-    let shares = if concurrent { thread_shares(&jobs, samples, bases, dist) } else { None };
-    stats.insert("ppo/concurrent_jobs".into(), shares.as_ref().map_or(1, Vec::len) as f64);
+    let data = EpochData {
+        m,
+        samples,
+        records: &records,
+        whitened: &whitened,
+    };
+    let shares = if concurrent {
+        thread_shares(&jobs, samples, bases, dist)
+    } else {
+        None
+    };
+    stats.insert(
+        "ppo/concurrent_jobs".into(),
+        shares.as_ref().map_or(1, Vec::len) as f64,
+    );
     let done = match shares {
         Some(shares) => concurrently(jobs, &shares, bases, &data)?,
         None => {
             let nets: Vec<&CausalLm> = bases.models.iter().map(|b| &b.model).collect();
-            jobs.into_iter().map(|job| job.run(&nets, &data, dist)).collect::<Result<Vec<_>, _>>()?
+            jobs.into_iter()
+                .map(|job| job.run(&nets, &data, dist))
+                .collect::<Result<Vec<_>, _>>()?
         }
     };
     // The statistics in the order the epochs produce them one job after another.
@@ -218,7 +328,14 @@ pub fn ppo_update(
     for epoch in 0..m.num_ppo_epochs {
         for mb in done.iter().flat_map(|d| &d.epochs[epoch]) {
             match *mb {
-                MinibatchStats::Policy { loss, clipfrac, approxkl, entropy, ratio, skipped } => {
+                MinibatchStats::Policy {
+                    loss,
+                    clipfrac,
+                    approxkl,
+                    entropy,
+                    ratio,
+                    skipped,
+                } => {
                     if skipped {
                         acc("policy/skipped", 1.0, &mut stats);
                     }
@@ -229,7 +346,11 @@ pub fn ppo_update(
                     acc("val/ratio", ratio, &mut stats);
                     pg_n += 1.0;
                 }
-                MinibatchStats::Value { loss, clipfrac, skipped } => {
+                MinibatchStats::Value {
+                    loss,
+                    clipfrac,
+                    skipped,
+                } => {
                     if skipped {
                         acc("val/skipped", 1.0, &mut stats);
                     }
@@ -240,13 +361,21 @@ pub fn ppo_update(
             }
         }
     }
-    let seconds = |policy: bool| done.iter().filter(|d| d.policy == policy).map(|d| d.seconds).sum::<f64>();
+    let seconds = |policy: bool| {
+        done.iter()
+            .filter(|d| d.policy == policy)
+            .map(|d| d.seconds)
+            .sum::<f64>()
+    };
     // Each job's own time, summed (with concurrent jobs more than the epochs' wall time).
     stats.insert("time/ppo_policy".into(), seconds(true));
     stats.insert("time/ppo_value".into(), seconds(false));
     stats.insert("time/ppo_epochs".into(), t_epochs.elapsed().as_secs_f64());
     for (k, v) in stats.iter_mut() {
-        if k.starts_with("loss/policy") || k.starts_with("policy/") && !k.ends_with("skipped") || k == "val/ratio" {
+        if k.starts_with("loss/policy")
+            || k.starts_with("policy/") && !k.ends_with("skipped")
+            || k == "val/ratio"
+        {
             *v /= pg_n.max(1.0);
         } else if k.starts_with("loss/value") || k == "val/clipfrac_avg" {
             *v /= vf_n.max(1.0);
@@ -257,7 +386,6 @@ pub fn ppo_update(
     stats.insert("train/samples".into(), samples.len() as f64);
     Ok((records, stats))
 }
-
 
 /// What the PPO epochs read besides the adapters.
 struct EpochData<'a> {
@@ -282,8 +410,19 @@ struct EpochJob<'a> {
 
 /// One mini-batch's statistics (summed over ranks, each rank's part weighted by its token share).
 enum MinibatchStats {
-    Policy { loss: f64, clipfrac: f64, approxkl: f64, entropy: f64, ratio: f64, skipped: bool },
-    Value { loss: f64, clipfrac: f64, skipped: bool },
+    Policy {
+        loss: f64,
+        clipfrac: f64,
+        approxkl: f64,
+        entropy: f64,
+        ratio: f64,
+        skipped: bool,
+    },
+    Value {
+        loss: f64,
+        clipfrac: f64,
+        skipped: bool,
+    },
 }
 
 /// What a job did: per epoch, its mini-batches' statistics in order.
@@ -296,7 +435,11 @@ struct JobDone {
 impl EpochJob<'_> {
     /// The job's estimated cost: its prompt and response tokens over all epochs.
     fn cost(&self, samples: &[PpoSample]) -> usize {
-        let tokens: usize = self.orders.first().map_or(0, |o| o.iter().map(|&k| samples[k].prompt.len() + samples[k].response.len()).sum());
+        let tokens: usize = self.orders.first().map_or(0, |o| {
+            o.iter()
+                .map(|&k| samples[k].prompt.len() + samples[k].response.len())
+                .sum()
+        });
         match &self.adapter {
             // A policy's update also runs the LM head: about twice a critic's cost per token.
             JobAdapter::Policy(_) => 2 * tokens * self.orders.len(),
@@ -305,27 +448,51 @@ impl EpochJob<'_> {
     }
 
     /// Runs every epoch's mini-batches on `nets` (the bases' networks, by index).
-    fn run(self, nets: &[&CausalLm], data: &EpochData, dist: &dyn Collective) -> Result<JobDone, TrainError> {
+    fn run(
+        self,
+        nets: &[&CausalLm],
+        data: &EpochData,
+        dist: &dyn Collective,
+    ) -> Result<JobDone, TrainError> {
         let t = std::time::Instant::now();
         // Mini-batch size: `num_mini_batches` parts of each epoch's order (at most one per sample).
-        let size = |order: &[usize]| order.len().div_ceil(data.m.num_mini_batches.min(order.len()).max(1)).max(1);
+        let size = |order: &[usize]| {
+            order
+                .len()
+                .div_ceil(data.m.num_mini_batches.min(order.len()).max(1))
+                .max(1)
+        };
         let mut epochs = Vec::with_capacity(self.orders.len());
         let policy = matches!(self.adapter, JobAdapter::Policy(_));
         match self.adapter {
             JobAdapter::Policy(p) => {
                 let net = nets[p.base];
                 for order in &self.orders {
-                    epochs.push(order.chunks(size(order)).map(|mb| policy_minibatch(p, net, mb, data, dist)).collect::<Result<Vec<_>, _>>()?);
+                    epochs.push(
+                        order
+                            .chunks(size(order))
+                            .map(|mb| policy_minibatch(p, net, mb, data, dist))
+                            .collect::<Result<Vec<_>, _>>()?,
+                    );
                 }
             }
             JobAdapter::Critic(c) => {
                 let net = nets[c.base];
                 for order in &self.orders {
-                    epochs.push(order.chunks(size(order)).map(|mb| value_minibatch(c, net, mb, data, dist)).collect::<Result<Vec<_>, _>>()?);
+                    epochs.push(
+                        order
+                            .chunks(size(order))
+                            .map(|mb| value_minibatch(c, net, mb, data, dist))
+                            .collect::<Result<Vec<_>, _>>()?,
+                    );
                 }
             }
         }
-        Ok(JobDone { policy, epochs, seconds: t.elapsed().as_secs_f64() })
+        Ok(JobDone {
+            policy,
+            epochs,
+            seconds: t.elapsed().as_secs_f64(),
+        })
     }
 }
 
@@ -349,12 +516,24 @@ fn rank_micro_batches(
 ) -> Vec<(Vec<usize>, f64)> {
     let (rank, world) = (dist.rank(), dist.world());
     let all_tokens = mb.iter().map(|&k| len(&samples[k])).sum::<usize>().max(1) as f64;
-    let part: Vec<usize> = mb.iter().enumerate().filter(|&(j, _)| j % world == rank).map(|(_, &k)| k).collect();
+    let part: Vec<usize> = mb
+        .iter()
+        .enumerate()
+        .filter(|&(j, _)| j % world == rank)
+        .map(|(_, &k)| k)
+        .collect();
     if part.is_empty() {
         return Vec::new();
     }
     let size = part.len().div_ceil(micro_batches.max(1));
-    part.chunks(size).map(|micro| (micro.to_vec(), micro.iter().map(|&k| len(&samples[k])).sum::<usize>() as f64 / all_tokens)).collect()
+    part.chunks(size)
+        .map(|micro| {
+            (
+                micro.to_vec(),
+                micro.iter().map(|&k| len(&samples[k])).sum::<usize>() as f64 / all_tokens,
+            )
+        })
+        .collect()
 }
 
 /// The positions the policy loss averages over: the response tokens.
@@ -362,32 +541,82 @@ const POLICY_LEN: fn(&PpoSample) -> usize = |s| s.response.len();
 
 /// One policy mini-batch: the clipped policy loss, backward, and an AdamW step of the adapter
 /// (skipped when the loss or a gradient is not finite on any rank).
-fn policy_minibatch(p: &mut PolicyAdapter, net: &CausalLm, mb: &[usize], data: &EpochData, dist: &dyn Collective) -> Result<MinibatchStats, TrainError> {
-    let EpochData { m, samples, records, whitened } = *data;
+fn policy_minibatch(
+    p: &mut PolicyAdapter,
+    net: &CausalLm,
+    mb: &[usize],
+    data: &EpochData,
+    dist: &dyn Collective,
+) -> Result<MinibatchStats, TrainError> {
+    let EpochData {
+        m,
+        samples,
+        records,
+        whitened,
+    } = *data;
     p.optimizer.zero_grad();
     let mut local = [0.0f64; 6]; // loss, clip fraction, approx kl, entropy, ratio, non-finite
-    for (part, share) in rank_micro_batches(mb, samples, dist, m.gradient_accumulation_steps, POLICY_LEN) {
-        let seqs: Vec<Sequence> = part.iter().map(|&k| Sequence { prompt: samples[k].prompt.clone(), completion: samples[k].response.clone() }).collect();
-        let cmax = part.iter().map(|&k| samples[k].response.len()).max().unwrap_or(0);
+    for (part, share) in
+        rank_micro_batches(mb, samples, dist, m.gradient_accumulation_steps, POLICY_LEN)
+    {
+        let seqs: Vec<Sequence> = part
+            .iter()
+            .map(|&k| Sequence {
+                prompt: samples[k].prompt.clone(),
+                completion: samples[k].response.clone(),
+            })
+            .collect();
+        let cmax = part
+            .iter()
+            .map(|&k| samples[k].response.len())
+            .max()
+            .unwrap_or(0);
         let old = pad_values(part.iter().map(|&k| records[k].logprobs.as_slice()), cmax);
-        let adv = pad(&part.iter().map(|&k| whitened[k].as_slice()).collect::<Vec<_>>(), cmax);
-        let opts = LogProbOptions { chunk_size: cotrain_model::logprobs::TRAINING_CHUNK, with_grad: true, temperature: m.temperature };
-        let tlp = p.with_model(net, |model| completion_logprobs(model, &seqs, &opts))?.map_err(model_err("policy log-probs"))?;
+        let adv = pad(
+            &part
+                .iter()
+                .map(|&k| whitened[k].as_slice())
+                .collect::<Vec<_>>(),
+            cmax,
+        );
+        let opts = LogProbOptions {
+            chunk_size: cotrain_model::logprobs::TRAINING_CHUNK,
+            with_grad: true,
+            temperature: m.temperature,
+        };
+        let tlp = p
+            .with_model(net, |model| completion_logprobs(model, &seqs, &opts))?
+            .map_err(model_err("policy log-probs"))?;
         let (lp, mask) = tlp.padded();
         let mask = mask.to_kind(Kind::Float);
         let device = lp.device();
-        let terms = clipped_policy_loss(&lp, &old.to_device(device), &adv.to_device(device), &mask, m.cliprange)
-            .map_err(|e| TrainError::Update(format!("policy loss: {e}")))?;
+        let terms = clipped_policy_loss(
+            &lp,
+            &old.to_device(device),
+            &adv.to_device(device),
+            &mask,
+            m.cliprange,
+        )
+        .map_err(|e| TrainError::Update(format!("policy loss: {e}")))?;
         let loss = terms.loss.double_value(&[]);
-        tlp.backward(&(&terms.loss * share)).map_err(model_err("policy backward"))?;
+        tlp.backward(&(&terms.loss * share))
+            .map_err(model_err("policy backward"))?;
         let entropy = tlp.entropy.mean(Kind::Float).double_value(&[]);
-        let micro = [loss, terms.clip_fraction, terms.approx_kl, entropy, terms.ratio_mean];
+        let micro = [
+            loss,
+            terms.clip_fraction,
+            terms.approx_kl,
+            entropy,
+            terms.ratio_mean,
+        ];
         for (sum, x) in local.iter_mut().zip(micro) {
             *sum += x * share;
         }
         local[5] += !loss.is_finite() as u8 as f64;
     }
-    let [loss, clipfrac, approxkl, entropy, ratio, bad] = dist.sum_f64(&local)?[..] else { unreachable!("six values") };
+    let [loss, clipfrac, approxkl, entropy, ratio, bad] = dist.sum_f64(&local)?[..] else {
+        unreachable!("six values")
+    };
     if dist.world() > 1 {
         crate::dist::all_reduce_grads(dist, &p.optimizer.parameters())?;
     }
@@ -398,36 +627,85 @@ fn policy_minibatch(p: &mut PolicyAdapter, net: &CausalLm, mb: &[usize], data: &
         p.optimizer.step();
     }
     p.optimizer.zero_grad();
-    Ok(MinibatchStats::Policy { loss, clipfrac, approxkl, entropy, ratio, skipped })
+    Ok(MinibatchStats::Policy {
+        loss,
+        clipfrac,
+        approxkl,
+        entropy,
+        ratio,
+        skipped,
+    })
 }
 
 /// One critic mini-batch: vf_coef × the clipped value loss over the value positions, backward, and
 /// AdamW steps of the critic's adapter and value head (a frozen head has no variable to step;
 /// skipped when the loss or a gradient is not finite on any rank).
-fn value_minibatch(c: &mut Critic, net: &CausalLm, mb: &[usize], data: &EpochData, dist: &dyn Collective) -> Result<MinibatchStats, TrainError> {
-    let EpochData { m, samples, records, .. } = *data;
+fn value_minibatch(
+    c: &mut Critic,
+    net: &CausalLm,
+    mb: &[usize],
+    data: &EpochData,
+    dist: &dyn Collective,
+) -> Result<MinibatchStats, TrainError> {
+    let EpochData {
+        m,
+        samples,
+        records,
+        ..
+    } = *data;
     c.adapter_opt.zero_grad();
     c.head_opt.zero_grad();
     let mut local = [0.0f64; 3]; // loss, clip fraction, non-finite
-    for (part, share) in rank_micro_batches(mb, samples, dist, m.gradient_accumulation_steps, PpoSample::value_len) {
-        let rows: Vec<(&[u32], &[u32])> = part.iter().map(|&k| (samples[k].value_prompt.as_slice(), samples[k].response.as_slice())).collect();
+    for (part, share) in rank_micro_batches(
+        mb,
+        samples,
+        dist,
+        m.gradient_accumulation_steps,
+        PpoSample::value_len,
+    ) {
+        let rows: Vec<(&[u32], &[u32])> = part
+            .iter()
+            .map(|&k| {
+                (
+                    samples[k].value_prompt.as_slice(),
+                    samples[k].response.as_slice(),
+                )
+            })
+            .collect();
         let counts: Vec<usize> = part.iter().map(|&k| samples[k].value_len()).collect();
         let cmax = counts.iter().copied().max().unwrap_or(0);
         let mask_rows: Vec<Vec<f64>> = counts.iter().map(|&n| vec![1.0; n]).collect();
-        let mask = pad(&mask_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), cmax);
+        let mask = pad(
+            &mask_rows.iter().map(Vec::as_slice).collect::<Vec<_>>(),
+            cmax,
+        );
         let old = pad_values(part.iter().map(|&k| records[k].values.as_slice()), cmax);
-        let ret = pad(&part.iter().map(|&k| records[k].returns.as_slice()).collect::<Vec<_>>(), cmax);
+        let ret = pad(
+            &part
+                .iter()
+                .map(|&k| records[k].returns.as_slice())
+                .collect::<Vec<_>>(),
+            cmax,
+        );
         let v = response_values(c, net, &rows, &counts, true)?;
         let device = v.device();
-        let terms = clipped_value_loss(&v, &old.to_device(device), &ret.to_device(device), &mask.to_device(device), m.cliprange_value)
-            .map_err(|e| TrainError::Update(format!("value loss: {e}")))?;
+        let terms = clipped_value_loss(
+            &v,
+            &old.to_device(device),
+            &ret.to_device(device),
+            &mask.to_device(device),
+            m.cliprange_value,
+        )
+        .map_err(|e| TrainError::Update(format!("value loss: {e}")))?;
         let loss = terms.loss.double_value(&[]);
         (&terms.loss * (m.vf_coef * share)).backward();
         local[0] += loss * share;
         local[1] += terms.clip_fraction * share;
         local[2] += !loss.is_finite() as u8 as f64;
     }
-    let [loss, clipfrac, bad] = dist.sum_f64(&local)?[..] else { unreachable!("three values") };
+    let [loss, clipfrac, bad] = dist.sum_f64(&local)?[..] else {
+        unreachable!("three values")
+    };
     if dist.world() > 1 {
         let mut params = c.adapter_opt.parameters();
         params.extend(c.head_opt.parameters());
@@ -442,16 +720,28 @@ fn value_minibatch(c: &mut Critic, net: &CausalLm, mb: &[usize], data: &EpochDat
     }
     c.adapter_opt.zero_grad();
     c.head_opt.zero_grad();
-    Ok(MinibatchStats::Value { loss, clipfrac, skipped })
+    Ok(MinibatchStats::Value {
+        loss,
+        clipfrac,
+        skipped,
+    })
 }
 
 /// How many threads run the jobs and which jobs each runs (indices into `jobs`, with the thread's
 /// share of OpenMP threads), or `None` to run them in turn: with one job, several ranks (their
 /// collectives must keep one order), a base off the CPU, one OpenMP thread, or (on up to 4
 /// threads) loads too uneven to gain ([`balanced`]). Jobs go to the least loaded thread by estimated cost, largest first.
-fn thread_shares(jobs: &[EpochJob], samples: &[PpoSample], bases: &Bases, dist: &dyn Collective) -> Option<Vec<(Vec<usize>, usize)>> {
+fn thread_shares(
+    jobs: &[EpochJob],
+    samples: &[PpoSample],
+    bases: &Bases,
+    dist: &dyn Collective,
+) -> Option<Vec<(Vec<usize>, usize)>> {
     let threads = tch::get_num_threads().max(1) as usize;
-    let on_cpu = bases.models.iter().all(|b| b.model.device() == tch::Device::Cpu)
+    let on_cpu = bases
+        .models
+        .iter()
+        .all(|b| b.model.device() == tch::Device::Cpu)
         && jobs.iter().all(|j| match &j.adapter {
             JobAdapter::Policy(p) => match &p.weights {
                 super::agents::PolicyWeights::Full(m) => m.model.device() == tch::Device::Cpu,
@@ -463,7 +753,11 @@ fn thread_shares(jobs: &[EpochJob], samples: &[PpoSample], bases: &Bases, dist: 
     if dist.world() > 1 || n < 2 || !on_cpu {
         return None;
     }
-    let mut by_cost: Vec<(usize, usize)> = jobs.iter().enumerate().map(|(i, j)| (i, j.cost(samples))).collect();
+    let mut by_cost: Vec<(usize, usize)> = jobs
+        .iter()
+        .enumerate()
+        .map(|(i, j)| (i, j.cost(samples)))
+        .collect();
     by_cost.sort_by_key(|&(i, c)| (std::cmp::Reverse(c), i));
     let mut load = vec![0usize; n];
     let mut assigned: Vec<Vec<usize>> = vec![Vec::new(); n];
@@ -477,10 +771,16 @@ fn thread_shares(jobs: &[EpochJob], samples: &[PpoSample], bases: &Bases, dist: 
     if threads <= 4 && !balanced(&load) {
         return None;
     }
-    Some(assigned.into_iter().enumerate().map(|(t, mut js)| {
-        js.sort_unstable();
-        (js, threads / n + usize::from(t < threads % n))
-    }).collect())
+    Some(
+        assigned
+            .into_iter()
+            .enumerate()
+            .map(|(t, mut js)| {
+                js.sort_unstable();
+                (js, threads / n + usize::from(t < threads % n))
+            })
+            .collect(),
+    )
 }
 
 /// Whether threads with these loads finish close enough together for running them at the same time
@@ -499,7 +799,12 @@ fn balanced(load: &[usize]) -> bool {
 /// [`CausalLm::share_weights`] copy of every base (an adapter is set on a network for each
 /// forward, so two threads cannot use one). Returns the jobs' results in `jobs`' order; the first
 /// failing job (in that order) is the error returned.
-fn concurrently(jobs: Vec<EpochJob>, shares: &[(Vec<usize>, usize)], bases: &Bases, data: &EpochData) -> Result<Vec<JobDone>, TrainError> {
+fn concurrently(
+    jobs: Vec<EpochJob>,
+    shares: &[(Vec<usize>, usize)],
+    bases: &Bases,
+    data: &EpochData,
+) -> Result<Vec<JobDone>, TrainError> {
     /// One thread's jobs (with their indices), OpenMP threads and networks.
     struct ThreadWork<'a> {
         jobs: Vec<(usize, EpochJob<'a>)>,
@@ -510,9 +815,16 @@ fn concurrently(jobs: Vec<EpochJob>, shares: &[(Vec<usize>, usize)], bases: &Bas
     let work: Vec<ThreadWork> = shares
         .iter()
         .map(|(js, threads)| ThreadWork {
-            jobs: js.iter().map(|&i| (i, slots[i].take().expect("each job on one thread"))).collect(),
+            jobs: js
+                .iter()
+                .map(|&i| (i, slots[i].take().expect("each job on one thread")))
+                .collect(),
             threads: *threads,
-            nets: bases.models.iter().map(|b| b.model.share_weights()).collect(),
+            nets: bases
+                .models
+                .iter()
+                .map(|b| b.model.share_weights())
+                .collect(),
         })
         .collect();
     let mut results: Vec<(usize, Result<JobDone, TrainError>)> = std::thread::scope(|scope| {
@@ -522,13 +834,20 @@ fn concurrently(jobs: Vec<EpochJob>, shares: &[(Vec<usize>, usize)], bases: &Bas
                 scope.spawn(move || {
                     cotrain_model::kernels::set_threads_of_this_thread(w.threads);
                     let nets: Vec<&CausalLm> = w.nets.iter().collect();
-                    w.jobs.into_iter().map(|(i, job)| (i, job.run(&nets, data, &SingleRank))).collect::<Vec<_>>()
+                    w.jobs
+                        .into_iter()
+                        .map(|(i, job)| (i, job.run(&nets, data, &SingleRank)))
+                        .collect::<Vec<_>>()
                 })
             })
             .collect();
         handles
             .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|_| vec![(usize::MAX, Err(TrainError::Panicked("a PPO update thread")))]))
+            .flat_map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    vec![(usize::MAX, Err(TrainError::Panicked("a PPO update thread")))]
+                })
+            })
             .collect()
     });
     results.sort_by_key(|(i, _)| *i);

@@ -4,7 +4,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use cotrain_model::engine::{Engine, FinishReason, LogprobMode, Request, SamplingParams, StopConditions};
+use cotrain_model::engine::{
+    Engine, FinishReason, LogprobMode, Request, SamplingParams, StopConditions,
+};
 use cotrain_model::loader::LoadedModel;
 use tch::Tensor;
 
@@ -21,11 +23,19 @@ pub struct EngineRollout {
 impl EngineRollout {
     /// One engine per `(agent name, model)`.
     pub fn new(models: Vec<(String, LoadedModel)>) -> Self {
-        Self { engines: models.into_iter().map(|(name, m)| (name, (Engine::new(m), 0))).collect(), bases: HashMap::new() }
+        Self {
+            engines: models
+                .into_iter()
+                .map(|(name, m)| (name, (Engine::new(m), 0)))
+                .collect(),
+            bases: HashMap::new(),
+        }
     }
 
     fn engine(&mut self, agent: &str) -> Result<&mut (Engine, u64), TrainError> {
-        self.engines.get_mut(agent).ok_or_else(|| TrainError::Rollout(format!("no in-process engine for agent `{agent}`")))
+        self.engines
+            .get_mut(agent)
+            .ok_or_else(|| TrainError::Rollout(format!("no in-process engine for agent `{agent}`")))
     }
 }
 
@@ -60,12 +70,18 @@ impl RolloutSource for EngineRollout {
                             stop_strings: r.sampling.stop.clone(),
                             ..Default::default()
                         },
-                        logprobs: LogprobMode::Raw,
+                        logprobs: if r.sampling.sampling_logprobs {
+                            LogprobMode::Sampling
+                        } else {
+                            LogprobMode::Raw
+                        },
                         top_logprobs: 0,
                     }
                 })
                 .collect();
-            let results = engine.generate(&reqs).map_err(|e| TrainError::Rollout(format!("agent `{agent}`: {e}")))?;
+            let results = engine
+                .generate(&reqs)
+                .map_err(|e| TrainError::Rollout(format!("agent `{agent}`: {e}")))?;
             for (&i, samples) in idx.iter().zip(results) {
                 out[i] = samples
                     .into_iter()
@@ -86,23 +102,48 @@ impl RolloutSource for EngineRollout {
         Ok(self.engine(agent)?.1)
     }
 
-    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+    fn push_weights(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+    ) -> Result<(), TrainError> {
         let (engine, v) = self.engine(agent)?;
-        let map: HashMap<String, Tensor> = params.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
-        engine.load_named_tensors(&map).map_err(|e| TrainError::Rollout(format!("agent `{agent}`: weight update: {e}")))?;
+        let map: HashMap<String, Tensor> = params
+            .iter()
+            .map(|(k, t)| (k.clone(), t.shallow_clone()))
+            .collect();
+        engine
+            .load_named_tensors(&map)
+            .map_err(|e| TrainError::Rollout(format!("agent `{agent}`: weight update: {e}")))?;
         *v = version;
         Ok(())
     }
 
-    fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
+    fn push_adapter(
+        &mut self,
+        agent: &str,
+        version: u64,
+        adapter: &BTreeMap<String, Tensor>,
+        scaling: f64,
+    ) -> Result<(), TrainError> {
         let (engine, _) = self.engine(agent)?;
         let params = engine.loaded().named_parameters();
-        let base = self.bases.entry(agent.to_string()).or_insert_with(|| params.iter().map(|(k, t)| (k.clone(), t.copy())).collect());
-        let merged = cotrain_model::lora::merge_into(|n| base.get(n).map(Tensor::shallow_clone), adapter, scaling)
-            .map_err(|e| TrainError::Rollout(format!("agent `{agent}`: adapter update: {e}")))?;
+        let base = self
+            .bases
+            .entry(agent.to_string())
+            .or_insert_with(|| params.iter().map(|(k, t)| (k.clone(), t.copy())).collect());
+        let merged = cotrain_model::lora::merge_into(
+            |n| base.get(n).map(Tensor::shallow_clone),
+            adapter,
+            scaling,
+        )
+        .map_err(|e| TrainError::Rollout(format!("agent `{agent}`: adapter update: {e}")))?;
         let map: HashMap<String, Tensor> = merged.into_iter().collect();
         let (engine, v) = self.engine(agent)?;
-        engine.load_named_tensors(&map).map_err(|e| TrainError::Rollout(format!("agent `{agent}`: adapter update: {e}")))?;
+        engine
+            .load_named_tensors(&map)
+            .map_err(|e| TrainError::Rollout(format!("agent `{agent}`: adapter update: {e}")))?;
         *v = version;
         Ok(())
     }

@@ -18,9 +18,9 @@ use tokio::runtime::Runtime;
 use tracing::{debug, info, warn};
 
 use crate::config::{WeightDtype, WeightTransport};
-use crate::sources::{PoolStats, PushStats};
 use crate::error::TrainError;
 use crate::sources::{GenRequest, GenSample, RolloutSource, WeightPush};
+use crate::sources::{PoolStats, PushStats};
 
 /// See the module docs.
 pub struct PoolRollout {
@@ -77,7 +77,13 @@ impl PoolRollout {
         min_workers: usize,
         wait: Duration,
     ) -> Result<Self, TrainError> {
-        let label = format!("rollout pool {:?}", cfg.endpoints.iter().chain(&cfg.dns_names).collect::<Vec<_>>());
+        let label = format!(
+            "rollout pool {:?}",
+            cfg.endpoints
+                .iter()
+                .chain(&cfg.dns_names)
+                .collect::<Vec<_>>()
+        );
         let pool = rt.block_on(async {
             let pool = Arc::new(RolloutPool::new(cfg).await?);
             if let Some((state, _)) = &control {
@@ -157,19 +163,30 @@ impl PoolRollout {
     ) -> Result<(), TrainError> {
         let tensors = Arc::new(wire_tensors(params, self.wire));
         let header = update_header(agent, version, lora_scaling);
-        let answers = self.rt.block_on(self.pool.push_update_except(header, tensors, skip));
+        let answers = self
+            .rt
+            .block_on(self.pool.push_update_except(header, tensors, skip));
         if answers.is_empty() && skip.is_empty() {
             // The pool keeps the update: workers that join get it before any request.
-            warn!(agent, version, "no healthy rollout worker to push to; the update waits for the next worker that joins");
+            warn!(
+                agent,
+                version,
+                "no healthy rollout worker to push to; the update waits for the next worker that joins"
+            );
             return Ok(());
         }
         // Workers that refused are out of rotation until the pool catches them up.
         let what = update_kind(lora_scaling);
         let refused = settle_grpc_push(&answers, !skip.is_empty()).map_err(|refusals| {
-            TrainError::Rollout(format!("{what} of `{agent}` to v{version} refused by every worker: {refusals}"))
+            TrainError::Rollout(format!(
+                "{what} of `{agent}` to v{version} refused by every worker: {refusals}"
+            ))
         })?;
         for r in refused {
-            warn!(refusal = r, "{what} of `{agent}` to v{version} refused; that worker is out of rotation until it catches up");
+            warn!(
+                refusal = r,
+                "{what} of `{agent}` to v{version} refused; that worker is out of rotation until it catches up"
+            );
         }
         Ok(())
     }
@@ -188,13 +205,29 @@ impl PoolRollout {
         // Workers catching up read this agent's file: rewrite it only while holding its lock.
         let lock = self.pool.shm_lock(agent);
         let _writing = self.rt.block_on(lock.lock());
-        let mut file = self.take_shm_file(agent, version).map_err(|e| (HashSet::new(), e))?;
-        fill_shm(&mut file, params, self.wire).map_err(|e| (HashSet::new(), format!("writing the shared-memory file: {e}")))?;
+        let mut file = self
+            .take_shm_file(agent, version)
+            .map_err(|e| (HashSet::new(), e))?;
+        fill_shm(&mut file, params, self.wire).map_err(|e| {
+            (
+                HashSet::new(),
+                format!("writing the shared-memory file: {e}"),
+            )
+        })?;
         let written = started.elapsed();
         let message = file.message();
         self.shm_files.insert(agent.to_string(), file);
-        let answers = self.rt.block_on(self.pool.push_update_shm(update_header(agent, version, lora_scaling), &message));
-        debug!(agent, version, write_secs = written.as_secs_f64(), total_secs = started.elapsed().as_secs_f64(), "weights pushed through shared memory");
+        let answers = self.rt.block_on(
+            self.pool
+                .push_update_shm(update_header(agent, version, lora_scaling), &message),
+        );
+        debug!(
+            agent,
+            version,
+            write_secs = written.as_secs_f64(),
+            total_secs = started.elapsed().as_secs_f64(),
+            "weights pushed through shared memory"
+        );
         self.settle_shm_answers(agent, answers)
     }
 
@@ -204,7 +237,8 @@ impl PoolRollout {
     fn take_shm_file(&mut self, agent: &str, version: u64) -> Result<ShmFile, String> {
         match self.shm_files.remove(agent) {
             Some(file) => Ok(file),
-            None => ShmFile::create(agent, version).map_err(|e| format!("creating the shared-memory file: {e}")),
+            None => ShmFile::create(agent, version)
+                .map_err(|e| format!("creating the shared-memory file: {e}")),
         }
     }
 
@@ -242,37 +276,71 @@ impl PoolRollout {
 
     /// Sends the parameters (or an adapter, with `lora_scaling`) by the configured transport, falling
     /// back from shared memory to gRPC under `auto`, and waits until every worker serves `version`.
-    fn push(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>, lora_scaling: Option<f64>) -> Result<(), TrainError> {
+    fn push(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+        lora_scaling: Option<f64>,
+    ) -> Result<(), TrainError> {
         let started = std::time::Instant::now();
         self.push_once(agent, version, params, lora_scaling)?;
-        let bytes: u64 = params.values().map(|t| (t.numel() * self.wire.size()) as u64).sum();
-        let stats = PushStats { bytes, workers: self.pool.workers().iter().filter(|w| w.healthy).count(), secs: started.elapsed().as_secs_f64() };
-        debug!(agent, version, bytes = stats.bytes, workers = stats.workers, secs = stats.secs, "weights pushed");
+        let bytes: u64 = params
+            .values()
+            .map(|t| (t.numel() * self.wire.size()) as u64)
+            .sum();
+        let stats = PushStats {
+            bytes,
+            workers: self.pool.workers().iter().filter(|w| w.healthy).count(),
+            secs: started.elapsed().as_secs_f64(),
+        };
+        debug!(
+            agent,
+            version,
+            bytes = stats.bytes,
+            workers = stats.workers,
+            secs = stats.secs,
+            "weights pushed"
+        );
         self.last_push = Some(stats);
         Ok(())
     }
 
-    fn push_once(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>, lora_scaling: Option<f64>) -> Result<(), TrainError> {
+    fn push_once(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+        lora_scaling: Option<f64>,
+    ) -> Result<(), TrainError> {
         let none = HashSet::new();
         match self.transport {
             WeightTransport::Grpc => self.push_grpc(agent, version, params, lora_scaling, &none)?,
-            WeightTransport::Shm => self.push_shm(agent, version, params, lora_scaling).map_err(|(_, e)| {
-                TrainError::Rollout(format!(
-                    "{}: {} of `{agent}` to v{version} through shared memory \
+            WeightTransport::Shm => self
+                .push_shm(agent, version, params, lora_scaling)
+                .map_err(|(_, e)| {
+                    TrainError::Rollout(format!(
+                        "{}: {} of `{agent}` to v{version} through shared memory \
                      (rollout.weight_transport: shm) failed: {e}",
-                    self.label,
-                    update_kind(lora_scaling)
-                ))
-            })?,
-            WeightTransport::Auto if self.shm_failed => self.push_grpc(agent, version, params, lora_scaling, &none)?,
+                        self.label,
+                        update_kind(lora_scaling)
+                    ))
+                })?,
+            WeightTransport::Auto if self.shm_failed => {
+                self.push_grpc(agent, version, params, lora_scaling, &none)?
+            }
             WeightTransport::Auto => match self.rt.block_on(self.pool.shm_capable()) {
                 Err(why) => {
                     debug!(why, "weights go over gRPC");
                     self.push_grpc(agent, version, params, lora_scaling, &none)?
                 }
                 Ok(()) => {
-                    if let Err((accepted, e)) = self.push_shm(agent, version, params, lora_scaling) {
-                        warn!(error = e, "shared-memory weight update failed, using gRPC from now on");
+                    if let Err((accepted, e)) = self.push_shm(agent, version, params, lora_scaling)
+                    {
+                        warn!(
+                            error = e,
+                            "shared-memory weight update failed, using gRPC from now on"
+                        );
                         self.shm_failed = true;
                         self.push_grpc(agent, version, params, lora_scaling, &accepted)?
                     }
@@ -280,7 +348,10 @@ impl PoolRollout {
             },
         }
         self.rt
-            .block_on(self.pool.wait_for_version(agent, version, self.version_timeout))
+            .block_on(
+                self.pool
+                    .wait_for_version(agent, version, self.version_timeout),
+            )
             .map_err(|e| TrainError::Rollout(e.to_string()))
     }
 
@@ -290,7 +361,9 @@ impl PoolRollout {
         match self.transport {
             WeightTransport::Shm => true,
             WeightTransport::Grpc => false,
-            WeightTransport::Auto => !self.shm_failed && self.rt.block_on(self.pool.shm_capable()).is_ok(),
+            WeightTransport::Auto => {
+                !self.shm_failed && self.rt.block_on(self.pool.shm_capable()).is_ok()
+            }
         }
     }
 
@@ -301,7 +374,10 @@ impl PoolRollout {
     /// worker refused, takes the one-agent path afterwards ([`Self::push`]), with its fallbacks.
     fn push_all_shm(&mut self, updates: &[WeightPush<'_>]) -> Result<(), TrainError> {
         let started = std::time::Instant::now();
-        let locks: Vec<_> = updates.iter().map(|u| self.pool.shm_lock(u.agent)).collect();
+        let locks: Vec<_> = updates
+            .iter()
+            .map(|u| self.pool.shm_lock(u.agent))
+            .collect();
         let guards: Vec<_> = locks.iter().map(|l| self.rt.block_on(l.lock())).collect();
         // Each thread owns its agent's file and handles on the parameters (the same storage).
         let mut jobs = Vec::new();
@@ -309,7 +385,11 @@ impl PoolRollout {
         for (i, u) in updates.iter().enumerate() {
             match self.take_shm_file(u.agent, u.version) {
                 Ok(file) => {
-                    let params: BTreeMap<String, Tensor> = u.params.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+                    let params: BTreeMap<String, Tensor> = u
+                        .params
+                        .iter()
+                        .map(|(k, t)| (k.clone(), t.shallow_clone()))
+                        .collect();
                     jobs.push((i, file, params));
                 }
                 Err(e) => {
@@ -329,7 +409,10 @@ impl PoolRollout {
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("a shared-memory writer panicked")).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a shared-memory writer panicked"))
+                .collect()
         });
         let mut announced = Vec::new();
         for (i, file, r) in written {
@@ -346,25 +429,43 @@ impl PoolRollout {
         }
         let write_secs = started.elapsed().as_secs_f64();
         let pool = self.pool.clone();
-        let answers = self.rt.block_on(futures::future::join_all(
-            announced.iter().map(|(i, message)| pool.push_update_shm(update_header(updates[*i].agent, updates[*i].version, None), message)),
-        ));
+        let answers = self
+            .rt
+            .block_on(futures::future::join_all(announced.iter().map(
+                |(i, message)| {
+                    pool.push_update_shm(
+                        update_header(updates[*i].agent, updates[*i].version, None),
+                        message,
+                    )
+                },
+            )));
         drop(guards);
-        debug!(agents = updates.len(), write_secs, total_secs = started.elapsed().as_secs_f64(), "weights pushed through shared memory together");
+        debug!(
+            agents = updates.len(),
+            write_secs,
+            total_secs = started.elapsed().as_secs_f64(),
+            "weights pushed through shared memory together"
+        );
         let mut waits = Vec::new();
         for ((i, _), answers) in announced.iter().zip(answers) {
             match self.settle_shm_answers(updates[*i].agent, answers) {
                 Ok(()) => waits.push(*i),
                 Err((_, refused)) => {
-                    warn!(agent = updates[*i].agent, refused, "shared-memory update not taken everywhere; pushing this agent alone");
+                    warn!(
+                        agent = updates[*i].agent,
+                        refused,
+                        "shared-memory update not taken everywhere; pushing this agent alone"
+                    );
                     retry.push(*i);
                 }
             }
         }
         let timeout = self.version_timeout;
-        let waited = self.rt.block_on(futures::future::join_all(
-            waits.iter().map(|&i| pool.wait_for_version(updates[i].agent, updates[i].version, timeout)),
-        ));
+        let waited =
+            self.rt
+                .block_on(futures::future::join_all(waits.iter().map(|&i| {
+                    pool.wait_for_version(updates[i].agent, updates[i].version, timeout)
+                })));
         for r in waited {
             r.map_err(|e| TrainError::Rollout(e.to_string()))?;
         }
@@ -385,10 +486,16 @@ impl PoolRollout {
     /// rejects the second push of a version. Checked on the workers healthy at start.
     pub fn check_separate_models(&self, worker_agents: &[String]) -> Result<(), TrainError> {
         for (addr, info) in self.rt.block_on(self.pool.info_all()) {
-            let info = info.map_err(|s| TrainError::Rollout(format!("{addr}: Info failed: {}", s.message())))?;
+            let info = info.map_err(|s| {
+                TrainError::Rollout(format!("{addr}: Info failed: {}", s.message()))
+            })?;
             // An adapter group's agents each have their own adapter and version.
             for model in info.models.iter().filter(|m| !m.unmerged_adapters) {
-                let trained: Vec<&String> = model.agents.iter().filter(|a| worker_agents.contains(a)).collect();
+                let trained: Vec<&String> = model
+                    .agents
+                    .iter()
+                    .filter(|a| worker_agents.contains(a))
+                    .collect();
                 if trained.len() > 1 {
                     return Err(TrainError::Rollout(format!(
                         "rollout worker {addr} serves agents {trained:?} from one shared copy of `{}`, but the learner \
@@ -423,13 +530,26 @@ fn update_header(agent: &str, version: u64, lora_scaling: Option<f64>) -> pb::Up
 /// refusing, so when no worker was reached the update waits for the next one that joins or comes
 /// back, as with an empty pool. Only refusals by workers that were reached say the update itself is
 /// wrong.
-fn settle_grpc_push(answers: &[(String, Result<pb::UpdateWeightsResponse, tonic::Status>)], took_elsewhere: bool) -> Result<Vec<String>, String> {
-    let refused: Vec<String> = answers.iter().filter_map(|(w, a)| a.as_ref().err().map(|s| format!("{w}: {s}"))).collect();
+fn settle_grpc_push(
+    answers: &[(String, Result<pb::UpdateWeightsResponse, tonic::Status>)],
+    took_elsewhere: bool,
+) -> Result<Vec<String>, String> {
+    let refused: Vec<String> = answers
+        .iter()
+        .filter_map(|(w, a)| a.as_ref().err().map(|s| format!("{w}: {s}")))
+        .collect();
     if refused.len() < answers.len() || took_elsewhere {
         return Ok(refused);
     }
-    if answers.iter().all(|(_, a)| a.as_ref().err().is_some_and(cotrain_rollout_client::pool::worker_failed)) {
-        warn!(refusals = refused.join("; "), "no rollout worker could be reached for the update; it waits for the next worker that joins");
+    if answers.iter().all(|(_, a)| {
+        a.as_ref()
+            .err()
+            .is_some_and(cotrain_rollout_client::pool::worker_failed)
+    }) {
+        warn!(
+            refusals = refused.join("; "),
+            "no rollout worker could be reached for the update; it waits for the next worker that joins"
+        );
         return Ok(Vec::new());
     }
     Err(refused.join("; "))
@@ -437,16 +557,27 @@ fn settle_grpc_push(answers: &[(String, Result<pb::UpdateWeightsResponse, tonic:
 
 /// What a push is, for errors.
 fn update_kind(lora_scaling: Option<f64>) -> &'static str {
-    if lora_scaling.is_some() { "adapter update" } else { "weight update" }
+    if lora_scaling.is_some() {
+        "adapter update"
+    } else {
+        "weight update"
+    }
 }
 
 /// A parameter as a contiguous CPU tensor of the wire's element type.
 fn wire_tensor(t: &Tensor, wire: WireDType) -> Tensor {
-    t.detach().to_device(tch::Device::Cpu).to_kind(wire.kind()).contiguous()
+    t.detach()
+        .to_device(tch::Device::Cpu)
+        .to_kind(wire.kind())
+        .contiguous()
 }
 
 /// Overwrites `file` with the parameters in the wire's element type, straight from the tensors' memory.
-fn fill_shm(file: &mut ShmFile, params: &BTreeMap<String, Tensor>, wire: WireDType) -> std::io::Result<()> {
+fn fill_shm(
+    file: &mut ShmFile,
+    params: &BTreeMap<String, Tensor>,
+    wire: WireDType,
+) -> std::io::Result<()> {
     file.rewind()?;
     for (name, t) in params {
         let t = wire_tensor(t, wire);
@@ -473,7 +604,12 @@ fn wire_tensors(params: &BTreeMap<String, Tensor>, wire: WireDType) -> Vec<Updat
             let len = t.numel() * wire.size();
             let mut data = vec![0u8; len];
             t.copy_data_u8(&mut data, t.numel());
-            UpdatedTensor { name: name.clone(), dtype: wire, shape: t.size(), data }
+            UpdatedTensor {
+                name: name.clone(),
+                dtype: wire,
+                shape: t.size(),
+                data,
+            }
         })
         .collect()
 }
@@ -484,7 +620,12 @@ impl RolloutSource for PoolRollout {
         infos
             .iter()
             .filter_map(|(_, info)| info.as_ref().ok())
-            .flat_map(|info| info.models.iter().filter(|m| m.agents.iter().any(|a| a == agent)).map(|m| m.max_batch_size as usize))
+            .flat_map(|info| {
+                info.models
+                    .iter()
+                    .filter(|m| m.agents.iter().any(|a| a == agent))
+                    .map(|m| m.max_batch_size as usize)
+            })
             .filter(|&m| m > 0)
             .min()
     }
@@ -495,7 +636,11 @@ impl RolloutSource for PoolRollout {
         let calls = requests.iter().enumerate().map(|(i, r)| {
             let req = GenerateRequest {
                 agent: r.agent.clone(),
-                prompts: vec![Prompt { kind: Some(PromptKind::TokenIds(pb::TokenIds { ids: r.prompt.clone() })) }],
+                prompts: vec![Prompt {
+                    kind: Some(PromptKind::TokenIds(pb::TokenIds {
+                        ids: r.prompt.clone(),
+                    })),
+                }],
                 n: r.n as u32,
                 sampling: Some(pb::SamplingParams {
                     temperature: Some(r.sampling.temperature as f32),
@@ -503,12 +648,15 @@ impl RolloutSource for PoolRollout {
                     top_k: r.sampling.top_k,
                     max_new_tokens: r.sampling.max_new_tokens as u32,
                     min_p: None,
+                    sampling_logprobs: r.sampling.sampling_logprobs,
                 }),
                 seed: r.seed,
-                stop: (r.sampling.ignore_eos || !r.sampling.stop.is_empty()).then(|| pb::StopConditions {
-                    ignore_eos: r.sampling.ignore_eos,
-                    stop_strings: r.sampling.stop.clone(),
-                    ..Default::default()
+                stop: (r.sampling.ignore_eos || !r.sampling.stop.is_empty()).then(|| {
+                    pb::StopConditions {
+                        ignore_eos: r.sampling.ignore_eos,
+                        stop_strings: r.sampling.stop.clone(),
+                        ..Default::default()
+                    }
                 }),
                 min_policy_version: Some(r.min_policy_version),
                 request_id: format!("learner-{}-{}", std::process::id(), base + i as u64),
@@ -520,12 +668,11 @@ impl RolloutSource for PoolRollout {
             .into_iter()
             .zip(requests)
             .map(|(res, r)| {
-                let resp = res.map_err(|e| TrainError::Rollout(format!("agent `{}`: {e}", r.agent)))?;
-                let completion = resp
-                    .completions
-                    .into_iter()
-                    .next()
-                    .ok_or_else(|| TrainError::Rollout(format!("agent `{}`: empty generate response", r.agent)))?;
+                let resp =
+                    res.map_err(|e| TrainError::Rollout(format!("agent `{}`: {e}", r.agent)))?;
+                let completion = resp.completions.into_iter().next().ok_or_else(|| {
+                    TrainError::Rollout(format!("agent `{}`: empty generate response", r.agent))
+                })?;
                 Ok(completion
                     .samples
                     .into_iter()
@@ -541,14 +688,31 @@ impl RolloutSource for PoolRollout {
             .collect()
     }
 
-    fn score_verifier(&mut self, name: &str, conversations: &[(String, String)]) -> Result<Vec<f32>, TrainError> {
+    fn score_verifier(
+        &mut self,
+        name: &str,
+        conversations: &[(String, String)],
+    ) -> Result<Vec<f32>, TrainError> {
         let req = pb::ScoreVerifierRequest {
             verifier: name.to_string(),
-            conversations: conversations.iter().map(|(user, assistant)| pb::Conversation { user: user.clone(), assistant: assistant.clone() }).collect(),
+            conversations: conversations
+                .iter()
+                .map(|(user, assistant)| pb::Conversation {
+                    user: user.clone(),
+                    assistant: assistant.clone(),
+                })
+                .collect(),
         };
-        let resp = self.rt.block_on(self.pool.score_verifier(req)).map_err(|e| TrainError::Rollout(format!("verifier `{name}`: {e}")))?;
+        let resp = self
+            .rt
+            .block_on(self.pool.score_verifier(req))
+            .map_err(|e| TrainError::Rollout(format!("verifier `{name}`: {e}")))?;
         if resp.scores.len() != conversations.len() {
-            return Err(TrainError::Rollout(format!("verifier `{name}`: {} scores for {} conversations", resp.scores.len(), conversations.len())));
+            return Err(TrainError::Rollout(format!(
+                "verifier `{name}`: {} scores for {} conversations",
+                resp.scores.len(),
+                conversations.len()
+            )));
         }
         Ok(resp.scores)
     }
@@ -566,7 +730,12 @@ impl RolloutSource for PoolRollout {
         Ok(best)
     }
 
-    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+    fn push_weights(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+    ) -> Result<(), TrainError> {
         self.push(agent, version, params, None)
     }
 
@@ -574,7 +743,12 @@ impl RolloutSource for PoolRollout {
     /// for one agent, one push after another.
     fn push_weights_all(&mut self, updates: &[WeightPush<'_>]) -> Result<(), TrainError> {
         let started = std::time::Instant::now();
-        let distinct = updates.iter().map(|u| u.agent).collect::<HashSet<_>>().len() == updates.len();
+        let distinct = updates
+            .iter()
+            .map(|u| u.agent)
+            .collect::<HashSet<_>>()
+            .len()
+            == updates.len();
         let adapters = updates.iter().any(|u| u.lora_scaling.is_some());
         if updates.len() > 1 && distinct && !adapters && self.shm_transport() {
             self.push_all_shm(updates)?;
@@ -587,16 +761,32 @@ impl RolloutSource for PoolRollout {
                 }
             }
         }
-        let bytes: u64 = updates.iter().flat_map(|u| u.params.values()).map(|t| (t.numel() * self.wire.size()) as u64).sum();
+        let bytes: u64 = updates
+            .iter()
+            .flat_map(|u| u.params.values())
+            .map(|t| (t.numel() * self.wire.size()) as u64)
+            .sum();
         let workers = self.pool.workers().iter().filter(|w| w.healthy).count();
-        self.last_push = Some(PushStats { bytes, workers, secs: started.elapsed().as_secs_f64() });
+        self.last_push = Some(PushStats {
+            bytes,
+            workers,
+            secs: started.elapsed().as_secs_f64(),
+        });
         Ok(())
     }
 
-    fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
+    fn push_adapter(
+        &mut self,
+        agent: &str,
+        version: u64,
+        adapter: &BTreeMap<String, Tensor>,
+        scaling: f64,
+    ) -> Result<(), TrainError> {
         // 0 would make the header an ordinary update; the workers refuse NaN, ∞ and negatives.
         if scaling == 0.0 {
-            return Err(TrainError::Rollout(format!("adapter update of `{agent}` to v{version}: lora scaling is 0")));
+            return Err(TrainError::Rollout(format!(
+                "adapter update of `{agent}` to v{version}: lora scaling is 0"
+            )));
         }
         self.push(agent, version, adapter, Some(scaling))
     }
@@ -620,13 +810,18 @@ impl RolloutSource for PoolRollout {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn answer(worker: &str, status: Option<tonic::Status>) -> (String, Result<pb::UpdateWeightsResponse, tonic::Status>) {
-        (worker.to_string(), status.map_or(Ok(pb::UpdateWeightsResponse::default()), Err))
+    fn answer(
+        worker: &str,
+        status: Option<tonic::Status>,
+    ) -> (String, Result<pb::UpdateWeightsResponse, tonic::Status>) {
+        (
+            worker.to_string(),
+            status.map_or(Ok(pb::UpdateWeightsResponse::default()), Err),
+        )
     }
 
     /// The push that failed a run on a loaded machine: its only worker deregistered as the push
@@ -636,15 +831,39 @@ mod tests {
     fn a_push_that_reaches_no_worker_waits_and_one_refused_by_every_reached_worker_fails() {
         let gone = || tonic::Status::unavailable("tcp connect error");
         let died = || tonic::Status::unknown("transport error");
-        let refusal = || tonic::Status::invalid_argument("tensor `lm_head.weight`: shape [64, 256, 1] does not match the model's [256, 64]");
-        assert_eq!(settle_grpc_push(&[answer("a", Some(gone()))], false), Ok(Vec::new()));
-        assert_eq!(settle_grpc_push(&[answer("a", Some(gone())), answer("b", Some(died()))], false), Ok(Vec::new()));
-        let e = settle_grpc_push(&[answer("a", Some(gone())), answer("b", Some(refusal()))], false).unwrap_err();
+        let refusal = || {
+            tonic::Status::invalid_argument(
+                "tensor `lm_head.weight`: shape [64, 256, 1] does not match the model's [256, 64]",
+            )
+        };
+        assert_eq!(
+            settle_grpc_push(&[answer("a", Some(gone()))], false),
+            Ok(Vec::new())
+        );
+        assert_eq!(
+            settle_grpc_push(
+                &[answer("a", Some(gone())), answer("b", Some(died()))],
+                false
+            ),
+            Ok(Vec::new())
+        );
+        let e = settle_grpc_push(
+            &[answer("a", Some(gone())), answer("b", Some(refusal()))],
+            false,
+        )
+        .unwrap_err();
         assert!(e.contains("b: ") && e.contains("does not match"), "{e}");
         assert!(settle_grpc_push(&[answer("a", Some(refusal()))], false).is_err());
         // One worker took it: the others' refusals are warnings.
-        assert_eq!(settle_grpc_push(&[answer("a", None), answer("b", Some(refusal()))], false).map(|r| r.len()), Ok(1));
+        assert_eq!(
+            settle_grpc_push(&[answer("a", None), answer("b", Some(refusal()))], false)
+                .map(|r| r.len()),
+            Ok(1)
+        );
         // Every worker here refused, but the others took it through shared memory.
-        assert_eq!(settle_grpc_push(&[answer("a", Some(refusal()))], true).map(|r| r.len()), Ok(1));
+        assert_eq!(
+            settle_grpc_push(&[answer("a", Some(refusal()))], true).map(|r| r.len()),
+            Ok(1)
+        );
     }
 }

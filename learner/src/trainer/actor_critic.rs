@@ -61,18 +61,41 @@ pub(super) struct AcSample {
 /// The value heads on the actors (`use_separate_critic: false`): one per policy, trained by the
 /// policy's own AdamW settings, each drawn from its own seed.
 pub(super) fn load_heads(cfg: &CheckedConfig, policies: &[super::Policy]) -> Vec<ValueHead> {
-    let Some(ac) = cfg.actor_critic.as_ref().filter(|ac| ac.value_head_on_actor) else { return Vec::new() };
+    let Some(ac) = cfg
+        .actor_critic
+        .as_ref()
+        .filter(|ac| ac.value_head_on_actor)
+    else {
+        return Vec::new();
+    };
     policies
         .iter()
         .enumerate()
-        .map(|(i, p)| ValueHead::new(&p.model.model, ac.head_hidden, p.optimizer.cfg, crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64])))
+        .map(|(i, p)| {
+            ValueHead::new(
+                &p.model.model,
+                ac.head_hidden,
+                p.optimizer.cfg,
+                crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]),
+            )
+        })
         .collect()
 }
 
 /// The separate critics a config asks for: one per agent (IAC) or one (MAAC), each value head
 /// drawn from its own seed.
-pub(super) fn load_critics(cfg: &CheckedConfig, policies: &[super::Policy], agent_policy: &[usize]) -> Result<Vec<Critic>, TrainError> {
-    let Some(ac) = cfg.actor_critic.as_ref().filter(|ac| !ac.value_head_on_actor) else { return Ok(Vec::new()) };
+pub(super) fn load_critics(
+    cfg: &CheckedConfig,
+    policies: &[super::Policy],
+    agent_policy: &[usize],
+) -> Result<Vec<Critic>, TrainError> {
+    let Some(ac) = cfg
+        .actor_critic
+        .as_ref()
+        .filter(|ac| !ac.value_head_on_actor)
+    else {
+        return Ok(Vec::new());
+    };
     let opts = super::load_options(cfg)?;
     let adam = AdamWConfig::new(ac.critic_learning_rate, cfg.trainer.weight_decay, None);
     ac.critic_models
@@ -111,7 +134,11 @@ impl Trainer {
     /// One step of the actor-critic trainers; see the module docs. A failure before the step's
     /// first drain leaves the buffers as the step found them, so that a checkpoint of that state
     /// resumes exactly; one after it cannot.
-    pub(super) fn train_step_actor_critic(&mut self, rows: &[usize], t_step: Instant) -> Result<BTreeMap<String, f64>, TrainError> {
+    pub(super) fn train_step_actor_critic(
+        &mut self,
+        rows: &[usize],
+        t_step: Instant,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
         let kept = self.ac_buffer.len();
         self.updated_mid_step = false;
         let result = self.actor_critic_items(rows, t_step);
@@ -123,7 +150,11 @@ impl Trainer {
         result
     }
 
-    fn actor_critic_items(&mut self, rows: &[usize], t_step: Instant) -> Result<BTreeMap<String, f64>, TrainError> {
+    fn actor_critic_items(
+        &mut self,
+        rows: &[usize],
+        t_step: Instant,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
         let size = self.s.cfg.trainer.rollout_buffer_size.max(1);
         let ends_epoch = self.position as usize + rows.len() >= self.s.train_items.len();
         let kl = &self.s.cfg.trainer.reference_kl;
@@ -134,7 +165,12 @@ impl Trainer {
         let layout = self.layout();
         let mine = rank_share(rows, layout.shard, layout.shards);
         let rounds = rows.len().div_ceil(layout.shards);
-        let mut step = StepRollout { rows: rows.to_vec(), items: Vec::new(), forest: Forest::default(), times: RolloutTimes::default() };
+        let mut step = StepRollout {
+            rows: rows.to_vec(),
+            items: Vec::new(),
+            forest: Forest::default(),
+            times: RolloutTimes::default(),
+        };
         let mut updates = StepUpdates::default();
         let mut report = CriticReport::default();
         for k in 0..rounds {
@@ -148,7 +184,10 @@ impl Trainer {
             }
             let samples = self.gather_samples(samples)?;
             self.ac_buffer.extend(samples);
-            let fullest = (0..self.s.cfg.num_agents).map(|a| self.ac_buffer.iter().filter(|s| s.agent == a).count()).max().unwrap_or(0);
+            let fullest = (0..self.s.cfg.num_agents)
+                .map(|a| self.ac_buffer.iter().filter(|s| s.agent == a).count())
+                .max()
+                .unwrap_or(0);
             let last = ends_epoch && k + 1 == rounds;
             if fullest >= size || (last && !self.ac_buffer.is_empty()) {
                 self.updated_mid_step = true;
@@ -169,7 +208,10 @@ impl Trainer {
 
     /// Train row `row` rolled out alone (nothing when this rank has no item in this round).
     fn roll_out_item(&mut self, row: Option<usize>) -> Result<StepRollout, TrainError> {
-        let items: Vec<TrainItem> = row.map(|r| self.s.train_items[r].clone()).into_iter().collect();
+        let items: Vec<TrainItem> = row
+            .map(|r| self.s.train_items[r].clone())
+            .into_iter()
+            .collect();
         let (forest, times) = if items.is_empty() {
             (Forest::default(), RolloutTimes::default())
         } else {
@@ -177,7 +219,12 @@ impl Trainer {
             let refs: Vec<&TrainItem> = items.iter().collect();
             self.roll_out(&refs, &plan)?
         };
-        Ok(StepRollout { rows: row.into_iter().collect(), items, forest, times })
+        Ok(StepRollout {
+            rows: row.into_iter().collect(),
+            items,
+            forest,
+            times,
+        })
     }
 
     /// Every rank's new buffer samples of this round, in rank order (one rank: its own).
@@ -185,10 +232,12 @@ impl Trainer {
         if self.dist.world() == 1 {
             return Ok(mine);
         }
-        let bytes = serde_json::to_vec(&mine).map_err(|e| TrainError::Dist(format!("serialising the buffer's new samples: {e}")))?;
+        let bytes = serde_json::to_vec(&mine)
+            .map_err(|e| TrainError::Dist(format!("serialising the buffer's new samples: {e}")))?;
         let mut all = Vec::new();
         for (rank, b) in self.dist.all_gather_bytes(&bytes)?.iter().enumerate() {
-            let part: Vec<AcSample> = serde_json::from_slice(b).map_err(|e| TrainError::Dist(format!("rank {rank}'s buffer samples: {e}")))?;
+            let part: Vec<AcSample> = serde_json::from_slice(b)
+                .map_err(|e| TrainError::Dist(format!("rank {rank}'s buffer samples: {e}")))?;
             all.extend(part);
         }
         Ok(all)
@@ -197,11 +246,21 @@ impl Trainer {
     /// The critics' rollout-time values of every completion of `forest` (one item), their TD
     /// targets and raw advantages (also written into the nodes, for the rollout log), as buffer
     /// samples.
-    fn value_samples(&mut self, forest: &mut Forest, kl_coef: Option<f64>) -> Result<Vec<AcSample>, TrainError> {
-        let ac = self.s.cfg.actor_critic.clone().expect("an actor-critic config");
+    fn value_samples(
+        &mut self,
+        forest: &mut Forest,
+        kl_coef: Option<f64>,
+    ) -> Result<Vec<AcSample>, TrainError> {
+        let ac = self
+            .s
+            .cfg
+            .actor_critic
+            .clone()
+            .expect("an actor-critic config");
         let n = self.s.cfg.num_agents;
         // Each completion's critic input, per critic (separate critics, or the actors' heads).
-        let mut inputs: Vec<Vec<Vec<u32>>> = vec![Vec::new(); self.critics.len().max(self.heads.len())];
+        let mut inputs: Vec<Vec<Vec<u32>>> =
+            vec![Vec::new(); self.critics.len().max(self.heads.len())];
         let mut slot: Vec<Vec<Vec<(usize, usize)>>> = Vec::new(); // [node][agent][k] = (critic, row)
         for node in &forest.nodes {
             let g = node.g;
@@ -210,7 +269,8 @@ impl Trainer {
                 let tokenizer = &self.s.policies[self.s.agent_policy[0]].model.tokenizer;
                 let prompts: Vec<&str> = node.prompts.iter().map(|p| p.text.as_str()).collect();
                 for k in 0..g {
-                    let actions: Vec<&str> = (0..n).map(|a| node.samples[a][k].text.as_str()).collect();
+                    let actions: Vec<&str> =
+                        (0..n).map(|a| node.samples[a][k].text.as_str()).collect();
                     let text = match ac.critic_type {
                         CriticType::V => critic_input(&prompts, None),
                         CriticType::Q => critic_input(&prompts, Some(&actions)),
@@ -232,7 +292,11 @@ impl Trainer {
             } else {
                 for (a, slots) in per_agent.iter_mut().enumerate() {
                     // IAC: agent a's critic, or the head on its policy.
-                    let c = if ac.value_head_on_actor { self.s.agent_policy[a] } else { a };
+                    let c = if ac.value_head_on_actor {
+                        self.s.agent_policy[a]
+                    } else {
+                        a
+                    };
                     for k in 0..g {
                         let mut ids = node.prompts[a].ids.clone();
                         if ac.critic_type == CriticType::Q {
@@ -248,22 +312,33 @@ impl Trainer {
         let values: Vec<Vec<f64>> = inputs
             .iter()
             .enumerate()
-            .map(|(c, rows)| match (rows.is_empty(), ac.value_head_on_actor) {
-                (true, _) => Ok(Vec::new()),
-                (false, false) => self.critics[c].predict(rows),
-                (false, true) => self.heads[c].predict(&self.s.policies[c].model.model, rows),
-            })
+            .map(
+                |(c, rows)| match (rows.is_empty(), ac.value_head_on_actor) {
+                    (true, _) => Ok(Vec::new()),
+                    (false, false) => self.critics[c].predict(rows),
+                    (false, true) => self.heads[c].predict(&self.s.policies[c].model.model, rows),
+                },
+            )
             .collect::<Result<_, _>>()?;
 
         // Targets and returns, children before parents (a chain: the child continuing joint k).
         let discount = self.s.cfg.trainer.discount;
         let ids: Vec<usize> = forest.preorder(0);
         let mut samples = Vec::new();
-        let (mut node_values, mut node_targets, mut node_adv, mut node_returns) =
-            (vec![Vec::new(); forest.nodes.len()], vec![Vec::new(); forest.nodes.len()], vec![Vec::new(); forest.nodes.len()], vec![Vec::new(); forest.nodes.len()]);
+        let (mut node_values, mut node_targets, mut node_adv, mut node_returns) = (
+            vec![Vec::new(); forest.nodes.len()],
+            vec![Vec::new(); forest.nodes.len()],
+            vec![Vec::new(); forest.nodes.len()],
+            vec![Vec::new(); forest.nodes.len()],
+        );
         for &id in ids.iter().rev() {
             let node = &forest.nodes[id];
-            let (mut vs, mut ys, mut adv, mut rets) = (vec![Vec::new(); n], vec![Vec::new(); n], vec![Vec::new(); n], vec![Vec::new(); n]);
+            let (mut vs, mut ys, mut adv, mut rets) = (
+                vec![Vec::new(); n],
+                vec![Vec::new(); n],
+                vec![Vec::new(); n],
+                vec![Vec::new(); n],
+            );
             for a in 0..n {
                 for k in 0..node.g {
                     let (c, row) = slot[id][a][k];
@@ -273,18 +348,42 @@ impl Trainer {
                     if let Some(coef) = kl_coef {
                         r -= coef * node.reference_kl[a][k];
                     }
-                    let child = node.children.iter().copied().find(|&ch| forest.nodes[ch].parent_joint == Some(k));
+                    let child = node
+                        .children
+                        .iter()
+                        .copied()
+                        .find(|&ch| forest.nodes[ch].parent_joint == Some(k));
                     let (rewards, values_next) = match child {
-                        Some(ch) => (vec![r, 0.0], vec![v, node_values[ch].get(a).and_then(|x: &Vec<f64>| x.first().copied()).unwrap_or(0.0)]),
+                        Some(ch) => (
+                            vec![r, 0.0],
+                            vec![
+                                v,
+                                node_values[ch]
+                                    .get(a)
+                                    .and_then(|x: &Vec<f64>| x.first().copied())
+                                    .unwrap_or(0.0),
+                            ],
+                        ),
                         None => (vec![r], vec![v]),
                     };
                     let y = td_targets(&rewards, &values_next, discount)[0];
-                    let ret = r + child.map_or(0.0, |ch| node_returns[ch].get(a).and_then(|x: &Vec<f64>| x.first().copied()).unwrap_or(0.0));
+                    let ret = r + child.map_or(0.0, |ch| {
+                        node_returns[ch]
+                            .get(a)
+                            .and_then(|x: &Vec<f64>| x.first().copied())
+                            .unwrap_or(0.0)
+                    });
                     let s = &node.samples[a][k];
                     samples.push(AcSample {
                         agent: a,
                         turn: node.turn,
-                        train: TrainSample { prompt: node.prompts[a].ids.clone(), completion: s.token_ids.clone(), advantage: y - v, weight: 1.0, old_logprobs: s.logprobs.clone() },
+                        train: TrainSample {
+                            prompt: node.prompts[a].ids.clone(),
+                            completion: s.token_ids.clone(),
+                            advantage: y - v,
+                            weight: 1.0,
+                            old_logprobs: s.logprobs.clone(),
+                        },
                         value_input: inputs[c][row].clone(),
                         old_value: v,
                         target: y,
@@ -305,7 +404,9 @@ impl Trainer {
         for (id, node) in forest.nodes.iter_mut().enumerate() {
             // Per joint action (aligned: sample k of every agent), the agents' mean return from
             // this turn on (the same for every agent unless the reference KL shapes the rewards).
-            node.returns = (0..node.g).map(|k| node_returns[id].iter().map(|r| r[k]).sum::<f64>() / n as f64).collect();
+            node.returns = (0..node.g)
+                .map(|k| node_returns[id].iter().map(|r| r[k]).sum::<f64>() / n as f64)
+                .collect();
             node.values = std::mem::take(&mut node_values[id]);
             node.value_targets = std::mem::take(&mut node_targets[id]);
             node.advantages = std::mem::take(&mut node_adv[id]);
@@ -327,7 +428,11 @@ impl Trainer {
         let t = Instant::now();
         let cfg = self.s.cfg.clone();
         let ac = cfg.actor_critic.as_ref().expect("an actor-critic config");
-        let batch = cfg.trainer.train_batch_size.unwrap_or(cfg.trainer.rollout_buffer_size).max(1);
+        let batch = cfg
+            .trainer
+            .train_batch_size
+            .unwrap_or(cfg.trainer.rollout_buffer_size)
+            .max(1);
         let (loss_opts, _) = self.loss_setup();
         let (rank, world) = (self.dist.rank(), self.dist.world());
         let buffer = std::mem::take(&mut self.ac_buffer);
@@ -341,7 +446,8 @@ impl Trainer {
             for (turn, mut group) in by_turn {
                 let targets: Vec<f64> = group.iter().map(|s| s.target).collect();
                 let old: Vec<f64> = group.iter().map(|s| s.old_value).collect();
-                let (_, norm) = normalized_advantages(&targets, &old, cfg.trainer.advantage_normalization);
+                let (_, norm) =
+                    normalized_advantages(&targets, &old, cfg.trainer.advantage_normalization);
                 for (s, adv) in group.iter_mut().zip(norm) {
                     s.train.advantage = adv;
                 }
@@ -352,7 +458,10 @@ impl Trainer {
                     let total = chunk.len();
                     let own: Vec<&AcSample> = chunk.iter().skip(rank).step_by(world).collect();
                     let samples: Vec<TrainSample> = own.iter().map(|s| s.train.clone()).collect();
-                    let batches = [AgentBatches { minibatches: vec![samples], scale: 1.0 }];
+                    let batches = [AgentBatches {
+                        minibatches: vec![samples],
+                        scale: 1.0,
+                    }];
                     let rows: Vec<Vec<u32>> = own.iter().map(|s| s.value_input.clone()).collect();
                     let ys: Vec<f64> = own.iter().map(|s| s.target).collect();
                     if ac.value_head_on_actor {
@@ -361,25 +470,37 @@ impl Trainer {
                         let head = &mut self.heads[policy];
                         head.optimizer.zero_grad();
                         let mut value_loss = 0.0;
-                        let mut extra = |model: &cotrain_model::families::CausalLm| -> Result<f64, TrainError> {
-                            if rows.is_empty() {
-                                return Ok(0.0);
-                            }
-                            let v = head.values(model, &rows, true)?;
-                            let y = tch::Tensor::from_slice(&ys).to_device(v.device());
-                            let old = tch::Tensor::from_slice(&old).to_device(v.device());
-                            let l = crate::algo::actor_critic::value_loss(&v, &y, ac.value_clip.map(|eps| (&old, eps))) * (rows.len() as f64 / total as f64);
-                            value_loss = l.double_value(&[]);
-                            (l * ac.value_loss_coef).backward();
-                            Ok(value_loss)
-                        };
-                        let s = self.s.policies[policy].update_with(&batches, &[total], &loss_opts, self.dist.as_ref(), &mut extra)?;
+                        let mut extra =
+                            |model: &cotrain_model::families::CausalLm| -> Result<f64, TrainError> {
+                                if rows.is_empty() {
+                                    return Ok(0.0);
+                                }
+                                let v = head.values(model, &rows, true)?;
+                                let y = tch::Tensor::from_slice(&ys).to_device(v.device());
+                                let old = tch::Tensor::from_slice(&old).to_device(v.device());
+                                let l = crate::algo::actor_critic::value_loss(
+                                    &v,
+                                    &y,
+                                    ac.value_clip.map(|eps| (&old, eps)),
+                                ) * (rows.len() as f64 / total as f64);
+                                value_loss = l.double_value(&[]);
+                                (l * ac.value_loss_coef).backward();
+                                Ok(value_loss)
+                            };
+                        let s = self.s.policies[policy].update_with(
+                            &batches,
+                            &[total],
+                            &loss_opts,
+                            self.dist.as_ref(),
+                            &mut extra,
+                        )?;
                         // The same on every rank: the skip decision is the ranks' (see `update_with`).
                         if s.steps > 0 {
                             let value_loss = self.dist.sum_f64(&[value_loss])?[0];
-                            if world > 1 {
-                                crate::dist::all_reduce_grads(self.dist.as_ref(), &head.optimizer.parameters())?;
-                            }
+                            crate::dist::all_reduce_grads(
+                                self.dist.as_ref(),
+                                &head.optimizer.parameters(),
+                            )?;
                             let norm = head.optimizer.grad_norm();
                             head.optimizer.step_with_norm(norm);
                             report.value_losses.push((a, turn, value_loss));
@@ -392,7 +513,13 @@ impl Trainer {
                         stats.push((policy, s));
                         continue;
                     }
-                    let s = self.s.policies[policy].update_ranked(&batches, &[total], &loss_opts, 1, self.dist.as_ref())?;
+                    let s = self.s.policies[policy].update_ranked(
+                        &batches,
+                        &[total],
+                        &loss_opts,
+                        1,
+                        self.dist.as_ref(),
+                    )?;
                     let skipped = s.skipped.is_some();
                     updated[policy] |= s.steps > 0;
                     stats.push((policy, s));
@@ -401,7 +528,13 @@ impl Trainer {
                         report.skipped += 1;
                         continue;
                     }
-                    match self.critics[critic].update(&rows, &ys, ac.value_loss_coef, total, self.dist.as_ref()) {
+                    match self.critics[critic].update(
+                        &rows,
+                        &ys,
+                        ac.value_loss_coef,
+                        total,
+                        self.dist.as_ref(),
+                    ) {
                         Ok(c) => {
                             report.value_losses.push((a, turn, c.value_loss));
                             report.grad_norms.push(c.grad_norm);
@@ -418,7 +551,12 @@ impl Trainer {
         }
         let t_train = t.elapsed().as_secs_f64();
         let push = self.push_updated(&updated)?;
-        Ok(StepUpdates { stats, concurrent: 1, t_train, push })
+        Ok(StepUpdates {
+            stats,
+            concurrent: 1,
+            t_train,
+            push,
+        })
     }
 }
 
@@ -438,29 +576,55 @@ fn critic_metrics(m: &mut BTreeMap<String, f64>, r: &CriticReport) {
     let values: Vec<f64> = r.drained.iter().map(|s| s.old_value).collect();
     let targets: Vec<f64> = r.drained.iter().map(|s| s.target).collect();
     let adv: Vec<f64> = r.drained.iter().map(|s| s.target - s.old_value).collect();
-    m.insert("critic/explained_variance".into(), crate::algo::ppo::explained_variance(&values, &targets));
+    m.insert(
+        "critic/explained_variance".into(),
+        crate::algo::ppo::explained_variance(&values, &targets),
+    );
     m.insert("critic/value_mean".into(), mean(&values));
     m.insert("critic/target_mean".into(), mean(&targets));
     m.insert("critic/advantage_mean".into(), mean(&adv));
-    let var = adv.iter().map(|x| (x - mean(&adv)).powi(2)).sum::<f64>() / adv.len() as f64;
+    let adv_mean = mean(&adv);
+    let var = adv.iter().map(|x| (x - adv_mean).powi(2)).sum::<f64>() / adv.len() as f64;
     m.insert("critic/advantage_std".into(), var.sqrt());
     let turns = r.drained.iter().map(|s| s.turn).max().unwrap_or(0) + 1;
     for t in 0..turns {
-        let own: Vec<&super::actor_critic::AcSample> = r.drained.iter().filter(|s| s.turn == t).collect();
+        let own: Vec<&super::actor_critic::AcSample> =
+            r.drained.iter().filter(|s| s.turn == t).collect();
         if own.is_empty() {
             continue;
         }
-        m.insert(format!("critic/turn{}/expected_return", t + 1), mean(&own.iter().map(|s| s.expected_return).collect::<Vec<_>>()));
-        m.insert(format!("critic/turn{}/reward_mean", t + 1), mean(&own.iter().map(|s| s.reward).collect::<Vec<_>>()));
-        let l: Vec<f64> = r.value_losses.iter().filter(|x| x.1 == t).map(|x| x.2).collect();
+        m.insert(
+            format!("critic/turn{}/expected_return", t + 1),
+            mean(&own.iter().map(|s| s.expected_return).collect::<Vec<_>>()),
+        );
+        m.insert(
+            format!("critic/turn{}/reward_mean", t + 1),
+            mean(&own.iter().map(|s| s.reward).collect::<Vec<_>>()),
+        );
+        let l: Vec<f64> = r
+            .value_losses
+            .iter()
+            .filter(|x| x.1 == t)
+            .map(|x| x.2)
+            .collect();
         if !l.is_empty() {
             m.insert(format!("critic/turn{}/value_loss", t + 1), mean(&l));
         }
     }
-    let agents = r.value_losses.iter().map(|x| x.0).max().map_or(0, |a| a + 1);
+    let agents = r
+        .value_losses
+        .iter()
+        .map(|x| x.0)
+        .max()
+        .map_or(0, |a| a + 1);
     if agents > 1 {
         for a in 0..agents {
-            let l: Vec<f64> = r.value_losses.iter().filter(|x| x.0 == a).map(|x| x.2).collect();
+            let l: Vec<f64> = r
+                .value_losses
+                .iter()
+                .filter(|x| x.0 == a)
+                .map(|x| x.2)
+                .collect();
             m.insert(format!("agent{a}/value_loss"), mean(&l));
         }
     }

@@ -59,24 +59,49 @@ impl ValueHead {
             vs.set_kind(model.kind());
         }
         let optimizer = AdamW::new(&vs, adam);
-        Self { vs, layers, optimizer }
+        Self {
+            vs,
+            layers,
+            optimizer,
+        }
     }
 
     /// The value at the last token of each row (B,) on `model` (the critic's backbone, or the
     /// actor's network), with or without autograd.
-    pub fn values(&self, model: &CausalLm, rows: &[Vec<u32>], with_grad: bool) -> Result<Tensor, TrainError> {
+    pub fn values(
+        &self,
+        model: &CausalLm,
+        rows: &[Vec<u32>],
+        with_grad: bool,
+    ) -> Result<Tensor, TrainError> {
         let _guard = (!with_grad).then(tch::no_grad_guard);
         if rows.is_empty() || rows.iter().any(Vec::is_empty) {
-            return Err(TrainError::Model("critic input: every row needs at least one token".into()));
+            return Err(TrainError::Model(
+                "critic input: every row needs at least one token".into(),
+            ));
         }
         let device = model.device();
         let longest = rows.iter().map(Vec::len).max().unwrap_or(0);
         // Right padding: causal attention keeps it away from every real position.
-        let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().map(|&t| t as i64).chain(std::iter::repeat_n(0, longest - r.len()))).collect();
-        let ids = Tensor::from_slice(&flat).view([rows.len() as i64, longest as i64]).to_device(device);
-        let hidden = model.forward_hidden(&ids).map_err(|e| TrainError::Model(format!("critic forward: {e}")))?;
+        let flat: Vec<i64> = rows
+            .iter()
+            .flat_map(|r| {
+                r.iter()
+                    .map(|&t| t as i64)
+                    .chain(std::iter::repeat_n(0, longest - r.len()))
+            })
+            .collect();
+        let ids = Tensor::from_slice(&flat)
+            .view([rows.len() as i64, longest as i64])
+            .to_device(device);
+        let hidden = model
+            .forward_hidden(&ids)
+            .map_err(|e| TrainError::Model(format!("critic forward: {e}")))?;
         let last: Vec<i64> = rows.iter().map(|r| r.len() as i64 - 1).collect();
-        let index = Tensor::from_slice(&last).to_device(device).view([-1, 1, 1]).expand([-1, 1, hidden.size()[2]], false);
+        let index = Tensor::from_slice(&last)
+            .to_device(device)
+            .view([-1, 1, 1])
+            .expand([-1, 1, hidden.size()[2]], false);
         let mut x = hidden.gather(1, &index, false).squeeze_dim(1);
         for (i, (w, b)) in self.layers.iter().enumerate() {
             x = x.linear(w, Some(b));
@@ -89,7 +114,10 @@ impl ValueHead {
 
     /// Rollout-time values of `rows` on `model`, no gradient, as f64.
     pub fn predict(&self, model: &CausalLm, rows: &[Vec<u32>]) -> Result<Vec<f64>, TrainError> {
-        let v = self.values(model, rows, false)?.to_kind(Kind::Double).to_device(Device::Cpu);
+        let v = self
+            .values(model, rows, false)?
+            .to_kind(Kind::Double)
+            .to_device(Device::Cpu);
         Vec::<f64>::try_from(&v).map_err(|e| TrainError::Model(format!("critic values: {e}")))
     }
 }
@@ -125,11 +153,23 @@ pub struct CriticStats {
 
 impl Critic {
     /// Loads `spec` as a trainable backbone and adds a fresh value head drawn from `seed`.
-    pub fn load(spec: &str, opts: &LoadOptions, hidden: Option<usize>, adam: AdamWConfig, seed: u64) -> Result<Self, TrainError> {
-        let model = cotrain_model::loader::load(spec, opts).map_err(|e| TrainError::Model(format!("loading critic `{spec}`: {e}")))?;
+    pub fn load(
+        spec: &str,
+        opts: &LoadOptions,
+        hidden: Option<usize>,
+        adam: AdamWConfig,
+        seed: u64,
+    ) -> Result<Self, TrainError> {
+        let model = cotrain_model::loader::load(spec, opts)
+            .map_err(|e| TrainError::Model(format!("loading critic `{spec}`: {e}")))?;
         let head = ValueHead::new(&model.model, hidden, adam, seed);
         let optimizer = AdamW::new(&model.vs, adam);
-        Ok(Self { spec: spec.to_string(), model, optimizer, head })
+        Ok(Self {
+            spec: spec.to_string(),
+            model,
+            optimizer,
+            head,
+        })
     }
 
     pub fn predict(&self, rows: &[Vec<u32>]) -> Result<Vec<f64>, TrainError> {
@@ -141,14 +181,22 @@ impl Critic {
     /// errors divided by `total`, the gradients are summed over the ranks, and every rank steps
     /// alike (one rank: `total` is `rows.len()`). A non-finite loss on any rank, or a non-finite
     /// summed gradient, skips the step everywhere (an [`TrainError::Update`] naming it).
-    pub fn update(&mut self, rows: &[Vec<u32>], targets: &[f64], coef: f64, total: usize, dist: &dyn Collective) -> Result<CriticStats, TrainError> {
+    pub fn update(
+        &mut self,
+        rows: &[Vec<u32>],
+        targets: &[f64],
+        coef: f64,
+        total: usize,
+        dist: &dyn Collective,
+    ) -> Result<CriticStats, TrainError> {
         self.optimizer.zero_grad();
         self.head.optimizer.zero_grad();
         let (mut local, mut bad) = (0.0, false);
         if !rows.is_empty() {
             let v = self.head.values(&self.model.model, rows, true)?;
             let y = Tensor::from_slice(targets).to_device(v.device());
-            let loss = crate::algo::actor_critic::value_loss(&v, &y, None) * (rows.len() as f64 / total.max(1) as f64);
+            let loss = crate::algo::actor_critic::value_loss(&v, &y, None)
+                * (rows.len() as f64 / total.max(1) as f64);
             local = loss.double_value(&[]);
             bad = !local.is_finite();
             if !bad {
@@ -159,21 +207,37 @@ impl Critic {
         if summed[1] > 0.0 {
             self.optimizer.zero_grad();
             self.head.optimizer.zero_grad();
-            let what = if bad { format!("{local}") } else { "non-finite on another rank".into() };
-            return Err(TrainError::Update(format!("critic `{}`: the value loss is {what}; the step is skipped", self.spec)));
+            let what = if bad {
+                format!("{local}")
+            } else {
+                "non-finite on another rank".into()
+            };
+            return Err(TrainError::Update(format!(
+                "critic `{}`: the value loss is {what}; the step is skipped",
+                self.spec
+            )));
         }
-        if dist.world() > 1 {
-            crate::dist::all_reduce_grads(dist, &self.optimizer.parameters())?;
-            crate::dist::all_reduce_grads(dist, &self.head.optimizer.parameters())?;
-        }
-        let grad_norm = self.optimizer.grad_norm().hypot(self.head.optimizer.grad_norm());
+        // The backbone's and the head's gradients summed over the ranks (nothing on one rank).
+        let mut params = self.optimizer.parameters();
+        params.extend(self.head.optimizer.parameters());
+        crate::dist::all_reduce_grads(dist, &params)?;
+        let grad_norm = self
+            .optimizer
+            .grad_norm()
+            .hypot(self.head.optimizer.grad_norm());
         if !grad_norm.is_finite() {
             self.optimizer.zero_grad();
             self.head.optimizer.zero_grad();
-            return Err(TrainError::Update(format!("critic `{}`: the gradient norm is {grad_norm}; the step is skipped", self.spec)));
+            return Err(TrainError::Update(format!(
+                "critic `{}`: the gradient norm is {grad_norm}; the step is skipped",
+                self.spec
+            )));
         }
         self.optimizer.step_with_norm(grad_norm);
         self.head.optimizer.step_with_norm(grad_norm);
-        Ok(CriticStats { value_loss: summed[0], grad_norm })
+        Ok(CriticStats {
+            value_loss: summed[0],
+            grad_norm,
+        })
     }
 }

@@ -35,9 +35,17 @@ impl Trainer {
         match self.s.cfg.raw.learner.placement {
             crate::config::Placement::Agent if world > 1 => {
                 let shards = (world / self.s.policies.len().max(1)).max(1);
-                Layout { shards, shard: rank % shards, own: Some(rank / shards) }
+                Layout {
+                    shards,
+                    shard: rank % shards,
+                    own: Some(rank / shards),
+                }
             }
-            _ => Layout { shards: world, shard: rank, own: None },
+            _ => Layout {
+                shards: world,
+                shard: rank,
+                own: None,
+            },
         }
     }
 
@@ -59,7 +67,12 @@ impl Trainer {
                 .iter()
                 .zip(&versions)
                 .zip(&params)
-                .map(|((p, &version), params)| WeightPush { agent: &p.worker_agent, version, params, lora_scaling: p.lora_scaling() })
+                .map(|((p, &version), params)| WeightPush {
+                    agent: &p.worker_agent,
+                    version,
+                    params,
+                    lora_scaling: p.lora_scaling(),
+                })
                 .collect();
             self.s.rollout.push_weights_all(&updates)?;
         }
@@ -89,22 +102,29 @@ impl Trainer {
         .map_err(|e| TrainError::Dist(e.to_string()))?;
         let d = self.dist.as_ref();
         d.broadcast_bytes(&mut state, 0)?;
-        let st: serde_json::Value = serde_json::from_slice(&state).map_err(|e| TrainError::Dist(format!("rank 0's train state: {e}")))?;
-        let num = |k: &str| st[k].as_u64().ok_or_else(|| TrainError::Dist(format!("rank 0's train state lacks {k}")));
+        let st: serde_json::Value = serde_json::from_slice(&state)
+            .map_err(|e| TrainError::Dist(format!("rank 0's train state: {e}")))?;
+        let num = |k: &str| {
+            st[k]
+                .as_u64()
+                .ok_or_else(|| TrainError::Dist(format!("rank 0's train state lacks {k}")))
+        };
         self.step = num("step")?;
         self.epoch = num("epoch")?;
         self.position = num("position")?;
         self.rng_seed = num("rng_seed")?;
         self.rng = ChaCha8Rng::seed_from_u64(self.rng_seed);
-        self.rng.set_word_pos(st["rng_word_pos"].as_str().and_then(|w| w.parse().ok()).unwrap_or(0));
+        self.rng.set_word_pos(
+            st["rng_word_pos"]
+                .as_str()
+                .and_then(|w| w.parse().ok())
+                .unwrap_or(0),
+        );
         // Every optimiser's tensors: the policies', then the actor-critic trainers' critics and value heads.
-        let mut optimizers: Vec<&mut crate::algo::AdamW> = self.s.policies.iter_mut().map(|p| &mut p.optimizer).collect();
-        for c in self.critics.iter_mut() {
-            optimizers.push(&mut c.optimizer);
-            optimizers.push(&mut c.head.optimizer);
-        }
-        optimizers.extend(self.heads.iter_mut().map(|h| &mut h.optimizer));
-        for (i, o) in optimizers.into_iter().enumerate() {
+        for (i, o) in Self::optimizers_mut(&mut self.s.policies, &mut self.critics, &mut self.heads)
+            .into_iter()
+            .enumerate()
+        {
             crate::dist::broadcast_tensors(d, &o.parameters(), 0)?;
             if st["moments"][i].as_bool() == Some(true) {
                 crate::dist::broadcast_tensors(d, &o.moments_mut(), 0)?;
@@ -113,11 +133,20 @@ impl Trainer {
         }
         // The actor-critic trainers' partly filled buffer (rank 0's, from its checkpoint).
         if self.s.cfg.algorithm.is_actor_critic() {
-            let mut buffer = serde_json::to_vec(&self.ac_buffer).map_err(|e| TrainError::Dist(format!("serialising the actor-critic buffer: {e}")))?;
+            let mut buffer = serde_json::to_vec(&self.ac_buffer).map_err(|e| {
+                TrainError::Dist(format!("serialising the actor-critic buffer: {e}"))
+            })?;
             d.broadcast_bytes(&mut buffer, 0)?;
-            self.ac_buffer = serde_json::from_slice(&buffer).map_err(|e| TrainError::Dist(format!("rank 0's actor-critic buffer: {e}")))?;
+            self.ac_buffer = serde_json::from_slice(&buffer)
+                .map_err(|e| TrainError::Dist(format!("rank 0's actor-critic buffer: {e}")))?;
         }
-        info!(rank = d.rank(), world = d.world(), backend = d.backend(), step = self.step, "ranks start from rank 0's state");
+        info!(
+            rank = d.rank(),
+            world = d.world(),
+            backend = d.backend(),
+            step = self.step,
+            "ranks start from rank 0's state"
+        );
         Ok(())
     }
 
@@ -126,23 +155,40 @@ impl Trainer {
     pub(super) fn check_ranks_agree(&self) -> Result<(), TrainError> {
         let step = self.step;
         for p in &self.s.policies {
-            crate::dist::check_same(self.dist.as_ref(), &format!("policy `{}` after step {step}", p.worker_agent), &p.optimizer.parameters())?;
+            crate::dist::check_same(
+                self.dist.as_ref(),
+                &format!("policy `{}` after step {step}", p.worker_agent),
+                &p.optimizer.parameters(),
+            )?;
         }
         for (i, c) in self.critics.iter().enumerate() {
             let mut params = c.optimizer.parameters();
             params.extend(c.head.optimizer.parameters());
-            crate::dist::check_same(self.dist.as_ref(), &format!("critic {i} (`{}`) after step {step}", c.spec), &params)?;
+            crate::dist::check_same(
+                self.dist.as_ref(),
+                &format!("critic {i} (`{}`) after step {step}", c.spec),
+                &params,
+            )?;
         }
         for (i, h) in self.heads.iter().enumerate() {
-            crate::dist::check_same(self.dist.as_ref(), &format!("value head of policy {i} after step {step}"), &h.optimizer.parameters())?;
+            crate::dist::check_same(
+                self.dist.as_ref(),
+                &format!("value head of policy {i} after step {step}"),
+                &h.optimizer.parameters(),
+            )?;
         }
         Ok(())
     }
 
     /// Rank 0 receives every rank's forest of this step (merged in rank order, with the items of
     /// [`rank_share`] in the same order); other ranks get an empty forest back.
-    pub(super) fn gather_step(&self, forest: Forest, rows: &[usize]) -> Result<(Forest, Vec<TrainItem>), TrainError> {
-        let bytes = serde_json::to_vec(&forest).map_err(|e| TrainError::Dist(format!("serialising the step's rollouts: {e}")))?;
+    pub(super) fn gather_step(
+        &self,
+        forest: Forest,
+        rows: &[usize],
+    ) -> Result<(Forest, Vec<TrainItem>), TrainError> {
+        let bytes = serde_json::to_vec(&forest)
+            .map_err(|e| TrainError::Dist(format!("serialising the step's rollouts: {e}")))?;
         let all = self.dist.all_gather_bytes(&bytes)?;
         if !self.dist.is_root() {
             return Ok((Forest::default(), Vec::new()));
@@ -151,9 +197,14 @@ impl Trainer {
         let (mut merged, mut items) = (Forest::default(), Vec::new());
         // Ranks 0..shards hold one shard each (under agent placement the others hold copies).
         for (rank, b) in all.iter().enumerate().take(shards) {
-            let part: Forest = serde_json::from_slice(b).map_err(|e| TrainError::Dist(format!("rank {rank}'s rollouts: {e}")))?;
+            let part: Forest = serde_json::from_slice(b)
+                .map_err(|e| TrainError::Dist(format!("rank {rank}'s rollouts: {e}")))?;
             merged.absorb(part, items.len());
-            items.extend(rank_share(rows, rank, shards).iter().map(|&r| self.s.train_items[r].clone()));
+            items.extend(
+                rank_share(rows, rank, shards)
+                    .iter()
+                    .map(|&r| self.s.train_items[r].clone()),
+            );
         }
         Ok((merged, items))
     }

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use tracing::{info, warn};
+use tracing::warn;
 
 use super::batch::StepRollout;
 use super::policy::Policy;
@@ -34,8 +34,8 @@ use crate::data::items::TrainItem;
 use crate::dist::{Collective, SingleRank};
 use crate::error::TrainError;
 use crate::external::expert::ExpertClient;
-use crate::prompts::NextTurnPrompter;
 use crate::metrics::MetricsWriter;
+use crate::prompts::NextTurnPrompter;
 use crate::seeds::derive_seed;
 use crate::sources::{GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec};
 
@@ -134,19 +134,12 @@ impl Trainer {
         for p in &s.policies {
             p.model.model.set_matmul_kind(matmul_kind);
         }
-        if let Some(kind) = matmul_kind
-            && s.policies.first().is_some_and(|p| p.model.model.device() == tch::Device::Cpu)
-        {
-            // Some CPUs with avx512_bf16 (no AMX) run libtorch's bf16 products slower than f32:
-            // say so rather than train slower and less precisely than asked for.
-            let (ours, f32_rate) = (cotrain_model::kernels::dispatch::product_gflops(kind), cotrain_model::kernels::dispatch::product_gflops(tch::Kind::Float));
-            if ours < f32_rate {
-                warn!("model.matmul_dtype: {kind:?} products run at {ours:.0} GFLOP/s on this CPU against {f32_rate:.0} for f32: training will be slower, not faster");
-            } else {
-                info!("model.matmul_dtype: {kind:?} products at {ours:.0} GFLOP/s on this CPU, f32 at {f32_rate:.0}");
-            }
+        if let (Some(kind), Some(p)) = (matmul_kind, s.policies.first()) {
+            crate::model_options::announce_matmul_rate(kind, p.model.model.device());
         }
-        if s.agent_policy.len() != s.cfg.num_agents || s.agent_policy.iter().any(|&p| p >= s.policies.len()) {
+        if s.agent_policy.len() != s.cfg.num_agents
+            || s.agent_policy.iter().any(|&p| p >= s.policies.len())
+        {
             return Err(TrainError::Config(format!(
                 "{} agents mapped onto {} policies: {:?}",
                 s.cfg.num_agents,
@@ -157,20 +150,33 @@ impl Trainer {
         if s.train_items.is_empty() {
             return Err(TrainError::Data("the train split selects no rows".into()));
         }
-        if s.train_items.iter().chain(&s.eval_items).any(|it| it.prompts.len() != s.cfg.num_agents) {
-            return Err(TrainError::Data("every item needs one prompt per agent".into()));
+        if s.train_items
+            .iter()
+            .chain(&s.eval_items)
+            .any(|it| it.prompts.len() != s.cfg.num_agents)
+        {
+            return Err(TrainError::Data(
+                "every item needs one prompt per agent".into(),
+            ));
         }
         let metrics = if dist.is_root() {
-            std::fs::create_dir_all(&s.run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
+            std::fs::create_dir_all(&s.run_dir)
+                .map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?;
             // A process killed mid-checkpoint left a partial copy of the policies behind.
-            for stale in crate::checkpoint::remove_stale_temporaries(&s.run_dir).map_err(|e| TrainError::Checkpoint(e.to_string()))? {
+            for stale in crate::checkpoint::remove_stale_temporaries(&s.run_dir)
+                .map_err(|e| TrainError::Checkpoint(e.to_string()))?
+            {
                 warn!(path = %stale.display(), "removed a partial checkpoint left by an interrupted run");
             }
-            Some(MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard).map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?)
+            Some(
+                MetricsWriter::create(&s.run_dir, s.cfg.raw.logging.tensorboard)
+                    .map_err(|e| TrainError::Io(format!("{}: {e}", s.run_dir.display())))?,
+            )
         } else {
             None
         };
-        let next_turn = NextTurnPrompter::from_config(&s.cfg, s.is_code).map_err(|e| TrainError::Config(format!("{}: {e}", s.cfg.source.display())))?;
+        let next_turn = NextTurnPrompter::from_config(&s.cfg, s.is_code)
+            .map_err(|e| TrainError::Config(format!("{}: {e}", s.cfg.source.display())))?;
         let rng_seed = derive_seed(&[s.cfg.raw.seed, TAG_BUFFER]);
         let critics = super::actor_critic::load_critics(&s.cfg, &s.policies, &s.agent_policy)?;
         let heads = super::actor_critic::load_heads(&s.cfg, &s.policies);
@@ -241,6 +247,7 @@ impl Trainer {
             max_new_tokens: s.max_new_tokens,
             ignore_eos: self.ignore_eos,
             stop: agent.stop.clone(),
+            sampling_logprobs: false,
         }
     }
 
@@ -249,12 +256,15 @@ impl Trainer {
         let pi = self.s.agent_policy[a];
         match &self.lent {
             Some(view) => view[pi].clone(),
-            None => (self.s.policies[pi].worker_agent.clone(), self.s.policies[pi].wire_version),
+            None => (
+                self.s.policies[pi].worker_agent.clone(),
+                self.s.policies[pi].wire_version,
+            ),
         }
     }
 
     /// Generates `requests`. On-policy runs check that every sample comes from the version the learner
-/// last pushed; asynchronous ones return the samples as drawn (the pipeline bounds their staleness).
+    /// last pushed; asynchronous ones return the samples as drawn (the pipeline bounds their staleness).
     ///
     /// On-policy means on-policy: a sample from any other version is never trained on. A stale
     /// sample (a worker that lost or missed an update, e.g. one that joined the pool after the last
@@ -263,26 +273,51 @@ impl Trainer {
     /// agent and both versions.
     /// Asynchronous rollouts (`rollout.max_off_policy_steps` > 0) bound staleness at training time
     /// instead (see [`Trainer::train_step_async`]).
-    pub fn draw_samples(&mut self, requests: &[GenRequest], agents: &[usize]) -> Result<Vec<Vec<GenSample>>, TrainError> {
+    pub fn draw_samples(
+        &mut self,
+        requests: &[GenRequest],
+        agents: &[usize],
+    ) -> Result<Vec<Vec<GenSample>>, TrainError> {
         if self.s.cfg.raw.rollout.max_off_policy_steps > 0 {
             return self.s.rollout.generate(requests);
         }
         for attempt in 0..2 {
             let out = self.s.rollout.generate(requests)?;
-            let stale = requests.iter().zip(&out).zip(agents).find_map(|((r, samples), &a)| {
-                samples.iter().find(|s| s.policy_version != r.min_policy_version).map(|s| (a, r.min_policy_version, s.policy_version))
-            });
+            let stale = requests
+                .iter()
+                .zip(&out)
+                .zip(agents)
+                .find_map(|((r, samples), &a)| {
+                    samples
+                        .iter()
+                        .find(|s| s.policy_version != r.min_policy_version)
+                        .map(|s| (a, r.min_policy_version, s.policy_version))
+                });
             match stale {
                 None => return Ok(out),
                 Some((agent, expected, got)) if attempt == 0 => {
-                    warn!(agent, expected, got, "stale sample: re-pushing weights and redrawing");
+                    warn!(
+                        agent,
+                        expected, got, "stale sample: re-pushing weights and redrawing"
+                    );
                     for p in &self.s.policies {
                         let params = p.parameters();
-                        let push = crate::sources::WeightPush { agent: &p.worker_agent, version: p.wire_version, params: &params, lora_scaling: p.lora_scaling() };
+                        let push = crate::sources::WeightPush {
+                            agent: &p.worker_agent,
+                            version: p.wire_version,
+                            params: &params,
+                            lora_scaling: p.lora_scaling(),
+                        };
                         self.s.rollout.push_weights_all(&[push])?;
                     }
                 }
-                Some((agent, expected, got)) => return Err(TrainError::StaleSample { agent, expected, got }),
+                Some((agent, expected, got)) => {
+                    return Err(TrainError::StaleSample {
+                        agent,
+                        expected,
+                        got,
+                    });
+                }
             }
         }
         unreachable!("the loop returns on its second attempt")

@@ -19,8 +19,8 @@ use tracing::info;
 
 use super::data::{QuestionEntry, VerifierData};
 use crate::config::{CheckedConfig, VerifierSection};
-use crate::data::{DatasetKind, load_split};
 use crate::data::items::{encode_text, item_json, reward_task};
+use crate::data::{DatasetKind, load_split};
 use crate::error::TrainError;
 use crate::seeds::derive_seed;
 use crate::services::connect::{ServiceGuard, connect_services};
@@ -75,14 +75,21 @@ pub struct Sampler {
 impl Sampler {
     /// Connects to (or starts) the services `cfg` names, serving `model.name` as [`AGENT`].
     pub fn connect(cfg: &CheckedConfig) -> Result<Self, TrainError> {
-        let kind = DatasetKind::resolve(&cfg.raw.dataset).map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
+        let kind = DatasetKind::resolve(&cfg.raw.dataset)
+            .map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
         if !matches!(kind, DatasetKind::Gsm8k | DatasetKind::Anli) {
-            return Err(TrainError::Config(format!("verifier data needs right/wrong answers: GSM8K or ANLI, not {}", kind.name())));
+            return Err(TrainError::Config(format!(
+                "verifier data needs right/wrong answers: GSM8K or ANLI, not {}",
+                kind.name()
+            )));
         }
         let spec = cfg.raw.model.name.clone();
-        let (tokenizer, template) = cotrain_model::loader::load_text_side(&spec).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+        let (tokenizer, template) = cotrain_model::loader::load_text_side(&spec)
+            .map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
         if cfg.raw.model.chat_template && template.is_none() {
-            return Err(TrainError::Config("model.chat_template is true but the model has no chat template".into()));
+            return Err(TrainError::Config(
+                "model.chat_template is true but the model has no chat template".into(),
+            ));
         }
         let services = connect_services(cfg, &[(AGENT.to_string(), spec)])?;
         Ok(Self {
@@ -100,12 +107,15 @@ impl Sampler {
 
     /// The verifier's user message for `question`.
     pub fn user_message(&self, question: &str) -> Result<String, TrainError> {
-        super::user_message(&self.section.template(&self.task), question).map_err(TrainError::Config)
+        super::user_message(&self.section.template(&self.task), question)
+            .map_err(TrainError::Config)
     }
 
     fn prompt(&self, user: &str) -> Result<Vec<u32>, TrainError> {
         let text = match (&self.template, self.chat) {
-            (Some(t), true) => t.render(&[ChatMessage::user(user)], true, &serde_json::Value::Null).map_err(|e| TrainError::Model(format!("chat template: {e}")))?,
+            (Some(t), true) => t
+                .render(&[ChatMessage::user(user)], true, &serde_json::Value::Null)
+                .map_err(|e| TrainError::Model(format!("chat template: {e}")))?,
             _ => user.to_string(),
         };
         encode_text(&self.tokenizer, &text)
@@ -114,7 +124,10 @@ impl Sampler {
     /// Samples every ask (one concurrent batch; an ask for more than a worker takes at once is
     /// split, see `request_sizes`) and labels every answer (one reward call).
     pub fn sample(&mut self, asks: &[Ask]) -> Result<Vec<Vec<Labelled>>, TrainError> {
-        let max_n = self.rollout.max_samples_per_request(AGENT).unwrap_or(MAX_SAMPLES_PER_REQUEST);
+        let max_n = self
+            .rollout
+            .max_samples_per_request(AGENT)
+            .unwrap_or(MAX_SAMPLES_PER_REQUEST);
         let v = &self.section;
         let mut requests = Vec::with_capacity(asks.len());
         // Requests per ask, in order.
@@ -123,31 +136,67 @@ impl Sampler {
             let mut parts = vec![self.seed, TAG_GENERATE];
             parts.extend(&a.seed_parts);
             let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(&parts));
-            let drawn = if v.temperature_max > v.temperature_min { rng.random_range(v.temperature_min..=v.temperature_max) } else { v.temperature_min };
+            let drawn = if v.temperature_max > v.temperature_min {
+                rng.random_range(v.temperature_min..=v.temperature_max)
+            } else {
+                v.temperature_min
+            };
             let prompt = self.prompt(&a.user)?;
             // One temperature per ask (MaPoRL draws one per question); each request its own seed
             // from the ask's stream, the first the seed an unsplit ask had, so asks a worker takes
             // at once sample what they always did.
-            let sampling = SamplingSpec { temperature: a.temperature.unwrap_or(drawn), top_p: v.top_p, top_k: 0, max_new_tokens: v.max_new_tokens, ignore_eos: false, stop: Vec::new() };
+            let sampling = SamplingSpec {
+                temperature: a.temperature.unwrap_or(drawn),
+                top_p: v.top_p,
+                top_k: 0,
+                max_new_tokens: v.max_new_tokens,
+                ignore_eos: false,
+                stop: Vec::new(),
+                sampling_logprobs: false,
+            };
             let before = requests.len();
             for n in request_sizes(a.n, max_n) {
-                requests.push(GenRequest { agent: AGENT.into(), prompt: prompt.clone(), n, sampling: sampling.clone(), seed: rng.random(), min_policy_version: 0 });
+                requests.push(GenRequest {
+                    agent: AGENT.into(),
+                    prompt: prompt.clone(),
+                    n,
+                    sampling: sampling.clone(),
+                    seed: rng.random(),
+                    min_policy_version: 0,
+                });
             }
             spans.push(requests.len() - before);
         }
         let mut samples = self.rollout.generate(&requests)?.into_iter();
-        let texts: Vec<Vec<String>> = spans.iter().map(|&k| samples.by_ref().take(k).flatten().map(|s| s.text).collect()).collect();
+        let texts: Vec<Vec<String>> = spans
+            .iter()
+            .map(|&k| samples.by_ref().take(k).flatten().map(|s| s.text).collect())
+            .collect();
         self.label(&asks.iter().map(|a| &a.item).collect::<Vec<_>>(), &texts)
     }
 
     /// Labels `texts[k]` (answers to `items[k]`) with the task's reward: correct above 0.5.
-    pub fn label(&mut self, items: &[&serde_json::Value], texts: &[Vec<String>]) -> Result<Vec<Vec<Labelled>>, TrainError> {
+    pub fn label(
+        &mut self,
+        items: &[&serde_json::Value],
+        texts: &[Vec<String>],
+    ) -> Result<Vec<Vec<Labelled>>, TrainError> {
         let actions: Vec<ScoreAction> = items
             .iter()
             .zip(texts)
-            .flat_map(|(item, got)| got.iter().map(move |t| ScoreAction { completions: vec![t.clone()], completion_ids: vec![Vec::new()], item: (*item).clone() }))
+            .flat_map(|(item, got)| {
+                got.iter().map(move |t| ScoreAction {
+                    completions: vec![t.clone()],
+                    completion_ids: vec![Vec::new()],
+                    item: (*item).clone(),
+                })
+            })
             .collect();
-        let scores = if actions.is_empty() { Vec::new() } else { self.reward.score(&self.task, &actions)? };
+        let scores = if actions.is_empty() {
+            Vec::new()
+        } else {
+            self.reward.score(&self.task, &actions)?
+        };
         let mut at = 0;
         Ok(texts
             .iter()
@@ -158,7 +207,11 @@ impl Sampler {
                     .map(|(t, s)| Labelled {
                         text: t.clone(),
                         correct: s.reward > 0.5,
-                        label: s.details.get("answer").and_then(|a| a.as_str().map(str::to_string)).unwrap_or_default(),
+                        label: s
+                            .details
+                            .get("answer")
+                            .and_then(|a| a.as_str().map(str::to_string))
+                            .unwrap_or_default(),
                     })
                     .collect();
                 at += got.len();
@@ -176,7 +229,10 @@ fn request_sizes(n: usize, max: usize) -> impl Iterator<Item = usize> {
 
 /// The dataset's reference answer of a row (GSM8K's worked solution, ANLI's label).
 pub fn reference_answer(item: &serde_json::Value) -> String {
-    item.get("answer").or_else(|| item.get("label")).map(|a| a.as_str().map_or_else(|| a.to_string(), str::to_string)).unwrap_or_default()
+    item.get("answer")
+        .or_else(|| item.get("label"))
+        .map(|a| a.as_str().map_or_else(|| a.to_string(), str::to_string))
+        .unwrap_or_default()
 }
 
 /// What a generation run did.
@@ -194,10 +250,16 @@ pub struct GenerateSummary {
 /// Samples and labels answers for every question of the config's train split into `out`.
 pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, TrainError> {
     let v: VerifierSection = cfg.raw.verifier.clone().unwrap_or_default();
-    let split = load_split(&cfg.raw.dataset, &cfg.train_split).map_err(|e| TrainError::Data(e.to_string()))?;
-    let mut data = if out.exists() { VerifierData::read(out).map_err(TrainError::Data)? } else { VerifierData::default() };
+    let split = load_split(&cfg.raw.dataset, &cfg.train_split)
+        .map_err(|e| TrainError::Data(e.to_string()))?;
+    let mut data = if out.exists() {
+        VerifierData::read(out).map_err(TrainError::Data)?
+    } else {
+        VerifierData::default()
+    };
     let mut sampler = Sampler::connect(cfg)?;
-    let done: std::collections::HashSet<String> = data.questions.iter().map(|(q, _)| q.clone()).collect();
+    let done: std::collections::HashSet<String> =
+        data.questions.iter().map(|(q, _)| q.clone()).collect();
     let todo: Vec<(usize, serde_json::Value, String)> = split
         .items
         .iter()
@@ -215,12 +277,24 @@ pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, Trai
     }
     let pb = crate::metrics::progress::progress_bar(cfg.raw.logging.progress, todo.len() as u64, 0);
     let started = Instant::now();
-    let mut summary = GenerateSummary { questions: 0, resumed, answers: 0, correct: 0, seconds: 0.0 };
+    let mut summary = GenerateSummary {
+        questions: 0,
+        resumed,
+        answers: 0,
+        correct: 0,
+        seconds: 0.0,
+    };
     for round in todo.chunks(QUESTIONS_PER_ROUND) {
         let asks = round
             .iter()
             .map(|(row, item, q)| {
-                Ok(Ask { item: item.clone(), user: sampler.user_message(q)?, n: v.samples_per_question, seed_parts: vec![*row as u64], temperature: None })
+                Ok(Ask {
+                    item: item.clone(),
+                    user: sampler.user_message(q)?,
+                    n: v.samples_per_question,
+                    seed_parts: vec![*row as u64],
+                    temperature: None,
+                })
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
         let answers = sampler.sample(&asks)?;
@@ -231,7 +305,10 @@ pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, Trai
                 q.clone(),
                 QuestionEntry {
                     original_answer: reference_answer(item),
-                    rewards: got.iter().map(|a| if a.correct { 1.0 } else { 0.0 }).collect(),
+                    rewards: got
+                        .iter()
+                        .map(|a| if a.correct { 1.0 } else { 0.0 })
+                        .collect(),
                     generated_label: got.iter().map(|a| a.label.clone()).collect(),
                     generated_answers: got.into_iter().map(|a| a.text).collect(),
                     row: Some(*row),
@@ -242,7 +319,10 @@ pub fn generate(cfg: &CheckedConfig, out: &Path) -> Result<GenerateSummary, Trai
         data.write(out).map_err(TrainError::Io)?;
         if let Some(pb) = &pb {
             pb.set_position(summary.questions as u64);
-            pb.set_message(format!("{} answers, {} correct", summary.answers, summary.correct));
+            pb.set_message(format!(
+                "{} answers, {} correct",
+                summary.answers, summary.correct
+            ));
         }
     }
     if let Some(pb) = pb {

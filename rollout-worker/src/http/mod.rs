@@ -14,15 +14,15 @@ mod stream;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
+use axum::extract::rejection::JsonRejection;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use cotrain_model::chat_template::ChatMessage;
 use cotrain_model::engine::{SamplingParams, StopConditions};
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 
 use crate::error::WorkerError;
 use crate::worker::{GenerateJob, GenerateOutput, PromptInput, Worker};
@@ -52,11 +52,21 @@ pub struct ApiError {
 
 impl ApiError {
     fn invalid(param: &str, message: impl Into<String>) -> Self {
-        Self { status: http::StatusCode::BAD_REQUEST, kind: "invalid_request_error", message: message.into(), param: Some(param.into()) }
+        Self {
+            status: http::StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param: Some(param.into()),
+        }
     }
 
     fn internal(message: impl Into<String>) -> Self {
-        Self { status: http::StatusCode::INTERNAL_SERVER_ERROR, kind: "server_error", message: message.into(), param: None }
+        Self {
+            status: http::StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            message: message.into(),
+            param: None,
+        }
     }
 
     /// The JSON body: `{"error": {...}}`.
@@ -69,13 +79,23 @@ impl From<WorkerError> for ApiError {
     fn from(e: WorkerError) -> Self {
         let (status, kind) = e.http_status();
         let param = e.field().map(openai_field);
-        Self { status, kind, message: e.to_string(), param }
+        Self {
+            status,
+            kind,
+            message: e.to_string(),
+            param,
+        }
     }
 }
 
 impl From<JsonRejection> for ApiError {
     fn from(e: JsonRejection) -> Self {
-        Self { status: http::StatusCode::BAD_REQUEST, kind: "invalid_request_error", message: e.body_text(), param: None }
+        Self {
+            status: http::StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: e.body_text(),
+            param: None,
+        }
     }
 }
 
@@ -165,27 +185,53 @@ struct StreamOptions {
 /// "no effect" (accepted). Any other field not named in [`Common`] or the endpoint's request is
 /// ignored, as OpenAI-compatible servers do with unknown extensions.
 const UNSUPPORTED: &[(&str, fn(&Value) -> bool)] = &[
-    ("logit_bias", |v| v.is_null() || v.as_object().is_some_and(|m| m.is_empty())),
-    ("presence_penalty", |v| v.is_null() || v.as_f64() == Some(0.0)),
-    ("frequency_penalty", |v| v.is_null() || v.as_f64() == Some(0.0)),
-    ("repetition_penalty", |v| v.is_null() || v.as_f64() == Some(1.0)),
-    ("tools", |v| v.is_null() || v.as_array().is_some_and(|a| a.is_empty())),
-    ("functions", |v| v.is_null() || v.as_array().is_some_and(|a| a.is_empty())),
+    ("logit_bias", |v| {
+        v.is_null() || v.as_object().is_some_and(|m| m.is_empty())
+    }),
+    ("presence_penalty", |v| {
+        v.is_null() || v.as_f64() == Some(0.0)
+    }),
+    ("frequency_penalty", |v| {
+        v.is_null() || v.as_f64() == Some(0.0)
+    }),
+    ("repetition_penalty", |v| {
+        v.is_null() || v.as_f64() == Some(1.0)
+    }),
+    ("tools", |v| {
+        v.is_null() || v.as_array().is_some_and(|a| a.is_empty())
+    }),
+    ("functions", |v| {
+        v.is_null() || v.as_array().is_some_and(|a| a.is_empty())
+    }),
     ("tool_choice", |v| v.is_null() || v.as_str() == Some("none")),
-    ("function_call", |v| v.is_null() || v.as_str() == Some("none")),
-    ("response_format", |v| v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")),
+    ("function_call", |v| {
+        v.is_null() || v.as_str() == Some("none")
+    }),
+    ("response_format", |v| {
+        v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")
+    }),
     ("echo", |v| v.is_null() || v.as_bool() == Some(false)),
     ("suffix", |v| v.is_null() || v.as_str() == Some("")),
     ("best_of", |v| v.is_null() || v.as_u64() == Some(1)),
     ("audio", Value::is_null),
-    ("modalities", |v| v.is_null() || v.as_array().is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text")))),
+    ("modalities", |v| {
+        v.is_null()
+            || v.as_array()
+                .is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text")))
+    }),
     ("prediction", Value::is_null),
     ("prompt_logprobs", Value::is_null),
     // vLLM's extensions that change the output.
-    ("include_stop_str_in_output", |v| v.is_null() || v.as_bool() == Some(false)),
-    ("skip_special_tokens", |v| v.is_null() || v.as_bool() == Some(true)),
+    ("include_stop_str_in_output", |v| {
+        v.is_null() || v.as_bool() == Some(false)
+    }),
+    ("skip_special_tokens", |v| {
+        v.is_null() || v.as_bool() == Some(true)
+    }),
     ("min_tokens", |v| v.is_null() || v.as_u64() == Some(0)),
-    ("return_tokens_as_token_ids", |v| v.is_null() || v.as_bool() == Some(false)),
+    ("return_tokens_as_token_ids", |v| {
+        v.is_null() || v.as_bool() == Some(false)
+    }),
 ];
 
 /// A 400 naming the first field set to something this server cannot do.
@@ -194,7 +240,10 @@ fn refuse_unsupported(rest: &serde_json::Map<String, Value>) -> Result<(), ApiEr
         if let Some(v) = rest.get(*name)
             && !no_op(v)
         {
-            return Err(ApiError::invalid(name, format!("`{name}` is not supported by this server (cotrain's rollout worker)")));
+            return Err(ApiError::invalid(
+                name,
+                format!("`{name}` is not supported by this server (cotrain's rollout worker)"),
+            ));
         }
     }
     Ok(())
@@ -222,7 +271,10 @@ struct CompletionRequest {
 }
 
 fn now_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// Alternatives per position for chat's `logprobs` (a boolean) and `top_logprobs`: `None` without
@@ -231,11 +283,21 @@ fn chat_top_logprobs(c: &Common) -> Result<Option<usize>, ApiError> {
     let on = match &c.logprobs {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::invalid("logprobs", "must be a boolean on /v1/chat/completions (top_logprobs gives the alternatives)")),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                "must be a boolean on /v1/chat/completions (top_logprobs gives the alternatives)",
+            ));
+        }
     };
     match (on, c.top_logprobs) {
-        (_, Some(k)) if k > MAX_TOP_LOGPROBS => Err(ApiError::invalid("top_logprobs", format!("must be at most {MAX_TOP_LOGPROBS}, got {k}"))),
-        (false, Some(k)) if k > 0 => Err(ApiError::invalid("top_logprobs", "needs `logprobs: true`")),
+        (_, Some(k)) if k > MAX_TOP_LOGPROBS => Err(ApiError::invalid(
+            "top_logprobs",
+            format!("must be at most {MAX_TOP_LOGPROBS}, got {k}"),
+        )),
+        (false, Some(k)) if k > 0 => {
+            Err(ApiError::invalid("top_logprobs", "needs `logprobs: true`"))
+        }
         (false, _) => Ok(None),
         (true, k) => Ok(Some(k.unwrap_or(0))),
     }
@@ -244,21 +306,35 @@ fn chat_top_logprobs(c: &Common) -> Result<Option<usize>, ApiError> {
 /// Alternatives per position for the completions endpoint's `logprobs` (an integer).
 fn completion_top_logprobs(c: &Common) -> Result<Option<usize>, ApiError> {
     if c.top_logprobs.is_some() {
-        return Err(ApiError::invalid("top_logprobs", "is a chat field; /v1/completions takes `logprobs: <alternatives>`"));
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            "is a chat field; /v1/completions takes `logprobs: <alternatives>`",
+        ));
     }
     match &c.logprobs {
         None | Some(Value::Null) => Ok(None),
         Some(v) => match v.as_u64() {
             Some(k) if k as usize <= MAX_TOP_LOGPROBS => Ok(Some(k as usize)),
-            _ => Err(ApiError::invalid("logprobs", format!("must be an integer from 0 to {MAX_TOP_LOGPROBS} on /v1/completions"))),
+            _ => Err(ApiError::invalid(
+                "logprobs",
+                format!("must be an integer from 0 to {MAX_TOP_LOGPROBS} on /v1/completions"),
+            )),
         },
     }
 }
 
-fn job(worker: &Worker, c: &Common, prompts: Vec<PromptInput>, top_logprobs: usize) -> Result<GenerateJob, ApiError> {
+fn job(
+    worker: &Worker,
+    c: &Common,
+    prompts: Vec<PromptInput>,
+    top_logprobs: usize,
+) -> Result<GenerateJob, ApiError> {
     refuse_unsupported(&c.rest)?;
     let context = worker.context_length(&c.model)?;
-    let max_new_tokens = c.max_completion_tokens.or(c.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS.min(context));
+    let max_new_tokens = c
+        .max_completion_tokens
+        .or(c.max_tokens)
+        .unwrap_or(DEFAULT_MAX_TOKENS.min(context));
     let stop_strings = match &c.stop {
         None => Vec::new(),
         Some(StopField::One(s)) => vec![s.clone()],
@@ -281,9 +357,13 @@ fn job(worker: &Worker, c: &Common, prompts: Vec<PromptInput>, top_logprobs: usi
             ignore_eos: c.ignore_eos.unwrap_or(false),
         },
         // Without a seed, every request samples differently, as OpenAI's API does.
-        seed: c.seed.unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0),
+        seed: c
+            .seed
+            .unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0),
         min_policy_version: None,
         top_logprobs,
+        // OpenAI's log-probs are the model's (before the temperature).
+        logprobs: cotrain_model::engine::LogprobMode::Raw,
     })
 }
 
@@ -302,13 +382,27 @@ fn stream_spec(shape: stream::Shape, c: &Common, id: String, logprobs: bool) -> 
 }
 
 fn usage(out: &GenerateOutput) -> Value {
-    let prompt: usize = out.completions.iter().map(|c| c.prompt_token_ids.len()).sum();
-    let completion: usize = out.completions.iter().flat_map(|c| &c.samples).map(|s| s.token_ids.len()).sum();
+    let prompt: usize = out
+        .completions
+        .iter()
+        .map(|c| c.prompt_token_ids.len())
+        .sum();
+    let completion: usize = out
+        .completions
+        .iter()
+        .flat_map(|c| &c.samples)
+        .map(|s| s.token_ids.len())
+        .sum();
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
 fn policy_version(out: &GenerateOutput) -> u64 {
-    out.completions.iter().flat_map(|c| &c.samples).map(|s| s.policy_version).max().unwrap_or(0)
+    out.completions
+        .iter()
+        .flat_map(|c| &c.samples)
+        .map(|s| s.policy_version)
+        .max()
+        .unwrap_or(0)
 }
 
 async fn models(State(worker): State<Arc<Worker>>) -> Json<Value> {
@@ -336,12 +430,23 @@ fn text_of(content: Option<Value>, index: usize) -> Result<String, ApiError> {
         // The content-parts form: concatenate the text parts.
         Some(Value::Array(parts)) => parts
             .iter()
-            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                (Some("text"), Some(t)) => Ok(t.to_string()),
-                _ => Err(ApiError::invalid(&format!("messages[{index}].content"), "only text content parts are supported")),
+            .map(|p| {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => Ok(t.to_string()),
+                    _ => Err(ApiError::invalid(
+                        &format!("messages[{index}].content"),
+                        "only text content parts are supported",
+                    )),
+                }
             })
             .collect(),
-        Some(_) => Err(ApiError::invalid(&format!("messages[{index}].content"), "must be a string or a list of parts")),
+        Some(_) => Err(ApiError::invalid(
+            &format!("messages[{index}].content"),
+            "must be a string or a list of parts",
+        )),
     }
 }
 
@@ -362,10 +467,20 @@ async fn chat_completions(
         .collect::<Result<Vec<_>, ApiError>>()?;
     let c = &req.common;
     let top = chat_top_logprobs(c)?;
-    let job = job(&worker, c, vec![PromptInput::Chat(messages)], top.unwrap_or(0))?;
+    let job = job(
+        &worker,
+        c,
+        vec![PromptInput::Chat(messages)],
+        top.unwrap_or(0),
+    )?;
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     if c.stream == Some(true) {
-        return stream::respond(worker.clone(), job, stream_spec(stream::Shape::Chat, c, id, top.is_some())).await;
+        return stream::respond(
+            worker.clone(),
+            job,
+            stream_spec(stream::Shape::Chat, c, id, top.is_some()),
+        )
+        .await;
     }
     let out = worker.generate(job).await.map_err(chat_error)?;
     let tok = worker.tokenizer(&c.model)?;
@@ -407,24 +522,40 @@ async fn chat_completions(
 /// A worker error on the chat endpoint, whose prompt is `messages`.
 fn chat_error(e: WorkerError) -> ApiError {
     match e {
-        WorkerError::InvalidArgument { field, message } if field.starts_with("prompts") => ApiError::invalid("messages", message),
+        WorkerError::InvalidArgument { field, message } if field.starts_with("prompts") => {
+            ApiError::invalid("messages", message)
+        }
         e => e.into(),
     }
 }
 
 /// OpenAI's `prompt`: a string, a list of strings, a list of token ids or a list of lists.
 fn prompts_of(prompt: Value) -> Result<Vec<PromptInput>, ApiError> {
-    let bad = || ApiError::invalid("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists");
+    let bad = || {
+        ApiError::invalid(
+            "prompt",
+            "must be a string, a list of strings, a list of token ids or a list of such lists",
+        )
+    };
     let ids = |v: &Vec<Value>| -> Result<Vec<u32>, ApiError> {
-        v.iter().map(|x| x.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(bad)).collect()
+        v.iter()
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(bad)
+            })
+            .collect()
     };
     match prompt {
         Value::String(s) => Ok(vec![PromptInput::Text(s)]),
         Value::Array(items) if items.is_empty() => Err(ApiError::invalid("prompt", "empty prompt")),
-        Value::Array(items) if items.iter().all(Value::is_string) => {
-            Ok(items.into_iter().map(|s| PromptInput::Text(s.as_str().unwrap_or_default().to_string())).collect())
+        Value::Array(items) if items.iter().all(Value::is_string) => Ok(items
+            .into_iter()
+            .map(|s| PromptInput::Text(s.as_str().unwrap_or_default().to_string()))
+            .collect()),
+        Value::Array(items) if items.iter().all(Value::is_number) => {
+            Ok(vec![PromptInput::Tokens(ids(&items)?)])
         }
-        Value::Array(items) if items.iter().all(Value::is_number) => Ok(vec![PromptInput::Tokens(ids(&items)?)]),
         Value::Array(items) => items
             .iter()
             .map(|x| match x {
@@ -449,7 +580,12 @@ async fn completions(
     let job = job(&worker, c, prompts, top.unwrap_or(0))?;
     let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
     if c.stream == Some(true) {
-        return stream::respond(worker.clone(), job, stream_spec(stream::Shape::Completion, c, id, top.is_some())).await;
+        return stream::respond(
+            worker.clone(),
+            job,
+            stream_spec(stream::Shape::Completion, c, id, top.is_some()),
+        )
+        .await;
     }
     let out = worker.generate(job).await?;
     let tok = worker.tokenizer(&agent)?;
@@ -485,7 +621,10 @@ async fn completions(
 }
 
 async fn metrics(State(worker): State<Arc<Worker>>) -> impl IntoResponse {
-    ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], worker.metrics().render())
+    (
+        [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        worker.metrics().render(),
+    )
 }
 
 #[cfg(test)]
@@ -494,8 +633,14 @@ mod tests {
 
     #[test]
     fn prompt_forms_parse() {
-        assert_eq!(prompts_of(json!("hi")).ok().unwrap(), vec![PromptInput::Text("hi".into())]);
-        assert_eq!(prompts_of(json!([1, 2])).ok().unwrap(), vec![PromptInput::Tokens(vec![1, 2])]);
+        assert_eq!(
+            prompts_of(json!("hi")).ok().unwrap(),
+            vec![PromptInput::Text("hi".into())]
+        );
+        assert_eq!(
+            prompts_of(json!([1, 2])).ok().unwrap(),
+            vec![PromptInput::Tokens(vec![1, 2])]
+        );
         assert_eq!(prompts_of(json!([[1], [2, 3]])).ok().unwrap().len(), 2);
         assert!(prompts_of(json!([])).is_err());
         assert!(prompts_of(json!([-1])).is_err());

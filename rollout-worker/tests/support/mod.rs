@@ -11,16 +11,20 @@ use std::time::{Duration, Instant};
 
 use cotrain_proto::rollout::rollout_client::RolloutClient;
 use cotrain_proto::rollout::{
-    prompt, GenerateRequest, InfoRequest, InfoResponse, Prompt, SamplingParams, StopConditions, TokenIds,
+    GenerateRequest, InfoRequest, InfoResponse, Prompt, SamplingParams, StopConditions, TokenIds,
+    prompt,
 };
 use serde_json::json;
 use tonic::transport::Channel;
-use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_client::HealthClient;
 
 /// GPT-2's byte → printable character table, so 256 byte tokens make a byte-level BPE vocabulary.
 fn byte_chars() -> Vec<char> {
-    let mut bs: Vec<u32> = ('!' as u32..='~' as u32).chain('¡' as u32..='¬' as u32).chain('®' as u32..='ÿ' as u32).collect();
+    let mut bs: Vec<u32> = ('!' as u32..='~' as u32)
+        .chain('¡' as u32..='¬' as u32)
+        .chain('®' as u32..='ÿ' as u32)
+        .collect();
     let mut cs = bs.clone();
     let mut n = 0;
     for b in 0..256u32 {
@@ -45,13 +49,19 @@ pub struct TinyModel {
 
 impl TinyModel {
     pub fn new(fixture: &str) -> Self {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny").join(fixture);
+        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../model/tests/fixtures/tiny")
+            .join(fixture);
         let dir = tempfile::tempdir().expect("temp dir");
         for f in ["config.json", "generation_config.json", "model.safetensors"] {
-            std::fs::copy(src.join(f), dir.path().join(f)).unwrap_or_else(|e| panic!("copying {f}: {e}"));
+            std::fs::copy(src.join(f), dir.path().join(f))
+                .unwrap_or_else(|e| panic!("copying {f}: {e}"));
         }
-        let vocab: serde_json::Map<String, serde_json::Value> =
-            byte_chars().into_iter().enumerate().map(|(i, c)| (c.to_string(), json!(i))).collect();
+        let vocab: serde_json::Map<String, serde_json::Value> = byte_chars()
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| (c.to_string(), json!(i)))
+            .collect();
         let tokenizer = json!({
             "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
             "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
@@ -61,7 +71,8 @@ impl TinyModel {
                       "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                       "vocab": vocab, "merges": []}
         });
-        std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).expect("write tokenizer");
+        std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string())
+            .expect("write tokenizer");
         std::fs::write(
             dir.path().join("chat_template.jinja"),
             "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
@@ -100,7 +111,12 @@ impl WorkerProcess {
     }
 
     /// As [`Self::start_on`], run under `prefix` (e.g. `ip netns exec NS`).
-    pub async fn start_under(prefix: &[&str], grpc_addr: &str, agents: &[(&str, &str)], extra: &[&str]) -> Self {
+    pub async fn start_under(
+        prefix: &[&str],
+        grpc_addr: &str,
+        agents: &[(&str, &str)],
+        extra: &[&str],
+    ) -> Self {
         let mut cmd = match prefix.split_first() {
             Some((first, rest)) => {
                 let mut c = Command::new(first);
@@ -109,12 +125,27 @@ impl WorkerProcess {
             }
             None => Command::new(env!("CARGO_BIN_EXE_rollout-worker")),
         };
-        let http_addr = if grpc_addr.starts_with('[') { "[::1]:0" } else { "127.0.0.1:0" };
-        cmd.args(["serve", "--grpc-addr", grpc_addr, "--http-addr", http_addr, "--threads", "1"]);
+        let http_addr = if grpc_addr.starts_with('[') {
+            "[::1]:0"
+        } else {
+            "127.0.0.1:0"
+        };
+        cmd.args([
+            "serve",
+            "--grpc-addr",
+            grpc_addr,
+            "--http-addr",
+            http_addr,
+            "--threads",
+            "1",
+        ]);
         for (name, model) in agents {
             cmd.arg("--agent").arg(format!("{name}={model}"));
         }
-        cmd.args(extra).stdout(Stdio::piped()).stderr(Stdio::inherit()).env("RUST_LOG", "warn");
+        cmd.args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .env("RUST_LOG", "warn");
         let mut child = cmd.spawn().expect("spawn rollout-worker");
         let stdout = child.stdout.take().expect("piped stdout");
         let (line, stdout) = tokio::task::spawn_blocking(move || {
@@ -133,7 +164,12 @@ impl WorkerProcess {
                 .expect("socket address")
         };
         let (grpc, http) = (addr("grpc="), addr("http="));
-        let p = Self { child, grpc, http, _stdout: stdout };
+        let p = Self {
+            child,
+            grpc,
+            http,
+            _stdout: stdout,
+        };
         wait_healthy(p.grpc, Duration::from_secs(120)).await;
         p
     }
@@ -143,11 +179,19 @@ impl WorkerProcess {
     }
 
     pub async fn client(&self) -> RolloutClient<Channel> {
-        RolloutClient::connect(self.endpoint()).await.expect("connect").max_decoding_message_size(usize::MAX)
+        RolloutClient::connect(self.endpoint())
+            .await
+            .expect("connect")
+            .max_decoding_message_size(usize::MAX)
     }
 
     pub async fn info(&self) -> InfoResponse {
-        self.client().await.info(InfoRequest {}).await.expect("info").into_inner()
+        self.client()
+            .await
+            .info(InfoRequest {})
+            .await
+            .expect("info")
+            .into_inner()
     }
 
     /// SIGKILL, as a crashed or preempted worker.
@@ -158,7 +202,10 @@ impl WorkerProcess {
 
     /// SIGTERM and wait for the exit status.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("run kill");
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
         assert!(status.success());
         self.child.wait().expect("wait")
     }
@@ -175,50 +222,93 @@ impl Drop for WorkerProcess {
 pub async fn wait_healthy(addr: SocketAddr, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Ok(channel) = Channel::from_shared(format!("http://{addr}")).expect("uri").connect().await {
+        if let Ok(channel) = Channel::from_shared(format!("http://{addr}"))
+            .expect("uri")
+            .connect()
+            .await
+        {
             let mut h = HealthClient::new(channel);
-            if let Ok(r) = h.check(HealthCheckRequest { service: String::new() }).await
+            if let Ok(r) = h
+                .check(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
                 && r.get_ref().status == 1
             {
                 return;
             }
         }
-        assert!(Instant::now() < deadline, "worker at {addr} not healthy after {timeout:?}");
+        assert!(
+            Instant::now() < deadline,
+            "worker at {addr} not healthy after {timeout:?}"
+        );
         // Retry delay between failed health checks (the server is still starting).
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
 /// Polls `Info` until `cond` holds (condition wait with a deadline).
-pub async fn wait_info(client: &mut RolloutClient<Channel>, timeout: Duration, cond: impl Fn(&InfoResponse) -> bool) -> InfoResponse {
+pub async fn wait_info(
+    client: &mut RolloutClient<Channel>,
+    timeout: Duration,
+    cond: impl Fn(&InfoResponse) -> bool,
+) -> InfoResponse {
     let deadline = Instant::now() + timeout;
     loop {
-        let info = client.info(InfoRequest {}).await.expect("info").into_inner();
+        let info = client
+            .info(InfoRequest {})
+            .await
+            .expect("info")
+            .into_inner();
         if cond(&info) {
             return info;
         }
-        assert!(Instant::now() < deadline, "condition not reached within {timeout:?}: {info:?}");
+        assert!(
+            Instant::now() < deadline,
+            "condition not reached within {timeout:?}: {info:?}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
 pub fn token_prompt(ids: Vec<u32>) -> Prompt {
-    Prompt { kind: Some(prompt::Kind::TokenIds(TokenIds { ids })) }
+    Prompt {
+        kind: Some(prompt::Kind::TokenIds(TokenIds { ids })),
+    }
 }
 
 pub fn text_prompt(text: &str) -> Prompt {
-    Prompt { kind: Some(prompt::Kind::Text(text.into())) }
+    Prompt {
+        kind: Some(prompt::Kind::Text(text.into())),
+    }
 }
 
 /// A request for `agent` sampling `max_new_tokens` at temperature 1 past EOS.
-pub fn request(agent: &str, prompts: Vec<Prompt>, n: u32, seed: u64, max_new_tokens: u32) -> GenerateRequest {
+pub fn request(
+    agent: &str,
+    prompts: Vec<Prompt>,
+    n: u32,
+    seed: u64,
+    max_new_tokens: u32,
+) -> GenerateRequest {
     GenerateRequest {
         agent: agent.into(),
         prompts,
         n,
-        sampling: Some(SamplingParams { temperature: Some(1.0), top_p: Some(1.0), top_k: 0, max_new_tokens, min_p: None }),
+        sampling: Some(SamplingParams {
+            temperature: Some(1.0),
+            top_p: Some(1.0),
+            top_k: 0,
+            max_new_tokens,
+            min_p: None,
+            sampling_logprobs: false,
+        }),
         seed,
-        stop: Some(StopConditions { stop_strings: vec![], stop_token_ids: vec![], ignore_eos: true }),
+        stop: Some(StopConditions {
+            stop_strings: vec![],
+            stop_token_ids: vec![],
+            ignore_eos: true,
+        }),
         min_policy_version: None,
         request_id: format!("seed-{seed}"),
     }
@@ -248,11 +338,17 @@ pub async fn lm_head_update(
     seed: u32,
 ) -> std::sync::Arc<Vec<cotrain_rollout_client::wire::UpdatedTensor>> {
     let params = c
-        .list_parameters(cotrain_proto::rollout::ListParametersRequest { agent: agent.into() })
+        .list_parameters(cotrain_proto::rollout::ListParametersRequest {
+            agent: agent.into(),
+        })
         .await
         .unwrap()
         .into_inner();
-    let p = params.parameters.iter().find(|p| p.name == "lm_head.weight").expect("lm_head.weight");
+    let p = params
+        .parameters
+        .iter()
+        .find(|p| p.name == "lm_head.weight")
+        .expect("lm_head.weight");
     let numel: i64 = p.shape.iter().product();
     std::sync::Arc::new(vec![cotrain_rollout_client::wire::UpdatedTensor {
         name: p.name.clone(),
@@ -261,4 +357,3 @@ pub async fn lm_head_update(
         data: random_f32_bytes(numel as usize, seed),
     }])
 }
-
