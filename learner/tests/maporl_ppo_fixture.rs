@@ -644,7 +644,7 @@ fn micro_batches_accumulate_to_the_update_of_the_whole_mini_batch() {
 #[test]
 fn bf16_products_run_every_update_forward_and_keep_the_first_ratio_at_one() {
     let samples = samples();
-    let mut runs = Vec::new();
+    let mut runs: Vec<(Vec<(String, Tensor)>, Vec<PpoRecord>, Option<tch::Kind>)> = Vec::new();
     for extra in [&[][..], &["model.matmul_dtype=bf16"][..]] {
         let (cfg, bases, mut adapters) = tiny_run_with(
             "frozen_random",
