@@ -5,7 +5,6 @@
 //! pieces; the pieces themselves are pure and testable without a model.
 
 pub mod algo;
-pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod control;
@@ -15,10 +14,11 @@ pub mod error;
 pub mod export;
 pub mod external;
 pub mod maporl;
+pub mod prompts;
+pub mod checkpoint;
 pub mod metrics;
 pub mod model_options;
 pub mod plot;
-pub mod prompts;
 pub mod seeds;
 pub mod services;
 pub mod sources;

@@ -272,13 +272,7 @@ impl TokenLogProbs {
                 let h = hidden.index_select(0, &pos);
                 if let Some(kept) = st.kept.iter().find(|k| k.start == start) {
                     let grad = |g: &Tensor, defined: bool| defined.then(|| g.narrow(0, start, len));
-                    self.kept_chunk_backward(
-                        &h,
-                        &tgt,
-                        kept,
-                        grad(&g_lp, has_lp),
-                        grad(&g_ent, has_ent),
-                    )?;
+                    self.kept_chunk_backward(&h, &tgt, kept, grad(&g_lp, has_lp), grad(&g_ent, has_ent))?;
                     start += len;
                     continue;
                 }
@@ -328,8 +322,7 @@ impl TokenLogProbs {
                     let _ = grad.g_mul_(&(g_lp * (-1.0 / t)).unsqueeze(1));
                 }
                 (g_lp, Some(g_ent)) => {
-                    let mut weight = (&kept.logp + kept.entropy.unsqueeze(1))
-                        * (g_ent * (-1.0 / t)).unsqueeze(1);
+                    let mut weight = (&kept.logp + kept.entropy.unsqueeze(1)) * (g_ent * (-1.0 / t)).unsqueeze(1);
                     if let Some(g) = g_lp {
                         let _ = weight.g_add_(&(g * (-1.0 / t)).unsqueeze(1));
                     }
@@ -348,9 +341,7 @@ impl TokenLogProbs {
         let (grad_hidden, grad_head) = tch::no_grad(|| {
             let g = product(&grad_logits);
             let grad_hidden = g.mm(&product(head)).to_kind(h.kind());
-            let grad_head = head
-                .requires_grad()
-                .then(|| g.tr().mm(&product(h)).to_kind(head.kind()));
+            let grad_head = head.requires_grad().then(|| g.tr().mm(&product(h)).to_kind(head.kind()));
             (grad_hidden, grad_head)
         });
         let mut surrogate = (h * grad_hidden).sum(Kind::Float);
@@ -366,11 +357,7 @@ impl TokenLogProbs {
             .head
             .as_ref()
             .expect("the head is kept whenever backward state is");
-        chunk_logprobs(
-            &head_logits(h, head, self.matmul_kind),
-            targets,
-            self.temperature,
-        )
+        chunk_logprobs(&head_logits(h, head, self.matmul_kind), targets, self.temperature)
     }
 }
 
@@ -395,17 +382,9 @@ fn chunk_logprobs(logits: &Tensor, targets: &Tensor, temperature: f64) -> (Tenso
 }
 
 /// [`chunk_logprobs`] and the log-softmax (C, V) they came from.
-fn chunk_logprobs_keeping(
-    logits: &Tensor,
-    targets: &Tensor,
-    temperature: f64,
-) -> (Tensor, Tensor, Tensor) {
+fn chunk_logprobs_keeping(logits: &Tensor, targets: &Tensor, temperature: f64) -> (Tensor, Tensor, Tensor) {
     let logits = logits.to_kind(Kind::Float);
-    let logits = if temperature == 1.0 {
-        logits
-    } else {
-        logits / temperature
-    };
+    let logits = if temperature == 1.0 { logits } else { logits / temperature };
     let logp = logits.log_softmax(-1, Kind::Float);
     let lp = logp.gather(1, &targets.unsqueeze(1), false).squeeze_dim(1);
     let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
@@ -678,10 +657,7 @@ pub fn completion_logprobs_with_sharing(
     share_prompts: bool,
 ) -> Result<TokenLogProbs> {
     if !(opts.temperature > 0.0 && opts.temperature.is_finite()) {
-        return Err(ModelError::InvalidBatch(format!(
-            "temperature {} must be positive",
-            opts.temperature
-        )));
+        return Err(ModelError::InvalidBatch(format!("temperature {} must be positive", opts.temperature)));
     }
     if opts.chunk_size == 0 {
         return Err(ModelError::InvalidBatch(
@@ -706,10 +682,7 @@ pub fn completion_logprobs_with_sharing(
         let flat = rows(hidden);
         let (mut lps, mut ents, mut kept) = (Vec::new(), Vec::new(), Vec::new());
         // Chunks starting here or later are kept.
-        let kept_from = ((n as usize)
-            .div_ceil(chunk as usize)
-            .saturating_sub(KEPT_CHUNKS) as i64)
-            * chunk;
+        let kept_from = ((n as usize).div_ceil(chunk as usize).saturating_sub(KEPT_CHUNKS) as i64) * chunk;
         let mut start = 0;
         while start < n {
             let len = chunk.min(n - start);
@@ -718,11 +691,7 @@ pub fn completion_logprobs_with_sharing(
             let targets = targets.narrow(0, start, len);
             let (lp, ent, logp) = chunk_logprobs_keeping(&logits, &targets, opts.temperature);
             if keep_last && start >= kept_from {
-                kept.push(KeptChunk {
-                    start,
-                    logp,
-                    entropy: ent.shallow_clone(),
-                });
+                kept.push(KeptChunk { start, logp, entropy: ent.shallow_clone() });
             }
             lps.push(lp);
             ents.push(ent);

@@ -73,8 +73,7 @@ fn run(
 ) -> (TokenLogProbs, Vec<f64>, Vec<(String, Tensor)>) {
     let opts = LogProbOptions {
         chunk_size: 4,
-        with_grad: true,
-        temperature: 1.0,
+        with_grad: true, temperature: 1.0
     };
     let out = completion_logprobs_with_sharing(&loaded.model, batch, &opts, share).unwrap();
     let n = out.logprobs.size()[0];
@@ -168,8 +167,7 @@ fn shared_prompts_without_grad_equal_per_sequence_kernel() {
     let batch = batch();
     let opts = LogProbOptions {
         chunk_size: 5,
-        with_grad: false,
-        temperature: 1.0,
+        with_grad: false, temperature: 1.0
     };
     let plain = completion_logprobs_with_sharing(&loaded.model, &batch, &opts, false).unwrap();
     let shared = completion_logprobs_with_sharing(&loaded.model, &batch, &opts, true).unwrap();

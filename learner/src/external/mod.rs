@@ -3,7 +3,4 @@
 
 pub mod expert;
 
-pub use expert::{
-    ExpertClient, ExpertEdits, ExpertFailure, ExpertRequest, FailureKind, expert_messages,
-    parse_edits,
-};
+pub use expert::{ExpertClient, ExpertEdits, ExpertFailure, ExpertRequest, FailureKind, expert_messages, parse_edits};

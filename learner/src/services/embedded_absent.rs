@@ -47,10 +47,7 @@ impl EmbeddedRollout {
         _kind: tch::Kind,
         _verifiers: Vec<(String, std::path::PathBuf)>,
     ) -> Result<Self, TrainError> {
-        Err(not_built(
-            "a rollout worker",
-            "rollout.endpoints (or rollout.dns_name)",
-        ))
+        Err(not_built("a rollout worker", "rollout.endpoints (or rollout.dns_name)"))
     }
 
     /// Refuses: see the module docs.
@@ -62,9 +59,6 @@ impl EmbeddedRollout {
         _verifiers: Vec<(String, std::path::PathBuf)>,
         _adapter_groups: Vec<Vec<String>>,
     ) -> Result<Self, TrainError> {
-        Err(not_built(
-            "a rollout worker",
-            "rollout.endpoints (or rollout.dns_name)",
-        ))
+        Err(not_built("a rollout worker", "rollout.endpoints (or rollout.dns_name)"))
     }
 }

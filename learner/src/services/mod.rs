@@ -25,8 +25,7 @@ pub use engine::EngineRollout;
 pub use pool_source::PoolRollout;
 pub use reward_grpc::GrpcReward;
 
-static CLUSTER_TOKEN: std::sync::OnceLock<Option<cotrain_proto::auth::ClusterToken>> =
-    std::sync::OnceLock::new();
+static CLUSTER_TOKEN: std::sync::OnceLock<Option<cotrain_proto::auth::ClusterToken>> = std::sync::OnceLock::new();
 
 /// Sets the cluster token this process sends with weight updates and requires from its embedded
 /// rollout worker's clients (the CLI reads it once from `--cluster-token-file` or
@@ -45,15 +44,8 @@ pub fn cluster_token() -> Option<cotrain_proto::auth::ClusterToken> {
 /// weights into the run through the embedded worker's loopback port. Remote workers are sent the
 /// cluster token only.
 pub fn process_token() -> cotrain_proto::auth::ClusterToken {
-    static RANDOM: std::sync::OnceLock<cotrain_proto::auth::ClusterToken> =
-        std::sync::OnceLock::new();
-    cluster_token().unwrap_or_else(|| {
-        RANDOM
-            .get_or_init(|| {
-                cotrain_proto::auth::ClusterToken::random().expect("the system's random source")
-            })
-            .clone()
-    })
+    static RANDOM: std::sync::OnceLock<cotrain_proto::auth::ClusterToken> = std::sync::OnceLock::new();
+    cluster_token().unwrap_or_else(|| RANDOM.get_or_init(|| cotrain_proto::auth::ClusterToken::random().expect("the system's random source")).clone())
 }
 
 static INSECURE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -68,18 +60,12 @@ pub fn insecure() -> bool {
     INSECURE.get().copied().unwrap_or(false)
 }
 
-static TLS: std::sync::OnceLock<(
-    Option<cotrain_proto::tls::ServerTls>,
-    Option<cotrain_proto::tls::ClientTls>,
-)> = std::sync::OnceLock::new();
+static TLS: std::sync::OnceLock<(Option<cotrain_proto::tls::ServerTls>, Option<cotrain_proto::tls::ClientTls>)> = std::sync::OnceLock::new();
 
 /// Sets this process's TLS: the certificate its control plane serves (`--tls-cert`, `--tls-key`) and
 /// the certificates it trusts when it dials remote services (`--tls-ca`, `COTRAIN_TLS_CA`). The
 /// embedded services on loopback stay plain. Later calls are ignored.
-pub fn set_tls(
-    server: Option<cotrain_proto::tls::ServerTls>,
-    client: Option<cotrain_proto::tls::ClientTls>,
-) {
+pub fn set_tls(server: Option<cotrain_proto::tls::ServerTls>, client: Option<cotrain_proto::tls::ClientTls>) {
     let _ = TLS.set((server, client));
 }
 
@@ -97,10 +83,6 @@ pub fn client_tls() -> Option<cotrain_proto::tls::ClientTls> {
 /// thread blocks on it and keeps the tensor work off it.
 pub fn runtime() -> std::io::Result<std::sync::Arc<tokio::runtime::Runtime>> {
     Ok(std::sync::Arc::new(
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("cotrain-io")
-            .enable_all()
-            .build()?,
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("cotrain-io").enable_all().build()?,
     ))
 }

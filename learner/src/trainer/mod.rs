@@ -19,8 +19,8 @@
 //! - this module: building all of it from a config ([`build`]) and the `learner train` / `learner
 //!   eval` entry points ([`train`], [`evaluate_checkpoint`]).
 
-mod actor_critic;
 mod batch;
+mod actor_critic;
 mod checkpoints;
 pub mod critic;
 mod evaluate;
@@ -48,18 +48,10 @@ pub use setup::{RunSummary, Trainer, TrainerSetup};
 // users (tests, other tools) that know them under `trainer`.
 pub use crate::data::items::{self, TrainItem, prepare_items};
 pub use crate::error::TrainError;
-pub use crate::model_options::{
-    learner_device, load_options, matmul_kind, rollout_kind, rollout_precision_differs,
-    worker_agents,
-};
+pub use crate::model_options::{learner_device, load_options, matmul_kind, rollout_kind, rollout_precision_differs, worker_agents};
 pub use crate::seeds::derive_seed;
-pub use crate::services::connect::{
-    ServiceGuard, Services, connect_services, connect_services_ranked,
-};
-pub use crate::sources::{
-    self, CodeOutcome, FeedbackSpec, GenRequest, GenSample, PoolStats, RewardSource, RolloutSource,
-    SamplingSpec, Score, ScoreAction, WeightPush,
-};
+pub use crate::services::connect::{ServiceGuard, Services, connect_services, connect_services_ranked};
+pub use crate::sources::{self, CodeOutcome, FeedbackSpec, GenRequest, GenSample, PoolStats, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction, WeightPush};
 
 use crate::algo::AdamWConfig;
 use crate::config::CheckedConfig;
@@ -83,13 +75,7 @@ pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), T
     let opts = load_options(cfg)?;
     let t = &cfg.trainer;
     // A policy's learning rate is its first agent's (shared parameters: validation made them equal).
-    let adam = |agent: usize| {
-        AdamWConfig::new(
-            cfg.agents[agent].learning_rate,
-            t.weight_decay,
-            t.max_grad_norm,
-        )
-    };
+    let adam = |agent: usize| AdamWConfig::new(cfg.agents[agent].learning_rate, t.weight_decay, t.max_grad_norm);
     let with_ref = t.reference_kl.enabled;
     if t.shared_parameters {
         let first = &cfg.agent_models[0];
@@ -111,53 +97,28 @@ pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), T
                 let base = match bases.iter().position(|(s, _)| s == spec) {
                     Some(i) => &bases[i].1,
                     None => {
-                        let mut m = cotrain_model::loader::load(spec, &opts)
-                            .map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+                        let mut m = cotrain_model::loader::load(spec, &opts).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
                         m.vs.freeze();
                         bases.push((spec.clone(), m));
                         &bases[bases.len() - 1].1
                     }
                 };
                 // Each adapter's A from its own seed: the same on every rank and in every resume.
-                tch::manual_seed(crate::seeds::derive_seed(&[
-                    cfg.raw.seed,
-                    TAG_LORA_INIT,
-                    pi as u64,
-                ]) as i64);
-                let dropout_seed =
-                    crate::seeds::derive_seed(&[cfg.raw.seed, TAG_LORA_DROPOUT, pi as u64]);
-                Policy::lora(
-                    agent,
-                    spec,
-                    base,
-                    lora.clone(),
-                    adam(pi),
-                    with_ref,
-                    dropout_seed,
-                )?
+                tch::manual_seed(crate::seeds::derive_seed(&[cfg.raw.seed, TAG_LORA_INIT, pi as u64]) as i64);
+                let dropout_seed = crate::seeds::derive_seed(&[cfg.raw.seed, TAG_LORA_DROPOUT, pi as u64]);
+                Policy::lora(agent, spec, base, lora.clone(), adam(pi), with_ref, dropout_seed)?
             }
         };
         policies.push(policy);
     }
-    let agent_policy = if t.shared_parameters {
-        vec![0; cfg.num_agents]
-    } else {
-        (0..cfg.num_agents).collect()
-    };
+    let agent_policy = if t.shared_parameters { vec![0; cfg.num_agents] } else { (0..cfg.num_agents).collect() };
     Ok((policies, agent_policy))
 }
 
 pub fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
     let name = cfg.raw.logging.run_name.clone().unwrap_or_else(|| {
-        let stem = cfg
-            .source
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "run".into());
-        let secs = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
+        let stem = cfg.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         format!("{stem}-{secs}")
     });
     PathBuf::from(&cfg.raw.output.base_dir).join(name)
@@ -195,17 +156,11 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
         )));
     }
     if cfg.is_multi_turn() && t.rollout == crate::config::MultiTurnMode::Tree {
-        let nodes =
-            tree::max_tree_nodes(t.joint_mode, cfg.num_agents, t.num_generations, t.num_turns);
+        let nodes = tree::max_tree_nodes(t.joint_mode, cfg.num_agents, t.num_generations, t.num_turns);
         if nodes > t.max_nodes_per_item as u128 {
             let growth = match t.joint_mode {
-                crate::config::JointMode::Aligned => {
-                    format!("G^T = {}^{} leaves", t.num_generations, t.num_turns)
-                }
-                crate::config::JointMode::Cross => format!(
-                    "G^(N*T) = {}^({}*{}) leaves",
-                    t.num_generations, cfg.num_agents, t.num_turns
-                ),
+                crate::config::JointMode::Aligned => format!("G^T = {}^{} leaves", t.num_generations, t.num_turns),
+                crate::config::JointMode::Cross => format!("G^(N*T) = {}^({}*{}) leaves", t.num_generations, cfg.num_agents, t.num_turns),
             };
             return Err(TrainError::Config(format!(
                 "{}: a {section} tree rollout grows up to {nodes} nodes per item ({growth} without early stops), more than \
@@ -230,10 +185,7 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
     }
     let ext = &cfg.raw.external;
     if cfg.is_multi_turn() && ext.mode == crate::config::ExternalMode::ExpertEdits {
-        for (key, value) in [
-            ("expert_model", &ext.expert_model),
-            ("expert_base_url", &ext.expert_base_url),
-        ] {
+        for (key, value) in [("expert_model", &ext.expert_model), ("expert_base_url", &ext.expert_base_url)] {
             if value.is_none() {
                 return Err(TrainError::Config(format!(
                     "{}: external.mode is expert_edits but external.{key} is not set (any OpenAI-compatible chat endpoint works, \
@@ -275,9 +227,7 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
         return Ok(());
     }
     let section = cfg.algorithm.section();
-    if cfg.algorithm.is_actor_critic()
-        && cfg.raw.learner.placement == crate::config::Placement::Agent
-    {
+    if cfg.algorithm.is_actor_critic() && cfg.raw.learner.placement == crate::config::Placement::Agent {
         return Err(TrainError::NotBuilt(format!(
             "{}: learner.placement: agent with {world} ranks: the {section} trainer places data only so far (each rank rolls out \
              its share of the items and trains every actor and critic on its share of each mini-batch); use learner.placement: data",
@@ -297,21 +247,13 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
         )));
     }
     if cfg.raw.learner.placement == crate::config::Placement::Agent {
-        let policies = if cfg.trainer.shared_parameters {
-            1
-        } else {
-            cfg.num_agents
-        };
+        let policies = if cfg.trainer.shared_parameters { 1 } else { cfg.num_agents };
         if policies < 2 {
             return Err(TrainError::Config(format!(
                 "{}: learner.placement: agent places each agent's policy on its own ranks, but this run trains one policy \
                  ({}); use learner.placement: data",
                 cfg.source.display(),
-                if cfg.trainer.shared_parameters {
-                    "shared_parameters: true"
-                } else {
-                    "one agent"
-                }
+                if cfg.trainer.shared_parameters { "shared_parameters: true" } else { "one agent" }
             )));
         }
         if !world.is_multiple_of(policies) {
@@ -322,10 +264,7 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
         }
     }
     if cfg.trainer.train_batch_unit == Some(crate::config::BatchUnit::Nodes)
-        && cfg
-            .trainer
-            .train_batch_size
-            .is_some_and(|b| b < cfg.trainer.rollout_buffer_size)
+        && cfg.trainer.train_batch_size.is_some_and(|b| b < cfg.trainer.rollout_buffer_size)
     {
         return Err(TrainError::NotBuilt(format!(
             "{}: {world} learner ranks with {section}.train_batch_unit: nodes and train_batch_size ({}) below rollout_buffer_size \
@@ -353,50 +292,27 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceG
 
 /// [`build`] as one rank of `dist`: rank 0 connects to (or starts) the services and tells the other
 /// ranks where they are, so that the embedded services are started once per job.
-pub fn build_ranked(
-    cfg: &CheckedConfig,
-    run_dir: PathBuf,
-    dist: Box<dyn crate::dist::Collective>,
-) -> Result<(Trainer, ServiceGuard), TrainError> {
+pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::dist::Collective>) -> Result<(Trainer, ServiceGuard), TrainError> {
     check_supported(cfg)?;
-    let kind = DatasetKind::resolve(&cfg.raw.dataset)
-        .map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
-    let train = load_split(&cfg.raw.dataset, &cfg.train_split)
-        .map_err(|e| TrainError::Data(e.to_string()))?;
+    let kind = DatasetKind::resolve(&cfg.raw.dataset).map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
+    let train = load_split(&cfg.raw.dataset, &cfg.train_split).map_err(|e| TrainError::Data(e.to_string()))?;
     let eval = match &cfg.eval_split {
-        Some(s) => {
-            Some(load_split(&cfg.raw.dataset, s).map_err(|e| TrainError::Data(e.to_string()))?)
-        }
+        Some(s) => Some(load_split(&cfg.raw.dataset, s).map_err(|e| TrainError::Data(e.to_string()))?),
         None => None,
     };
     let (policies, agent_policy) = load_policies(cfg)?;
-    let prompter = crate::prompts::Prompter::from_config(cfg)
-        .map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
+    let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
     let encoding = cfg.prompt_encoding();
-    let max_prompt: Vec<usize> = (0..cfg.num_agents)
-        .map(|a| cfg.max_prompt_tokens(a))
-        .collect();
-    let models: Vec<&cotrain_model::loader::LoadedModel> =
-        agent_policy.iter().map(|&p| &policies[p].model).collect();
+    let max_prompt: Vec<usize> = (0..cfg.num_agents).map(|a| cfg.max_prompt_tokens(a)).collect();
+    let models: Vec<&cotrain_model::loader::LoadedModel> = agent_policy.iter().map(|&p| &policies[p].model).collect();
     let train_items = prepare_items(&train, &models, &prompter, &encoding, &max_prompt)?;
     let eval_items = match &eval {
         Some(d) => prepare_items(d, &models, &prompter, &encoding, &max_prompt)?,
         None => Vec::new(),
     };
-    let agents: Vec<(String, String)> = policies
-        .iter()
-        .map(|p| (p.worker_agent.clone(), p.model_spec.clone()))
-        .collect();
-    let services = if dist.world() == 1 {
-        connect_services(cfg, &agents)?
-    } else {
-        connect_services_ranked(cfg, &agents, dist.as_ref())?
-    };
-    let Services {
-        rollout,
-        reward,
-        guard,
-    } = services;
+    let agents: Vec<(String, String)> = policies.iter().map(|p| (p.worker_agent.clone(), p.model_spec.clone())).collect();
+    let services = if dist.world() == 1 { connect_services(cfg, &agents)? } else { connect_services_ranked(cfg, &agents, dist.as_ref())? };
+    let Services { rollout, reward, guard } = services;
     let setup = TrainerSetup {
         cfg: cfg.clone(),
         run_dir,
@@ -411,11 +327,8 @@ pub fn build_ranked(
     };
     let mut trainer = Trainer::new_ranked(setup, dist)?;
     if cfg.is_multi_turn() && cfg.raw.external.mode == crate::config::ExternalMode::ExpertEdits {
-        let expert = crate::external::expert::ExpertClient::from_config(
-            &cfg.raw.external,
-            guard.runtime.clone(),
-        )
-        .map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
+        let expert = crate::external::expert::ExpertClient::from_config(&cfg.raw.external, guard.runtime.clone())
+            .map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
         trainer = trainer.with_expert(expert);
     }
     Ok((trainer, guard))
@@ -425,27 +338,17 @@ pub fn build_ranked(
 /// [`crate::config::resume`]), naming every key that differs from the run's `config.yaml`.
 fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainError> {
     let path = run_dir.join("config.yaml");
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        TrainError::Checkpoint(format!(
-            "{}: cannot read the run's config to compare with: {e}",
-            path.display()
-        ))
-    })?;
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: cannot read the run's config to compare with: {e}", path.display())))?;
     // Through the schema, so that keys added since the run started compare as their defaults.
-    let value = serde_yaml_ng::from_str(&text)
-        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
-    let was = CheckedConfig::from_value(value, &path)
-        .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-    let to_value =
-        |c: &CheckedConfig| serde_yaml_ng::to_value(&c.raw).unwrap_or(serde_yaml_ng::Value::Null);
+    let value = serde_yaml_ng::from_str(&text).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    let was = CheckedConfig::from_value(value, &path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+    let to_value = |c: &CheckedConfig| serde_yaml_ng::to_value(&c.raw).unwrap_or(serde_yaml_ng::Value::Null);
     let changes = crate::config::resume::forbidden_changes(&to_value(&was), &to_value(cfg));
     if changes.is_empty() {
         return Ok(());
     }
-    let list: Vec<String> = changes
-        .iter()
-        .map(|c| format!("  {}: {} (run) -> {} (given)", c.key, c.was, c.now))
-        .collect();
+    let list: Vec<String> = changes.iter().map(|c| format!("  {}: {} (run) -> {} (given)", c.key, c.was, c.now)).collect();
     Err(TrainError::Config(format!(
         "--resume {}: the given config changes the run:\n{}\nresume with the run's own config ({}); keys that may change on resume: {}",
         run_dir.display(),
@@ -461,20 +364,12 @@ fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainE
 /// step; rank 0 names the run directory, writes it, and resumes from it (the other ranks receive
 /// its state).
 pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, TrainError> {
-    let dist = crate::dist::init_with_timeout(
-        cfg.raw.learner.backend,
-        learner_device(cfg)?,
-        cfg.collective_timeout(),
-    )?;
+    let dist = crate::dist::init_with_timeout(cfg.raw.learner.backend, learner_device(cfg)?, cfg.collective_timeout())?;
     crate::dist::run_ranked(dist, |dist| train_ranked(cfg, opts, dist))
 }
 
 /// [`train`] as one rank of `dist`.
-fn train_ranked(
-    cfg: &CheckedConfig,
-    opts: &TrainOptions,
-    dist: Box<dyn crate::dist::Collective>,
-) -> Result<RunSummary, TrainError> {
+fn train_ranked(cfg: &CheckedConfig, opts: &TrainOptions, dist: Box<dyn crate::dist::Collective>) -> Result<RunSummary, TrainError> {
     check_ranks(cfg, dist.world())?;
     let root = dist.is_root();
     let mut run_dir = match &opts.resume {
@@ -483,13 +378,11 @@ fn train_ranked(
     };
     run_dir = crate::dist::shared_run_dir(dist.as_ref(), run_dir)?;
     if root {
-        std::fs::create_dir_all(&run_dir)
-            .map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+        std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
         if opts.resume.is_some() {
             check_resume_config(cfg, &run_dir)?;
         }
-        std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml())
-            .map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+        std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
     }
     let (mut trainer, services) = build_ranked(cfg, run_dir.clone(), dist)?;
     if opts.resume.is_some() && root {
@@ -505,16 +398,9 @@ fn train_ranked(
 /// split; the scalars are returned (and written to `eval.json` in the checkpoint directory).
 /// `ks` are the k of the @k metrics; max(ks) joint samples are drawn per item. No optimiser state is
 /// allocated or read.
-pub fn evaluate_checkpoint(
-    cfg: &CheckedConfig,
-    checkpoint: &Path,
-    ks: &[usize],
-) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
+pub fn evaluate_checkpoint(cfg: &CheckedConfig, checkpoint: &Path, ks: &[usize]) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
     if cfg.eval_split.is_none() {
-        return Err(TrainError::Config(format!(
-            "{}: dataset.eval_split is not set",
-            cfg.source.display()
-        )));
+        return Err(TrainError::Config(format!("{}: dataset.eval_split is not set", cfg.source.display())));
     }
     let samples = ks.iter().copied().max().unwrap_or(1).max(1);
     let tmp_run = std::env::temp_dir().join(format!("cotrain-eval-{}", std::process::id()));
@@ -523,8 +409,7 @@ pub fn evaluate_checkpoint(
     trainer.sync_all_weights()?;
     let m = trainer.evaluate(samples, ks)?;
     let path = checkpoint.join("eval.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap_or_default())
-        .map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))?;
+    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap_or_default()).map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))?;
     drop(trainer);
     drop(services);
     let _ = std::fs::remove_dir_all(&tmp_run);

@@ -23,11 +23,7 @@ impl Trainer {
     pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.s.train_items.len()).collect();
         if self.s.cfg.raw.dataset.shuffle {
-            order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[
-                self.s.cfg.raw.seed,
-                TAG_ORDER,
-                epoch,
-            ])));
+            order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[self.s.cfg.raw.seed, TAG_ORDER, epoch])));
         }
         order
     }
@@ -39,11 +35,7 @@ impl Trainer {
         if self.stop_after_steps.is_some_and(|s| self.step + 1 >= s) {
             return None;
         }
-        let (epoch, start) = if end >= n {
-            (self.epoch + 1, 0)
-        } else {
-            (self.epoch, end)
-        };
+        let (epoch, start) = if end >= n { (self.epoch + 1, 0) } else { (self.epoch, end) };
         if epoch >= self.s.cfg.trainer.num_train_epochs as u64 {
             return None;
         }
@@ -61,25 +53,13 @@ impl Trainer {
         let t_sync = self.sync_all_weights()?;
         info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
             steps = total, start_step = self.step, sync_secs = t_sync, rank = self.dist.rank(), ranks = self.dist.world(), "training");
-        if root
-            && cfg
-                .raw
-                .model
-                .agents
-                .iter()
-                .flatten()
-                .any(|a| a.has_overrides())
-        {
+        if root && cfg.raw.model.agents.iter().flatten().any(|a| a.has_overrides()) {
             for (a, s) in cfg.agents.iter().enumerate() {
                 info!(agent = a, model = %cfg.agent_models[a], temperature = s.sampling.temperature, top_p = s.sampling.top_p, top_k = s.sampling.top_k,
                     max_new_tokens = s.sampling.max_new_tokens, stop = ?s.stop, learning_rate = s.learning_rate, "per-agent settings");
             }
         }
-        let bar = if root {
-            progress_bar(cfg.raw.logging.progress, total, self.step)
-        } else {
-            None
-        };
+        let bar = if root { progress_bar(cfg.raw.logging.progress, total, self.step) } else { None };
         let mut stopped_early = false;
         // The control plane (rank 0): status after every step, checkpoints and stops between steps.
         // Every rank's process listens (a SIGTERM does not kill it at once): the other ranks stop
@@ -90,13 +70,7 @@ impl Trainer {
             c.trainer_started();
         }
         let control = if root { installed.clone() } else { None };
-        let result = self.run_steps(
-            &cfg,
-            total,
-            control.as_deref(),
-            bar.as_ref(),
-            &mut stopped_early,
-        );
+        let result = self.run_steps(&cfg, total, control.as_deref(), bar.as_ref(), &mut stopped_early);
         if let Some(c) = &installed {
             c.trainer_done(match &result {
                 Err(_) => "failed",
@@ -120,10 +94,7 @@ impl Trainer {
             self.check_ranks_agree()?;
         }
         if !stopped_early && root {
-            let saved_now = self
-                .last_checkpoint
-                .as_ref()
-                .is_some_and(|d| d.ends_with(format!("step-{}", self.step)));
+            let saved_now = self.last_checkpoint.as_ref().is_some_and(|d| d.ends_with(format!("step-{}", self.step)));
             if cfg.raw.output.save_final_model {
                 // The checkpoint (for resuming) and the models users load, as the original's save_pretrained.
                 if !saved_now {
@@ -147,12 +118,7 @@ impl Trainer {
         Ok(self.summary(final_models, plots, false))
     }
 
-    pub(super) fn summary(
-        &self,
-        final_models: Vec<PathBuf>,
-        plots: Vec<PathBuf>,
-        stopped: bool,
-    ) -> RunSummary {
+    pub(super) fn summary(&self, final_models: Vec<PathBuf>, plots: Vec<PathBuf>, stopped: bool) -> RunSummary {
         RunSummary {
             run_dir: self.s.run_dir.clone(),
             steps: self.step,
@@ -193,12 +159,7 @@ impl Trainer {
             // when its items contain such an i.
             // Rank 0 evaluates; the other ranks go on to their share of the step.
             let step = (|| {
-                let eval = if root && eval_due(cfg.trainer.eval_interval as u64, self.position, end)
-                {
-                    Some(self.evaluate(1, &[1])?)
-                } else {
-                    None
-                };
+                let eval = if root && eval_due(cfg.trainer.eval_interval as u64, self.position, end) { Some(self.evaluate(1, &[1])?) } else { None };
                 let mut values = if cfg.raw.rollout.max_off_policy_steps > 0 {
                     let next = self.rows_after(end);
                     self.train_step_async(&rows, next.as_deref())?
@@ -213,11 +174,7 @@ impl Trainer {
                 // The reward server fails before the step updates anything (rewards come before the
                 // update), so the state is still the previous step's: keep it in a checkpoint. (Not
                 // when items train one after another and an earlier item of the step updated.)
-                Err(e @ TrainError::Reward(_))
-                    if self.dist.world() == 1
-                        && cfg.raw.rollout.max_off_policy_steps == 0
-                        && !self.updated_mid_step =>
-                {
+                Err(e @ TrainError::Reward(_)) if self.dist.world() == 1 && cfg.raw.rollout.max_off_policy_steps == 0 && !self.updated_mid_step => {
                     return Err(self.checkpoint_before_failing(e));
                 }
                 Err(e) => return Err(e),
@@ -234,11 +191,7 @@ impl Trainer {
             // Rank 0 logs, reports and checkpoints, then tells every rank whether the job goes
             // on, stops on request, or stops because rank 0 failed (so that no rank waits in a
             // collective for a rank that has left).
-            let finished = if root {
-                self.finish_step_on_root(cfg, total, control, bar, &values, step_started)
-            } else {
-                Ok(false)
-            };
+            let finished = if root { self.finish_step_on_root(cfg, total, control, bar, &values, step_started) } else { Ok(false) };
             let code = match &finished {
                 Ok(false) => 0,
                 Ok(true) => 1,
@@ -248,12 +201,7 @@ impl Trainer {
                 (_, Err(e)) => return Err(e),
                 (0, _) => {}
                 (1, _) => return Ok(true),
-                (_, _) => {
-                    return Err(TrainError::Dist(format!(
-                        "rank 0 failed after step {}; its log says why",
-                        self.step
-                    )));
-                }
+                (_, _) => return Err(TrainError::Dist(format!("rank 0 failed after step {}; its log says why", self.step))),
             }
         }
         Ok(false)
@@ -279,23 +227,15 @@ impl Trainer {
                 pb.set_message(format!("reward {reward:.3} loss {loss:.3}"));
             }
             None => {
-                if self
-                    .step
-                    .is_multiple_of(cfg.trainer.logging_steps.max(1) as u64)
-                    || self.step == total
-                {
+                if self.step.is_multiple_of(cfg.trainer.logging_steps.max(1) as u64) || self.step == total {
                     // One line a person reads; every scalar of the step at debug (and in metrics.jsonl).
                     let secs = values.get("time/step").copied().unwrap_or(0.0);
-                    info!(
-                        "step {}/{total}: reward {reward:.3}, loss {loss:.4}, {secs:.1} s",
-                        self.step
-                    );
+                    info!("step {}/{total}: reward {reward:.3}, loss {loss:.4}, {secs:.1} s", self.step);
                     tracing::debug!(step = self.step, scalars = ?values, "step scalars");
                 }
             }
         }
-        let scheduled =
-            cfg.trainer.save_steps > 0 && self.step.is_multiple_of(cfg.trainer.save_steps as u64);
+        let scheduled = cfg.trainer.save_steps > 0 && self.step.is_multiple_of(cfg.trainer.save_steps as u64);
         let asked = match control {
             Some(c) => c.between_steps(crate::control::StepReport {
                 step: self.step,
@@ -304,12 +244,7 @@ impl Trainer {
                 total_epochs: cfg.trainer.num_train_epochs as u64,
                 reward: reward.is_finite().then_some(reward),
                 step_secs: step_started.elapsed().as_secs_f64(),
-                policy_versions: self
-                    .s
-                    .policies
-                    .iter()
-                    .map(|p| (p.worker_agent.clone(), p.wire_version))
-                    .collect(),
+                policy_versions: self.s.policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect(),
             }),
             None => Default::default(),
         };

@@ -112,14 +112,7 @@ impl RolloutPool {
 
     /// Every known worker.
     pub fn workers(&self) -> Vec<WorkerSnapshot> {
-        let mut v: Vec<_> = self
-            .inner
-            .workers
-            .read()
-            .expect("pool lock")
-            .values()
-            .map(|w| w.snapshot())
-            .collect();
+        let mut v: Vec<_> = self.inner.workers.read().expect("pool lock").values().map(|w| w.snapshot()).collect();
         v.sort_by(|a, b| a.address.cmp(&b.address));
         v
     }
@@ -149,10 +142,7 @@ impl Inner {
         (w.address.clone(), c.info(r).await.map(|r| r.into_inner()))
     }
 
-    pub(super) async fn info_of(
-        &self,
-        workers: Vec<Arc<Worker>>,
-    ) -> Vec<(String, Result<InfoResponse, Status>)> {
+    pub(super) async fn info_of(&self, workers: Vec<Arc<Worker>>) -> Vec<(String, Result<InfoResponse, Status>)> {
         futures::future::join_all(workers.iter().map(|w| self.info(w))).await
     }
 }
@@ -167,10 +157,7 @@ mod tests {
 
     #[tokio::test]
     async fn pool_without_endpoints_is_a_config_error() {
-        assert!(matches!(
-            RolloutPool::new(PoolConfig::default()).await,
-            Err(PoolError::Config(_))
-        ));
+        assert!(matches!(RolloutPool::new(PoolConfig::default()).await, Err(PoolError::Config(_))));
     }
 
     #[tokio::test]

@@ -173,10 +173,7 @@ impl RmsNorm {
     }
 
     pub(super) fn share(&self) -> Self {
-        RmsNorm {
-            weight: self.weight.shallow_clone(),
-            eps: self.eps,
-        }
+        RmsNorm { weight: self.weight.shallow_clone(), eps: self.eps }
     }
 
     pub(super) fn forward(&self, xs: &Tensor) -> Tensor {
@@ -220,22 +217,10 @@ pub(crate) struct RowLora {
 }
 
 impl Linear {
-    pub(super) fn new(
-        vs: nn::Path,
-        in_dim: usize,
-        out_dim: usize,
-        bias: bool,
-        init: WeightInit,
-    ) -> Self {
+    pub(super) fn new(vs: nn::Path, in_dim: usize, out_dim: usize, bias: bool, init: WeightInit) -> Self {
         let weight = param(&vs, "weight", &[out_dim as i64, in_dim as i64], init);
         let bias = bias.then(|| vs.var("bias", &[out_dim as i64], Init::Const(0.0)));
-        Linear {
-            weight,
-            bias,
-            lora: RefCell::new(None),
-            row_loras: RefCell::new(Vec::new()),
-            matmul_kind: std::cell::Cell::new(None),
-        }
+        Linear { weight, bias, lora: RefCell::new(None), row_loras: RefCell::new(Vec::new()), matmul_kind: std::cell::Cell::new(None) }
     }
 
     /// The same weights, without an adapter set.
@@ -258,15 +243,8 @@ impl Linear {
             None => y,
             // y + scaling · dropout(x)·Aᵀ·Bᵀ (LoRA, Hu et al. 2021), never materialising B·A.
             Some(s) => {
-                let x = if s.dropout > 0.0 {
-                    xs.dropout(s.dropout, true)
-                } else {
-                    xs.shallow_clone()
-                };
-                y + x
-                    .linear::<&Tensor>(&s.a, None)
-                    .linear::<&Tensor>(&s.b, None)
-                    * s.scaling
+                let x = if s.dropout > 0.0 { xs.dropout(s.dropout, true) } else { xs.shallow_clone() };
+                y + x.linear::<&Tensor>(&s.a, None).linear::<&Tensor>(&s.b, None) * s.scaling
             }
         };
         let groups = self.row_loras.borrow();
@@ -278,10 +256,7 @@ impl Linear {
         let mut y = y;
         for g in groups.iter() {
             let x = xs.index_select(0, &g.rows);
-            let delta = x
-                .linear::<&Tensor>(&g.a, None)
-                .linear::<&Tensor>(&g.b, None)
-                * g.scaling;
+            let delta = x.linear::<&Tensor>(&g.a, None).linear::<&Tensor>(&g.b, None) * g.scaling;
             y = y.index_add(0, &g.rows, &delta.to_kind(y.kind()));
         }
         y
@@ -293,9 +268,7 @@ impl Linear {
 /// weights in f32 (each cast's backward is the cast back).
 pub(crate) fn linear_in(kind: Kind, xs: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
     let b = b.map(|b| b.to_kind(kind));
-    xs.to_kind(kind)
-        .linear(&w.to_kind(kind), b.as_ref())
-        .to_kind(xs.kind())
+    xs.to_kind(kind).linear(&w.to_kind(kind), b.as_ref()).to_kind(xs.kind())
 }
 
 /// `xs · wᵀ + b` for `xs` (..., K) and `w` (N, K), by the fastest route measured for the shape:
@@ -342,11 +315,7 @@ impl Mlp {
     }
 
     pub(super) fn share(&self) -> Self {
-        Mlp {
-            gate_proj: self.gate_proj.share(),
-            up_proj: self.up_proj.share(),
-            down_proj: self.down_proj.share(),
-        }
+        Mlp { gate_proj: self.gate_proj.share(), up_proj: self.up_proj.share(), down_proj: self.down_proj.share() }
     }
 
     pub(super) fn forward(&self, xs: &Tensor) -> Tensor {
