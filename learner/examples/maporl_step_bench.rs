@@ -8,11 +8,12 @@
 //! The run is built as `learner train` builds it (`cotrain_learner::maporl::build`: the embedded
 //! rollout worker and reward server start in-process and are spoken to over real gRPC), then two
 //! steps run on different questions (rows 0..Q, then Q..2Q: MaPoRL never repeats a step on the same
-//! questions); the second is reported, the first paying for lazy initialisation. The Python side of
+//! questions); the second is reported, the first paying for lazy initialisation
+//! (`--warmup-questions W` runs it on rows 0..W only, to save the time of a full one). The Python side of
 //! the comparison is `scripts/bench/maporl_reference.py`; `scripts/bench/maporl_step.sh` runs both.
 //!
 //! ```sh
-//! cargo run --release -p cotrain-learner --example maporl_step_bench -- [--questions 32] [--mini-batches 8] \
+//! cargo run --release -p cotrain-learner --example maporl_step_bench -- [--questions 32] [--warmup-questions 32] [--mini-batches 8] \
 //!     [--tokens 64] [--turns 2] [--config configs/maporl_gsm8k_config.yaml] [--override key=value]...
 //! ```
 //! Progress goes to stderr; the last stdout line is one JSON object (`"impl": "cotrain"`).
@@ -50,6 +51,7 @@ fn main() -> anyhow::Result<()> {
         .init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut questions = 32usize;
+    let mut warmup: Option<usize> = None;
     let mut mini_batches = 8usize;
     let mut tokens = 64usize;
     let mut turns = 2usize;
@@ -60,13 +62,14 @@ fn main() -> anyhow::Result<()> {
         let mut value = |name: &str| it.next().cloned().ok_or_else(|| anyhow::anyhow!("{name} needs a value"));
         match a.as_str() {
             "--questions" => questions = value(a)?.parse()?,
+            "--warmup-questions" => warmup = Some(value(a)?.parse()?),
             "--mini-batches" => mini_batches = value(a)?.parse()?,
             "--tokens" => tokens = value(a)?.parse()?,
             "--turns" => turns = value(a)?.parse()?,
             "--config" => config = PathBuf::from(value(a)?),
             "--override" => extra.push(value(a)?),
             "-h" | "--help" => {
-                eprintln!("usage: maporl_step_bench [--questions N] [--mini-batches N] [--tokens N] [--turns N] [--config PATH] [--override key=value]...");
+                eprintln!("usage: maporl_step_bench [--questions N] [--warmup-questions N] [--mini-batches N] [--tokens N] [--turns N] [--config PATH] [--override key=value]...");
                 return Ok(());
             }
             other => anyhow::bail!("unknown argument `{other}` (see --help)"),
@@ -116,9 +119,12 @@ fn main() -> anyhow::Result<()> {
         trainer.s.adapters.critics.len()
     );
 
+    // The first step pays for lazy initialisation and is not reported: it may run on fewer questions.
+    let warmup = warmup.unwrap_or(qps).clamp(1, qps);
+    let rows = [0..warmup, qps..2 * qps];
     let mut steps: Vec<BTreeMap<String, f64>> = Vec::new();
-    for s in 0..2 {
-        let items: Vec<TrainItem> = trainer.s.train_items[s * qps..(s + 1) * qps].to_vec();
+    for (s, rows) in rows.iter().enumerate() {
+        let items: Vec<TrainItem> = trainer.s.train_items[rows.clone()].to_vec();
         let refs: Vec<&TrainItem> = items.iter().collect();
         let t = Instant::now();
         let mut v = trainer.train_step(&refs, total)?;
@@ -127,8 +133,8 @@ fn main() -> anyhow::Result<()> {
             "cotrain step {} (rows {}..{}): {:.1} s = rollout {:.1} + update {:.1} [prepare {:.1}, policy {:.1}, value {:.1}] + weight sync {:.2}; \
              turn-1 accuracy {:.2}, {} trained response tokens",
             s + 1,
-            s * qps,
-            (s + 1) * qps,
+            rows.start,
+            rows.end,
             v["time/step"],
             v["time/rollout"],
             v["time/update"],
@@ -162,6 +168,8 @@ fn main() -> anyhow::Result<()> {
         "generated_tokens": generated,
         "trained_response_tokens": g("train/response_tokens"),
         "trained_samples": g("train/samples"),
+        "policy_positions": g("train/policy_positions"),
+        "value_positions": g("train/value_positions"),
         "step": g("time/step"),
         "rollout": g("time/rollout"),
         "update": g("time/update"),
@@ -170,6 +178,7 @@ fn main() -> anyhow::Result<()> {
         "ppo_value": g("time/ppo_value"),
         "weight_sync": g("time/weight_sync"),
         "first_step": steps[0].get("time/step").copied().unwrap_or(f64::NAN),
+        "warmup_questions": warmup,
         "build": build_secs,
     });
     println!("{line}");

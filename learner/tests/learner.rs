@@ -1531,6 +1531,17 @@ fn maporl_reward_feedback_needs_a_verifier_and_the_seed_configs_show_no_labels()
             ["shared.later", "shared.turn0"],
             "{name}: the rollout workers serve the two shared adapters"
         );
+        // ... on one base in one engine (serving only: the same policy as merged copies).
+        assert_eq!(
+            cfg.raw.rollout.lora_serving,
+            cotrain_learner::config::LoraServing::Unmerged,
+            "{name}"
+        );
+        assert_eq!(
+            cotrain_learner::model_options::adapter_groups(&cfg),
+            [vec!["shared.later".to_string(), "shared.turn0".to_string()]],
+            "{name}: one adapter group"
+        );
     }
     let gsm8k = repo().join("configs/maporl_gsm8k_config.yaml");
     let e = load_config(

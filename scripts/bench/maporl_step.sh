@@ -108,5 +108,14 @@ print(f"generated tokens per step: cotrain {c['generated_tokens']}, reference {r
 print(f"first step (lazy init, not compared): cotrain {c['first_step']:.2f} s, reference {r['first_step']:.2f} s")
 print(f"threads: cotrain {c['threads']}, reference {r['threads']} (torch {r['torch']}, transformers {r['transformers']}, peft {r['peft']}); "
       f"reference old log-probs from {r['old_logprobs']}, micro-batch {r['micro_batch']}")
+if "policy_positions" in c:
+    # The decoder's projections of SmolLM2-135M (30 layers x 3,538,944 weights): 2 FLOP per weight
+    # per position forward, and as many for the input gradient backward (the base is frozen).
+    # Attention, LoRA and the LM head come on top; this is the bulk, to set against the roofline.
+    per_pos = 4 * 30 * 3_538_944
+    for name, pos, secs in (("policy", c["policy_positions"], c["ppo_policy"]), ("value", c["value_positions"], c["ppo_value"])):
+        flop = pos * c["num_ppo_epochs"] * per_pos
+        print(f"{name} epochs: {int(pos)} positions x {c['num_ppo_epochs']} epochs, {flop / 1e12:.1f} TFLOP in the projections, "
+              f"{flop / secs / 1e9:.0f} GFLOP/s")
 print(f"step speed-up: {r['step'] / c['step']:.2f}x")
 EOF

@@ -241,10 +241,16 @@ impl Linear {
         };
         let y = match &*self.lora.borrow() {
             None => y,
-            // y + scaling · dropout(x)·Aᵀ·Bᵀ (LoRA, Hu et al. 2021), never materialising B·A.
+            // y + scaling · dropout(x)·Aᵀ·Bᵀ (LoRA, Hu et al. 2021), never materialising B·A. The
+            // scaling goes on B (out × r) rather than on the (tokens × out) product, and the sum
+            // into y is the second product's own accumulate (addmm): two passes over the
+            // activations fewer per projection, forward and backward.
             Some(s) => {
                 let x = if s.dropout > 0.0 { xs.dropout(s.dropout, true) } else { xs.shallow_clone() };
-                y + x.linear::<&Tensor>(&s.a, None).linear::<&Tensor>(&s.b, None) * s.scaling
+                let xa = x.linear::<&Tensor>(&s.a, None);
+                let (out, r) = (y.size()[y.dim() - 1], xa.size()[xa.dim() - 1]);
+                let shape = y.size();
+                y.reshape([-1, out]).addmm(&xa.reshape([-1, r]), &(&s.b * s.scaling).tr()).view(shape.as_slice())
             }
         };
         let groups = self.row_loras.borrow();
