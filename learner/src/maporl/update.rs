@@ -124,7 +124,7 @@ fn split(flat: &Tensor, offsets: &[usize]) -> Vec<Vec<f32>> {
 /// of at most `max_rows` rows and padded to its longest by at most 1/16 of its real positions.
 /// Padding is arithmetic spent on nothing: the first phase forwarded each policy's answers as one
 /// batch padded to the longest and the critic's in chunks of 16 in sample order; in length-sorted
-/// batches it took 122.3 s instead of 145.8 s at 32 questions (`maporl_step_bench`, Zen 4). The
+/// batches it took 118.9 s instead of 145.8 s at 32 questions (`maporl_step_bench`, Zen 4). The
 /// order inside and across batches carries no meaning: every result is written back by sample.
 fn length_batches(idx: &[usize], len: impl Fn(usize) -> usize, max_rows: usize) -> Vec<Vec<usize>> {
     let mut sorted: Vec<usize> = idx.to_vec();
