@@ -106,9 +106,15 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
         if ro.bf16_dot_products {
             cotrain_model::kernels::gemm_bf16dot::enable_for(rollout_kind(cfg), opts.device, "rollout.bf16_dot_products").map_err(TrainError::Config)?;
         }
-        let adapter_groups = match ro.lora_serving {
+        // A training run's LoRA agents, of those this worker serves: other commands on the same
+        // config (`verifier generate`, evaluation) start other agents.
+        let adapter_groups: Vec<Vec<String>> = match ro.lora_serving {
             crate::config::LoraServing::Merged => Vec::new(),
-            crate::config::LoraServing::Unmerged => crate::model_options::adapter_groups(cfg),
+            crate::config::LoraServing::Unmerged => crate::model_options::adapter_groups(cfg)
+                .into_iter()
+                .map(|g| g.into_iter().filter(|name| agents.iter().any(|(a, _)| a == name)).collect::<Vec<_>>())
+                .filter(|g| !g.is_empty())
+                .collect(),
         };
         let worker = EmbeddedRollout::start_full(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers, adapter_groups)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
