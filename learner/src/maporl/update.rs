@@ -198,8 +198,7 @@ pub fn ppo_update(
             .get(*key)
             .ok_or_else(|| TrainError::Config(format!("no adapter `{key}`")))?;
         let mine_idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
-        let full_len = |k: usize| samples[k].prompt.len() + samples[k].response.len();
-        for idx in length_batches(&mine_idx, full_len, PREPARE_ROWS) {
+        for idx in length_batches(&mine_idx, |k| POLICY_POSITIONS(&samples[k]), PREPARE_ROWS) {
             let seqs: Vec<Sequence> = idx
                 .iter()
                 .map(|&k| Sequence {
@@ -246,8 +245,7 @@ pub fn ppo_update(
     for (key, idx) in &by_critic {
         let c = &adapters.critics[*key];
         let idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
-        let value_positions = |k: usize| samples[k].value_prompt.len() + samples[k].response.len();
-        for part in &length_batches(&idx, value_positions, PREPARE_ROWS) {
+        for part in &length_batches(&idx, |k| VALUE_POSITIONS(&samples[k]), PREPARE_ROWS) {
             let rows: Vec<(&[u32], &[u32])> = part
                 .iter()
                 .map(|&k| {

@@ -248,8 +248,8 @@ impl Linear {
             Some(s) => {
                 let x = if s.dropout > 0.0 { xs.dropout(s.dropout, true) } else { xs.shallow_clone() };
                 let xa = x.linear::<&Tensor>(&s.a, None);
-                let (out, r) = (y.size()[y.dim() - 1], xa.size()[xa.dim() - 1]);
                 let shape = y.size();
+                let (out, r) = (shape[shape.len() - 1], s.a.size()[0]);
                 y.reshape([-1, out]).addmm(&xa.reshape([-1, r]), &(&s.b * s.scaling).tr()).view(shape.as_slice())
             }
         };
