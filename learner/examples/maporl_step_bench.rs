@@ -170,6 +170,8 @@ fn main() -> anyhow::Result<()> {
         "trained_samples": g("train/samples"),
         "policy_positions": g("train/policy_positions"),
         "value_positions": g("train/value_positions"),
+        "policy_positions_run": g("train/policy_positions_run"),
+        "value_positions_run": g("train/value_positions_run"),
         "step": g("time/step"),
         "rollout": g("time/rollout"),
         "update": g("time/update"),

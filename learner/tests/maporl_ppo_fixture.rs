@@ -168,6 +168,7 @@ fn ppo_targets_match_the_original_rewards_gae_returns_and_whitening() {
                         critic: format!("critic.agent{i}"),
                         turn: t,
                         agent: i,
+                        question: b,
                         prompt: vec![1],
                         value_prompt: vec![1],
                         response,
@@ -339,6 +340,7 @@ fn samples() -> Vec<PpoSample> {
         critic: format!("critic.turn{}", 1 + k % 2),
         turn: 1 + k % 2,
         agent: k % 2,
+        question: k / 2,
         prompt: vec![1, 20, 21, 22 + k as u32],
         value_prompt: vec![1, 20, 21],
         response,
@@ -549,11 +551,14 @@ fn micro_batches_accumulate_to_the_update_of_the_whole_mini_batch() {
     // (LoRA dropout off: its masks are drawn per forward, so they differ between the two batchings.)
     let samples = samples();
     let mut runs: Vec<(Vec<(String, Tensor)>, Vec<(String, Tensor)>, Vec<_>)> = Vec::new();
-    for steps in [1, 3] {
+    // One micro-batch; three (as many as questions: each question alone); micro-batches of at
+    // most one position (`micro_batch_positions`: each question alone again).
+    for (steps, positions) in [(1, "null"), (3, "null"), (1, "1")] {
         let (cfg, bases, mut adapters) = tiny_run_with(
             "frozen_random",
             &[
                 &format!("maporl.gradient_accumulation_steps={steps}"),
+                &format!("maporl.micro_batch_positions={positions}"),
                 "maporl.learning_rate=0.5",
                 "maporl.lora.lora_dropout=0",
             ],
@@ -593,46 +598,48 @@ fn micro_batches_accumulate_to_the_update_of_the_whole_mini_batch() {
         ];
         runs.push((before, all_variables(&adapters), stats));
     }
-    let ((before, whole, s1), (before3, micro, s3)) = (&runs[0], &runs[1]);
-    for ((n, a), (_, b)) in before.iter().zip(before3) {
-        assert!(a.equal(b), "{n}: both runs start from the same adapters");
-    }
-    let mut moved = 0;
-    for (((name, w), (_, x)), (_, b)) in whole.iter().zip(micro).zip(before) {
-        let diff = (w - x).abs().max().double_value(&[]);
-        let step = (w - b).abs().max().double_value(&[]);
-        moved += (step > 0.0) as usize;
-        // The critics' losses are plain means: equal to float precision (plus a few float steps of
-        // the weights themselves). The policy loss with whitened advantages is a sum of cancelling
-        // terms, where the forwards' batching (padding, kernel paths: log-probs equal to ~1e-5) shows
-        // more (up to 1% here); a micro-batch weighted wrongly moves it by tens of percent.
-        let tol = if name.starts_with("critic") {
-            1e-3
-        } else {
-            5e-2
-        };
-        assert!(
-            diff <= tol * step + 1e-8,
-            "{name}: the micro-batched update differs by {diff} (update size {step})"
-        );
-    }
-    assert!(
-        moved >= 4,
-        "the updates moved the adapters ({moved} tensors)"
-    );
-    for (a, b) in s1.iter().zip(s3) {
-        for key in [
-            "loss/policy_avg",
-            "loss/value_avg",
-            "policy/clipfrac_avg",
-            "policy/entropy_avg",
-        ] {
+    let (before, whole, s1) = &runs[0];
+    for (before3, micro, s3) in &runs[1..] {
+        for ((n, a), (_, b)) in before.iter().zip(before3) {
+            assert!(a.equal(b), "{n}: both runs start from the same adapters");
+        }
+        let mut moved = 0;
+        for (((name, w), (_, x)), (_, b)) in whole.iter().zip(micro).zip(before) {
+            let diff = (w - x).abs().max().double_value(&[]);
+            let step = (w - b).abs().max().double_value(&[]);
+            moved += (step > 0.0) as usize;
+            // The critics' losses are plain means: equal to float precision (plus a few float steps of
+            // the weights themselves). The policy loss with whitened advantages is a sum of cancelling
+            // terms, where the forwards' batching (padding, kernel paths: log-probs equal to ~1e-5) shows
+            // more (up to 1% here); a micro-batch weighted wrongly moves it by tens of percent.
+            let tol = if name.starts_with("critic") {
+                1e-3
+            } else {
+                5e-2
+            };
             assert!(
-                (a[key] - b[key]).abs() <= 1e-5 * a[key].abs().max(1.0),
-                "{key}: {} vs {}",
-                a[key],
-                b[key]
+                diff <= tol * step + 1e-8,
+                "{name}: the micro-batched update differs by {diff} (update size {step})"
             );
+        }
+        assert!(
+            moved >= 4,
+            "the updates moved the adapters ({moved} tensors)"
+        );
+        for (a, b) in s1.iter().zip(s3) {
+            for key in [
+                "loss/policy_avg",
+                "loss/value_avg",
+                "policy/clipfrac_avg",
+                "policy/entropy_avg",
+            ] {
+                assert!(
+                    (a[key] - b[key]).abs() <= 1e-5 * a[key].abs().max(1.0),
+                    "{key}: {} vs {}",
+                    a[key],
+                    b[key]
+                );
+            }
         }
     }
 }

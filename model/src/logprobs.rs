@@ -48,10 +48,13 @@
 //! their prompt, the trunk runs [`CausalLm::forward_hidden_prefixed`]: each distinct prompt once
 //! (batch = distinct prompts), then all completions as one batch attending to their prompt's
 //! keys/values. The first completion token's log-prob comes from the prompt's last hidden
-//! state, the others from the completion rows. The values, entropies and gradients are those of
-//! the per-sequence forward up to float rounding; the prompt's backward runs once, with the
-//! gradients of all its completions summed. A batch of distinct prompts takes the per-sequence
-//! path; [`completion_logprobs_with_sharing`] can turn sharing off.
+//! state, the others from the completion rows. Prompts that differ but begin alike (MaPoRL's
+//! agents after the same question message) share their longest common prefix the same way, the
+//! rest of each prompt running with its completion (`group_prefixes` says when). The values,
+//! entropies and gradients are those of the per-sequence forward up to float rounding; a
+//! prefix's backward runs once, with the gradients of all its continuations summed. A batch
+//! that shares too little takes the per-sequence path; [`completion_logprobs_with_sharing`] can
+//! turn sharing off, and [`sequence_hidden`] gives the trunk's hidden states alone (value heads).
 //!
 //! # Layout
 //!
@@ -61,7 +64,6 @@
 //! `offsets[b]..offsets[b + 1]` in the caller's order; [`TokenLogProbs::padded`] gives
 //! `(B, Cmax)` plus a mask.
 
-use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use tch::{Kind, Tensor};
@@ -477,18 +479,20 @@ fn layout(model: &CausalLm, batch: &[Sequence]) -> Result<Layout> {
     })
 }
 
-/// A batch laid out for [`CausalLm::forward_hidden_prefixed`]: distinct prompts once, then every
-/// completion. The trunk's rows are the prompts' (G*P) followed by the completions' (B*C).
+/// A batch laid out for [`CausalLm::forward_hidden_prefixed`]: each shared prefix once, then every
+/// sequence's continuation (the rest of its prompt, then its completion). The trunk's rows are
+/// the prefixes' (G*P) followed by the continuations' (B*C).
 struct SharedLayout {
-    /// Right-padded distinct prompts (G, P).
+    /// Right-padded distinct prefixes (G, P).
     prompt_ids: Tensor,
     prompt_lens: Vec<i64>,
-    /// Right-padded completions (B, C), in the caller's order.
+    /// Right-padded continuations (B, C), in the caller's order.
     completion_ids: Tensor,
-    /// The prompt of each completion.
+    /// The prefix of each sequence.
     prompt_of: Vec<i64>,
-    /// Rows predicting each completion token: the prompt's last row for the first token, the
-    /// completion's previous row for the others.
+    /// Rows predicting each completion token: the row of the position before it, a prefix row
+    /// when that position lies in the prefix (the first token after a whole shared prompt), else
+    /// the sequence's own continuation row.
     positions: Vec<i64>,
     targets: Vec<i64>,
     offsets: Vec<usize>,
@@ -499,34 +503,100 @@ struct SharedLayout {
     view_len: i64,
 }
 
-/// Distinct prompts in order of first appearance, and each sequence's prompt index.
-fn group_prompts(batch: &[Sequence]) -> (Vec<&[u32]>, Vec<i64>) {
-    let mut index: HashMap<&[u32], i64> = HashMap::new();
-    let mut prompts = Vec::new();
-    let prompt_of = batch
-        .iter()
-        .map(|s| {
-            *index.entry(s.prompt.as_slice()).or_insert_with(|| {
-                prompts.push(s.prompt.as_slice());
-                prompts.len() as i64 - 1
-            })
-        })
+/// How a batch shares prompt positions: `prefixes` (the distinct shared prefixes, each a prefix
+/// of its sequences' prompts) and `prefix_of` (each sequence's prefix), or `None` when sharing
+/// saves too little to pay for itself.
+///
+/// Sequences with the same prompt share all of it (GRPO's G samples of one prompt). Sequences whose
+/// prompts differ but begin alike share their longest common prefix: MaPoRL's two agents answer a
+/// question after the same question message, each after its own history, and its critic values
+/// both answers after the same turn-0 prompt. The grouping maximises the positions saved over
+/// groups of prompts adjacent in sorted order (a group of m prompts with common prefix ℓ saves
+/// (m − 1)·ℓ): one DP over the sorted batch, so that a short prefix common to everything (a chat
+/// template's system turn) never swallows groups that share more.
+fn group_prefixes(batch: &[Sequence]) -> Option<(Vec<&[u32]>, Vec<i64>)> {
+    let n = batch.len();
+    if n < 2 {
+        return None;
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| batch[a].prompt.cmp(&batch[b].prompt).then(a.cmp(&b)));
+    let lcp = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    // adjacent[k]: common prefix of the k-th and (k+1)-th prompts in sorted order.
+    let adjacent: Vec<usize> = order
+        .windows(2)
+        .map(|w| lcp(&batch[w[0]].prompt, &batch[w[1]].prompt))
         .collect();
-    (prompts, prompt_of)
+    // best[j]: the most positions saved by groups covering sorted[..j]; start[j]: where the last
+    // of those groups starts.
+    let mut best = vec![0usize; n + 1];
+    let mut start = vec![0usize; n + 1];
+    for j in 1..=n {
+        best[j] = best[j - 1];
+        start[j] = j - 1;
+        let mut common = usize::MAX;
+        for i in (0..j - 1).rev() {
+            common = common.min(adjacent[i]);
+            if common == 0 {
+                break;
+            }
+            let saved = best[i] + (j - 1 - i) * common;
+            if saved > best[j] {
+                best[j] = saved;
+                start[j] = i;
+            }
+        }
+    }
+    let total: usize = batch.iter().map(|s| s.prompt.len() + s.completion.len()).sum();
+    let repeated = order
+        .windows(2)
+        .any(|w| batch[w[0]].prompt == batch[w[1]].prompt);
+    // A shared forward attends through an explicit mask where the plain one is causal: prompts
+    // that only begin alike share when that saves at least a sixteenth of the positions.
+    if best[n] == 0 || !repeated && best[n] * 16 < total {
+        return None;
+    }
+    let mut prefixes: Vec<&[u32]> = Vec::new();
+    let mut prefix_of = vec![0i64; n];
+    let mut j = n;
+    let mut groups = Vec::new();
+    while j > 0 {
+        groups.push(start[j]..j);
+        j = start[j];
+    }
+    for g in groups.into_iter().rev() {
+        let members = &order[g.clone()];
+        let len = if members.len() == 1 {
+            batch[members[0]].prompt.len()
+        } else {
+            adjacent[g.start..g.end - 1].iter().copied().min().unwrap_or(0)
+        };
+        for &m in members {
+            prefix_of[m] = prefixes.len() as i64;
+        }
+        prefixes.push(&batch[members[0]].prompt[..len]);
+    }
+    Some((prefixes, prefix_of))
 }
 
-fn shared_layout(batch: &[Sequence], prompts: &[&[u32]], prompt_of: Vec<i64>) -> SharedLayout {
-    let g = prompts.len();
-    let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
-    let c = batch.iter().map(|s| s.completion.len()).max().unwrap_or(0);
+fn shared_layout(batch: &[Sequence], prefixes: &[&[u32]], prompt_of: Vec<i64>) -> SharedLayout {
+    let g = prefixes.len();
+    let p = prefixes.iter().map(|x| x.len()).max().unwrap_or(0);
+    let prefix_len = |b: usize| prefixes[prompt_of[b] as usize].len();
+    let c = batch
+        .iter()
+        .enumerate()
+        .map(|(b, s)| s.prompt.len() - prefix_len(b) + s.completion.len())
+        .max()
+        .unwrap_or(0);
     let lmax = batch
         .iter()
         .map(|s| s.prompt.len() + s.completion.len())
         .max()
         .unwrap_or(0);
     let mut prompt_ids = vec![0i64; g * p];
-    for (k, prompt) in prompts.iter().enumerate() {
-        for (j, &t) in prompt.iter().enumerate() {
+    for (k, prefix) in prefixes.iter().enumerate() {
+        for (j, &t) in prefix.iter().enumerate() {
             prompt_ids[k * p + j] = t as i64;
         }
     }
@@ -536,32 +606,30 @@ fn shared_layout(batch: &[Sequence], prompts: &[&[u32]], prompt_of: Vec<i64>) ->
     let mut view_rows = vec![0i64; batch.len() * lmax];
     let mut view_valid = vec![0f32; batch.len() * lmax];
     for (b, s) in batch.iter().enumerate() {
-        let (k, pl) = (prompt_of[b], s.prompt.len() as i64);
-        let prompt_row = |j: i64| k * p as i64 + j;
-        let completion_row = |j: i64| base + (b * c) as i64 + j;
-        for (j, &t) in s.completion.iter().enumerate() {
-            completion_ids[b * c + j] = t as i64;
-            let j = j as i64;
-            positions.push(if j == 0 {
-                prompt_row(pl - 1)
+        let (k, pl) = (prompt_of[b], prefix_len(b));
+        // The trunk row of the sequence's position `i`.
+        let row = |i: usize| {
+            if i < pl {
+                k * p as i64 + i as i64
             } else {
-                completion_row(j - 1)
-            });
+                base + (b * c + i - pl) as i64
+            }
+        };
+        for (j, &t) in s.prompt[pl..].iter().chain(&s.completion).enumerate() {
+            completion_ids[b * c + j] = t as i64;
+        }
+        for (j, &t) in s.completion.iter().enumerate() {
+            positions.push(row(s.prompt.len() + j - 1));
             targets.push(t as i64);
         }
         for i in 0..s.prompt.len() + s.completion.len() {
-            let t = i as i64;
-            view_rows[b * lmax + i] = if t < pl {
-                prompt_row(t)
-            } else {
-                completion_row(t - pl)
-            };
+            view_rows[b * lmax + i] = row(i);
             view_valid[b * lmax + i] = 1.0;
         }
     }
     SharedLayout {
         prompt_ids: Tensor::from_slice(&prompt_ids).view([g as i64, p as i64]),
-        prompt_lens: prompts.iter().map(|x| x.len() as i64).collect(),
+        prompt_lens: prefixes.iter().map(|x| x.len() as i64).collect(),
         completion_ids: Tensor::from_slice(&completion_ids).view([batch.len() as i64, c as i64]),
         prompt_of,
         positions,
@@ -583,9 +651,8 @@ impl Plan {
     fn new(model: &CausalLm, batch: &[Sequence], share_prompts: bool) -> Result<Plan> {
         if share_prompts {
             validate(model, batch)?;
-            let (prompts, prompt_of) = group_prompts(batch);
-            if prompts.len() < batch.len() {
-                return Ok(Plan::Shared(shared_layout(batch, &prompts, prompt_of)));
+            if let Some((prefixes, prefix_of)) = group_prefixes(batch) {
+                return Ok(Plan::Shared(shared_layout(batch, &prefixes, prefix_of)));
             }
         }
         Ok(Plan::PerSequence(layout(model, batch)?))
@@ -736,6 +803,34 @@ pub fn completion_logprobs_with_sharing(
     })
 }
 
+/// The final hidden states (B, L, H) of right-padded `prompt ++ completion` rows (zeros at
+/// padding when prefixes were shared), with autograd as the caller's mode: one trunk forward,
+/// sharing common prompt prefixes as [`completion_logprobs`] does. For value heads, which read
+/// every position and need no LM head.
+pub fn sequence_hidden(model: &CausalLm, batch: &[Sequence]) -> Result<Tensor> {
+    let plan = Plan::new(model, batch, true)?;
+    let trunk = plan.trunk(model)?;
+    Ok(match plan.view(model) {
+        HiddenView::Padded => trunk,
+        HiddenView::Gathered { rows: r, valid, b, l, .. } => {
+            (rows(&trunk).index_select(0, &r) * valid).view([b, l, -1])
+        }
+    })
+}
+
+/// The positions the trunk runs for `batch` in [`completion_logprobs`] and [`sequence_hidden`]:
+/// every prompt and completion, less what shared prefixes save (for arithmetic figures).
+pub fn trunk_positions(batch: &[Sequence]) -> usize {
+    let all: usize = batch.iter().map(|s| s.prompt.len() + s.completion.len()).sum();
+    match group_prefixes(batch) {
+        Some((prefixes, prefix_of)) => {
+            let shared: usize = prefix_of.iter().map(|&k| prefixes[k as usize].len()).sum();
+            all - shared + prefixes.iter().map(|p| p.len()).sum::<usize>()
+        }
+        None => all,
+    }
+}
+
 /// The straightforward computation — full (B, L, V) logits, autograd throughout — as a reference
 /// for tests and for small batches: returns flat (N,) log-probs and entropies and the offsets.
 pub fn naive_completion_logprobs(
@@ -764,4 +859,48 @@ pub fn naive_completion_logprobs_at(
     let tgt = Tensor::from_slice(&targets).to_device(device);
     let (lp, ent) = chunk_logprobs(&flat.index_select(0, &pos), &tgt, temperature);
     Ok((lp, ent, offsets))
+}
+
+#[cfg(test)]
+mod prefix_grouping_tests {
+    use super::{Sequence, group_prefixes};
+
+    fn seq(prompt: Vec<u32>, completion: usize) -> Sequence {
+        Sequence { prompt, completion: vec![7; completion] }
+    }
+
+    #[test]
+    fn each_question_shares_its_message_not_the_template_common_to_all() {
+        // Two questions after the same 3-token template, each answered by two agents after their
+        // own histories, in an order that interleaves the questions.
+        let template = vec![1u32, 2, 3];
+        let q = |k: u32| [template.clone(), vec![10 + k; 20]].concat();
+        let own = |a: u32| vec![50 + a; 15];
+        let batch = vec![
+            seq([q(0), own(0)].concat(), 5),
+            seq([q(1), own(0)].concat(), 5),
+            seq([q(0), own(1)].concat(), 5),
+            seq([q(1), own(1)].concat(), 5),
+        ];
+        let (prefixes, of) = group_prefixes(&batch).expect("shares");
+        assert_eq!(prefixes.len(), 2);
+        assert_eq!(of[0], of[2]);
+        assert_eq!(of[1], of[3]);
+        assert_ne!(of[0], of[1]);
+        assert_eq!(prefixes[of[0] as usize], q(0).as_slice());
+        assert_eq!(prefixes[of[1] as usize], q(1).as_slice());
+    }
+
+    #[test]
+    fn repeated_prompts_share_whole_and_a_tiny_common_prefix_does_not() {
+        let batch = vec![seq(vec![1, 2, 3], 90), seq(vec![1, 2, 3], 90), seq(vec![4, 5], 3)];
+        let (prefixes, of) = group_prefixes(&batch).expect("GRPO's repeated prompt shares");
+        assert_eq!(prefixes[of[0] as usize], &[1, 2, 3]);
+        assert_eq!(of[0], of[1]);
+        assert_eq!(prefixes[of[2] as usize], &[4, 5]);
+        // A 2-token common prefix of 200 positions saves too little.
+        let batch = vec![seq(vec![1, 2, 3], 100), seq(vec![1, 2, 4], 100)];
+        assert!(group_prefixes(&batch).is_none());
+        assert!(group_prefixes(&batch[..1]).is_none());
+    }
 }

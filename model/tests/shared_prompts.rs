@@ -6,7 +6,7 @@ mod support;
 
 use cotrain_model::loader::{LoadOptions, LoadedModel};
 use cotrain_model::logprobs::{
-    LogProbOptions, Sequence, TokenLogProbs, completion_logprobs_with_sharing,
+    LogProbOptions, Sequence, TokenLogProbs, completion_logprobs_with_sharing, sequence_hidden,
 };
 use support::*;
 use tch::{Kind, Tensor};
@@ -33,6 +33,27 @@ fn batch() -> Vec<Sequence> {
         seq(&b, 4, 14),
         seq(&a, 1, 15),
         seq(&a[..4].to_vec(), 3, 16),
+    ]
+}
+
+/// MaPoRL's shape: no two prompts alike, but each agent's prompt begins with its question's
+/// message (and every question with the same template tokens), then its own history: prompts
+/// that share a common prefix rather than the whole prompt. Sequence 3 is the shortest, so its
+/// position 20 is padding.
+fn common_prefix_batch() -> Vec<Sequence> {
+    let q1 = tokens(10, 1);
+    let q2: Vec<u32> = q1[..3].iter().copied().chain(tokens(6, 5)).collect();
+    let seq = |parts: &[&[u32]], len: usize, salt: u32| Sequence {
+        prompt: parts.concat(),
+        completion: tokens(len, salt),
+    };
+    let (x, y, z, w) = (tokens(5, 20), tokens(7, 21), tokens(3, 22), tokens(6, 23));
+    vec![
+        seq(&[&q1, &x], 4, 10),
+        seq(&[&q2, &z], 5, 11),
+        seq(&[&q1, &y], 6, 12),
+        seq(&[&q2, &w], 2, 13),
+        seq(&[&q1, &x[..3], &tokens(2, 24)], 3, 14),
     ]
 }
 
@@ -89,10 +110,15 @@ fn run(
 }
 
 fn check(name: &str) {
+    check_batch(name, &batch(), (5, 7));
+}
+
+/// The shared and per-sequence kernels agree on `batch`; position `pad.1` of sequence `pad.0`
+/// is padding, which the shared kernel's hidden view reads as zeros.
+fn check_batch(name: &str, batch: &[Sequence], pad: (i64, i64)) {
     let loaded = tiny(name, &LoadOptions::default());
-    let batch = batch();
-    let (plain, plain_hidden, g_plain) = run(&loaded, &batch, false);
-    let (shared, shared_hidden, g_shared) = run(&loaded, &batch, true);
+    let (plain, plain_hidden, g_plain) = run(&loaded, batch, false);
+    let (shared, shared_hidden, g_shared) = run(&loaded, batch, true);
 
     assert_eq!(shared.offsets, plain.offsets);
     let wv = worst(
@@ -114,11 +140,11 @@ fn check(name: &str) {
     let wh = worst(&shared_hidden, &plain_hidden, 1e-5, 1e-5);
     assert!(wh <= 1.0, "{name}: hidden states off by {wh} x tolerance");
     // Sharing really ran: its hidden view reads padding as zeros, the per-sequence one does not.
-    let pad = hs.get(5).narrow(0, 7, 1);
-    assert_eq!(pad.abs().sum(Kind::Float).double_value(&[]), 0.0);
+    let padding = hs.get(pad.0).narrow(0, pad.1, 1);
+    assert_eq!(padding.abs().sum(Kind::Float).double_value(&[]), 0.0);
     assert!(
-        hp.get(5)
-            .narrow(0, 7, 1)
+        hp.get(pad.0)
+            .narrow(0, pad.1, 1)
             .abs()
             .sum(Kind::Float)
             .double_value(&[])
@@ -159,6 +185,74 @@ fn shared_prompts_equal_per_sequence_kernel_biases() {
 #[test]
 fn shared_prompts_equal_per_sequence_kernel_llama3_rope() {
     check("llama3_rope");
+}
+
+#[test]
+fn common_prompt_prefixes_equal_per_sequence_kernel_gqa_untied() {
+    check_batch("llama", &common_prefix_batch(), (3, 20));
+}
+
+#[test]
+fn common_prompt_prefixes_equal_per_sequence_kernel_tied_qk_norm() {
+    check_batch("qwen3", &common_prefix_batch(), (3, 20));
+}
+
+/// `sequence_hidden` (the critic's trunk) gives the plain forward's hidden states on every real
+/// position of prompts that share a common prefix, and carries gradients back through the shared
+/// prefix to the parameters as the plain forward does.
+#[test]
+fn sequence_hidden_with_common_prefixes_equals_plain_forward() {
+    let loaded = tiny("llama", &LoadOptions::default());
+    let batch = common_prefix_batch();
+    let shared = sequence_hidden(&loaded.model, &batch).unwrap();
+    let l = shared.size()[1];
+    let w = hidden_weights(&batch, l);
+    (&shared * &w).sum(Kind::Float).backward();
+    // The trunk's parameters (the LM head gets no gradient here).
+    let grads = |loaded: &LoadedModel| {
+        let mut g: Vec<(String, Option<Tensor>)> = loaded
+            .named_parameters()
+            .into_iter()
+            .map(|(n, t)| {
+                let mut gr = t.grad();
+                let out = gr.defined().then(|| gr.copy());
+                if gr.defined() {
+                    let _ = gr.zero_();
+                }
+                (n, out)
+            })
+            .collect();
+        g.sort_by(|a, b| a.0.cmp(&b.0));
+        g
+    };
+    let g_shared = grads(&loaded);
+    for (b, s) in batch.iter().enumerate() {
+        let h = full_hidden(&loaded, &s.prompt, &s.completion);
+        let n = h.size()[0];
+        let worst_row = worst(&values(&h), &values(&shared.get(b as i64).narrow(0, 0, n)), 1e-5, 1e-5);
+        assert!(worst_row <= 1.0, "sequence {b}: hidden states off by {worst_row} x tolerance");
+    }
+    let mut plain_loss = Tensor::zeros([], (Kind::Float, tch::Device::Cpu));
+    for (b, s) in batch.iter().enumerate() {
+        let ids = Tensor::from_slice(&s.prompt.iter().chain(&s.completion).map(|&t| t as i64).collect::<Vec<_>>()).view([1, -1]);
+        let h = loaded.model.forward_hidden(&ids).unwrap().squeeze_dim(0);
+        let n = h.size()[0];
+        plain_loss += (h * w.get(b as i64).narrow(0, 0, n)).sum(Kind::Float);
+    }
+    plain_loss.backward();
+    let g_plain = grads(&loaded);
+    assert!(g_shared.iter().filter(|(_, g)| g.is_some()).count() > 10);
+    for ((n1, a), (_, b)) in g_shared.iter().zip(&g_plain) {
+        let (Some(a), Some(b)) = (a, b) else {
+            assert!(a.is_none() && b.is_none(), "{n1}: a gradient in one forward only");
+            continue;
+        };
+        let scale = values(b).iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
+        let wg = worst(&values(a), &values(b), 1e-5 * scale, 1e-5);
+        assert!(wg <= 1.0, "gradient of {n1} off by {wg} x tolerance");
+    }
+    // The prefixes were shared: padding reads as zeros.
+    assert_eq!(shared.get(3).narrow(0, 20, 1).abs().sum(Kind::Float).double_value(&[]), 0.0);
 }
 
 #[test]

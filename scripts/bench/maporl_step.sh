@@ -112,10 +112,13 @@ if "policy_positions" in c:
     # The decoder's projections of SmolLM2-135M (30 layers x 3,538,944 weights): 2 FLOP per weight
     # per position forward, and as many for the input gradient backward (the base is frozen).
     # Attention, LoRA and the LM head come on top; this is the bulk, to set against the roofline.
+    # `*_positions_run`: the positions the forwards run once common prompt prefixes are shared.
     per_pos = 4 * 30 * 3_538_944
-    for name, pos, secs in (("policy", c["policy_positions"], c["ppo_policy"]), ("value", c["value_positions"], c["ppo_value"])):
-        flop = pos * c["num_ppo_epochs"] * per_pos
-        print(f"{name} epochs: {int(pos)} positions x {c['num_ppo_epochs']} epochs, {flop / 1e12:.1f} TFLOP in the projections, "
-              f"{flop / secs / 1e9:.0f} GFLOP/s")
+    for name, secs in (("policy", c["ppo_policy"]), ("value", c["ppo_value"])):
+        pos = c[f"{name}_positions"]
+        run = c.get(f"{name}_positions_run", pos)
+        flop = run * c["num_ppo_epochs"] * per_pos
+        print(f"{name} epochs: {int(pos)} positions read, {int(run)} run (prefixes shared) x {c['num_ppo_epochs']} epochs, "
+              f"{flop / 1e12:.1f} TFLOP in the projections, {flop / secs / 1e9:.0f} GFLOP/s")
 print(f"step speed-up: {r['step'] / c['step']:.2f}x")
 EOF

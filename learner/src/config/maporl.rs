@@ -155,13 +155,21 @@ pub struct MaporlSection {
     #[serde(default = "default_one")]
     pub per_device_train_batch_size: usize,
     /// See `per_device_train_batch_size`. Each mini-batch is also forwarded in this many
-    /// micro-batches (as many as TRL's), their gradients accumulated with each micro-batch's loss
-    /// weighted by its token share (TRL weights them equally): the update is the whole mini-batch's
-    /// token mean, the memory one micro-batch's.
+    /// micro-batches of whole questions (as many as TRL's), their gradients accumulated with each
+    /// micro-batch's loss weighted by its token share (TRL weights them equally): the update is the
+    /// whole mini-batch's token mean, the memory one micro-batch's.
     #[serde(default = "default_grad_accum")]
     pub gradient_accumulation_steps: usize,
-    /// Mini-batches per PPO epoch: each adapter's and each critic's samples of a step are split into
-    /// this many parts (at most one sample each), one AdamW step per part.
+    /// Beside the original: forward each mini-batch in micro-batches of whole questions of up to
+    /// this many positions each (prompts and answers, before prefix sharing; a longer question
+    /// alone) instead of `gradient_accumulation_steps` parts. The update is the same either way
+    /// (token-share weights); only peak memory and speed change: short rows, the critic's above
+    /// all, run faster in larger products, in bf16 especially. `null` (default): TRL's count.
+    #[serde(default)]
+    pub micro_batch_positions: Option<usize>,
+    /// Mini-batches per PPO epoch: each epoch's permutation of the step's questions is split into
+    /// this many parts (at most one question each), the same for every adapter and critic, one
+    /// AdamW step of each per part.
     #[serde(default = "default_mini_batches")]
     pub num_mini_batches: usize,
     /// PPO passes over each step's samples.
@@ -452,6 +460,7 @@ impl MaporlSection {
             ),
             ("num_mini_batches", self.num_mini_batches),
             ("num_ppo_epochs", self.num_ppo_epochs),
+            ("micro_batch_positions", self.micro_batch_positions.unwrap_or(1)),
             ("max_output_length", self.max_output_length),
             ("logging_steps", self.logging_steps),
         ] {

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 
 use cotrain_model::families::CausalLm;
 use cotrain_model::loader::{LoadOptions, LoadedModel};
+use cotrain_model::logprobs::{Sequence, sequence_hidden};
 use cotrain_model::lora::{LoraAdapter, LoraConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -176,19 +177,21 @@ pub struct Critic {
 }
 
 impl Critic {
-    /// Values (B, L) of right-padded token rows (B, L) with the critic adapter set on `base` (the
-    /// network of base `self.base`, or a [`CausalLm::share_weights`] copy of it). Values of padding
-    /// positions are garbage; callers gather real positions.
+    /// Values (B, L) of `prompt ++ completion` rows, right-padded to the longest (L), with the
+    /// critic adapter set on `base` (the network of base `self.base`, or a
+    /// [`CausalLm::share_weights`] copy of it). Rows whose prompts begin alike share the common
+    /// prefix's forward ([`sequence_hidden`]: MaPoRL's agents value their answers after the same
+    /// turn-0 prompt). Values of padding positions are garbage; callers gather real positions.
     pub fn values(
         &self,
         base: &CausalLm,
-        ids: &Tensor,
+        rows: &[Sequence],
         with_grad: bool,
     ) -> Result<Tensor, TrainError> {
         let _guard = (!with_grad).then(tch::no_grad_guard);
         base.set_adapter(Some(&self.adapter), false)
             .map_err(|e| TrainError::Model(e.to_string()))?;
-        let hidden = base.forward_hidden(ids);
+        let hidden = sequence_hidden(base, rows);
         base.set_adapter(None, false)
             .map_err(|e| TrainError::Model(e.to_string()))?;
         let hidden = hidden.map_err(|e| TrainError::Model(format!("critic forward: {e}")))?;

@@ -261,6 +261,7 @@ impl MaporlTrainer {
                             critic: critic_key(&self.m, i, t),
                             turn: t,
                             agent: i,
+                            question: q,
                             prompt: a.prompt.clone(),
                             value_prompt: a.value_prompt.clone(),
                             response,

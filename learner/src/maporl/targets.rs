@@ -15,6 +15,9 @@ pub struct PpoSample {
     /// Turn t and agent i of the answer (the whitening groups of `whiten: per_turn_agent`).
     pub turn: usize,
     pub agent: usize,
+    /// The step's question the answer belongs to: the unit MaPoRL's mini-batches are drawn over
+    /// (every answer to a question goes into the same micro-batch).
+    pub question: usize,
     pub prompt: Vec<u32>,
     pub value_prompt: Vec<u32>,
     /// The tokens the policy trains on ([`training_response`]).

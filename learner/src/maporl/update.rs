@@ -8,7 +8,9 @@
 //!    R(t, i) on the score's position ([`super::targets::training_response`]); GAE (γ, λ); returns = advantages +
 //!    values; advantages whitened over the response tokens of each (turn, agent) or each adapter
 //!    (`maporl.whiten`);
-//! 3. `num_ppo_epochs` passes over shuffled mini-batches: the clipped policy loss steps the policy
+//! 3. `num_ppo_epochs` passes over mini-batches of questions (one permutation of the step's
+//!    questions per epoch, shared by every adapter and critic; a question's answers share their
+//!    micro-batch and their common prompt prefix's forward): the clipped policy loss steps the policy
 //!    adapter, vf_coef · the clipped value loss steps the critic (its adapter, and its head with
 //!    `critic_head: trained`). The two share no
 //!    parameter, so stepping them apart is the same as stepping their sum. Each adapter's and each
@@ -20,7 +22,7 @@
 
 use std::collections::BTreeMap;
 
-use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs};
+use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs, trunk_positions};
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
@@ -43,46 +45,35 @@ fn model_err(what: &str) -> impl Fn(cotrain_model::ModelError) -> TrainError + '
     move |e| TrainError::Update(format!("{what}: {e}"))
 }
 
-/// Right-padded (B, L) ids of prompt + response rows, and each row's prompt length.
-fn pad_sequences(rows: &[(&[u32], &[u32])]) -> (Tensor, Vec<usize>) {
-    let l = rows
-        .iter()
-        .map(|(p, r)| p.len() + r.len())
-        .max()
-        .unwrap_or(1);
-    let mut ids = vec![0i64; rows.len() * l];
-    for (b, (p, r)) in rows.iter().enumerate() {
-        for (j, t) in p.iter().chain(r.iter()).enumerate() {
-            ids[b * l + j] = *t as i64;
-        }
-    }
-    (
-        Tensor::from_slice(&ids).view([rows.len() as i64, l as i64]),
-        rows.iter().map(|(p, _)| p.len()).collect(),
-    )
-}
-
-/// Values (B, Cmax) at the first `counts[b]` positions predicting each response token (prompt_len
-/// − 1 + t; t = len(response) is the state after the response), zero beyond.
+/// Values (B, Cmax) of samples `part` at the first `value_len()` positions predicting each
+/// response token (prompt_len − 1 + t; t = len(response) is the state after the response), zero
+/// beyond, and those counts.
 fn response_values(
     critic: &Critic,
     base: &CausalLm,
-    rows: &[(&[u32], &[u32])],
-    counts: &[usize],
+    samples: &[PpoSample],
+    part: &[usize],
     with_grad: bool,
-) -> Result<Tensor, TrainError> {
-    let (ids, prompt_lens) = pad_sequences(rows);
-    let v = critic.values(base, &ids.to_device(base.device()), with_grad)?;
+) -> Result<(Tensor, Vec<usize>), TrainError> {
+    let rows: Vec<Sequence> = part
+        .iter()
+        .map(|&k| Sequence {
+            prompt: samples[k].value_prompt.clone(),
+            completion: samples[k].response.clone(),
+        })
+        .collect();
+    let counts: Vec<usize> = part.iter().map(|&k| samples[k].value_len()).collect();
+    let v = critic.values(base, &rows, with_grad)?;
     let l = v.size()[1];
     let cmax = counts.iter().copied().max().unwrap_or(0) as i64;
     let (mut src, mut dst) = (Vec::new(), Vec::new());
-    for (b, (_, r)) in rows.iter().enumerate() {
+    for (b, row) in rows.iter().enumerate() {
         assert!(
-            counts[b] <= r.len() + 1,
+            counts[b] <= row.completion.len() + 1,
             "at most one value position past the response"
         );
         for t in 0..counts[b] {
-            src.push(b as i64 * l + (prompt_lens[b] + t - 1) as i64);
+            src.push(b as i64 * l + (row.prompt.len() + t - 1) as i64);
             dst.push(b as i64 * cmax + t as i64);
         }
     }
@@ -91,13 +82,14 @@ fn response_values(
         .reshape([-1])
         .index_select(0, &Tensor::from_slice(&src).to_device(device));
     let out = Tensor::zeros([rows.len() as i64 * cmax], (Kind::Float, device));
-    Ok(out
+    let values = out
         .index_put(
             &[Some(Tensor::from_slice(&dst).to_device(device))],
             &flat,
             false,
         )
-        .view([rows.len() as i64, cmax]))
+        .view([rows.len() as i64, cmax]);
+    Ok((values, counts))
 }
 
 /// Per-sample vectors padded into (B, Cmax) f32.
@@ -120,32 +112,71 @@ fn split(flat: &Tensor, offsets: &[usize]) -> Vec<Vec<f32>> {
         .collect()
 }
 
-/// `idx` cut into batches of similar lengths (`len` of each: the positions its forward runs), each
-/// of at most `max_rows` rows and padded to its longest by at most 1/16 of its real positions.
-/// Padding is arithmetic spent on nothing: the first phase forwarded each policy's answers as one
-/// batch padded to the longest and the critic's in chunks of 16 in sample order; in length-sorted
-/// batches it took 118.9 s instead of 145.8 s at 32 questions (`maporl_step_bench`, Zen 4). The
-/// order inside and across batches carries no meaning: every result is written back by sample.
-fn length_batches(idx: &[usize], len: impl Fn(usize) -> usize, max_rows: usize) -> Vec<Vec<usize>> {
-    let mut sorted: Vec<usize> = idx.to_vec();
-    sorted.sort_by_key(|&k| (std::cmp::Reverse(len(k)), k));
-    let mut out: Vec<Vec<usize>> = Vec::new();
-    let mut real = 0usize;
-    for k in sorted {
-        let fits = out.last().is_some_and(|b| {
-            // Sorted longest first: the batch's first row is its longest.
-            let padded = (b.len() + 1) * len(b[0]);
-            b.len() < max_rows.max(1) && padded * 16 <= (real + len(k)) * 17
+/// The samples `idx` grouped by question (in order of first appearance): the unit the update
+/// batches, shuffles and splits. MaPoRL's trainer permutes the questions of a step and forwards
+/// every (turn, agent) answer of a question in the same micro-batch, and those answers begin alike
+/// (the question's message; for the critic the whole turn-0 prompt), so their forwards share that
+/// prefix ([`completion_logprobs`], [`Critic::values`]).
+fn question_units(idx: &[usize], samples: &[PpoSample]) -> Vec<Vec<usize>> {
+    let mut units: Vec<Vec<usize>> = Vec::new();
+    let mut unit_of: BTreeMap<usize, usize> = BTreeMap::new();
+    for &k in idx {
+        let u = *unit_of.entry(samples[k].question).or_insert_with(|| {
+            units.push(Vec::new());
+            units.len() - 1
         });
-        if fits {
-            out.last_mut().expect("checked").push(k);
-            real += len(k);
-        } else {
-            out.push(vec![k]);
-            real = len(k);
+        units[u].push(k);
+    }
+    units
+}
+
+/// `units` (each a question's samples) packed into batches of similar lengths (`len` of each
+/// sample: the positions its forward runs), each of at most `max_rows` rows (a larger unit runs
+/// alone). A unit joins a batch when padding its rows to the batch's longest costs at most 1/16 of
+/// the batch's real positions in all. Padding is arithmetic spent on nothing: the first phase
+/// forwarded each policy's answers as one batch padded to the longest and the critic's in chunks
+/// of 16 in sample order; in length-sorted batches it took 118.9 s instead of 145.8 s at 32
+/// questions (`maporl_step_bench`, Zen 4). The order inside and across batches carries no
+/// meaning: every result is written back by sample.
+fn length_batches(
+    units: &[Vec<usize>],
+    len: impl Fn(usize) -> usize,
+    max_rows: usize,
+) -> Vec<Vec<usize>> {
+    struct Batch {
+        rows: Vec<usize>,
+        longest: usize,
+        real: usize,
+        /// Padding added by merging units: each row's gap to the batch's longest beyond its
+        /// own unit's.
+        added: usize,
+    }
+    let longest = |u: &[usize]| u.iter().map(|&k| len(k)).max().unwrap_or(0);
+    let mut sorted: Vec<&Vec<usize>> = units.iter().filter(|u| !u.is_empty()).collect();
+    sorted.sort_by_key(|u| (std::cmp::Reverse(longest(u)), u[0]));
+    let mut out: Vec<Batch> = Vec::new();
+    for u in sorted {
+        let (l, real) = (longest(u), u.iter().map(|&k| len(k)).sum::<usize>());
+        // Sorted longest first: the batch's first unit holds its longest row.
+        let joins = out.last().is_some_and(|b| {
+            b.rows.len() + u.len() <= max_rows.max(1)
+                && (b.added + u.len() * (b.longest - l)) * 16 <= b.real + real
+        });
+        match out.last_mut() {
+            Some(b) if joins => {
+                b.rows.extend(u);
+                b.added += u.len() * (b.longest - l);
+                b.real += real;
+            }
+            _ => out.push(Batch {
+                rows: u.clone(),
+                longest: l,
+                real,
+                added: 0,
+            }),
         }
     }
-    out
+    out.into_iter().map(|b| b.rows).collect()
 }
 
 /// Runs the update of one step over `samples`; returns each sample's record (in order) and the
@@ -171,7 +202,8 @@ pub fn ppo_update(
     concurrent: bool,
 ) -> Result<(Vec<PpoRecord>, BTreeMap<String, f64>), TrainError> {
     let (rank, world) = (dist.rank(), dist.world());
-    let mine = |k: usize| k % world == rank;
+    // In the first phase each rank computes the inputs of every world-th question.
+    let mine = |k: usize| samples[k].question % world == rank;
     let mut records = vec![PpoRecord::default(); samples.len()];
     let mut stats: BTreeMap<String, f64> = BTreeMap::new();
     let acc = |k: &str, v: f64, stats: &mut BTreeMap<String, f64>| {
@@ -198,7 +230,8 @@ pub fn ppo_update(
             .get(*key)
             .ok_or_else(|| TrainError::Config(format!("no adapter `{key}`")))?;
         let mine_idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
-        for idx in length_batches(&mine_idx, |k| POLICY_POSITIONS(&samples[k]), PREPARE_ROWS) {
+        let units = question_units(&mine_idx, samples);
+        for idx in length_batches(&units, |k| POLICY_POSITIONS(&samples[k]), PREPARE_ROWS) {
             let seqs: Vec<Sequence> = idx
                 .iter()
                 .map(|&k| Sequence {
@@ -245,18 +278,9 @@ pub fn ppo_update(
     for (key, idx) in &by_critic {
         let c = &adapters.critics[*key];
         let idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
-        for part in &length_batches(&idx, |k| VALUE_POSITIONS(&samples[k]), PREPARE_ROWS) {
-            let rows: Vec<(&[u32], &[u32])> = part
-                .iter()
-                .map(|&k| {
-                    (
-                        samples[k].value_prompt.as_slice(),
-                        samples[k].response.as_slice(),
-                    )
-                })
-                .collect();
-            let counts: Vec<usize> = part.iter().map(|&k| samples[k].value_len()).collect();
-            let v = response_values(c, &bases.models[c.base].model, &rows, &counts, false)?;
+        let units = question_units(&idx, samples);
+        for part in &length_batches(&units, |k| VALUE_POSITIONS(&samples[k]), PREPARE_ROWS) {
+            let (v, counts) = response_values(c, &bases.models[c.base].model, samples, part, false)?;
             let v: Vec<f32> =
                 Vec::try_from(v.to_device(tch::Device::Cpu).reshape([-1])).unwrap_or_default();
             let cmax = counts.iter().copied().max().unwrap_or(0);
@@ -288,26 +312,28 @@ pub fn ppo_update(
     let (whitened, targets_stats) = ppo_targets(m, samples, &mut records);
     stats.extend(targets_stats);
 
-    // 3. PPO epochs over shuffled mini-batches. Each policy adapter and each critic trains on its
-    // own samples and shares no parameter with the others (the base is frozen), so their epochs are
-    // independent jobs. The shuffles are drawn first, in the order the epochs draw them when the jobs
-    // run one after another, so running jobs at the same time (`concurrently`) changes nothing but
-    // the summation order inside products.
+    // 3. PPO epochs over mini-batches of questions, one permutation of the step's questions per
+    // epoch for every adapter and critic (MaPoRL's `b_inds`). Each policy adapter and each critic
+    // trains on its own samples and shares no parameter with the others (the base is frozen), so
+    // their epochs are independent jobs. The permutations are drawn first, so running jobs at the
+    // same time (`concurrently`) changes nothing but the summation order inside products.
     let t_epochs = std::time::Instant::now();
-    let mut policy_orders: Vec<Vec<Vec<usize>>> = vec![Vec::new(); by_policy.len()];
-    let mut critic_orders: Vec<Vec<Vec<usize>>> = vec![Vec::new(); by_critic.len()];
-    for _epoch in 0..m.num_ppo_epochs {
-        for (orders, idx) in policy_orders.iter_mut().zip(by_policy.values()) {
-            let mut order = idx.clone();
+    let questions: Vec<usize> = samples
+        .iter()
+        .map(|s| s.question)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let permutations: Vec<Vec<usize>> = (0..m.num_ppo_epochs)
+        .map(|_| {
+            let mut order = questions.clone();
             order.shuffle(rng);
-            orders.push(order);
-        }
-        for (orders, idx) in critic_orders.iter_mut().zip(by_critic.values()) {
-            let mut order = idx.clone();
-            order.shuffle(rng);
-            orders.push(order);
-        }
-    }
+            order
+        })
+        .collect();
+    let epochs_of = |idx: &Vec<usize>| epoch_mini_batches(&question_units(idx, samples), samples, &permutations, m);
+    let policy_orders: Vec<Vec<Vec<MiniBatch>>> = by_policy.values().map(epochs_of).collect();
+    let critic_orders: Vec<Vec<Vec<MiniBatch>>> = by_critic.values().map(epochs_of).collect();
     let mut jobs: Vec<EpochJob> = Vec::with_capacity(by_policy.len() + by_critic.len());
     let mut policies = adapters.policies.iter_mut();
     for (key, orders) in by_policy.keys().zip(policy_orders) {
@@ -335,6 +361,14 @@ pub fn ppo_update(
         records: &records,
         whitened: &whitened,
     };
+    for (name, policy) in [("train/policy_positions_run", true), ("train/value_positions_run", false)] {
+        let run: usize = jobs
+            .iter()
+            .filter(|j| matches!(j.adapter, JobAdapter::Policy(_)) == policy)
+            .map(|j| j.positions_run(samples, m, dist))
+            .sum();
+        stats.insert(name.into(), run as f64);
+    }
     let shares = if concurrent {
         thread_shares(&jobs, samples, bases, dist)
     } else {
@@ -413,7 +447,8 @@ pub fn ppo_update(
     }
     let tokens: usize = samples.iter().map(|s| s.response.len()).sum();
     stats.insert("train/response_tokens".into(), tokens as f64);
-    // The positions one pass over the samples runs (prompt and response), for arithmetic rates.
+    // The positions one pass over the samples reads (prompt and response), for arithmetic rates;
+    // `*_positions_run` above: what the forwards run once common prompt prefixes are shared.
     let positions = |f: fn(&PpoSample) -> usize| samples.iter().map(f).sum::<usize>() as f64;
     stats.insert("train/policy_positions".into(), positions(POLICY_POSITIONS));
     stats.insert("train/value_positions".into(), positions(VALUE_POSITIONS));
@@ -436,10 +471,37 @@ enum JobAdapter<'a> {
     Critic(&'a mut Critic),
 }
 
-/// One adapter's PPO epochs: its samples in one shuffled order per epoch.
+/// A mini-batch of one job: its samples of each of the mini-batch's questions, one list per question.
+type MiniBatch = Vec<Vec<usize>>;
+
+/// One adapter's PPO epochs: each epoch's mini-batches.
 struct EpochJob<'a> {
     adapter: JobAdapter<'a>,
-    orders: Vec<Vec<usize>>,
+    orders: Vec<Vec<MiniBatch>>,
+}
+
+/// A job's mini-batches of each epoch: each permutation of the step's questions cut into
+/// `num_mini_batches` parts (as many questions each, the last fewer), each part holding the job's
+/// `units` (its samples of a question) in the permutation's order. A part with none of the job's
+/// questions is left out: the job takes no step there.
+fn epoch_mini_batches(
+    units: &[Vec<usize>],
+    samples: &[PpoSample],
+    permutations: &[Vec<usize>],
+    m: &MaporlSection,
+) -> Vec<Vec<MiniBatch>> {
+    let unit_of: BTreeMap<usize, &Vec<usize>> = units.iter().map(|u| (samples[u[0]].question, u)).collect();
+    permutations
+        .iter()
+        .map(|order| {
+            let size = order.len().div_ceil(m.num_mini_batches.min(order.len()).max(1)).max(1);
+            order
+                .chunks(size)
+                .map(|qs| qs.iter().filter_map(|q| unit_of.get(q).map(|u| (*u).clone())).collect::<MiniBatch>())
+                .filter(|mb| !mb.is_empty())
+                .collect()
+        })
+        .collect()
 }
 
 /// One mini-batch's statistics (summed over ranks, each rank's part weighted by its token share).
@@ -467,10 +529,35 @@ struct JobDone {
 }
 
 impl EpochJob<'_> {
+    /// The positions this rank's forwards of one epoch run (its first), prompt prefixes shared
+    /// within each micro-batch as the kernels share them: for arithmetic figures.
+    fn positions_run(&self, samples: &[PpoSample], m: &MaporlSection, dist: &dyn Collective) -> usize {
+        let Some(order) = self.orders.first() else {
+            return 0;
+        };
+        let policy = matches!(self.adapter, JobAdapter::Policy(_));
+        order
+            .iter()
+            .flat_map(|mb| rank_micro_batches(mb, samples, dist, MicroBatches::of(m, if policy { POLICY_POSITIONS } else { VALUE_POSITIONS }), POLICY_LEN))
+            .map(|(micro, _)| {
+                let rows: Vec<Sequence> = micro
+                    .iter()
+                    .map(|&k| Sequence {
+                        prompt: if policy { samples[k].prompt.clone() } else { samples[k].value_prompt.clone() },
+                        completion: samples[k].response.clone(),
+                    })
+                    .collect();
+                trunk_positions(&rows)
+            })
+            .sum()
+    }
+
     /// The job's estimated cost: its prompt and response tokens over all epochs.
     fn cost(&self, samples: &[PpoSample]) -> usize {
         let tokens: usize = self.orders.first().map_or(0, |o| {
             o.iter()
+                .flatten()
+                .flatten()
                 .map(|&k| samples[k].prompt.len() + samples[k].response.len())
                 .sum()
         });
@@ -489,13 +576,6 @@ impl EpochJob<'_> {
         dist: &dyn Collective,
     ) -> Result<JobDone, TrainError> {
         let t = std::time::Instant::now();
-        // Mini-batch size: `num_mini_batches` parts of each epoch's order (at most one per sample).
-        let size = |order: &[usize]| {
-            order
-                .len()
-                .div_ceil(data.m.num_mini_batches.min(order.len()).max(1))
-                .max(1)
-        };
         let mut epochs = Vec::with_capacity(self.orders.len());
         let policy = matches!(self.adapter, JobAdapter::Policy(_));
         match self.adapter {
@@ -504,7 +584,7 @@ impl EpochJob<'_> {
                 for order in &self.orders {
                     epochs.push(
                         order
-                            .chunks(size(order))
+                            .iter()
                             .map(|mb| policy_minibatch(p, net, mb, data, dist))
                             .collect::<Result<Vec<_>, _>>()?,
                     );
@@ -515,7 +595,7 @@ impl EpochJob<'_> {
                 for order in &self.orders {
                     epochs.push(
                         order
-                            .chunks(size(order))
+                            .iter()
                             .map(|mb| value_minibatch(c, net, mb, data, dist))
                             .collect::<Result<Vec<_>, _>>()?,
                     );
@@ -530,47 +610,87 @@ impl EpochJob<'_> {
     }
 }
 
-/// This rank's share of mini-batch `mb`, cut into micro-batches, each with its share of the
-/// mini-batch's positions the loss averages over (`len` of each sample: response tokens for the
+/// This rank's share of mini-batch `mb` (every world-th of its questions), cut into micro-batches
+/// of whole questions, each with its share of the mini-batch's positions the loss averages over (`len` of each sample: response tokens for the
 /// policy, value positions for the critic, which has one more where the score lands after the
 /// response). The loss is a mean over those positions, so micro-batch losses weighted by their
 /// shares and accumulated (over micro-batches and ranks) give the gradient of the whole mini-batch.
 ///
 /// A rank's part is forwarded in `gradient_accumulation_steps` micro-batches, as many as TRL's PPOv2
 /// trainer (that MaPoRL runs) cuts a mini-batch of per_device_train_batch_size ×
-/// gradient_accumulation_steps questions into: a micro-batch's activations at a time rather than the
-/// whole mini-batch's. (TRL weights its micro-batches equally; the token-share weights here keep
+/// gradient_accumulation_steps questions into, every answer to a question in its micro-batch as
+/// there: a micro-batch's activations at a time rather than the whole mini-batch's, and the
+/// answers' common prompt prefix forwarded once. (TRL weights its micro-batches equally; the token-share weights here keep
 /// the mini-batch's token mean, which one forward of it gave.) A micro-batch is not cut further
 /// by length as the first phase's forwards are ([`length_batches`]): at 32 questions that cut the
 /// policy epochs by 1% and slowed the critic's by 7% (its rows are short, and one row per product
 /// ran below the pair's rate).
 fn rank_micro_batches(
-    mb: &[usize],
+    mb: &[Vec<usize>],
     samples: &[PpoSample],
     dist: &dyn Collective,
-    micro_batches: usize,
+    split: MicroBatches,
     len: fn(&PpoSample) -> usize,
 ) -> Vec<(Vec<usize>, f64)> {
     let (rank, world) = (dist.rank(), dist.world());
-    let all_tokens = mb.iter().map(|&k| len(&samples[k])).sum::<usize>().max(1) as f64;
-    let part: Vec<usize> = mb
+    let all_tokens = mb.iter().flatten().map(|&k| len(&samples[k])).sum::<usize>().max(1) as f64;
+    let part: Vec<&Vec<usize>> = mb
         .iter()
         .enumerate()
         .filter(|&(j, _)| j % world == rank)
-        .map(|(_, &k)| k)
+        .map(|(_, u)| u)
         .collect();
     if part.is_empty() {
         return Vec::new();
     }
-    let size = part.len().div_ceil(micro_batches.max(1));
-    part.chunks(size)
+    let groups: Vec<&[&Vec<usize>]> = match split {
+        MicroBatches::Count(n) => part.chunks(part.len().div_ceil(n.max(1))).collect(),
+        MicroBatches::Positions { most, positions } => {
+            let mut groups = Vec::new();
+            let (mut start, mut held) = (0, 0);
+            for (j, u) in part.iter().enumerate() {
+                let p: usize = u.iter().map(|&k| positions(&samples[k])).sum();
+                if j > start && held + p > most {
+                    groups.push(&part[start..j]);
+                    (start, held) = (j, 0);
+                }
+                held += p;
+            }
+            groups.push(&part[start..]);
+            groups
+        }
+    };
+    groups
+        .into_iter()
         .map(|micro| {
-            (
-                micro.to_vec(),
-                micro.iter().map(|&k| len(&samples[k])).sum::<usize>() as f64 / all_tokens,
-            )
+            let micro: Vec<usize> = micro.iter().flat_map(|u| u.iter().copied()).collect();
+            let share = micro.iter().map(|&k| len(&samples[k])).sum::<usize>() as f64 / all_tokens;
+            (micro, share)
         })
         .collect()
+}
+
+/// How a rank's share of a mini-batch is cut into micro-batches of whole questions.
+#[derive(Clone, Copy)]
+enum MicroBatches {
+    /// This many parts of (nearly) as many questions (TRL's `gradient_accumulation_steps`).
+    Count(usize),
+    /// Consecutive questions while their `positions` sum to at most `most`
+    /// (`maporl.micro_batch_positions`).
+    Positions {
+        most: usize,
+        positions: fn(&PpoSample) -> usize,
+    },
+}
+
+impl MicroBatches {
+    /// The split of `m` for forwards that run `positions` per sample.
+    fn of(m: &MaporlSection, positions: fn(&PpoSample) -> usize) -> Self {
+        match m.micro_batch_positions {
+            Some(most) => MicroBatches::Positions { most, positions },
+            None => MicroBatches::Count(m.gradient_accumulation_steps),
+        }
+    }
 }
 
 /// The positions the policy loss averages over: the response tokens.
@@ -585,7 +705,7 @@ const VALUE_POSITIONS: fn(&PpoSample) -> usize = |s| s.value_prompt.len() + s.re
 fn policy_minibatch(
     p: &mut PolicyAdapter,
     net: &CausalLm,
-    mb: &[usize],
+    mb: &[Vec<usize>],
     data: &EpochData,
     dist: &dyn Collective,
 ) -> Result<MinibatchStats, TrainError> {
@@ -598,7 +718,7 @@ fn policy_minibatch(
     p.optimizer.zero_grad();
     let mut local = [0.0f64; 6]; // loss, clip fraction, approx kl, entropy, ratio, non-finite
     for (part, share) in
-        rank_micro_batches(mb, samples, dist, m.gradient_accumulation_steps, POLICY_LEN)
+        rank_micro_batches(mb, samples, dist, MicroBatches::of(m, POLICY_POSITIONS), POLICY_LEN)
     {
         let seqs: Vec<Sequence> = part
             .iter()
@@ -684,7 +804,7 @@ fn policy_minibatch(
 fn value_minibatch(
     c: &mut Critic,
     net: &CausalLm,
-    mb: &[usize],
+    mb: &[Vec<usize>],
     data: &EpochData,
     dist: &dyn Collective,
 ) -> Result<MinibatchStats, TrainError> {
@@ -701,19 +821,10 @@ fn value_minibatch(
         mb,
         samples,
         dist,
-        m.gradient_accumulation_steps,
+        MicroBatches::of(m, VALUE_POSITIONS),
         PpoSample::value_len,
     ) {
-        let rows: Vec<(&[u32], &[u32])> = part
-            .iter()
-            .map(|&k| {
-                (
-                    samples[k].value_prompt.as_slice(),
-                    samples[k].response.as_slice(),
-                )
-            })
-            .collect();
-        let counts: Vec<usize> = part.iter().map(|&k| samples[k].value_len()).collect();
+        let (v, counts) = response_values(c, net, samples, &part, true)?;
         let cmax = counts.iter().copied().max().unwrap_or(0);
         let mask_rows: Vec<Vec<f64>> = counts.iter().map(|&n| vec![1.0; n]).collect();
         let mask = pad(
@@ -728,7 +839,6 @@ fn value_minibatch(
                 .collect::<Vec<_>>(),
             cmax,
         );
-        let v = response_values(c, net, &rows, &counts, true)?;
         let device = v.device();
         let terms = clipped_value_loss(
             &v,
@@ -897,16 +1007,35 @@ fn concurrently(
 
 #[cfg(test)]
 mod length_batch_tests {
-    use super::length_batches;
+    use super::{MicroBatches, PpoSample, epoch_mini_batches, length_batches, question_units, rank_micro_batches};
+    use crate::config::MaporlSection;
+    use crate::dist::SingleRank;
+
+    fn sample(question: usize, agent: usize, response: usize) -> PpoSample {
+        PpoSample {
+            policy: "shared.later".into(),
+            critic: "critic.turn1".into(),
+            turn: 1,
+            agent,
+            question,
+            prompt: vec![1; 10],
+            value_prompt: vec![1; 5],
+            response: vec![2; response],
+            score_slot_after: true,
+            score: 0.0,
+            behaviour_logprobs: None,
+        }
+    }
 
     #[test]
     fn batches_cover_every_sample_once_and_pad_at_most_a_sixteenth() {
         let lens = [420usize, 95, 431, 300, 96, 410, 700, 99, 305, 100, 415, 298];
         let idx: Vec<usize> = (0..lens.len()).collect();
+        let idx: Vec<Vec<usize>> = idx.iter().map(|&k| vec![k]).collect();
         let batches = length_batches(&idx, |k| lens[k], 3);
         let mut seen: Vec<usize> = batches.iter().flatten().copied().collect();
         seen.sort_unstable();
-        assert_eq!(seen, idx);
+        assert_eq!(seen, (0..lens.len()).collect::<Vec<_>>());
         for b in &batches {
             assert!(!b.is_empty() && b.len() <= 3, "{batches:?}");
             let real: usize = b.iter().map(|&k| lens[k]).sum();
@@ -919,6 +1048,69 @@ mod length_batch_tests {
         // One row per batch at most, or one batch of everything when lengths are equal.
         assert_eq!(length_batches(&idx, |_| 50, 1).len(), lens.len());
         assert_eq!(length_batches(&idx, |_| 50, usize::MAX).len(), 1);
+    }
+
+    #[test]
+    fn a_questions_answers_stay_together_in_batches_and_micro_batches() {
+        // Questions 0..4, both agents each, in rollout order (question-major) but listed agent
+        // by agent, as a layout with per-turn keys may list them.
+        let samples: Vec<PpoSample> = (0..2)
+            .flat_map(|a| (0..4).map(move |q| sample(q, a, 3 + q + a)))
+            .collect();
+        let idx: Vec<usize> = (0..samples.len()).collect();
+        let units = question_units(&idx, &samples);
+        assert_eq!(units, vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
+        let len = |k: usize| samples[k].prompt.len() + samples[k].response.len();
+        for rows in [2, 3, 4, 16] {
+            for b in length_batches(&units, len, rows) {
+                assert!(b.len() <= rows.max(2), "{b:?}");
+                for u in &units {
+                    assert!(u.iter().all(|k| b.contains(k)) || !u.iter().any(|k| b.contains(k)), "{b:?} splits {u:?}");
+                }
+            }
+        }
+        // A mini-batch of all four questions in 2 micro-batches: two questions each, shares of
+        // the response tokens summing to one.
+        let micro = rank_micro_batches(&units, &samples, &SingleRank, MicroBatches::Count(2), |s| s.response.len());
+        assert_eq!(micro.iter().map(|(m, _)| m.clone()).collect::<Vec<_>>(), vec![vec![0, 4, 1, 5], vec![2, 6, 3, 7]]);
+        let total: usize = samples.iter().map(|s| s.response.len()).sum();
+        assert!((micro[0].1 - (3 + 4 + 4 + 5) as f64 / total as f64).abs() < 1e-12);
+        assert!((micro.iter().map(|m| m.1).sum::<f64>() - 1.0).abs() < 1e-12);
+        // `micro_batch_positions`: consecutive questions up to 60 positions (27, 29, 31, 33 each),
+        // and a budget below every question runs each alone.
+        let positions = |most| MicroBatches::Positions { most, positions: |s: &PpoSample| s.prompt.len() + s.response.len() };
+        let split = |most| {
+            rank_micro_batches(&units, &samples, &SingleRank, positions(most), |s| s.response.len())
+                .into_iter()
+                .map(|(m, _)| m)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(split(60), vec![vec![0, 4, 1, 5], vec![2, 6], vec![3, 7]]);
+        assert_eq!(split(1).len(), 4);
+        assert_eq!(split(1000).len(), 1);
+    }
+
+    #[test]
+    fn every_job_follows_the_epochs_permutation_of_questions() {
+        // Six questions; the policy has both agents' answers to each, the critic none of question 4.
+        let samples: Vec<PpoSample> = (0..6)
+            .flat_map(|q| (0..2).map(move |a| sample(q, a, 3)))
+            .collect();
+        let policy: Vec<usize> = (0..samples.len()).collect();
+        let critic: Vec<usize> = policy.iter().copied().filter(|&k| samples[k].question != 4).collect();
+        let mut m: MaporlSection = serde_json::from_str("{}").expect("defaults");
+        m.num_mini_batches = 3;
+        let perms = vec![vec![4, 1, 5, 0, 3, 2], vec![2, 3, 0, 1, 4, 5]];
+        let p = epoch_mini_batches(&question_units(&policy, &samples), &samples, &perms, &m);
+        let c = epoch_mini_batches(&question_units(&critic, &samples), &samples, &perms, &m);
+        let questions = |mb: &Vec<Vec<usize>>| mb.iter().map(|u| samples[u[0]].question).collect::<Vec<_>>();
+        let of = |epochs: &Vec<Vec<Vec<Vec<usize>>>>, e: usize| epochs[e].iter().map(questions).collect::<Vec<_>>();
+        assert_eq!(of(&p, 0), vec![vec![4, 1], vec![5, 0], vec![3, 2]]);
+        assert_eq!(of(&c, 0), vec![vec![1], vec![5, 0], vec![3, 2]]);
+        assert_eq!(of(&p, 1), vec![vec![2, 3], vec![0, 1], vec![4, 5]]);
+        assert_eq!(of(&c, 1), vec![vec![2, 3], vec![0, 1], vec![5]]);
+        // Each question's unit holds both agents' answers.
+        assert_eq!(p[0][0][0], vec![8, 9]);
     }
 }
 
