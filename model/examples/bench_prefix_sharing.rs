@@ -62,7 +62,7 @@ fn main() -> anyhow::Result<()> {
         for share in [false, true] {
             let t = Instant::now();
             let h = if share {
-                sequence_hidden(&m.model, &critic)?
+                sequence_hidden(&m.model, &critic, None)?
             } else {
                 let l = (shared + answer) as i64;
                 let ids: Vec<i64> = critic.iter().flat_map(|s| s.prompt.iter().chain(&s.completion).map(|&t| t as i64)).collect();

@@ -513,19 +513,31 @@ struct SharedLayout {
 /// both answers after the same turn-0 prompt. The grouping maximises the positions saved over
 /// groups of prompts adjacent in sorted order (a group of m prompts with common prefix ℓ saves
 /// (m − 1)·ℓ): one DP over the sorted batch, so that a short prefix common to everything (a chat
-/// template's system turn) never swallows groups that share more.
-fn group_prefixes(batch: &[Sequence]) -> Option<(Vec<&[u32]>, Vec<i64>)> {
+/// template's system turn) never swallows groups that share more. With `within`, only sequences
+/// of the same group (`within[b]`) share: a trainer whose rows must be computed the same way
+/// whichever other rows share their batch (MaPoRL's ranks, each with its own questions).
+fn group_prefixes<'b>(batch: &'b [Sequence], within: Option<&[usize]>) -> Option<(Vec<&'b [u32]>, Vec<i64>)> {
     let n = batch.len();
     if n < 2 {
         return None;
     }
+    let group = |b: usize| within.map_or(0, |g| g[b]);
     let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&a, &b| batch[a].prompt.cmp(&batch[b].prompt).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| {
+        (group(a), &batch[a].prompt, a).cmp(&(group(b), &batch[b].prompt, b))
+    });
     let lcp = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
-    // adjacent[k]: common prefix of the k-th and (k+1)-th prompts in sorted order.
+    // adjacent[k]: common prefix of the k-th and (k+1)-th prompts in sorted order (none across
+    // groups).
     let adjacent: Vec<usize> = order
         .windows(2)
-        .map(|w| lcp(&batch[w[0]].prompt, &batch[w[1]].prompt))
+        .map(|w| {
+            if group(w[0]) == group(w[1]) {
+                lcp(&batch[w[0]].prompt, &batch[w[1]].prompt)
+            } else {
+                0
+            }
+        })
         .collect();
     // best[j]: the most positions saved by groups covering sorted[..j]; start[j]: where the last
     // of those groups starts.
@@ -550,7 +562,7 @@ fn group_prefixes(batch: &[Sequence]) -> Option<(Vec<&[u32]>, Vec<i64>)> {
     let total: usize = batch.iter().map(|s| s.prompt.len() + s.completion.len()).sum();
     let repeated = order
         .windows(2)
-        .any(|w| batch[w[0]].prompt == batch[w[1]].prompt);
+        .any(|w| group(w[0]) == group(w[1]) && batch[w[0]].prompt == batch[w[1]].prompt);
     // A shared forward attends through an explicit mask where the plain one is causal: prompts
     // that only begin alike share when that saves at least a sixteenth of the positions.
     if best[n] == 0 || !repeated && best[n] * 16 < total {
@@ -648,10 +660,17 @@ enum Plan {
 }
 
 impl Plan {
-    fn new(model: &CausalLm, batch: &[Sequence], share_prompts: bool) -> Result<Plan> {
+    fn new(model: &CausalLm, batch: &[Sequence], share_prompts: bool, within: Option<&[usize]>) -> Result<Plan> {
+        if within.is_some_and(|g| g.len() != batch.len()) {
+            return Err(ModelError::InvalidBatch(format!(
+                "{} sharing groups for {} sequences",
+                within.map_or(0, <[usize]>::len),
+                batch.len()
+            )));
+        }
         if share_prompts {
             validate(model, batch)?;
-            if let Some((prefixes, prefix_of)) = group_prefixes(batch) {
+            if let Some((prefixes, prefix_of)) = group_prefixes(batch, within) {
                 return Ok(Plan::Shared(shared_layout(batch, &prefixes, prefix_of)));
             }
         }
@@ -714,6 +733,17 @@ pub fn completion_logprobs(
     completion_logprobs_with_sharing(model, batch, opts, true)
 }
 
+/// [`completion_logprobs`] where only sequences of the same group (`within[b]`) share prompt
+/// positions.
+pub fn completion_logprobs_within(
+    model: &CausalLm,
+    batch: &[Sequence],
+    within: &[usize],
+    opts: &LogProbOptions,
+) -> Result<TokenLogProbs> {
+    logprobs_kernel(model, batch, opts, true, Some(within))
+}
+
 /// [`completion_logprobs`], choosing whether sequences with the same prompt share its forward
 /// and backward (`share_prompts`; the same values up to float rounding either way), for tests
 /// and benchmarks.
@@ -722,6 +752,16 @@ pub fn completion_logprobs_with_sharing(
     batch: &[Sequence],
     opts: &LogProbOptions,
     share_prompts: bool,
+) -> Result<TokenLogProbs> {
+    logprobs_kernel(model, batch, opts, share_prompts, None)
+}
+
+fn logprobs_kernel(
+    model: &CausalLm,
+    batch: &[Sequence],
+    opts: &LogProbOptions,
+    share_prompts: bool,
+    within: Option<&[usize]>,
 ) -> Result<TokenLogProbs> {
     if !(opts.temperature > 0.0 && opts.temperature.is_finite()) {
         return Err(ModelError::InvalidBatch(format!("temperature {} must be positive", opts.temperature)));
@@ -732,7 +772,7 @@ pub fn completion_logprobs_with_sharing(
         ));
     }
     let device = model.device();
-    let plan = Plan::new(model, batch, share_prompts)?;
+    let plan = Plan::new(model, batch, share_prompts, within)?;
     let (positions, targets, offsets) = plan.outputs();
     let positions = Tensor::from_slice(positions).to_device(device);
     let targets = Tensor::from_slice(targets).to_device(device);
@@ -806,9 +846,9 @@ pub fn completion_logprobs_with_sharing(
 /// The final hidden states (B, L, H) of right-padded `prompt ++ completion` rows (zeros at
 /// padding when prefixes were shared), with autograd as the caller's mode: one trunk forward,
 /// sharing common prompt prefixes as [`completion_logprobs`] does. For value heads, which read
-/// every position and need no LM head.
-pub fn sequence_hidden(model: &CausalLm, batch: &[Sequence]) -> Result<Tensor> {
-    let plan = Plan::new(model, batch, true)?;
+/// every position and need no LM head. With `within`, only sequences of the same group share.
+pub fn sequence_hidden(model: &CausalLm, batch: &[Sequence], within: Option<&[usize]>) -> Result<Tensor> {
+    let plan = Plan::new(model, batch, true, within)?;
     let trunk = plan.trunk(model)?;
     Ok(match plan.view(model) {
         HiddenView::Padded => trunk,
@@ -820,9 +860,9 @@ pub fn sequence_hidden(model: &CausalLm, batch: &[Sequence]) -> Result<Tensor> {
 
 /// The positions the trunk runs for `batch` in [`completion_logprobs`] and [`sequence_hidden`]:
 /// every prompt and completion, less what shared prefixes save (for arithmetic figures).
-pub fn trunk_positions(batch: &[Sequence]) -> usize {
+pub fn trunk_positions(batch: &[Sequence], within: Option<&[usize]>) -> usize {
     let all: usize = batch.iter().map(|s| s.prompt.len() + s.completion.len()).sum();
-    match group_prefixes(batch) {
+    match group_prefixes(batch, within) {
         Some((prefixes, prefix_of)) => {
             let shared: usize = prefix_of.iter().map(|&k| prefixes[k as usize].len()).sum();
             all - shared + prefixes.iter().map(|p| p.len()).sum::<usize>()
@@ -882,25 +922,31 @@ mod prefix_grouping_tests {
             seq([q(0), own(1)].concat(), 5),
             seq([q(1), own(1)].concat(), 5),
         ];
-        let (prefixes, of) = group_prefixes(&batch).expect("shares");
+        let (prefixes, of) = group_prefixes(&batch, None).expect("shares");
         assert_eq!(prefixes.len(), 2);
         assert_eq!(of[0], of[2]);
         assert_eq!(of[1], of[3]);
         assert_ne!(of[0], of[1]);
         assert_eq!(prefixes[of[0] as usize], q(0).as_slice());
         assert_eq!(prefixes[of[1] as usize], q(1).as_slice());
+        // Sharing only within groups: the same prompts in different groups run apart.
+        let (prefixes, of) = group_prefixes(&batch, Some(&[0, 1, 2, 1])).expect("shares");
+        assert_eq!(prefixes.len(), 3);
+        assert_eq!(of[1], of[3]);
+        assert_eq!(prefixes[of[1] as usize], q(1).as_slice());
+        assert!(of[0] != of[2] && prefixes[of[0] as usize].len() == batch[0].prompt.len());
     }
 
     #[test]
     fn repeated_prompts_share_whole_and_a_tiny_common_prefix_does_not() {
         let batch = vec![seq(vec![1, 2, 3], 90), seq(vec![1, 2, 3], 90), seq(vec![4, 5], 3)];
-        let (prefixes, of) = group_prefixes(&batch).expect("GRPO's repeated prompt shares");
+        let (prefixes, of) = group_prefixes(&batch, None).expect("GRPO's repeated prompt shares");
         assert_eq!(prefixes[of[0] as usize], &[1, 2, 3]);
         assert_eq!(of[0], of[1]);
         assert_eq!(prefixes[of[2] as usize], &[4, 5]);
         // A 2-token common prefix of 200 positions saves too little.
         let batch = vec![seq(vec![1, 2, 3], 100), seq(vec![1, 2, 4], 100)];
-        assert!(group_prefixes(&batch).is_none());
-        assert!(group_prefixes(&batch[..1]).is_none());
+        assert!(group_prefixes(&batch, None).is_none());
+        assert!(group_prefixes(&batch[..1], None).is_none());
     }
 }

@@ -204,7 +204,7 @@ fn common_prompt_prefixes_equal_per_sequence_kernel_tied_qk_norm() {
 fn sequence_hidden_with_common_prefixes_equals_plain_forward() {
     let loaded = tiny("llama", &LoadOptions::default());
     let batch = common_prefix_batch();
-    let shared = sequence_hidden(&loaded.model, &batch).unwrap();
+    let shared = sequence_hidden(&loaded.model, &batch, None).unwrap();
     let l = shared.size()[1];
     let w = hidden_weights(&batch, l);
     (&shared * &w).sum(Kind::Float).backward();

@@ -715,9 +715,19 @@ fn assert_same_training(
             "objective/kl",
             "policy/entropy_avg",
         ] {
+            // Step 1 starts both runs from the same adapters: its metrics (the first update's
+            // losses) agree to float noise, so a rank computing a different update shows there. Later
+            // steps start from adapters that differ in their last bits, and this toy's training
+            // magnifies those: the forwards' batch composition alone (one rank, each question its own
+            // micro-batch via `maporl.micro_batch_positions: 1`, the same update in exact arithmetic)
+            // moved the policy loss by 2.2e-4 of itself at step 2 and the KL by 2e-4 at step 4 (a
+            // quantity crossing zero there); two ranks moved them by 1.2e-4 and 1e-4. A wrongly
+            // weighted or missing micro-batch moves them by percents, an answer sampled differently
+            // the accuracies by 1/20.
+            let tol = if a["step"].as_u64() == Some(1) { 1e-5 } else { 1e-3 };
             if let (Some(x), Some(y)) = (a[k].as_f64(), b[k].as_f64()) {
                 assert!(
-                    (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                    (x - y).abs() <= tol * x.abs().max(1.0),
                     "step {}: {k} is {x} with {la}, {y} with {lb}",
                     a["step"]
                 );
@@ -768,7 +778,12 @@ fn assert_same_training(
             // Zen 3 without AVX-512 (MKL's AVX2 kernels block the sums by the batch's shape, and the
             // one-token turn-0 prompts give small gradients whose AdamW steps magnify the last
             // bits); training alone on half the data would differ by the update itself (ratio ~1).
-            let bound = 1e-3;
+            // Since the update's forwards group each question's answers (one rank forwarding all
+            // the mini-batch's questions, each of two ranks half of them), the runs' forwards differ
+            // in composition too, and that (see the metrics above) left the turn-0 policies up to
+            // 1.2e-2 of the update apart after four steps (their one-token prompts give the
+            // smallest gradients, as above).
+            let bound = if key.ends_with("turn0") { 5e-2 } else { 1e-2 };
             assert!(
                 d <= bound * u.max(1e-12) && d <= bound * n.max(1e-12),
                 "{key}/{name}: ‖a − b‖ = {d:e}, ‖a‖ = {n:e}, update {u:e} ({la} against {lb})"

@@ -179,19 +179,21 @@ pub struct Critic {
 impl Critic {
     /// Values (B, L) of `prompt ++ completion` rows, right-padded to the longest (L), with the
     /// critic adapter set on `base` (the network of base `self.base`, or a
-    /// [`CausalLm::share_weights`] copy of it). Rows whose prompts begin alike share the common
-    /// prefix's forward ([`sequence_hidden`]: MaPoRL's agents value their answers after the same
-    /// turn-0 prompt). Values of padding positions are garbage; callers gather real positions.
+    /// [`CausalLm::share_weights`] copy of it). Rows of the same question (`questions`) whose
+    /// prompts begin alike share the common prefix's forward ([`sequence_hidden`]: MaPoRL's
+    /// agents value their answers after the same turn-0 prompt). Values of padding positions are
+    /// garbage; callers gather real positions.
     pub fn values(
         &self,
         base: &CausalLm,
         rows: &[Sequence],
+        questions: &[usize],
         with_grad: bool,
     ) -> Result<Tensor, TrainError> {
         let _guard = (!with_grad).then(tch::no_grad_guard);
         base.set_adapter(Some(&self.adapter), false)
             .map_err(|e| TrainError::Model(e.to_string()))?;
-        let hidden = sequence_hidden(base, rows);
+        let hidden = sequence_hidden(base, rows, Some(questions));
         base.set_adapter(None, false)
             .map_err(|e| TrainError::Model(e.to_string()))?;
         let hidden = hidden.map_err(|e| TrainError::Model(format!("critic forward: {e}")))?;

@@ -22,7 +22,7 @@
 
 use std::collections::BTreeMap;
 
-use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs, trunk_positions};
+use cotrain_model::logprobs::{LogProbOptions, Sequence, completion_logprobs_within, trunk_positions};
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
@@ -63,7 +63,8 @@ fn response_values(
         })
         .collect();
     let counts: Vec<usize> = part.iter().map(|&k| samples[k].value_len()).collect();
-    let v = critic.values(base, &rows, with_grad)?;
+    let questions: Vec<usize> = part.iter().map(|&k| samples[k].question).collect();
+    let v = critic.values(base, &rows, &questions, with_grad)?;
     let l = v.size()[1];
     let cmax = counts.iter().copied().max().unwrap_or(0) as i64;
     let (mut src, mut dst) = (Vec::new(), Vec::new());
@@ -239,6 +240,9 @@ pub fn ppo_update(
                     completion: samples[k].response.clone(),
                 })
                 .collect();
+            // Rows share prompt prefixes within their question only: a row's arithmetic is then
+            // the same whichever questions share its batch (one rank or several).
+            let questions: Vec<usize> = idx.iter().map(|&k| samples[k].question).collect();
             // The behaviour log-probs: as sampled (`old_logprobs: generation`), else one forward.
             let sampled: Option<Vec<Vec<f32>>> = idx
                 .iter()
@@ -249,14 +253,19 @@ pub fn ppo_update(
                 None => {
                     let old = p
                         .with_model(&bases.models[p.base].model, |model| {
-                            completion_logprobs(model, &seqs, &lp_opts(false))
+                            completion_logprobs_within(model, &seqs, &questions, &lp_opts(false))
                         })?
                         .map_err(model_err("behaviour log-probs"))?;
                     split(&old.logprobs, &old.offsets)
                 }
             };
             // The reference policy is the frozen base itself.
-            let reference = completion_logprobs(&bases.models[p.base].model, &seqs, &lp_opts(false))
+            let reference = completion_logprobs_within(
+                &bases.models[p.base].model,
+                &seqs,
+                &questions,
+                &lp_opts(false),
+            )
                 .map_err(model_err("reference log-probs"))?;
             for ((&k, lp), lr) in idx
                 .iter()
@@ -536,18 +545,26 @@ impl EpochJob<'_> {
             return 0;
         };
         let policy = matches!(self.adapter, JobAdapter::Policy(_));
+        let (positions, prompt): (fn(&PpoSample) -> usize, fn(&PpoSample) -> &Vec<u32>) = if policy {
+            (POLICY_POSITIONS, |s| &s.prompt)
+        } else {
+            (VALUE_POSITIONS, |s| &s.value_prompt)
+        };
+        // The loss weights (the last argument) play no part here.
+        let split = MicroBatches::of(m, positions);
         order
             .iter()
-            .flat_map(|mb| rank_micro_batches(mb, samples, dist, MicroBatches::of(m, if policy { POLICY_POSITIONS } else { VALUE_POSITIONS }), POLICY_LEN))
+            .flat_map(|mb| rank_micro_batches(mb, samples, dist, split, POLICY_LEN))
             .map(|(micro, _)| {
                 let rows: Vec<Sequence> = micro
                     .iter()
                     .map(|&k| Sequence {
-                        prompt: if policy { samples[k].prompt.clone() } else { samples[k].value_prompt.clone() },
+                        prompt: prompt(&samples[k]).clone(),
                         completion: samples[k].response.clone(),
                     })
                     .collect();
-                trunk_positions(&rows)
+                let questions: Vec<usize> = micro.iter().map(|&k| samples[k].question).collect();
+                trunk_positions(&rows, Some(&questions))
             })
             .sum()
     }
@@ -727,6 +744,7 @@ fn policy_minibatch(
                 completion: samples[k].response.clone(),
             })
             .collect();
+        let questions: Vec<usize> = part.iter().map(|&k| samples[k].question).collect();
         let cmax = part
             .iter()
             .map(|&k| samples[k].response.len())
@@ -746,7 +764,7 @@ fn policy_minibatch(
             temperature: m.temperature,
         };
         let tlp = p
-            .with_model(net, |model| completion_logprobs(model, &seqs, &opts))?
+            .with_model(net, |model| completion_logprobs_within(model, &seqs, &questions, &opts))?
             .map_err(model_err("policy log-probs"))?;
         let (lp, mask) = tlp.padded();
         let mask = mask.to_kind(Kind::Float);
