@@ -860,7 +860,13 @@ pub fn sequence_hidden(model: &CausalLm, batch: &[Sequence], within: Option<&[us
 
 /// The positions the trunk runs for `batch` in [`completion_logprobs`] and [`sequence_hidden`]:
 /// every prompt and completion, less what shared prefixes save (for arithmetic figures).
+///
+/// # Panics
+/// If `within` does not give one group per sequence (the kernels refuse such a batch with an error).
 pub fn trunk_positions(batch: &[Sequence], within: Option<&[usize]>) -> usize {
+    if let Some(g) = within {
+        assert_eq!(g.len(), batch.len(), "trunk_positions: one sharing group per sequence");
+    }
     let all: usize = batch.iter().map(|s| s.prompt.len() + s.completion.len()).sum();
     match group_prefixes(batch, within) {
         Some((prefixes, prefix_of)) => {

@@ -30,6 +30,10 @@ the CPU, 2 threads), same questions (GSM8K train rows), same settings:
 
 A warm-up step on questions 0..Q runs first (it also trains), then the step on Q..2Q is timed.
 Progress on stderr; one JSON line on stdout.
+
+`--model-dir DIR` loads a Hugging Face directory (config.json, weights, tokenizer) instead of the
+GGUF, and `--device cuda` runs everything on the GPU (tensors are created there by default; each
+phase's time is read after a synchronise): `scripts/device/check.sh`'s `maporl` step.
 """
 
 import argparse
@@ -87,6 +91,12 @@ def lscpu(key):
         if k.strip() == key:
             return v.strip()
     return "unknown"
+
+
+def sync():
+    """Waits for the GPU's queued work, so that a phase's time includes it (no-op on the CPU)."""
+    if torch.cuda.is_available() and torch.get_default_device().type == "cuda":
+        torch.cuda.synchronize()
 
 
 def log(*a):
@@ -207,10 +217,14 @@ class Bench:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.a = a
-        d, name = os.path.split(a.gguf)
         t = time.perf_counter()
-        self.tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-        base = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+        if a.model_dir:
+            self.tok = AutoTokenizer.from_pretrained(a.model_dir)
+            base = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32).to(a.device)
+        else:
+            d, name = os.path.split(a.gguf)
+            self.tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+            base = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to(a.device)
         base.eval()
         base.generation_config.eos_token_id = None  # MaPoRL: generate exactly max_output_length tokens
         base.generation_config.pad_token_id = None
@@ -325,6 +339,7 @@ class Bench:
                 for k in range(q):
                     histories[k][i] = histories[k][i] + [{"role": "assistant", "content": this[i]["texts"][k]}]
             turns.append(this)
+        sync()
         times["rollout"] = time.perf_counter() - t0
 
         # ---- PPO inputs of the trained turn(s): turn >= 1 ---------------------------------------------
@@ -379,6 +394,7 @@ class Bench:
                     dict(agent=i, turn=t, qr=qr, qr_mask=qr_mask, ctx=ctx, v_ids=v_ids, v_mask=v_mask, vctx=vctx, responses=g["responses"],
                          mask=m, old=old, values=values, returns=returns, adv=adv)
                 )
+        sync()
         times["ppo_prepare"] = time.perf_counter() - t1
 
         # ---- PPO epochs ---------------------------------------------------------------------------------
@@ -414,6 +430,7 @@ class Bench:
                         stats["n"] += 1
                     ag.optimizer.step()
                     ag.optimizer.zero_grad(set_to_none=True)
+        sync()
         times["ppo_epochs"] = time.perf_counter() - t2
         times["update"] = times["ppo_prepare"] + times["ppo_epochs"]
         times["step"] = time.perf_counter() - t0
@@ -425,6 +442,8 @@ class Bench:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", default=DEFAULT_GGUF)
+    p.add_argument("--model-dir", help="a Hugging Face model directory (config, weights, tokenizer) instead of --gguf")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--data", default=os.path.join(ROOT, "data/gsm8k/train.jsonl.gz"))
     p.add_argument("--agents", type=int, default=2)
     p.add_argument("--turns", type=int, default=2)
@@ -450,6 +469,8 @@ def main():
     p.add_argument("--seed", type=int, default=42)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    # Every tensor the step makes (padding, masks, indices, value heads) lands on the device.
+    torch.set_default_device(a.device)
     torch.manual_seed(a.seed)
     rows = load_rows(a.data, 2 * a.questions)
     bench = Bench(a)
@@ -469,6 +490,8 @@ def main():
         "cpu_model": lscpu("Model name"),
         "cpu_family": lscpu("CPU family"),
         "threads": torch.get_num_threads(),
+        "device": a.device,
+        "gpu": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else None,
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "peft": __import__("peft").__version__,

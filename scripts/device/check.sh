@@ -27,6 +27,12 @@
 #           model FLOP utilisation of the update. On the CPU: the same steps on the tiny model.
 #   ranks   two learner ranks against one: rewards, losses and final weights agree. GPU: NCCL, both
 #           ranks on the one GPU (`learner launch --nccl-one-gpu-test`); CPU: Open MPI.
+#   maporl  two MaPoRL steps at the original's batch (32 GSM8K questions, 4 PPO epochs x 8 mini-batches of
+#           4, 2 agents, 2 turns, 64 new tokens, the Qwen3-1.7B shape in f32) through `learner train`,
+#           against scripts/bench/maporl_reference.py (transformers + PEFT, TRL-style) on the same GPU:
+#           seconds per phase of the second step, both sides. PEFT comes from the machine's Python or,
+#           failing that, from wheels in .gpu/wheels (`make gpu-bundle` downloads them). On the CPU:
+#           the learner's steps on the tiny model only (the reference needs torch; a NOTE).
 set -uo pipefail
 
 MODE=gpu
@@ -36,7 +42,7 @@ SRC=$1
 mkdir -p "$2" && O=$(cd "$2" && pwd) || { echo "cannot create $2" >&2; exit 2; }
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 HERE=$ROOT/scripts/device
-STEPS=${STEPS:-libs,cuda,greedy,step,ranks,speed}
+STEPS=${STEPS:-libs,cuda,greedy,step,ranks,maporl,speed}
 BATCHES=${BATCHES:-1,8,32,128}
 W=$(mktemp -d "${TMPDIR:-/tmp}/cotrain-check.XXXXXX")
 trap 'jobs -p | xargs -r kill 2>/dev/null; rm -rf "$W"' EXIT
@@ -191,7 +197,7 @@ start_reward_server() { # extra flags...
   for _ in $(seq 300); do grep -q '^listening' "$W/rs.out" && break; kill -0 $RS 2>/dev/null || break; sleep 0.2; done
   EP=$(sed -n 's/^listening grpc=\([^ ]*\).*/\1/p' "$W/rs.out"); [ -n "$EP" ]
 }
-if want step || want ranks; then
+if want step || want ranks || want maporl; then
   if [ ! -x "$BIN/reward-server" ]; then
     note "rewards: the learner's embedded reward server (no reward-server in $SRC)"
   elif [ -z "${NO_BWRAP:-}" ] && start_reward_server; then
@@ -237,7 +243,50 @@ if want ranks 45; then
   else fail "ranks: one rank: $(grep -i -m2 'error\|panic' "$O/learner-one.log" | tr '\n' ' ' | cut -c1-300)"; fi
 fi
 
-# --- 6. generation speed against transformers (last: it takes the time that is left) -----------
+# --- 6. MaPoRL at the original's batch, against the transformers + PEFT reference ---------------------
+if want maporl 240; then
+  if [ "$MODE" = gpu ]; then
+    M=$(ensure_model qwen3-1.7b) || M=$W/models/qwen3-1.7b
+    MP_MODEL=(model.name="$M" model.dtype=f32 model.device=cuda); Q=32 MB=8 TOK=64
+  else
+    M=$TINY
+    MP_MODEL=(model.name="$M" model.dtype=f32 model.device=cpu model.chat_template=false); Q=2 MB=2 TOK=8
+  fi
+  # The bench's shape (learner/examples/maporl_step_bench.rs): 1 question per micro-batch, Q/MB per
+  # mini-batch, two steps on rows 0..Q and Q..2Q, the second reported.
+  MP=(maporl.round_num=2 maporl.max_output_length=$TOK maporl.max_input_length=$((1024 - TOK))
+      maporl.per_device_train_batch_size=1 maporl.gradient_accumulation_steps=$((Q / MB)) maporl.num_mini_batches=$MB
+      maporl.num_ppo_epochs=4 maporl.num_train_epochs=1 maporl.eval_interval=0 "dataset.train_split=train[:$((2 * Q))]"
+      'dataset.eval_split=test[:1]' output.base_dir="$W/runs" output.save_final_model=false logging.run_name=maporl
+      logging.progress=never logging.plots=false)
+  start_gpumem "$O/gpumem-maporl.txt"
+  timeout 420 learner train --config "$ROOT/configs/maporl_gsm8k_config.yaml" --override "${MP_MODEL[@]}" "${MP[@]}" \
+    $( [ -n "$REWARD" ] && echo "reward.endpoint=http://$EP" ) > "$O/learner-maporl.log" 2>&1
+  rc=$?; stop_gpumem
+  if [ $rc = 0 ] && [ -s "$W/runs/maporl/metrics.jsonl" ]; then
+    cp "$W/runs/maporl/metrics.jsonl" "$O/maporl-metrics.jsonl"
+    REF_JSON=""
+    if [ "$MODE" = gpu ]; then
+      if ! "$PY" -c 'import peft' 2>/dev/null && ls "$ROOT"/.gpu/wheels/*.whl >/dev/null 2>&1; then
+        # A wheel is a zip of the installed layout: unpacked, it imports (no pip needed there).
+        for whl in "$ROOT"/.gpu/wheels/*.whl; do "$PY" -m zipfile -e "$whl" "$W/pylib"; done > "$O/wheels.log" 2>&1 \
+          && export PYTHONPATH=$W/pylib${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      if "$PY" -c 'import peft' 2>/dev/null; then
+        timeout 420 "$PY" "$ROOT/scripts/bench/maporl_reference.py" --model-dir "$M" --device cuda --questions $Q \
+          --num-mini-batches $MB --tokens $TOK --turns 2 > "$O/maporl-reference.json" 2> "$O/maporl-reference.log" \
+          && REF_JSON=$O/maporl-reference.json \
+          || note "maporl: the reference failed: $(tail -2 "$O/maporl-reference.log" | tr '\n' ' ' | cut -c1-300)"
+      else note "maporl: no peft in $PY and no wheels in .gpu/wheels: cotrain's side only"; fi
+    else note "maporl: CPU dry run, cotrain's side only (the reference needs torch, transformers and peft)"; fi
+    pk=$(peak_mib "$O/gpumem-maporl.txt")
+    "$PY" "$HERE/tools.py" maporl-table "$O/maporl-metrics.jsonl" $REF_JSON > "$O/maporl.txt" 2>&1 \
+      && pass "maporl: two MaPoRL steps ($MODE, $Q questions, peak GPU memory ${pk:-n/a} MiB):"$'\n'"$(cat "$O/maporl.txt")" \
+      || fail "maporl: figures: $(cat "$O/maporl.txt")"
+  else fail "maporl: the learner failed (rc $rc): $(grep -i -m3 'error\|panic' "$O/learner-maporl.log" | tr '\n' ' ' | cut -c1-400)"; fi
+fi
+
+# --- 7. generation speed against transformers (last: it takes the time that is left) -----------
 SAMPLING=(--temperature 0.7 --top-p 0.9 --top-k 50)
 if [ "$MODE" = gpu ] && want speed 150; then
   for shape in qwen3-1.7b qwen2.5-coder-3b; do

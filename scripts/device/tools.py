@@ -6,6 +6,7 @@
     tools.py speed-table SHAPE HF.json COTRAIN.jsonl CONFIG.json
     tools.py step-figures METRICS.jsonl CONFIG.json PEAK_MIB MODE
     tools.py same-runs RUN_ONE RUN_TWO                   metrics and final weights of two runs agree
+    tools.py maporl-table METRICS.jsonl [REFERENCE.json] a MaPoRL step's phases, cotrain against the reference
 """
 
 import json
@@ -184,11 +185,38 @@ def same_runs(one, two):
         print(f"{agent}: largest relative weight difference {worst:.2e}" + ("" if good else "  <-- differs"))
     return 0 if ok else 1
 
+def maporl_table(metrics, reference=None):
+    """The second MaPoRL step of `learner train` (the first warms up) against the second step of
+    scripts/bench/maporl_reference.py, phase by phase, as scripts/bench/maporl_step.sh prints them."""
+    steps = [r for r in (json.loads(l) for l in open(metrics) if l.strip()) if "time/step" in r]
+    if len(steps) < 2:
+        print(f"{len(steps)} timed steps in {metrics}; two are needed (the first warms up)")
+        return 1
+    ours = steps[1]
+    ref = {}
+    if reference:
+        try:
+            ref = json.loads(open(reference).read().strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError):
+            ref = {}
+    rows = [("rollout", "time/rollout", "rollout"), ("PPO inputs", "time/ppo_prepare", "ppo_prepare"),
+            ("PPO epochs", "time/ppo_epochs", "ppo_epochs"), ("whole step", "time/step", "step")]
+    print(f"{'phase':<12} {'cotrain s':>10} {'reference s':>12} {'speed-up':>9}")
+    for name, ours_key, ref_key in rows:
+        o, r = float(ours.get(ours_key, math.nan)), float(ref.get(ref_key, math.nan))
+        print(f"{name:<12} {o:>10.2f} {r:>12.2f} {r / o if o > 0 else math.nan:>8.2f}x")
+    print(f"trained response tokens: cotrain {ours.get('train/response_tokens', math.nan):.0f}, reference "
+          f"{ref.get('trained_response_tokens', math.nan)}; cotrain policy/value positions read "
+          f"{ours.get('train/policy_positions', math.nan):.0f}/{ours.get('train/value_positions', math.nan):.0f}, "
+          f"run {ours.get('train/policy_positions_run', math.nan):.0f}/{ours.get('train/value_positions_run', math.nan):.0f}")
+    return 0
+
 
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     fn = {"word-tokenizer": word_tokenizer, "same-tokens": same_tokens, "gen-figure": gen_figure,
-          "speed-table": speed_table, "step-figures": step_figures, "same-runs": same_runs}[cmd]
+          "speed-table": speed_table, "step-figures": step_figures, "same-runs": same_runs,
+          "maporl-table": maporl_table}[cmd]
     sys.exit(fn(*args) or 0)
 
 

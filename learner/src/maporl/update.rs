@@ -45,6 +45,27 @@ fn model_err(what: &str) -> impl Fn(cotrain_model::ModelError) -> TrainError + '
     move |e| TrainError::Update(format!("{what}: {e}"))
 }
 
+/// The policy's input: a sample's prompt.
+const POLICY_PROMPT: fn(&PpoSample) -> &Vec<u32> = |s| &s.prompt;
+/// The critic's input: a sample's value prompt.
+const VALUE_PROMPT: fn(&PpoSample) -> &Vec<u32> = |s| &s.value_prompt;
+
+/// Samples `part` as the model's rows (`prompt` then the response) and each row's question: the
+/// kernels share prompt prefixes within a question only, so that a row's arithmetic is the same
+/// whichever questions share its batch (one rank or several).
+fn rows_of(
+    samples: &[PpoSample],
+    part: &[usize],
+    prompt: fn(&PpoSample) -> &Vec<u32>,
+) -> (Vec<Sequence>, Vec<usize>) {
+    part.iter()
+        .map(|&k| {
+            let row = Sequence { prompt: prompt(&samples[k]).clone(), completion: samples[k].response.clone() };
+            (row, samples[k].question)
+        })
+        .unzip()
+}
+
 /// Values (B, Cmax) of samples `part` at the first `value_len()` positions predicting each
 /// response token (prompt_len − 1 + t; t = len(response) is the state after the response), zero
 /// beyond, and those counts.
@@ -55,15 +76,8 @@ fn response_values(
     part: &[usize],
     with_grad: bool,
 ) -> Result<(Tensor, Vec<usize>), TrainError> {
-    let rows: Vec<Sequence> = part
-        .iter()
-        .map(|&k| Sequence {
-            prompt: samples[k].value_prompt.clone(),
-            completion: samples[k].response.clone(),
-        })
-        .collect();
+    let (rows, questions) = rows_of(samples, part, VALUE_PROMPT);
     let counts: Vec<usize> = part.iter().map(|&k| samples[k].value_len()).collect();
-    let questions: Vec<usize> = part.iter().map(|&k| samples[k].question).collect();
     let v = critic.values(base, &rows, &questions, with_grad)?;
     let l = v.size()[1];
     let cmax = counts.iter().copied().max().unwrap_or(0) as i64;
@@ -233,16 +247,7 @@ pub fn ppo_update(
         let mine_idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
         let units = question_units(&mine_idx, samples);
         for idx in length_batches(&units, |k| POLICY_POSITIONS(&samples[k]), PREPARE_ROWS) {
-            let seqs: Vec<Sequence> = idx
-                .iter()
-                .map(|&k| Sequence {
-                    prompt: samples[k].prompt.clone(),
-                    completion: samples[k].response.clone(),
-                })
-                .collect();
-            // Rows share prompt prefixes within their question only: a row's arithmetic is then
-            // the same whichever questions share its batch (one rank or several).
-            let questions: Vec<usize> = idx.iter().map(|&k| samples[k].question).collect();
+            let (seqs, questions) = rows_of(samples, &idx, POLICY_PROMPT);
             // The behaviour log-probs: as sampled (`old_logprobs: generation`), else one forward.
             let sampled: Option<Vec<Vec<f32>>> = idx
                 .iter()
@@ -545,10 +550,10 @@ impl EpochJob<'_> {
             return 0;
         };
         let policy = matches!(self.adapter, JobAdapter::Policy(_));
-        let (positions, prompt): (fn(&PpoSample) -> usize, fn(&PpoSample) -> &Vec<u32>) = if policy {
-            (POLICY_POSITIONS, |s| &s.prompt)
+        let (positions, prompt) = if policy {
+            (POLICY_POSITIONS, POLICY_PROMPT)
         } else {
-            (VALUE_POSITIONS, |s| &s.value_prompt)
+            (VALUE_POSITIONS, VALUE_PROMPT)
         };
         // The loss weights (the last argument) play no part here.
         let split = MicroBatches::of(m, positions);
@@ -556,28 +561,23 @@ impl EpochJob<'_> {
             .iter()
             .flat_map(|mb| rank_micro_batches(mb, samples, dist, split, POLICY_LEN))
             .map(|(micro, _)| {
-                let rows: Vec<Sequence> = micro
-                    .iter()
-                    .map(|&k| Sequence {
-                        prompt: prompt(&samples[k]).clone(),
-                        completion: samples[k].response.clone(),
-                    })
-                    .collect();
-                let questions: Vec<usize> = micro.iter().map(|&k| samples[k].question).collect();
+                let (rows, questions) = rows_of(samples, &micro, prompt);
                 trunk_positions(&rows, Some(&questions))
             })
             .sum()
     }
 
-    /// The job's estimated cost: its prompt and response tokens over all epochs.
+    /// The job's estimated cost: the positions its forwards read (its own rows: the policy's
+    /// prompt or the critic's) over all epochs.
     fn cost(&self, samples: &[PpoSample]) -> usize {
-        let tokens: usize = self.orders.first().map_or(0, |o| {
-            o.iter()
-                .flatten()
-                .flatten()
-                .map(|&k| samples[k].prompt.len() + samples[k].response.len())
-                .sum()
-        });
+        let positions = match &self.adapter {
+            JobAdapter::Policy(_) => POLICY_POSITIONS,
+            JobAdapter::Critic(_) => VALUE_POSITIONS,
+        };
+        let tokens: usize = self
+            .orders
+            .first()
+            .map_or(0, |o| o.iter().flatten().flatten().map(|&k| positions(&samples[k])).sum());
         match &self.adapter {
             // A policy's update also runs the LM head: about twice a critic's cost per token.
             JobAdapter::Policy(_) => 2 * tokens * self.orders.len(),
@@ -737,14 +737,7 @@ fn policy_minibatch(
     for (part, share) in
         rank_micro_batches(mb, samples, dist, MicroBatches::of(m, POLICY_POSITIONS), POLICY_LEN)
     {
-        let seqs: Vec<Sequence> = part
-            .iter()
-            .map(|&k| Sequence {
-                prompt: samples[k].prompt.clone(),
-                completion: samples[k].response.clone(),
-            })
-            .collect();
-        let questions: Vec<usize> = part.iter().map(|&k| samples[k].question).collect();
+        let (seqs, questions) = rows_of(samples, &part, POLICY_PROMPT);
         let cmax = part
             .iter()
             .map(|&k| samples[k].response.len())
