@@ -21,6 +21,7 @@
 #   REF_ARGS=          extra arguments for maporl_reference.py (e.g. --old-logprobs forward)
 #   COTRAIN_ARGS=      extra arguments for the example (e.g. --override maporl.num_mini_batches=4)
 #   SKIP_COTRAIN=1 / SKIP_REFERENCE=1   reuse the last JSON in $OUT_DIR for that side
+#   REFERENCE_JSON=FILE                 the reference side from another run (default $OUT_DIR/reference.json)
 #   OUT_DIR=target/bench/maporl_step   where the JSON lines and logs go
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -82,10 +83,17 @@ if [[ "${SKIP_REFERENCE:-0}" != 1 ]]; then
     2> >(tee "$OUT_DIR/reference.log" >&2) | tail -1 > "$OUT_DIR/reference.json"
 fi
 
-python3 - "$OUT_DIR/cotrain.json" "$OUT_DIR/reference.json" <<'EOF'
-import json, sys
+python3 - "$OUT_DIR/cotrain.json" "${REFERENCE_JSON:-$OUT_DIR/reference.json}" <<'EOF'
+import json, os, sys
 c = json.load(open(sys.argv[1]))
-r = json.load(open(sys.argv[2]))
+if os.path.exists(sys.argv[2]):
+    r = json.load(open(sys.argv[2]))
+else:
+    # SKIP_REFERENCE=1 without a reference of an earlier run (REFERENCE_JSON=...): cotrain's column only.
+    print(f"(no reference figures at {sys.argv[2]}: cotrain's side only)")
+    r = {k: None for k in ("rollout", "ppo_prepare", "ppo_epochs", "update", "step", "generated_tokens",
+                           "trained_response_tokens", "first_step", "threads", "torch", "transformers", "peft",
+                           "old_logprobs", "micro_batch")}
 rows = [
     ("rollout: 2 turns of generation + scoring", c["rollout"], r["rollout"]),
     ("PPO inputs: old/ref log-probs, values, GAE", c["ppo_prepare"], r["ppo_prepare"]),
@@ -105,7 +113,7 @@ for name, a, b in rows:
 print("-" * 80)
 print(f"generated tokens per step: cotrain {c['generated_tokens']}, reference {r['generated_tokens']}; "
       f"trained response tokens: cotrain {int(c['trained_response_tokens'])}, reference {r['trained_response_tokens']}")
-print(f"first step (lazy init, not compared): cotrain {c['first_step']:.2f} s, reference {r['first_step']:.2f} s")
+print(f"first step (lazy init, not compared): cotrain {c['first_step']:.2f} s, reference {fmt(r['first_step'])} s")
 print(f"threads: cotrain {c['threads']}, reference {r['threads']} (torch {r['torch']}, transformers {r['transformers']}, peft {r['peft']}); "
       f"reference old log-probs from {r['old_logprobs']}, micro-batch {r['micro_batch']}")
 if "policy_positions" in c:
@@ -120,5 +128,6 @@ if "policy_positions" in c:
         flop = run * c["num_ppo_epochs"] * per_pos
         print(f"{name} epochs: {int(pos)} positions read, {int(run)} run (prefixes shared) x {c['num_ppo_epochs']} epochs, "
               f"{flop / 1e12:.1f} TFLOP in the projections, {flop / secs / 1e9:.0f} GFLOP/s")
-print(f"step speed-up: {r['step'] / c['step']:.2f}x")
+if r["step"] is not None:
+    print(f"step speed-up: {r['step'] / c['step']:.2f}x")
 EOF

@@ -26,7 +26,7 @@ use super::setup::Trainer;
 use super::step::StepUpdates;
 use super::tree::Forest;
 use crate::algo::AdamWConfig;
-use crate::algo::actor_critic::{critic_input, normalized_advantages, td_targets};
+use crate::algo::actor_critic::{critic_input, normalized_advantages, td_targets, undiscounted_returns};
 use crate::config::{CheckedConfig, CriticType, KlPlacement};
 use crate::data::items::TrainItem;
 use crate::dist::rank_share;
@@ -367,12 +367,15 @@ impl Trainer {
                         None => (vec![r], vec![v]),
                     };
                     let y = td_targets(&rewards, &values_next, discount)[0];
-                    let ret = r + child.map_or(0.0, |ch| {
+                    // This turn's reward, then the child's return stands for the later turns'.
+                    let mut chain = vec![r];
+                    chain.extend(child.map(|ch| {
                         node_returns[ch]
                             .get(a)
                             .and_then(|x: &Vec<f64>| x.first().copied())
                             .unwrap_or(0.0)
-                    });
+                    }));
+                    let ret = undiscounted_returns(&chain)[0];
                     let s = &node.samples[a][k];
                     samples.push(AcSample {
                         agent: a,
