@@ -27,7 +27,7 @@
 #           model FLOP utilisation of the update. On the CPU: the same steps on the tiny model.
 #   ranks   two learner ranks against one: rewards, losses and final weights agree. GPU: NCCL, both
 #           ranks on the one GPU (`learner launch --nccl-one-gpu-test`); CPU: Open MPI.
-#   maporl  two MaPoRL steps at the original's batch (32 GSM8K questions, 4 PPO epochs x 8 mini-batches of
+#   maporl  (GPU: only when asked for, STEPS=maporl) two MaPoRL steps at the original's batch (32 GSM8K questions, 4 PPO epochs x 8 mini-batches of
 #           4, 2 agents, 2 turns, 64 new tokens, the Qwen3-1.7B shape in f32) through `learner train`,
 #           against scripts/bench/maporl_reference.py (transformers + PEFT, TRL-style) on the same GPU:
 #           seconds per phase of the second step, both sides. PEFT comes from the machine's Python or,
@@ -42,7 +42,9 @@ SRC=$1
 mkdir -p "$2" && O=$(cd "$2" && pwd) || { echo "cannot create $2" >&2; exit 2; }
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 HERE=$ROOT/scripts/device
-STEPS=${STEPS:-libs,cuda,greedy,step,ranks,maporl,speed}
+# The GPU default fits one 10-minute device call; `maporl` (about 5 minutes there) is its own call:
+# STEPS=maporl. The CPU dry run covers every step.
+if [ "$MODE" = gpu ]; then STEPS=${STEPS:-libs,cuda,greedy,step,ranks,speed}; else STEPS=${STEPS:-libs,cuda,greedy,step,ranks,maporl,speed}; fi
 BATCHES=${BATCHES:-1,8,32,128}
 W=$(mktemp -d "${TMPDIR:-/tmp}/cotrain-check.XXXXXX")
 trap 'jobs -p | xargs -r kill 2>/dev/null; rm -rf "$W"' EXIT
@@ -244,7 +246,7 @@ if want ranks 45; then
 fi
 
 # --- 6. MaPoRL at the original's batch, against the transformers + PEFT reference ---------------------
-if want maporl 240; then
+if want maporl 360; then
   if [ "$MODE" = gpu ]; then
     M=$(ensure_model qwen3-1.7b) || M=$W/models/qwen3-1.7b
     MP_MODEL=(model.name="$M" model.dtype=f32 model.device=cuda); Q=32 MB=8 TOK=64
