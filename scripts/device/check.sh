@@ -267,15 +267,22 @@ if want maporl 360; then
   rc=$?; stop_gpumem
   if [ $rc = 0 ] && [ -s "$W/runs/maporl/metrics.jsonl" ]; then
     cp "$W/runs/maporl/metrics.jsonl" "$O/maporl-metrics.jsonl"
+    # cotrain's side lands in the summary now, so a lease that ends during the reference keeps it.
+    "$PY" "$HERE/tools.py" maporl-table "$O/maporl-metrics.jsonl" > "$O/maporl-cotrain.txt" 2>&1
+    note "maporl: cotrain's two steps done ($MODE, $Q questions):"$'\n'"$(head -5 "$O/maporl-cotrain.txt")"
     REF_JSON=""
-    if [ "$MODE" = gpu ]; then
+    # The reference gets what is left of BUDGET (420 s without one).
+    left=420; [ "$BUDGET" -gt 0 ] && left=$((BUDGET - (SECONDS - T0) - 15))
+    if [ "$MODE" = gpu ] && [ "$left" -lt 60 ]; then
+      note "maporl: the reference skipped, ${left} s of BUDGET left"
+    elif [ "$MODE" = gpu ]; then
       if ! "$PY" -c 'import peft' 2>/dev/null && ls "$ROOT"/.gpu/wheels/*.whl >/dev/null 2>&1; then
         # A wheel is a zip of the installed layout: unpacked, it imports (no pip needed there).
         for whl in "$ROOT"/.gpu/wheels/*.whl; do "$PY" -m zipfile -e "$whl" "$W/pylib"; done > "$O/wheels.log" 2>&1 \
           && export PYTHONPATH=$W/pylib${PYTHONPATH:+:$PYTHONPATH}
       fi
       if "$PY" -c 'import peft' 2>/dev/null; then
-        timeout 420 "$PY" "$ROOT/scripts/bench/maporl_reference.py" --model-dir "$M" --device cuda --questions $Q \
+        timeout "$left" "$PY" "$ROOT/scripts/bench/maporl_reference.py" --model-dir "$M" --device cuda --questions $Q \
           --num-mini-batches $MB --tokens $TOK --turns 2 > "$O/maporl-reference.json" 2> "$O/maporl-reference.log" \
           && REF_JSON=$O/maporl-reference.json \
           || note "maporl: the reference failed: $(tail -2 "$O/maporl-reference.log" | tr '\n' ' ' | cut -c1-300)"
