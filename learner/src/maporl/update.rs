@@ -543,18 +543,22 @@ struct JobDone {
 }
 
 impl EpochJob<'_> {
+    /// The job's rows: the positions a sample's row reads, and its prompt (the policy's or the
+    /// critic's).
+    fn rows(&self) -> (fn(&PpoSample) -> usize, fn(&PpoSample) -> &Vec<u32>) {
+        match self.adapter {
+            JobAdapter::Policy(_) => (POLICY_POSITIONS, POLICY_PROMPT),
+            JobAdapter::Critic(_) => (VALUE_POSITIONS, VALUE_PROMPT),
+        }
+    }
+
     /// The positions this rank's forwards of one epoch run (its first), prompt prefixes shared
     /// within each micro-batch as the kernels share them: for arithmetic figures.
     fn positions_run(&self, samples: &[PpoSample], m: &MaporlSection, dist: &dyn Collective) -> usize {
         let Some(order) = self.orders.first() else {
             return 0;
         };
-        let policy = matches!(self.adapter, JobAdapter::Policy(_));
-        let (positions, prompt) = if policy {
-            (POLICY_POSITIONS, POLICY_PROMPT)
-        } else {
-            (VALUE_POSITIONS, VALUE_PROMPT)
-        };
+        let (positions, prompt) = self.rows();
         // The loss weights (the last argument) play no part here.
         let split = MicroBatches::of(m, positions);
         order
@@ -570,10 +574,7 @@ impl EpochJob<'_> {
     /// The job's estimated cost: the positions its forwards read (its own rows: the policy's
     /// prompt or the critic's) over all epochs.
     fn cost(&self, samples: &[PpoSample]) -> usize {
-        let positions = match &self.adapter {
-            JobAdapter::Policy(_) => POLICY_POSITIONS,
-            JobAdapter::Critic(_) => VALUE_POSITIONS,
-        };
+        let (positions, _) = self.rows();
         let tokens: usize = self
             .orders
             .first()
