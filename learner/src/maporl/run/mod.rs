@@ -4,10 +4,13 @@
 //! the new adapters pushed to the rollout workers (adapter tensors only) as version v + 1 before
 //! anything else is sampled. Evaluation discusses the eval split's first `eval_num_samples` questions
 //! and reports accuracy per turn.
+//!
+//! Files: `samples` (a step's discussions as PPO samples), `ranks` (the learner's ranks: split
+//! discussions, first synchronisation), `output` (`rollouts.jsonl`, saved policies); this file holds
+//! the trainer, its step and the run loop.
 
 use std::collections::BTreeMap;
-use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use rand::SeedableRng;
@@ -15,10 +18,10 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use tracing::{info, warn};
 
-use super::agents::{Adapters, Bases, adapter_key, critic_key, scheduled_lr};
+use super::agents::{Adapters, Bases, scheduled_lr};
 use super::rollout::{Discussion, DiscussionSetup, discussion_metrics};
-use super::update::{PpoRecord, PpoSample, ppo_update, training_response};
-use crate::algo::discussion_score::{Incentives, ScoreRule, shaped_training_scores};
+use super::update::ppo_update;
+use crate::algo::discussion_score::{Incentives, ScoreRule};
 use crate::config::{CheckedConfig, MaporlSection, VerifierUserMessage};
 use crate::data::items::PromptEncoding;
 use crate::data::items::TrainItem;
@@ -28,6 +31,10 @@ use crate::metrics::MetricsWriter;
 use crate::prompts::Followup;
 use crate::seeds::derive_seed;
 use crate::sources::{RewardSource, RolloutSource};
+
+mod output;
+mod ranks;
+mod samples;
 
 /// Everything a MaPoRL run needs.
 pub struct MaporlSetup {
@@ -224,9 +231,6 @@ impl MaporlTrainer {
             alpha: self.m.alpha,
             rule: self.m.incentive_rule,
         };
-        let mut samples = Vec::new();
-        let mut where_from = Vec::new();
-        let mut training_scores = Vec::new();
         // Per agent: its base's stop tokens and pad token (eos when the tokenizer has none, as
         // MaPoRL sets it), which place each answer's trained tokens and score.
         let ends: Vec<(Vec<u32>, Option<u32>)> = (0..self.s.cfg.num_agents)
@@ -238,43 +242,8 @@ impl MaporlTrainer {
                 )
             })
             .collect();
-        for (q, d) in discussions.iter().enumerate() {
-            let r = shaped_training_scores(&d.scores(), &d.correct(), &rule, &inc)
-                .map_err(|e| TrainError::Data(e.to_string()))?;
-            for (t, row) in d.answers.iter().enumerate() {
-                for (i, a) in row.iter().enumerate() {
-                    let (stops, pad) = &ends[i];
-                    let (response, score_slot_after) = training_response(
-                        &a.tokens,
-                        self.m.max_output_length,
-                        stops,
-                        *pad,
-                        self.m.score_position,
-                    );
-                    // An answer with no token to train (an EOS-as-pad first token) is left out.
-                    if (t > 0 || self.m.task_training) && !response.is_empty() {
-                        // The response is a prefix of the sampled tokens (see `training_response`).
-                        let behaviour_logprobs =
-                            (!a.logprobs.is_empty()).then(|| a.logprobs[..response.len()].to_vec());
-                        samples.push(PpoSample {
-                            policy: adapter_key(self.m.adapter_layout, i, t),
-                            critic: critic_key(&self.m, i, t),
-                            turn: t,
-                            agent: i,
-                            question: q,
-                            prompt: a.prompt.clone(),
-                            value_prompt: a.value_prompt.clone(),
-                            response,
-                            behaviour_logprobs,
-                            score_slot_after,
-                            score: r[t][i],
-                        });
-                        where_from.push((q, t, i));
-                    }
-                }
-            }
-            training_scores.push(r);
-        }
+        let samples::StepSamples { samples, where_from, training_scores } =
+            samples::ppo_samples(&discussions, &self.m, &ends, &rule, &inc)?;
         let lr = scheduled_lr(
             self.m.learning_rate,
             self.m.lr_end_factor,
@@ -338,136 +307,6 @@ impl MaporlTrainer {
         Ok(values)
     }
 
-    /// One line per (step, turn, agent, sample) with the PPO inputs (algorithms.md; issue "rollout log").
-    fn log_rollouts(
-        &self,
-        items: &[&TrainItem],
-        discussions: &[Discussion],
-        training_scores: &[Vec<Vec<f64>>],
-        where_from: &[(usize, usize, usize)],
-        records: &[PpoRecord],
-    ) -> std::io::Result<()> {
-        let by_place: BTreeMap<(usize, usize, usize), &PpoRecord> =
-            where_from.iter().copied().zip(records).collect();
-        let path = self.s.run_dir.join("rollouts.jsonl");
-        let mut f = std::io::BufWriter::new(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)?,
-        );
-        for (q, d) in discussions.iter().enumerate() {
-            for (t, row) in d.answers.iter().enumerate() {
-                for (i, a) in row.iter().enumerate() {
-                    let rec = by_place.get(&(q, t, i));
-                    let line = serde_json::json!({
-                        "step": self.step + 1,
-                        "row": items[q].index,
-                        "turn": t,
-                        "agent": i,
-                        "sample": 0,
-                        "adapter": a.adapter,
-                        "prompt_tokens": a.prompt.len(),
-                        "text": a.text,
-                        "tokens": a.tokens,
-                        "correct": a.correct,
-                        "answer": a.extracted,
-                        "invalid": a.invalid.map(|r| r.to_string()),
-                        "score": a.score,
-                        "training_score": training_scores[q][t][i],
-                        "trained": rec.is_some(),
-                        "logprobs": rec.map(|r| &r.logprobs),
-                        "ref_logprobs": rec.map(|r| &r.ref_logprobs),
-                        "values": rec.map(|r| &r.values),
-                        "rewards": rec.map(|r| &r.rewards),
-                        "advantages": rec.map(|r| &r.advantages),
-                        "returns": rec.map(|r| &r.returns),
-                    });
-                    writeln!(f, "{line}")?;
-                }
-            }
-        }
-        f.flush()
-    }
-
-    /// Writes every policy (`DIR/<key>/`: PEFT's layout, or a model directory with
-    /// `full_finetune`) and the critics (`DIR/<critic key>/` adapter plus `value_head.safetensors`).
-    pub fn save_policies(&self, dir: &Path) -> Result<PathBuf, TrainError> {
-        for (key, p) in &self.s.adapters.policies {
-            p.save(&dir.join(key), &self.s.bases.specs[p.base])?;
-        }
-        for (key, c) in &self.s.adapters.critics {
-            c.save(&dir.join(key), &self.s.bases.specs[c.base])?;
-        }
-        // Last, so that a directory cut short by a killed process is never taken for a saved one.
-        let manifest = crate::export::MaporlManifest {
-            policies: self.s.adapters.policies.keys().cloned().collect(),
-            critics: self.s.adapters.critics.keys().cloned().collect(),
-            full_finetune: self.m.full_finetune,
-        };
-        let text = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
-        std::fs::write(dir.join(crate::export::MAPORL_MANIFEST), text)
-            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))?;
-        Ok(dir.to_path_buf())
-    }
-
-    /// This rank's share of `items` discussed (every world-th question), then every rank's
-    /// discussions in the items' order, on every rank.
-    fn discuss_ranked(
-        &mut self,
-        items: &[&TrainItem],
-        seed: u64,
-    ) -> Result<Vec<Discussion>, TrainError> {
-        let (rank, world) = (self.dist.rank(), self.dist.world());
-        if world == 1 {
-            return self.discuss(items, seed);
-        }
-        let positions: Vec<usize> =
-            crate::dist::rank_share(&(0..items.len()).collect::<Vec<_>>(), rank, world);
-        let mine: Vec<&TrainItem> = positions.iter().map(|&q| items[q]).collect();
-        let own = if mine.is_empty() {
-            Vec::new()
-        } else {
-            self.discuss(&mine, seed)?
-        };
-        let bytes = serde_json::to_vec(&own)
-            .map_err(|e| TrainError::Dist(format!("serialising discussions: {e}")))?;
-        let mut all: Vec<Option<Discussion>> = vec![None; items.len()];
-        for (r, part) in self.dist.all_gather_bytes(&bytes)?.iter().enumerate() {
-            let theirs: Vec<Discussion> = serde_json::from_slice(part)
-                .map_err(|e| TrainError::Dist(format!("rank {r}'s discussions: {e}")))?;
-            let at = crate::dist::rank_share(&(0..items.len()).collect::<Vec<_>>(), r, world);
-            for (mut d, q) in theirs.into_iter().zip(at) {
-                d.item = q;
-                all[q] = Some(d);
-            }
-        }
-        all.into_iter()
-            .enumerate()
-            .map(|(q, d)| {
-                d.ok_or_else(|| {
-                    TrainError::Dist(format!("no rank discussed question {q} of the step"))
-                })
-            })
-            .collect()
-    }
-
-    /// Gives every rank rank 0's adapters and critics (weights only: the run starts here).
-    fn sync_ranks(&mut self) -> Result<(), TrainError> {
-        if self.dist.world() == 1 {
-            return Ok(());
-        }
-        let d = self.dist.as_ref();
-        for p in self.s.adapters.policies.values() {
-            crate::dist::broadcast_tensors(d, &p.optimizer.parameters(), 0)?;
-        }
-        for c in self.s.adapters.critics.values() {
-            crate::dist::broadcast_tensors(d, &c.adapter_opt.parameters(), 0)?;
-            crate::dist::broadcast_tensors(d, &c.head_opt.parameters(), 0)?;
-        }
-        Ok(())
-    }
-
     fn log(&mut self, values: &BTreeMap<String, f64>) -> Result<(), TrainError> {
         if let Some(metrics) = &mut self.metrics {
             metrics
@@ -476,19 +315,6 @@ impl MaporlTrainer {
         }
         self.history.push(values.clone());
         Ok(())
-    }
-
-    /// Pushes every adapter once (version 1), so that the workers serve exactly the learner's
-    /// adapters before the first sample.
-    fn sync_all(&mut self) -> Result<(), TrainError> {
-        for p in self.s.adapters.policies.values_mut() {
-            let next = p.version + 1;
-            if self.dist.is_root() {
-                p.push(self.s.rollout.as_mut(), next)?;
-            }
-            p.version = next;
-        }
-        Ok(self.dist.barrier()?)
     }
 
     /// The whole run.
