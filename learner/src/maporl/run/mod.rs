@@ -266,23 +266,8 @@ impl MaporlTrainer {
         let t2 = Instant::now();
         let trained: std::collections::BTreeSet<&str> =
             samples.iter().map(|s| s.policy.as_str()).collect();
-        for key in trained {
-            let p = self
-                .s
-                .adapters
-                .policies
-                .get_mut(key)
-                .expect("sampled keys exist");
-            let next = p.version + 1;
-            if self.dist.is_root() {
-                p.push(self.s.rollout.as_mut(), next)?;
-            }
-            p.version = next;
-        }
-        if self.dist.world() > 1 {
-            // No rank samples before rank 0's pushes are served.
-            self.dist.barrier()?;
-        }
+        let trained: Vec<String> = trained.into_iter().map(str::to_string).collect();
+        self.push_next_versions(&trained)?;
         let t_sync = t2.elapsed().as_secs_f64();
         values.extend(discussion_metrics(&discussions, ""));
         let all_r: Vec<f64> = training_scores

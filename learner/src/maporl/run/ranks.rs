@@ -67,13 +67,29 @@ impl MaporlTrainer {
     /// Pushes every adapter once (version 1), so that the workers serve exactly the learner's
     /// adapters before the first sample.
     pub(super) fn sync_all(&mut self) -> Result<(), TrainError> {
-        for p in self.s.adapters.policies.values_mut() {
+        let keys: Vec<String> = self.s.adapters.policies.keys().cloned().collect();
+        self.push_next_versions(&keys)
+    }
+
+    /// Gives each policy adapter in `keys` its next version, rank 0 pushing it to the rollout
+    /// workers; with several ranks, no rank samples before those pushes are served.
+    pub(super) fn push_next_versions(&mut self, keys: &[String]) -> Result<(), TrainError> {
+        for key in keys {
+            let p = self
+                .s
+                .adapters
+                .policies
+                .get_mut(key)
+                .expect("keys name the learner's adapters");
             let next = p.version + 1;
             if self.dist.is_root() {
                 p.push(self.s.rollout.as_mut(), next)?;
             }
             p.version = next;
         }
-        Ok(self.dist.barrier()?)
+        if self.dist.world() > 1 {
+            self.dist.barrier()?;
+        }
+        Ok(())
     }
 }
