@@ -78,6 +78,10 @@ pub struct RolloutPool {
 impl Drop for RolloutPool {
     fn drop(&mut self) {
         self.refresher.abort();
+        // The aborted refresher (and any catch-up it spawned) still holds `inner` until the
+        // runtime next polls it, so the kept weights are removed here rather than left to `inner`'s
+        // drop: the policy copy on disk goes when the pool does, not some time after.
+        self.inner.replay.remove_dir();
     }
 }
 

@@ -208,6 +208,12 @@ impl Replay {
         Ok((file, count))
     }
 
+    /// Removes the replay directory now. A write still in flight then fails (and is kept as
+    /// [`Body::Lost`]); the pool calls this as it is dropped.
+    pub(super) fn remove_dir(&self) {
+        let _ = std::fs::remove_dir_all(&self.dir.path);
+    }
+
     /// Every agent's latest update.
     pub(super) fn all(&self) -> Vec<Latest> {
         self.latest.lock().expect("replay lock").values().cloned().collect()
