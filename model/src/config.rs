@@ -22,6 +22,9 @@ pub enum Family {
     Qwen2,
     /// Qwen3: per-head RMSNorm on q and k, explicit `head_dim`, no biases.
     Qwen3,
+    /// Phi-3 (MaPoRL's model): the Llama layout with q/k/v and gate/up fused in the checkpoint
+    /// (split on load, fused again on export), LongRoPE and an optional sliding window.
+    Phi3,
 }
 
 impl Family {
@@ -31,6 +34,7 @@ impl Family {
             Family::Llama => "LlamaForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Phi3 => "Phi3ForCausalLM",
         }
     }
 }
@@ -56,6 +60,21 @@ pub enum RopeScaling {
         /// The context length the model was pre-trained with.
         original_max_position_embeddings: f64,
     },
+    /// Phi-3's LongRoPE (`rope_type: longrope`, formerly `su`): each frequency divided by its
+    /// `short_factor` while the forward's longest position is within the pre-training context,
+    /// by its `long_factor` beyond it (chosen per forward, as transformers does), and cos/sin
+    /// multiplied by `attention_factor`.
+    LongRope {
+        /// Per-frequency divisors (head_dim / 2 of them) for contexts up to the original length.
+        short_factor: Vec<f64>,
+        /// Per-frequency divisors for longer contexts.
+        long_factor: Vec<f64>,
+        /// The context length the model was pre-trained with.
+        original_max_position_embeddings: usize,
+        /// The cos/sin multiplier: `sqrt(1 + ln(factor) / ln(original))` with `factor` the
+        /// context extension, unless the config gives it.
+        attention_factor: f64,
+    },
 }
 
 /// RoPE settings as they appear in `config.json`, either as `rope_scaling` (transformers 4) or
@@ -69,6 +88,13 @@ pub(crate) struct RopeParams {
     pub low_freq_factor: Option<f64>,
     pub high_freq_factor: Option<f64>,
     pub original_max_position_embeddings: Option<f64>,
+    /// LongRoPE's per-frequency divisors (Phi-3).
+    pub short_factor: Option<Vec<f64>>,
+    pub long_factor: Option<Vec<f64>>,
+    /// LongRoPE's cos/sin multiplier, when the config fixes it.
+    pub attention_factor: Option<f64>,
+    /// The fraction of each head RoPE rotates (transformers 5 keeps it here).
+    pub partial_rotary_factor: Option<f64>,
 }
 
 impl RopeParams {
@@ -176,6 +202,10 @@ pub struct ModelConfig {
     pub attention_bias: bool,
     /// Whether q and k get a per-head RMSNorm (Qwen3).
     pub qk_norm: bool,
+    /// Keys further back than this many positions are not attended to (Phi-3's
+    /// `sliding_window`: a query at position i sees keys i - w + 1 ..= i); `None` for full causal
+    /// attention.
+    pub sliding_window: Option<usize>,
     /// Beginning-of-sequence token, if the config names one.
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens from config.json (generation_config.json may add more).
@@ -217,6 +247,26 @@ impl ModelConfig {
         }
         if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return err(format!("rope_theta ({}) must be positive", self.rope_theta));
+        }
+        if self.sliding_window == Some(0) {
+            return err("`sliding_window` must be positive".into());
+        }
+        if let RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, .. } = &self.rope_scaling {
+            for (name, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                if f.len() != self.head_dim / 2 {
+                    return err(format!(
+                        "rope_scaling `{name}` has {} entries, head_dim / 2 = {}",
+                        f.len(),
+                        self.head_dim / 2
+                    ));
+                }
+                if f.iter().any(|x| !x.is_finite() || *x <= 0.0) {
+                    return err(format!("rope_scaling `{name}` must hold positive numbers"));
+                }
+            }
+            if *original_max_position_embeddings == 0 {
+                return err("`original_max_position_embeddings` must be positive".into());
+            }
         }
         Ok(())
     }

@@ -135,7 +135,10 @@ fn sync(path: &Path) -> Result<()> {
 
 fn write_files(model: &LoadedModel, dir: &Path) -> Result<()> {
     let cfg = model.model.config();
-    let params = model.named_parameters();
+    let mut params = model.named_parameters();
+    if cfg.family == Family::Phi3 {
+        fuse_phi3(&mut params, cfg)?;
+    }
     let kind = parameter_kind(&params)?;
     let source_dir = match &model.source {
         ModelSource::HfDir(d) => Some(d.as_path()),
@@ -174,6 +177,24 @@ fn write_files(model: &LoadedModel, dir: &Path) -> Result<()> {
         &dir.join("generation_config.json"),
         &generation_config_json(model, base),
     )?;
+    Ok(())
+}
+
+/// Phi-3 checkpoints keep q/k/v and gate/up fused: concatenates the projections the loader split
+/// ([`crate::families::phi3::split_fused`]) back into `qkv_proj` and `gate_up_proj`.
+fn fuse_phi3(params: &mut BTreeMap<String, Tensor>, cfg: &ModelConfig) -> Result<()> {
+    for (fused, parts) in crate::families::phi3::fused_names(cfg.num_hidden_layers) {
+        let pieces = parts
+            .iter()
+            .map(|p| {
+                params.remove(p).ok_or_else(|| ExportError::Parameter {
+                    name: p.clone(),
+                    message: format!("missing: it is part of Phi-3's `{fused}`"),
+                })
+            })
+            .collect::<Result<Vec<Tensor>>>()?;
+        params.insert(fused, Tensor::f_cat(&pieces, 0)?);
+    }
     Ok(())
 }
 
@@ -231,7 +252,20 @@ fn config_json(cfg: &ModelConfig, model: &LoadedModel, kind: Kind) -> Result<Val
         Family::Llama => "llama",
         Family::Qwen2 => "qwen2",
         Family::Qwen3 => "qwen3",
+        Family::Phi3 => "phi3",
     };
+    let phi3 = cfg.family == Family::Phi3;
+    let phi3_only = match (&cfg.rope_scaling, cfg.sliding_window) {
+        (RopeScaling::LongRope { .. }, _) => Some("LongRoPE"),
+        (_, Some(_)) => Some("a sliding window"),
+        _ => None,
+    };
+    if let Some(what) = phi3_only.filter(|_| !phi3) {
+        return Err(ExportError::Parameter {
+            name: "model.layers.0.self_attn.q_proj.weight".into(),
+            message: format!("{what} exists only in phi3 configs here, not {model_type}"),
+        });
+    }
     if cfg.family == Family::Qwen2 && !cfg.attention_bias {
         // transformers' Qwen2 always has q/k/v biases; there is no key to turn them off.
         return Err(ExportError::Parameter {
@@ -260,7 +294,24 @@ fn config_json(cfg: &ModelConfig, model: &LoadedModel, kind: Kind) -> Result<Val
             "high_freq_factor": high_freq_factor,
             "original_max_position_embeddings": original_max_position_embeddings.round() as u64,
         }),
+        // The three fields transformers 4's Phi3Config insists on; the context lengths are
+        // top-level keys, from which both versions derive the default attention factor.
+        RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor } => {
+            let mut r = json!({"type": "longrope", "short_factor": short_factor, "long_factor": long_factor});
+            let factor = cfg.max_position_embeddings as f64 / *original_max_position_embeddings as f64;
+            let derived = if factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / (*original_max_position_embeddings as f64).ln()).sqrt() };
+            if (attention_factor - derived).abs() > 1e-12 {
+                r["attention_factor"] = json!(attention_factor);
+            }
+            r
+        }
     };
+    if phi3 && matches!(cfg.rope_scaling, RopeScaling::Linear { .. } | RopeScaling::Llama3 { .. }) {
+        return Err(ExportError::Parameter {
+            name: "model.layers.0.self_attn.qkv_proj.weight".into(),
+            message: "phi3 configs carry only LongRoPE scaling".into(),
+        });
+    }
     let mut c = Map::new();
     c.insert(
         "architectures".into(),
@@ -294,6 +345,15 @@ fn config_json(cfg: &ModelConfig, model: &LoadedModel, kind: Kind) -> Result<Val
         Family::Qwen3 => {
             c.insert("attention_bias".into(), json!(cfg.attention_bias));
             c.insert("use_sliding_window".into(), json!(false));
+        }
+        Family::Phi3 => {
+            if let RopeScaling::LongRope { original_max_position_embeddings, .. } = &cfg.rope_scaling {
+                c.insert("original_max_position_embeddings".into(), json!(original_max_position_embeddings));
+            }
+            c.insert("sliding_window".into(), cfg.sliding_window.map_or(Value::Null, |w| json!(w)));
+            for key in ["resid_pdrop", "embd_pdrop"] {
+                c.insert(key.into(), json!(0.0));
+            }
         }
     }
     c.insert("attention_dropout".into(), json!(0.0));

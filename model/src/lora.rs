@@ -75,12 +75,49 @@ impl LoraConfig {
             return Err(ModelError::InvalidConfig("lora target_modules is empty".into()));
         }
         for m in &self.target_modules {
+            if m == "qkv_proj" || m == "gate_up_proj" {
+                return Err(ModelError::InvalidConfig(format!(
+                    "lora target module `{m}`: LoRA on Phi-3's fused projections is not built (`o_proj` and `down_proj` are)"
+                )));
+            }
             if !PROJECTIONS.iter().any(|(_, p)| p == m) {
                 let known: Vec<&str> = PROJECTIONS.iter().map(|(_, p)| *p).collect();
                 return Err(ModelError::InvalidConfig(format!("lora target module `{m}` is not one of {known:?}")));
             }
         }
         Ok(())
+    }
+}
+
+impl LoraConfig {
+    /// The targets as PEFT resolves them on a `family` model, where names match modules by
+    /// suffix and names that match none are skipped. Phi-3 has `qkv_proj` and `gate_up_proj`
+    /// where the others have q/k/v and gate/up, so of the seven names only `o_proj` and
+    /// `down_proj` reach a module: MaPoRL's list of all seven trains those two on Phi-3, and so
+    /// does this. A list that reaches none is refused, as PEFT refuses it.
+    pub fn for_family(&self, family: crate::config::Family) -> Result<LoraConfig> {
+        if family != crate::config::Family::Phi3 {
+            return Ok(self.clone());
+        }
+        const ON_PHI3: [&str; 2] = ["o_proj", "down_proj"];
+        let kept: Vec<String> = self.target_modules.iter().filter(|m| ON_PHI3.contains(&m.as_str())).cloned().collect();
+        if kept.is_empty() {
+            return Err(ModelError::InvalidConfig(format!(
+                "lora target_modules {:?} name no Phi-3 projection: Phi-3 fuses q/k/v into `qkv_proj` and gate/up into \
+                 `gate_up_proj` (LoRA on those is not built), so of these names PEFT matches only `o_proj` and `down_proj`",
+                self.target_modules
+            )));
+        }
+        if kept.len() < self.target_modules.len() {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::info!(
+                    kept = ?kept,
+                    "LoRA on Phi-3: as PEFT, the target names without a Phi-3 module (q/k/v, gate/up: fused there) are skipped"
+                )
+            });
+        }
+        Ok(LoraConfig { target_modules: kept, ..self.clone() })
     }
 }
 
@@ -127,6 +164,7 @@ impl LoraAdapter {
     fn build(model: &CausalLm, config: LoraConfig, random_a: bool) -> Result<Self> {
         config.validate()?;
         let cfg = model.config();
+        let config = config.for_family(cfg.family)?;
         let mut vs = VarStore::new(model.device());
         let root = vs.root();
         let mut pairs = BTreeMap::new();

@@ -186,6 +186,34 @@ fn peft_files_round_trip_and_an_adapter_is_a_small_fraction_of_the_model() {
     assert!(ad.num_bytes() < full);
 }
 
+/// PEFT, given MaPoRL's seven target names on Phi-3, adapts `o_proj` and `down_proj` only (the
+/// others are fused there) and refuses a list that names neither
+/// (scripts/reference/phi3_lora_targets.py); so does cotrain, and the adapted model still equals
+/// its merged one.
+#[test]
+fn on_phi3_lora_targets_what_peft_targets() {
+    let loaded = tiny("phi3", &LoadOptions::default());
+    let m = &loaded.model;
+    let ad = trained_like(m, no_dropout());
+    assert_eq!(ad.config.target_modules, ["o_proj", "down_proj"]);
+    let dir = tempfile::tempdir().unwrap();
+    ad.save_peft(dir.path(), "tiny/phi3").unwrap();
+    let names: Vec<String> = Tensor::read_safetensors(dir.path().join("adapter_model.safetensors")).unwrap().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(names.len(), 2 * 2 * m.config().num_hidden_layers, "{names:?}");
+    assert!(names.iter().all(|n| n.contains(".o_proj.") || n.contains(".down_proj.")), "{names:?}");
+    m.set_adapter(Some(&ad), false).unwrap();
+    let adapted = logits(m);
+    m.set_adapter(None, false).unwrap();
+    let merged_model = tiny("phi3", &LoadOptions::default());
+    let merged: HashMap<String, Tensor> = ad.merged(&loaded.named_parameters()).unwrap().into_iter().collect();
+    merged_model.load_named_tensors(&merged).unwrap();
+    let diff = f64::try_from((&adapted - logits(&merged_model.model)).abs().max()).unwrap();
+    assert!(diff < 2e-5, "Phi-3: on-the-fly vs merged logits differ by {diff}");
+
+    let err = LoraAdapter::new(m, LoraConfig { target_modules: vec!["q_proj".into(), "v_proj".into()], ..LoraConfig::default() }).unwrap_err();
+    assert!(err.to_string().contains("qkv_proj"), "{err}");
+}
+
 #[test]
 fn bad_adapter_configs_are_refused_by_name() {
     let loaded = tiny("qwen2", &LoadOptions::default());

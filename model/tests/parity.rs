@@ -1,7 +1,8 @@
 //! Parity with Hugging Face transformers on the committed tiny fixtures: full-forward logits,
 //! greedy continuations through the cached engine, and per-token log-probs / entropies through
 //! the chunked kernel, for every family (Llama, Llama 3 RoPE tied, Qwen2 with biases, Qwen2
-//! linear RoPE, sharded Qwen2, Qwen3 with q/k norm, bf16 Llama).
+//! linear RoPE, sharded Qwen2, Qwen3 with q/k norm, bf16 Llama, Phi-3 with a sliding window and
+//! with LongRoPE).
 
 mod support;
 
@@ -145,6 +146,19 @@ fn qwen2_sharded_matches_transformers() {
 #[test]
 fn qwen3_matches_transformers() {
     check_family("qwen3");
+}
+
+/// Fused q/k/v and gate/up in the checkpoint, and a sliding window of 8 positions that every case
+/// but the shortest prompt outgrows (in the full forward, the prefill and the cached decode).
+#[test]
+fn phi3_sliding_window_matches_transformers() {
+    check_family("phi3");
+}
+
+/// LongRoPE with its attention factor: short factors for two cases, long ones for the third.
+#[test]
+fn phi3_longrope_matches_transformers() {
+    check_family("phi3_longrope");
 }
 
 #[test]

@@ -57,6 +57,15 @@ fn common_prefix_batch() -> Vec<Sequence> {
     ]
 }
 
+/// Two prompts of 18 and 20 tokens, each with two completions: every sequence but the third
+/// passes `phi3_longrope`'s original context of 24 positions, so both kernels rotate with the long
+/// factors. Sequence 2 (21 tokens) is the shortest: its position 22 is padding.
+fn long_batch() -> Vec<Sequence> {
+    let (a, b) = (tokens(18, 1), tokens(20, 2));
+    let seq = |prompt: &Vec<u32>, len: usize, salt: u32| Sequence { prompt: prompt.clone(), completion: tokens(len, salt) };
+    vec![seq(&a, 9, 10), seq(&b, 7, 11), seq(&a, 3, 12), seq(&b, 5, 13)]
+}
+
 fn take_grads(loaded: &LoadedModel) -> Vec<(String, Tensor)> {
     let mut g: Vec<(String, Tensor)> = loaded
         .named_parameters()
@@ -185,6 +194,20 @@ fn shared_prompts_equal_per_sequence_kernel_biases() {
 #[test]
 fn shared_prompts_equal_per_sequence_kernel_llama3_rope() {
     check("llama3_rope");
+}
+
+/// Phi-3's sliding window (8 positions) binds in the prefix pass and across prefix and
+/// continuation.
+#[test]
+fn shared_prompts_equal_per_sequence_kernel_sliding_window() {
+    check("phi3");
+    check_batch("phi3", &common_prefix_batch(), (3, 20));
+}
+
+/// LongRoPE: the prefix pass rotates with the table of the whole rows (long factors here).
+#[test]
+fn shared_prompts_equal_per_sequence_kernel_longrope() {
+    check_batch("phi3_longrope", &long_batch(), (2, 22));
 }
 
 #[test]

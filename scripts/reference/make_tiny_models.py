@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tiny random Llama / Qwen2 / Qwen3 checkpoints and their Hugging Face reference outputs.
+"""Tiny random Llama / Qwen2 / Qwen3 / Phi-3 checkpoints and their Hugging Face reference outputs.
 
 Writes `model/tests/fixtures/tiny/<name>/` (config.json, model.safetensors or shards,
 generation_config.json, reference.json) for the Rust model layer's parity tests. Everything is
@@ -10,8 +10,12 @@ Qwen2.5, Qwen3, Llama 3) still carry `rope_theta` + `rope_scaling` and `torch_dt
 configs are rewritten into that Hub form, then reloaded with transformers and the reference
 values are computed from the reloaded model, so the files on disk are what was checked.
 
+Phi-3's fixtures exercise what only it has: q/k/v and gate/up fused in the checkpoint, a sliding
+window shorter than the test sequences (`phi3`), and LongRoPE with an attention factor, its short
+factors for the two shorter cases and its long factors for the longest (`phi3_longrope`).
+
 Run with the pyref environment (scripts/reference/setup-pyref.sh):
-    python scripts/reference/make_tiny_models.py [--out model/tests/fixtures/tiny]
+    python scripts/reference/make_tiny_models.py [--out model/tests/fixtures/tiny] [--only NAME ...]
 """
 
 import argparse
@@ -26,6 +30,8 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -80,6 +86,20 @@ def specs():
         ("qwen3", Qwen3ForCausalLM,
          Qwen3Config(**COMMON, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True,
                      use_sliding_window=False), 5),
+        # Phi-3-mini-4k's shape of config: plain RoPE, a sliding window (8 here, so every case
+        # but the shortest prompt is longer than it), pad id inside the tiny vocabulary.
+        ("phi3", Phi3ForCausalLM,
+         Phi3Config(**COMMON, rope_theta=10000.0, sliding_window=8, pad_token_id=0,
+                    tie_word_embeddings=False), 6),
+        # Phi-3-mini-128k's: LongRoPE over an "original" context of 24 positions (cases of 4 and
+        # 11 prompt tokens plus 12 new stay within it: short factors; the 29-token case does
+        # not: long factors), factor 512 / 24 for the attention factor.
+        ("phi3_longrope", Phi3ForCausalLM,
+         Phi3Config(**COMMON, rope_theta=10000.0, original_max_position_embeddings=24,
+                    rope_scaling={"rope_type": "longrope",
+                                  "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                                  "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]},
+                    pad_token_id=0, tie_word_embeddings=False), 7),
     ]
 
 
@@ -280,6 +300,7 @@ def max_diff(a, b):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "model/tests/fixtures/tiny")
+    ap.add_argument("--only", nargs="*", help="write only these fixtures (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     transformers.utils.logging.disable_progress_bar()
@@ -287,6 +308,8 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
 
     for name, cls, cfg, seed in specs():
+        if args.only and name not in args.only:
+            continue
         cfg.dtype = torch.float32
         model = cls(cfg).eval()
         init_weights(model, seed)

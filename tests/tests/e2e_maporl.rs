@@ -288,8 +288,13 @@ fn maporl_gsm8k_config_runs_through_the_real_services() {
 /// one-token answer is a digit often enough for PPO to learn from the first steps, with its LM head
 /// scaled by [`HEAD_SCALE`].
 fn digit_model(dir: &std::path::Path) -> std::path::PathBuf {
-    let src = workspace_root().join("model/tests/fixtures/tiny/llama");
-    let out = dir.join("digit-llama");
+    digit_model_from(dir, "llama")
+}
+
+/// [`digit_model`] made from another of the model crate's tiny fixtures.
+fn digit_model_from(dir: &std::path::Path, fixture: &str) -> std::path::PathBuf {
+    let src = workspace_root().join("model/tests/fixtures/tiny").join(fixture);
+    let out = dir.join(format!("digit-{fixture}"));
     std::fs::create_dir_all(&out).unwrap();
     let vocab = 16i64;
     let tensors: Vec<(String, tch::Tensor)> =
@@ -376,7 +381,22 @@ fn train_digits_on(
     overrides: &[String],
     ranks: usize,
 ) -> (std::path::PathBuf, Vec<serde_json::Value>) {
-    let model = digit_model(tmp);
+    train_digits_from(tmp, "llama", maporl_extra, epochs, lr, save_final_model, overrides, ranks)
+}
+
+/// [`train_digits_on`] with the digit model made from the tiny `fixture`.
+#[allow(clippy::too_many_arguments)]
+fn train_digits_from(
+    tmp: &std::path::Path,
+    fixture: &str,
+    maporl_extra: &str,
+    epochs: usize,
+    lr: f64,
+    save_final_model: bool,
+    overrides: &[String],
+    ranks: usize,
+) -> (std::path::PathBuf, Vec<serde_json::Value>) {
+    let model = digit_model_from(tmp, fixture);
     let data = tmp.join("digits");
     std::fs::create_dir_all(&data).unwrap();
     let rows = |n: usize| {
@@ -582,6 +602,26 @@ fn full_fine_tuning_learns_the_discussion_and_saves_models() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// MaPoRL's own model family: a Phi-3 policy (q/k/v and gate/up fused in its checkpoint, a sliding
+/// window) trains with the seed's seven LoRA target names, which on Phi-3 reach `o_proj` and
+/// `down_proj` only, as PEFT resolves them; the saved adapters say so and load over the base.
+#[test]
+fn a_phi3_policy_trains_adapters_on_the_projections_peft_finds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lora = "lora: {r: 8, lora_alpha: 16, lora_dropout: 0.05, target_modules: [up_proj, down_proj, gate_proj, k_proj, q_proj, v_proj, o_proj]}";
+    let (run, metrics) = train_digits_from(tmp.path(), "phi3", lora, 1, 1e-3, true, &[], 1);
+    let trained = |m: &serde_json::Value| m.as_object().is_some_and(|o| o.keys().any(|k| k.contains("loss/policy")));
+    assert!(metrics.iter().any(trained), "no training step in {metrics:?}");
+    // LoRA policies are saved under `adapters/` (`final_model/` holds full fine-tuning's models).
+    let dir = run.join("adapters/agent1.turn1");
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap();
+    let mut targets: Vec<&str> = config["target_modules"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    targets.sort();
+    assert_eq!(targets, ["down_proj", "o_proj"], "{config}");
+    let names: Vec<String> = tch::Tensor::read_safetensors(dir.join("adapter_model.safetensors")).unwrap().into_iter().map(|(k, _)| k).collect();
+    assert!(!names.is_empty() && names.iter().all(|n| n.contains(".o_proj.lora_") || n.contains(".down_proj.lora_")), "{names:?}");
 }
 
 const FULL_FT_EPOCHS: usize = 60;

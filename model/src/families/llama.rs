@@ -86,6 +86,7 @@ impl LlamaConfig {
             tie_word_embeddings: self.tie_word_embeddings,
             attention_bias: self.attention_bias,
             qk_norm: false,
+            sliding_window: None,
             bos_token_id: self.bos_token_id,
             eos_token_ids: self
                 .eos_token_id

@@ -1,4 +1,4 @@
-//! Model families on libtorch. One file per family owns its `config.json` schema; the layers
+//! Model families on libtorch (Llama, Qwen2, Qwen3, Phi-3). One file per family owns its `config.json` schema; the layers
 //! they share (RMSNorm, RoPE, SwiGLU MLP, grouped-query attention with optional q/k/v biases and
 //! q/k norm) live in [`transformer`], so a fix to attention reaches every family at once.
 //!
@@ -7,6 +7,7 @@
 //! the config; keeping it here lets the dependency run one way (families → config).
 
 pub mod llama;
+pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 pub mod transformer;
@@ -48,6 +49,9 @@ impl ModelConfig {
                 .map_err(bad)?
                 .into_model_config()?,
             "Qwen3ForCausalLM" | "qwen3" => serde_json::from_str::<qwen3::Qwen3Config>(text)
+                .map_err(bad)?
+                .into_model_config()?,
+            "Phi3ForCausalLM" | "phi3" => serde_json::from_str::<phi3::Phi3Config>(text)
                 .map_err(bad)?
                 .into_model_config()?,
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),

@@ -79,6 +79,7 @@ impl Qwen2Config {
             tie_word_embeddings: self.tie_word_embeddings,
             attention_bias: true,
             qk_norm: false,
+            sliding_window: None,
             bos_token_id: self.bos_token_id,
             eos_token_ids: self
                 .eos_token_id

@@ -87,6 +87,7 @@ impl Qwen3Config {
             tie_word_embeddings: self.tie_word_embeddings,
             attention_bias: self.attention_bias,
             qk_norm: true,
+            sliding_window: None,
             bos_token_id: self.bos_token_id,
             eos_token_ids: self
                 .eos_token_id

@@ -422,11 +422,11 @@ impl CausalLm {
         let (_, l) = input_ids.size2().map_err(|e| {
             ModelError::InvalidBatch(format!("input ids must be (batch, length): {e}"))
         })?;
-        let (cos, sin) = self.rotary.prefix(l, self.kind);
+        let (cos, sin) = self.rotary.prefix(l, l, self.kind);
         let mut inp = AttnInputs {
             cos,
             sin,
-            mask: None,
+            mask: self.window_mask(l),
             cache: None,
             prefix: PrefixKv::None,
         };
@@ -470,12 +470,15 @@ impl CausalLm {
                 prefix_of.len()
             )));
         }
-        // The prefixes: a plain causal forward that records each layer's keys and values.
-        let (cos, sin) = self.rotary.prefix(p, self.kind);
+        // The prefixes: a plain causal forward that records each layer's keys and values. Their
+        // RoPE table is the one a forward of the whole rows would use (LongRoPE picks it by the
+        // longest position).
+        let max_pos = prefix_lens.iter().copied().max().unwrap_or(0) + l - 1;
+        let (cos, sin) = self.rotary.prefix(p, max_pos + 1, self.kind);
         let mut pre = AttnInputs {
             cos,
             sin,
-            mask: None,
+            mask: self.window_mask(p),
             cache: None,
             prefix: PrefixKv::Record(Vec::with_capacity(self.layers.len())),
         };
@@ -505,7 +508,6 @@ impl CausalLm {
             .to_device(self.device)
             .unsqueeze(1);
         let positions = &lens + Tensor::arange(l, (Kind::Int64, self.device)).unsqueeze(0);
-        let max_pos = prefix_lens.iter().copied().max().unwrap_or(0) + l - 1;
         let (cos, sin) = self.rotary.gather(&positions, max_pos, self.kind);
         // (B, 1, L, P + L): a prefix key counts up to the row's prefix length (its padding
         // never), a continuation key causally.
@@ -517,7 +519,17 @@ impl CausalLm {
             .tril(0)
             .view([1, 1, l, l])
             .expand([b, 1, l, l], false);
-        let mask = Tensor::cat(&[prefix_keys, own_keys], 3);
+        let mut mask = Tensor::cat(&[prefix_keys, own_keys], 3);
+        if let Some(w) = self.cfg.sliding_window.filter(|&w| max_pos >= w as i64) {
+            // Positions of the keys (B, 1, 1, P + L) and of the queries (B, 1, L, 1).
+            let key_pos = Tensor::cat(
+                &[Tensor::arange(p, (Kind::Int64, self.device)).view([1, p]).expand([b, p], false), positions.shallow_clone()],
+                1,
+            )
+            .view([b, 1, 1, p + l]);
+            let near = (positions.view([b, 1, l, 1]) - key_pos).lt(w as i64);
+            mask = mask.logical_and(&near);
+        }
         let mut cont = AttnInputs {
             cos,
             sin,
@@ -530,6 +542,21 @@ impl CausalLm {
             xc = layer.forward(&xc, i, &mut cont);
         }
         Ok((self.norm.forward(&xp), self.norm.forward(&xc)))
+    }
+
+    /// Whether forwards over `a` and over `b` positions rotate with the same RoPE table (always,
+    /// except LongRoPE on either side of its original context).
+    pub fn rope_table_agrees(&self, a: i64, b: i64) -> bool {
+        self.rotary.same_table(a, b)
+    }
+
+    /// The (1, 1, L, L) mask of `L` positions from 0 under the sliding window, or `None` (plain
+    /// causal) when the window does not bind.
+    fn window_mask(&self, l: i64) -> Option<Tensor> {
+        let w = self.cfg.sliding_window.filter(|&w| l > w as i64)? as i64;
+        // Key j is seen by query i when i - w < j <= i.
+        let band = Tensor::ones([l, l], (Kind::Bool, self.device)).tril(0).triu(1 - w);
+        Some(band.view([1, 1, l, l]))
     }
 
     /// Logits (B, L, vocab) for token ids (B, L), without a cache.
@@ -605,12 +632,18 @@ impl CausalLm {
         let positions = &starts_t + &offsets;
         let (cos, sin) = self.rotary.gather(&positions, kv_len - 1, self.kind);
         let all_zero = starts.iter().all(|&s| s == 0);
-        let mask = if all_zero {
+        let window = self.cfg.sliding_window.filter(|&w| kv_len > w as i64);
+        let mask = if all_zero && window.is_none() {
             None
         } else {
             // (1, 1, 1, T) <= (B, 1, L, 1) -> (B, 1, L, T)
             let keys = Tensor::arange(kv_len, (Kind::Int64, self.device)).view([1, 1, 1, kv_len]);
-            Some(keys.le_tensor(&positions.view([b, 1, l, 1])))
+            let queries = positions.view([b, 1, l, 1]);
+            let causal = keys.le_tensor(&queries);
+            Some(match window {
+                Some(w) => causal.logical_and(&(queries - &keys).lt(w as i64)),
+                None => causal,
+            })
         };
         let (kvh, d) = (cache.kv_heads, cache.head_dim);
         let write_index = positions.view([b, 1, l, 1]).expand([b, kvh, l, d], false);

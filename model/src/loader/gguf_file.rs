@@ -108,6 +108,7 @@ pub fn gguf_config(gguf: &GgufFile, path: &Path) -> Result<ModelConfig> {
         tie_word_embeddings: tie,
         attention_bias: family == Family::Qwen2,
         qk_norm: family == Family::Qwen3,
+        sliding_window: None,
         bos_token_id: bos,
         eos_token_ids: eos.into_iter().collect(),
     };

@@ -241,7 +241,21 @@ impl<'a> Filler<'a> {
         }
     }
 
+    /// Copies one checkpoint tensor in; a fused Phi-3 projection is split into the parameters
+    /// it holds first.
     fn put(&mut self, name: &str, t: &Tensor) -> Result<()> {
+        if self.cfg.family == crate::config::Family::Phi3
+            && let Some(parts) = crate::families::phi3::split_fused(self.cfg, name, t)
+        {
+            for (part, piece) in parts? {
+                self.put_one(&part, &piece)?;
+            }
+            return Ok(());
+        }
+        self.put_one(name, t)
+    }
+
+    fn put_one(&mut self, name: &str, t: &Tensor) -> Result<()> {
         let Some(var) = self.vars.get(name) else {
             if ignorable(name, self.cfg) {
                 return Ok(());

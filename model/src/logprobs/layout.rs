@@ -288,7 +288,15 @@ impl Plan {
         if share_prompts {
             validate(model, batch)?;
             if let Some((prefixes, prefix_of)) = group_prefixes(batch, within) {
-                return Ok(Plan::Shared(shared_layout(batch, &prefixes, prefix_of)));
+                let lay = shared_layout(batch, &prefixes, prefix_of);
+                // The prefixed forward picks LongRoPE's table by its padded extent (longest prefix
+                // plus widest continuation), the plain one by the longest sequence; where those
+                // fall on either side of the original context, the plain forward is the faithful one.
+                let longest = batch.iter().map(|s| (s.prompt.len() + s.completion.len()) as i64).max().unwrap_or(0);
+                let extent = lay.prompt_lens.iter().copied().max().unwrap_or(0) + lay.completion_ids.size().get(1).copied().unwrap_or(0);
+                if model.rope_table_agrees(longest, extent) {
+                    return Ok(Plan::Shared(lay));
+                }
             }
         }
         Ok(Plan::PerSequence(layout(model, batch)?))

@@ -145,7 +145,10 @@ impl CausalLm {
         starts: &[i64],
         cache: &mut KvCache,
     ) -> Option<Result<Tensor>> {
-        if starts.is_empty() || !self.fast_decode_applies(cache) {
+        // The kernels attend to every cached position: a sliding window that binds goes through
+        // libtorch's masked attention instead.
+        let window_binds = self.cfg.sliding_window.is_some_and(|w| starts.iter().any(|&s| s >= w as i64));
+        if starts.is_empty() || window_binds || !self.fast_decode_applies(cache) {
             return None;
         }
         Some(match self.kind {
@@ -177,8 +180,7 @@ impl CausalLm {
         let positions: Vec<usize> = starts.iter().map(|&s| s as usize).collect();
         let lens: Vec<usize> = positions.iter().map(|p| p + 1).collect();
         let max_pos = positions.iter().copied().max().unwrap_or(0);
-        self.rotary.ensure(max_pos as i64 + 1);
-        let table = self.rotary.table.borrow();
+        let table = self.rotary.table_for(max_pos as i64 + 1);
         let embedded = self.embed(input_ids)?.to_kind(Kind::Float).contiguous();
         // SAFETY: f32 CPU tensors, contiguous (`embedded` by construction, the rotary tables, f32
         // whatever the model's dtype, as built by `Rotary::ensure`); nothing writes them during

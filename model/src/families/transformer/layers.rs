@@ -48,26 +48,40 @@ pub(super) fn param(vs: &nn::Path, name: &str, dims: &[i64], init: WeightInit) -
 #[derive(Debug)]
 pub(crate) struct Rotary {
     inv_freq: Vec<f32>,
+    /// LongRoPE: the frequencies of forwards that reach beyond the original context, and that
+    /// context's length.
+    long: Option<(Vec<f32>, i64)>,
+    /// cos/sin multiplier (LongRoPE's attention factor; 1 otherwise).
+    scale: f64,
     device: Device,
     /// (T, D) cos and sin in f32, and T.
-    pub(super) table: RefCell<(Tensor, Tensor, i64)>,
+    table: RefCell<(Tensor, Tensor, i64)>,
+    /// The same for `long`'s frequencies.
+    long_table: RefCell<(Tensor, Tensor, i64)>,
 }
 
 impl Rotary {
     pub(super) fn new(cfg: &ModelConfig, device: Device) -> Self {
         let dim = cfg.head_dim;
         // As transformers: inv_freq = 1 / base^(2i/dim), in f32.
-        let mut inv_freq: Vec<f32> = (0..dim / 2)
-            .map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / dim as f32))
-            .collect();
-        match cfg.rope_scaling {
+        let base = |i: usize| (cfg.rope_theta as f32).powf((2 * i) as f32 / dim as f32);
+        let mut inv_freq: Vec<f32> = (0..dim / 2).map(|i| 1.0 / base(i)).collect();
+        let (mut long, mut scale) = (None, 1.0);
+        match &cfg.rope_scaling {
             RopeScaling::None => {}
+            // As transformers: inv_freq = 1 / (factor_i · base^(2i/dim)), in f32.
+            RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor } => {
+                let divided = |f: &[f64]| (0..dim / 2).map(|i| 1.0 / (f[i] as f32 * base(i))).collect::<Vec<f32>>();
+                inv_freq = divided(short_factor);
+                long = Some((divided(long_factor), *original_max_position_embeddings as i64));
+                scale = *attention_factor;
+            }
             RopeScaling::Linear { factor } => {
                 for f in &mut inv_freq {
-                    *f /= factor as f32;
+                    *f /= *factor as f32;
                 }
             }
-            RopeScaling::Llama3 {
+            &RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
@@ -91,51 +105,69 @@ impl Rotary {
                 }
             }
         }
-        let empty = Tensor::zeros([0, dim as i64], (Kind::Float, device));
-        Rotary {
-            inv_freq,
-            device,
-            table: RefCell::new((empty.shallow_clone(), empty, 0)),
-        }
+        let empty = || RefCell::new((Tensor::zeros([0, dim as i64], (Kind::Float, device)), Tensor::zeros([0, dim as i64], (Kind::Float, device)), 0));
+        Rotary { inv_freq, long, scale, device, table: empty(), long_table: empty() }
     }
 
     /// Another handle on the same table (a copy that grows on its own from here).
     pub(super) fn share(&self) -> Self {
-        let t = self.table.borrow();
+        let copy = |t: &RefCell<(Tensor, Tensor, i64)>| {
+            let t = t.borrow();
+            RefCell::new((t.0.shallow_clone(), t.1.shallow_clone(), t.2))
+        };
         Rotary {
             inv_freq: self.inv_freq.clone(),
+            long: self.long.clone(),
+            scale: self.scale,
             device: self.device,
-            table: RefCell::new((t.0.shallow_clone(), t.1.shallow_clone(), t.2)),
+            table: copy(&self.table),
+            long_table: copy(&self.long_table),
         }
     }
 
-    /// Makes sure positions `0..len` are in the table.
-    pub(super) fn ensure(&self, len: i64) {
-        let mut table = self.table.borrow_mut();
-        if table.2 >= len {
-            return;
+    /// The (T ≥ `len`, D) f32 cos/sin table for a forward whose positions are `0..len` at most:
+    /// LongRoPE's long table when `len` passes the original context (as transformers decides per
+    /// forward, from its largest position), else the one table.
+    pub(super) fn table_for(&self, len: i64) -> std::cell::Ref<'_, (Tensor, Tensor, i64)> {
+        let (cell, inv_freq) = match &self.long {
+            Some((long, original)) if len > *original => (&self.long_table, long),
+            _ => (&self.table, &self.inv_freq),
+        };
+        {
+            let mut table = cell.borrow_mut();
+            if table.2 < len {
+                let new_len = len.max(2 * table.2).max(256);
+                let inv = Tensor::from_slice(inv_freq).to_device(self.device);
+                let pos = Tensor::arange(new_len, (Kind::Float, self.device));
+                // (T, 1) * (1, D/2) -> (T, D/2) -> (T, D)
+                let freqs = pos.unsqueeze(1) * inv.unsqueeze(0);
+                let emb = Tensor::cat(&[&freqs, &freqs], -1);
+                *table = if self.scale == 1.0 {
+                    (emb.cos(), emb.sin(), new_len)
+                } else {
+                    (emb.cos() * self.scale, emb.sin() * self.scale, new_len)
+                };
+            }
         }
-        let new_len = len.max(2 * table.2).max(256);
-        let inv = Tensor::from_slice(&self.inv_freq).to_device(self.device);
-        let pos = Tensor::arange(new_len, (Kind::Float, self.device));
-        // (T, 1) * (1, D/2) -> (T, D/2) -> (T, D)
-        let freqs = pos.unsqueeze(1) * inv.unsqueeze(0);
-        let emb = Tensor::cat(&[&freqs, &freqs], -1);
-        *table = (emb.cos(), emb.sin(), new_len);
+        cell.borrow()
     }
 
-    /// cos/sin for positions `0..len`: (1, 1, L, D) each.
-    pub(super) fn prefix(&self, len: i64, kind: Kind) -> (Tensor, Tensor) {
-        self.ensure(len);
-        let t = self.table.borrow();
+    /// Whether forwards over `a` and `b` positions use the same table.
+    pub(super) fn same_table(&self, a: i64, b: i64) -> bool {
+        self.long.as_ref().is_none_or(|(_, original)| (a > *original) == (b > *original))
+    }
+
+    /// cos/sin for positions `0..len` of a forward whose positions reach `longest - 1`: (1, 1, L,
+    /// D) each.
+    pub(super) fn prefix(&self, len: i64, longest: i64, kind: Kind) -> (Tensor, Tensor) {
+        let t = self.table_for(longest.max(len));
         let f = |x: &Tensor| x.narrow(0, 0, len).to_kind(kind).unsqueeze(0).unsqueeze(0);
         (f(&t.0), f(&t.1))
     }
 
     /// cos/sin for per-row positions (B, L): (B, 1, L, D) each.
     pub(super) fn gather(&self, positions: &Tensor, max_pos: i64, kind: Kind) -> (Tensor, Tensor) {
-        self.ensure(max_pos + 1);
-        let t = self.table.borrow();
+        let t = self.table_for(max_pos + 1);
         let (b, l) = positions.size2().expect("positions are (B, L)");
         let flat = positions.reshape([-1]);
         let f = |x: &Tensor| x.index_select(0, &flat).to_kind(kind).view([b, 1, l, -1]);
