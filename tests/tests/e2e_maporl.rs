@@ -622,6 +622,24 @@ fn a_phi3_policy_trains_adapters_on_the_projections_peft_finds() {
     assert_eq!(targets, ["down_proj", "o_proj"], "{config}");
     let names: Vec<String> = tch::Tensor::read_safetensors(dir.join("adapter_model.safetensors")).unwrap().into_iter().map(|(k, _)| k).collect();
     assert!(!names.is_empty() && names.iter().all(|n| n.contains(".o_proj.lora_") || n.contains(".down_proj.lora_")), "{names:?}");
+
+    // `learner eval` on the run loads its final adapters and evaluates them as the run's own final
+    // evaluation did (same questions, same sampling seed): the same accuracies per turn.
+    let out = Command::new(binaries().unwrap().join("learner"))
+        .args(["eval", "--config"])
+        .arg(tmp.path().join("digits.yaml"))
+        .arg("--checkpoint")
+        .arg(&run)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "learner eval failed\n{}", String::from_utf8_lossy(&out.stderr));
+    let evaluated: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let last = metrics.iter().rev().find(|m| m.get("eval/accuracy/turn1").is_some()).expect("a final evaluation");
+    for turn in 0..2 {
+        let key = format!("eval/accuracy/turn{turn}");
+        assert_eq!(evaluated[&key], last[&key], "{key}: learner eval {evaluated} against the run's final {last}");
+    }
+    assert!(run.join("adapters/eval.json").is_file());
 }
 
 const FULL_FT_EPOCHS: usize = 60;

@@ -87,7 +87,9 @@ pub enum Command {
     Eval {
         #[command(flatten)]
         config: ConfigArgs,
-        /// Checkpoint directory to evaluate.
+        /// Checkpoint directory to evaluate. For a MaPoRL config: a run directory (its final
+        /// policies, else its latest checkpoint), its `adapters/` or `final_model/`, or a
+        /// `checkpoints/step-N/`, evaluated as the run evaluates (accuracy per turn; `--k` does not apply).
         #[arg(long)]
         checkpoint: PathBuf,
         /// The k of PassOrNot@k, Accuracy@k and MaxCoop@k; the largest k joint samples are drawn per item.
@@ -414,7 +416,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             }
             ensure_trainable(&cfg)?;
             if cfg.algorithm == crate::config::Algorithm::Maporl {
-                bail!("learner eval on a maporl config is not built yet: a MaPoRL run evaluates accuracy per turn itself (eval/accuracy/turnT in metrics.jsonl, plots/accuracy_per_turn.png)");
+                // One discussion per question, as the run evaluates: `--k` does not apply.
+                let metrics = crate::maporl::evaluate_saved(&cfg, &checkpoint)?;
+                println!("{}", serde_json::to_string_pretty(&metrics)?);
+                return Ok(());
             }
             let metrics = crate::trainer::evaluate_checkpoint(&cfg, &checkpoint, &k)?;
             println!("{}", serde_json::to_string_pretty(&metrics)?);

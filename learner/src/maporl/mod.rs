@@ -148,6 +148,35 @@ pub fn build_ranked(
 ///
 /// Launched as one of several ranks, each discusses its share of every step's questions and takes
 /// its share of every PPO mini-batch (see [`update::ppo_update`]); rank 0 writes the run.
+/// `learner eval` on a MaPoRL config: the policies saved under `path` (a run directory, its
+/// `adapters/` or `final_model/`, or a `checkpoints/step-N/`) evaluated as the run evaluates
+/// itself: accuracy per turn on the eval split's first `eval_num_samples` questions, with the
+/// sampling seed the run used at that step (so the final policies give the run's final `eval/`
+/// scalars). The scalars are returned and written to `eval.json` beside the policies.
+pub fn evaluate_saved(cfg: &CheckedConfig, path: &std::path::Path) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
+    let dir = crate::export::maporl_dir(path).ok_or_else(|| {
+        TrainError::Checkpoint(format!(
+            "{}: no saved MaPoRL policies ({} there, or in its adapters/, final_model/ or checkpoints/step-N/)",
+            path.display(),
+            crate::export::MAPORL_MANIFEST
+        ))
+    })?;
+    if cfg.eval_split.is_none() {
+        return Err(TrainError::Config(format!("{}: dataset.eval_split is not set", cfg.source.display())));
+    }
+    let tmp_run = std::env::temp_dir().join(format!("cotrain-eval-{}", std::process::id()));
+    let (mut trainer, services) = build(cfg, tmp_run.clone())?;
+    trainer.load_saved_policies(&dir)?;
+    tracing::info!(policies = %dir.display(), "evaluating saved MaPoRL policies");
+    let m = trainer.evaluate_loaded()?;
+    let out = dir.join("eval.json");
+    std::fs::write(&out, serde_json::to_vec_pretty(&m).unwrap_or_default()).map_err(|e| TrainError::Io(format!("{}: {e}", out.display())))?;
+    drop(trainer);
+    drop(services);
+    let _ = std::fs::remove_dir_all(&tmp_run);
+    Ok(m)
+}
+
 pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, TrainError> {
     let dist = crate::dist::init_with_timeout(
         cfg.raw.learner.backend,

@@ -6,7 +6,8 @@
 //! and reports accuracy per turn.
 //!
 //! Files: `samples` (a step's discussions as PPO samples), `ranks` (the learner's ranks: split
-//! discussions, first synchronisation), `output` (`rollouts.jsonl`, saved policies); this file holds
+//! discussions, first synchronisation), `output` (`rollouts.jsonl`, saved policies), `saved`
+//! (evaluating saved policies: `learner eval`); this file holds
 //! the trainer, its step and the run loop.
 
 use std::collections::BTreeMap;
@@ -35,6 +36,7 @@ use crate::sources::{RewardSource, RolloutSource};
 mod output;
 mod ranks;
 mod samples;
+mod saved;
 
 /// Everything a MaPoRL run needs.
 pub struct MaporlSetup {
