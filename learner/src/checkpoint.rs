@@ -80,6 +80,18 @@ fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>, CheckpointError
 /// Writes `checkpoints/step-{state.step}` atomically and points `checkpoints/latest` at it.
 /// `agents` holds one (weights, optimiser) pair per distinct model (one for shared parameters).
 pub fn save_checkpoint(run_dir: &Path, agents: &[(&nn::VarStore, &AdamW)], state: &TrainState) -> Result<PathBuf, CheckpointError> {
+    save_checkpoint_with(run_dir, agents, state, |_| Ok(()))
+}
+
+/// [`save_checkpoint`], with `extra` writing more files into the checkpoint's temporary directory
+/// before it is renamed into place (so that they are part of the same atomic step): MaPoRL's
+/// policies in PEFT's layout.
+pub fn save_checkpoint_with(
+    run_dir: &Path,
+    agents: &[(&nn::VarStore, &AdamW)],
+    state: &TrainState,
+    extra: impl FnOnce(&Path) -> Result<(), String>,
+) -> Result<PathBuf, CheckpointError> {
     let root = run_dir.join("checkpoints");
     std::fs::create_dir_all(&root).map_err(io(&root))?;
     let name = format!("step-{}", state.step);
@@ -97,6 +109,7 @@ pub fn save_checkpoint(run_dir: &Path, agents: &[(&nn::VarStore, &AdamW)], state
         write_tensors(&dir.join("optimizer.safetensors"), &opt.state_tensors())?;
         sync_dir(&dir)?;
     }
+    extra(&tmp).map_err(|message| CheckpointError::Mismatch { path: tmp.clone(), message })?;
     let state_path = tmp.join("state.json");
     let json = serde_json::to_vec_pretty(state).map_err(|e| CheckpointError::Io { path: state_path.clone(), source: e.into() })?;
     let mut f = File::create(&state_path).map_err(io(&state_path))?;

@@ -396,6 +396,32 @@ fn train_digits_from(
     overrides: &[String],
     ranks: usize,
 ) -> (std::path::PathBuf, Vec<serde_json::Value>) {
+    let (config, run) = digits_config(tmp, fixture, maporl_extra, epochs, lr, save_final_model);
+    let mut cmd = Command::new(binaries().unwrap().join("learner"));
+    if ranks > 1 {
+        cmd.args(["launch", "--nproc-per-node", &ranks.to_string(), "--"]);
+    }
+    cmd.args(["train", "--config"]).arg(&config);
+    if !overrides.is_empty() {
+        cmd.arg("--override").args(overrides);
+    }
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "learner train failed\n{stderr}");
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    (run, metrics)
+}
+
+/// Writes the toy discussion's model, data and config under `tmp`; returns the config's path and
+/// the run directory it names.
+fn digits_config(
+    tmp: &std::path::Path,
+    fixture: &str,
+    maporl_extra: &str,
+    epochs: usize,
+    lr: f64,
+    save_final_model: bool,
+) -> (std::path::PathBuf, std::path::PathBuf) {
     let model = digit_model_from(tmp, fixture);
     let data = tmp.join("digits");
     std::fs::create_dir_all(&data).unwrap();
@@ -430,20 +456,64 @@ fn train_digits_from(
         ),
     )
     .unwrap();
-    let mut cmd = Command::new(binaries().unwrap().join("learner"));
-    if ranks > 1 {
-        cmd.args(["launch", "--nproc-per-node", &ranks.to_string(), "--"]);
+    (config, out_dir.join("digits"))
+}
+
+/// A MaPoRL run killed (SIGKILL) after one of its checkpoints and continued with `--resume` ends
+/// with the uninterrupted run's adapters, bit for bit, and logs the same steps with the same
+/// scalars (evaluations included).
+#[test]
+fn a_killed_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run() {
+    let (tmp_a, tmp_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let overrides = ["--override", "maporl.save_steps=1", "maporl.eval_interval=2", "maporl.eval_num_samples=10"];
+    let learner = || Command::new(binaries().unwrap().join("learner"));
+    let (config_a, run_a) = digits_config(tmp_a.path(), "llama", "", 3, 1e-3, true);
+    let out = learner().args(["train", "--config"]).arg(&config_a).args(overrides).output().unwrap();
+    assert!(out.status.success(), "learner train failed\n{}", String::from_utf8_lossy(&out.stderr));
+
+    let (config_b, run_b) = digits_config(tmp_b.path(), "llama", "", 3, 1e-3, true);
+    let mut child = learner()
+        .args(["train", "--config"])
+        .arg(&config_b)
+        .args(overrides)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let latest = run_b.join("checkpoints/latest");
+    while !latest.exists() {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before its first checkpoint");
+        std::thread::sleep(Duration::from_millis(10));
     }
-    cmd.args(["train", "--config"]).arg(&config);
-    if !overrides.is_empty() {
-        cmd.arg("--override").args(overrides);
-    }
-    let out = cmd.output().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!run_b.join("adapters").exists(), "the run finished before it was killed");
+    let killed_at: u64 = std::fs::read_to_string(&latest).unwrap().trim().strip_prefix("step-").unwrap().parse().unwrap();
+    let out = learner().args(["train", "--config"]).arg(&config_b).args(overrides).arg("--resume").arg(&run_b).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "learner train failed\n{stderr}");
-    let run = out_dir.join("digits");
-    let metrics = read_jsonl(&run.join("metrics.jsonl"));
-    (run, metrics)
+    assert!(out.status.success(), "learner train --resume failed\n{stderr}");
+    // It continued from the checkpoint: no step up to it was done again.
+    assert!(stderr.contains("resumed") && stderr.contains(&format!("step={killed_at}")), "{stderr}");
+    for done in 1..=killed_at {
+        assert!(!stderr.contains(&format!("checkpoint saved step={done} ")), "step {done} done again\n{stderr}");
+    }
+    assert!(stderr.contains(&format!("checkpoint saved step={} ", killed_at + 1)), "{stderr}");
+
+    let keys: Vec<String> = std::fs::read_dir(run_a.join("adapters")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|k| k.starts_with("agent")).collect();
+    assert_eq!(keys.len(), 4, "{keys:?}");
+    for key in &keys {
+        let file = |run: &std::path::Path| std::fs::read(run.join("adapters").join(key).join("adapter_model.safetensors")).unwrap();
+        assert!(file(&run_a) == file(&run_b), "{key}: the resumed run's adapter differs from the uninterrupted run's");
+    }
+    let scalars = |run: &std::path::Path| -> Vec<serde_json::Map<String, serde_json::Value>> {
+        read_jsonl(&run.join("metrics.jsonl"))
+            .into_iter()
+            .map(|m| m.as_object().unwrap().iter().filter(|(k, _)| !k.starts_with("time")).map(|(k, v)| (k.clone(), v.clone())).collect())
+            .collect()
+    };
+    let (a, b) = (scalars(&run_a), scalars(&run_b));
+    assert_eq!(a.len(), 7, "six steps and the final evaluation: {a:?}");
+    assert_eq!(a, b, "the resumed run logged other steps or scalars");
 }
 
 /// Asserts what the discussion learned: agent 0 answers its own question at turn 0 (0.7 or more,

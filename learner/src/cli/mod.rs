@@ -362,14 +362,15 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             if cfg.algorithm == crate::config::Algorithm::Maporl {
                 if cfg.raw.learner.control_addr.is_some() || cfg.raw.rollout.wait_for_registration {
                     bail!(
-                        "learner.control_addr and rollout.wait_for_registration are not built for maporl runs yet (no graceful \
-                         stop without resume); give the workers as rollout.endpoints or rollout.dns_name"
+                        "learner.control_addr and rollout.wait_for_registration are not built for maporl runs yet (a MaPoRL run \
+                         stops on a signal and continues from its last checkpoint with --resume); give the workers as \
+                         rollout.endpoints or rollout.dns_name"
                     );
                 }
-                if resume.is_some() {
-                    bail!("--resume: resuming a MaPoRL run is not built yet (its adapters are saved in PEFT's layout under checkpoints/)");
-                }
-                let summary = crate::maporl::train(&cfg, crate::trainer::run_dir_for(&cfg))?;
+                let summary = match &resume {
+                    Some(dir) => crate::maporl::train(&cfg, dir.clone(), true)?,
+                    None => crate::maporl::train(&cfg, crate::trainer::run_dir_for(&cfg), false)?,
+                };
                 if crate::dist::RankEnv::from_env().is_ok_and(|r| r.rank != 0) {
                     return Ok(());
                 }

@@ -181,7 +181,7 @@ impl Control {
     fn stop(&self) -> Result<StopResponse, String> {
         if !self.state.trainer_listening() {
             return Err(format!(
-                "this run cannot stop gracefully now (state: {}; MaPoRL runs have no resume): send SIGTERM to end it",
+                "this run cannot stop gracefully now (state: {}): send SIGTERM to end it, and continue from its last checkpoint with --resume",
                 self.state.progress().state
             ));
         }

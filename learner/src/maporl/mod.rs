@@ -177,21 +177,30 @@ pub fn evaluate_saved(cfg: &CheckedConfig, path: &std::path::Path) -> Result<std
     Ok(m)
 }
 
-pub fn train(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<MaporlSummary, TrainError> {
+/// `learner train` on a MaPoRL config: a new run in `run_dir`, or with `resume` the run there
+/// continued from its latest checkpoint (one learner rank).
+pub fn train(cfg: &CheckedConfig, run_dir: PathBuf, resume: bool) -> Result<MaporlSummary, TrainError> {
     let dist = crate::dist::init_with_timeout(
         cfg.raw.learner.backend,
         crate::model_options::learner_device(cfg)?,
         cfg.collective_timeout(),
     )?;
-    crate::dist::run_ranked(dist, |dist| train_ranked(cfg, run_dir, dist))
+    crate::dist::run_ranked(dist, |dist| train_ranked(cfg, run_dir, resume, dist))
 }
 
 /// [`train`] as one rank of `dist`.
 fn train_ranked(
     cfg: &CheckedConfig,
     run_dir: PathBuf,
+    resume: bool,
     dist: Box<dyn crate::dist::Collective>,
 ) -> Result<MaporlSummary, TrainError> {
+    if resume && dist.world() > 1 {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: --resume of a MaPoRL run on several learner ranks is not built (resume it on one rank)",
+            cfg.source.display()
+        )));
+    }
     if dist.world() > 1 && cfg.raw.learner.placement == crate::config::Placement::Agent {
         return Err(TrainError::NotBuilt(format!(
             "{}: learner.placement: agent is built for the GRPO/MAGRPO trainer; the maporl trainer splits data (learner.placement: data)",
@@ -202,10 +211,17 @@ fn train_ranked(
     if dist.is_root() {
         std::fs::create_dir_all(&run_dir)
             .map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
+        if resume {
+            crate::trainer::check_resume_config(cfg, &run_dir)?;
+            let _ = crate::checkpoint::remove_stale_temporaries(&run_dir);
+        }
         std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml())
             .map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
     }
-    let (mut trainer, services) = build_ranked(cfg, run_dir, dist)?;
+    let (mut trainer, services) = build_ranked(cfg, run_dir.clone(), dist)?;
+    if resume {
+        trainer.resume(&run_dir)?;
+    }
     let summary = trainer.run();
     drop(trainer);
     drop(services);

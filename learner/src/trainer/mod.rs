@@ -336,7 +336,7 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
 
 /// Refuses to resume `run_dir` with a config that would change the run (see
 /// [`crate::config::resume`]), naming every key that differs from the run's `config.yaml`.
-fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainError> {
+pub(crate) fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainError> {
     let path = run_dir.join("config.yaml");
     let text = std::fs::read_to_string(&path)
         .map_err(|e| TrainError::Checkpoint(format!("{}: cannot read the run's config to compare with: {e}", path.display())))?;

@@ -7,7 +7,7 @@
 //!
 //! Files: `samples` (a step's discussions as PPO samples), `ranks` (the learner's ranks: split
 //! discussions, first synchronisation), `output` (`rollouts.jsonl`, saved policies), `saved`
-//! (evaluating saved policies: `learner eval`); this file holds
+//! (evaluating saved policies: `learner eval`), `resume` (checkpoints and `--resume`); this file holds
 //! the trainer, its step and the run loop.
 
 use std::collections::BTreeMap;
@@ -35,6 +35,7 @@ use crate::sources::{RewardSource, RolloutSource};
 
 mod output;
 mod ranks;
+mod resume;
 mod samples;
 mod saved;
 
@@ -313,12 +314,15 @@ impl MaporlTrainer {
         info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
             steps = total, adapters = self.s.adapters.policies.len(), critics = self.s.adapters.critics.len(), "MaPoRL training");
         let bar = if root {
-            crate::metrics::progress::progress_bar(self.s.cfg.raw.logging.progress, total, 0)
+            crate::metrics::progress::progress_bar(self.s.cfg.raw.logging.progress, total, self.step)
         } else {
             None
         };
         let qps = self.m.questions_per_step();
         let interval = self.m.eval_interval as u64;
+        // A resumed run skips the steps its checkpoint has done (the orders are the seed's).
+        let resumed_at = self.step;
+        let mut done = 0u64;
         for epoch in 0..self.m.num_train_epochs as u64 {
             let mut order: Vec<usize> = (0..self.s.train_items.len()).collect();
             order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[
@@ -327,6 +331,10 @@ impl MaporlTrainer {
                 epoch,
             ])));
             for chunk in order.chunks(qps) {
+                if done < resumed_at {
+                    done += 1;
+                    continue;
+                }
                 let mut values = BTreeMap::new();
                 if root && interval > 0 && self.step.is_multiple_of(interval) {
                     let e = self.evaluate()?;
@@ -370,14 +378,8 @@ impl MaporlTrainer {
                     && self.m.save_steps > 0
                     && self.step.is_multiple_of(self.m.save_steps as u64)
                 {
-                    let dir = self.save_policies(
-                        &self
-                            .s
-                            .run_dir
-                            .join("checkpoints")
-                            .join(format!("step-{}", self.step)),
-                    )?;
-                    info!(step = self.step, checkpoint = %dir.display(), "policies saved");
+                    let dir = self.save_checkpoint()?;
+                    info!(step = self.step, checkpoint = %dir.display(), "checkpoint saved");
                     crate::checkpoint::apply_save_total_limit(
                         &self.s.run_dir,
                         self.s.cfg.raw.output.save_total_limit,
