@@ -459,11 +459,12 @@ fn digits_config(
     (config, out_dir.join("digits"))
 }
 
-/// A MaPoRL run killed (SIGKILL) after one of its checkpoints and continued with `--resume` ends
-/// with the uninterrupted run's adapters, bit for bit, and logs the same steps with the same
-/// scalars (evaluations included).
+/// A MaPoRL run killed (SIGKILL) after one of its checkpoints, or stopped by SIGTERM (a checkpoint
+/// after its current step, then a clean exit), and continued with `--resume` ends with the
+/// uninterrupted run's adapters, bit for bit, and logs the same steps with the same scalars
+/// (evaluations included).
 #[test]
-fn a_killed_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run() {
+fn a_killed_or_stopped_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run() {
     let (tmp_a, tmp_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let overrides = ["--override", "maporl.save_steps=1", "maporl.eval_interval=2", "maporl.eval_num_samples=10"];
     let learner = || Command::new(binaries().unwrap().join("learner"));
@@ -501,19 +502,48 @@ fn a_killed_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run() {
 
     let keys: Vec<String> = std::fs::read_dir(run_a.join("adapters")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|k| k.starts_with("agent")).collect();
     assert_eq!(keys.len(), 4, "{keys:?}");
-    for key in &keys {
-        let file = |run: &std::path::Path| std::fs::read(run.join("adapters").join(key).join("adapter_model.safetensors")).unwrap();
-        assert!(file(&run_a) == file(&run_b), "{key}: the resumed run's adapter differs from the uninterrupted run's");
-    }
     let scalars = |run: &std::path::Path| -> Vec<serde_json::Map<String, serde_json::Value>> {
         read_jsonl(&run.join("metrics.jsonl"))
             .into_iter()
             .map(|m| m.as_object().unwrap().iter().filter(|(k, _)| !k.starts_with("time")).map(|(k, v)| (k.clone(), v.clone())).collect())
             .collect()
     };
-    let (a, b) = (scalars(&run_a), scalars(&run_b));
+    let a = scalars(&run_a);
     assert_eq!(a.len(), 7, "six steps and the final evaluation: {a:?}");
-    assert_eq!(a, b, "the resumed run logged other steps or scalars");
+    let same_as_uninterrupted = |run: &std::path::Path, how: &str| {
+        for key in &keys {
+            let file = |run: &std::path::Path| std::fs::read(run.join("adapters").join(key).join("adapter_model.safetensors")).unwrap();
+            assert!(file(&run_a) == file(run), "{key}: the run {how} and resumed ends with another adapter than the uninterrupted run");
+        }
+        assert_eq!(a, scalars(run), "the run {how} and resumed logged other steps or scalars");
+    };
+    same_as_uninterrupted(&run_b, "killed");
+
+    // SIGTERM: the run checkpoints after its current step and exits cleanly; `--resume` continues it.
+    let tmp_c = tempfile::tempdir().unwrap();
+    let (config_c, run_c) = digits_config(tmp_c.path(), "llama", "", 3, 1e-3, true);
+    let child = learner()
+        .args(["train", "--config"])
+        .arg(&config_c)
+        .args(overrides)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let latest = run_c.join("checkpoints/latest");
+    while !latest.exists() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("stopped on request after step"), "{:?}\n{stdout}", out.status);
+    assert!(!run_c.join("adapters").exists(), "the run finished before SIGTERM stopped it");
+    let stopped_at = std::fs::read_to_string(&latest).unwrap();
+    assert!(stdout.contains(&format!("after step {};", stopped_at.trim().strip_prefix("step-").unwrap())), "{stdout}");
+    let out = learner().args(["train", "--config"]).arg(&config_c).args(overrides).arg("--resume").arg(&run_c).output().unwrap();
+    assert!(out.status.success(), "learner train --resume failed\n{}", String::from_utf8_lossy(&out.stderr));
+    same_as_uninterrupted(&run_c, "stopped by SIGTERM");
 }
 
 /// Asserts what the discussion learned: agent 0 answers its own question at turn 0 (0.7 or more,

@@ -360,19 +360,24 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 bail!("--resume {}: no such run directory", dir.display());
             }
             if cfg.algorithm == crate::config::Algorithm::Maporl {
-                if cfg.raw.learner.control_addr.is_some() || cfg.raw.rollout.wait_for_registration {
+                if cfg.raw.rollout.wait_for_registration {
                     bail!(
-                        "learner.control_addr and rollout.wait_for_registration are not built for maporl runs yet (a MaPoRL run \
-                         stops on a signal and continues from its last checkpoint with --resume); give the workers as \
+                        "rollout.wait_for_registration is not built for maporl runs yet; give the workers as \
                          rollout.endpoints or rollout.dns_name"
                     );
                 }
+                // As below: SIGTERM/SIGINT and `learner.control_addr` stop the run after a checkpoint.
+                let control = crate::control::install();
+                crate::control::handle_signals(control)?;
                 let summary = match &resume {
                     Some(dir) => crate::maporl::train(&cfg, dir.clone(), true)?,
                     None => crate::maporl::train(&cfg, crate::trainer::run_dir_for(&cfg), false)?,
                 };
                 if crate::dist::RankEnv::from_env().is_ok_and(|r| r.rank != 0) {
                     return Ok(());
+                }
+                if summary.stopped {
+                    println!("stopped on request after step {}; continue with --resume {}", summary.steps, summary.run_dir.display());
                 }
                 println!("run directory: {}", summary.run_dir.display());
                 if let Some(d) = &summary.final_dir {

@@ -63,6 +63,9 @@ pub struct MaporlSummary {
     /// Where the final policies went (`adapters/`, or `final_model/` with `full_finetune`).
     pub final_dir: Option<PathBuf>,
     pub plots: Vec<PathBuf>,
+    /// Stopped on request (a signal or `learner control stop`) after a checkpoint: `--resume`
+    /// continues it.
+    pub stopped: bool,
 }
 
 /// The trainer; see the module docs.
@@ -305,19 +308,15 @@ impl MaporlTrainer {
         Ok(())
     }
 
-    /// The whole run.
-    pub fn run(&mut self) -> Result<MaporlSummary, TrainError> {
-        let total = self.total_steps();
+    /// The steps of [`Self::run`] from `self.step` on (a resumed run skips those its checkpoint has
+    /// done); returns whether they stopped on a request, after a checkpoint.
+    fn run_steps(
+        &mut self,
+        total: u64,
+        bar: Option<&indicatif::ProgressBar>,
+        control: Option<&crate::control::ControlState>,
+    ) -> Result<bool, TrainError> {
         let root = self.dist.is_root();
-        self.sync_ranks()?;
-        self.sync_all()?;
-        info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
-            steps = total, adapters = self.s.adapters.policies.len(), critics = self.s.adapters.critics.len(), "MaPoRL training");
-        let bar = if root {
-            crate::metrics::progress::progress_bar(self.s.cfg.raw.logging.progress, total, self.step)
-        } else {
-            None
-        };
         let qps = self.m.questions_per_step();
         let interval = self.m.eval_interval as u64;
         // A resumed run skips the steps its checkpoint has done (the orders are the seed's).
@@ -356,7 +355,7 @@ impl MaporlTrainer {
                     .copied()
                     .unwrap_or(f64::NAN);
                 let kl = values.get("objective/kl").copied().unwrap_or(f64::NAN);
-                match &bar {
+                match bar {
                     Some(pb) => {
                         pb.set_position(self.step);
                         pb.set_message(format!("last-turn accuracy {acc_last:.3} kl {kl:.4}"));
@@ -374,18 +373,88 @@ impl MaporlTrainer {
                     }
                     None => {}
                 }
-                if root
-                    && self.m.save_steps > 0
-                    && self.step.is_multiple_of(self.m.save_steps as u64)
-                {
-                    let dir = self.save_checkpoint()?;
-                    info!(step = self.step, checkpoint = %dir.display(), "checkpoint saved");
+                let scheduled = self.m.save_steps > 0 && self.step.is_multiple_of(self.m.save_steps as u64);
+                let asked = match control {
+                    Some(c) => c.between_steps(crate::control::StepReport {
+                        step: self.step,
+                        total_steps: total,
+                        epoch,
+                        total_epochs: self.m.num_train_epochs as u64,
+                        reward: acc_last.is_finite().then_some(acc_last),
+                        step_secs: values.get("time/step").copied().unwrap_or(0.0),
+                        policy_versions: self.versions().into_iter().collect(),
+                    }),
+                    None => Default::default(),
+                };
+                if root && (scheduled || asked.checkpoint || asked.stop) {
+                    match self.save_checkpoint() {
+                        Ok(dir) => {
+                            info!(step = self.step, checkpoint = %dir.display(), requested = asked.checkpoint || asked.stop, "checkpoint saved");
+                            if let Some(c) = control {
+                                c.checkpoint_written(self.step, &dir);
+                            }
+                        }
+                        Err(e) => {
+                            if let Some(c) = control {
+                                c.checkpoint_failed(&e.to_string());
+                            }
+                            return Err(e);
+                        }
+                    }
                     crate::checkpoint::apply_save_total_limit(
                         &self.s.run_dir,
                         self.s.cfg.raw.output.save_total_limit,
                     );
                 }
+                if asked.stop {
+                    return Ok(true);
+                }
             }
+        }
+        Ok(false)
+    }
+
+    /// The whole run.
+    pub fn run(&mut self) -> Result<MaporlSummary, TrainError> {
+        let total = self.total_steps();
+        let root = self.dist.is_root();
+        self.sync_ranks()?;
+        self.sync_all()?;
+        info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
+            steps = total, start_step = self.step, adapters = self.s.adapters.policies.len(), critics = self.s.adapters.critics.len(), "MaPoRL training");
+        let bar = if root {
+            crate::metrics::progress::progress_bar(self.s.cfg.raw.logging.progress, total, self.step)
+        } else {
+            None
+        };
+        // The control plane and SIGTERM/SIGINT: a checkpoint between steps on request, and a stop
+        // after one. One rank only: the ranks would have to agree on when to stop.
+        let control = crate::control::current().filter(|_| self.dist.world() == 1);
+        if let Some(c) = &control {
+            c.set_run_dir(self.s.run_dir.clone());
+            c.trainer_started();
+        }
+        let result = self.run_steps(total, bar.as_ref(), control.as_deref());
+        if let Some(c) = &control {
+            c.trainer_done(match &result {
+                Err(_) => "failed",
+                Ok(true) => "stopped",
+                Ok(false) => "finishing",
+            });
+        }
+        if result? {
+            let reason = control.as_ref().and_then(|c| c.stop_reason()).unwrap_or_default();
+            info!(step = self.step, reason, run_dir = %self.s.run_dir.display(),
+                "stopped on request after a checkpoint; continue with `learner train --config ... --resume RUN_DIR`");
+            return Ok(MaporlSummary {
+                run_dir: self.s.run_dir.clone(),
+                steps: self.step,
+                history: self.history.clone(),
+                evals: self.evals.clone(),
+                final_dir: None,
+                plots: Vec::new(),
+                stopped: true,
+            });
         }
         if let Some(pb) = &bar {
             pb.finish();
@@ -407,6 +476,7 @@ impl MaporlTrainer {
                 evals: Vec::new(),
                 final_dir: None,
                 plots: Vec::new(),
+                stopped: false,
             });
         }
         let e = self.evaluate()?;
@@ -436,6 +506,9 @@ impl MaporlTrainer {
                 plots.push(p);
             }
         }
+        if let Some(c) = &control {
+            c.set_state("finished");
+        }
         Ok(MaporlSummary {
             run_dir: self.s.run_dir.clone(),
             steps: self.step,
@@ -443,6 +516,7 @@ impl MaporlTrainer {
             evals: self.evals.clone(),
             final_dir,
             plots,
+            stopped: false,
         })
     }
 }
