@@ -183,7 +183,7 @@ impl CausalLm {
         let table = self.rotary.table_for(max_pos as i64 + 1);
         let embedded = self.embed(input_ids)?.to_kind(Kind::Float).contiguous();
         // SAFETY: f32 CPU tensors, contiguous (`embedded` by construction, the rotary tables, f32
-        // whatever the model's dtype, as built by `Rotary::ensure`); nothing writes them during
+        // whatever the model's dtype, as built by `Rotary::table_for`); nothing writes them during
         // this step.
         let (mut x, cos, sin) = unsafe {
             (
