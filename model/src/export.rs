@@ -299,7 +299,7 @@ fn config_json(cfg: &ModelConfig, model: &LoadedModel, kind: Kind) -> Result<Val
         RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor } => {
             let mut r = json!({"type": "longrope", "short_factor": short_factor, "long_factor": long_factor});
             let factor = cfg.max_position_embeddings as f64 / *original_max_position_embeddings as f64;
-            let derived = if factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / (*original_max_position_embeddings as f64).ln()).sqrt() };
+            let derived = crate::families::phi3::default_attention_factor(factor, *original_max_position_embeddings);
             if (attention_factor - derived).abs() > 1e-12 {
                 r["attention_factor"] = json!(attention_factor);
             }

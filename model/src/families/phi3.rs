@@ -108,11 +108,7 @@ impl Phi3Config {
                         f.clone().ok_or_else(|| ModelError::InvalidConfig(format!("rope_scaling `longrope` needs `{name}`")))
                     };
                     let factor = p.factor.unwrap_or(self.max_position_embeddings as f64 / original.max(1) as f64);
-                    let attention_factor = p.attention_factor.unwrap_or(if factor <= 1.0 {
-                        1.0
-                    } else {
-                        (1.0 + factor.ln() / (original as f64).ln()).sqrt()
-                    });
+                    let attention_factor = p.attention_factor.unwrap_or_else(|| default_attention_factor(factor, original));
                     RopeScaling::LongRope {
                         short_factor: needs(&p.short_factor, "short_factor")?,
                         long_factor: needs(&p.long_factor, "long_factor")?,
@@ -144,6 +140,12 @@ impl Phi3Config {
             eos_token_ids: self.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default(),
         })
     }
+}
+
+/// LongRoPE's cos/sin multiplier when the config gives none (transformers' rule): `sqrt(1 +
+/// ln(factor) / ln(original))` for a context extended `factor` times beyond `original` positions.
+pub(crate) fn default_attention_factor(factor: f64, original: usize) -> f64 {
+    if factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / (original as f64).ln()).sqrt() }
 }
 
 /// The checkpoint's fused projections of one layer and what they split into, in order.
