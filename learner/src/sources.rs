@@ -109,6 +109,9 @@ pub struct WeightPush<'a> {
     /// `Some(alpha / r)`: `params` are a LoRA adapter's pairs, which the workers merge into their
     /// base weights ([`RolloutSource::push_adapter`]); `None`: the parameters themselves.
     pub lora_scaling: Option<f64>,
+    /// The policy's log-probs of a fixed sequence under these weights, for workers that check
+    /// what their engine loaded (`serve --engine vllm`); `None`: no check.
+    pub probe: Option<&'a cotrain_proto::rollout::WeightProbe>,
 }
 
 pub trait RolloutSource: Send {

@@ -171,6 +171,7 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
         engine_threads: Default::default(),
         verifiers: Vec::new(),
         lora_modules: Vec::new(),
+        engine: Default::default(),
         agent_devices: Vec::new(),
     };
     let loopback = "127.0.0.1:0".parse().unwrap();
@@ -247,12 +248,14 @@ fn pushing_several_agents_together_gives_each_its_own_weights() {
             version: 1,
             params: &first,
             lora_scaling: None,
+            probe: None,
         },
         WeightPush {
             agent: "agent1",
             version: 1,
             params: &second,
             lora_scaling: None,
+            probe: None,
         },
     ];
     together.push_weights_all(&updates).unwrap();
@@ -286,12 +289,14 @@ fn pushing_several_agents_together_gives_each_its_own_weights() {
             version: 2,
             params: &second,
             lora_scaling: None,
+            probe: None,
         },
         WeightPush {
             agent: "agent1",
             version: 2,
             params: &first,
             lora_scaling: None,
+            probe: None,
         },
     ];
     chunks.push_weights_all(&swapped).unwrap();
@@ -316,12 +321,14 @@ fn pushing_several_agents_together_gives_each_its_own_weights() {
             version: 3,
             params: &first,
             lora_scaling: None,
+            probe: None,
         },
         WeightPush {
             agent: "nobody",
             version: 1,
             params: &first,
             lora_scaling: None,
+            probe: None,
         },
     ];
     let err = chunks.push_weights_all(&mixed).unwrap_err().to_string();

@@ -183,7 +183,16 @@ fn write_files(model: &LoadedModel, dir: &Path) -> Result<()> {
 /// Phi-3 checkpoints keep q/k/v and gate/up fused: concatenates the projections the loader split
 /// ([`crate::families::phi3::split_fused`]) back into `qkv_proj` and `gate_up_proj`.
 fn fuse_phi3(params: &mut BTreeMap<String, Tensor>, cfg: &ModelConfig) -> Result<()> {
+    fuse_phi3_groups(params, cfg, true)
+}
+
+/// [`fuse_phi3`] for the groups present in `params`; with `require_all`, every group must be.
+/// A group present in part is an error either way: its fused tensor cannot be written.
+fn fuse_phi3_groups(params: &mut BTreeMap<String, Tensor>, cfg: &ModelConfig, require_all: bool) -> Result<()> {
     for (fused, parts) in crate::families::phi3::fused_names(cfg.num_hidden_layers) {
+        if !require_all && parts.iter().all(|p| !params.contains_key(p)) {
+            continue;
+        }
         let pieces = parts
             .iter()
             .map(|p| {
@@ -196,6 +205,27 @@ fn fuse_phi3(params: &mut BTreeMap<String, Tensor>, cfg: &ModelConfig) -> Result
         params.insert(fused, Tensor::f_cat(&pieces, 0)?);
     }
     Ok(())
+}
+
+/// Writes some or all of a model's parameters (under cotrain's names, as an update carries them)
+/// as one safetensors file under Hugging Face's names, in their own dtype: the file an engine
+/// that reads Hugging Face checkpoints (vLLM) loads an update from. Phi-3's split projections are
+/// fused again. With tied embeddings the embedding is written under `lm_head.weight` too: vLLM's
+/// in-place reload unties the two (its head becomes a tensor of its own at the first reload), so
+/// a file that named only the embedding would leave the head at its old value.
+pub fn write_weights_file(path: &Path, params: &BTreeMap<String, Tensor>, cfg: &ModelConfig) -> Result<()> {
+    let mut params: BTreeMap<String, Tensor> = params.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+    if cfg.family == Family::Phi3 {
+        fuse_phi3_groups(&mut params, cfg, false)?;
+    }
+    let mut untied = cfg.clone();
+    if cfg.tie_word_embeddings {
+        if let Some(e) = params.get("model.embed_tokens.weight").map(Tensor::shallow_clone) {
+            params.insert("lm_head.weight".into(), e);
+        }
+        untied.tie_word_embeddings = false;
+    }
+    write_safetensors(path, &params, &untied)
 }
 
 /// The one float dtype all parameters share (the training dtype).

@@ -145,6 +145,7 @@ async fn weight_update(c: &RolloutClient<Channel>, dtype: WireDType, version: u6
         tensor_count: tensors.len() as u32,
         partial: false,
         lora_scaling: 0.0,
+        probe: None,
     };
     let start = Instant::now();
     let r = c
@@ -186,6 +187,7 @@ fn main() -> anyhow::Result<()> {
         engine_threads: Default::default(),
         verifiers: Vec::new(),
         lora_modules: Vec::new(),
+        engine: Default::default(),
         agent_devices: Vec::new(),
     };
     let _ = tracing_subscriber::fmt()

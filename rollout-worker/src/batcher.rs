@@ -47,6 +47,8 @@ pub(crate) struct StagedUpdate {
     /// Where the tensors go once copied into the parameters (`None`: dropped), for the next
     /// update to read into.
     pub keep: Option<crate::weights::Staging>,
+    /// The sender's probe of these weights; engines that can score it check it after the swap.
+    pub probe: Option<crate::probe::Probe>,
 }
 
 /// One generated token of a streamed job, sent as the engine produces it.

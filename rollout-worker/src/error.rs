@@ -57,6 +57,9 @@ pub enum WorkerError {
     /// An error from the model layer while generating.
     #[error("model error: {0}")]
     Model(#[from] cotrain_model::ModelError),
+    /// A vLLM engine could not be started or used (`serve --engine vllm`).
+    #[error(transparent)]
+    Engine(#[from] crate::vllm::EngineError),
     /// A failure inside the worker that is not the client's fault.
     #[error("internal error: {0}")]
     Internal(String),
@@ -77,6 +80,7 @@ impl WorkerError {
             Self::StreamBroken(_) => Code::Aborted,
             Self::Unavailable(_) => Code::Unavailable,
             Self::Model(cotrain_model::ModelError::InvalidRequest(_)) => Code::InvalidArgument,
+            Self::Engine(_) => Code::Unavailable,
             Self::Model(_) | Self::Internal(_) => Code::Internal,
         }
     }

@@ -16,7 +16,7 @@ use tracing::info;
 
 use crate::metrics::Metrics;
 use crate::service::RolloutService;
-use crate::worker::{EngineThreads, Worker, WorkerConfig};
+use crate::worker::{EngineKind, EngineThreads, Worker, WorkerConfig};
 
 /// Largest gRPC message accepted or sent (weight chunks, big generate batches).
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
@@ -127,6 +127,40 @@ pub struct ServeArgs {
     /// the host of the URL).
     #[arg(long, value_name = "NAME")]
     pub tls_domain: Option<String>,
+    /// What generates: `cotrain` (its own engine, in this process; the default and the fastest on
+    /// CPUs) or `vllm` (a vLLM engine per model, its own process, supervised by the worker; the
+    /// engine for GPUs). vLLM comes from COTRAIN_VLLM_PYTHON or `COTRAIN_VLLM=cpu|system make setup`.
+    #[arg(long, default_value = "cotrain", value_parser = ["cotrain", "vllm"])]
+    pub engine: String,
+    /// With --engine vllm: the Python interpreter that has vLLM (default: COTRAIN_VLLM_PYTHON, else
+    /// the one `make setup` recorded).
+    #[arg(long, value_name = "PATH")]
+    pub vllm_python: Option<std::path::PathBuf>,
+    /// With --engine vllm on GPUs: the fraction of its GPU's memory each engine may take.
+    #[arg(long, value_name = "FRACTION")]
+    pub gpu_memory_utilization: Option<f64>,
+    /// With --engine vllm on GPUs: GPUs per engine (tensor parallelism; the engine takes its
+    /// agent's GPU and the ones after it).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub tensor_parallel_size: Option<u32>,
+    /// With --engine vllm: the longest sequence (prompt and completion) an engine serves (default:
+    /// the model's context, at most 8192).
+    #[arg(long, value_name = "TOKENS")]
+    pub max_model_len: Option<usize>,
+    /// With --engine vllm on a CPU: GiB of KV cache per engine.
+    #[arg(long, default_value_t = 2, value_name = "GIB")]
+    pub vllm_kv_cache_gib: u32,
+    /// With --engine vllm: one more argument for every engine, as vLLM's CLI spells it
+    /// (repeatable, e.g. `--vllm-arg=--enable-prefix-caching`).
+    #[arg(long = "vllm-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub vllm_args: Vec<String>,
+    /// With --engine vllm: how long an engine may take to start.
+    #[arg(long, default_value_t = 900, value_name = "SECS")]
+    pub vllm_start_timeout_secs: u64,
+    /// With --engine vllm: the largest difference of a probe log-prob from the learner's that a
+    /// weight update may show (default: 0.01 for f32 engines, 0.25 for bf16/f16).
+    #[arg(long, value_name = "NATS")]
+    pub probe_tolerance: Option<f32>,
     /// With --register: the gRPC address the learner should dial (default: the bound address, with
     /// 0.0.0.0 replaced by this host's address on the route to the learner).
     #[arg(long, value_name = "HOST:PORT", requires = "register")]
@@ -214,7 +248,30 @@ impl ServeArgs {
             max_queued_requests: self.max_queued_requests,
             engine_threads: self.threads_per_engine.map_or(EngineThreads::Default, |n| EngineThreads::Fixed(n as usize)),
             verifiers: self.verifiers.clone(),
+            engine: self.engine_kind()?,
         })
+    }
+
+    /// `--engine` with its options; a vLLM that cannot be used stops here, naming what to set.
+    fn engine_kind(&self) -> anyhow::Result<EngineKind> {
+        if self.engine != "vllm" {
+            return Ok(EngineKind::Cotrain);
+        }
+        let python = self.vllm_python.clone().or_else(crate::vllm::find_python).ok_or_else(|| {
+            crate::vllm::EngineError::Missing("no interpreter with vLLM is set up (COTRAIN_VLLM_PYTHON is unset and no `make setup` recorded one)".into())
+        })?;
+        let version = crate::vllm::check_python(&python)?;
+        tracing::info!(python = %python.display(), version, "vllm found");
+        Ok(EngineKind::Vllm(crate::vllm::VllmOptions {
+            python,
+            gpu_memory_utilization: self.gpu_memory_utilization,
+            tensor_parallel_size: self.tensor_parallel_size,
+            max_model_len: self.max_model_len,
+            cpu_kv_cache_gib: self.vllm_kv_cache_gib,
+            extra_args: self.vllm_args.clone(),
+            start_timeout: std::time::Duration::from_secs(self.vllm_start_timeout_secs),
+            probe_tolerance: self.probe_tolerance,
+        }))
     }
 }
 

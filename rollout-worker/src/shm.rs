@@ -126,7 +126,7 @@ mod tests {
     }
 
     fn assembler(tensor_count: u32, partial: bool) -> UpdateAssembler {
-        let header = UpdateHeader { agent: "x".into(), version: 1, tensor_count, partial, lora_scaling: 0.0 };
+        let header = UpdateHeader { agent: "x".into(), version: 1, tensor_count, partial, lora_scaling: 0.0, probe: None };
         UpdateAssembler::new(header, params(), 0).unwrap()
     }
 
@@ -192,7 +192,7 @@ mod tests {
         let msg = f.message();
         assert_eq!((msg.size, msg.tensors.len()), (24, 1));
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 24, "the old tail must be cut");
-        let header = UpdateHeader { agent: "x".into(), version: 2, tensor_count: 1, partial: true, lora_scaling: 0.0 };
+        let header = UpdateHeader { agent: "x".into(), version: 2, tensor_count: 1, partial: true, lora_scaling: 0.0, probe: None };
         let done = read_update(&policy(dir.path()), &msg, UpdateAssembler::new(header, params(), 1).unwrap()).unwrap();
         let mut v = vec![0u8; 24];
         done.loaded[0].1.copy_data_u8(&mut v, 6);

@@ -55,6 +55,8 @@ pub struct CompleteUpdate {
     /// Set for an adapter update: the tensors are LoRA pairs, to be merged into the model's base
     /// weights with this scale (`UpdateHeader.lora_scaling`); `None` for parameters.
     pub lora_scaling: Option<f64>,
+    /// The sender's probe of the weights (`UpdateHeader.probe`), for engines that check it.
+    pub probe: Option<crate::probe::Probe>,
 }
 
 impl CompleteUpdate {
@@ -422,6 +424,11 @@ impl UpdateAssembler {
             loaded,
             bytes_received: self.bytes_received,
             lora_scaling: self.lora_scaling,
+            probe: self.header.probe.map(|p| crate::probe::Probe {
+                token_ids: p.token_ids,
+                logprobs: p.logprobs,
+                tolerance: p.tolerance,
+            }),
         })
     }
 }
@@ -459,7 +466,7 @@ mod tests {
     }
 
     fn header(version: u64, tensor_count: u32, partial: bool) -> UpdateHeader {
-        UpdateHeader { agent: "x".into(), version, tensor_count, partial, lora_scaling: 0.0 }
+        UpdateHeader { agent: "x".into(), version, tensor_count, partial, lora_scaling: 0.0, probe: None }
     }
 
     fn chunk(name: &str, shape: Vec<i64>, offset: u64, data: Vec<u8>) -> TensorChunk {
@@ -552,7 +559,7 @@ mod tests {
     }
 
     fn adapter_header(tensor_count: u32, lora_scaling: f64) -> UpdateHeader {
-        UpdateHeader { agent: "x".into(), version: 1, tensor_count, partial: false, lora_scaling }
+        UpdateHeader { agent: "x".into(), version: 1, tensor_count, partial: false, lora_scaling, probe: None }
     }
 
     fn zeros(name: &str, shape: Vec<i64>) -> TensorChunk {

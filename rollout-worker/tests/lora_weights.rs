@@ -44,7 +44,7 @@ fn adapter(params: &[ParameterInfo], seed: u32, zero_b: bool) -> Vec<UpdatedTens
 
 fn adapter_header(version: u64) -> UpdateHeader {
     // `tensor_count` is set by the pool.
-    UpdateHeader { agent: AGENT.into(), version, tensor_count: 0, partial: true, lora_scaling: SCALING }
+    UpdateHeader { agent: AGENT.into(), version, tensor_count: 0, partial: true, lora_scaling: SCALING, probe: None }
 }
 
 /// One greedy sample of [`PROMPT`], with its log-probs.
@@ -211,7 +211,7 @@ async fn an_adapter_group_serves_each_agent_unmerged_on_one_base() {
         .filter(|p| p.name.ends_with("q_proj.weight"))
         .map(|p| UpdatedTensor { name: p.name.clone(), dtype: WireDType::F32, shape: p.shape.clone(), data: random_f32_bytes(p.shape.iter().product::<i64>() as usize, 3) })
         .collect();
-    let header = UpdateHeader { agent: "carol".into(), version: 1, tensor_count: full.len() as u32, partial: true, lora_scaling: 0.0 };
+    let header = UpdateHeader { agent: "carol".into(), version: 1, tensor_count: full.len() as u32, partial: true, lora_scaling: 0.0, probe: None };
     let e = c.update_weights(update_stream(header, Arc::new(full), 1 << 16)).await.unwrap_err();
     assert!(e.message().contains("takes adapter updates"), "{}", e.message());
 

@@ -57,6 +57,7 @@ fn header(version: u64, tensor_count: u32, partial: bool) -> UpdateHeader {
         tensor_count,
         partial,
         lora_scaling: 0.0,
+        probe: None,
     }
 }
 

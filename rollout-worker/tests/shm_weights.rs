@@ -52,7 +52,7 @@ fn shm_file(tensors: &[UpdatedTensor], version: u64) -> ShmFile {
 }
 
 async fn push_shm(c: &mut RolloutClient<Channel>, version: u64, msg: ShmWeights) -> Result<UpdateWeightsResponse, Status> {
-    let header = UpdateHeader { agent: AGENT.into(), version, tensor_count: msg.tensors.len() as u32, partial: false, lora_scaling: 0.0 };
+    let header = UpdateHeader { agent: AGENT.into(), version, tensor_count: msg.tensors.len() as u32, partial: false, lora_scaling: 0.0, probe: None };
     let msgs =
         vec![UpdateWeightsRequest { item: Some(Item::Header(header)) }, UpdateWeightsRequest { item: Some(Item::Shm(msg)) }];
     c.update_weights(futures::stream::iter(msgs)).await.map(|r| r.into_inner())
@@ -94,7 +94,7 @@ async fn shm_update_equals_the_same_update_over_grpc_and_refusals_keep_the_old_w
     let e = push_shm(&mut a, 1, wrong).await.unwrap_err();
     assert!(e.message().contains("does not match the model's"), "{}", e.message());
     // A chunk after the shm message is refused.
-    let header = UpdateHeader { agent: AGENT.into(), version: 1, tensor_count: tensors.len() as u32, partial: false, lora_scaling: 0.0 };
+    let header = UpdateHeader { agent: AGENT.into(), version: 1, tensor_count: tensors.len() as u32, partial: false, lora_scaling: 0.0, probe: None };
     let mut mixed: Vec<UpdateWeightsRequest> = update_stream(header, tensors.clone(), 1 << 20).collect().await;
     mixed.insert(1, UpdateWeightsRequest { item: Some(Item::Shm(file.message())) });
     let e = a.update_weights(futures::stream::iter(mixed)).await.unwrap_err();
@@ -115,7 +115,7 @@ async fn shm_update_equals_the_same_update_over_grpc_and_refusals_keep_the_old_w
     assert!(!path.exists(), "the weight file outlived its guard");
 
     // The same weights over gRPC chunks on the other worker give the same samples.
-    let header = UpdateHeader { agent: AGENT.into(), version: 1, tensor_count: tensors.len() as u32, partial: false, lora_scaling: 0.0 };
+    let header = UpdateHeader { agent: AGENT.into(), version: 1, tensor_count: tensors.len() as u32, partial: false, lora_scaling: 0.0, probe: None };
     b.update_weights(update_stream(header, tensors.clone(), 1 << 16)).await.expect("grpc update");
     let after_shm = a.generate(probe.clone()).await.unwrap().into_inner();
     let after_grpc = b.generate(probe).await.unwrap().into_inner();

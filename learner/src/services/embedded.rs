@@ -136,6 +136,7 @@ impl EmbeddedRollout {
             engine_threads,
             verifiers,
             lora_modules: Vec::new(),
+            engine: Default::default(),
             agent_devices: Vec::new(),
         };
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");

@@ -87,6 +87,14 @@ pub struct UpdateStats {
 }
 
 /// See the module docs.
+/// The sentence every weight push is probed with: any ordinary text shows a wrong tensor, and a
+/// fixed one keeps the figures comparable between runs.
+pub const PROBE_TEXT: &str = "Before sampling from new weights, each rollout worker scores this sentence and compares \
+     its log-probs with the learner's: 1, 2, 3 and done.";
+
+/// Most probe tokens (one short forward).
+const PROBE_TOKENS: usize = 32;
+
 pub struct Policy {
     /// The agent name the rollout workers serve this policy under.
     pub worker_agent: String,
@@ -209,6 +217,17 @@ impl Policy {
     /// `lora_A`/`lora_B` pairs. What pushes and checkpoints carry.
     pub fn parameters(&self) -> BTreeMap<String, Tensor> {
         self.trained_vs().variables().into_iter().collect()
+    }
+
+    /// The policy's log-probs of [`PROBE_TEXT`] under its current weights (with its adapter, if
+    /// any): what a worker's engine must reproduce after loading a push of them.
+    pub fn weight_probe(&self) -> Result<cotrain_proto::rollout::WeightProbe, TrainError> {
+        let mut ids = self.model.tokenizer.encode(PROBE_TEXT, false).map_err(|e| TrainError::Model(format!("probe text: {e}")))?;
+        ids.truncate(PROBE_TOKENS);
+        let _no_grad = tch::no_grad_guard();
+        let logprobs = cotrain_model::logprobs::sequence_logprobs(&self.model.model, &ids)
+            .map_err(|e| TrainError::Model(format!("probe log-probs of `{}`: {e}", self.worker_agent)))?;
+        Ok(cotrain_proto::rollout::WeightProbe { token_ids: ids, logprobs, tolerance: 0.0 })
     }
 
     /// The LoRA scale (alpha / r) the workers merge a pushed adapter with; `None` without LoRA.

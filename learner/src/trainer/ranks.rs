@@ -61,17 +61,20 @@ impl Trainer {
                 *v = served.max(p.wire_version) + 1;
             }
             let params: Vec<_> = self.s.policies.iter().map(|p| p.parameters()).collect();
+            let probes = self.s.policies.iter().map(|p| p.weight_probe()).collect::<Result<Vec<_>, _>>()?;
             let updates: Vec<WeightPush> = self
                 .s
                 .policies
                 .iter()
                 .zip(&versions)
                 .zip(&params)
-                .map(|((p, &version), params)| WeightPush {
+                .zip(&probes)
+                .map(|(((p, &version), params), probe)| WeightPush {
                     agent: &p.worker_agent,
                     version,
                     params,
                     lora_scaling: p.lora_scaling(),
+                    probe: Some(probe),
                 })
                 .collect();
             self.s.rollout.push_weights_all(&updates)?;

@@ -302,11 +302,13 @@ impl Trainer {
                     );
                     for p in &self.s.policies {
                         let params = p.parameters();
+                        let probe = p.weight_probe()?;
                         let push = crate::sources::WeightPush {
                             agent: &p.worker_agent,
                             version: p.wire_version,
                             params: &params,
                             lora_scaling: p.lora_scaling(),
+                            probe: Some(&probe),
                         };
                         self.s.rollout.push_weights_all(&[push])?;
                     }

@@ -229,12 +229,14 @@ impl Trainer {
         if self.dist.is_root() && !changed.is_empty() {
             // Every changed policy at once: the pushes overlap where the source can.
             let params: Vec<_> = changed.iter().map(|&pi| self.s.policies[pi].parameters()).collect();
+            let probes = changed.iter().map(|&pi| self.s.policies[pi].weight_probe()).collect::<Result<Vec<_>, _>>()?;
             let updates: Vec<WeightPush> = changed
                 .iter()
                 .zip(&params)
-                .map(|(&pi, params)| {
+                .zip(&probes)
+                .map(|((&pi, params), probe)| {
                     let p = &self.s.policies[pi];
-                    WeightPush { agent: &p.worker_agent, version: p.wire_version + 1, params, lora_scaling: p.lora_scaling() }
+                    WeightPush { agent: &p.worker_agent, version: p.wire_version + 1, params, lora_scaling: p.lora_scaling(), probe: Some(probe) }
                 })
                 .collect();
             self.s.rollout.push_weights_all(&updates)?;

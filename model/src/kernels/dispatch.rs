@@ -102,7 +102,7 @@ pub fn fused_decode() -> bool {
 
 /// cotrain's cache directory, as `scripts/setup.sh` names it: `$COTRAIN_CACHE`, else
 /// `$XDG_CACHE_HOME/cotrain`, else `~/.cache/cotrain`.
-fn cache_dir() -> Option<PathBuf> {
+pub fn cache_dir() -> Option<PathBuf> {
     let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
     var("COTRAIN_CACHE")
         .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("cotrain")))

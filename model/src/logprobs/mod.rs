@@ -125,6 +125,20 @@ impl Default for LogProbOptions {
     }
 }
 
+/// `log p(tokens[i + 1] | tokens[..=i])` at every position of one sequence, without gradients:
+/// the probe a weight push carries (`UpdateHeader.probe`), so that an engine that loaded the
+/// pushed weights can show that it computes the same.
+pub fn sequence_logprobs(model: &CausalLm, tokens: &[u32]) -> Result<Vec<f32>> {
+    if tokens.len() < 2 {
+        return Err(crate::ModelError::InvalidBatch(format!("a probe needs two tokens or more, got {}", tokens.len())));
+    }
+    let seq = Sequence { prompt: tokens[..1].to_vec(), completion: tokens[1..].to_vec() };
+    let opts = LogProbOptions { with_grad: false, ..LogProbOptions::default() };
+    let out = completion_logprobs(model, &[seq], &opts)?;
+    let flat = out.logprobs.to_kind(tch::Kind::Float).to_device(tch::Device::Cpu);
+    Ok(Vec::<f32>::try_from(&flat)?)
+}
+
 /// Computes per-token log-probs and entropies of each sequence's completion (see the module
 /// docs for the memory behaviour, the shared prompts and the layout).
 pub fn completion_logprobs(

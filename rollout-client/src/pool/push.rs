@@ -315,7 +315,7 @@ mod tests {
             UpdatedTensor { name: "a".into(), dtype: WireDType::Bf16, shape: vec![5], data: vec![1; 10] },
             UpdatedTensor { name: "b".into(), dtype: WireDType::F32, shape: vec![1], data: vec![2; 4] },
         ]);
-        let header = UpdateHeader { agent: "x".into(), version: 1, tensor_count: 2, partial: true, lora_scaling: 0.0 };
+        let header = UpdateHeader { agent: "x".into(), version: 1, tensor_count: 2, partial: true, lora_scaling: 0.0, probe: None };
         let msgs: Vec<UpdateWeightsRequest> = futures::executor::block_on(update_stream(header, tensors, 4).collect());
         assert_eq!(msgs.len(), 1 + 3 + 1);
         assert!(matches!(msgs[0].item, Some(Item::Header(_))));

@@ -403,7 +403,7 @@ mod tests {
     }
 
     fn header(version: u64, partial: bool, lora_scaling: f64) -> UpdateHeader {
-        UpdateHeader { agent: "a".into(), version, tensor_count: 0, partial, lora_scaling }
+        UpdateHeader { agent: "a".into(), version, tensor_count: 0, partial, lora_scaling, probe: None }
     }
 
     fn kept(r: &Replay) -> (UpdateHeader, Vec<(String, u8)>) {

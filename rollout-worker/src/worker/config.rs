@@ -42,6 +42,18 @@ pub struct WorkerConfig {
     /// `(agent, directory)`: PEFT adapter directories loaded at start as those agents' adapters
     /// (agents of an adapter group; `serve --lora-module`), at version 1.
     pub lora_modules: Vec<(String, std::path::PathBuf)>,
+    /// What generates: cotrain's own engine, or a vLLM engine per model (`serve --engine vllm`).
+    pub engine: EngineKind,
+}
+
+/// The engine that generates for a worker's models.
+#[derive(Clone, Debug, Default)]
+pub enum EngineKind {
+    /// cotrain's engine, in this process (the default; no Python).
+    #[default]
+    Cotrain,
+    /// A vLLM engine per model, each its own process (`serve --engine vllm`).
+    Vllm(crate::vllm::VllmOptions),
 }
 
 impl WorkerConfig {
@@ -92,6 +104,7 @@ mod tests {
             engine_threads: EngineThreads::Default,
             verifiers: Vec::new(),
             lora_modules: Vec::new(),
+            engine: EngineKind::Cotrain,
         };
         assert_eq!(config.device_for(&["c".into()]).unwrap(), Device::Cuda(0));
         let e = config

@@ -37,7 +37,7 @@ use tch::Device;
 pub use crate::batcher::{EngineThreads, StreamToken};
 use crate::error::{Result, WorkerError};
 use crate::metrics::Metrics;
-pub use config::{MAX_TEMPERATURE, WorkerConfig};
+pub use config::{EngineKind, MAX_TEMPERATURE, WorkerConfig};
 pub use job::{
     CompletionOutput, GenerateJob, GenerateOutput, ModelStatus, ParameterShape, PromptInput, SampleOutput,
     prompt_seed,
@@ -181,16 +181,19 @@ impl Worker {
             };
             let device = config.device_for(names)?;
             let base = slot::shared_base(&mut bases, spec, device, &config);
-            let slot = slot::start_model(
-                spec,
-                &id,
-                names.clone(),
-                *adapters,
-                device,
-                &config,
-                &metrics,
-                base,
-            )?;
+            let slot = match &config.engine {
+                EngineKind::Cotrain => slot::start_model(spec, &id, names.clone(), *adapters, device, &config, &metrics, base)?,
+                EngineKind::Vllm(options) => {
+                    if *adapters {
+                        return Err(WorkerError::invalid(
+                            "adapters",
+                            "--engine vllm does not serve unmerged adapters yet (--adapters, --lora-module); \
+                             without --adapters, adapter updates are merged into each agent's weights and served",
+                        ));
+                    }
+                    slot::start_vllm_model(spec, &id, names.clone(), device, &config, options, &metrics, base)?
+                }
+            };
             for n in names {
                 agents.insert(n.clone(), models.len());
             }

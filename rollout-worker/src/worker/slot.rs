@@ -265,3 +265,75 @@ pub(super) fn start_model(
     })
 }
 
+
+/// A model served by a vLLM engine (`serve --engine vllm`): the worker loads it only to read its
+/// tokenizer, chat template and parameter shapes (and to write a Hugging Face directory when the
+/// spec is a GGUF file or the embedded default), then hands generation to the engine.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn start_vllm_model(
+    spec: &str,
+    id: &str,
+    agents: Vec<String>,
+    device: Device,
+    config: &WorkerConfig,
+    options: &crate::vllm::VllmOptions,
+    metrics: &Metrics,
+    base: Arc<BaseWeights>,
+) -> Result<ModelSlot> {
+    let started = std::time::Instant::now();
+    // On the CPU, in the worker's dtype: the weights are dropped once the directory exists.
+    let opts = LoadOptions { device: Device::Cpu, kind: config.kind };
+    let loaded = loader::load(spec, &opts)?;
+    let cfg = loaded.model.config().clone();
+    let named = loaded.named_parameters();
+    let params: HashMap<String, Vec<i64>> = named.iter().map(|(k, t)| (k.clone(), t.size())).collect();
+    let parameter_count = named.values().map(|t| t.numel() as u64).sum();
+    drop(named);
+    let chat_template = match &loaded.chat_template {
+        Some(t) => Some(
+            ChatTemplate::new(t.source().to_string(), t.bos_token(), t.eos_token())
+                .map_err(|e| WorkerError::Internal(format!("chat template of `{spec}`: {e}")))?,
+        ),
+        None => None,
+    };
+    let tokenizer = loaded.tokenizer.clone();
+    let model_dir = crate::vllm::model_dir(spec, &loaded)?;
+    drop(loaded);
+    let launch = crate::vllm::LaunchSpec::new(options, model_dir, config.kind, device, &cfg, config.max_batch_size)?;
+    let context_length = launch.max_model_len;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let state = Arc::new(LoopState::default());
+    for a in &agents {
+        metrics.policy_version.with_label_values(&[a.as_str()]).set(0);
+    }
+    let thread = crate::vllm::engine_loop::VllmLoop::start(
+        launch,
+        id.to_string(),
+        agents.clone(),
+        cfg.clone(),
+        rx,
+        state.clone(),
+        metrics.clone(),
+    )?;
+    info!(model = id, ?agents, parameters = parameter_count, engine = "vllm",
+        start_ms = started.elapsed().as_millis() as u64, "model loaded");
+    Ok(ModelSlot {
+        id: id.to_string(),
+        agents,
+        tokenizer,
+        chat_template,
+        context_length,
+        vocab_size: cfg.vocab_size,
+        parameter_count,
+        params,
+        kind: config.kind,
+        // Updates are staged in host memory: the engine reads them from a file.
+        device: Device::Cpu,
+        tx,
+        state,
+        adapters: false,
+        base,
+        staging: Staging::default(),
+        thread: Some(thread),
+    })
+}

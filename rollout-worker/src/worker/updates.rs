@@ -38,6 +38,7 @@ impl Worker {
         let slot = self.slot(&update.agent)?;
         let (kind, device) = (slot.kind, slot.device);
         let version = update.version;
+        let probe = update.probe.clone();
         if let Some(id) = slot.adapter_id(&update.agent) {
             // An adapter slot keeps the adapter as sent (in the model's dtype) and serves it unmerged.
             let Some(scaling) = update.lora_scaling else {
@@ -59,6 +60,7 @@ impl Worker {
                         tensors,
                         keep: None,
                         adapter: Some((id, scaling)),
+                        probe,
                     },
                     reply,
                 })
@@ -101,6 +103,7 @@ impl Worker {
                     tensors,
                     keep,
                     adapter: None,
+                    probe,
                 },
                 reply,
             })

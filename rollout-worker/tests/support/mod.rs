@@ -81,6 +81,52 @@ impl TinyModel {
         Self { dir }
     }
 
+    /// A small random model vLLM's CPU attention can run (its kernels need a head size of 32 or
+    /// more; the committed fixtures have 16): `family` (llama or qwen2) with 2 layers, hidden 128,
+    /// two heads of 64, one KV head, vocab 256, weights drawn from `seed`, the fixtures' byte-level
+    /// tokenizer and chat template, and the tokenizer_config.json transformers wants.
+    pub fn vllm_sized(family: &str, seed: i64) -> Self {
+        let m = Self::new(family);
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(m.path().join("config.json")).unwrap()).unwrap();
+        for (k, v) in [("hidden_size", 128), ("intermediate_size", 256), ("num_attention_heads", 2), ("num_key_value_heads", 1), ("head_dim", 64)] {
+            config[k] = json!(v);
+        }
+        std::fs::write(m.path().join("config.json"), config.to_string()).unwrap();
+        tch::manual_seed(seed);
+        let (h, f, v, kv) = (128i64, 256i64, 256i64, 64i64);
+        let w = |shape: &[i64]| tch::Tensor::randn(shape, (tch::Kind::Float, tch::Device::Cpu)) * 0.1;
+        let mut tensors = vec![
+            ("model.embed_tokens.weight".to_string(), w(&[v, h])),
+            ("model.norm.weight".to_string(), w(&[h]) + 1.0),
+            ("lm_head.weight".to_string(), w(&[v, h])),
+        ];
+        for l in 0..2 {
+            let p = format!("model.layers.{l}");
+            for (name, shape) in [
+                ("self_attn.q_proj.weight", vec![h, h]),
+                ("self_attn.k_proj.weight", vec![kv, h]),
+                ("self_attn.v_proj.weight", vec![kv, h]),
+                ("self_attn.o_proj.weight", vec![h, h]),
+                ("mlp.gate_proj.weight", vec![f, h]),
+                ("mlp.up_proj.weight", vec![f, h]),
+                ("mlp.down_proj.weight", vec![h, f]),
+            ] {
+                tensors.push((format!("{p}.{name}"), w(&shape)));
+            }
+            tensors.push((format!("{p}.input_layernorm.weight"), w(&[h]) + 1.0));
+            tensors.push((format!("{p}.post_attention_layernorm.weight"), w(&[h]) + 1.0));
+            if family == "qwen2" {
+                for (name, n) in [("q_proj", h), ("k_proj", kv), ("v_proj", kv)] {
+                    tensors.push((format!("{p}.self_attn.{name}.bias"), w(&[n])));
+                }
+            }
+        }
+        tch::Tensor::write_safetensors(&tensors, m.path().join("model.safetensors")).unwrap();
+        std::fs::write(m.path().join("tokenizer_config.json"), r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#).unwrap();
+        m
+    }
+
     pub fn path(&self) -> &Path {
         self.dir.path()
     }

@@ -43,6 +43,8 @@ pub struct PoolRollout {
     /// The element type weights travel in (`rollout.weight_dtype`).
     wire: WireDType,
     last_push: Option<PushStats>,
+    /// Each agent's probe of the weights being pushed (`WeightPush::probe`), for its headers.
+    probes: HashMap<String, pb::WeightProbe>,
 }
 
 impl PoolRollout {
@@ -130,6 +132,7 @@ impl PoolRollout {
             shm_pushes: 0,
             wire: WireDType::F32,
             last_push: None,
+            probes: HashMap::new(),
         })
     }
 
@@ -308,6 +311,8 @@ impl RolloutSource for PoolRollout {
         version: u64,
         params: &BTreeMap<String, Tensor>,
     ) -> Result<(), TrainError> {
+        // A push without a probe: a probe of earlier weights must not go with it.
+        self.probes.remove(agent);
         self.push(agent, version, params, None)
     }
 
@@ -315,6 +320,12 @@ impl RolloutSource for PoolRollout {
     /// for one agent, one push after another.
     fn push_weights_all(&mut self, updates: &[WeightPush<'_>]) -> Result<(), TrainError> {
         let started = std::time::Instant::now();
+        for u in updates {
+            match u.probe {
+                Some(p) => self.probes.insert(u.agent.to_string(), p.clone()),
+                None => self.probes.remove(u.agent),
+            };
+        }
         let distinct = updates
             .iter()
             .map(|u| u.agent)

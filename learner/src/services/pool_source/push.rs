@@ -29,7 +29,7 @@ impl PoolRollout {
         skip: &HashSet<String>,
     ) -> Result<(), TrainError> {
         let tensors = Arc::new(wire_tensors(params, self.wire));
-        let header = update_header(agent, version, lora_scaling);
+        let header = self.update_header(agent, version, lora_scaling);
         let answers = self
             .rt
             .block_on(self.pool.push_update_except(header, tensors, skip));
@@ -86,7 +86,7 @@ impl PoolRollout {
         self.shm_files.insert(agent.to_string(), file);
         let answers = self.rt.block_on(
             self.pool
-                .push_update_shm(update_header(agent, version, lora_scaling), &message),
+                .push_update_shm(self.update_header(agent, version, lora_scaling), &message),
         );
         debug!(
             agent,
@@ -301,7 +301,7 @@ impl PoolRollout {
             .block_on(futures::future::join_all(announced.iter().map(
                 |(i, message)| {
                     pool.push_update_shm(
-                        update_header(updates[*i].agent, updates[*i].version, None),
+                        self.update_header(updates[*i].agent, updates[*i].version, None),
                         message,
                     )
                 },
@@ -345,16 +345,25 @@ impl PoolRollout {
     }
 }
 
-/// The header of a push of `agent` as `version`: a full update of every parameter, or, with
-/// `lora_scaling`, an adapter (a partial update the workers merge into their base weights).
-/// `tensor_count` is left to the pool, which counts the tensors it sends.
-fn update_header(agent: &str, version: u64, lora_scaling: Option<f64>) -> pb::UpdateHeader {
-    pb::UpdateHeader {
-        agent: agent.to_string(),
-        version,
-        tensor_count: 0,
-        partial: lora_scaling.is_some(),
-        lora_scaling: lora_scaling.unwrap_or(0.0),
+impl PoolRollout {
+    /// The header of a push of `agent` as `version`: a full update of every parameter, or, with
+    /// `lora_scaling`, an adapter (a partial update the workers merge into their base weights),
+    /// with the agent's probe. `tensor_count` is left to the pool, which counts the tensors it sends.
+    fn update_header(&self, agent: &str, version: u64, lora_scaling: Option<f64>) -> pb::UpdateHeader {
+        let probe = self.probes.get(agent).map(|p| pb::WeightProbe {
+            // Weights rounded to bf16 on the wire move the log-probs by up to ~0.1 nat: the
+            // half-precision tolerance, not the f32 one.
+            tolerance: if p.tolerance == 0.0 && self.wire != WireDType::F32 { 0.25 } else { p.tolerance },
+            ..p.clone()
+        });
+        pb::UpdateHeader {
+            agent: agent.to_string(),
+            version,
+            tensor_count: 0,
+            partial: lora_scaling.is_some(),
+            lora_scaling: lora_scaling.unwrap_or(0.0),
+            probe,
+        }
     }
 }
 

@@ -1,0 +1,507 @@
+//! The loop of one model served by vLLM: it takes the same commands as the cotrain engine's loop
+//! (`crate::batcher`) and keeps the same promises about versions, on a thread of its own with a
+//! small async runtime for the engine calls.
+//!
+//! - Jobs: every sample of a job is one completion request (its own seed), sent concurrently;
+//!   vLLM batches them with everything else in flight.
+//! - Updates: when one is waiting, new jobs wait; once the jobs already sent have finished on the
+//!   old weights, the update is written as a safetensors file on a node-local tmpfs and reloaded
+//!   in place, the prefix cache is dropped, the learner's probe is checked, and only then does the
+//!   version change and do the waiting jobs go out. So no sample mixes two versions and each
+//!   reports the version that produced it. A probe that fails puts the previous weights back and
+//!   refuses the version.
+//! - Restarts: an engine that exits is started again and given every tensor pushed since the
+//!   worker started (the loop keeps their latest values) before any job is sent to it; the jobs it
+//!   was serving are sent again, with the same seeds.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use cotrain_model::config::ModelConfig;
+use cotrain_model::engine::{Request, RequestHandle, Sample};
+use tch::Tensor;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
+use tracing::{error, info, warn};
+
+use super::api::{self, EngineSample, SampleRequest};
+use super::http::CallError;
+use super::process::EngineProcess;
+use super::{EngineError, LaunchSpec};
+use crate::batcher::{Command, JobOutput, LoopState, StagedUpdate, StreamToken};
+use crate::error::{Result, WorkerError};
+use crate::metrics::Metrics;
+use crate::probe::Probe;
+use crate::worker::prompt_seed;
+
+/// Longest a single sample or probe may take before the engine is considered stuck.
+const CALL_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// A job sent to the engine.
+struct Running {
+    requests: Vec<Request>,
+    version: u64,
+    reply: oneshot::Sender<Result<JobOutput>>,
+    stream: Option<mpsc::UnboundedSender<StreamToken>>,
+    abort: tokio::task::AbortHandle,
+}
+
+/// A job waiting to be sent (an update is pending, or the engine is restarting).
+struct Waiting {
+    id: u64,
+    requests: Vec<Request>,
+    reply: oneshot::Sender<Result<JobOutput>>,
+    stream: Option<mpsc::UnboundedSender<StreamToken>>,
+}
+
+/// What a job's task returns.
+type JobResult = (u64, std::result::Result<Vec<Vec<EngineSample>>, CallError>);
+
+/// Owns one engine; runs until every sender of its channel is gone.
+pub(crate) struct VllmLoop {
+    spec: LaunchSpec,
+    model_id: String,
+    agents: Vec<String>,
+    cfg: ModelConfig,
+    rx: mpsc::UnboundedReceiver<Command>,
+    state: Arc<LoopState>,
+    metrics: Metrics,
+    engine: Option<EngineProcess>,
+    version: u64,
+    /// The latest value of every tensor pushed since the start, replayed into a restarted engine.
+    current: BTreeMap<String, Tensor>,
+    /// The last probe that passed, checked again after a replay.
+    last_probe: Option<Probe>,
+    /// Where update files are written: a private directory on a node-local tmpfs.
+    weights_dir: tempfile::TempDir,
+    running: HashMap<u64, Running>,
+    tasks: JoinSet<JobResult>,
+    waiting: VecDeque<Waiting>,
+    updates: VecDeque<(StagedUpdate, oneshot::Sender<Result<u64>>)>,
+    default_tolerance: f32,
+}
+
+/// A tmpfs for update files: /dev/shm where it exists (node-local memory, no disk write), else
+/// the temporary directory.
+fn weights_tmp() -> std::io::Result<tempfile::TempDir> {
+    let shm = std::path::Path::new("/dev/shm");
+    let b = {
+        let mut b = tempfile::Builder::new();
+        b.prefix("cotrain-vllm-weights-");
+        b
+    };
+    let dir = if shm.is_dir() { b.tempdir_in(shm).or_else(|_| b.tempdir())? } else { b.tempdir()? };
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))?;
+    Ok(dir)
+}
+
+impl VllmLoop {
+    /// Starts the engine and waits until it is ready; the loop then runs on a thread of its own.
+    /// Returns the thread once the engine answered, or why it could not start.
+    pub(crate) fn start(
+        spec: LaunchSpec,
+        model_id: String,
+        agents: Vec<String>,
+        cfg: ModelConfig,
+        rx: mpsc::UnboundedReceiver<Command>,
+        state: Arc<LoopState>,
+        metrics: Metrics,
+    ) -> Result<std::thread::JoinHandle<()>> {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
+        let weights_dir = weights_tmp().map_err(|e| WorkerError::Internal(format!("a directory for weight files: {e}")))?;
+        let default_tolerance = spec.options.probe_tolerance.unwrap_or_else(|| crate::probe::default_tolerance(spec.dtype));
+        let thread = std::thread::Builder::new()
+            .name(format!("vllm-{}", agents[0]))
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(WorkerError::Internal(format!("a runtime for the engine loop: {e}"))));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let mut lp = VllmLoop {
+                        spec,
+                        model_id,
+                        agents,
+                        cfg,
+                        rx,
+                        state,
+                        metrics,
+                        engine: None,
+                        version: 0,
+                        current: BTreeMap::new(),
+                        last_probe: None,
+                        weights_dir,
+                        running: HashMap::new(),
+                        tasks: JoinSet::new(),
+                        waiting: VecDeque::new(),
+                        updates: VecDeque::new(),
+                        default_tolerance,
+                    };
+                    match lp.start_engine().await {
+                        Ok(()) => {
+                            let _ = ready_tx.send(Ok(()));
+                            lp.run().await;
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e.into()));
+                        }
+                    }
+                });
+            })
+            .map_err(|e| WorkerError::Internal(format!("cannot start the engine thread: {e}")))?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(thread),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => Err(WorkerError::Internal("the engine thread ended while starting".into())),
+        }
+    }
+
+    async fn start_engine(&mut self) -> std::result::Result<(), EngineError> {
+        if let Some(old) = self.engine.take() {
+            old.kill().await;
+        }
+        let mut engine = EngineProcess::spawn(&self.spec, &self.model_id)?;
+        engine.wait_ready(self.spec.options.start_timeout).await?;
+        self.engine = Some(engine);
+        Ok(())
+    }
+
+    fn http(&self) -> &super::http::EngineHttp {
+        self.engine.as_ref().expect("an engine while the loop runs").http()
+    }
+
+    async fn run(mut self) {
+        info!(model = %self.model_id, engine = "vllm", "engine loop started");
+        let mut watch = tokio::time::interval(Duration::from_millis(500));
+        let mut closed = false;
+        loop {
+            if closed && self.running.is_empty() && self.waiting.is_empty() && self.updates.is_empty() {
+                break;
+            }
+            tokio::select! {
+                cmd = self.rx.recv(), if !closed => match cmd {
+                    Some(cmd) => self.handle(cmd),
+                    None => closed = true,
+                },
+                Some(done) = self.tasks.join_next(), if !self.tasks.is_empty() => {
+                    if let Ok((id, result)) = done {
+                        self.finish(id, result).await;
+                    }
+                }
+                _ = watch.tick() => {
+                    self.drop_abandoned();
+                    if self.engine_exited() {
+                        self.restart().await;
+                    }
+                }
+            }
+            if !self.updates.is_empty() && self.running.is_empty() {
+                self.apply_updates().await;
+            }
+            if self.updates.is_empty() {
+                while let Some(w) = self.waiting.pop_front() {
+                    self.send(w);
+                }
+            }
+            self.publish();
+        }
+        if let Some(engine) = self.engine.take() {
+            engine.kill().await;
+        }
+        info!(model = %self.model_id, "engine loop stopped");
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit { id, requests, adapter: _, reply, stream } => {
+                let w = Waiting { id, requests, reply, stream };
+                if self.updates.is_empty() {
+                    self.send(w);
+                } else {
+                    self.waiting.push_back(w);
+                }
+            }
+            Command::Cancel { id } => {
+                if let Some(job) = self.running.remove(&id) {
+                    job.abort.abort();
+                }
+                self.waiting.retain(|w| w.id != id);
+            }
+            Command::Update { update, reply } => self.updates.push_back((update, reply)),
+        }
+    }
+
+    /// Sends every sample of a job to the engine, concurrently.
+    fn send(&mut self, w: Waiting) {
+        if w.reply.is_closed() {
+            return;
+        }
+        let http = self.http().clone();
+        let requests = w.requests.clone();
+        let abort = self.tasks.spawn(async move {
+            let mut all = Vec::with_capacity(requests.len());
+            for r in &requests {
+                let samples = (0..r.n).map(|i| {
+                    let http = http.clone();
+                    async move {
+                        let req = SampleRequest {
+                            prompt: &r.prompt,
+                            params: &r.params,
+                            stop: &r.stop,
+                            // Sample i's seed depends on the request's seed and i only, as the
+                            // cotrain engine's streams do.
+                            seed: prompt_seed(r.seed, i),
+                            top_logprobs: r.top_logprobs,
+                        };
+                        api::sample(&http, &req, CALL_TIMEOUT).await
+                    }
+                });
+                all.push(futures::future::join_all(samples));
+            }
+            let answers = futures::future::join_all(all).await;
+            let samples: std::result::Result<Vec<Vec<EngineSample>>, CallError> =
+                answers.into_iter().map(|per| per.into_iter().collect()).collect();
+            (w.id, samples)
+        });
+        self.running.insert(w.id, Running { requests: w.requests, version: self.version, reply: w.reply, stream: w.stream, abort });
+    }
+
+    async fn finish(&mut self, id: u64, result: std::result::Result<Vec<Vec<EngineSample>>, CallError>) {
+        let Some(job) = self.running.remove(&id) else { return };
+        match result {
+            Ok(samples) => {
+                let model = self.model_id.as_str();
+                let mut out = Vec::with_capacity(samples.len());
+                for (pi, (per, r)) in samples.into_iter().zip(&job.requests).enumerate() {
+                    self.metrics.prompt_tokens.with_label_values(&[model]).inc_by(r.prompt.len() as u64);
+                    let mut v = Vec::with_capacity(per.len());
+                    for (index, s) in per.into_iter().enumerate() {
+                        self.metrics.generated_tokens.with_label_values(&[model]).inc_by(s.token_ids.len() as u64);
+                        if let Some(stream) = &job.stream {
+                            for (k, (&token, &logprob)) in s.token_ids.iter().zip(&s.logprobs).enumerate() {
+                                let top = s.top_logprobs.get(k).cloned().unwrap_or_default();
+                                let _ = stream.send(StreamToken { prompt: pi, index, token, logprob, top });
+                            }
+                        }
+                        v.push(Sample {
+                            request: RequestHandle(pi as u64),
+                            index,
+                            token_ids: s.token_ids,
+                            text: s.text,
+                            logprobs: s.logprobs,
+                            top_logprobs: s.top_logprobs,
+                            finish_reason: s.finish_reason,
+                            prompt_tokens: r.prompt.len(),
+                        });
+                    }
+                    out.push(v);
+                }
+                let _ = job.reply.send(Ok(JobOutput { samples: out, policy_version: job.version }));
+            }
+            Err(CallError::Unreachable(why)) => {
+                // The engine died under the job: it goes again once the engine is back, on the
+                // same weights (the version cannot change while a job is out).
+                warn!(model = %self.model_id, job = id, why, "the engine dropped a job; it will be sent again");
+                self.waiting.push_front(Waiting { id, requests: job.requests, reply: job.reply, stream: job.stream });
+                if self.engine_exited() || self.http().get("/health", Duration::from_secs(5)).await.is_err() {
+                    self.restart().await;
+                }
+            }
+            Err(e) => {
+                let _ = job.reply.send(Err(WorkerError::Internal(format!("vllm engine: {e}"))));
+            }
+        }
+    }
+
+    fn drop_abandoned(&mut self) {
+        let gone: Vec<u64> = self.running.iter().filter(|(_, j)| j.reply.is_closed()).map(|(&id, _)| id).collect();
+        for id in gone {
+            if let Some(job) = self.running.remove(&id) {
+                job.abort.abort();
+            }
+        }
+        self.waiting.retain(|w| !w.reply.is_closed());
+    }
+
+    fn engine_exited(&mut self) -> bool {
+        match self.engine.as_mut() {
+            Some(e) => match e.exited() {
+                Some(status) => {
+                    error!(model = %self.model_id, %status, "the vllm engine exited");
+                    true
+                }
+                None => false,
+            },
+            None => true,
+        }
+    }
+
+    /// Starts the engine again and replays the current weights, until it works. Jobs that were
+    /// out are sent again by the caller; nothing is sent meanwhile.
+    async fn restart(&mut self) {
+        // Jobs still out on the dead engine go again on the new one.
+        let ids: Vec<u64> = self.running.keys().copied().collect();
+        for id in ids {
+            let job = self.running.remove(&id).expect("listed");
+            job.abort.abort();
+            self.waiting.push_front(Waiting { id, requests: job.requests, reply: job.reply, stream: job.stream });
+        }
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            let started = Instant::now();
+            let result = async {
+                self.start_engine().await.map_err(|e| e.to_string())?;
+                self.replay().await
+            }
+            .await;
+            match result {
+                Ok(()) => {
+                    self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "replayed"]).inc();
+                    info!(model = %self.model_id, version = self.version, attempt,
+                        secs = started.elapsed().as_secs_f64(), "vllm engine restarted with the current weights");
+                    return;
+                }
+                Err(e) => {
+                    error!(model = %self.model_id, attempt, error = %e, "restarting the vllm engine failed, trying again");
+                    tokio::time::sleep(Duration::from_secs(u64::from(attempt.min(6)) * 5)).await;
+                }
+            }
+        }
+    }
+
+    /// Gives a fresh engine every tensor pushed so far and checks the last probe again.
+    async fn replay(&mut self) -> std::result::Result<(), String> {
+        if self.current.is_empty() {
+            return Ok(());
+        }
+        let path = self.write_file("replay", &self.current)?;
+        let loaded = api::reload_weights(self.http(), &path, CALL_TIMEOUT).await;
+        let _ = std::fs::remove_file(&path);
+        loaded.map_err(|e| format!("replaying the current weights: {e}"))?;
+        if let Some(probe) = self.last_probe.clone() {
+            let check = self.check_probe(&probe).await?;
+            if !check.passed() {
+                return Err(format!(
+                    "after the replay of v{} the probe differs by {} at position {}",
+                    self.version, check.max_abs_diff, check.position
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn write_file(&self, name: &str, tensors: &BTreeMap<String, Tensor>) -> std::result::Result<PathBuf, String> {
+        let path = self.weights_dir.path().join(format!("{name}.safetensors"));
+        cotrain_model::export::write_weights_file(&path, tensors, &self.cfg).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        Ok(path)
+    }
+
+    async fn check_probe(&self, probe: &Probe) -> std::result::Result<crate::probe::ProbeCheck, String> {
+        let engine = api::sequence_logprobs(self.http(), &probe.token_ids, CALL_TIMEOUT)
+            .await
+            .map_err(|e| format!("scoring the probe: {e}"))?;
+        Ok(probe.check(&engine, self.default_tolerance))
+    }
+
+    async fn apply_updates(&mut self) {
+        while let Some((update, reply)) = self.updates.pop_front() {
+            let result = self.apply(update).await;
+            let label = if result.is_ok() { "applied" } else { "rejected" };
+            self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), label]).inc();
+            let _ = reply.send(result);
+        }
+    }
+
+    async fn apply(&mut self, update: StagedUpdate) -> Result<u64> {
+        if update.adapter.is_some() {
+            return Err(WorkerError::BadUpdate("unmerged adapters are not served by --engine vllm".into()));
+        }
+        if update.version <= self.version {
+            return Err(WorkerError::VersionNotNewer { current: self.version, offered: update.version });
+        }
+        let started = Instant::now();
+        let tensors: BTreeMap<String, Tensor> = update.tensors.into_iter().collect();
+        let path = self.write_file(&format!("v{}", update.version), &tensors).map_err(WorkerError::BadUpdate)?;
+        let bytes = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let written = started.elapsed();
+        let loaded = api::reload_weights(self.http(), &path, CALL_TIMEOUT).await;
+        let _ = std::fs::remove_file(&path);
+        if let Err(e) = loaded {
+            // A reload that failed half-way leaves the engine in an unknown state: start it again
+            // from the weights it had.
+            warn!(model = %self.model_id, error = %e, "reload failed; restoring the previous weights");
+            self.restart().await;
+            return Err(WorkerError::BadUpdate(format!("vllm did not load v{}: {e}", update.version)));
+        }
+        if let Some(probe) = &update.probe {
+            let check = match self.check_probe(probe).await {
+                Ok(c) => c,
+                Err(e) => {
+                    self.restore().await;
+                    return Err(WorkerError::BadUpdate(format!("agent {} v{}: {e}", self.agents.join("+"), update.version)));
+                }
+            };
+            if !check.passed() {
+                self.restore().await;
+                return Err(WorkerError::BadUpdate(format!(
+                    "agent {} v{}: after loading, the engine's log-prob of probe token {} differs from the learner's \
+                     by {:.4} (tolerance {}); the previous weights (v{}) are back in place",
+                    self.agents.join("+"),
+                    update.version,
+                    check.position,
+                    check.max_abs_diff,
+                    check.tolerance,
+                    self.version
+                )));
+            }
+            info!(model = %self.model_id, version = update.version, max_abs_diff = check.max_abs_diff, "probe check passed");
+            self.last_probe = Some(probe.clone());
+        }
+        for (k, t) in tensors {
+            self.current.insert(k, t);
+        }
+        self.version = update.version;
+        self.state.policy_version.store(self.version, Ordering::SeqCst);
+        for a in &self.agents {
+            self.metrics.policy_version.with_label_values(&[a.as_str()]).set(self.version as i64);
+        }
+        info!(model = %self.model_id, version = self.version, bytes, write_ms = written.as_millis() as u64,
+            total_ms = started.elapsed().as_millis() as u64, "weights reloaded into vllm");
+        Ok(self.version)
+    }
+
+    /// Puts the weights of the current version back after an update that failed its check: the
+    /// engine reloads its model directory in place and gets every tensor pushed before (a restart
+    /// if that fails).
+    async fn restore(&mut self) {
+        let quick = async {
+            api::reload_from_model_dir(self.http(), CALL_TIMEOUT).await.map_err(|e| e.to_string())?;
+            self.replay().await
+        }
+        .await;
+        if let Err(e) = quick {
+            warn!(model = %self.model_id, error = %e, "restoring in place failed; restarting the engine");
+            self.restart().await;
+        }
+    }
+
+    fn publish(&self) {
+        let model = self.model_id.as_str();
+        let queued = self.waiting.len();
+        self.state.running_sequences.store(self.running.values().map(|j| j.requests.iter().map(|r| r.n).sum::<usize>()).sum(), Ordering::SeqCst);
+        self.state.queued_jobs.store(queued, Ordering::SeqCst);
+        self.state.pending_updates.store(self.updates.len(), Ordering::SeqCst);
+        self.metrics.queue_depth.with_label_values(&[model]).set(queued as i64);
+    }
+}
