@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::process::Command;
 use std::time::Duration;
 
-use cotrain_tests::{binaries, start_service, tiny_model_dir};
+use cotrain_tests::{binaries, start_service, tiny_word_model_dir};
 
 /// `POST path` with a JSON body to an HTTP/1.1 server; the JSON answer.
 fn post_json(addr: &str, path: &str, body: &serde_json::Value) -> serde_json::Value {
@@ -22,11 +22,48 @@ fn post_json(addr: &str, path: &str, body: &serde_json::Value) -> serde_json::Va
     serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
 }
 
+/// The tiny Llama resized to what vLLM's CPU attention runs (heads of 64; the fixture's are 16),
+/// with random weights and the tokenizer_config.json transformers wants.
+fn vllm_sized(dir: std::path::PathBuf) -> std::path::PathBuf {
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    for (k, v) in [("hidden_size", 128), ("intermediate_size", 256), ("num_attention_heads", 2), ("num_key_value_heads", 1), ("head_dim", 64)] {
+        config[k] = serde_json::json!(v);
+    }
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    tch::manual_seed(5);
+    let (h, f, v, kv) = (128i64, 256i64, 256i64, 64i64);
+    let w = |shape: &[i64]| tch::Tensor::randn(shape, (tch::Kind::Float, tch::Device::Cpu)) * 0.1;
+    let mut tensors = vec![
+        ("model.embed_tokens.weight".to_string(), w(&[v, h])),
+        ("model.norm.weight".to_string(), w(&[h]) + 1.0),
+        ("lm_head.weight".to_string(), w(&[v, h])),
+    ];
+    for l in 0..2 {
+        for (name, shape) in [
+            ("self_attn.q_proj.weight", vec![h, h]),
+            ("self_attn.k_proj.weight", vec![kv, h]),
+            ("self_attn.v_proj.weight", vec![kv, h]),
+            ("self_attn.o_proj.weight", vec![h, h]),
+            ("mlp.gate_proj.weight", vec![f, h]),
+            ("mlp.up_proj.weight", vec![f, h]),
+            ("mlp.down_proj.weight", vec![h, f]),
+        ] {
+            tensors.push((format!("model.layers.{l}.{name}"), w(&shape)));
+        }
+        for norm in ["input_layernorm", "post_attention_layernorm"] {
+            tensors.push((format!("model.layers.{l}.{norm}.weight"), w(&[h]) + 1.0));
+        }
+    }
+    tch::Tensor::write_safetensors(&tensors, dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#).unwrap();
+    dir
+}
+
 fn greedy_tokens(http: &str, model: &str) -> Vec<u64> {
     let answer = post_json(
         http,
         "/v1/completions",
-        &serde_json::json!({"model": model, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0.0,
+        &serde_json::json!({"model": model, "prompt": "Summarize: the cat sat on the mat", "max_tokens": 12, "temperature": 0.0,
                             "ignore_eos": true, "return_token_ids": true}),
     );
     answer["choices"][0]["token_ids"].as_array().unwrap_or_else(|| panic!("{answer}")).iter().map(|t| t.as_u64().unwrap()).collect()
@@ -36,8 +73,7 @@ fn greedy_tokens(http: &str, model: &str) -> Vec<u64> {
 fn learner_trains_through_vllm_workers_and_the_engine_serves_the_final_weights() {
     assert!(std::env::var_os("COTRAIN_VLLM_PYTHON").is_some(), "COTRAIN_VLLM_PYTHON is not set: run `COTRAIN_VLLM=cpu make setup`");
     let tmp = tempfile::tempdir().unwrap();
-    let model = tiny_model_dir(tmp.path()).unwrap();
-    std::fs::write(model.join("tokenizer_config.json"), r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#).unwrap();
+    let model = vllm_sized(tiny_word_model_dir(tmp.path()).unwrap());
     let reward = start_service(
         "reward-server",
         &["--grpc-addr".into(), "127.0.0.1:0".into(), "--http-addr".into(), "127.0.0.1:0".into()],
@@ -70,13 +106,13 @@ fn learner_trains_through_vllm_workers_and_the_engine_serves_the_final_weights()
     std::fs::write(
         &config,
         format!(
-            "model: {{name: '{model}', temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 4096}}\n\
-             dataset: {{name: coophumaneval, train_split: 'test[16:19]', eval_split: 'test[:2]'}}\n\
-             seed: 3\n\
-             output: {{base_dir: '{out}'}}\n\
-             magrpo:\n  num_agents: 2\n  num_generations: 2\n  max_new_tokens: 6\n  learning_rate: 0.01\n  \
-             num_train_epochs: 1\n  rollout_buffer_size: 2\n  eval_interval: 0\n  save_steps: 100\n  logging_steps: 1\n\
-             logging: {{run_name: vllm, progress: never}}\n\
+            "model: {{name: '{model}', dtype: f32, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 512}}\n\
+             dataset: {{name: tldr, train_split: 'train[:3]'}}\n\
+             seed: 5\n\
+             output: {{base_dir: '{out}', save_final_model: true}}\n\
+             magrpo:\n  num_agents: 2\n  num_generations: 3\n  max_new_tokens: 16\n  learning_rate: 0.01\n  \
+             num_train_epochs: 1\n  rollout_buffer_size: 1\n  save_steps: 100\n  logging_steps: 1\n\
+             logging: {{run_name: vllm, progress: never, plots: false}}\n\
              rollout: {{endpoints: ['http://{rollout}']}}\n\
              reward: {{endpoint: 'http://{reward}'}}\n",
             model = model.display(),
@@ -97,6 +133,7 @@ fn learner_trains_through_vllm_workers_and_the_engine_serves_the_final_weights()
     assert_eq!(lines.len(), 3, "{text}");
     let versions: Vec<f64> = lines.iter().map(|m| m["policy_version"].as_f64().unwrap()).collect();
     assert!(versions.windows(2).all(|w| w[1] == w[0] + 1.0), "a push per step: {versions:?}");
+    assert!(lines.iter().any(|m| m["grad_norm"].as_f64().unwrap() > 0.0), "the weights never changed: {text}");
 
     // The engine now serves the final weights: its greedy tokens are cotrain's on the final model.
     let final_model = run_dir.join("final_model/agent-0");
