@@ -36,6 +36,8 @@ docs: setup
 # rather than the route measured and pinned for this CPU: the seeded learning tests' thresholds were
 # set on the kernels' rounding, and a measurement taken while the suite loads the machine (and of a
 # debug build's kernels) may pin libtorch. The measured dispatch has its own unit tests.
+# vLLM's CPU build (a venv under the cache, ~4.5 GB, ~3 minutes once) for the --engine vllm tests.
+test: export COTRAIN_VLLM ?= cpu
 test: setup
 	mdbook build docs && python3 scripts/check_docs_links.py
 	$(CARGO) build --workspace --bins

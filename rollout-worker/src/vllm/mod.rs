@@ -64,6 +64,22 @@ pub struct VllmOptions {
     pub probe_tolerance: Option<f32>,
 }
 
+impl VllmOptions {
+    /// The options of `rollout-worker serve --engine vllm` with no other flag.
+    pub fn defaults(python: PathBuf) -> Self {
+        Self {
+            python,
+            gpu_memory_utilization: None,
+            tensor_parallel_size: None,
+            max_model_len: None,
+            cpu_kv_cache_gib: 2,
+            extra_args: Vec::new(),
+            start_timeout: Duration::from_secs(900),
+            probe_tolerance: None,
+        }
+    }
+}
+
 /// How to start one engine.
 #[derive(Clone, Debug)]
 pub(crate) struct LaunchSpec {

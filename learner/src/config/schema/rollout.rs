@@ -50,6 +50,12 @@ pub struct RolloutConfig {
     /// --adapters a,b`.
     #[serde(default)]
     pub lora_serving: LoraServing,
+    /// What the embedded worker generates with: `cotrain` (its own engine, in this process) or
+    /// `vllm` (a vLLM engine per agent, each its own process, as `rollout-worker serve --engine
+    /// vllm`; needs `COTRAIN_VLLM=cpu|system make setup` or COTRAIN_VLLM_PYTHON). Remote workers
+    /// choose with their own `--engine`.
+    #[serde(default)]
+    pub engine: RolloutEngine,
     /// The precision rollouts are drawn in: `auto` (the policy's `model.dtype`), `f32` or `bf16`.
     /// The embedded worker loads its models in it; remote workers are started with the matching
     /// `rollout-worker serve --dtype`. When it differs from the training precision, the loss
@@ -115,6 +121,17 @@ pub enum LoraServing {
     Merged,
     /// One base per model for all its LoRA agents, adapters applied unmerged.
     Unmerged,
+}
+
+/// `rollout.engine`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum RolloutEngine {
+    /// cotrain's engine (no Python; the fastest on CPUs).
+    #[default]
+    Cotrain,
+    /// vLLM, one engine process per agent.
+    Vllm,
 }
 
 /// `rollout.weight_dtype`.
@@ -231,6 +248,7 @@ impl Default for RolloutConfig {
             weight_transport: WeightTransport::Auto,
             weight_dtype: WeightDtype::F32,
             lora_serving: LoraServing::Merged,
+            engine: RolloutEngine::Cotrain,
             dtype: Precision::Auto,
             bf16_dot_products: false,
             wait_for_registration: false,
