@@ -7,6 +7,7 @@
 #
 #   deploy/local/cluster.sh [--workers N] [--learner-ranks N] -- <learner train args...>
 #   deploy/local/cluster.sh --workers 2 -- --config configs/demo.yaml
+#   deploy/local/cluster.sh --workers 1 --worker-arg --engine --worker-arg vllm -- --config configs/demo.yaml
 #   deploy/local/cluster.sh --workers 1 --learner-ranks 2 -- --config configs/demo.yaml --override magrpo.max_new_tokens=32
 #
 # Every process logs to $RUN_LOGS (default runs/cluster-logs/). Ctrl-C stops them all.
@@ -17,10 +18,13 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 BIN=${COTRAIN_BIN:-$ROOT/target/release}
 WORKERS=2
 RANKS=1
+WORKER_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --workers) WORKERS=$2; shift 2 ;;
     --learner-ranks) RANKS=$2; shift 2 ;;
+    # One more argument for every worker, e.g. `--worker-arg --engine --worker-arg vllm`.
+    --worker-arg) WORKER_ARGS+=("$2"); shift 2 ;;
     --model|--agents) echo "error: $1 is gone: the workers serve the config's agents (learner worker-args); change the model with -- --override model.name=MODEL" >&2; exit 2 ;;
     --) shift; break ;;
     *) echo "unknown option $1 (learner arguments go after --)" >&2; exit 2 ;;
@@ -59,7 +63,9 @@ echo "workers serve: ${agent_args[*]}"
 # Wait until a process prints its "listening grpc=... http=..." line and echo the grpc address.
 wait_listening() {
   local log=$1 name=$2 pid=$3
-  for _ in $(seq 1 600); do
+  # Up to 15 minutes: a worker on vLLM (--worker-arg --engine --worker-arg vllm) starts an engine
+  # process per model first.
+  for _ in $(seq 1 1800); do
     if line=$(grep -m1 '^listening ' "$log" 2>/dev/null); then
       sed -E 's/.*grpc=([^ ]+).*/\1/' <<<"$line"; return 0
     fi
@@ -78,7 +84,7 @@ echo "reward server at $reward"
 endpoints=()
 worker_pids=()
 for w in $(seq 1 "$WORKERS"); do
-  "$BIN/rollout-worker" serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 --allow-shm-weights "${agent_args[@]}" \
+  "$BIN/rollout-worker" serve --grpc-addr 127.0.0.1:0 --http-addr 127.0.0.1:0 --allow-shm-weights "${agent_args[@]}" ${WORKER_ARGS[@]+"${WORKER_ARGS[@]}"} \
     >"$LOGS/rollout-worker-$w.log" 2>&1 &
   pids+=($!)
   worker_pids+=($!)

@@ -201,3 +201,23 @@ fn a_missing_vllm_is_refused_with_what_to_set() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent/python3") && err.contains("COTRAIN_VLLM=cpu make setup") && err.contains("COTRAIN_VLLM_PYTHON"), "{err}");
 }
+
+/// A model vLLM loads but cannot run (its CPU attention kernels have no head size 16, the committed
+/// fixtures' size) stops the worker at start with vLLM's own reason, not at the first request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_vllm_cannot_run_is_refused_at_start_with_its_reason() {
+    let _ = vllm_python();
+    let model = TinyModel::new("llama");
+    std::fs::write(model.path().join("tokenizer_config.json"), r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#).unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_rollout-worker"))
+        .args(["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--engine", "vllm", "--vllm-kv-cache-gib", "1"])
+        .arg("--agent")
+        .arg(format!("a={}", model.spec()))
+        .env("RUST_LOG", "error")
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot run it") && err.contains("head_dim=16"), "{err}");
+}

@@ -33,6 +33,9 @@
 #           seconds per phase of the second step, both sides. PEFT comes from the machine's Python or,
 #           failing that, from wheels in .gpu/wheels (`make gpu-bundle` downloads them). On the CPU:
 #           the learner's steps on the tiny model only (the reference needs torch; a NOTE).
+#   vllm    (GPU: only when asked for, STEPS=vllm) `rollout-worker serve --engine vllm` against
+#           `--engine cotrain` on the Qwen3-1.7B shape in bf16, batch 1/8/32/128 x 256 tokens, when the
+#           machine's Python has vLLM (a NOTE when it has not); on the CPU a NOTE.
 set -uo pipefail
 
 MODE=gpu
@@ -44,7 +47,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 HERE=$ROOT/scripts/device
 # The GPU default fits one 10-minute device call; `maporl` (about 5 minutes there) is its own call:
 # STEPS=maporl. The CPU dry run covers every step.
-if [ "$MODE" = gpu ]; then STEPS=${STEPS:-libs,cuda,greedy,step,ranks,speed}; else STEPS=${STEPS:-libs,cuda,greedy,step,ranks,maporl,speed}; fi
+if [ "$MODE" = gpu ]; then STEPS=${STEPS:-libs,cuda,greedy,step,ranks,speed}; else STEPS=${STEPS:-libs,cuda,greedy,step,ranks,maporl,speed,vllm}; fi
 BATCHES=${BATCHES:-1,8,32,128}
 W=$(mktemp -d "${TMPDIR:-/tmp}/cotrain-check.XXXXXX")
 trap 'jobs -p | xargs -r kill 2>/dev/null; rm -rf "$W"' EXIT
@@ -317,6 +320,28 @@ if [ "$MODE" = gpu ] && want speed 150; then
     "$PY" "$HERE/tools.py" speed-table "$shape" "$O/hf-$shape.json" "$O/cotrain-gen.jsonl" "$HERE/models/$shape/config.json" > "$O/speed-$shape.txt" 2>&1
     note "speed $shape (tok/s, cotrain vs transformers, same GPU):"$'\n'"$(cat "$O/speed-$shape.txt")"
   done
+fi
+
+# --- 8. vLLM behind the worker (GPU, only when asked for: STEPS=vllm) ----------------------------
+# `rollout-worker serve --engine vllm` against `--engine cotrain` on the Qwen3-1.7B shape, bf16, the
+# same prompt and batches, through scripts/bench/vllm_vs_cotrain.py; vLLM must be in the machine's
+# Python (nothing larger than the bundle can be brought to it). On the CPU: a NOTE (the CPU
+# figures come from the same script, run on the build machine).
+if want vllm 300; then
+  if [ "$MODE" = cpu ]; then
+    note "vllm: GPU only (on CPUs: python3 scripts/bench/vllm_vs_cotrain.py after COTRAIN_VLLM=cpu make setup)"
+  elif ! v=$("$PY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null | tail -1); then
+    note "vllm: $PY has no vLLM; nothing measured (COTRAIN_VLLM=system needs a machine whose Python has it)"
+  elif ! M=$(ensure_model qwen3-1.7b); then
+    fail "vllm: building the Qwen3-1.7B shape: $(tail -2 "$O/build-qwen3-1.7b.log" | tr '\n' ' ')"
+  else
+    COTRAIN_VLLM_PYTHON=$(command -v "$PY") timeout 280 python3 "$ROOT/scripts/bench/vllm_vs_cotrain.py" --bin "$BIN" \
+      --model "$M" --device cuda:0 --dtype bf16 --sizes "$BATCHES" --tokens 256 --skip-magrpo \
+      --prompt "$(cat "$HERE/prompt.txt")" > "$O/vllm.txt" 2>&1
+    rc=$?
+    if [ $rc = 0 ]; then note "vllm $v (tok/s, cotrain's engine vs vLLM, same GPU):"$'\n'"$(grep '^|' "$O/vllm.txt")"
+    else fail "vllm $v: exit $rc: $(tail -3 "$O/vllm.txt" | tr '\n' ' ')"; fi
+  fi
 fi
 
 echo; echo "================ summary ($MODE, $((SECONDS - T0)) s)"

@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use cotrain_model::config::ModelConfig;
-use cotrain_model::engine::{Request, RequestHandle, Sample};
+use cotrain_model::engine::{LogprobMode, Request, RequestHandle, Sample};
 use tch::Tensor;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
@@ -144,7 +144,7 @@ impl VllmLoop {
                         updates: VecDeque::new(),
                         default_tolerance,
                     };
-                    match lp.start_engine().await {
+                    match lp.start_engine().await.and(lp.smoke_test().await) {
                         Ok(()) => {
                             let _ = ready_tx.send(Ok(()));
                             lp.run().await;
@@ -174,6 +174,31 @@ impl VllmLoop {
         engine.wait_ready(self.spec.options.start_timeout).await?;
         self.engine = Some(engine);
         Ok(())
+    }
+
+    /// One short forward before the engine is announced: vLLM loads models whose shapes its kernels
+    /// cannot run (a CPU attention kernel's head size, say) and fails only at the first request, by
+    /// killing itself. Better to stop the worker at start with the engine's own reason.
+    async fn smoke_test(&mut self) -> std::result::Result<(), EngineError> {
+        let http = self.http().clone();
+        match api::sequence_logprobs(&http, &[0, 1], Duration::from_secs(600)).await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                // The engine's exception reaches its log a moment after the failed answer.
+                let engine = self.engine.as_mut().expect("started");
+                for _ in 0..50 {
+                    if engine.last_error().is_some() && engine.exited().is_some() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                let why = engine.last_error().unwrap_or_else(|| e.to_string());
+                Err(EngineError::Unsupported(format!(
+                    "vLLM loaded `{}` but cannot run it: {why}",
+                    self.spec.model_dir.display()
+                )))
+            }
+        }
     }
 
     fn http(&self) -> &super::http::EngineHttp {
@@ -244,6 +269,14 @@ impl VllmLoop {
     /// Sends every sample of a job to the engine, concurrently.
     fn send(&mut self, w: Waiting) {
         if w.reply.is_closed() {
+            return;
+        }
+        if w.requests.iter().any(|r| r.logprobs == LogprobMode::Sampling) {
+            let _ = w.reply.send(Err(WorkerError::invalid(
+                "sampling.sampling_logprobs",
+                "--engine vllm reports the model's raw log-probs only (vLLM's log-prob mode is engine-wide); \
+                 use --engine cotrain for the sampling distribution's",
+            )));
             return;
         }
         let http = self.http().clone();

@@ -129,6 +129,14 @@ impl LaunchSpec {
                 // On a CPU, torch.compile and graph capture cost minutes at start and gain
                 // nothing measurable at these sizes.
                 a.extend(["--enforce-eager".into(), "-O0".into()]);
+                // vLLM 0.32's CPU build fails a seeded request whose prefill is split over two
+                // steps ("CPU Generator does not use offset", and the engine dies): every sample
+                // here is seeded, so prompts are prefilled whole.
+                a.extend([
+                    "--no-enable-chunked-prefill".into(),
+                    "--max-num-batched-tokens".into(),
+                    self.max_model_len.max(8192).to_string(),
+                ]);
             }
             Some(_) => {
                 if let Some(f) = self.options.gpu_memory_utilization {

@@ -30,7 +30,15 @@ pub struct EngineProcess {
     http: EngineHttp,
     /// Which engine this is in the logs.
     label: String,
+    /// The engine's last output lines, for errors that must say why it failed.
+    recent: Recent,
 }
+
+/// The last lines an engine printed.
+type Recent = std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>;
+
+/// Lines of engine output kept for error messages.
+const RECENT_LINES: usize = 200;
 
 impl EngineProcess {
     /// Starts an engine for `spec`; returns once the process is started (not yet ready).
@@ -79,15 +87,36 @@ impl EngineProcess {
             EngineError::Start(format!("cannot run {} ({e}); set COTRAIN_VLLM and run `make setup`", spec.python.display()))
         })?;
         let pgid = child.id().map(|p| p as i32).unwrap_or(0);
-        forward_lines(child.stdout.take(), label);
-        forward_lines(child.stderr.take(), label);
+        let recent = Recent::default();
+        forward_lines(child.stdout.take(), label, recent.clone());
+        forward_lines(child.stderr.take(), label, recent.clone());
         info!(engine = label, pid = pgid, model = %spec.model_dir.display(), "vllm engine starting");
-        Ok(Self { child, pgid, http: EngineHttp::new(&socket), _dir: dir, label: label.to_string() })
+        Ok(Self { child, pgid, http: EngineHttp::new(&socket), _dir: dir, label: label.to_string(), recent })
     }
 
     /// The engine's API.
     pub fn http(&self) -> &EngineHttp {
         &self.http
+    }
+
+    /// The last error the engine printed (a Python exception's message line), if any; vLLM's
+    /// wrappers that only point at an earlier trace ("EngineCore encountered an issue") are
+    /// passed over for the cause they wrap.
+    pub fn last_error(&self) -> Option<String> {
+        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        let is_error = |l: &&String| l.contains("Error: ") || l.contains("Exception: ");
+        let is_wrapper = |l: &&String| l.contains("EngineDeadError") || l.contains("See stack trace");
+        recent
+            .iter()
+            .rev()
+            .filter(is_error)
+            .find(|l| !is_wrapper(l))
+            .or_else(|| recent.iter().rev().find(is_error))
+            .map(|l| {
+                // vLLM prefixes its lines with the process and the source line; keep the message.
+                let msg = l.rsplit_once("] ").map_or(l.as_str(), |(_, m)| m);
+                msg.trim().to_string()
+            })
     }
 
     /// The exit status once the process has ended.
@@ -103,8 +132,9 @@ impl EngineProcess {
         loop {
             if let Some(status) = self.exited() {
                 return Err(EngineError::Start(format!(
-                    "the vllm engine ({}) exited while starting ({status}); its log lines above say why",
-                    self.label
+                    "the vllm engine ({}) exited while starting ({status}): {}",
+                    self.label,
+                    self.last_error().unwrap_or_else(|| "its log lines above say why".into())
                 )));
             }
             if let Ok((200, _)) = self.http.get("/health", Duration::from_secs(5)).await {
@@ -154,14 +184,21 @@ fn python_path(dir: &Path) -> std::ffi::OsString {
 }
 
 /// Forwards the engine's output to the log, a line at a time, as it comes.
-fn forward_lines<R: tokio::io::AsyncRead + Unpin + Send + 'static>(from: Option<R>, label: &str) {
+fn forward_lines<R: tokio::io::AsyncRead + Unpin + Send + 'static>(from: Option<R>, label: &str, recent: Recent) {
     let Some(from) = from else { return };
     let label = label.to_string();
     tokio::spawn(async move {
         let mut lines = BufReader::new(from).lines();
         loop {
             match lines.next_line().await {
-                Ok(Some(line)) => info!(target: "vllm", engine = %label, "{line}"),
+                Ok(Some(line)) => {
+                    info!(target: "vllm", engine = %label, "{line}");
+                    let mut r = recent.lock().unwrap_or_else(|e| e.into_inner());
+                    if r.len() == RECENT_LINES {
+                        r.pop_front();
+                    }
+                    r.push_back(line);
+                }
                 Ok(None) => break,
                 Err(e) => {
                     warn!(engine = %label, error = %e, "reading the engine's output");
