@@ -117,6 +117,14 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
                 .collect(),
         };
         let engine = embedded_engine(ro.engine)?;
+        if matches!(engine, cotrain_rollout_worker::worker::EngineKind::Vllm(_)) && opts.device != tch::Device::Cpu {
+            return Err(TrainError::Config(format!(
+                "rollout.engine: vllm with the learner on {:?}: a vLLM engine beside the learner on one GPU needs \
+                 colocation (sleep during the update), which is not built; start vLLM workers on their own GPUs \
+                 (`rollout-worker serve --engine vllm --device cuda:N`) and give them as rollout.endpoints",
+                opts.device
+            )));
+        }
         let worker = EmbeddedRollout::start_full(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers, adapter_groups, engine)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
         (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120), None, Some(services::process_token()))?), Some(worker))

@@ -227,7 +227,12 @@ impl Policy {
         let _no_grad = tch::no_grad_guard();
         let logprobs = cotrain_model::logprobs::sequence_logprobs(&self.model.model, &ids)
             .map_err(|e| TrainError::Model(format!("probe log-probs of `{}`: {e}", self.worker_agent)))?;
-        Ok(cotrain_proto::rollout::WeightProbe { token_ids: ids, logprobs, tolerance: 0.0 })
+        // Computed in f32 (0: the worker's default for its engine) unless the learner's own
+        // products or weights are half precision, whose log-probs differ from an f32 engine's
+        // by up to ~0.1 nat.
+        let half = self.model.model.matmul_kind().is_some_and(|k| k != tch::Kind::Float)
+            || self.parameters().values().any(|t| t.kind() != tch::Kind::Float);
+        Ok(cotrain_proto::rollout::WeightProbe { token_ids: ids, logprobs, tolerance: if half { 0.25 } else { 0.0 } })
     }
 
     /// The LoRA scale (alpha / r) the workers merge a pushed adapter with; `None` without LoRA.

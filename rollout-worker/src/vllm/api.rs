@@ -29,6 +29,8 @@ pub struct SampleRequest<'a> {
     /// The sample's own seed.
     pub seed: u64,
     pub top_logprobs: usize,
+    /// The engine's context: a completion stops at its end, as with cotrain's engine.
+    pub max_model_len: usize,
 }
 
 /// The body of a completion request for one sample.
@@ -38,7 +40,7 @@ pub fn sample_body(r: &SampleRequest<'_>) -> Value {
         "model": SERVED_NAME,
         "prompt": r.prompt,
         "n": 1,
-        "max_tokens": r.stop.max_new_tokens,
+        "max_tokens": r.stop.max_new_tokens.min(r.max_model_len.saturating_sub(r.prompt.len())).max(1),
         "temperature": p.temperature,
         "top_p": p.top_p,
         // vLLM's "no top-k" is 0 or -1, cotrain's is 0.
@@ -197,9 +199,10 @@ mod tests {
     fn a_sample_request_maps_every_parameter() {
         let params = SamplingParams { temperature: 0.8, top_k: 0, top_p: 0.95, min_p: 0.05 };
         let stop = StopConditions { max_new_tokens: 7, stop_token_ids: vec![5], stop_strings: vec!["\n\n".into()], ignore_eos: true };
-        let body = sample_body(&SampleRequest { prompt: &[1, 2, 3], params: &params, stop: &stop, seed: u64::MAX, top_logprobs: 2 });
+        let body = sample_body(&SampleRequest { prompt: &[1, 2, 3], params: &params, stop: &stop, seed: u64::MAX, top_logprobs: 2, max_model_len: 9 });
         assert_eq!(body["prompt"], json!([1, 2, 3]));
-        assert_eq!(body["max_tokens"], 7);
+        // 7 asked, 6 left in a context of 9 after 3 prompt tokens.
+        assert_eq!(body["max_tokens"], 6);
         assert_eq!(body["top_k"], -1);
         assert_eq!(body["seed"], json!(i64::MAX));
         assert_eq!(body["stop"], json!(["\n\n"]));

@@ -47,6 +47,14 @@ struct Running {
     reply: oneshot::Sender<Result<JobOutput>>,
     stream: Option<mpsc::UnboundedSender<StreamToken>>,
     abort: tokio::task::AbortHandle,
+    resent: u32,
+}
+
+impl Running {
+    fn into_waiting(self, id: u64) -> Waiting {
+        self.abort.abort();
+        Waiting { id, requests: self.requests, reply: self.reply, stream: self.stream, resent: self.resent + 1 }
+    }
 }
 
 /// A job waiting to be sent (an update is pending, or the engine is restarting).
@@ -55,7 +63,19 @@ struct Waiting {
     requests: Vec<Request>,
     reply: oneshot::Sender<Result<JobOutput>>,
     stream: Option<mpsc::UnboundedSender<StreamToken>>,
+    /// Times it was sent again after the engine died under it.
+    resent: u32,
 }
+
+/// A job whose engine died under it twice fails rather than going a third time: a request that
+/// kills the engine must not do so forever.
+const MAX_RESENDS: u32 = 2;
+
+/// Failed restarts in a row after which the jobs and updates waiting are failed (the restarts go on).
+const RESTARTS_BEFORE_FAILING_WAITERS: u32 = 5;
+
+/// Samples in flight to one engine at most (each is one connection to its socket).
+const MAX_SAMPLES_IN_FLIGHT: usize = 512;
 
 /// What a job's task returns.
 type JobResult = (u64, std::result::Result<Vec<Vec<EngineSample>>, CallError>);
@@ -82,6 +102,8 @@ pub(crate) struct VllmLoop {
     waiting: VecDeque<Waiting>,
     updates: VecDeque<(StagedUpdate, oneshot::Sender<Result<u64>>)>,
     default_tolerance: f32,
+    /// Bounds the samples (connections) in flight to the engine.
+    in_flight: Arc<tokio::sync::Semaphore>,
 }
 
 /// A tmpfs for update files: /dev/shm where it exists (node-local memory, no disk write), else
@@ -143,8 +165,14 @@ impl VllmLoop {
                         waiting: VecDeque::new(),
                         updates: VecDeque::new(),
                         default_tolerance,
+                        in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_SAMPLES_IN_FLIGHT)),
                     };
-                    match lp.start_engine().await.and(lp.smoke_test().await) {
+                    let started = async {
+                        lp.start_engine().await?;
+                        lp.smoke_test().await
+                    }
+                    .await;
+                    match started {
                         Ok(()) => {
                             let _ = ready_tx.send(Ok(()));
                             lp.run().await;
@@ -249,7 +277,7 @@ impl VllmLoop {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit { id, requests, adapter: _, reply, stream } => {
-                let w = Waiting { id, requests, reply, stream };
+                let w = Waiting { id, requests, reply, stream, resent: 0 };
                 if self.updates.is_empty() {
                     self.send(w);
                 } else {
@@ -271,6 +299,13 @@ impl VllmLoop {
         if w.reply.is_closed() {
             return;
         }
+        if w.resent > MAX_RESENDS {
+            let _ = w.reply.send(Err(WorkerError::Unavailable(format!(
+                "the vllm engine of `{}` died {} times while serving this job",
+                self.model_id, w.resent
+            ))));
+            return;
+        }
         if w.requests.iter().any(|r| r.logprobs == LogprobMode::Sampling) {
             let _ = w.reply.send(Err(WorkerError::invalid(
                 "sampling.sampling_logprobs",
@@ -281,12 +316,16 @@ impl VllmLoop {
         }
         let http = self.http().clone();
         let requests = w.requests.clone();
+        let slots = self.in_flight.clone();
+        let max_model_len = self.spec.max_model_len;
         let abort = self.tasks.spawn(async move {
             let mut all = Vec::with_capacity(requests.len());
             for r in &requests {
                 let samples = (0..r.n).map(|i| {
                     let http = http.clone();
+                    let slots = slots.clone();
                     async move {
+                        let _slot = slots.acquire().await.expect("the semaphore is never closed");
                         let req = SampleRequest {
                             prompt: &r.prompt,
                             params: &r.params,
@@ -295,6 +334,7 @@ impl VllmLoop {
                             // cotrain engine's streams do.
                             seed: prompt_seed(r.seed, i),
                             top_logprobs: r.top_logprobs,
+                            max_model_len,
                         };
                         api::sample(&http, &req, CALL_TIMEOUT).await
                     }
@@ -306,7 +346,7 @@ impl VllmLoop {
                 answers.into_iter().map(|per| per.into_iter().collect()).collect();
             (w.id, samples)
         });
-        self.running.insert(w.id, Running { requests: w.requests, version: self.version, reply: w.reply, stream: w.stream, abort });
+        self.running.insert(w.id, Running { requests: w.requests, version: self.version, reply: w.reply, stream: w.stream, abort, resent: w.resent });
     }
 
     async fn finish(&mut self, id: u64, result: std::result::Result<Vec<Vec<EngineSample>>, CallError>) {
@@ -341,19 +381,29 @@ impl VllmLoop {
                 }
                 let _ = job.reply.send(Ok(JobOutput { samples: out, policy_version: job.version }));
             }
-            Err(CallError::Unreachable(why)) => {
-                // The engine died under the job: it goes again once the engine is back, on the
-                // same weights (the version cannot change while a job is out).
-                warn!(model = %self.model_id, job = id, why, "the engine dropped a job; it will be sent again");
-                self.waiting.push_front(Waiting { id, requests: job.requests, reply: job.reply, stream: job.stream });
-                if self.engine_exited() || self.http().get("/health", Duration::from_secs(5)).await.is_err() {
-                    self.restart().await;
-                }
+            Err(e @ (CallError::Unreachable(_) | CallError::Status { status: 500.., .. })) if !self.engine_healthy().await => {
+                // The engine died under the job (a dropped connection, or vLLM's 500 as its engine
+                // core died): it goes again once the engine is back, on the same weights (the
+                // version cannot change while a job is out).
+                warn!(model = %self.model_id, job = id, error = %e, "the engine died under a job; it will be sent again");
+                self.waiting.push_front(job.into_waiting(id));
+                self.restart().await;
+            }
+            Err(e @ CallError::Status { status: 400..=499, .. }) => {
+                let _ = job.reply.send(Err(WorkerError::invalid("request", format!("vllm refused it: {e}"))));
             }
             Err(e) => {
                 let _ = job.reply.send(Err(WorkerError::Internal(format!("vllm engine: {e}"))));
             }
         }
+    }
+
+    /// Whether the engine process runs and answers `/health` with 200.
+    async fn engine_healthy(&mut self) -> bool {
+        if self.engine_exited() {
+            return false;
+        }
+        matches!(self.http().get("/health", Duration::from_secs(5)).await, Ok((200, _)))
     }
 
     fn drop_abandoned(&mut self) {
@@ -382,16 +432,27 @@ impl VllmLoop {
     /// Starts the engine again and replays the current weights, until it works. Jobs that were
     /// out are sent again by the caller; nothing is sent meanwhile.
     async fn restart(&mut self) {
-        // Jobs still out on the dead engine go again on the new one.
+        // Jobs still out on the dead engine go again on the new one; their tasks' results (finished
+        // or not) are drained first, so that none is taken for the answer of a job sent again.
         let ids: Vec<u64> = self.running.keys().copied().collect();
         for id in ids {
             let job = self.running.remove(&id).expect("listed");
-            job.abort.abort();
-            self.waiting.push_front(Waiting { id, requests: job.requests, reply: job.reply, stream: job.stream });
+            self.waiting.push_front(job.into_waiting(id));
         }
+        self.tasks.abort_all();
+        while self.tasks.join_next().await.is_some() {}
         let mut attempt = 0u32;
         loop {
             attempt += 1;
+            if attempt % RESTARTS_BEFORE_FAILING_WAITERS == 0 {
+                let why = format!("the vllm engine of `{}` failed to restart {attempt} times", self.model_id);
+                for w in self.waiting.drain(..) {
+                    let _ = w.reply.send(Err(WorkerError::Unavailable(why.clone())));
+                }
+                for (_, reply) in self.updates.drain(..) {
+                    let _ = reply.send(Err(WorkerError::Unavailable(why.clone())));
+                }
+            }
             let started = Instant::now();
             let result = async {
                 self.start_engine().await.map_err(|e| e.to_string())?;
@@ -436,7 +497,10 @@ impl VllmLoop {
 
     fn write_file(&self, name: &str, tensors: &BTreeMap<String, Tensor>) -> std::result::Result<PathBuf, String> {
         let path = self.weights_dir.path().join(format!("{name}.safetensors"));
-        cotrain_model::export::write_weights_file(&path, tensors, &self.cfg).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        if let Err(e) = cotrain_model::export::write_weights_file(&path, tensors, &self.cfg) {
+            let _ = std::fs::remove_file(&path);
+            return Err(format!("writing {}: {e}", path.display()));
+        }
         Ok(path)
     }
 
@@ -499,8 +563,9 @@ impl VllmLoop {
                 )));
             }
             info!(model = %self.model_id, version = update.version, max_abs_diff = check.max_abs_diff, "probe check passed");
-            self.last_probe = Some(probe.clone());
         }
+        // The probe of the weights now served, or none: an older probe does not describe them.
+        self.last_probe = update.probe.clone();
         for (k, t) in tensors {
             self.current.insert(k, t);
         }
@@ -518,6 +583,12 @@ impl VllmLoop {
     /// engine reloads its model directory in place and gets every tensor pushed before (a restart
     /// if that fails).
     async fn restore(&mut self) {
+        // A tied model's head is a tensor of its own after a reload, and the model directory has
+        // none: only a fresh engine restores it when no push was accepted yet.
+        if self.cfg.tie_word_embeddings && self.current.is_empty() {
+            self.restart().await;
+            return;
+        }
         let quick = async {
             api::reload_from_model_dir(self.http(), CALL_TIMEOUT).await.map_err(|e| e.to_string())?;
             self.replay().await

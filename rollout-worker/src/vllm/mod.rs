@@ -180,7 +180,19 @@ impl LaunchSpec {
                 // The engine sees only its own GPU (as device 0); with tensor parallelism it
                 // takes this GPU and the ones after it.
                 let tp = options.tensor_parallel_size.unwrap_or(1) as usize;
-                let gpus: Vec<String> = (i..i + tp).map(|g| g.to_string()).collect();
+                // Device indices are this process's: map them through the GPUs it was given.
+                let visible: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES")
+                    .ok()
+                    .filter(|v| !v.trim().is_empty())
+                    .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+                let gpus: Vec<String> = (i..i + tp)
+                    .map(|g| match &visible {
+                        Some(list) => list.get(g).cloned().ok_or_else(|| {
+                            EngineError::Unsupported(format!("cuda:{g} is not among CUDA_VISIBLE_DEVICES={}", list.join(",")))
+                        }),
+                        None => Ok(g.to_string()),
+                    })
+                    .collect::<Result<_, _>>()?;
                 env.push(("CUDA_VISIBLE_DEVICES".to_string(), gpus.join(",")));
                 Some(i)
             }

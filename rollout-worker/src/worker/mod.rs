@@ -180,7 +180,12 @@ impl Worker {
                 spec.clone()
             };
             let device = config.device_for(names)?;
-            let base = slot::shared_base(&mut bases, spec, device, &config);
+            // A vLLM slot merges adapters on the host (the engine holds the GPU's memory).
+            let merge_device = match config.engine {
+                EngineKind::Cotrain => device,
+                EngineKind::Vllm(_) => Device::Cpu,
+            };
+            let base = slot::shared_base(&mut bases, spec, merge_device, &config);
             let slot = match &config.engine {
                 EngineKind::Cotrain => slot::start_model(spec, &id, names.clone(), *adapters, device, &config, &metrics, base)?,
                 EngineKind::Vllm(options) => {

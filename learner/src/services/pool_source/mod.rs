@@ -48,6 +48,23 @@ pub struct PoolRollout {
 }
 
 impl PoolRollout {
+    /// [`RolloutSource::push_adapter`] with whatever probe `push_weights_all` stored for the agent.
+    fn push_adapter_with_probe(
+        &mut self,
+        agent: &str,
+        version: u64,
+        adapter: &BTreeMap<String, Tensor>,
+        scaling: f64,
+    ) -> Result<(), TrainError> {
+        // 0 would make the header an ordinary update; the workers refuse NaN, ∞ and negatives.
+        if scaling == 0.0 {
+            return Err(TrainError::Rollout(format!(
+                "adapter update of `{agent}` to v{version}: lora scaling is 0"
+            )));
+        }
+        self.push(agent, version, adapter, Some(scaling))
+    }
+
     /// Connects to `endpoints` and/or `dns_names` and waits (up to `wait`) for one worker in rotation.
     pub fn connect(
         rt: Arc<Runtime>,
@@ -339,7 +356,7 @@ impl RolloutSource for PoolRollout {
             // Adapters are small: one after another, each by the path `push` picks.
             for u in updates {
                 match u.lora_scaling {
-                    Some(scaling) => self.push_adapter(u.agent, u.version, u.params, scaling)?,
+                    Some(scaling) => self.push_adapter_with_probe(u.agent, u.version, u.params, scaling)?,
                     None => self.push(u.agent, u.version, u.params, None)?,
                 }
             }
@@ -365,13 +382,9 @@ impl RolloutSource for PoolRollout {
         adapter: &BTreeMap<String, Tensor>,
         scaling: f64,
     ) -> Result<(), TrainError> {
-        // 0 would make the header an ordinary update; the workers refuse NaN, ∞ and negatives.
-        if scaling == 0.0 {
-            return Err(TrainError::Rollout(format!(
-                "adapter update of `{agent}` to v{version}: lora scaling is 0"
-            )));
-        }
-        self.push(agent, version, adapter, Some(scaling))
+        // A push without a probe: a probe of earlier weights must not go with it.
+        self.probes.remove(agent);
+        self.push_adapter_with_probe(agent, version, adapter, scaling)
     }
 
     fn describe(&self) -> String {
