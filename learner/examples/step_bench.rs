@@ -211,7 +211,7 @@ fn main() -> anyhow::Result<()> {
     let groups = if args.iter().any(|a| a == "--unmerged") { vec![agents.iter().map(|(a, _)| a.clone()).collect()] } else { Vec::new() };
     anyhow::ensure!(groups.is_empty() || lora_rank.is_some(), "--unmerged needs --lora");
     let worker =
-        EmbeddedRollout::start_full(rt.clone(), &agents, tch::Device::Cpu, cotrain_learner::trainer::rollout_kind(&cfg), Vec::new(), groups)?;
+        EmbeddedRollout::start_full(rt.clone(), &agents, tch::Device::Cpu, cotrain_learner::trainer::rollout_kind(&cfg), Vec::new(), groups, cfg.raw.rollout.engine)?;
     let rollout = PoolRollout::connect(
         rt.clone(),
         vec![format!("http://{}", worker.grpc)],

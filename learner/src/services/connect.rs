@@ -116,8 +116,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
                 .filter(|g| !g.is_empty())
                 .collect(),
         };
-        let engine = embedded_engine(ro.engine)?;
-        if matches!(engine, cotrain_rollout_worker::worker::EngineKind::Vllm(_)) && opts.device != tch::Device::Cpu {
+        if ro.engine == crate::config::RolloutEngine::Vllm && opts.device != tch::Device::Cpu {
             return Err(TrainError::Config(format!(
                 "rollout.engine: vllm with the learner on {:?}: a vLLM engine beside the learner on one GPU needs \
                  colocation (sleep during the update), which is not built; start vLLM workers on their own GPUs \
@@ -125,7 +124,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
                 opts.device
             )));
         }
-        let worker = EmbeddedRollout::start_full(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers, adapter_groups, engine)?;
+        let worker = EmbeddedRollout::start_full(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers, adapter_groups, ro.engine)?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
         (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120), None, Some(services::process_token()))?), Some(worker))
     } else {
@@ -228,21 +227,3 @@ mod tests {
     }
 }
 
-/// The embedded worker's engine for `rollout.engine`: vLLM with the defaults of `rollout-worker
-/// serve --engine vllm`, from the interpreter `make setup` recorded (or COTRAIN_VLLM_PYTHON).
-fn embedded_engine(engine: crate::config::RolloutEngine) -> Result<cotrain_rollout_worker::worker::EngineKind, TrainError> {
-    use cotrain_rollout_worker::vllm;
-    match engine {
-        crate::config::RolloutEngine::Cotrain => Ok(cotrain_rollout_worker::worker::EngineKind::Cotrain),
-        crate::config::RolloutEngine::Vllm => {
-            let python = vllm::find_python().ok_or_else(|| {
-                TrainError::Config(format!(
-                    "rollout.engine: vllm: {}",
-                    vllm::EngineError::Missing("no interpreter with vLLM is set up (COTRAIN_VLLM_PYTHON is unset and no `make setup` recorded one)".into())
-                ))
-            })?;
-            vllm::check_python(&python).map_err(|e| TrainError::Config(format!("rollout.engine: vllm: {e}")))?;
-            Ok(cotrain_rollout_worker::worker::EngineKind::Vllm(vllm::VllmOptions::defaults(python)))
-        }
-    }
-}

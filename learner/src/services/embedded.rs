@@ -99,7 +99,7 @@ impl EmbeddedRollout {
         kind: tch::Kind,
         verifiers: Vec<(String, std::path::PathBuf)>,
     ) -> Result<Self, TrainError> {
-        Self::start_full(rt, agents, device, kind, verifiers, Vec::new(), Default::default())
+        Self::start_full(rt, agents, device, kind, verifiers, Vec::new(), crate::config::RolloutEngine::Cotrain)
     }
 
     /// As [`EmbeddedRollout::start_with_verifiers`], serving each group of `adapter_groups` as
@@ -111,8 +111,9 @@ impl EmbeddedRollout {
         kind: tch::Kind,
         verifiers: Vec<(String, std::path::PathBuf)>,
         adapter_groups: Vec<Vec<String>>,
-        engine: cotrain_rollout_worker::worker::EngineKind,
+        engine: crate::config::RolloutEngine,
     ) -> Result<Self, TrainError> {
+        let engine = embedded_engine(engine)?;
         let agents = agents.to_vec();
         // The agents' engines (one per agent: no sharing) may decode at the same time: on the CPU,
         // each gets an even, fixed share of the cores. Not `EngineThreads::Shared` (the cores of
@@ -161,6 +162,25 @@ impl Drop for EmbeddedRollout {
             && let Err(e) = self.rt.block_on(server.shutdown())
         {
             warn!(error = %format!("{e:#}"), "embedded rollout worker stopped with an error");
+        }
+    }
+}
+
+/// The embedded worker's engine for `rollout.engine`: vLLM with the defaults of `rollout-worker
+/// serve --engine vllm`, from the interpreter `make setup` recorded (or COTRAIN_VLLM_PYTHON).
+fn embedded_engine(engine: crate::config::RolloutEngine) -> Result<cotrain_rollout_worker::worker::EngineKind, TrainError> {
+    use cotrain_rollout_worker::vllm;
+    match engine {
+        crate::config::RolloutEngine::Cotrain => Ok(cotrain_rollout_worker::worker::EngineKind::Cotrain),
+        crate::config::RolloutEngine::Vllm => {
+            let python = vllm::find_python().ok_or_else(|| {
+                TrainError::Config(format!(
+                    "rollout.engine: vllm: {}",
+                    vllm::EngineError::Missing("no interpreter with vLLM is set up (COTRAIN_VLLM_PYTHON is unset and no `make setup` recorded one)".into())
+                ))
+            })?;
+            vllm::check_python(&python).map_err(|e| TrainError::Config(format!("rollout.engine: vllm: {e}")))?;
+            Ok(cotrain_rollout_worker::worker::EngineKind::Vllm(vllm::VllmOptions::defaults(python)))
         }
     }
 }

@@ -58,6 +58,7 @@ impl EmbeddedRollout {
         _kind: tch::Kind,
         _verifiers: Vec<(String, std::path::PathBuf)>,
         _adapter_groups: Vec<Vec<String>>,
+        _engine: crate::config::RolloutEngine,
     ) -> Result<Self, TrainError> {
         Err(not_built("a rollout worker", "rollout.endpoints (or rollout.dns_name)"))
     }
