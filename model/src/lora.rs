@@ -143,6 +143,72 @@ pub struct LoraAdapter {
     layers: usize,
 }
 
+impl LoraConfig {
+    /// The config of an adapter update's tensors (`lora_A`/`lora_B` pairs under `VarStore` or PEFT
+    /// names) scaled by `scaling`: the rank read from the `A` shapes, the targets from the names in
+    /// their canonical order (equal adapters get equal configs), alpha `scaling · r`, no dropout.
+    pub fn of_tensors(tensors: &HashMap<String, Tensor>, scaling: f64) -> Result<Self> {
+        let bad = |m: String| ModelError::InvalidConfig(m);
+        let mut targets: Vec<String> = Vec::new();
+        let mut rank: Option<i64> = None;
+        for (name, t) in tensors {
+            let key = name.strip_prefix(PEFT_PREFIX).unwrap_or(name);
+            let Some(stem) = key.strip_suffix(".lora_A.weight") else {
+                if key.ends_with(".lora_B.weight") {
+                    continue;
+                }
+                return Err(bad(format!("`{name}` is not a LoRA tensor (X.lora_A.weight / X.lora_B.weight)")));
+            };
+            let proj = stem.rsplit('.').next().unwrap_or_default();
+            if !targets.iter().any(|p| p == proj) {
+                targets.push(proj.to_string());
+            }
+            let r = t.size().first().copied().unwrap_or(0);
+            match rank {
+                None => rank = Some(r),
+                Some(r0) if r0 != r => return Err(bad(format!("`{name}` has rank {r}, other pairs {r0}"))),
+                _ => {}
+            }
+        }
+        let r = rank.ok_or_else(|| bad("an adapter update with no lora_A tensor".into()))? as usize;
+        targets.sort_by_key(|p| PROJECTIONS.iter().position(|(_, q)| q == p).unwrap_or(usize::MAX));
+        Ok(LoraConfig { r, alpha: scaling * r as f64, dropout: 0.0, target_modules: targets })
+    }
+}
+
+/// Writes an adapter in PEFT's layout into `dir` (`adapter_config.json` with `config`, and
+/// `adapter_model.safetensors` with `tensors` under PEFT names, on the CPU), as PEFT and vLLM read
+/// it. `base_model` is recorded as `base_model_name_or_path`.
+pub fn write_peft(dir: &Path, config: &LoraConfig, tensors: &BTreeMap<String, Tensor>, base_model: &str) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(|source| ModelError::Io { path: dir.to_path_buf(), source })?;
+    let json = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": config.r,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": config.target_modules,
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "inference_mode": true,
+        "modules_to_save": null,
+    });
+    let path = dir.join("adapter_config.json");
+    let text = serde_json::to_string_pretty(&json).expect("a json value serialises");
+    std::fs::write(&path, text).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+    let tensors: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(k, v)| {
+            let key = k.strip_prefix(PEFT_PREFIX).unwrap_or(k);
+            (format!("{PEFT_PREFIX}{key}"), v.detach().to_device(Device::Cpu).contiguous())
+        })
+        .collect();
+    let path = dir.join("adapter_model.safetensors");
+    Tensor::write_safetensors(&tensors, &path)?;
+    Ok(dir.to_path_buf())
+}
+
 /// The `(group, projection)` of a projection name.
 fn projection(name: &str) -> Option<(&'static str, &'static str)> {
     PROJECTIONS.iter().copied().find(|(_, p)| *p == name)
@@ -199,32 +265,7 @@ impl LoraAdapter {
     /// targets from the names, alpha is `scaling · r`, no dropout. Every layer must carry every
     /// targeted projection's pair.
     pub fn from_tensors(model: &CausalLm, tensors: &HashMap<String, Tensor>, scaling: f64) -> Result<Self> {
-        let bad = |m: String| ModelError::InvalidConfig(m);
-        let mut targets: Vec<String> = Vec::new();
-        let mut rank: Option<i64> = None;
-        for (name, t) in tensors {
-            let key = name.strip_prefix(PEFT_PREFIX).unwrap_or(name);
-            let Some(stem) = key.strip_suffix(".lora_A.weight") else {
-                if key.ends_with(".lora_B.weight") {
-                    continue;
-                }
-                return Err(bad(format!("`{name}` is not a LoRA tensor (X.lora_A.weight / X.lora_B.weight)")));
-            };
-            let proj = stem.rsplit('.').next().unwrap_or_default();
-            if !targets.iter().any(|p| p == proj) {
-                targets.push(proj.to_string());
-            }
-            let r = t.size().first().copied().unwrap_or(0);
-            match rank {
-                None => rank = Some(r),
-                Some(r0) if r0 != r => return Err(bad(format!("`{name}` has rank {r}, other pairs {r0}"))),
-                _ => {}
-            }
-        }
-        let r = rank.ok_or_else(|| bad("an adapter update with no lora_A tensor".into()))? as usize;
-        // The projections in their canonical order, so that equal adapters get equal configs.
-        targets.sort_by_key(|p| PROJECTIONS.iter().position(|(_, q)| q == p).unwrap_or(usize::MAX));
-        let config = LoraConfig { r, alpha: scaling * r as f64, dropout: 0.0, target_modules: targets };
+        let config = LoraConfig::of_tensors(tensors, scaling)?;
         let adapter = Self::zeros(model, config)?;
         adapter.load_tensors(tensors)?;
         Ok(adapter)
@@ -280,28 +321,7 @@ impl LoraAdapter {
     /// Writes PEFT's layout into `dir`: `adapter_config.json` and `adapter_model.safetensors`.
     /// `base_model` is recorded as `base_model_name_or_path`.
     pub fn save_peft(&self, dir: &Path, base_model: &str) -> Result<PathBuf> {
-        std::fs::create_dir_all(dir).map_err(|source| ModelError::Io { path: dir.to_path_buf(), source })?;
-        let config = serde_json::json!({
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": base_model,
-            "r": self.config.r,
-            "lora_alpha": self.config.alpha,
-            "lora_dropout": self.config.dropout,
-            "target_modules": self.config.target_modules,
-            "bias": "none",
-            "fan_in_fan_out": false,
-            "inference_mode": true,
-            "modules_to_save": null,
-        });
-        let path = dir.join("adapter_config.json");
-        let text = serde_json::to_string_pretty(&config).expect("a json value serialises");
-        std::fs::write(&path, text).map_err(|source| ModelError::Io { path: path.clone(), source })?;
-        let tensors: Vec<(String, Tensor)> =
-            self.peft_tensors().into_iter().map(|(k, v)| (k, v.detach().to_device(Device::Cpu).contiguous())).collect();
-        let path = dir.join("adapter_model.safetensors");
-        Tensor::write_safetensors(&tensors, &path)?;
-        Ok(dir.to_path_buf())
+        write_peft(dir, &self.config, &self.peft_tensors(), base_model)
     }
 
     /// Reads an adapter saved in PEFT's layout (by [`LoraAdapter::save_peft`] or by PEFT) for `model`.

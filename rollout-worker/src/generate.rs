@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use cotrain_model::chat_template::ChatMessage;
 use cotrain_model::config::{parse_device, parse_dtype};
-use cotrain_model::engine::{Engine, LogprobMode, Request, SamplingParams, StopConditions};
+use cotrain_model::engine::{Engine, EngineConfig, LogprobMode, Request, SamplingParams, StopConditions};
 use cotrain_model::loader::{self, LoadOptions};
 
 /// Arguments of `generate`.
@@ -77,6 +77,11 @@ pub struct GenerateArgs {
     /// libtorch intra-op threads (default: libtorch's choice).
     #[arg(long)]
     threads: Option<i32>,
+    /// Thread count of decode steps: `adaptive` (measured while decoding; fewer threads when the
+    /// cores are shared with other busy processes, same output bit for bit), `fixed` (always the
+    /// count above) or a count.
+    #[arg(long, default_value = "adaptive")]
+    decode_threads: cotrain_model::engine::DecodeThreads,
 }
 
 /// Runs `generate`.
@@ -141,7 +146,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ),
         None => None,
     };
-    let mut engine = Engine::new(loaded);
+    let mut engine = Engine::with_config(loaded, EngineConfig { decode_threads: args.decode_threads, ..EngineConfig::default() });
     // The adapter is served unmerged, as `serve --adapters` serves an agent's.
     let adapter_id = match adapter {
         Some(a) => {

@@ -95,6 +95,11 @@ pub struct ServeArgs {
     /// cores, cores / models is usually faster: their engines then do not compete for the cores.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub threads_per_engine: Option<u32>,
+    /// Thread count of cotrain's decode steps: `adaptive` (measured while decoding; drops threads
+    /// when the cores are shared with other busy processes, with the same tokens and log-probs bit
+    /// for bit), `fixed` (always the engine's count above), or a count.
+    #[arg(long, default_value = "adaptive")]
+    pub decode_threads: cotrain_model::engine::DecodeThreads,
     /// A learned verifier to serve on `ScoreVerifier` (and, through a reward server started with
     /// `--verifier-endpoint`, on MaPoRL's `/predict`): a directory written by `learner verifier
     /// train`. Repeatable.
@@ -161,6 +166,10 @@ pub struct ServeArgs {
     /// weight update may show (default: 0.01 for f32 engines, 0.25 for bf16/f16).
     #[arg(long, value_name = "NATS")]
     pub probe_tolerance: Option<f32>,
+    /// With --engine vllm and --adapters: the largest LoRA rank the engine accepts (vLLM's
+    /// --max-lora-rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512).
+    #[arg(long, default_value_t = 64, value_name = "R")]
+    pub vllm_max_lora_rank: usize,
     /// With --register: the gRPC address the learner should dial (default: the bound address, with
     /// 0.0.0.0 replaced by this host's address on the route to the learner).
     #[arg(long, value_name = "HOST:PORT", requires = "register")]
@@ -247,6 +256,7 @@ impl ServeArgs {
             max_batch_size: self.max_batch_size,
             max_queued_requests: self.max_queued_requests,
             engine_threads: self.threads_per_engine.map_or(EngineThreads::Default, |n| EngineThreads::Fixed(n as usize)),
+            decode_threads: self.decode_threads,
             verifiers: self.verifiers.clone(),
             engine: self.engine_kind()?,
         })
@@ -271,6 +281,7 @@ impl ServeArgs {
             extra_args: self.vllm_args.clone(),
             start_timeout: std::time::Duration::from_secs(self.vllm_start_timeout_secs),
             probe_tolerance: self.probe_tolerance,
+            max_lora_rank: self.vllm_max_lora_rank,
         }))
     }
 }

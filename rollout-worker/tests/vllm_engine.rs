@@ -221,3 +221,91 @@ async fn a_model_vllm_cannot_run_is_refused_at_start_with_its_reason() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot run it") && err.contains("head_dim=16"), "{err}");
 }
+
+/// A rank-8 LoRA pair on every projection of the model (A and B random, deterministic in `seed`),
+/// as an update and as the tensors `lora::merge_into` reads.
+fn lora_pairs(params: &[cotrain_proto::rollout::ParameterInfo], seed: u32) -> (Arc<Vec<UpdatedTensor>>, std::collections::BTreeMap<String, Tensor>) {
+    const RANK: i64 = 8;
+    let mut wire = Vec::new();
+    let mut local = std::collections::BTreeMap::new();
+    for (i, p) in params.iter().enumerate() {
+        let Some(stem) = p.name.strip_suffix("_proj.weight") else { continue };
+        let (rows, cols) = (p.shape[0], p.shape[1]);
+        for (half, shape) in [("lora_A", vec![RANK, cols]), ("lora_B", vec![rows, RANK])] {
+            let numel = (shape[0] * shape[1]) as usize;
+            let data = random_f32_bytes(numel, seed * 1000 + 2 * i as u32 + u32::from(half == "lora_B"));
+            let floats: Vec<f32> = data.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+            let name = format!("{stem}_proj.{half}.weight");
+            local.insert(name.clone(), Tensor::from_slice(&floats).reshape(shape.as_slice()));
+            wire.push(UpdatedTensor { name, dtype: WireDType::F32, shape, data });
+        }
+    }
+    (Arc::new(wire), local)
+}
+
+const LORA_SCALING: f64 = 2.0;
+
+/// The probe the learner sends with an adapter: a cotrain copy of the base with the adapter merged.
+fn adapter_probe(spec: &str, pairs: &std::collections::BTreeMap<String, Tensor>) -> WeightProbe {
+    let loaded = loader::load(spec, &LoadOptions { device: Device::Cpu, kind: Kind::Float }).unwrap();
+    let base = loaded.named_parameters();
+    let merged = cotrain_model::lora::merge_into(|n| base.get(n).map(Tensor::shallow_clone), pairs, LORA_SCALING).unwrap();
+    probe_of(spec, &merged.into_iter().collect())
+}
+
+async fn push_adapter(c: &mut RolloutClient<Channel>, agent: &str, version: u64, pairs: Arc<Vec<UpdatedTensor>>, probe: Option<WeightProbe>) -> Result<u64, tonic::Status> {
+    let header = UpdateHeader { agent: agent.into(), version, tensor_count: pairs.len() as u32, partial: true, lora_scaling: LORA_SCALING, probe };
+    c.update_weights(update_stream(header, pairs, 1 << 16)).await.map(|r| r.into_inner().version)
+}
+
+/// `serve --adapters alice,bob --engine vllm`: one engine with vLLM's multi-LoRA serves both agents
+/// on one base. An adapter pushed for alice is loaded as her v1 (her greedy output then equals
+/// cotrain's engine serving the same adapter, and her samples report v1) while bob, with no adapter
+/// yet, gets the base at v0 in the same batches; an adapter whose probe does not match is refused
+/// naming the agent and version, and her v1 keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_group_is_served_by_vllms_multi_lora() {
+    let model = TinyModel::vllm_sized("llama", 5);
+    let spec = model.spec();
+    let agents = [("alice", spec.as_str()), ("bob", spec.as_str())];
+    let ours = WorkerProcess::start(&agents, &["--adapters", "alice,bob"]).await;
+    let _ = vllm_python();
+    let theirs = WorkerProcess::start(&agents, &["--engine", "vllm", "--adapters", "alice,bob", "--max-batch-size", "16", "--vllm-kv-cache-gib", "1"]).await;
+    assert_eq!(theirs.info().await.models.len(), 1, "one engine for the group");
+    let (mut a, mut b) = (ours.client().await, theirs.client().await);
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| p.to_vec()).collect();
+    let (base, _) = generate(&mut b, greedy("bob", prompts.clone(), 16)).await;
+
+    let params = b.list_parameters(ListParametersRequest { agent: "alice".into() }).await.unwrap().into_inner().parameters;
+    let (pairs, local) = lora_pairs(&params, 1);
+    assert_eq!(push_adapter(&mut a, "alice", 1, pairs.clone(), None).await.expect("cotrain takes the adapter"), 1);
+    assert_eq!(push_adapter(&mut b, "alice", 1, pairs, Some(adapter_probe(&spec, &local))).await.expect("vllm takes the adapter"), 1);
+
+    let (want, _) = generate(&mut a, greedy("alice", prompts.clone(), 16)).await;
+    let (mut b2, mut b3) = (theirs.client().await, theirs.client().await);
+    let ((got, alice_version), (plain, bob_version)) =
+        tokio::join!(generate(&mut b2, greedy("alice", prompts.clone(), 16)), generate(&mut b3, greedy("bob", prompts.clone(), 16)));
+    assert_eq!((alice_version, bob_version), (1, 0));
+    for (i, ((wt, wl), (gt, gl))) in want.iter().zip(&got).enumerate() {
+        assert_eq!(gt, wt, "prompt {i}: vLLM's adapter output differs from cotrain's");
+        assert_close(gl, wl, 1e-3, &format!("alice's adapter, prompt {i}"));
+    }
+    assert_ne!(got, base, "the adapter did not change the output");
+    for ((pt, pl), (bt, bl)) in plain.iter().zip(&base) {
+        assert_eq!(pt, bt, "bob (no adapter) is the base");
+        assert_close(pl, bl, 1e-4, "bob beside alice's adapter");
+    }
+
+    // A push whose probe belongs to other weights is refused; v1 serves on.
+    let (other, other_local) = lora_pairs(&params, 2);
+    let wrong_probe = adapter_probe(&spec, &local);
+    assert_ne!(other_local.len(), 0);
+    let e = push_adapter(&mut b, "alice", 2, other, Some(wrong_probe)).await.expect_err("a wrong adapter must be refused");
+    assert!(e.message().contains("agent alice v2") && e.message().contains("v1 keeps serving"), "{}", e.message());
+    let (after, version) = generate(&mut b, greedy("alice", prompts, 16)).await;
+    assert_eq!(version, 1);
+    assert_eq!(after.iter().map(|(t, _)| t).collect::<Vec<_>>(), got.iter().map(|(t, _)| t).collect::<Vec<_>>());
+    let info = theirs.info().await;
+    let versions: Vec<(String, u64)> = info.agents.iter().map(|a| (a.name.clone(), a.policy_version)).collect();
+    assert_eq!(versions, vec![("alice".into(), 1), ("bob".into(), 0)]);
+}

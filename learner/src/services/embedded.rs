@@ -136,6 +136,8 @@ impl EmbeddedRollout {
             max_batch_size: 64,
             max_queued_requests: 1024,
             engine_threads,
+            // Adaptive: the learner's own work shares these cores; the samples do not depend on it.
+            decode_threads: cotrain_model::engine::DecodeThreads::Adaptive,
             verifiers,
             lora_modules: Vec::new(),
             engine,

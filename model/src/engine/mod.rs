@@ -23,6 +23,7 @@
 //! lands within ~1e-6 of a CDF boundary.
 
 pub mod sampling;
+pub mod threads;
 
 use std::collections::{HashMap, VecDeque};
 
@@ -31,6 +32,7 @@ use rand_chacha::ChaCha8Rng;
 use tch::Tensor;
 
 pub use sampling::{LogprobMode, SamplingParams};
+pub use threads::DecodeThreads;
 
 use crate::error::{ModelError, Result};
 use crate::families::KvCache;
@@ -184,12 +186,15 @@ pub struct EngineStats {
 pub struct EngineConfig {
     /// Most sequences decoded together; queued requests wait for rows to free up.
     pub max_batch_rows: usize,
+    /// The thread count of CPU decode steps ([`threads`]).
+    pub decode_threads: DecodeThreads,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             max_batch_rows: 256,
+            decode_threads: DecodeThreads::Adaptive,
         }
     }
 }
@@ -217,6 +222,12 @@ struct Seq {
     finished: Option<(FinishReason, Option<usize>)>,
 }
 
+/// A decode step's thread count, and the count to restore after it where it differs.
+struct StepThreads {
+    used: usize,
+    restore: Option<usize>,
+}
+
 /// The generation engine; owns the model (see the module docs).
 pub struct Engine {
     loaded: LoadedModel,
@@ -232,6 +243,8 @@ pub struct Engine {
     adapters: HashMap<u32, LoraAdapter>,
     /// The adapter of each queued request that names one.
     pending_adapter: HashMap<RequestHandle, u32>,
+    /// Chooses decode steps' thread count under [`DecodeThreads::Adaptive`], from the first step.
+    governor: Option<threads::Adaptive>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -264,6 +277,7 @@ impl Engine {
             stats: EngineStats::default(),
             adapters: HashMap::new(),
             pending_adapter: HashMap::new(),
+            governor: None,
         }
     }
 
@@ -640,13 +654,13 @@ impl Engine {
             .unsqueeze(1);
         let row_adapters: Vec<Option<u32>> = self.active.iter().map(|s| s.adapter).collect();
         self.set_row_adapters(row_adapters.into_iter());
+        let threads = self.decode_threads_for(b);
+        let started = std::time::Instant::now();
         let model = &self.loaded.model;
         let cache = self.cache.as_mut().expect("prefill created the cache");
         let hidden = model.forward_hidden_cached(&ids, &starts, cache);
         model.clear_row_adapters();
-        let hidden = hidden?;
         // (B, 1, H) -> (B, V)
-        let logits = model.lm_head(&hidden.squeeze_dim(1));
         let specs: Vec<RowSpec> = self
             .active
             .iter_mut()
@@ -656,15 +670,58 @@ impl Engine {
                 uniform: s.rng.random(),
             })
             .collect();
-        let (tokens, lps) = sampling::sample(&logits, &specs)?;
         let ks: Vec<usize> = self.active.iter().map(|s| s.top_logprobs).collect();
-        let mut tops = sampling::top_logprobs(&logits, &ks)?.into_iter();
+        // Sampling runs at the step's count too: its work is split by rows.
+        let sampled = hidden.and_then(|h| {
+            let logits = model.lm_head(&h.squeeze_dim(1));
+            Ok((sampling::sample(&logits, &specs)?, sampling::top_logprobs(&logits, &ks)?))
+        });
+        self.end_step_threads(threads, b, started.elapsed());
+        let ((tokens, lps), tops) = sampled?;
+        let mut tops = tops.into_iter();
         self.stats.decode_steps += 1;
         for (row, (t, lp)) in tokens.into_iter().zip(lps).enumerate() {
             self.active[row].cached += 1;
             self.push_token(row, t as u32, lp, tops.next().unwrap_or_default(), out)?;
         }
         Ok(())
+    }
+
+    /// The thread count of a decode step of `rows` rows, set on the calling thread (see
+    /// [`threads`]); `None` where it stays as configured: [`DecodeThreads::Fixed`] of 0, or a step
+    /// whose result could depend on it ([`crate::families::CausalLm::decode_is_thread_invariant`]).
+    fn decode_threads_for(&mut self, rows: usize) -> Option<StepThreads> {
+        let cache = self.cache.as_ref()?;
+        if !self.loaded.model.decode_is_thread_invariant(rows, cache) {
+            return None;
+        }
+        let configured = tch::get_num_threads().max(1) as usize;
+        let used = match self.config.decode_threads {
+            DecodeThreads::Fixed(0) => return None,
+            DecodeThreads::Fixed(n) => n,
+            DecodeThreads::Adaptive => {
+                // The configured count can change between steps (a worker's engines sharing cores):
+                // what was measured under the old one no longer applies.
+                let g = self.governor.get_or_insert_with(|| threads::Adaptive::new(configured));
+                if g.max() != configured {
+                    *g = threads::Adaptive::new(configured);
+                }
+                g.threads(rows)
+            }
+        };
+        let changed = used != configured && crate::kernels::omp::set_threads_of_this_thread(used);
+        Some(StepThreads { used, restore: changed.then_some(configured) })
+    }
+
+    /// Undoes [`Engine::decode_threads_for`] and reports the step's time to the governor.
+    fn end_step_threads(&mut self, threads: Option<StepThreads>, rows: usize, elapsed: std::time::Duration) {
+        let Some(t) = threads else { return };
+        if let Some(configured) = t.restore {
+            crate::kernels::omp::set_threads_of_this_thread(configured);
+        }
+        if let Some(g) = &mut self.governor {
+            g.record(t.used, rows, elapsed);
+        }
     }
 
     fn push_token(&mut self, row: usize, token: u32, lp: f32, top: Vec<(u32, f32)>, out: &mut StepOutput) -> Result<()> {

@@ -590,6 +590,18 @@ impl CausalLm {
         false
     }
 
+    /// Whether a decode step of `rows` rows (the forward and [`CausalLm::lm_head`]) gives the same
+    /// bits at any thread count: it runs entirely in cotrain's kernels, which split outputs, never
+    /// a sum, between threads. libtorch's MKL products may block their sums by thread count, so
+    /// steps through them (the dispatch kept libtorch, a product dtype of its own, more than 64 rows
+    /// for the head) do not qualify. [`crate::engine`] varies the count only where this holds.
+    pub fn decode_is_thread_invariant(&self, rows: usize, cache: &KvCache) -> bool {
+        self.decodes_in_kernels(cache)
+            && crate::kernels::dispatch::own_kernels(self.kind)
+            && self.matmul_kind.get().is_none()
+            && (1..=64).contains(&rows)
+    }
+
     /// Runs token ids (B, L) through the model with a KV cache: row `b` of the input continues
     /// cache row `b`, whose first `starts[b]` positions are already filled. The new keys/values
     /// are written at positions `starts[b]..starts[b]+L`, and each query attends to its row's

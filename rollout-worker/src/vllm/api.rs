@@ -8,7 +8,6 @@ use std::time::Duration;
 use cotrain_model::engine::{FinishReason, SamplingParams, StopConditions};
 use serde_json::{Value, json};
 
-use super::SERVED_NAME;
 use super::http::{CallError, EngineHttp};
 
 /// One generated sample as the engine returned it.
@@ -23,6 +22,8 @@ pub struct EngineSample {
 
 /// What one sample asks of the engine.
 pub struct SampleRequest<'a> {
+    /// The served model: the base, or an adapter's name ([`adapter_name`]).
+    pub model: &'a str,
     pub prompt: &'a [u32],
     pub params: &'a SamplingParams,
     pub stop: &'a StopConditions,
@@ -37,7 +38,7 @@ pub struct SampleRequest<'a> {
 pub fn sample_body(r: &SampleRequest<'_>) -> Value {
     let p = r.params;
     json!({
-        "model": SERVED_NAME,
+        "model": r.model,
         "prompt": r.prompt,
         "n": 1,
         "max_tokens": r.stop.max_new_tokens.min(r.max_model_len.saturating_sub(r.prompt.len())).max(1),
@@ -125,9 +126,9 @@ pub async fn sample(http: &EngineHttp, r: &SampleRequest<'_>, timeout: Duration)
 }
 
 /// `log p(tokens[i + 1] | tokens[..=i])` for every position, under the engine's current weights.
-pub async fn sequence_logprobs(http: &EngineHttp, tokens: &[u32], timeout: Duration) -> Result<Vec<f32>, CallError> {
+pub async fn sequence_logprobs(http: &EngineHttp, model: &str, tokens: &[u32], timeout: Duration) -> Result<Vec<f32>, CallError> {
     let body = json!({
-        "model": SERVED_NAME,
+        "model": model,
         "prompt": tokens,
         "max_tokens": 1,
         "temperature": 0.0,
@@ -152,6 +153,24 @@ pub async fn sequence_logprobs(http: &EngineHttp, tokens: &[u32], timeout: Durat
                 .ok_or_else(|| invalid(format!("no log-prob of prompt token {t}")))
         })
         .collect()
+}
+
+/// The served name of `agent`'s adapter at `version`: one name per version, so that a request
+/// names the weights it is sampled from and an old version can be unloaded once nothing uses it.
+pub fn adapter_name(agent: &str, version: u64) -> String {
+    format!("{agent}@v{version}")
+}
+
+/// Loads the PEFT adapter directory at `path` under `name` (vLLM's runtime LoRA loading).
+pub async fn load_adapter(http: &EngineHttp, name: &str, path: &Path, timeout: Duration) -> Result<(), CallError> {
+    let body = json!({"lora_name": name, "lora_path": path.to_string_lossy()});
+    http.post("/v1/load_lora_adapter", Some(&body), timeout).await.map(drop)
+}
+
+/// Unloads the adapter served as `name`.
+pub async fn unload_adapter(http: &EngineHttp, name: &str, timeout: Duration) -> Result<(), CallError> {
+    let body = json!({"lora_name": name});
+    http.post("/v1/unload_lora_adapter", Some(&body), timeout).await.map(drop)
 }
 
 /// Replaces the tensors named in the safetensors file at `path` in the running model (vLLM's
@@ -199,8 +218,9 @@ mod tests {
     fn a_sample_request_maps_every_parameter() {
         let params = SamplingParams { temperature: 0.8, top_k: 0, top_p: 0.95, min_p: 0.05 };
         let stop = StopConditions { max_new_tokens: 7, stop_token_ids: vec![5], stop_strings: vec!["\n\n".into()], ignore_eos: true };
-        let body = sample_body(&SampleRequest { prompt: &[1, 2, 3], params: &params, stop: &stop, seed: u64::MAX, top_logprobs: 2, max_model_len: 9 });
+        let body = sample_body(&SampleRequest { model: "alice@v3", prompt: &[1, 2, 3], params: &params, stop: &stop, seed: u64::MAX, top_logprobs: 2, max_model_len: 9 });
         assert_eq!(body["prompt"], json!([1, 2, 3]));
+        assert_eq!(body["model"], "alice@v3");
         // 7 asked, 6 left in a context of 9 after 3 prompt tokens.
         assert_eq!(body["max_tokens"], 6);
         assert_eq!(body["top_k"], -1);

@@ -13,6 +13,11 @@
 //! - Restarts: an engine that exits is started again and given every tensor pushed since the
 //!   worker started (the loop keeps their latest values) before any job is sent to it; the jobs it
 //!   was serving are sent again, with the same seeds.
+//! - Adapter groups (`serve --adapters`): one engine with vLLM's multi-LoRA serves every agent as
+//!   an adapter of the base. An agent's update is written as a PEFT directory and loaded under a
+//!   name of its own per version (`agent@vN`), checked with the probe under that name, and only
+//!   then does the agent's previous adapter go. Jobs name their agent's current adapter, so each
+//!   sample reports its agent's version.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
@@ -43,6 +48,7 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(3600);
 /// A job sent to the engine.
 struct Running {
     requests: Vec<Request>,
+    adapter: Option<u32>,
     version: u64,
     reply: oneshot::Sender<Result<JobOutput>>,
     stream: Option<mpsc::UnboundedSender<StreamToken>>,
@@ -53,7 +59,7 @@ struct Running {
 impl Running {
     fn into_waiting(self, id: u64) -> Waiting {
         self.abort.abort();
-        Waiting { id, requests: self.requests, reply: self.reply, stream: self.stream, resent: self.resent + 1 }
+        Waiting { id, requests: self.requests, adapter: self.adapter, reply: self.reply, stream: self.stream, resent: self.resent + 1 }
     }
 }
 
@@ -61,6 +67,8 @@ impl Running {
 struct Waiting {
     id: u64,
     requests: Vec<Request>,
+    /// In an adapter group: the agent's adapter id.
+    adapter: Option<u32>,
     reply: oneshot::Sender<Result<JobOutput>>,
     stream: Option<mpsc::UnboundedSender<StreamToken>>,
     /// Times it was sent again after the engine died under it.
@@ -76,6 +84,19 @@ const RESTARTS_BEFORE_FAILING_WAITERS: u32 = 5;
 
 /// Samples in flight to one engine at most (each is one connection to its socket).
 const MAX_SAMPLES_IN_FLIGHT: usize = 512;
+
+/// An agent of an adapter group, served as an adapter of the base.
+struct AgentAdapter {
+    agent: String,
+    version: u64,
+    /// The served name of its current adapter; `None`: the base, before its first update.
+    served: Option<String>,
+    /// The PEFT directory of its current adapter (loaded again into a restarted engine), and
+    /// whether the loop wrote it (and removes it once replaced).
+    dir: Option<(PathBuf, bool)>,
+    /// The probe that passed for the current adapter, checked again after a restart.
+    probe: Option<Probe>,
+}
 
 /// What a job's task returns.
 type JobResult = (u64, std::result::Result<Vec<Vec<EngineSample>>, CallError>);
@@ -104,6 +125,8 @@ pub(crate) struct VllmLoop {
     default_tolerance: f32,
     /// Bounds the samples (connections) in flight to the engine.
     in_flight: Arc<tokio::sync::Semaphore>,
+    /// An adapter group's agents, by adapter id; `None`: one model.
+    adapters: Option<Vec<AgentAdapter>>,
 }
 
 /// A tmpfs for update files: /dev/shm where it exists (node-local memory, no disk write), else
@@ -132,7 +155,14 @@ impl VllmLoop {
         rx: mpsc::UnboundedReceiver<Command>,
         state: Arc<LoopState>,
         metrics: Metrics,
+        lora_modules: Vec<(u32, PathBuf)>,
     ) -> Result<std::thread::JoinHandle<()>> {
+        let adapters = spec.adapters.map(|_| {
+            agents
+                .iter()
+                .map(|a| AgentAdapter { agent: a.clone(), version: 0, served: None, dir: None, probe: None })
+                .collect::<Vec<_>>()
+        });
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
         let weights_dir = weights_tmp().map_err(|e| WorkerError::Internal(format!("a directory for weight files: {e}")))?;
         let default_tolerance = spec.options.probe_tolerance.unwrap_or_else(|| crate::probe::default_tolerance(spec.dtype));
@@ -166,10 +196,12 @@ impl VllmLoop {
                         updates: VecDeque::new(),
                         default_tolerance,
                         in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_SAMPLES_IN_FLIGHT)),
+                        adapters,
                     };
                     let started = async {
                         lp.start_engine().await?;
-                        lp.smoke_test().await
+                        lp.smoke_test().await?;
+                        lp.load_lora_modules(lora_modules).await
                     }
                     .await;
                     match started {
@@ -209,7 +241,7 @@ impl VllmLoop {
     /// killing itself. Better to stop the worker at start with the engine's own reason.
     async fn smoke_test(&mut self) -> std::result::Result<(), EngineError> {
         let http = self.http().clone();
-        match api::sequence_logprobs(&http, &[0, 1], Duration::from_secs(600)).await {
+        match api::sequence_logprobs(&http, super::SERVED_NAME, &[0, 1], Duration::from_secs(600)).await {
             Ok(_) => Ok(()),
             Err(e) => {
                 // The engine's exception reaches its log a moment after the failed answer.
@@ -227,6 +259,27 @@ impl VllmLoop {
                 )))
             }
         }
+    }
+
+    /// `serve --lora-module AGENT=DIR`: each directory loaded as its agent's adapter, version 1.
+    async fn load_lora_modules(&mut self, modules: Vec<(u32, PathBuf)>) -> std::result::Result<(), EngineError> {
+        for (id, dir) in modules {
+            let http = self.http().clone();
+            let a = self.adapters.as_mut().and_then(|v| v.get_mut(id as usize)).ok_or_else(|| {
+                EngineError::Unsupported(format!("--lora-module: adapter id {id} is not an agent of an adapter group"))
+            })?;
+            let name = api::adapter_name(&a.agent, 1);
+            api::load_adapter(&http, &name, &dir, CALL_TIMEOUT)
+                .await
+                .map_err(|e| EngineError::Unsupported(format!("--lora-module {}={}: vLLM did not load it: {e}", a.agent, dir.display())))?;
+            a.version = 1;
+            a.served = Some(name);
+            a.dir = Some((dir, false));
+            self.state.agent_versions[id as usize].store(1, Ordering::SeqCst);
+            self.state.policy_version.store(1, Ordering::SeqCst);
+            self.metrics.policy_version.with_label_values(&[a.agent.as_str()]).set(1);
+        }
+        Ok(())
     }
 
     fn http(&self) -> &super::http::EngineHttp {
@@ -276,8 +329,8 @@ impl VllmLoop {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, requests, adapter: _, reply, stream } => {
-                let w = Waiting { id, requests, reply, stream, resent: 0 };
+            Command::Submit { id, requests, adapter, reply, stream } => {
+                let w = Waiting { id, requests, adapter, reply, stream, resent: 0 };
                 if self.updates.is_empty() {
                     self.send(w);
                 } else {
@@ -314,6 +367,12 @@ impl VllmLoop {
             )));
             return;
         }
+        // An agent of an adapter group samples from its current adapter (the base before its first).
+        let agent = w.adapter.and_then(|id| self.adapters.as_ref().and_then(|v| v.get(id as usize)));
+        let (model, version) = match agent {
+            Some(a) => (a.served.clone().unwrap_or_else(|| super::SERVED_NAME.into()), a.version),
+            None => (super::SERVED_NAME.to_string(), self.version),
+        };
         let http = self.http().clone();
         let requests = w.requests.clone();
         let slots = self.in_flight.clone();
@@ -324,9 +383,11 @@ impl VllmLoop {
                 let samples = (0..r.n).map(|i| {
                     let http = http.clone();
                     let slots = slots.clone();
+                    let model = model.as_str();
                     async move {
                         let _slot = slots.acquire().await.expect("the semaphore is never closed");
                         let req = SampleRequest {
+                            model,
                             prompt: &r.prompt,
                             params: &r.params,
                             stop: &r.stop,
@@ -346,7 +407,7 @@ impl VllmLoop {
                 answers.into_iter().map(|per| per.into_iter().collect()).collect();
             (w.id, samples)
         });
-        self.running.insert(w.id, Running { requests: w.requests, version: self.version, reply: w.reply, stream: w.stream, abort, resent: w.resent });
+        self.running.insert(w.id, Running { requests: w.requests, adapter: w.adapter, version, reply: w.reply, stream: w.stream, abort, resent: w.resent });
     }
 
     async fn finish(&mut self, id: u64, result: std::result::Result<Vec<Vec<EngineSample>>, CallError>) {
@@ -474,8 +535,29 @@ impl VllmLoop {
         }
     }
 
-    /// Gives a fresh engine every tensor pushed so far and checks the last probe again.
+    /// Gives a fresh engine every tensor pushed so far and every agent's current adapter, and
+    /// checks the last probes again.
     async fn replay(&mut self) -> std::result::Result<(), String> {
+        self.replay_weights().await?;
+        for a in self.adapters.iter().flatten() {
+            let (Some(name), Some((dir, _))) = (&a.served, &a.dir) else { continue };
+            api::load_adapter(self.http(), name, dir, CALL_TIMEOUT)
+                .await
+                .map_err(|e| format!("replaying the adapter of {} (v{}): {e}", a.agent, a.version))?;
+            if let Some(probe) = &a.probe {
+                let check = self.check_probe(name, probe).await?;
+                if !check.passed() {
+                    return Err(format!(
+                        "after the replay of {}'s adapter v{} the probe differs by {} at position {}",
+                        a.agent, a.version, check.max_abs_diff, check.position
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn replay_weights(&mut self) -> std::result::Result<(), String> {
         if self.current.is_empty() {
             return Ok(());
         }
@@ -484,7 +566,7 @@ impl VllmLoop {
         let _ = std::fs::remove_file(&path);
         loaded.map_err(|e| format!("replaying the current weights: {e}"))?;
         if let Some(probe) = self.last_probe.clone() {
-            let check = self.check_probe(&probe).await?;
+            let check = self.check_probe(super::SERVED_NAME, &probe).await?;
             if !check.passed() {
                 return Err(format!(
                     "after the replay of v{} the probe differs by {} at position {}",
@@ -504,8 +586,9 @@ impl VllmLoop {
         Ok(path)
     }
 
-    async fn check_probe(&self, probe: &Probe) -> std::result::Result<crate::probe::ProbeCheck, String> {
-        let engine = api::sequence_logprobs(self.http(), &probe.token_ids, CALL_TIMEOUT)
+    /// Scores the probe on the served model `model` (the base or an adapter) and compares it.
+    async fn check_probe(&self, model: &str, probe: &Probe) -> std::result::Result<crate::probe::ProbeCheck, String> {
+        let engine = api::sequence_logprobs(self.http(), model, &probe.token_ids, CALL_TIMEOUT)
             .await
             .map_err(|e| format!("scoring the probe: {e}"))?;
         Ok(probe.check(&engine, self.default_tolerance))
@@ -521,8 +604,8 @@ impl VllmLoop {
     }
 
     async fn apply(&mut self, update: StagedUpdate) -> Result<u64> {
-        if update.adapter.is_some() {
-            return Err(WorkerError::BadUpdate("unmerged adapters are not served by --engine vllm".into()));
+        if let Some((id, scaling)) = update.adapter {
+            return self.apply_adapter(id, scaling, update).await;
         }
         if update.version <= self.version {
             return Err(WorkerError::VersionNotNewer { current: self.version, offered: update.version });
@@ -542,7 +625,7 @@ impl VllmLoop {
             return Err(WorkerError::BadUpdate(format!("vllm did not load v{}: {e}", update.version)));
         }
         if let Some(probe) = &update.probe {
-            let check = match self.check_probe(probe).await {
+            let check = match self.check_probe(super::SERVED_NAME, probe).await {
                 Ok(c) => c,
                 Err(e) => {
                     self.restore().await;
@@ -577,6 +660,81 @@ impl VllmLoop {
         info!(model = %self.model_id, version = self.version, bytes, write_ms = written.as_millis() as u64,
             total_ms = started.elapsed().as_millis() as u64, "weights reloaded into vllm");
         Ok(self.version)
+    }
+
+    /// Replaces agent `id`'s adapter (an adapter group, nothing in flight): the update's pairs are
+    /// written as a PEFT directory, loaded under the version's own name beside the current adapter,
+    /// checked with the probe under that name, and only then does the previous adapter go. A
+    /// refused adapter leaves the agent's current one serving.
+    async fn apply_adapter(&mut self, id: u32, scaling: f64, update: StagedUpdate) -> Result<u64> {
+        let (agent, current) = match self.adapters.as_ref().and_then(|v| v.get(id as usize)) {
+            Some(a) => (a.agent.clone(), a.version),
+            None => return Err(WorkerError::BadUpdate(format!("adapter id {id} is not an agent of model `{}`", self.model_id))),
+        };
+        if update.version <= current {
+            return Err(WorkerError::VersionNotNewer { current, offered: update.version });
+        }
+        let started = Instant::now();
+        let config = cotrain_model::lora::LoraConfig::of_tensors(&update.tensors, scaling).map_err(|e| WorkerError::BadUpdate(e.to_string()))?;
+        if config.r > self.spec.options.max_lora_rank {
+            return Err(WorkerError::BadUpdate(format!(
+                "{agent} v{}: an adapter of rank {} and the engine takes rank {} at most (--vllm-max-lora-rank)",
+                update.version, config.r, self.spec.options.max_lora_rank
+            )));
+        }
+        let name = api::adapter_name(&agent, update.version);
+        let dir = self.weights_dir.path().join(&name);
+        let tensors: BTreeMap<String, Tensor> = update.tensors.into_iter().collect();
+        let base = self.spec.model_dir.to_string_lossy().into_owned();
+        cotrain_model::lora::write_peft(&dir, &config, &tensors, &base).map_err(|e| WorkerError::BadUpdate(format!("writing {}: {e}", dir.display())))?;
+        let refuse = |why: String| {
+            let _ = std::fs::remove_dir_all(&dir);
+            WorkerError::BadUpdate(format!("agent {agent} v{}: {why}; v{current} keeps serving", update.version))
+        };
+        if let Err(e) = api::load_adapter(self.http(), &name, &dir, CALL_TIMEOUT).await {
+            return Err(refuse(format!("vllm did not load the adapter: {e}")));
+        }
+        if let Some(probe) = &update.probe {
+            let check = self.check_probe(&name, probe).await;
+            let failed = match check {
+                Ok(c) if c.passed() => {
+                    info!(model = %self.model_id, agent, version = update.version, max_abs_diff = c.max_abs_diff, "probe check passed");
+                    None
+                }
+                Ok(c) => Some(format!(
+                    "after loading, the engine's log-prob of probe token {} differs from the learner's by {:.4} (tolerance {})",
+                    c.position, c.max_abs_diff, c.tolerance
+                )),
+                Err(e) => Some(e),
+            };
+            if let Some(why) = failed {
+                if let Err(e) = api::unload_adapter(self.http(), &name, CALL_TIMEOUT).await {
+                    warn!(model = %self.model_id, adapter = name, error = %e, "unloading a refused adapter failed");
+                }
+                return Err(refuse(why));
+            }
+        }
+        let http = self.http().clone();
+        let a = &mut self.adapters.as_mut().expect("checked above")[id as usize];
+        if let Some(old) = a.served.take()
+            && let Err(e) = api::unload_adapter(&http, &old, CALL_TIMEOUT).await
+        {
+            warn!(model = %self.model_id, adapter = old, error = %e, "unloading the replaced adapter failed");
+        }
+        if let Some((old, true)) = a.dir.take() {
+            let _ = std::fs::remove_dir_all(old);
+        }
+        a.version = update.version;
+        a.served = Some(name);
+        a.dir = Some((dir, true));
+        a.probe = update.probe;
+        self.state.agent_versions[id as usize].store(update.version, Ordering::SeqCst);
+        let newest = self.adapters.iter().flatten().map(|a| a.version).max().unwrap_or(0);
+        self.state.policy_version.store(newest, Ordering::SeqCst);
+        self.metrics.policy_version.with_label_values(&[agent.as_str()]).set(update.version as i64);
+        info!(model = %self.model_id, agent, version = update.version, rank = config.r, tensors = tensors.len(),
+            total_ms = started.elapsed().as_millis() as u64, "adapter loaded into vllm");
+        Ok(update.version)
     }
 
     /// Puts the weights of the current version back after an update that failed its check: the

@@ -70,6 +70,16 @@ impl EngineHttp {
     /// `POST path` with a JSON body (or none), expecting a 2xx answer; the answer as JSON (`Null`
     /// for an empty body).
     pub async fn post_json(&self, path: &str, body: Option<&Value>, timeout: Duration) -> Result<Value, CallError> {
+        let bytes = self.post(path, body, timeout).await?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Value::Null);
+        }
+        serde_json::from_slice(&bytes).map_err(|e| CallError::Invalid { path: path.to_string(), message: e.to_string() })
+    }
+
+    /// POSTs `body` to `path`; the answer's bytes when its status is 2xx (some endpoints answer
+    /// plain text).
+    pub async fn post(&self, path: &str, body: Option<&Value>, timeout: Duration) -> Result<Bytes, CallError> {
         let payload = body.map(|b| Bytes::from(serde_json::to_vec(b).expect("a Value serialises")));
         let (status, bytes) = self.call(hyper::Method::POST, path, payload, timeout).await?;
         if !(200..300).contains(&status) {
@@ -79,10 +89,7 @@ impl EngineHttp {
                 body: String::from_utf8_lossy(&bytes).chars().take(2000).collect(),
             });
         }
-        if bytes.iter().all(u8::is_ascii_whitespace) {
-            return Ok(Value::Null);
-        }
-        serde_json::from_slice(&bytes).map_err(|e| CallError::Invalid { path: path.to_string(), message: e.to_string() })
+        Ok(bytes)
     }
 
     async fn call(

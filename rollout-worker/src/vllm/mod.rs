@@ -62,6 +62,9 @@ pub struct VllmOptions {
     pub start_timeout: Duration,
     /// Largest difference of a probe log-prob from the learner's that an update may show.
     pub probe_tolerance: Option<f32>,
+    /// Largest LoRA rank an adapter group's engine accepts (vLLM's `--max-lora-rank`: it sizes the
+    /// engine's adapter buffers at start).
+    pub max_lora_rank: usize,
 }
 
 impl VllmOptions {
@@ -76,6 +79,7 @@ impl VllmOptions {
             extra_args: Vec::new(),
             start_timeout: Duration::from_secs(900),
             probe_tolerance: None,
+            max_lora_rank: 64,
         }
     }
 }
@@ -95,6 +99,8 @@ pub(crate) struct LaunchSpec {
     pub options: VllmOptions,
     /// Environment variables beside the ones every engine gets.
     pub env: Vec<(String, String)>,
+    /// An adapter group's engine: how many adapters it serves at once (vLLM's multi-LoRA).
+    pub adapters: Option<usize>,
 }
 
 /// The name every engine serves its model under; requests name it.
@@ -147,8 +153,24 @@ impl LaunchSpec {
                 }
             }
         }
+        if let Some(n) = self.adapters {
+            // Each agent's current adapter, and during an update its next one beside it.
+            a.extend([
+                "--enable-lora".into(),
+                "--max-loras".into(),
+                (n + 1).to_string(),
+                "--max-lora-rank".into(),
+                self.options.max_lora_rank.to_string(),
+            ]);
+        }
         a.extend(self.options.extra_args.iter().cloned());
         a
+    }
+
+    /// The launch of an adapter group's engine: `agents` adapters on the one base.
+    pub fn with_adapters(mut self, agents: usize) -> Self {
+        self.adapters = Some(agents);
+        self
     }
 }
 
@@ -207,6 +229,7 @@ impl LaunchSpec {
             max_num_seqs: max_batch,
             options: options.clone(),
             env,
+            adapters: None,
         })
     }
 }

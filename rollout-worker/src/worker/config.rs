@@ -37,6 +37,8 @@ pub struct WorkerConfig {
     /// against 4.3–4.7 s). [`EngineThreads::Shared`] splits the cores between the engines busy at
     /// the time.
     pub engine_threads: EngineThreads,
+    /// Thread count of cotrain's decode steps within the engine's ([`cotrain_model::engine::threads`]).
+    pub decode_threads: cotrain_model::engine::DecodeThreads,
     /// `(name, directory)` of each learned verifier to load (`serve --verifier NAME=DIR`).
     pub verifiers: Vec<(String, std::path::PathBuf)>,
     /// `(agent, directory)`: PEFT adapter directories loaded at start as those agents' adapters
@@ -102,6 +104,7 @@ mod tests {
             max_batch_size: 1,
             max_queued_requests: 1,
             engine_threads: EngineThreads::Default,
+            decode_threads: cotrain_model::engine::DecodeThreads::Adaptive,
             verifiers: Vec::new(),
             lora_modules: Vec::new(),
             engine: EngineKind::Cotrain,

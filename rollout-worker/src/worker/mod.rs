@@ -188,16 +188,7 @@ impl Worker {
             let base = slot::shared_base(&mut bases, spec, merge_device, &config);
             let slot = match &config.engine {
                 EngineKind::Cotrain => slot::start_model(spec, &id, names.clone(), *adapters, device, &config, &metrics, base)?,
-                EngineKind::Vllm(options) => {
-                    if *adapters {
-                        return Err(WorkerError::invalid(
-                            "adapters",
-                            "--engine vllm does not serve unmerged adapters yet (--adapters, --lora-module); \
-                             without --adapters, adapter updates are merged into each agent's weights and served",
-                        ));
-                    }
-                    slot::start_vllm_model(spec, &id, names.clone(), device, &config, options, &metrics, base)?
-                }
+                EngineKind::Vllm(options) => slot::start_vllm_model(spec, &id, names.clone(), *adapters, device, &config, options, &metrics, base)?,
             };
             for n in names {
                 agents.insert(n.clone(), models.len());

@@ -192,6 +192,7 @@ pub(super) fn start_model(
         loaded,
         EngineConfig {
             max_batch_rows: config.max_batch_size,
+            decode_threads: config.decode_threads,
         },
     );
     let (tx, rx) = mpsc::unbounded_channel();
@@ -268,12 +269,14 @@ pub(super) fn start_model(
 
 /// A model served by a vLLM engine (`serve --engine vllm`): the worker loads it only to read its
 /// tokenizer, chat template and parameter shapes (and to write a Hugging Face directory when the
-/// spec is a GGUF file or the embedded default), then hands generation to the engine.
+/// spec is a GGUF file or the embedded default), then hands generation to the engine. An adapter
+/// group (`adapters`) is one engine serving each agent as a LoRA adapter of the base.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn start_vllm_model(
     spec: &str,
     id: &str,
     agents: Vec<String>,
+    adapters: bool,
     device: Device,
     config: &WorkerConfig,
     options: &crate::vllm::VllmOptions,
@@ -299,10 +302,19 @@ pub(super) fn start_vllm_model(
     let tokenizer = loaded.tokenizer.clone();
     let model_dir = crate::vllm::model_dir(spec, &loaded)?;
     drop(loaded);
-    let launch = crate::vllm::LaunchSpec::new(options, model_dir, config.kind, device, &cfg, config.max_batch_size)?;
+    let mut launch = crate::vllm::LaunchSpec::new(options, model_dir, config.kind, device, &cfg, config.max_batch_size)?;
+    if adapters {
+        launch = launch.with_adapters(agents.len());
+    }
     let context_length = launch.max_model_len;
     let (tx, rx) = mpsc::unbounded_channel();
-    let state = Arc::new(LoopState::default());
+    let state = Arc::new(if adapters { LoopState::for_adapters(agents.len()) } else { LoopState::default() });
+    // `--lora-module` adapters of this group's agents, by adapter id.
+    let lora_modules: Vec<(u32, std::path::PathBuf)> = config
+        .lora_modules
+        .iter()
+        .filter_map(|(agent, dir)| agents.iter().position(|a| a == agent).filter(|_| adapters).map(|id| (id as u32, dir.clone())))
+        .collect();
     for a in &agents {
         metrics.policy_version.with_label_values(&[a.as_str()]).set(0);
     }
@@ -314,6 +326,7 @@ pub(super) fn start_vllm_model(
         rx,
         state.clone(),
         metrics.clone(),
+        lora_modules,
     )?;
     info!(model = id, ?agents, parameters = parameter_count, engine = "vllm",
         start_ms = started.elapsed().as_millis() as u64, "model loaded");
@@ -331,7 +344,7 @@ pub(super) fn start_vllm_model(
         device: Device::Cpu,
         tx,
         state,
-        adapters: false,
+        adapters,
         base,
         staging: Staging::default(),
         thread: Some(thread),
