@@ -132,16 +132,10 @@ pub(crate) struct VllmLoop {
 /// A tmpfs for update files: /dev/shm where it exists (node-local memory, no disk write), else
 /// the temporary directory.
 fn weights_tmp() -> std::io::Result<tempfile::TempDir> {
+    use super::scratch::private_dir;
     let shm = std::path::Path::new("/dev/shm");
-    let b = {
-        let mut b = tempfile::Builder::new();
-        b.prefix("cotrain-vllm-weights-");
-        b
-    };
-    let dir = if shm.is_dir() { b.tempdir_in(shm).or_else(|_| b.tempdir())? } else { b.tempdir()? };
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))?;
-    Ok(dir)
+    let tmp = std::env::temp_dir();
+    if shm.is_dir() { private_dir(shm, "weights").or_else(|_| private_dir(&tmp, "weights")) } else { private_dir(&tmp, "weights") }
 }
 
 impl VllmLoop {
@@ -164,6 +158,7 @@ impl VllmLoop {
                 .collect::<Vec<_>>()
         });
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
+        super::scratch::sweep_once();
         let weights_dir = weights_tmp().map_err(|e| WorkerError::Internal(format!("a directory for weight files: {e}")))?;
         let default_tolerance = spec.options.probe_tolerance.unwrap_or_else(|| crate::probe::default_tolerance(spec.dtype));
         let thread = std::thread::Builder::new()

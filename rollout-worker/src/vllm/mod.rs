@@ -18,6 +18,7 @@ mod api;
 pub(crate) mod engine_loop;
 mod http;
 mod process;
+mod scratch;
 
 use std::path::PathBuf;
 use std::time::Duration;

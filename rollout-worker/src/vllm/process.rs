@@ -2,7 +2,6 @@
 //! forwarded to this process's log, waited for until it answers `/health`, and killed with every
 //! process it started when dropped.
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -43,12 +42,8 @@ const RECENT_LINES: usize = 200;
 impl EngineProcess {
     /// Starts an engine for `spec`; returns once the process is started (not yet ready).
     pub fn spawn(spec: &LaunchSpec, label: &str) -> Result<Self, EngineError> {
-        let dir = tempfile::Builder::new()
-            .prefix("cotrain-vllm-")
-            .tempdir()
+        let dir = super::scratch::private_dir(&std::env::temp_dir(), "engine")
             .map_err(|e| EngineError::Start(format!("a private directory for the engine: {e}")))?;
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| EngineError::Start(format!("{}: {e}", dir.path().display())))?;
         std::fs::write(dir.path().join("cotrain_vllm_ext.py"), EXTENSION_PY)
             .map_err(|e| EngineError::Start(format!("writing the worker extension: {e}")))?;
         let socket = dir.path().join("api.sock");
