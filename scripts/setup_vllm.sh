@@ -37,8 +37,13 @@
 # SmolLM2-135M with the OpenAI server (Python 3.11, x86-64 Linux, built from PyPI on 2025-12-07).
 set -euo pipefail
 
-say() { printf '\033[1;34m[setup_vllm]\033[0m %s\n' "$*" >&2; }
-die() { printf '\033[1;31m[setup_vllm] error:\033[0m %s\n' "$*" >&2; exit 1; }
+if [ -t 2 ]; then
+  say() { printf '\033[1;34m[setup_vllm]\033[0m %s\n' "$*" >&2; }
+  die() { printf '\033[1;31m[setup_vllm] error:\033[0m %s\n' "$*" >&2; exit 1; }
+else
+  say() { printf '[setup_vllm] %s\n' "$*" >&2; }
+  die() { printf '[setup_vllm] error: %s\n' "$*" >&2; exit 1; }
+fi
 
 CACHE=${COTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cotrain}
 VLLM_VERSION=0.32.0

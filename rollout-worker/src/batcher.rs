@@ -367,7 +367,8 @@ impl EngineLoop {
                         self.metrics.policy_version.with_label_values(&[a.as_str()]).set(self.version as i64);
                     }
                     self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "applied"]).inc();
-                    info!(model = %self.model_id, version = self.version, tensors = update.tensors.len(),
+                    // Per push, beside the service's own line: detail.
+                    debug!(model = %self.model_id, version = self.version, tensors = update.tensors.len(),
                         swap_ms = started.elapsed().as_millis() as u64, "weights swapped");
                     let _ = reply.send(Ok(self.version));
                     if let Some(staging) = update.keep {
@@ -405,7 +406,7 @@ impl EngineLoop {
                 self.state.policy_version.store(newest, Ordering::SeqCst);
                 self.metrics.policy_version.with_label_values(&[agent.as_str()]).set(update.version as i64);
                 self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "applied"]).inc();
-                info!(model = %self.model_id, agent, version = update.version, tensors = update.tensors.len(),
+                debug!(model = %self.model_id, agent, version = update.version, tensors = update.tensors.len(),
                     swap_ms = started.elapsed().as_millis() as u64, "adapter swapped");
                 Ok(update.version)
             }

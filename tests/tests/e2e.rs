@@ -193,7 +193,7 @@ fn learner_trains_lora_agents_served_unmerged_by_its_embedded_worker() {
     let args = Command::new(&learner).args(["worker-args", "--config"]).arg(&config).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&args.stdout).lines().filter(|l| *l == "agent0,agent1").count(), 1, "{}", String::from_utf8_lossy(&args.stdout));
 
-    let out = Command::new(&learner).args(["train", "--config"]).arg(&config).env("RUST_LOG", "info").output().unwrap();
+    let out = Command::new(&learner).args(["train", "--config"]).arg(&config).env("RUST_LOG", "info,cotrain_rollout_worker::batcher=debug").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "learner train failed\nstderr:\n{stderr}");
     // The worker swapped adapters (unmerged), never merged weights, for both agents.

@@ -640,7 +640,7 @@ impl VllmLoop {
                     self.version
                 )));
             }
-            info!(model = %self.model_id, version = update.version, max_abs_diff = check.max_abs_diff, "probe check passed");
+            tracing::debug!(model = %self.model_id, version = update.version, max_abs_diff = check.max_abs_diff, "probe check passed");
         }
         // The probe of the weights now served, or none: an older probe does not describe them.
         self.last_probe = update.probe.clone();
@@ -652,7 +652,7 @@ impl VllmLoop {
         for a in &self.agents {
             self.metrics.policy_version.with_label_values(&[a.as_str()]).set(self.version as i64);
         }
-        info!(model = %self.model_id, version = self.version, bytes, write_ms = written.as_millis() as u64,
+        tracing::debug!(model = %self.model_id, version = self.version, bytes, write_ms = written.as_millis() as u64,
             total_ms = started.elapsed().as_millis() as u64, "weights reloaded into vllm");
         Ok(self.version)
     }
@@ -693,7 +693,7 @@ impl VllmLoop {
             let check = self.check_probe(&name, probe).await;
             let failed = match check {
                 Ok(c) if c.passed() => {
-                    info!(model = %self.model_id, agent, version = update.version, max_abs_diff = c.max_abs_diff, "probe check passed");
+                    tracing::debug!(model = %self.model_id, agent, version = update.version, max_abs_diff = c.max_abs_diff, "probe check passed");
                     None
                 }
                 Ok(c) => Some(format!(
@@ -727,7 +727,7 @@ impl VllmLoop {
         let newest = self.adapters.iter().flatten().map(|a| a.version).max().unwrap_or(0);
         self.state.policy_version.store(newest, Ordering::SeqCst);
         self.metrics.policy_version.with_label_values(&[agent.as_str()]).set(update.version as i64);
-        info!(model = %self.model_id, agent, version = update.version, rank = config.r, tensors = tensors.len(),
+        tracing::debug!(model = %self.model_id, agent, version = update.version, rank = config.r, tensors = tensors.len(),
             total_ms = started.elapsed().as_millis() as u64, "adapter loaded into vllm");
         Ok(update.version)
     }
