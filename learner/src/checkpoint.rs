@@ -14,6 +14,8 @@ use serde::{Deserialize, Serialize};
 use tch::{Tensor, nn};
 
 use crate::algo::AdamW;
+use crate::config::CheckedConfig;
+use crate::error::TrainError;
 
 /// Why a checkpoint could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -266,3 +268,28 @@ pub fn read_state(dir: &Path) -> Result<TrainState, CheckpointError> {
 pub fn read_weights(dir: &Path, index: usize) -> Result<BTreeMap<String, Tensor>, CheckpointError> {
     read_tensors(&dir.join(format!("agent-{index}")).join("model.safetensors"))
 }
+
+/// Refuses to resume `run_dir` with a config that would change the run (see
+/// [`crate::config::resume`]), naming every key that differs from the run's `config.yaml`.
+pub(crate) fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainError> {
+    let path = run_dir.join("config.yaml");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: cannot read the run's config to compare with: {e}", path.display())))?;
+    // Through the schema, so that keys added since the run started compare as their defaults.
+    let value = serde_yaml_ng::from_str(&text).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    let was = CheckedConfig::from_value(value, &path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+    let to_value = |c: &CheckedConfig| serde_yaml_ng::to_value(&c.raw).unwrap_or(serde_yaml_ng::Value::Null);
+    let changes = crate::config::resume::forbidden_changes(&to_value(&was), &to_value(cfg));
+    if changes.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = changes.iter().map(|c| format!("  {}: {} (run) -> {} (given)", c.key, c.was, c.now)).collect();
+    Err(TrainError::Config(format!(
+        "--resume {}: the given config changes the run:\n{}\nresume with the run's own config ({}); keys that may change on resume: {}",
+        run_dir.display(),
+        list.join("\n"),
+        path.display(),
+        crate::config::resume::RESUMABLE_KEYS.join(", ")
+    )))
+}
+

@@ -148,7 +148,7 @@ pub fn worker_agents(cfg: &CheckedConfig) -> Vec<(String, String)> {
         let mut agents: Vec<(String, String)> = Vec::new();
         for (agent, spec) in cfg.agent_models.iter().enumerate().take(cfg.num_agents) {
             for turn in 0..m.round_num {
-                let key = crate::maporl::adapter_key(m.adapter_layout, agent, turn);
+                let key = m.adapter_layout.adapter_key(agent, turn);
                 if !agents.iter().any(|(k, _)| *k == key) {
                     agents.push((key, spec.clone()));
                 }

@@ -21,6 +21,7 @@ pub mod http;
 pub mod metrics;
 pub mod probe;
 pub mod register;
+pub mod seeds;
 pub mod server;
 pub mod service;
 pub mod shm;

@@ -35,6 +35,20 @@ pub enum AdapterLayout {
     SharedByTurn,
 }
 
+impl AdapterLayout {
+    /// The adapter key of agent `agent` at turn `turn`; also the rollout workers' agent name for it.
+    pub fn adapter_key(self, agent: usize, turn: usize) -> String {
+        match self {
+            AdapterLayout::Shared => "shared".into(),
+            AdapterLayout::SharedByTurn if turn == 0 => "shared.turn0".into(),
+            AdapterLayout::SharedByTurn => "shared.later".into(),
+            AdapterLayout::PerTurn => format!("agent{agent}.turn{turn}"),
+            AdapterLayout::FirstAndLater if turn == 0 => format!("agent{agent}.turn0"),
+            AdapterLayout::FirstAndLater => format!("agent{agent}.later"),
+        }
+    }
+}
+
 /// Where s(t, i) comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]

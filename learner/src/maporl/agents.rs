@@ -67,17 +67,9 @@ impl Bases {
     }
 }
 
-/// The adapter key of agent `agent` at turn `turn` under `layout`; also the rollout workers'
-/// agent name for it.
+/// The adapter key of agent `agent` at turn `turn` under `layout` ([`AdapterLayout::adapter_key`]).
 pub fn adapter_key(layout: AdapterLayout, agent: usize, turn: usize) -> String {
-    match layout {
-        AdapterLayout::Shared => "shared".into(),
-        AdapterLayout::SharedByTurn if turn == 0 => "shared.turn0".into(),
-        AdapterLayout::SharedByTurn => "shared.later".into(),
-        AdapterLayout::PerTurn => format!("agent{agent}.turn{turn}"),
-        AdapterLayout::FirstAndLater if turn == 0 => format!("agent{agent}.turn0"),
-        AdapterLayout::FirstAndLater => format!("agent{agent}.later"),
-    }
+    layout.adapter_key(agent, turn)
 }
 
 /// The critic key of agent `agent` at turn `turn`.

@@ -28,8 +28,7 @@ use crate::data::{DatasetKind, load_split};
 use crate::error::TrainError;
 use crate::services::connect::{ServiceGuard, Services, connect_services};
 
-/// The name the embedded rollout worker serves `maporl.verifier_path` under.
-pub const EMBEDDED_VERIFIER: &str = "maporl";
+pub use crate::services::EMBEDDED_VERIFIER;
 
 /// The verifier name `score: verifier` asks the workers for, after checking that one will be
 /// served: `maporl.verifier_path` is loaded by the embedded worker only, remote workers serve
@@ -212,7 +211,7 @@ fn train_ranked(
         std::fs::create_dir_all(&run_dir)
             .map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
         if resume {
-            crate::trainer::check_resume_config(cfg, &run_dir)?;
+            crate::checkpoint::check_resume_config(cfg, &run_dir)?;
             let _ = crate::checkpoint::remove_stale_temporaries(&run_dir);
         }
         std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml())

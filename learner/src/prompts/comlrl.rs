@@ -14,7 +14,7 @@ use cotrain_reward_server::rewards::CodeDiagnostics;
 use cotrain_reward_server::rewards::code::diagnostics::AgentDiagnostics;
 use serde::{Deserialize, Serialize};
 
-use super::multiturn::TurnRecord;
+use super::turns::TurnRecord;
 
 /// What the original's formatters return when the prompt has no `def name(params)`.
 pub const FORMATTER_ERROR: &str = "Error: Could not extract function information from prompt.";

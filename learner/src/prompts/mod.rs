@@ -8,6 +8,7 @@ pub mod comlrl;
 mod discussion;
 pub mod multiturn;
 pub mod template;
+mod turns;
 
 use serde::{Deserialize, Serialize};
 

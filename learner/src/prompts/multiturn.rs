@@ -16,14 +16,7 @@ use super::template::{Prompter, TemplateError};
 use crate::config::{CheckedConfig, ExternalConfig, ExternalMode, NextTurnPrompt};
 use crate::data::TaskItem;
 
-/// One earlier turn of one agent.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TurnRecord {
-    /// The user text the agent saw.
-    pub prompt: String,
-    /// What it answered.
-    pub response: String,
-}
+pub use super::turns::TurnRecord;
 
 /// What a next-turn prompt is built from.
 #[derive(Debug, Clone, PartialEq, Eq)]

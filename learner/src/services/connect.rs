@@ -101,7 +101,7 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             .maporl
             .as_ref()
             .and_then(|m| m.verifier_path.as_ref())
-            .map(|dir| vec![(crate::maporl::EMBEDDED_VERIFIER.to_string(), std::path::PathBuf::from(dir))])
+            .map(|dir| vec![(super::EMBEDDED_VERIFIER.to_string(), std::path::PathBuf::from(dir))])
             .unwrap_or_default();
         if ro.bf16_dot_products {
             cotrain_model::kernels::gemm_bf16dot::enable_for(rollout_kind(cfg), opts.device, "rollout.bf16_dot_products").map_err(TrainError::Config)?;

@@ -25,6 +25,9 @@ pub use engine::EngineRollout;
 pub use pool_source::PoolRollout;
 pub use reward_grpc::GrpcReward;
 
+/// The name the embedded rollout worker serves `maporl.verifier_path` under.
+pub const EMBEDDED_VERIFIER: &str = "maporl";
+
 static CLUSTER_TOKEN: std::sync::OnceLock<Option<cotrain_proto::auth::ClusterToken>> = std::sync::OnceLock::new();
 
 /// Sets the cluster token this process sends with weight updates and requires from its embedded

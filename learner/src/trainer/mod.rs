@@ -334,30 +334,6 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
     Ok((trainer, guard))
 }
 
-/// Refuses to resume `run_dir` with a config that would change the run (see
-/// [`crate::config::resume`]), naming every key that differs from the run's `config.yaml`.
-pub(crate) fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainError> {
-    let path = run_dir.join("config.yaml");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| TrainError::Checkpoint(format!("{}: cannot read the run's config to compare with: {e}", path.display())))?;
-    // Through the schema, so that keys added since the run started compare as their defaults.
-    let value = serde_yaml_ng::from_str(&text).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
-    let was = CheckedConfig::from_value(value, &path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-    let to_value = |c: &CheckedConfig| serde_yaml_ng::to_value(&c.raw).unwrap_or(serde_yaml_ng::Value::Null);
-    let changes = crate::config::resume::forbidden_changes(&to_value(&was), &to_value(cfg));
-    if changes.is_empty() {
-        return Ok(());
-    }
-    let list: Vec<String> = changes.iter().map(|c| format!("  {}: {} (run) -> {} (given)", c.key, c.was, c.now)).collect();
-    Err(TrainError::Config(format!(
-        "--resume {}: the given config changes the run:\n{}\nresume with the run's own config ({}); keys that may change on resume: {}",
-        run_dir.display(),
-        list.join("\n"),
-        path.display(),
-        crate::config::resume::RESUMABLE_KEYS.join(", ")
-    )))
-}
-
 /// `learner train`: builds the run (or reopens `opts.resume`), trains, and returns where things are.
 ///
 /// Launched as one of several ranks (see [`crate::dist`]), this process trains its share of every
@@ -380,7 +356,7 @@ fn train_ranked(cfg: &CheckedConfig, opts: &TrainOptions, dist: Box<dyn crate::d
     if root {
         std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
         if opts.resume.is_some() {
-            check_resume_config(cfg, &run_dir)?;
+            crate::checkpoint::check_resume_config(cfg, &run_dir)?;
         }
         std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
     }

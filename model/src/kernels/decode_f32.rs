@@ -399,7 +399,7 @@ unsafe fn attend_head_vecs<C: Elem, const V: usize>(
         };
         let mut t = 0;
         while t + 4 <= len {
-            let s4 = super::gemm_f32::sum4(dot(t), dot(t + 1), dot(t + 2), dot(t + 3));
+            let s4 = super::elem::sum4(dot(t), dot(t + 1), dot(t + 2), dot(t + 3));
             _mm_storeu_ps(
                 scores.as_mut_ptr().add(t),
                 _mm_mul_ps(s4, _mm_set1_ps(scale)),

@@ -287,7 +287,7 @@ unsafe fn dot_tile<const R: usize, const C: usize>(xb: *const u16, kpad: usize, 
     let zero = _mm512_setzero_ps();
     for j in 0..C {
         let lane = |i: usize| if i < R { acc[i][j] } else { zero };
-        let sums = super::gemm_f32::sum4(lane(0), lane(1), lane(2), lane(3));
+        let sums = super::elem::sum4(lane(0), lane(1), lane(2), lane(3));
         let mut out = [0f32; 4];
         // SAFETY: `out` holds four floats.
         unsafe { _mm_storeu_ps(out.as_mut_ptr(), sums) };

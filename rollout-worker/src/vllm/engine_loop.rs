@@ -40,7 +40,7 @@ use crate::batcher::{Command, JobOutput, LoopState, StagedUpdate, StreamToken};
 use crate::error::{Result, WorkerError};
 use crate::metrics::Metrics;
 use crate::probe::Probe;
-use crate::worker::prompt_seed;
+use crate::seeds::prompt_seed;
 
 /// Longest a single sample or probe may take before the engine is considered stuck.
 const CALL_TIMEOUT: Duration = Duration::from_secs(3600);

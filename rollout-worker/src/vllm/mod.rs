@@ -238,13 +238,13 @@ impl LaunchSpec {
 /// The Hugging Face directory vLLM reads for a loaded model: its own directory when it came from
 /// one, otherwise (a GGUF file, the embedded default) a directory written once from the loaded
 /// weights into the cache (`$COTRAIN_CACHE/vllm-models/`) and reused by later starts.
-pub(crate) fn model_dir(spec: &str, loaded: &cotrain_model::loader::LoadedModel) -> crate::error::Result<PathBuf> {
+pub(crate) fn model_dir(spec: &str, loaded: &cotrain_model::loader::LoadedModel) -> Result<PathBuf, EngineError> {
     use cotrain_model::loader::ModelSource;
     let gguf = match &loaded.source {
         ModelSource::HfDir(d) => return Ok(d.clone()),
         ModelSource::Gguf(p) => p,
     };
-    let meta = std::fs::metadata(gguf).map_err(|e| crate::error::WorkerError::Internal(format!("{}: {e}", gguf.display())))?;
+    let meta = std::fs::metadata(gguf).map_err(|e| EngineError::Start(format!("{}: {e}", gguf.display())))?;
     let modified = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_secs());
     let key = format!("{}|{}|{}|{:?}", std::fs::canonicalize(gguf).unwrap_or(gguf.clone()).display(), meta.len(), modified, loaded.model.config().family);
     // FNV-1a: a stable name for the file's identity; not a security boundary.
@@ -252,14 +252,14 @@ pub(crate) fn model_dir(spec: &str, loaded: &cotrain_model::loader::LoadedModel)
     let stem = gguf.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let kind = loaded.named_parameters().values().next().map(|t| format!("{:?}", t.kind())).unwrap_or_default();
     let cache = cotrain_model::cache_dir()
-        .ok_or_else(|| crate::error::WorkerError::Internal("no cache directory (set COTRAIN_CACHE or HOME)".into()))?;
+        .ok_or_else(|| EngineError::Start("no cache directory (set COTRAIN_CACHE or HOME)".into()))?;
     let dir = cache.join("vllm-models").join(format!("{stem}-{kind}-{hash:016x}"));
     if dir.join("config.json").is_file() && dir.join("model.safetensors").is_file() {
         return Ok(dir);
     }
     tracing::info!(model = spec, dir = %dir.display(), "writing a Hugging Face directory for vllm (once)");
     cotrain_model::export::save_pretrained(loaded, &dir)
-        .map_err(|e| crate::error::WorkerError::Internal(format!("writing {} for vllm: {e}", dir.display())))?;
+        .map_err(|e| EngineError::Start(format!("writing {} for vllm: {e}", dir.display())))?;
     Ok(dir)
 }
 

@@ -38,10 +38,8 @@ pub use crate::batcher::{EngineThreads, StreamToken};
 use crate::error::{Result, WorkerError};
 use crate::metrics::Metrics;
 pub use config::{EngineKind, MAX_TEMPERATURE, WorkerConfig};
-pub use job::{
-    CompletionOutput, GenerateJob, GenerateOutput, ModelStatus, ParameterShape, PromptInput, SampleOutput,
-    prompt_seed,
-};
+pub use crate::seeds::prompt_seed;
+pub use job::{CompletionOutput, GenerateJob, GenerateOutput, ModelStatus, ParameterShape, PromptInput, SampleOutput};
 use slot::{BaseWeights, ModelSlot};
 
 /// The rollout worker's business logic; the gRPC and HTTP layers are thin adapters over it.
