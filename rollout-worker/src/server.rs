@@ -267,11 +267,7 @@ impl ServeArgs {
         if self.engine != "vllm" {
             return Ok(EngineKind::Cotrain);
         }
-        let python = self.vllm_python.clone().or_else(crate::vllm::find_python).ok_or_else(|| {
-            crate::vllm::EngineError::Missing("no interpreter with vLLM is set up (COTRAIN_VLLM_PYTHON is unset and no `make setup` recorded one)".into())
-        })?;
-        let version = crate::vllm::check_python(&python)?;
-        tracing::info!(python = %python.display(), version, "vllm found");
+        let (python, _) = crate::vllm::VllmOptions::discover(self.vllm_python.clone())?;
         Ok(EngineKind::Vllm(crate::vllm::VllmOptions {
             python,
             gpu_memory_utilization: self.gpu_memory_utilization,

@@ -175,13 +175,7 @@ fn embedded_engine(engine: crate::config::RolloutEngine) -> Result<cotrain_rollo
     match engine {
         crate::config::RolloutEngine::Cotrain => Ok(cotrain_rollout_worker::worker::EngineKind::Cotrain),
         crate::config::RolloutEngine::Vllm => {
-            let python = vllm::find_python().ok_or_else(|| {
-                TrainError::Config(format!(
-                    "rollout.engine: vllm: {}",
-                    vllm::EngineError::Missing("no interpreter with vLLM is set up (COTRAIN_VLLM_PYTHON is unset and no `make setup` recorded one)".into())
-                ))
-            })?;
-            vllm::check_python(&python).map_err(|e| TrainError::Config(format!("rollout.engine: vllm: {e}")))?;
+            let (python, _) = vllm::VllmOptions::discover(None).map_err(|e| TrainError::Config(format!("rollout.engine: vllm: {e}")))?;
             Ok(cotrain_rollout_worker::worker::EngineKind::Vllm(vllm::VllmOptions::defaults(python)))
         }
     }

@@ -69,6 +69,18 @@ pub struct VllmOptions {
 }
 
 impl VllmOptions {
+    /// The interpreter with vLLM to use: `python` when given, else the one `make setup` recorded
+    /// (or COTRAIN_VLLM_PYTHON), checked by importing vLLM. Returns it with vLLM's version, or why
+    /// there is none, naming what to set.
+    pub fn discover(python: Option<PathBuf>) -> Result<(PathBuf, String), EngineError> {
+        let python = python.or_else(find_python).ok_or_else(|| {
+            EngineError::Missing("no interpreter with vLLM is set up (COTRAIN_VLLM_PYTHON is unset and no `make setup` recorded one)".into())
+        })?;
+        let version = check_python(&python)?;
+        tracing::info!(python = %python.display(), version, "vllm found");
+        Ok((python, version))
+    }
+
     /// The options of `rollout-worker serve --engine vllm` with no other flag.
     pub fn defaults(python: PathBuf) -> Self {
         Self {

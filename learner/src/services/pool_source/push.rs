@@ -204,12 +204,13 @@ impl PoolRollout {
                 Ok(()) => {
                     if let Err((accepted, e)) = self.push_shm(agent, version, params, lora_scaling)
                     {
-                        warn!(
-                            error = e,
-                            "shared-memory weight update failed, using gRPC from now on"
-                        );
+                        warn!(error = e, "shared-memory weight update failed, sending it over gRPC");
+                        self.push_grpc(agent, version, params, lora_scaling, &accepted)?;
+                        // Only when gRPC carried what shared memory did not was the transport the
+                        // problem; an update refused for its content (a failed probe check, say)
+                        // is refused over gRPC too and leaves shared memory in use.
+                        warn!("weight updates go over gRPC from now on");
                         self.shm_failed = true;
-                        self.push_grpc(agent, version, params, lora_scaling, &accepted)?
                     }
                 }
             },
