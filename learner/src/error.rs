@@ -43,9 +43,3 @@ pub enum TrainError {
     #[error("{0}")]
     Dist(String),
 }
-
-impl From<crate::dist::DistError> for TrainError {
-    fn from(e: crate::dist::DistError) -> Self {
-        TrainError::Dist(e.to_string())
-    }
-}

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod model_options;
 pub mod plot;
 pub mod seeds;
+pub mod security;
 pub mod services;
 pub mod sources;
 pub mod trainer;

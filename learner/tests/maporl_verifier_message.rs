@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use cotrain_learner::config::{LegacyFlags, load_config};
-use cotrain_learner::data::items::prepare_items;
+use cotrain_learner::prompts::items::prepare_items;
 use cotrain_learner::data::load_split;
 use cotrain_learner::maporl::agents::{Adapters, Bases};
 use cotrain_learner::maporl::{MaporlSetup, MaporlTrainer};

@@ -169,6 +169,7 @@ fn shm_push_equals_grpc_push_and_auto_uses_it_only_where_accepted() {
         max_batch_size: 8,
         max_queued_requests: 64,
         engine_threads: Default::default(),
+        decode_threads: Default::default(),
         verifiers: Vec::new(),
         lora_modules: Vec::new(),
         engine: Default::default(),

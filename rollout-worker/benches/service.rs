@@ -185,6 +185,7 @@ fn main() -> anyhow::Result<()> {
         max_batch_size: 64,
         max_queued_requests: 1024,
         engine_threads: Default::default(),
+        decode_threads: Default::default(),
         verifiers: Vec::new(),
         lora_modules: Vec::new(),
         engine: Default::default(),

@@ -10,7 +10,7 @@ use crate::config::{CheckedConfig, LegacyFlags, load_config};
 /// `learner show-prompts`: the prompts exactly as the trainer builds them (templates, then the chat
 /// template if `model.chat_template`, then the agent's tokenizer), without loading any weights.
 pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize>, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
-    use crate::data::items::render_prompt;
+    use crate::prompts::items::render_prompt;
     let spec = match split {
         PromptSplit::Train => &cfg.train_split,
         PromptSplit::Eval => cfg
@@ -46,7 +46,7 @@ pub fn show_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize
 /// the tokenizer), from placeholder responses (`<agent A turn T response>`) and placeholder
 /// diagnostics (`<placeholder: ...>`), since the real ones need the models and the reward server.
 pub fn show_turn_prompts(cfg: &CheckedConfig, split: PromptSplit, limit: Option<usize>, turn: usize, out: &mut dyn std::io::Write) -> anyhow::Result<()> {
-    use crate::data::items::{encode_text, item_json, render_prompt};
+    use crate::prompts::items::{encode_text, item_json, render_prompt};
     use crate::prompts::comlrl::LevelReport;
     use crate::prompts::multiturn::{AgentTurn, NextTurn, NextTurnPrompter, TurnRecord, format_name};
     let turns = cfg.trainer.num_turns;
@@ -159,7 +159,7 @@ pub(super) fn verifier_command(cmd: VerifierCommand) -> anyhow::Result<()> {
                     .items
                     .iter()
                     .map(|it| {
-                        let item = crate::data::items::item_json(it);
+                        let item = crate::prompts::items::item_json(it);
                         (crate::verifier::question_text(&sampler.task, &item), item)
                     })
                     .collect();

@@ -11,7 +11,43 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::LoraSection;
-use crate::algo::discussion_score::{AgentShare, Horizon, IncentiveRule};
+
+/// Which turns enter R(t, i); the released flag `rule_horizon`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Horizon {
+    /// Turn t only.
+    Current,
+    /// Turns t..=last, weighted γ^(t'−t) and normalised by the sum of the weights.
+    #[default]
+    DiscountedSum,
+    /// The last turn only, whatever t is.
+    Last,
+}
+
+/// Whose scores enter R(t, i); the released flag `rule_agent_share`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentShare {
+    /// The agent's own score at turn t, the mean over all agents (itself included) at other turns
+    /// (`current` and `last` use the mean at their one turn).
+    #[default]
+    All,
+    /// The agent's own scores only.
+    Individual,
+}
+
+/// Which table of incentives `alpha` weighs (see `algo::discussion_score::incentive_bonus`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IncentiveRule {
+    /// The paper's Tables 1 and 2 (arXiv 2502.18439v2, §3.3), `alpha` = [α0, α1, β0, β1].
+    #[default]
+    Paper,
+    /// The released code's `bonus_rule`: the influence terms' signs opposite to the paper's, and
+    /// the weights grouped differently.
+    ReleasedCode,
+}
 
 /// Which adapter serves which turn of an agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 pub use actor_critic::ActorCriticSetup;
 pub use maporl::{
-    AdapterLayout, AdvantageWhitening, CriticHead, FollowupStyle, MaporlScore, MaporlSection,
+    AdapterLayout, AdvantageWhitening, AgentShare, Horizon, IncentiveRule, CriticHead, FollowupStyle, MaporlScore, MaporlSection,
     OldLogprobs, ScorePosition, VerifierUserMessage,
 };
 pub use schema::*;
@@ -166,16 +166,6 @@ pub struct CheckedConfig {
     pub prompt_sources: Vec<Option<PromptSource>>,
     /// `iac` / `maac`: the critics.
     pub actor_critic: Option<ActorCriticSetup>,
-}
-
-impl CheckedConfig {
-    /// How this config's prompt texts become what the model reads.
-    pub fn prompt_encoding(&self) -> crate::data::items::PromptEncoding {
-        crate::data::items::PromptEncoding::new(
-            self.raw.model.chat_template,
-            self.raw.model.enable_thinking,
-        )
-    }
 }
 
 /// Where an agent's configured prompt template comes from.

@@ -49,7 +49,7 @@ impl ControlServer {
         tls: Option<cotrain_proto::tls::ServerTls>,
     ) -> std::io::Result<Self> {
         if token.is_none() && !addr.ip().is_loopback() {
-            if !crate::services::insecure() {
+            if !crate::security::insecure() {
                 return Err(std::io::Error::other(
                     "a control plane on a non-loopback address needs a cluster token: anyone who reaches it could register a \
                      worker (which then receives the weights) or stop the run. Give --cluster-token-file (or \

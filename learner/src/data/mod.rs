@@ -2,7 +2,6 @@
 //! optionally gzip-compressed) and the local Hugging Face hub cache, mapped into typed task items and
 //! sliced with split expressions such as `test[16:]`.
 
-pub mod items;
 mod source;
 mod split;
 

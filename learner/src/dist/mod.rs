@@ -311,6 +311,13 @@ pub fn check_same(coll: &dyn Collective, what: &str, tensors: &[Tensor]) -> Resu
     }
 }
 
+// Here rather than beside `TrainError`: errors are the lowest layer and import nothing above them.
+impl From<DistError> for crate::error::TrainError {
+    fn from(e: DistError) -> Self {
+        crate::error::TrainError::Dist(e.to_string())
+    }
+}
+
 /// The run directory every rank writes to: rank 0's (its name may carry a time stamp).
 pub fn shared_run_dir(dist: &dyn Collective, run_dir: std::path::PathBuf) -> Result<std::path::PathBuf, crate::error::TrainError> {
     if dist.world() == 1 {

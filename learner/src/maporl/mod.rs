@@ -23,7 +23,7 @@ pub use agents::{Adapters, Bases, adapter_key, critic_key};
 pub use run::{MaporlSetup, MaporlSummary, MaporlTrainer};
 
 use crate::config::CheckedConfig;
-use crate::data::items::{prepare_items, reward_task};
+use crate::prompts::items::{prepare_items, reward_task};
 use crate::data::{DatasetKind, load_split};
 use crate::error::TrainError;
 use crate::services::connect::{ServiceGuard, Services, connect_services};

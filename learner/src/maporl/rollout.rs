@@ -18,8 +18,8 @@ use crate::algo::discussion_score::{
     InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason,
 };
 use crate::config::{FollowupStyle, MaporlSection, OldLogprobs};
-use crate::data::items::TrainItem;
-use crate::data::items::{PromptEncoding, encode_text};
+use crate::prompts::items::TrainItem;
+use crate::prompts::items::{PromptEncoding, encode_text};
 use crate::error::TrainError;
 use crate::prompts::{ChatMessage, Followup, Shown};
 use crate::seeds::derive_seed;

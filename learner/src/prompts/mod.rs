@@ -5,6 +5,7 @@
 
 mod code;
 pub mod comlrl;
+pub mod items;
 mod discussion;
 pub mod multiturn;
 pub mod template;

@@ -28,7 +28,7 @@ use super::tree::Forest;
 use crate::algo::AdamWConfig;
 use crate::algo::actor_critic::{critic_input, normalized_advantages, td_targets, undiscounted_returns};
 use crate::config::{CheckedConfig, CriticType, KlPlacement};
-use crate::data::items::TrainItem;
+use crate::prompts::items::TrainItem;
 use crate::dist::rank_share;
 use crate::error::TrainError;
 use crate::metrics::mean;
@@ -280,7 +280,7 @@ impl Trainer {
                         per_agent[0][0].1
                     } else {
                         // Upstream's tokenizer call truncates at the model's length.
-                        let mut ids = crate::data::items::encode_text(tokenizer, &text)?;
+                        let mut ids = crate::prompts::items::encode_text(tokenizer, &text)?;
                         ids.truncate(self.s.cfg.raw.model.max_length);
                         inputs[0].push(ids);
                         inputs[0].len() - 1

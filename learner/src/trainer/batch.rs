@@ -4,7 +4,7 @@
 
 use super::tree::{Expansion, Forest};
 use crate::config::JointMode;
-use crate::data::items::TrainItem;
+use crate::prompts::items::TrainItem;
 
 /// What a rollout is for: training (G per node, the configured variant) or evaluation (k paths).
 #[derive(Debug, Clone, Copy)]

@@ -9,7 +9,7 @@ use super::setup::{TAG_EVAL, Trainer};
 use super::step_metrics::reward_metrics;
 use super::tree::{Expansion, Forest};
 use crate::config::{EvalDecoding, JointMode, MultiTurnMode};
-use crate::data::items::TrainItem;
+use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
 use crate::sources::{CodeOutcome, Score};
 

@@ -1,6 +1,6 @@
 //! The trainer: GRPO / MAGRPO end to end, single- and multi-turn (algorithms.md), driving rollout
 //! workers and a reward server. It builds on what every trainer shares, one level below it
-//! ([`crate::sources`], [`crate::error`], [`crate::data::items`], [`crate::seeds`],
+//! ([`crate::sources`], [`crate::error`], [`crate::prompts::items`], [`crate::seeds`],
 //! [`crate::model_options`], [`crate::services`]); MaPoRL ([`crate::maporl`]) is its sibling.
 //!
 //! - `setup`: the [`Trainer`] and what it runs with; drawing samples at the pushed versions;
@@ -46,7 +46,7 @@ pub use setup::{RunSummary, Trainer, TrainerSetup};
 
 // The pieces every trainer builds on live below both trainers; re-exported here for the library's
 // users (tests, other tools) that know them under `trainer`.
-pub use crate::data::items::{self, TrainItem, prepare_items};
+pub use crate::prompts::items::{self, TrainItem, prepare_items};
 pub use crate::error::TrainError;
 pub use crate::model_options::{learner_device, load_options, matmul_kind, rollout_kind, rollout_precision_differs, worker_agents};
 pub use crate::seeds::derive_seed;

@@ -9,7 +9,7 @@ use tracing::warn;
 use super::batch::AsyncReport;
 use super::setup::Trainer;
 use super::tree::Forest;
-use crate::data::items::TrainItem;
+use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
 
 /// The items of a single-turn forest with a sample more than `k` versions older than the version

@@ -9,7 +9,7 @@ use tracing::info;
 
 use super::setup::Trainer;
 use super::tree::Forest;
-use crate::data::items::TrainItem;
+use crate::prompts::items::TrainItem;
 use crate::dist::Collective;
 use crate::dist::rank_share;
 use crate::error::TrainError;

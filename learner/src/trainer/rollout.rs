@@ -13,7 +13,7 @@ use super::setup::Trainer;
 use super::transition::{TransitionInput, extend_history, feedback_texts, fit_prompt};
 use super::tree::{AgentPrompt, Forest, Node, expand, node_actions};
 use crate::algo::RewardProcessor;
-use crate::data::items::TrainItem;
+use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
 use crate::prompts::multiturn::{AgentTurn, NextTurn};
 use crate::seeds::derive_seed;

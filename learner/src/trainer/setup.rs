@@ -30,7 +30,7 @@ use tracing::warn;
 use super::batch::StepRollout;
 use super::policy::Policy;
 use crate::config::CheckedConfig;
-use crate::data::items::TrainItem;
+use crate::prompts::items::TrainItem;
 use crate::dist::{Collective, SingleRank};
 use crate::error::TrainError;
 use crate::external::expert::ExpertClient;

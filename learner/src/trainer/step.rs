@@ -12,7 +12,7 @@ use super::step_metrics::{reward_metrics, turn_metrics};
 use super::tree::{Expansion, Forest};
 use crate::algo::{AdvantageOptions, LossOptions, RolloutBuffer};
 use crate::config::{BatchUnit, KlPlacement, MultiTurnMode};
-use crate::data::items::TrainItem;
+use crate::prompts::items::TrainItem;
 use crate::dist::SingleRank;
 use crate::dist::rank_share;
 use crate::error::TrainError;

@@ -11,7 +11,7 @@ use cotrain_model::loader::LoadedModel;
 
 use super::tree::AgentPrompt;
 use crate::config::{ExternalConfig, ExternalMode, SandboxSlice};
-use crate::data::items::{PromptEncoding, encode_text};
+use crate::prompts::items::{PromptEncoding, encode_text};
 use crate::error::TrainError;
 use crate::external::expert::{ExpertClient, ExpertEdits, ExpertFailure, ExpertRequest, FailureKind};
 use crate::prompts::comlrl::LevelReport;

@@ -19,7 +19,7 @@ use tracing::info;
 
 use super::data::{QuestionEntry, VerifierData};
 use crate::config::{CheckedConfig, VerifierSection};
-use crate::data::items::{encode_text, item_json, reward_task};
+use crate::prompts::items::{encode_text, item_json, reward_task};
 use crate::data::{DatasetKind, load_split};
 use crate::error::TrainError;
 use crate::seeds::derive_seed;

@@ -20,7 +20,7 @@ pub use data::{Example, QuestionEntry, VerifierData};
 pub fn task_of(cfg: &crate::config::CheckedConfig) -> Result<String, crate::error::TrainError> {
     let kind = crate::data::DatasetKind::resolve(&cfg.raw.dataset)
         .map_err(|e| crate::error::TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
-    Ok(crate::data::items::reward_task(kind).to_string())
+    Ok(crate::prompts::items::reward_task(kind).to_string())
 }
 
 /// The user message the verifier reads for `question` (the `verifier.user_template`).

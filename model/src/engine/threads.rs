@@ -26,9 +26,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 /// The thread count of CPU decode steps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeThreads {
     /// Chosen by measurement, at most the calling thread's libtorch count (see the module docs).
+    #[default]
     Adaptive,
     /// Always this many; 0: libtorch's count for the engine's thread (as configured, e.g.
     /// `--threads`).

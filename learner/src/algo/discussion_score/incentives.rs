@@ -1,5 +1,6 @@
 //! The incentive bonuses weighted by α0..α3: answer changes and influence on the other agents.
 
+pub use crate::config::IncentiveRule;
 use serde::{Deserialize, Serialize};
 
 use super::{MaporlError, agents_of};
@@ -26,18 +27,6 @@ pub fn answer_changes(prev_correct: bool, now_correct: bool) -> Transition {
         (true, true) => Transition::StayedCorrect,
         (false, false) => Transition::StayedWrong,
     }
-}
-
-/// Which table of incentives `alpha` weighs (see [`incentive_bonus`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum IncentiveRule {
-    /// The paper's Tables 1 and 2 (arXiv 2502.18439v2, §3.3), `alpha` = [α0, α1, β0, β1].
-    #[default]
-    Paper,
-    /// The released code's `bonus_rule`: the influence terms' signs opposite to the paper's, and
-    /// the weights grouped differently.
-    ReleasedCode,
 }
 
 /// The incentive weights; all 0 (off) by default, as released.

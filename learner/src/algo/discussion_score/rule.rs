@@ -1,33 +1,7 @@
 //! The score rule R(t, i): which turns and which agents enter an answer's training score.
 
-use serde::{Deserialize, Serialize};
-
 use super::{MaporlError, agents_of};
-
-/// Which turns enter R(t, i); the released flag `rule_horizon`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Horizon {
-    /// Turn t only.
-    Current,
-    /// Turns t..=last, weighted γ^(t'−t) and normalised by the sum of the weights.
-    #[default]
-    DiscountedSum,
-    /// The last turn only, whatever t is.
-    Last,
-}
-
-/// Whose scores enter R(t, i); the released flag `rule_agent_share`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AgentShare {
-    /// The agent's own score at turn t, the mean over all agents (itself included) at other turns
-    /// (`current` and `last` use the mean at their one turn).
-    #[default]
-    All,
-    /// The agent's own scores only.
-    Individual,
-}
+pub use crate::config::{AgentShare, Horizon};
 
 /// How a table of per-answer scores s(t, a) becomes training scores R(t, i).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -9,7 +9,7 @@ use super::super::rollout::Discussion;
 use super::super::update::PpoRecord;
 use super::MaporlTrainer;
 use super::samples::Place;
-use crate::data::items::TrainItem;
+use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
 
 impl MaporlTrainer {

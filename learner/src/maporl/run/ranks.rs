@@ -3,7 +3,7 @@
 
 use super::super::rollout::Discussion;
 use super::MaporlTrainer;
-use crate::data::items::TrainItem;
+use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
 
 impl MaporlTrainer {

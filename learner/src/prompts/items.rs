@@ -7,8 +7,8 @@ use cotrain_model::loader::LoadedModel;
 use cotrain_model::tokenizer::Tokenizer;
 
 use crate::error::TrainError;
-use super::{Dataset, DatasetKind, TaskItem};
-use crate::prompts::Prompter;
+use crate::data::{Dataset, DatasetKind, TaskItem};
+use super::Prompter;
 
 /// One dataset row, ready to be rolled out.
 #[derive(Debug, Clone, PartialEq)]
@@ -149,4 +149,12 @@ pub fn prepare_items(
             Ok(TrainItem { index, item: item_json(&data.items[index]), prompts, texts })
         })
         .collect()
+}
+
+// Here rather than in `config`: the config knows nothing of prompts.
+impl crate::config::CheckedConfig {
+    /// How this config's prompt texts become what the model reads.
+    pub fn prompt_encoding(&self) -> PromptEncoding {
+        PromptEncoding::new(self.raw.model.chat_template, self.raw.model.enable_thinking)
+    }
 }
