@@ -59,10 +59,29 @@ pub enum WorkerError {
     Model(#[from] cotrain_model::ModelError),
     /// A vLLM engine could not be started or used (`serve --engine vllm`).
     #[error(transparent)]
-    Engine(#[from] crate::vllm::EngineError),
+    Engine(#[from] EngineError),
     /// A failure inside the worker that is not the client's fault.
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+
+/// Why a vLLM engine could not be started or used (`serve --engine vllm`, `crate::vllm`).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// No usable vLLM: the interpreter is missing or cannot import vllm.
+    #[error(
+        "--engine vllm needs vLLM: {0}. Install it with `COTRAIN_VLLM=cpu make setup` (vLLM's CPU build, in its \
+         own environment under the cache) or `COTRAIN_VLLM=system make setup` (the vLLM of the machine's Python), \
+         or point COTRAIN_VLLM_PYTHON at an interpreter that has it"
+    )]
+    Missing(String),
+    /// The engine did not start or did not become ready.
+    #[error("vllm engine: {0}")]
+    Start(String),
+    /// What the worker was asked cannot be mapped onto a vLLM engine.
+    #[error("--engine vllm: {0}")]
+    Unsupported(String),
 }
 
 impl WorkerError {

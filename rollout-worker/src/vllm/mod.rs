@@ -25,23 +25,7 @@ use std::time::Duration;
 
 pub use process::find_python;
 
-/// Why an engine could not be started or used.
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    /// No usable vLLM: the interpreter is missing or cannot import vllm.
-    #[error(
-        "--engine vllm needs vLLM: {0}. Install it with `COTRAIN_VLLM=cpu make setup` (vLLM's CPU build, in its \
-         own environment under the cache) or `COTRAIN_VLLM=system make setup` (the vLLM of the machine's Python), \
-         or point COTRAIN_VLLM_PYTHON at an interpreter that has it"
-    )]
-    Missing(String),
-    /// The engine did not start or did not become ready.
-    #[error("vllm engine: {0}")]
-    Start(String),
-    /// What the worker was asked cannot be mapped onto a vLLM engine.
-    #[error("--engine vllm: {0}")]
-    Unsupported(String),
-}
+pub use crate::error::EngineError;
 
 /// Options of `--engine vllm` that are the same for every engine of a worker.
 #[derive(Clone, Debug)]
