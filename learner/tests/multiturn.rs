@@ -1,4 +1,4 @@
-//! Multi-turn MAGRPO / GRPO (algorithms.md, "Multi-turn MAGRPO"):
+//! Multi-turn MAGRPO / GRPO (docs/src/trainers/multi-turn.md):
 //! - the rollout math on hand-made trees (returns, advantages over siblings, aligned and cross, early
 //!   stops, handoff picks, turn weights, the order of updates), against values computed by hand;
 //! - a trainer run whose `rollouts.jsonl` is checked line by line against an independent

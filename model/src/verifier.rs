@@ -1,4 +1,4 @@
-//! A learned verifier (MaPoRL's reward model, algorithms.md "MaPoRL"): a causal LM trunk with a
+//! A learned verifier (MaPoRL's reward model, docs/src/trainers/verifier.md): a causal LM trunk with a
 //! linear head without bias and a sigmoid on every token. Trained with binary cross-entropy on every
 //! response token against the answer's 0/1 label; an answer's score is the last token's output, the
 //! probability that the answer is correct.

@@ -15,7 +15,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The reward server's scoring options: the original's behaviour by default; each correction
-/// cotrain offers beside it is one named option (README, "Reward options").
+/// cotrain offers beside it is one named option (the book's "MAGRPO and GRPO" page lists them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[serde(default, deny_unknown_fields)]

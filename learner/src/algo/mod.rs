@@ -1,4 +1,4 @@
-//! The update math of GRPO / MAGRPO (algorithms.md), as pure functions over rewards and per-token
+//! The update math of GRPO / MAGRPO (docs/src/trainers/magrpo.md), as pure functions over rewards and per-token
 //! log-prob tensors so that it is testable without a model:
 //! joint actions and credit ([`joint`]), reward processing and advantages ([`advantage`]), the policy
 //! loss with its options ([`loss`]), the reference KL as return shaping ([`reference_kl`]), rollout

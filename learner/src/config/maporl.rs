@@ -1,4 +1,4 @@
-//! `maporl`: the multi-agent PPO trainer's section (algorithms.md, "MaPoRL"). Keys carry the names of
+//! `maporl`: the multi-agent PPO trainer's section (docs/src/trainers/maporl.md). Keys carry the names of
 //! MaPoRL's config files (`config/ppo_config/*.py` of chanwoo-park-official/MAPoRL) where one exists:
 //! `agent_num`, `round_num`, `kl_coef`, `vf_coef`, `num_ppo_epochs`, `num_mini_batches`,
 //! `per_device_train_batch_size`, `gradient_accumulation_steps`, `max_output_length`,

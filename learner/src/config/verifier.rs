@@ -1,4 +1,4 @@
-//! `verifier`: MaPoRL's learned verifier (algorithms.md, "MaPoRL", the verifier paragraph): how
+//! `verifier`: MaPoRL's learned verifier (the book's "The learned verifier", docs/src/trainers/verifier.md): how
 //! `learner verifier generate` samples answers and how `learner verifier train` trains. Defaults
 //! are MaPoRL's (`config/reward_data_gen_config/config_gen.py`, `config/reward_config/*.py`):
 //! answers sampled at a temperature drawn from U(1.3, 1.5) with top-p 0.9 and 300 new tokens; a

@@ -1,4 +1,4 @@
-//! MaPoRL (Park et al. 2025, arXiv 2502.18439; algorithms.md "MaPoRL"): N agents discuss each question
+//! MaPoRL (Park et al. 2025, arXiv 2502.18439; docs/src/trainers/maporl.md): N agents discuss each question
 //! over T turns and are trained with PPO, with LoRA adapters on frozen bases and a critic per agent.
 //!
 //! - [`agents`]: bases, the adapter layout's keys, policy adapters and critics;

@@ -1,4 +1,4 @@
-//! One batch of discussions (algorithms.md, "MaPoRL"): at turn 0 every agent answers its question
+//! One batch of discussions (docs/src/trainers/maporl.md): at turn 0 every agent answers its question
 //! alone; at turn t ≥ 1 each agent reads its own history plus the other agents' answers of turn
 //! t − 1 (and their scores with `reward_feedback`) and answers again. Every (question, agent) of a
 //! turn goes to the rollout workers in one concurrent batch, served by the adapter of the layout's

@@ -1,4 +1,4 @@
-//! The discussion turns of MaPoRL (algorithms.md): at turn t ≥ 1 an agent's history gets one more user
+//! The discussion turns of MaPoRL (docs/src/trainers/maporl.md): at turn t ≥ 1 an agent's history gets one more user
 //! message showing the other agents' answers of turn t − 1, optionally each with its verifier score
 //! and the verbal reading of that score. The message is a minijinja template, chosen by
 //! `maporl.followup_style` (`original`: `configs/prompts/discussion_followup.j2`, MaPoRL's own text

@@ -30,7 +30,7 @@ pub struct AtK {
     pub max_coop: f64,
 }
 
-/// PassOrNot@k, Accuracy@k and MaxCoop@k (algorithms.md, "Evaluation") over `items`, each holding at
+/// PassOrNot@k, Accuracy@k and MaxCoop@k (docs/src/trainers/magrpo.md) over `items`, each holding at
 /// least k outcomes (fewer: all it has).
 pub fn code_at_k(items: &[Vec<CodeOutcome>], k: usize) -> AtK {
     let c = items.len().max(1) as f64;

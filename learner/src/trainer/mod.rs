@@ -1,4 +1,4 @@
-//! The trainer: GRPO / MAGRPO end to end, single- and multi-turn (algorithms.md), driving rollout
+//! The trainer: GRPO / MAGRPO end to end, single- and multi-turn (docs/src/trainers/magrpo.md), driving rollout
 //! workers and a reward server. It builds on what every trainer shares, one level below it
 //! ([`crate::sources`], [`crate::error`], [`crate::prompts::items`], [`crate::seeds`],
 //! [`crate::model_options`], [`crate::services`]); MaPoRL ([`crate::maporl`]) is its sibling.

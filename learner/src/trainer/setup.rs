@@ -1,4 +1,4 @@
-//! The GRPO / MAGRPO loop (algorithms.md), single- and multi-turn.
+//! The GRPO / MAGRPO loop (docs/src/trainers/magrpo.md), single- and multi-turn.
 //!
 //! One *step* consumes `rollout_buffer_size` items of the epoch's seeded order (fewer at the end of an
 //! epoch):

@@ -1,4 +1,4 @@
-//! The rollout of one step as a forest of nodes (algorithms.md, "Multi-turn MAGRPO").
+//! The rollout of one step as a forest of nodes (docs/src/trainers/multi-turn.md).
 //!
 //! A node is one item at one turn with one prompt per agent: every agent samples `g` completions,
 //! the node's joint actions are scored, and the node either stops (a leaf) or grows children whose

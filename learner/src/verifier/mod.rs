@@ -1,4 +1,4 @@
-//! MaPoRL's learned verifier, the learner's side (`learner verifier ...`; algorithms.md "MaPoRL"):
+//! MaPoRL's learned verifier, the learner's side (`learner verifier ...`; docs/src/trainers/maporl.md):
 //!
 //! - [`data`]: MaPoRL's data file (question → original answer, generated answers, 0/1 rewards),
 //!   read and written in the file's own question order;

@@ -1,4 +1,4 @@
-//! MaPoRL's per-answer training score (algorithms.md, "MaPoRL"; Park et al. 2025, arXiv 2502.18439):
+//! MaPoRL's per-answer training score (docs/src/trainers/maporl.md; Park et al. 2025, arXiv 2502.18439):
 //! the discounted, influence-aware score R(t, i) of agent i's answer at turn t, the incentive bonuses
 //! weighted by α0..α3, and the −10 penalty for invalid outputs. All pure functions over one question's
 //! table of turns × agents; the trainer composes them as

@@ -1,5 +1,5 @@
 //! The YAML schema: one serde struct per section, `deny_unknown_fields` everywhere, and the originals'
-//! defaults (algorithms.md). Values that fall back to another section (sampling parameters of the
+//! defaults (docs/src/trainers/magrpo.md). Values that fall back to another section (sampling parameters of the
 //! trainer section fall back to `model`) stay `Option` here and are resolved in [`crate::config::CheckedConfig`].
 
 mod actor_critic;

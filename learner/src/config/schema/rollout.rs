@@ -297,7 +297,7 @@ pub struct RewardConfig {
     #[serde(default)]
     pub writing_ratio_version: Option<cotrain_proto::reward_options::ArxivRatioVersion>,
     /// The reward server's scoring options (the original's behaviour by default; each correction
-    /// beside it is a named option, documented in the README). `split_seed` defaults to `seed`.
+    /// beside it is a named option, listed on the book's "MAGRPO and GRPO" page). `split_seed` defaults to `seed`.
     #[serde(default)]
     pub options: cotrain_proto::reward_options::ScoreOptions,
 }

@@ -13,7 +13,7 @@ use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
 
 impl MaporlTrainer {
-    /// One line per (step, turn, agent, sample) with the PPO inputs (algorithms.md; issue "rollout log").
+    /// One line per (step, turn, agent, sample) with the PPO inputs (docs/src/trainers/maporl.md).
     pub(super) fn log_rollouts(
         &self,
         items: &[&TrainItem],
