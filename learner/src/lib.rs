@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod metrics;
 pub mod model_options;
 pub mod plot;
+pub mod run_state;
 pub mod seeds;
 pub mod security;
 pub mod services;

@@ -394,3 +394,55 @@ fn services_beyond_loopback_without_a_token_refuse_to_start() {
     assert!(!out.status.success(), "the worker served open weights: {err}");
     assert!(err.contains("without a cluster token") && err.contains("--insecure"), "{err}");
 }
+
+/// `learner train --resume auto`, run blindly again and again as a supervisor would: the first start
+/// begins the run, a start after a stop resumes it from its checkpoint (each step logged once), a start
+/// after the end does nothing and exits 0, and a run directory with no checkpoint (killed before its
+/// first) is moved aside and the run starts over.
+#[test]
+fn resume_auto_starts_resumes_and_then_does_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_word_model_dir(tmp.path()).unwrap();
+    let token = token_file(tmp.path());
+    let cfg = write_config(tmp.path(), &model, "auto", 16, 1, "");
+    let run_dir = tmp.path().join("out/auto");
+    let auto = || {
+        let mut c = learner_cmd(&["train", "--config"], &token);
+        c.arg(&cfg).args(["--resume", "auto"]);
+        c
+    };
+
+    // First start: no run yet, so it begins; stopped after its first checkpoint.
+    let mut first = Proc::spawn(&mut auto());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !run_dir.join("checkpoints/step-1").is_dir() {
+        assert!(Instant::now() < deadline, "no first checkpoint");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    first.signal("-TERM");
+    assert!(first.wait_exit(Duration::from_secs(120)).success(), "{:?}", first.seen);
+    assert!(!run_dir.join("finished.json").exists());
+
+    // Second start: resumes and finishes; every step is in the metrics once.
+    let out = auto().output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let steps: Vec<u64> = metrics(&run_dir).iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, vec![1, 2, 3, 4]);
+    assert!(run_dir.join("finished.json").is_file());
+
+    // Third start: the run finished, nothing happens.
+    let out = auto().output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("already finished"), "{}", String::from_utf8_lossy(&out.stdout));
+    assert_eq!(metrics(&run_dir).len(), 4);
+
+    // A directory without a checkpoint is kept aside and the run starts over.
+    std::fs::remove_dir_all(&run_dir).unwrap();
+    std::fs::create_dir_all(&run_dir).unwrap();
+    std::fs::write(run_dir.join("metrics.jsonl"), "{\"step\":1}\n").unwrap();
+    let out = auto().output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(metrics(&run_dir).len(), 4);
+    let aside = std::fs::read_dir(tmp.path().join("out")).unwrap().filter_map(Result::ok).filter(|e| e.file_name().to_string_lossy().starts_with("auto.incomplete-")).count();
+    assert_eq!(aside, 1, "the checkpoint-less directory is kept aside");
+}

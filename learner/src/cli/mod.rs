@@ -50,8 +50,10 @@ pub enum Command {
     Train {
         #[command(flatten)]
         config: ConfigArgs,
-        /// Continue the run in this directory from its latest checkpoint.
-        #[arg(long)]
+        /// Continue the run in this directory from its latest checkpoint; `auto`: the config's run
+        /// (`output.base_dir/<logging.run_name>`) from its newest checkpoint if it has one, started
+        /// if not, nothing if it finished (for supervisors that restart the learner blindly).
+        #[arg(long, value_name = "RUN_DIR|auto")]
         resume: Option<PathBuf>,
     },
     /// Start N learner ranks on this machine and stop them all if one fails (as torchrun does):
@@ -354,6 +356,17 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train { config, resume } => {
             let cfg = config.load()?;
             ensure_trainable(&cfg)?;
+            let resume = match resume {
+                Some(dir) if dir.as_os_str() == "auto" => match crate::run_state::auto_resume(&cfg)? {
+                    crate::run_state::AutoResume::Finished(dir) => {
+                        println!("run {} already finished; nothing to do", dir.display());
+                        return Ok(());
+                    }
+                    crate::run_state::AutoResume::Resume(dir) => Some(dir),
+                    crate::run_state::AutoResume::Start => None,
+                },
+                other => other,
+            };
             if let Some(dir) = &resume
                 && !dir.is_dir()
             {

@@ -112,6 +112,9 @@ impl Trainer {
                 }
             }
         }
+        if root {
+            crate::run_state::mark_finished(&self.s.run_dir, self.step)?;
+        }
         if let Some(c) = &control {
             c.set_state("finished");
         }

@@ -506,6 +506,7 @@ impl MaporlTrainer {
                 plots.push(p);
             }
         }
+        crate::run_state::mark_finished(&self.s.run_dir, self.step)?;
         if let Some(c) = &control {
             c.set_state("finished");
         }
