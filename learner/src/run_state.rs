@@ -7,6 +7,17 @@ use std::path::{Path, PathBuf};
 use crate::config::CheckedConfig;
 use crate::error::TrainError;
 
+/// A new run's directory: `output.base_dir/<logging.run_name>`, or without a name
+/// `<config file stem>-<unix seconds>`.
+pub fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
+    let name = cfg.raw.logging.run_name.clone().unwrap_or_else(|| {
+        let stem = cfg.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        format!("{stem}-{secs}")
+    });
+    PathBuf::from(&cfg.raw.output.base_dir).join(name)
+}
+
 /// The marker a run writes into its directory once it has finished (not when stopped on request).
 pub const FINISHED: &str = "finished.json";
 
@@ -38,7 +49,7 @@ pub fn auto_resume(cfg: &CheckedConfig) -> Result<AutoResume, TrainError> {
             cfg.source.display()
         )));
     }
-    let dir = crate::trainer::run_dir_for(cfg);
+    let dir = run_dir_for(cfg);
     if dir.join(FINISHED).is_file() {
         return Ok(AutoResume::Finished(dir));
     }

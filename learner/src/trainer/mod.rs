@@ -115,14 +115,8 @@ pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), T
     Ok((policies, agent_policy))
 }
 
-pub fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
-    let name = cfg.raw.logging.run_name.clone().unwrap_or_else(|| {
-        let stem = cfg.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
-        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        format!("{stem}-{secs}")
-    });
-    PathBuf::from(&cfg.raw.output.base_dir).join(name)
-}
+/// Where runs live is the run state's business; kept here for the callers that found it here.
+pub use crate::run_state::run_dir_for;
 
 /// Refuses configs that ask for a trainer feature that is not built yet, or a run that cannot work
 /// (a rollout tree too large for `max_nodes_per_item`, `expert_edits` without an expert), naming the
