@@ -1,8 +1,15 @@
-//! The learner: configs, datasets, per-agent prompt formatters, the update math of GRPO/MAGRPO,
-//! metrics, checkpoints and plots, and the `learner` CLI's logic.
+//! The learner: configs, datasets, per-agent prompt formatters, the update math, the trainers and
+//! the `learner` CLI's logic.
 //!
-//! The trainer loop (talking to the rollout workers and the reward server) is built on top of these
-//! pieces; the pieces themselves are pure and testable without a model.
+//! The trainers, each implementing [`harness::Algorithm`] and run by [`harness::drive`]:
+//! - [`trainer`]: GRPO and MAGRPO (single- and multi-turn, CoMLRL's advantage modes, LoRA or full
+//!   fine-tuning, asynchronous rollouts) and CoMLRL 1.4.3's actor-critic trainers IAC and MAAC;
+//! - [`maporl`]: MaPoRL's discussions trained with PPO, critics and LoRA, scored by rule or by a
+//!   learned [`verifier`].
+//!
+//! [`trainers`] picks one for a config (`learner train`, `learner eval`). The models (the Llama,
+//! Qwen2/Qwen2.5, Qwen3 and Phi-3 families) are `cotrain-model`'s; the rollout workers and the reward
+//! server are reached through [`services`] (embedded in this process or remote).
 
 pub mod algo;
 pub mod cli;
@@ -13,6 +20,7 @@ pub mod dist;
 pub mod error;
 pub mod export;
 pub mod external;
+pub mod harness;
 pub mod maporl;
 pub mod prompts;
 pub mod checkpoint;
@@ -25,4 +33,5 @@ pub mod security;
 pub mod services;
 pub mod sources;
 pub mod trainer;
+pub mod trainers;
 pub mod verifier;

@@ -394,7 +394,7 @@ fn a_cuda_device_without_a_gpu_stops_the_run_with_the_reason() {
     for device in ["cuda", "cuda:1"] {
         let cfg = load(&[&format!("model.device={device}")]).unwrap();
         let started = std::time::Instant::now();
-        let e = cotrain_learner::trainer::train(&cfg, &Default::default())
+        let e = cotrain_learner::trainers::train(&cfg, None)
             .map(|_| ())
             .unwrap_err()
             .to_string();
@@ -637,10 +637,7 @@ fn resume_refuses_a_config_that_changes_the_run_naming_each_key() {
         &LegacyFlags::default(),
     )
     .unwrap();
-    let opts = cotrain_learner::trainer::TrainOptions {
-        resume: Some(dir.path().to_path_buf()),
-    };
-    let Err(e) = cotrain_learner::trainer::train(&changed, &opts) else {
+    let Err(e) = cotrain_learner::trainers::train(&changed, Some(dir.path())) else {
         panic!("resume with a changed config must be refused")
     };
     let e = e.to_string();

@@ -1,5 +1,5 @@
-//! The policy model shared by the rollout worker and the learner: model families on libtorch,
-//! weight loading (Hugging Face directories, GGUF files, the local HF cache, the embedded
+//! The policy model shared by the rollout worker and the learner: model families on libtorch (Llama,
+//! Qwen2/Qwen2.5, Qwen3, Phi-3), weight loading (Hugging Face directories, GGUF files, the local HF cache, the embedded
 //! default), tokenizers and chat templates, the generation engine and the log-prob kernel, and
 //! writing a (trained) model back out as a Hugging Face directory.
 

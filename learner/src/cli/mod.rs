@@ -372,39 +372,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             {
                 bail!("--resume {}: no such run directory", dir.display());
             }
-            if cfg.algorithm == crate::config::Algorithm::Maporl {
-                if cfg.raw.rollout.wait_for_registration {
-                    bail!(
-                        "rollout.wait_for_registration is not built for maporl runs yet; give the workers as \
-                         rollout.endpoints or rollout.dns_name"
-                    );
-                }
-                // As below: SIGTERM/SIGINT and `learner.control_addr` stop the run after a checkpoint.
-                let control = crate::control::install();
-                crate::control::handle_signals(control)?;
-                let summary = match &resume {
-                    Some(dir) => crate::maporl::train(&cfg, dir.clone(), true)?,
-                    None => crate::maporl::train(&cfg, crate::trainer::run_dir_for(&cfg), false)?,
-                };
-                if crate::dist::RankEnv::from_env().is_ok_and(|r| r.rank != 0) {
-                    return Ok(());
-                }
-                if summary.stopped {
-                    println!("stopped on request after step {}; continue with --resume {}", summary.steps, summary.run_dir.display());
-                }
-                println!("run directory: {}", summary.run_dir.display());
-                if let Some(d) = &summary.final_dir {
-                    println!("policies: {}", d.display());
-                }
-                for p in &summary.plots {
-                    println!("plot: {}", p.display());
-                }
-                return Ok(());
-            }
             // SIGTERM/SIGINT and the control plane (`learner.control_addr`) stop the run after a checkpoint.
             let control = crate::control::install();
             crate::control::handle_signals(control)?;
-            let summary = crate::trainer::train(&cfg, &crate::trainer::TrainOptions { resume })?;
+            let summary = crate::trainers::train(&cfg, resume.as_deref())?;
             if crate::dist::RankEnv::from_env().is_ok_and(|r| r.rank != 0) {
                 // Rank 0 reports the run.
                 return Ok(());
@@ -434,13 +405,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 bail!("--checkpoint {}: no such checkpoint directory", checkpoint.display());
             }
             ensure_trainable(&cfg)?;
-            if cfg.algorithm == crate::config::Algorithm::Maporl {
-                // One discussion per question, as the run evaluates: `--k` does not apply.
-                let metrics = crate::maporl::evaluate_saved(&cfg, &checkpoint)?;
-                println!("{}", serde_json::to_string_pretty(&metrics)?);
-                return Ok(());
-            }
-            let metrics = crate::trainer::evaluate_checkpoint(&cfg, &checkpoint, &k)?;
+            let metrics = crate::trainers::evaluate(&cfg, &checkpoint, &k)?;
             println!("{}", serde_json::to_string_pretty(&metrics)?);
             Ok(())
         }

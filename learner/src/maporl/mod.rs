@@ -4,10 +4,11 @@
 //! - [`agents`]: bases, the adapter layout's keys, policy adapters and critics;
 //! - [`rollout`]: the discussions of a batch through the rollout workers and the reward server;
 //! - [`update`]: the PPO update of a step;
-//! - [`run`]: the loop, evaluation, the rollout log, adapters saved in PEFT's layout;
+//! - [`run`]: the trainer, its step in the run harness, evaluation, the rollout log, adapters saved
+//!   in PEFT's layout;
 //! - [`plot`]: accuracy per turn;
-//! - this module: building a run from a config ([`build`]) and `learner train` on a `maporl` config
-//!   ([`train`]).
+//! - this module: building a run from a config ([`build`]) and what MaPoRL refuses
+//!   ([`check_launch`]); `crate::trainers` runs it.
 
 pub mod agents;
 pub mod plot;
@@ -20,7 +21,7 @@ pub mod update;
 use std::path::PathBuf;
 
 pub use agents::{Adapters, Bases, adapter_key, critic_key};
-pub use run::{MaporlSetup, MaporlSummary, MaporlTrainer};
+pub use run::{MaporlSetup, MaporlTrainer};
 
 use crate::config::CheckedConfig;
 use crate::prompts::items::{prepare_items, reward_task};
@@ -69,6 +70,30 @@ pub fn verifier_name(
             Ok(Some(m.verifier_name.clone().unwrap_or_default()))
         }
     }
+}
+
+/// Refuses what a MaPoRL run on `world` learner ranks does not do yet, naming the key.
+pub fn check_launch(cfg: &CheckedConfig, world: usize, resuming: bool) -> Result<(), TrainError> {
+    if cfg.raw.rollout.wait_for_registration {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: rollout.wait_for_registration is not built for maporl runs yet; give the workers as rollout.endpoints or \
+             rollout.dns_name",
+            cfg.source.display()
+        )));
+    }
+    if resuming && world > 1 {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: --resume of a MaPoRL run on several learner ranks is not built (resume it on one rank)",
+            cfg.source.display()
+        )));
+    }
+    if world > 1 && cfg.raw.learner.placement == crate::config::Placement::Agent {
+        return Err(TrainError::NotBuilt(format!(
+            "{}: learner.placement: agent is built for the GRPO/MAGRPO trainer; the maporl trainer splits data (learner.placement: data)",
+            cfg.source.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Everything for a MaPoRL run of `cfg` in `run_dir`: bases, adapters, data, services (the rollout
@@ -141,88 +166,4 @@ pub fn build_ranked(
         eval_items,
     };
     Ok((MaporlTrainer::new_ranked(setup, dist)?, guard))
-}
-
-/// `learner train` on a `maporl` config.
-///
-/// Launched as one of several ranks, each discusses its share of every step's questions and takes
-/// its share of every PPO mini-batch (see [`update::ppo_update`]); rank 0 writes the run.
-/// `learner eval` on a MaPoRL config: the policies saved under `path` (a run directory, its
-/// `adapters/` or `final_model/`, or a `checkpoints/step-N/`) evaluated as the run evaluates
-/// itself: accuracy per turn on the eval split's first `eval_num_samples` questions, with the
-/// sampling seed the run used at that step (so the final policies give the run's final `eval/`
-/// scalars). The scalars are returned and written to `eval.json` beside the policies.
-pub fn evaluate_saved(cfg: &CheckedConfig, path: &std::path::Path) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
-    let dir = crate::export::maporl_dir(path).ok_or_else(|| {
-        TrainError::Checkpoint(format!(
-            "{}: no saved MaPoRL policies ({} there, or in its adapters/, final_model/ or checkpoints/step-N/)",
-            path.display(),
-            crate::export::MAPORL_MANIFEST
-        ))
-    })?;
-    if cfg.eval_split.is_none() {
-        return Err(TrainError::Config(format!("{}: dataset.eval_split is not set", cfg.source.display())));
-    }
-    let tmp_run = std::env::temp_dir().join(format!("cotrain-eval-{}", std::process::id()));
-    let (mut trainer, services) = build(cfg, tmp_run.clone())?;
-    trainer.load_saved_policies(&dir)?;
-    tracing::info!(policies = %dir.display(), "evaluating saved MaPoRL policies");
-    let m = trainer.evaluate_loaded()?;
-    let out = dir.join("eval.json");
-    std::fs::write(&out, serde_json::to_vec_pretty(&m).unwrap_or_default()).map_err(|e| TrainError::Io(format!("{}: {e}", out.display())))?;
-    drop(trainer);
-    drop(services);
-    let _ = std::fs::remove_dir_all(&tmp_run);
-    Ok(m)
-}
-
-/// `learner train` on a MaPoRL config: a new run in `run_dir`, or with `resume` the run there
-/// continued from its latest checkpoint (one learner rank).
-pub fn train(cfg: &CheckedConfig, run_dir: PathBuf, resume: bool) -> Result<MaporlSummary, TrainError> {
-    let dist = crate::dist::init_with_timeout(
-        cfg.raw.learner.backend,
-        crate::model_options::learner_device(cfg)?,
-        cfg.collective_timeout(),
-    )?;
-    crate::dist::run_ranked(dist, |dist| train_ranked(cfg, run_dir, resume, dist))
-}
-
-/// [`train`] as one rank of `dist`.
-fn train_ranked(
-    cfg: &CheckedConfig,
-    run_dir: PathBuf,
-    resume: bool,
-    dist: Box<dyn crate::dist::Collective>,
-) -> Result<MaporlSummary, TrainError> {
-    if resume && dist.world() > 1 {
-        return Err(TrainError::NotBuilt(format!(
-            "{}: --resume of a MaPoRL run on several learner ranks is not built (resume it on one rank)",
-            cfg.source.display()
-        )));
-    }
-    if dist.world() > 1 && cfg.raw.learner.placement == crate::config::Placement::Agent {
-        return Err(TrainError::NotBuilt(format!(
-            "{}: learner.placement: agent is built for the GRPO/MAGRPO trainer; the maporl trainer splits data (learner.placement: data)",
-            cfg.source.display()
-        )));
-    }
-    let run_dir = crate::dist::shared_run_dir(dist.as_ref(), run_dir)?;
-    if dist.is_root() {
-        std::fs::create_dir_all(&run_dir)
-            .map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
-        if resume {
-            crate::checkpoint::check_resume_config(cfg, &run_dir)?;
-            let _ = crate::checkpoint::remove_stale_temporaries(&run_dir);
-        }
-        std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml())
-            .map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
-    }
-    let (mut trainer, services) = build_ranked(cfg, run_dir.clone(), dist)?;
-    if resume {
-        trainer.resume(&run_dir)?;
-    }
-    let summary = trainer.run();
-    drop(trainer);
-    drop(services);
-    summary
 }

@@ -13,12 +13,6 @@ use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
 use crate::sources::{CodeOutcome, Score};
 
-/// Whether a step over the epoch's items `[start, end)` contains an item whose index is a multiple of
-/// `interval` (0: never).
-pub fn eval_due(interval: u64, start: u64, end: u64) -> bool {
-    interval > 0 && (start..end).any(|i| i.is_multiple_of(interval))
-}
-
 /// The offline code metrics over items, each with its joint samples in drawing order.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AtK {
@@ -126,17 +120,6 @@ impl Trainer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn evaluation_rhythm_follows_the_items_of_an_epoch() {
-        // One item per step (the original): items 0, 4, 8.
-        let due: Vec<u64> = (0..10).filter(|&i| eval_due(4, i, i + 1)).collect();
-        assert_eq!(due, vec![0, 4, 8]);
-        // Three items per step: steps [0,3) [3,6) [6,9) [9,10) → the first three contain 0, 4, 8.
-        let steps: Vec<bool> = [(0, 3), (3, 6), (6, 9), (9, 10)].iter().map(|&(a, b)| eval_due(4, a, b)).collect();
-        assert_eq!(steps, vec![true, true, true, false]);
-        assert!(!eval_due(0, 0, 10));
-    }
 
     #[test]
     fn at_k_metrics_on_known_outcomes() {

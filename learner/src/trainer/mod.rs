@@ -16,8 +16,8 @@
 //! - `ranks`: the learner's ranks (layout, gathering, identical weights);
 //! - `evaluate`: evaluation and the code tasks' @k metrics; `step_metrics`: a step's scalars;
 //! - `checkpoints`: saving, resuming, final models;
-//! - this module: building all of it from a config ([`build`]) and the `learner train` / `learner
-//!   eval` entry points ([`train`], [`evaluate_checkpoint`]).
+//! - this module: building all of it from a config ([`build`]); `crate::trainers` runs it
+//!   (`learner train`, `learner eval`) in the harness ([`crate::harness`]).
 
 mod batch;
 mod actor_critic;
@@ -38,11 +38,12 @@ mod step_metrics;
 pub mod transition;
 pub mod tree;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-pub use evaluate::{AtK, code_at_k, eval_due};
+pub use evaluate::{AtK, code_at_k};
+pub use crate::harness::{RunSummary, eval_due};
 pub use policy::{AgentBatches, Policy, TrainSample, UpdateStats};
-pub use setup::{RunSummary, Trainer, TrainerSetup};
+pub use setup::{Trainer, TrainerSetup};
 
 // The pieces every trainer builds on live below both trainers; re-exported here for the library's
 // users (tests, other tools) that know them under `trainer`.
@@ -56,13 +57,6 @@ pub use crate::sources::{self, CodeOutcome, FeedbackSpec, GenRequest, GenSample,
 use crate::algo::AdamWConfig;
 use crate::config::CheckedConfig;
 use crate::data::{DatasetKind, load_split};
-
-/// How `learner train` runs.
-#[derive(Debug, Clone, Default)]
-pub struct TrainOptions {
-    /// Continue this run directory from its latest checkpoint.
-    pub resume: Option<PathBuf>,
-}
 
 /// Seed path tags of the LoRA adapters' initial draws and of their dropout masks.
 const TAG_LORA_INIT: u64 = 6;
@@ -326,62 +320,4 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
         trainer = trainer.with_expert(expert);
     }
     Ok((trainer, guard))
-}
-
-/// `learner train`: builds the run (or reopens `opts.resume`), trains, and returns where things are.
-///
-/// Launched as one of several ranks (see [`crate::dist`]), this process trains its share of every
-/// step; rank 0 names the run directory, writes it, and resumes from it (the other ranks receive
-/// its state).
-pub fn train(cfg: &CheckedConfig, opts: &TrainOptions) -> Result<RunSummary, TrainError> {
-    let dist = crate::dist::init_with_timeout(cfg.raw.learner.backend, learner_device(cfg)?, cfg.collective_timeout())?;
-    crate::dist::run_ranked(dist, |dist| train_ranked(cfg, opts, dist))
-}
-
-/// [`train`] as one rank of `dist`.
-fn train_ranked(cfg: &CheckedConfig, opts: &TrainOptions, dist: Box<dyn crate::dist::Collective>) -> Result<RunSummary, TrainError> {
-    check_ranks(cfg, dist.world())?;
-    let root = dist.is_root();
-    let mut run_dir = match &opts.resume {
-        Some(dir) => dir.clone(),
-        None => run_dir_for(cfg),
-    };
-    run_dir = crate::dist::shared_run_dir(dist.as_ref(), run_dir)?;
-    if root {
-        std::fs::create_dir_all(&run_dir).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
-        if opts.resume.is_some() {
-            crate::checkpoint::check_resume_config(cfg, &run_dir)?;
-        }
-        std::fs::write(run_dir.join("config.yaml"), cfg.to_yaml()).map_err(|e| TrainError::Io(format!("{}: {e}", run_dir.display())))?;
-    }
-    let (mut trainer, services) = build_ranked(cfg, run_dir.clone(), dist)?;
-    if opts.resume.is_some() && root {
-        trainer.resume(&run_dir)?;
-    }
-    let summary = trainer.run();
-    drop(trainer);
-    drop(services);
-    summary
-}
-
-/// `learner eval`: loads a checkpoint's weights into fresh policies and evaluates them on the eval
-/// split; the scalars are returned (and written to `eval.json` in the checkpoint directory).
-/// `ks` are the k of the @k metrics; max(ks) joint samples are drawn per item. No optimiser state is
-/// allocated or read.
-pub fn evaluate_checkpoint(cfg: &CheckedConfig, checkpoint: &Path, ks: &[usize]) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
-    if cfg.eval_split.is_none() {
-        return Err(TrainError::Config(format!("{}: dataset.eval_split is not set", cfg.source.display())));
-    }
-    let samples = ks.iter().copied().max().unwrap_or(1).max(1);
-    let tmp_run = std::env::temp_dir().join(format!("cotrain-eval-{}", std::process::id()));
-    let (mut trainer, services) = build(cfg, tmp_run.clone())?;
-    trainer.restore_weights(checkpoint)?;
-    trainer.sync_all_weights()?;
-    let m = trainer.evaluate(samples, ks)?;
-    let path = checkpoint.join("eval.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap_or_default()).map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))?;
-    drop(trainer);
-    drop(services);
-    let _ = std::fs::remove_dir_all(&tmp_run);
-    Ok(m)
 }

@@ -57,22 +57,6 @@ pub struct TrainerSetup {
     pub eval_items: Vec<TrainItem>,
 }
 
-/// What a finished (or stopped) run leaves behind.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RunSummary {
-    pub run_dir: PathBuf,
-    pub steps: u64,
-    pub metrics_path: PathBuf,
-    pub checkpoint: Option<PathBuf>,
-    /// The Hugging Face model directories written at the end (`output.save_final_model`).
-    pub final_models: Vec<PathBuf>,
-    pub plots: Vec<PathBuf>,
-    /// Every logged step's scalars, in order (what `metrics.jsonl` got).
-    pub history: Vec<BTreeMap<String, f64>>,
-    /// Stopped on a request (SIGTERM, the control plane) after a checkpoint, before the end.
-    pub stopped: bool,
-}
-
 /// The trainer; see the module docs.
 pub struct Trainer {
     pub(super) s: TrainerSetup,

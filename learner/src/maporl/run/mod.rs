@@ -7,17 +7,16 @@
 //!
 //! Files: `samples` (a step's discussions as PPO samples), `ranks` (the learner's ranks: split
 //! discussions, first synchronisation), `output` (`rollouts.jsonl`, saved policies), `saved`
-//! (evaluating saved policies: `learner eval`), `resume` (checkpoints and `--resume`); this file holds
-//! the trainer, its step and the run loop.
+//! (evaluating saved policies: `learner eval`), `resume` (checkpoints and `--resume`), `harnessed`
+//! (the trainer in the run harness, [`crate::harness`], which runs the loop); this file holds the
+//! trainer and its step.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use rand::SeedableRng;
-use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
-use tracing::{info, warn};
 
 use super::agents::{Adapters, Bases, scheduled_lr};
 use super::rollout::{Discussion, DiscussionSetup, discussion_metrics};
@@ -33,6 +32,7 @@ use crate::prompts::Followup;
 use crate::seeds::derive_seed;
 use crate::sources::{RewardSource, RolloutSource};
 
+mod harnessed;
 mod output;
 mod ranks;
 mod resume;
@@ -52,22 +52,6 @@ pub struct MaporlSetup {
     pub eval_items: Vec<TrainItem>,
 }
 
-/// What a finished run leaves.
-#[derive(Debug, Clone)]
-pub struct MaporlSummary {
-    pub run_dir: PathBuf,
-    pub steps: u64,
-    pub history: Vec<BTreeMap<String, f64>>,
-    /// Evaluations as (step, scalars).
-    pub evals: Vec<(u64, BTreeMap<String, f64>)>,
-    /// Where the final policies went (`adapters/`, or `final_model/` with `full_finetune`).
-    pub final_dir: Option<PathBuf>,
-    pub plots: Vec<PathBuf>,
-    /// Stopped on request (a signal or `learner control stop`) after a checkpoint: `--resume`
-    /// continues it.
-    pub stopped: bool,
-}
-
 /// The trainer; see the module docs.
 pub struct MaporlTrainer {
     pub s: MaporlSetup,
@@ -85,6 +69,7 @@ pub struct MaporlTrainer {
     evals: Vec<(u64, BTreeMap<String, f64>)>,
     /// The verifier scoring s(t, i) (`score: verifier`), by name.
     verifier: Option<String>,
+    last_checkpoint: Option<PathBuf>,
 }
 
 const TAG_ORDER: u64 = 11;
@@ -134,6 +119,7 @@ impl MaporlTrainer {
             history: Vec::new(),
             evals: Vec::new(),
             verifier,
+            last_checkpoint: None,
             s,
         })
     }
@@ -306,218 +292,5 @@ impl MaporlTrainer {
         }
         self.history.push(values.clone());
         Ok(())
-    }
-
-    /// The steps of [`Self::run`] from `self.step` on (a resumed run skips those its checkpoint has
-    /// done); returns whether they stopped on a request, after a checkpoint.
-    fn run_steps(
-        &mut self,
-        total: u64,
-        bar: Option<&indicatif::ProgressBar>,
-        control: Option<&crate::control::ControlState>,
-    ) -> Result<bool, TrainError> {
-        let root = self.dist.is_root();
-        let qps = self.m.questions_per_step();
-        let interval = self.m.eval_interval as u64;
-        // A resumed run skips the steps its checkpoint has done (the orders are the seed's).
-        let resumed_at = self.step;
-        let mut done = 0u64;
-        for epoch in 0..self.m.num_train_epochs as u64 {
-            let mut order: Vec<usize> = (0..self.s.train_items.len()).collect();
-            order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[
-                self.s.cfg.raw.seed,
-                TAG_ORDER,
-                epoch,
-            ])));
-            for chunk in order.chunks(qps) {
-                if done < resumed_at {
-                    done += 1;
-                    continue;
-                }
-                let mut values = BTreeMap::new();
-                if root && interval > 0 && self.step.is_multiple_of(interval) {
-                    let e = self.evaluate()?;
-                    if !e.is_empty() {
-                        self.evals.push((self.step, e.clone()));
-                    }
-                    values.extend(e);
-                }
-                let items: Vec<TrainItem> = chunk
-                    .iter()
-                    .map(|&k| self.s.train_items[k].clone())
-                    .collect();
-                let refs: Vec<&TrainItem> = items.iter().collect();
-                values.extend(self.train_step(&refs, total)?);
-                self.step += 1;
-                self.log(&values)?;
-                let acc_last = values
-                    .get(&format!("accuracy/turn{}", self.m.round_num - 1))
-                    .copied()
-                    .unwrap_or(f64::NAN);
-                let kl = values.get("objective/kl").copied().unwrap_or(f64::NAN);
-                match bar {
-                    Some(pb) => {
-                        pb.set_position(self.step);
-                        pb.set_message(format!("last-turn accuracy {acc_last:.3} kl {kl:.4}"));
-                    }
-                    None if self.step.is_multiple_of(self.m.logging_steps as u64)
-                        || self.step == total =>
-                    {
-                        // One line a person reads; every scalar of the step at debug (and in metrics.jsonl).
-                        let secs = values.get("time/step").copied().unwrap_or(0.0);
-                        info!(
-                            "step {}/{total}: last-turn accuracy {acc_last:.3}, kl {kl:.4}, {secs:.1} s",
-                            self.step
-                        );
-                        tracing::debug!(step = self.step, scalars = ?values, "step scalars");
-                    }
-                    None => {}
-                }
-                let scheduled = self.m.save_steps > 0 && self.step.is_multiple_of(self.m.save_steps as u64);
-                let asked = match control {
-                    Some(c) => c.between_steps(crate::control::StepReport {
-                        step: self.step,
-                        total_steps: total,
-                        epoch,
-                        total_epochs: self.m.num_train_epochs as u64,
-                        reward: acc_last.is_finite().then_some(acc_last),
-                        step_secs: values.get("time/step").copied().unwrap_or(0.0),
-                        policy_versions: self.versions().into_iter().collect(),
-                    }),
-                    None => Default::default(),
-                };
-                if root && (scheduled || asked.checkpoint || asked.stop) {
-                    match self.save_checkpoint() {
-                        Ok(dir) => {
-                            info!(step = self.step, checkpoint = %dir.display(), requested = asked.checkpoint || asked.stop, "checkpoint saved");
-                            if let Some(c) = control {
-                                c.checkpoint_written(self.step, &dir);
-                            }
-                        }
-                        Err(e) => {
-                            if let Some(c) = control {
-                                c.checkpoint_failed(&e.to_string());
-                            }
-                            return Err(e);
-                        }
-                    }
-                    crate::checkpoint::apply_save_total_limit(
-                        &self.s.run_dir,
-                        self.s.cfg.raw.output.save_total_limit,
-                    );
-                }
-                if asked.stop {
-                    return Ok(true);
-                }
-            }
-        }
-        Ok(false)
-    }
-
-    /// The whole run.
-    pub fn run(&mut self) -> Result<MaporlSummary, TrainError> {
-        let total = self.total_steps();
-        let root = self.dist.is_root();
-        self.sync_ranks()?;
-        self.sync_all()?;
-        info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
-            steps = total, start_step = self.step, adapters = self.s.adapters.policies.len(), critics = self.s.adapters.critics.len(), "MaPoRL training");
-        let bar = if root {
-            crate::metrics::progress::progress_bar(self.s.cfg.raw.logging.progress, total, self.step)
-        } else {
-            None
-        };
-        // The control plane and SIGTERM/SIGINT: a checkpoint between steps on request, and a stop
-        // after one. One rank only: the ranks would have to agree on when to stop.
-        let control = crate::control::current().filter(|_| self.dist.world() == 1);
-        if let Some(c) = &control {
-            c.set_run_dir(self.s.run_dir.clone());
-            c.trainer_started();
-        }
-        let result = self.run_steps(total, bar.as_ref(), control.as_deref());
-        if let Some(c) = &control {
-            c.trainer_done(match &result {
-                Err(_) => "failed",
-                Ok(true) => "stopped",
-                Ok(false) => "finishing",
-            });
-        }
-        if result? {
-            let reason = control.as_ref().and_then(|c| c.stop_reason()).unwrap_or_default();
-            info!(step = self.step, reason, run_dir = %self.s.run_dir.display(),
-                "stopped on request after a checkpoint; continue with `learner train --config ... --resume RUN_DIR`");
-            return Ok(MaporlSummary {
-                run_dir: self.s.run_dir.clone(),
-                steps: self.step,
-                history: self.history.clone(),
-                evals: self.evals.clone(),
-                final_dir: None,
-                plots: Vec::new(),
-                stopped: true,
-            });
-        }
-        if let Some(pb) = &bar {
-            pb.finish();
-        }
-        if self.dist.world() > 1 {
-            for (key, p) in &self.s.adapters.policies {
-                crate::dist::check_same(
-                    self.dist.as_ref(),
-                    &format!("adapter `{key}` at the end"),
-                    &p.optimizer.parameters(),
-                )?;
-            }
-        }
-        if !root {
-            return Ok(MaporlSummary {
-                run_dir: self.s.run_dir.clone(),
-                steps: self.step,
-                history: Vec::new(),
-                evals: Vec::new(),
-                final_dir: None,
-                plots: Vec::new(),
-                stopped: false,
-            });
-        }
-        let e = self.evaluate()?;
-        if !e.is_empty() {
-            self.evals.push((self.step, e.clone()));
-            self.log(&e)?;
-        }
-        let final_name = if self.m.full_finetune {
-            "final_model"
-        } else {
-            "adapters"
-        };
-        let final_dir = if self.s.cfg.raw.output.save_final_model {
-            Some(self.save_policies(&self.s.run_dir.join(final_name))?)
-        } else {
-            None
-        };
-        let mut plots = Vec::new();
-        if self.s.cfg.raw.logging.plots {
-            match crate::plot::plot_run(&self.s.run_dir) {
-                Ok(p) => plots = p,
-                Err(err) => warn!(error = %err, "plots not drawn"),
-            }
-            if let Some(p) =
-                super::plot::accuracy_per_turn(&self.s.run_dir, &self.evals, self.m.round_num)
-            {
-                plots.push(p);
-            }
-        }
-        crate::run_state::mark_finished(&self.s.run_dir, self.step)?;
-        if let Some(c) = &control {
-            c.set_state("finished");
-        }
-        Ok(MaporlSummary {
-            run_dir: self.s.run_dir.clone(),
-            steps: self.step,
-            history: self.history.clone(),
-            evals: self.evals.clone(),
-            final_dir,
-            plots,
-            stopped: false,
-        })
     }
 }
