@@ -18,38 +18,83 @@ use cotrain_learner::trainer::{AgentBatches, TrainSample, load_policies};
 
 fn rss_gb() -> f64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: f64 = statm.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    let pages: f64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
     pages * 4096.0 / 1e9
 }
 
 fn main() -> anyhow::Result<()> {
     cotrain_model::allocator::tune_for_tensors();
     let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
     let model = flag("--model").unwrap_or_else(|| "default".into());
-    let agents: usize = flag("--agents").map(|s| s.parse()).transpose()?.unwrap_or(2);
+    let agents: usize = flag("--agents")
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(2);
     let lora: Option<usize> = flag("--lora").map(|s| s.parse()).transpose()?;
-    let lora_yaml = lora.map(|r| format!(", lora: {{r: {r}, lora_alpha: {}, lora_dropout: 0.0}}", 2 * r)).unwrap_or_default();
+    let lora_yaml = lora
+        .map(|r| {
+            format!(
+                ", lora: {{r: {r}, lora_alpha: {}, lora_dropout: 0.0}}",
+                2 * r
+            )
+        })
+        .unwrap_or_default();
     let yaml = format!(
         "model: {{name: '{model}', dtype: f32{lora_yaml}}}\ndataset: {{name: gsm8k}}\n\
          magrpo: {{num_agents: {agents}, learning_rate: 1.0e-5}}\nlogging: {{progress: never}}\n"
     );
-    let cfg = CheckedConfig::from_value(merged_value(&yaml, "bench", &[], &LegacyFlags::default())?, Path::new("bench"))?;
+    let cfg = CheckedConfig::from_value(
+        merged_value(&yaml, "bench", &[], &LegacyFlags::default())?,
+        Path::new("bench"),
+    )?;
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
     let start = rss_gb();
     let (mut policies, _) = load_policies(&cfg)?;
     let loaded = rss_gb();
-    let trained: usize = policies.iter().flat_map(|p| p.parameters().into_values()).map(|t| t.numel() * 4).sum();
+    let trained: usize = policies
+        .iter()
+        .flat_map(|p| p.parameters().into_values())
+        .map(|t| t.numel() * 4)
+        .sum();
     if args.iter().any(|a| a == "--load-only") {
-        println!("{model}, {agents} agents: trained tensors {:.2} GB; learner resident +{:.2} GB after loading", trained as f64 / 1e9, loaded - start);
+        println!(
+            "{model}, {agents} agents: trained tensors {:.2} GB; learner resident +{:.2} GB after loading",
+            trained as f64 / 1e9,
+            loaded - start
+        );
         return Ok(());
     }
-    let sample = TrainSample { prompt: vec![1, 2, 3], completion: vec![4, 5], advantage: 1.0, weight: 1.0, old_logprobs: Vec::new() };
+    let sample = TrainSample {
+        prompt: vec![1, 2, 3],
+        completion: vec![4, 5],
+        advantage: 1.0,
+        weight: 1.0,
+        old_logprobs: Vec::new(),
+    };
     for p in policies.iter_mut() {
-        p.update(&[AgentBatches { minibatches: vec![vec![sample.clone()]], scale: 1.0 }], &LossOptions::original(), 1)?;
+        p.update(
+            &[AgentBatches {
+                minibatches: vec![vec![sample.clone()]],
+                scale: 1.0,
+            }],
+            &LossOptions::original(),
+            1,
+        )?;
     }
     let updated = rss_gb();
-    let what = lora.map(|r| format!("LoRA r {r}")).unwrap_or_else(|| "full fine-tuning".into());
+    let what = lora
+        .map(|r| format!("LoRA r {r}"))
+        .unwrap_or_else(|| "full fine-tuning".into());
     println!(
         "{model}, {agents} agents, {what}: trained tensors {:.2} GB; learner resident +{:.2} GB after loading, +{:.2} GB after one update",
         trained as f64 / 1e9,

@@ -32,9 +32,11 @@ fn lscpu(key: &str) -> String {
         .output()
         .ok()
         .and_then(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .find_map(|l| l.split_once(':').filter(|(k, _)| k.trim() == key).map(|(_, v)| v.trim().to_string()))
+            String::from_utf8_lossy(&o.stdout).lines().find_map(|l| {
+                l.split_once(':')
+                    .filter(|(k, _)| k.trim() == key)
+                    .map(|(_, v)| v.trim().to_string())
+            })
         })
         .unwrap_or_else(|| "unknown".into())
 }
@@ -44,9 +46,15 @@ fn main() -> anyhow::Result<()> {
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
-    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
+    println!(
+        "roofline: {}",
+        cotrain_model::cpu::Roofline::measure().summary()
+    );
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
         .with_writer(std::io::stderr)
         .init();
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -55,11 +63,16 @@ fn main() -> anyhow::Result<()> {
     let mut mini_batches = 8usize;
     let mut tokens = 64usize;
     let mut turns = 2usize;
-    let mut config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/maporl_gsm8k_config.yaml");
+    let mut config =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../configs/maporl_gsm8k_config.yaml");
     let mut extra = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let mut value = |name: &str| it.next().cloned().ok_or_else(|| anyhow::anyhow!("{name} needs a value"));
+        let mut value = |name: &str| {
+            it.next()
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))
+        };
         match a.as_str() {
             "--questions" => questions = value(a)?.parse()?,
             "--warmup-questions" => warmup = Some(value(a)?.parse()?),
@@ -69,16 +82,25 @@ fn main() -> anyhow::Result<()> {
             "--config" => config = PathBuf::from(value(a)?),
             "--override" => extra.push(value(a)?),
             "-h" | "--help" => {
-                eprintln!("usage: maporl_step_bench [--questions N] [--warmup-questions N] [--mini-batches N] [--tokens N] [--turns N] [--config PATH] [--override key=value]...");
+                eprintln!(
+                    "usage: maporl_step_bench [--questions N] [--warmup-questions N] [--mini-batches N] [--tokens N] [--turns N] [--config PATH] [--override key=value]..."
+                );
                 return Ok(());
             }
             other => anyhow::bail!("unknown argument `{other}` (see --help)"),
         }
     }
-    anyhow::ensure!(questions > 0 && tokens > 0 && turns >= 2, "--questions and --tokens must be positive, --turns at least 2");
-    anyhow::ensure!(mini_batches > 0 && questions % mini_batches == 0, "--questions ({questions}) must be a multiple of --mini-batches ({mini_batches})");
+    anyhow::ensure!(
+        questions > 0 && tokens > 0 && turns >= 2,
+        "--questions and --tokens must be positive, --turns at least 2"
+    );
+    anyhow::ensure!(
+        mini_batches > 0 && questions % mini_batches == 0,
+        "--questions ({questions}) must be a multiple of --mini-batches ({mini_batches})"
+    );
 
-    let tmp = std::env::temp_dir().join(format!("cotrain-maporl-step-bench-{}", std::process::id()));
+    let tmp =
+        std::env::temp_dir().join(format!("cotrain-maporl-step-bench-{}", std::process::id()));
     // Questions per step = per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches.
     let mut overrides: Vec<String> = vec![
         "model.name=default".into(),
@@ -87,7 +109,10 @@ fn main() -> anyhow::Result<()> {
         format!("maporl.round_num={turns}"),
         format!("maporl.max_output_length={tokens}"),
         "maporl.per_device_train_batch_size=1".into(),
-        format!("maporl.gradient_accumulation_steps={}", questions / mini_batches),
+        format!(
+            "maporl.gradient_accumulation_steps={}",
+            questions / mini_batches
+        ),
         format!("maporl.num_mini_batches={mini_batches}"),
         "maporl.num_ppo_epochs=4".into(),
         "maporl.eval_interval=0".into(),
@@ -99,13 +124,22 @@ fn main() -> anyhow::Result<()> {
     ];
     overrides.extend(extra);
     let cfg = load_config(&config, &overrides, &LegacyFlags::default())?;
-    let m = cfg.raw.maporl.clone().ok_or_else(|| anyhow::anyhow!("{}: not a maporl config", config.display()))?;
+    let m = cfg
+        .raw
+        .maporl
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("{}: not a maporl config", config.display()))?;
     let qps = m.questions_per_step();
 
     let t_build = Instant::now();
     let (mut trainer, guard) = cotrain_learner::maporl::build(&cfg, tmp.join("run"))?;
     let build_secs = t_build.elapsed().as_secs_f64();
-    anyhow::ensure!(trainer.s.train_items.len() >= 2 * qps, "the train split has {} rows, 2 steps need {}", trainer.s.train_items.len(), 2 * qps);
+    anyhow::ensure!(
+        trainer.s.train_items.len() >= 2 * qps,
+        "the train split has {} rows, 2 steps need {}",
+        trainer.s.train_items.len(),
+        2 * qps
+    );
     let total = trainer.total_steps();
     eprintln!(
         "cotrain: built in {build_secs:.1} s ({} agents, {} turns, {qps} questions per step, {} new tokens, {} PPO epochs x {} mini-batches, \

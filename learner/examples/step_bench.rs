@@ -43,7 +43,10 @@ use std::time::Instant;
 use cotrain_learner::algo::AdamWConfig;
 use cotrain_learner::config::{CheckedConfig, LegacyFlags, merged_value};
 use cotrain_learner::services::{PoolRollout, embedded::EmbeddedRollout, runtime};
-use cotrain_learner::trainer::{FeedbackSpec, Policy, RewardSource, Score, ScoreAction, TrainError, TrainItem, Trainer, TrainerSetup};
+use cotrain_learner::trainer::{
+    FeedbackSpec, Policy, RewardSource, Score, ScoreAction, TrainError, TrainItem, Trainer,
+    TrainerSetup,
+};
 
 /// A deterministic stand-in reward (the benchmark times the trainer, not a task): the fraction of
 /// even token ids in agent 0's completion plus agent 1's, so advantages are non-zero.
@@ -54,21 +57,41 @@ impl RewardSource for Parity {
         Ok(actions
             .iter()
             .map(|a| {
-                let r: f64 = a.completion_ids.iter().map(|c| c.iter().filter(|t| *t % 2 == 0).count() as f64 / c.len().max(1) as f64).sum();
-                Score { reward: r, levels: BTreeMap::new(), details: serde_json::Value::Null, code: None }
+                let r: f64 = a
+                    .completion_ids
+                    .iter()
+                    .map(|c| {
+                        c.iter().filter(|t| *t % 2 == 0).count() as f64 / c.len().max(1) as f64
+                    })
+                    .sum();
+                Score {
+                    reward: r,
+                    levels: BTreeMap::new(),
+                    details: serde_json::Value::Null,
+                    code: None,
+                }
             })
             .collect())
     }
     /// The stand-in next-turn feedback (the benchmark times the trainer, not the sandbox).
-    fn feedback(&mut self, _: &str, actions: &[ScoreAction], _: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
-        Ok(actions.iter().map(|a| vec![FEEDBACK.to_string(); a.completions.len()]).collect())
+    fn feedback(
+        &mut self,
+        _: &str,
+        actions: &[ScoreAction],
+        _: &FeedbackSpec,
+    ) -> Result<Vec<Vec<String>>, TrainError> {
+        Ok(actions
+            .iter()
+            .map(|a| vec![FEEDBACK.to_string(); a.completions.len()])
+            .collect())
     }
     fn describe(&self) -> String {
         "parity".into()
     }
 }
 
-const FEEDBACK: &str = "Feedback: 0 of 1 tests passed. Revise your function and output only the code.";
+const FEEDBACK: &str =
+    "Feedback: 0 of 1 tests passed. Revise your function and output only the code.";
 
 const PROMPT: &str = "You are a careful Python programmer. Write a function `rolling_max(numbers)` that, given a list \
 of integers, returns the list of the running maximum at every position. For example rolling_max([1, 2, 3, 2, 3, 4, 2]) \
@@ -88,10 +111,21 @@ impl MemoryFacts {
         let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
         // The command name (field 2) may hold spaces; the fields after its closing parenthesis start at 3.
         let after_name = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
-        let minor_faults = after_name.split_whitespace().nth(7).and_then(|v| v.parse().ok()).unwrap_or(0);
+        let minor_faults = after_name
+            .split_whitespace()
+            .nth(7)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
         let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-        let pages: u64 = statm.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
-        MemoryFacts { minor_faults, rss_bytes: pages * 4096 }
+        let pages: u64 = statm
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        MemoryFacts {
+            minor_faults,
+            rss_bytes: pages * 4096,
+        }
     }
 }
 
@@ -118,18 +152,38 @@ fn main() -> anyhow::Result<()> {
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
-    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
+    println!(
+        "roofline: {}",
+        cotrain_model::cpu::Roofline::measure().summary()
+    );
     // RUST_LOG=debug shows, e.g., how each weight push splits into writing and the worker's swap.
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
         .with_writer(std::io::stderr)
         .init();
-    let steps: u64 = args.iter().position(|a| a == "--steps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(2);
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let steps: u64 = args
+        .iter()
+        .position(|a| a == "--steps")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
     let lora_rank: Option<usize> = flag("--lora").map(|s| s.parse()).transpose()?;
-    let n_agents: usize = flag("--agents").map(|s| s.parse()).transpose()?.unwrap_or(2);
+    let n_agents: usize = flag("--agents")
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(2);
     anyhow::ensure!(n_agents >= 1, "--agents must be at least 1");
-    let skip_python = args.iter().any(|a| a == "--skip-python") || lora_rank.is_some() || n_agents != 2;
+    let skip_python =
+        args.iter().any(|a| a == "--skip-python") || lora_rank.is_some() || n_agents != 2;
     let turns: usize = flag("--turns").and_then(|s| s.parse().ok()).unwrap_or(1);
     let variant = flag("--variant").unwrap_or_else(|| "tree".into());
     if !matches!(variant.as_str(), "tree" | "handoff") {
@@ -148,8 +202,14 @@ fn main() -> anyhow::Result<()> {
         String::new()
     };
     let (sampling, python_sampling) = match flag("--sampling").as_deref() {
-        None | Some("seeds") => ("temperature: 0.7, top_p: 0.9, top_k: 50", ["--temperature", "0.7", "--top-p", "0.9", "--top-k", "50"]),
-        Some("plain") => ("temperature: 1.0, top_p: 1.0, top_k: 0", ["--temperature", "1.0", "--top-p", "1.0", "--top-k", "0"]),
+        None | Some("seeds") => (
+            "temperature: 0.7, top_p: 0.9, top_k: 50",
+            ["--temperature", "0.7", "--top-p", "0.9", "--top-k", "50"],
+        ),
+        Some("plain") => (
+            "temperature: 1.0, top_p: 1.0, top_k: 0",
+            ["--temperature", "1.0", "--top-p", "1.0", "--top-k", "0"],
+        ),
         Some(other) => anyhow::bail!("--sampling must be seeds or plain, got {other}"),
     };
     let dtype = |name: &str| -> anyhow::Result<String> {
@@ -162,7 +222,14 @@ fn main() -> anyhow::Result<()> {
     let (rollout_dtype, matmul_dtype) = (dtype("--rollout-dtype")?, dtype("--matmul-dtype")?);
     let concurrent = !args.iter().any(|a| a == "--policies-in-turn");
     let bf16_dot = args.iter().any(|a| a == "--bf16-dot-products");
-    let lora = lora_rank.map(|r| format!(", lora: {{r: {r}, lora_alpha: {}, lora_dropout: 0.0}}", 2 * r)).unwrap_or_default();
+    let lora = lora_rank
+        .map(|r| {
+            format!(
+                ", lora: {{r: {r}, lora_alpha: {}, lora_dropout: 0.0}}",
+                2 * r
+            )
+        })
+        .unwrap_or_default();
     let yaml = format!(
         "model: {{name: default, dtype: f32, matmul_dtype: {matmul_dtype}, {sampling}, max_length: 1024, chat_template: true{lora}}}\n\
          dataset: {{name: coophumaneval, train_split: 'test[:1]'}}\n\
@@ -174,11 +241,23 @@ fn main() -> anyhow::Result<()> {
     );
     println!(
         "sampling: {sampling}; rollout dtype {rollout_dtype}{}, training products {matmul_dtype}; policies updated {}",
-        if bf16_dot { " (AVX512_BF16 dot products)" } else { "" },
-        if concurrent { "at the same time" } else { "in turn" }
+        if bf16_dot {
+            " (AVX512_BF16 dot products)"
+        } else {
+            ""
+        },
+        if concurrent {
+            "at the same time"
+        } else {
+            "in turn"
+        }
     );
     let base = merged_value(&yaml, "bench", &[], &LegacyFlags::default())?;
-    let value = if multi.is_empty() { base } else { deep_merge(base, serde_yaml_ng::from_str(&multi)?) };
+    let value = if multi.is_empty() {
+        base
+    } else {
+        deep_merge(base, serde_yaml_ng::from_str(&multi)?)
+    };
     let cfg = CheckedConfig::from_value(value, Path::new("bench"))?;
     let opts = cotrain_model::loader::LoadOptions::default();
     let adam = AdamWConfig::new(1e-5, 0.0, None);
@@ -187,31 +266,67 @@ fn main() -> anyhow::Result<()> {
         cotrain_learner::trainer::load_policies(&cfg)?.0
     } else {
         (0..n_agents)
-            .map(|i| Ok(Policy::new(&format!("agent{i}"), "default", cotrain_model::loader::load("default", &opts)?, None, adam)))
+            .map(|i| {
+                Ok(Policy::new(
+                    &format!("agent{i}"),
+                    "default",
+                    cotrain_model::loader::load("default", &opts)?,
+                    None,
+                    adam,
+                ))
+            })
             .collect::<anyhow::Result<_>>()?
     };
     let rss_policies = MemoryFacts::now().rss_bytes;
     println!(
         "{n_agents} agents, {}: learner policies resident {:.2} GB ({:.2} GB trained tensors)",
-        lora_rank.map(|r| format!("LoRA r {r}")).unwrap_or_else(|| "full fine-tuning".into()),
+        lora_rank
+            .map(|r| format!("LoRA r {r}"))
+            .unwrap_or_else(|| "full fine-tuning".into()),
         rss_policies.saturating_sub(rss_start) as f64 / 1e9,
-        policies.iter().flat_map(|p| p.parameters().into_values()).map(|t| t.numel() * 4).sum::<usize>() as f64 / 1e9
+        policies
+            .iter()
+            .flat_map(|p| p.parameters().into_values())
+            .map(|t| t.numel() * 4)
+            .sum::<usize>() as f64
+            / 1e9
     );
     let encoding = cfg.prompt_encoding();
     let model_text = encoding.model_text(policies[0].model.chat_template.as_ref(), PROMPT)?;
-    let prompt = cotrain_learner::trainer::items::encode_text(&policies[0].model.tokenizer, &model_text)?;
+    let prompt =
+        cotrain_learner::trainer::items::encode_text(&policies[0].model.tokenizer, &model_text)?;
     let rt = runtime()?;
-    let agents: Vec<(String, String)> = (0..n_agents).map(|i| (format!("agent{i}"), "default".to_string())).collect();
+    let agents: Vec<(String, String)> = (0..n_agents)
+        .map(|i| (format!("agent{i}"), "default".to_string()))
+        .collect();
     if cfg.raw.rollout.bf16_dot_products {
         // As the learner does before it starts its embedded worker.
-        cotrain_model::kernels::gemm_bf16dot::enable_for(cotrain_learner::trainer::rollout_kind(&cfg), tch::Device::Cpu, "--bf16-dot-products")
-            .map_err(anyhow::Error::msg)?;
+        cotrain_model::kernels::gemm_bf16dot::enable_for(
+            cotrain_learner::trainer::rollout_kind(&cfg),
+            tch::Device::Cpu,
+            "--bf16-dot-products",
+        )
+        .map_err(anyhow::Error::msg)?;
     }
     // `--unmerged` (with `--lora`): the agents as adapters on one base in the embedded worker.
-    let groups = if args.iter().any(|a| a == "--unmerged") { vec![agents.iter().map(|(a, _)| a.clone()).collect()] } else { Vec::new() };
-    anyhow::ensure!(groups.is_empty() || lora_rank.is_some(), "--unmerged needs --lora");
-    let worker =
-        EmbeddedRollout::start_full(rt.clone(), &agents, tch::Device::Cpu, cotrain_learner::trainer::rollout_kind(&cfg), Vec::new(), groups, cfg.raw.rollout.engine)?;
+    let groups = if args.iter().any(|a| a == "--unmerged") {
+        vec![agents.iter().map(|(a, _)| a.clone()).collect()]
+    } else {
+        Vec::new()
+    };
+    anyhow::ensure!(
+        groups.is_empty() || lora_rank.is_some(),
+        "--unmerged needs --lora"
+    );
+    let worker = EmbeddedRollout::start_full(
+        rt.clone(),
+        &agents,
+        tch::Device::Cpu,
+        cotrain_learner::trainer::rollout_kind(&cfg),
+        Vec::new(),
+        groups,
+        cfg.raw.rollout.engine,
+    )?;
     let rollout = PoolRollout::connect(
         rt.clone(),
         vec![format!("http://{}", worker.grpc)],
@@ -223,7 +338,10 @@ fn main() -> anyhow::Result<()> {
     )?
     .with_weight_dtype(cfg.raw.rollout.weight_dtype);
     let rss_worker = MemoryFacts::now().rss_bytes;
-    println!("embedded worker ({n_agents} served models) resident {:.2} GB", rss_worker.saturating_sub(rss_policies) as f64 / 1e9);
+    println!(
+        "embedded worker ({n_agents} served models) resident {:.2} GB",
+        rss_worker.saturating_sub(rss_policies) as f64 / 1e9
+    );
     let tmp = std::env::temp_dir().join(format!("cotrain-step-bench-{}", std::process::id()));
     let mut trainer = Trainer::new(TrainerSetup {
         cfg,
@@ -234,7 +352,12 @@ fn main() -> anyhow::Result<()> {
         agent_policy: (0..n_agents).collect(),
         rollout: Box::new(rollout),
         reward: Box::new(Parity),
-        train_items: vec![TrainItem { index: 0, item: serde_json::Value::Null, prompts: vec![prompt.clone(); n_agents], texts: vec![PROMPT.into(); n_agents] }],
+        train_items: vec![TrainItem {
+            index: 0,
+            item: serde_json::Value::Null,
+            prompts: vec![prompt.clone(); n_agents],
+            texts: vec![PROMPT.into(); n_agents],
+        }],
         eval_items: vec![],
     })?;
     trainer.ignore_eos = true;
@@ -273,12 +396,23 @@ fn main() -> anyhow::Result<()> {
     drop(worker);
     let _ = std::fs::remove_dir_all(&tmp);
     let best = times.iter().cloned().fold(f64::INFINITY, f64::min);
-    println!("{}", serde_json::json!({"impl": "cotrain", "turns": turns, "variant": variant, "agents": n_agents, "lora_rank": lora_rank, "samples": 4, "new_tokens": 128, "prompt_tokens": prompt.len(), "step_seconds": times, "best_seconds": best, "rss_gb_after_steps": rss_end as f64 / 1e9}));
+    println!(
+        "{}",
+        serde_json::json!({"impl": "cotrain", "turns": turns, "variant": variant, "agents": n_agents, "lora_rank": lora_rank, "samples": 4, "new_tokens": 128, "prompt_tokens": prompt.len(), "step_seconds": times, "best_seconds": best, "rss_gb_after_steps": rss_end as f64 / 1e9})
+    );
 
     if !skip_python {
-        let python = std::env::var("COTRAIN_PYREF_PYTHON")
-            .unwrap_or_else(|_| format!("{}/.cache/cotrain/pyref/bin/python", std::env::var("HOME").unwrap_or_default()));
-        let reference = if turns > 1 { "../scripts/reference/original_mt_step.py" } else { "../scripts/reference/original_step.py" };
+        let python = std::env::var("COTRAIN_PYREF_PYTHON").unwrap_or_else(|_| {
+            format!(
+                "{}/.cache/cotrain/pyref/bin/python",
+                std::env::var("HOME").unwrap_or_default()
+            )
+        });
+        let reference = if turns > 1 {
+            "../scripts/reference/original_mt_step.py"
+        } else {
+            "../scripts/reference/original_step.py"
+        };
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(reference);
         let mut cmd = Command::new(&python);
         cmd.arg(&script).arg("--steps").arg(steps.to_string());
@@ -289,13 +423,21 @@ fn main() -> anyhow::Result<()> {
         }
         let out = cmd.output()?;
         if !out.status.success() {
-            anyhow::bail!("{} failed: {}", script.display(), String::from_utf8_lossy(&out.stderr));
+            anyhow::bail!(
+                "{} failed: {}",
+                script.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         let line = String::from_utf8_lossy(&out.stdout);
         print!("{line}");
-        let reference: serde_json::Value = serde_json::from_str(line.trim().lines().last().unwrap_or("{}"))?;
+        let reference: serde_json::Value =
+            serde_json::from_str(line.trim().lines().last().unwrap_or("{}"))?;
         if let Some(r) = reference["best_seconds"].as_f64() {
-            println!("speed-up: {:.2}x (cotrain {best:.1} s vs original-style {r:.1} s per step)", r / best);
+            println!(
+                "speed-up: {:.2}x (cotrain {best:.1} s vs original-style {r:.1} s per step)",
+                r / best
+            );
         }
     }
     Ok(())

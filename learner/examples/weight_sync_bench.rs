@@ -16,15 +16,31 @@ fn main() -> anyhow::Result<()> {
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
-    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
-    let rounds: u64 = args.iter().position(|a| a == "--rounds").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(3);
-    let model = cotrain_model::loader::load("default", &cotrain_model::loader::LoadOptions::default())?;
+    println!(
+        "roofline: {}",
+        cotrain_model::cpu::Roofline::measure().summary()
+    );
+    let rounds: u64 = args
+        .iter()
+        .position(|a| a == "--rounds")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let model =
+        cotrain_model::loader::load("default", &cotrain_model::loader::LoadOptions::default())?;
     let params = model.named_parameters();
     let rt = runtime()?;
-    let agents: Vec<(String, String)> = (0..2).map(|i| (format!("agent{i}"), "default".to_string())).collect();
+    let agents: Vec<(String, String)> = (0..2)
+        .map(|i| (format!("agent{i}"), "default".to_string()))
+        .collect();
     let worker = EmbeddedRollout::start(rt.clone(), &agents, tch::Device::Cpu, tch::Kind::Float)?;
     let mut version = 0;
-    for transport in [WeightTransport::Grpc, WeightTransport::Shm, WeightTransport::Grpc, WeightTransport::Shm] {
+    for transport in [
+        WeightTransport::Grpc,
+        WeightTransport::Shm,
+        WeightTransport::Grpc,
+        WeightTransport::Shm,
+    ] {
         let mut pool = PoolRollout::connect(
             rt.clone(),
             vec![format!("http://{}", worker.grpc)],

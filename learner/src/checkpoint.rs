@@ -22,10 +22,16 @@ use crate::error::TrainError;
 pub enum CheckpointError {
     /// A filesystem operation failed.
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// A tensor file could not be written or read.
     #[error("{path}: {source}")]
-    Torch { path: PathBuf, source: tch::TchError },
+    Torch {
+        path: PathBuf,
+        source: tch::TchError,
+    },
     /// The checkpoint does not match what it is loaded into.
     #[error("{path}: {message}")]
     Mismatch { path: PathBuf, message: String },
@@ -55,33 +61,58 @@ pub struct TrainState {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
-    File::open(path).and_then(|f| f.sync_all()).map_err(io(path))
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io(path))
 }
 
 fn sync_file(path: &Path) -> Result<(), CheckpointError> {
-    File::open(path).and_then(|f| f.sync_all()).map_err(io(path))
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io(path))
 }
 
 fn write_tensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<(), CheckpointError> {
-    let list: Vec<(&str, Tensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t.detach().to_device(tch::Device::Cpu).contiguous())).collect();
-    Tensor::write_safetensors(&list, path).map_err(|source| CheckpointError::Torch { path: path.to_path_buf(), source })?;
+    let list: Vec<(&str, Tensor)> = tensors
+        .iter()
+        .map(|(k, t)| {
+            (
+                k.as_str(),
+                t.detach().to_device(tch::Device::Cpu).contiguous(),
+            )
+        })
+        .collect();
+    Tensor::write_safetensors(&list, path).map_err(|source| CheckpointError::Torch {
+        path: path.to_path_buf(),
+        source,
+    })?;
     sync_file(path)
 }
 
 fn read_tensors(path: &Path) -> Result<BTreeMap<String, Tensor>, CheckpointError> {
     Ok(Tensor::read_safetensors(path)
-        .map_err(|source| CheckpointError::Torch { path: path.to_path_buf(), source })?
+        .map_err(|source| CheckpointError::Torch {
+            path: path.to_path_buf(),
+            source,
+        })?
         .into_iter()
         .collect())
 }
 
 /// Writes `checkpoints/step-{state.step}` atomically and points `checkpoints/latest` at it.
 /// `agents` holds one (weights, optimiser) pair per distinct model (one for shared parameters).
-pub fn save_checkpoint(run_dir: &Path, agents: &[(&nn::VarStore, &AdamW)], state: &TrainState) -> Result<PathBuf, CheckpointError> {
+pub fn save_checkpoint(
+    run_dir: &Path,
+    agents: &[(&nn::VarStore, &AdamW)],
+    state: &TrainState,
+) -> Result<PathBuf, CheckpointError> {
     save_checkpoint_with(run_dir, agents, state, |_| Ok(()))
 }
 
@@ -111,11 +142,19 @@ pub fn save_checkpoint_with(
         write_tensors(&dir.join("optimizer.safetensors"), &opt.state_tensors())?;
         sync_dir(&dir)?;
     }
-    extra(&tmp).map_err(|message| CheckpointError::Mismatch { path: tmp.clone(), message })?;
+    extra(&tmp).map_err(|message| CheckpointError::Mismatch {
+        path: tmp.clone(),
+        message,
+    })?;
     let state_path = tmp.join("state.json");
-    let json = serde_json::to_vec_pretty(state).map_err(|e| CheckpointError::Io { path: state_path.clone(), source: e.into() })?;
+    let json = serde_json::to_vec_pretty(state).map_err(|e| CheckpointError::Io {
+        path: state_path.clone(),
+        source: e.into(),
+    })?;
     let mut f = File::create(&state_path).map_err(io(&state_path))?;
-    f.write_all(&json).and_then(|_| f.sync_all()).map_err(io(&state_path))?;
+    f.write_all(&json)
+        .and_then(|_| f.sync_all())
+        .map_err(io(&state_path))?;
     sync_dir(&tmp)?;
     if final_dir.exists() {
         // Re-saving the same step: move the old one aside first so the rename stays atomic.
@@ -141,12 +180,21 @@ fn step_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     let entries = match std::fs::read_dir(root) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
-        Err(e) => return Err(CheckpointError::Io { path: root.to_path_buf(), source: e }),
+        Err(e) => {
+            return Err(CheckpointError::Io {
+                path: root.to_path_buf(),
+                source: e,
+            });
+        }
     };
     for entry in entries {
         let entry = entry.map_err(io(root))?;
         let name = entry.file_name();
-        if let Some(step) = name.to_str().and_then(|n| n.strip_prefix("step-")).and_then(|n| n.parse::<u64>().ok()) {
+        if let Some(step) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.parse::<u64>().ok())
+        {
             out.push((step, entry.path()));
         }
     }
@@ -194,13 +242,24 @@ pub fn remove_stale_temporaries(run_dir: &Path) -> Result<Vec<PathBuf>, Checkpoi
     if root.join("latest").exists() && latest_checkpoint(run_dir).is_none() {
         return Ok(removed);
     }
-    let Ok(entries) = std::fs::read_dir(&root) else { return Ok(removed) };
+    let Ok(entries) = std::fs::read_dir(&root) else {
+        return Ok(removed);
+    };
     for entry in entries {
         let entry = entry.map_err(io(&root))?;
-        let stale = entry.file_name().to_str().is_some_and(|n| [".tmp-step-", ".old-step-", ".latest-"].iter().any(|p| n.starts_with(p)));
+        let stale = entry.file_name().to_str().is_some_and(|n| {
+            [".tmp-step-", ".old-step-", ".latest-"]
+                .iter()
+                .any(|p| n.starts_with(p))
+        });
         if stale {
             let path = entry.path();
-            if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) }.map_err(io(&path))?;
+            if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            }
+            .map_err(io(&path))?;
             removed.push(path);
         }
     }
@@ -216,15 +275,24 @@ pub fn latest_checkpoint(run_dir: &Path) -> Option<PathBuf> {
 }
 
 /// Loads a checkpoint into the given models and optimisers (same order as saved) and returns its state.
-pub fn load_checkpoint(dir: &Path, agents: &mut [(&mut nn::VarStore, &mut AdamW)]) -> Result<TrainState, CheckpointError> {
+pub fn load_checkpoint(
+    dir: &Path,
+    agents: &mut [(&mut nn::VarStore, &mut AdamW)],
+) -> Result<TrainState, CheckpointError> {
     let state_path = dir.join("state.json");
     let text = std::fs::read_to_string(&state_path).map_err(io(&state_path))?;
-    let state: TrainState = serde_json::from_str(&text)
-        .map_err(|e| CheckpointError::Mismatch { path: state_path.clone(), message: e.to_string() })?;
+    let state: TrainState = serde_json::from_str(&text).map_err(|e| CheckpointError::Mismatch {
+        path: state_path.clone(),
+        message: e.to_string(),
+    })?;
     if state.optimizer_steps.len() != agents.len() {
         return Err(CheckpointError::Mismatch {
             path: state_path,
-            message: format!("checkpoint has {} optimisers, the run {}", state.optimizer_steps.len(), agents.len()),
+            message: format!(
+                "checkpoint has {} optimisers, the run {}",
+                state.optimizer_steps.len(),
+                agents.len()
+            ),
         });
     }
     for (i, (vs, opt)) in agents.iter_mut().enumerate() {
@@ -235,7 +303,11 @@ pub fn load_checkpoint(dir: &Path, agents: &mut [(&mut nn::VarStore, &mut AdamW)
         if vars.len() != weights.len() {
             return Err(CheckpointError::Mismatch {
                 path: weights_path,
-                message: format!("{} tensors in the file, {} in the model", weights.len(), vars.len()),
+                message: format!(
+                    "{} tensors in the file, {} in the model",
+                    weights.len(),
+                    vars.len()
+                ),
             });
         }
         tch::no_grad(|| -> Result<(), CheckpointError> {
@@ -244,14 +316,20 @@ pub fn load_checkpoint(dir: &Path, agents: &mut [(&mut nn::VarStore, &mut AdamW)
                     path: weights_path.clone(),
                     message: format!("no tensor `{name}`"),
                 })?;
-                var.f_copy_(src).map_err(|source| CheckpointError::Torch { path: weights_path.clone(), source })?;
+                var.f_copy_(src).map_err(|source| CheckpointError::Torch {
+                    path: weights_path.clone(),
+                    source,
+                })?;
             }
             Ok(())
         })?;
         let opt_path = adir.join("optimizer.safetensors");
         let opt_state = read_tensors(&opt_path)?;
         opt.load_state(&opt_state, state.optimizer_steps[i])
-            .map_err(|message| CheckpointError::Mismatch { path: opt_path, message })?;
+            .map_err(|message| CheckpointError::Mismatch {
+                path: opt_path,
+                message,
+            })?;
     }
     Ok(state)
 }
@@ -260,7 +338,10 @@ pub fn load_checkpoint(dir: &Path, agents: &mut [(&mut nn::VarStore, &mut AdamW)
 pub fn read_state(dir: &Path) -> Result<TrainState, CheckpointError> {
     let state_path = dir.join("state.json");
     let text = std::fs::read_to_string(&state_path).map_err(io(&state_path))?;
-    serde_json::from_str(&text).map_err(|e| CheckpointError::Mismatch { path: state_path, message: e.to_string() })
+    serde_json::from_str(&text).map_err(|e| CheckpointError::Mismatch {
+        path: state_path,
+        message: e.to_string(),
+    })
 }
 
 /// The weights of the `index`-th model of a checkpoint (`agent-{index}/model.safetensors`), by
@@ -273,17 +354,27 @@ pub fn read_weights(dir: &Path, index: usize) -> Result<BTreeMap<String, Tensor>
 /// [`crate::config::resume`]), naming every key that differs from the run's `config.yaml`.
 pub(crate) fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result<(), TrainError> {
     let path = run_dir.join("config.yaml");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| TrainError::Checkpoint(format!("{}: cannot read the run's config to compare with: {e}", path.display())))?;
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        TrainError::Checkpoint(format!(
+            "{}: cannot read the run's config to compare with: {e}",
+            path.display()
+        ))
+    })?;
     // Through the schema, so that keys added since the run started compare as their defaults.
-    let value = serde_yaml_ng::from_str(&text).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
-    let was = CheckedConfig::from_value(value, &path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-    let to_value = |c: &CheckedConfig| serde_yaml_ng::to_value(&c.raw).unwrap_or(serde_yaml_ng::Value::Null);
+    let value = serde_yaml_ng::from_str(&text)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
+    let was = CheckedConfig::from_value(value, &path)
+        .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+    let to_value =
+        |c: &CheckedConfig| serde_yaml_ng::to_value(&c.raw).unwrap_or(serde_yaml_ng::Value::Null);
     let changes = crate::config::resume::forbidden_changes(&to_value(&was), &to_value(cfg));
     if changes.is_empty() {
         return Ok(());
     }
-    let list: Vec<String> = changes.iter().map(|c| format!("  {}: {} (run) -> {} (given)", c.key, c.was, c.now)).collect();
+    let list: Vec<String> = changes
+        .iter()
+        .map(|c| format!("  {}: {} (run) -> {} (given)", c.key, c.was, c.now))
+        .collect();
     Err(TrainError::Config(format!(
         "--resume {}: the given config changes the run:\n{}\nresume with the run's own config ({}); keys that may change on resume: {}",
         run_dir.display(),
@@ -292,4 +383,3 @@ pub(crate) fn check_resume_config(cfg: &CheckedConfig, run_dir: &Path) -> Result
         crate::config::resume::RESUMABLE_KEYS.join(", ")
     )))
 }
-

@@ -28,8 +28,14 @@ pub enum TrainError {
     #[error("reward: {0}")]
     Reward(String),
     /// A sample came from another policy version than the learner's, twice in a row.
-    #[error("agent {agent}: a sample came from policy version {got}, the learner pushed {expected} (on-policy training refuses stale samples)")]
-    StaleSample { agent: usize, expected: u64, got: u64 },
+    #[error(
+        "agent {agent}: a sample came from policy version {got}, the learner pushed {expected} (on-policy training refuses stale samples)"
+    )]
+    StaleSample {
+        agent: usize,
+        expected: u64,
+        got: u64,
+    },
     /// The expert model of `expert_edits` refused requests or answered none.
     #[error("expert: {0}")]
     External(String),

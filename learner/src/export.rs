@@ -46,7 +46,11 @@ pub enum ExportError {
     },
     /// The checkpoint's tensors do not fit the base model.
     #[error("policy {index}: the checkpoint's weights do not fit base model `{spec}`: {message}")]
-    WeightsMismatch { index: usize, spec: String, message: String },
+    WeightsMismatch {
+        index: usize,
+        spec: String,
+        message: String,
+    },
     /// Reading the checkpoint failed.
     #[error("checkpoint: {0}")]
     Checkpoint(#[from] CheckpointError),
@@ -73,7 +77,9 @@ pub struct CheckpointPolicy {
 /// The directory name of policy `policy` in an export and in `RUN_DIR/final_model`: `agent-{i}`
 /// for the policy of agent `i` alone, `shared` for one that several agents share.
 pub fn policy_dir_name(agent_policy: &[usize], policy: usize) -> String {
-    let agents: Vec<usize> = (0..agent_policy.len()).filter(|&a| agent_policy[a] == policy).collect();
+    let agents: Vec<usize> = (0..agent_policy.len())
+        .filter(|&a| agent_policy[a] == policy)
+        .collect();
     match agents.as_slice() {
         [one] => format!("agent-{one}"),
         [] => format!("agent-{policy}"),
@@ -94,13 +100,17 @@ pub fn checkpoint_policies(path: &Path) -> Result<(PathBuf, Vec<CheckpointPolicy
 }
 
 fn policies_of(state: &TrainState, path: &Path) -> Result<Vec<CheckpointPolicy>, ExportError> {
-    let bad = |message: String| ExportError::BadState { path: path.to_path_buf(), message };
+    let bad = |message: String| ExportError::BadState {
+        path: path.to_path_buf(),
+        message,
+    };
     let list = state.extra["policies"]
         .as_array()
         .ok_or_else(|| bad("no `extra.policies` list naming each policy's base model".into()))?;
     // The actor-critic trainers' critics and value heads follow the policies (`extra.critics`,
     // `extra.value_heads`); export writes the policies.
-    let extra_models = state.extra["critics"].as_array().map_or(0, |c| 2 * c.len()) + state.extra["value_heads"].as_u64().unwrap_or(0) as usize;
+    let extra_models = state.extra["critics"].as_array().map_or(0, |c| 2 * c.len())
+        + state.extra["value_heads"].as_u64().unwrap_or(0) as usize;
     if list.len() + extra_models != state.optimizer_steps.len() {
         return Err(bad(format!(
             "{} policies in `extra.policies` and {extra_models} critic parts, {} models in the checkpoint",
@@ -110,16 +120,23 @@ fn policies_of(state: &TrainState, path: &Path) -> Result<Vec<CheckpointPolicy>,
     }
     let agent_policy: Vec<usize> = state.extra["agent_policy"]
         .as_array()
-        .map(|a| a.iter().filter_map(|v| v.as_u64().map(|v| v as usize)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_u64().map(|v| v as usize))
+                .collect()
+        })
         .unwrap_or_default();
     list.iter()
         .enumerate()
         .map(|(index, p)| {
-            let model = p["model"].as_str().ok_or_else(|| bad(format!("`extra.policies[{index}].model` is missing")))?;
+            let model = p["model"]
+                .as_str()
+                .ok_or_else(|| bad(format!("`extra.policies[{index}].model` is missing")))?;
             let lora = match p.get("lora") {
-                Some(v) if !v.is_null() => {
-                    Some(serde_json::from_value(v.clone()).map_err(|e| bad(format!("`extra.policies[{index}].lora`: {e}")))?)
-                }
+                Some(v) if !v.is_null() => Some(
+                    serde_json::from_value(v.clone())
+                        .map_err(|e| bad(format!("`extra.policies[{index}].lora`: {e}")))?,
+                ),
                 _ => None,
             };
             Ok(CheckpointPolicy {
@@ -137,35 +154,83 @@ fn policies_of(state: &TrainState, path: &Path) -> Result<Vec<CheckpointPolicy>,
 /// checkpoint's weights (every parameter replaced, bit for bit).
 pub fn load_policy(dir: &Path, policy: &CheckpointPolicy) -> Result<LoadedModel, ExportError> {
     let weights = read_weights(dir, policy.index)?;
-    let mismatch = |message: String| ExportError::WeightsMismatch { index: policy.index, spec: policy.model.clone(), message };
-    let kind = weights.values().next().map(|t| t.kind()).unwrap_or(Kind::Float);
+    let mismatch = |message: String| ExportError::WeightsMismatch {
+        index: policy.index,
+        spec: policy.model.clone(),
+        message,
+    };
+    let kind = weights
+        .values()
+        .next()
+        .map(|t| t.kind())
+        .unwrap_or(Kind::Float);
     if let Some((name, t)) = weights.iter().find(|(_, t)| t.kind() != kind) {
-        return Err(mismatch(format!("`{name}` is {:?}, other tensors {kind:?}", t.kind())));
+        return Err(mismatch(format!(
+            "`{name}` is {:?}, other tensors {kind:?}",
+            t.kind()
+        )));
     }
-    let opts = LoadOptions { device: Device::Cpu, kind };
-    let model = cotrain_model::loader::load(&policy.model, &opts)
-        .map_err(|source| ExportError::BaseModel { index: policy.index, spec: policy.model.clone(), source })?;
+    let opts = LoadOptions {
+        device: Device::Cpu,
+        kind,
+    };
+    let model = cotrain_model::loader::load(&policy.model, &opts).map_err(|source| {
+        ExportError::BaseModel {
+            index: policy.index,
+            spec: policy.model.clone(),
+            source,
+        }
+    })?;
     let vars = model.vs.variables();
     if let Some(missing) = vars.keys().find(|k| !weights.contains_key(*k)) {
-        return Err(mismatch(format!("no tensor `{missing}` ({} tensors in the checkpoint, {} parameters in the model)", weights.len(), vars.len())));
+        return Err(mismatch(format!(
+            "no tensor `{missing}` ({} tensors in the checkpoint, {} parameters in the model)",
+            weights.len(),
+            vars.len()
+        )));
     }
     let weights: HashMap<String, tch::Tensor> = weights.into_iter().collect();
-    model.load_named_tensors(&weights).map_err(|e| mismatch(e.to_string()))?;
+    model
+        .load_named_tensors(&weights)
+        .map_err(|e| mismatch(e.to_string()))?;
     Ok(model)
 }
 
 /// Loads one LoRA policy of the checkpoint at `dir`: its base (in the adapter's dtype, on the CPU)
 /// and the adapter with the checkpoint's tensors.
-pub fn load_lora_policy(dir: &Path, policy: &CheckpointPolicy, config: &cotrain_model::lora::LoraConfig) -> Result<(LoadedModel, cotrain_model::lora::LoraAdapter), ExportError> {
+pub fn load_lora_policy(
+    dir: &Path,
+    policy: &CheckpointPolicy,
+    config: &cotrain_model::lora::LoraConfig,
+) -> Result<(LoadedModel, cotrain_model::lora::LoraAdapter), ExportError> {
     let weights = read_weights(dir, policy.index)?;
-    let mismatch = |message: String| ExportError::WeightsMismatch { index: policy.index, spec: policy.model.clone(), message };
-    let kind = weights.values().next().map(|t| t.kind()).unwrap_or(Kind::Float);
-    let opts = LoadOptions { device: Device::Cpu, kind };
-    let base = cotrain_model::loader::load(&policy.model, &opts)
-        .map_err(|source| ExportError::BaseModel { index: policy.index, spec: policy.model.clone(), source })?;
-    let adapter = cotrain_model::lora::LoraAdapter::new(&base.model, config.clone()).map_err(|e| mismatch(e.to_string()))?;
+    let mismatch = |message: String| ExportError::WeightsMismatch {
+        index: policy.index,
+        spec: policy.model.clone(),
+        message,
+    };
+    let kind = weights
+        .values()
+        .next()
+        .map(|t| t.kind())
+        .unwrap_or(Kind::Float);
+    let opts = LoadOptions {
+        device: Device::Cpu,
+        kind,
+    };
+    let base = cotrain_model::loader::load(&policy.model, &opts).map_err(|source| {
+        ExportError::BaseModel {
+            index: policy.index,
+            spec: policy.model.clone(),
+            source,
+        }
+    })?;
+    let adapter = cotrain_model::lora::LoraAdapter::new(&base.model, config.clone())
+        .map_err(|e| mismatch(e.to_string()))?;
     let weights: HashMap<String, tch::Tensor> = weights.into_iter().collect();
-    adapter.load_tensors(&weights).map_err(|e| mismatch(e.to_string()))?;
+    adapter
+        .load_tensors(&weights)
+        .map_err(|e| mismatch(e.to_string()))?;
     Ok((base, adapter))
 }
 
@@ -181,21 +246,40 @@ pub enum Exported {
 /// `learner export`: writes the checkpoint's policies, `out/agent-{i}` (or `out/shared`) each, or
 /// only policy `policy` as `out` itself: model directories, or adapter directories for LoRA
 /// policies, each beside its merged model (`<dir>-merged`) when `merged`. Returns what was written.
-pub fn export_checkpoint(checkpoint: &Path, policy: Option<usize>, out: &Path, merged: bool) -> Result<Vec<Exported>, ExportError> {
+pub fn export_checkpoint(
+    checkpoint: &Path,
+    policy: Option<usize>,
+    out: &Path,
+    merged: bool,
+) -> Result<Vec<Exported>, ExportError> {
     let (dir, policies) = checkpoint_policies(checkpoint)?;
     let chosen: Vec<(&CheckpointPolicy, PathBuf)> = match policy {
         Some(index) => {
-            let p = policies.get(index).ok_or(ExportError::NoSuchPolicy { index, count: policies.len() })?;
+            let p = policies.get(index).ok_or(ExportError::NoSuchPolicy {
+                index,
+                count: policies.len(),
+            })?;
             vec![(p, out.to_path_buf())]
         }
-        None => policies.iter().map(|p| (p, out.join(&p.dir_name))).collect(),
+        None => policies
+            .iter()
+            .map(|p| (p, out.join(&p.dir_name)))
+            .collect(),
     };
     // `--merged` merges the LoRA policies' adapters; fully fine-tuned ones are model directories
     // already. With no adapter among the chosen policies it is a mistake worth saying.
-    if merged && let Some((p, _)) = chosen.iter().find(|(p, _)| p.lora.is_none()).filter(|_| chosen.iter().all(|(p, _)| p.lora.is_none())) {
+    if merged
+        && let Some((p, _)) = chosen
+            .iter()
+            .find(|(p, _)| p.lora.is_none())
+            .filter(|_| chosen.iter().all(|(p, _)| p.lora.is_none()))
+    {
         return Err(ExportError::BadState {
             path: dir.join("state.json"),
-            message: format!("--merged: policy {} was fully fine-tuned, it has no adapter to merge", p.index),
+            message: format!(
+                "--merged: policy {} was fully fine-tuned, it has no adapter to merge",
+                p.index
+            ),
         });
     }
     let mut written = Vec::new();
@@ -203,20 +287,38 @@ pub fn export_checkpoint(checkpoint: &Path, policy: Option<usize>, out: &Path, m
         match &p.lora {
             None => {
                 let model = load_policy(&dir, p)?;
-                written.push(Exported::Model(cotrain_model::export::save_pretrained(&model, &target)?));
+                written.push(Exported::Model(cotrain_model::export::save_pretrained(
+                    &model, &target,
+                )?));
             }
             Some(config) => {
                 let (base, adapter) = load_lora_policy(&dir, p, config)?;
-                let mismatch = |message: String| ExportError::WeightsMismatch { index: p.index, spec: p.model.clone(), message };
-                adapter.save_peft(&target, &p.model).map_err(|e| mismatch(e.to_string()))?;
+                let mismatch = |message: String| ExportError::WeightsMismatch {
+                    index: p.index,
+                    spec: p.model.clone(),
+                    message,
+                };
+                adapter
+                    .save_peft(&target, &p.model)
+                    .map_err(|e| mismatch(e.to_string()))?;
                 written.push(Exported::Adapter(target.clone()));
                 if merged {
-                    let weights: HashMap<String, tch::Tensor> =
-                        adapter.merged(&base.named_parameters()).map_err(|e| mismatch(e.to_string()))?.into_iter().collect();
-                    base.load_named_tensors(&weights).map_err(|e| mismatch(e.to_string()))?;
-                    let mut name = target.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+                    let weights: HashMap<String, tch::Tensor> = adapter
+                        .merged(&base.named_parameters())
+                        .map_err(|e| mismatch(e.to_string()))?
+                        .into_iter()
+                        .collect();
+                    base.load_named_tensors(&weights)
+                        .map_err(|e| mismatch(e.to_string()))?;
+                    let mut name = target
+                        .file_name()
+                        .map(|n| n.to_os_string())
+                        .unwrap_or_default();
                     name.push("-merged");
-                    written.push(Exported::Model(cotrain_model::export::save_pretrained(&base, &target.with_file_name(name))?));
+                    written.push(Exported::Model(cotrain_model::export::save_pretrained(
+                        &base,
+                        &target.with_file_name(name),
+                    )?));
                 }
             }
         }
@@ -243,7 +345,11 @@ pub struct MaporlManifest {
 /// manifest, else the run's final `adapters/` or `final_model/`, else its latest `checkpoints/step-N`.
 pub fn maporl_dir(path: &Path) -> Option<PathBuf> {
     let holds = |d: &Path| d.join(MAPORL_MANIFEST).is_file();
-    for d in [path.to_path_buf(), path.join("adapters"), path.join("final_model")] {
+    for d in [
+        path.to_path_buf(),
+        path.join("adapters"),
+        path.join("final_model"),
+    ] {
         if holds(&d) {
             return Some(d);
         }
@@ -252,7 +358,12 @@ pub fn maporl_dir(path: &Path) -> Option<PathBuf> {
         .ok()?
         .filter_map(|e| e.ok())
         .filter_map(|e| {
-            let n: u64 = e.file_name().to_str()?.strip_prefix("step-")?.parse().ok()?;
+            let n: u64 = e
+                .file_name()
+                .to_str()?
+                .strip_prefix("step-")?
+                .parse()
+                .ok()?;
             holds(&e.path()).then(|| (n, e.path()))
         })
         .max_by_key(|(n, _)| *n)
@@ -265,10 +376,15 @@ pub fn maporl_dir(path: &Path) -> Option<PathBuf> {
 /// Returns what was written.
 pub fn export_maporl(dir: &Path, out: &Path, merged: bool) -> Result<Vec<PathBuf>, String> {
     let manifest_path = dir.join(MAPORL_MANIFEST);
-    let text = std::fs::read_to_string(&manifest_path).map_err(|e| format!("{}: {e}", manifest_path.display()))?;
-    let manifest: MaporlManifest = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", manifest_path.display()))?;
+    let text = std::fs::read_to_string(&manifest_path)
+        .map_err(|e| format!("{}: {e}", manifest_path.display()))?;
+    let manifest: MaporlManifest =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", manifest_path.display()))?;
     if merged && manifest.full_finetune {
-        return Err(format!("--merged: {} holds fully fine-tuned models, which have no adapter to merge", dir.display()));
+        return Err(format!(
+            "--merged: {} holds fully fine-tuned models, which have no adapter to merge",
+            dir.display()
+        ));
     }
     let mut written = Vec::new();
     for key in &manifest.policies {
@@ -304,16 +420,29 @@ fn copy_files(src: &Path, dst: &Path) -> Result<(), String> {
 /// Loads the base an adapter directory names, merges the adapter in and writes the model to `dst`.
 fn merge_adapter(src: &Path, dst: &Path) -> Result<(), String> {
     let config_path = src.join("adapter_config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(|e| format!("{}: {e}", config_path.display()))?;
-    let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", config_path.display()))?;
-    let spec = config["base_model_name_or_path"]
-        .as_str()
-        .ok_or_else(|| format!("{}: names no base_model_name_or_path", config_path.display()))?;
-    let base = cotrain_model::loader::load(spec, &LoadOptions::default()).map_err(|e| format!("loading `{spec}`: {e}"))?;
-    let adapter = cotrain_model::lora::LoraAdapter::load_peft(src, &base.model).map_err(|e| format!("{}: {e}", src.display()))?;
-    let weights: HashMap<String, tch::Tensor> = adapter.merged(&base.named_parameters()).map_err(|e| e.to_string())?.into_iter().collect();
-    base.load_named_tensors(&weights).map_err(|e| e.to_string())?;
-    cotrain_model::export::save_pretrained(&base, dst).map_err(|e| format!("{}: {e}", dst.display()))?;
+    let text = std::fs::read_to_string(&config_path)
+        .map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let spec = config["base_model_name_or_path"].as_str().ok_or_else(|| {
+        format!(
+            "{}: names no base_model_name_or_path",
+            config_path.display()
+        )
+    })?;
+    let base = cotrain_model::loader::load(spec, &LoadOptions::default())
+        .map_err(|e| format!("loading `{spec}`: {e}"))?;
+    let adapter = cotrain_model::lora::LoraAdapter::load_peft(src, &base.model)
+        .map_err(|e| format!("{}: {e}", src.display()))?;
+    let weights: HashMap<String, tch::Tensor> = adapter
+        .merged(&base.named_parameters())
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .collect();
+    base.load_named_tensors(&weights)
+        .map_err(|e| e.to_string())?;
+    cotrain_model::export::save_pretrained(&base, dst)
+        .map_err(|e| format!("{}: {e}", dst.display()))?;
     Ok(())
 }
 
@@ -331,6 +460,9 @@ mod tests {
     #[test]
     fn a_bad_policy_index_names_the_range() {
         let e = ExportError::NoSuchPolicy { index: 4, count: 2 };
-        assert_eq!(e.to_string(), "--policy 4: the checkpoint has 2 policies (indices 0 to 1)");
+        assert_eq!(
+            e.to_string(),
+            "--policy 4: the checkpoint has 2 policies (indices 0 to 1)"
+        );
     }
 }

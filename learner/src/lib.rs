@@ -12,6 +12,7 @@
 //! server are reached through [`services`] (embedded in this process or remote).
 
 pub mod algo;
+pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod control;
@@ -22,14 +23,13 @@ pub mod export;
 pub mod external;
 pub mod harness;
 pub mod maporl;
-pub mod prompts;
-pub mod checkpoint;
 pub mod metrics;
 pub mod model_options;
 pub mod plot;
+pub mod prompts;
 pub mod run_state;
-pub mod seeds;
 pub mod security;
+pub mod seeds;
 pub mod services;
 pub mod sources;
 pub mod trainer;

@@ -16,7 +16,10 @@ use crate::metrics::{METRICS_FILE, MetricsRecord, read_metrics};
 pub enum PlotError {
     /// The metrics file could not be read.
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// The run has no numeric metrics to draw.
     #[error("{0}: no metrics to plot")]
     Empty(PathBuf),
@@ -37,7 +40,10 @@ const FONT_CANDIDATES: &[&str] = &[
 fn font_available() -> bool {
     static FONT: OnceLock<bool> = OnceLock::new();
     *FONT.get_or_init(|| {
-        let mut candidates: Vec<PathBuf> = std::env::var_os("COTRAIN_PLOT_FONT").map(PathBuf::from).into_iter().collect();
+        let mut candidates: Vec<PathBuf> = std::env::var_os("COTRAIN_PLOT_FONT")
+            .map(PathBuf::from)
+            .into_iter()
+            .collect();
         candidates.extend(FONT_CANDIDATES.iter().map(PathBuf::from));
         for path in candidates {
             if let Ok(bytes) = std::fs::read(&path) {
@@ -47,7 +53,9 @@ fn font_available() -> bool {
                 }
             }
         }
-        tracing::warn!("no truetype font found; plots are drawn without text (set COTRAIN_PLOT_FONT)");
+        tracing::warn!(
+            "no truetype font found; plots are drawn without text (set COTRAIN_PLOT_FONT)"
+        );
         false
     })
 }
@@ -56,25 +64,67 @@ fn font_available() -> bool {
 /// Each entry lists key prefixes in order of priority: a chart holds at most eight lines, so the
 /// headline series (training reward mean) must come before the many per-level and eval keys.
 const GROUPS: &[(&str, &str, &[&str])] = &[
-    ("reward.png", "reward", &["reward/mean", "reward/max", "eval/reward/mean", "reward/level_"]),
-    ("loss.png", "loss and kl", &["loss", "kl", "policy", "objective/kl"]),
-    ("accuracy.png", "accuracy per turn", &["eval/accuracy/turn", "accuracy/turn"]),
+    (
+        "reward.png",
+        "reward",
+        &[
+            "reward/mean",
+            "reward/max",
+            "eval/reward/mean",
+            "reward/level_",
+        ],
+    ),
+    (
+        "loss.png",
+        "loss and kl",
+        &["loss", "kl", "policy", "objective/kl"],
+    ),
+    (
+        "accuracy.png",
+        "accuracy per turn",
+        &["eval/accuracy/turn", "accuracy/turn"],
+    ),
     // The actor-critic trainers' critics.
-    ("critic.png", "critic: value loss, explained variance", &["critic/value_loss", "critic/explained_variance", "critic/value_mean", "critic/target_mean"]),
+    (
+        "critic.png",
+        "critic: value loss, explained variance",
+        &[
+            "critic/value_loss",
+            "critic/explained_variance",
+            "critic/value_mean",
+            "critic/target_mean",
+        ],
+    ),
     (
         "returns.png",
         "return per turn",
-        &["critic/turn1/expected_return", "critic/turn2/expected_return", "critic/turn3/expected_return", "critic/turn4/expected_return", "critic/turn5/expected_return"],
+        &[
+            "critic/turn1/expected_return",
+            "critic/turn2/expected_return",
+            "critic/turn3/expected_return",
+            "critic/turn4/expected_return",
+            "critic/turn5/expected_return",
+        ],
     ),
-    ("throughput.png", "throughput", &["tokens_per_s", "train_tokens_per_s", "throughput", "time/"]),
+    (
+        "throughput.png",
+        "throughput",
+        &["tokens_per_s", "train_tokens_per_s", "throughput", "time/"],
+    ),
 ];
 
 /// Draws every group that has data to `RUN_DIR/plots/*.png`; returns the files written.
 pub fn plot_run(run_dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
     let metrics_path = run_dir.join(METRICS_FILE);
-    let records = read_metrics(&metrics_path).map_err(|source| PlotError::Io { path: metrics_path.clone(), source })?;
+    let records = read_metrics(&metrics_path).map_err(|source| PlotError::Io {
+        path: metrics_path.clone(),
+        source,
+    })?;
     let out_dir = run_dir.join("plots");
-    std::fs::create_dir_all(&out_dir).map_err(|source| PlotError::Io { path: out_dir.clone(), source })?;
+    std::fs::create_dir_all(&out_dir).map_err(|source| PlotError::Io {
+        path: out_dir.clone(),
+        source,
+    })?;
     let mut written = Vec::new();
     for (file, title, prefixes) in GROUPS {
         let series = collect(&records, prefixes);
@@ -82,7 +132,12 @@ pub fn plot_run(run_dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
             continue;
         }
         let path = out_dir.join(file);
-        draw(&path, title, "step", &series, font_available()).map_err(|message| PlotError::Draw { path: path.clone(), message })?;
+        draw(&path, title, "step", &series, font_available()).map_err(|message| {
+            PlotError::Draw {
+                path: path.clone(),
+                message,
+            }
+        })?;
         written.push(path);
     }
     if written.is_empty() {
@@ -109,7 +164,11 @@ fn collect(records: &[MetricsRecord], prefixes: &[&str]) -> Series {
     keys.truncate(8);
     keys.into_iter()
         .map(|k| {
-            let pts = records.iter().filter_map(|r| r.values.get(&k).map(|v| (r.step as f64, *v))).filter(|(_, v)| v.is_finite()).collect();
+            let pts = records
+                .iter()
+                .filter_map(|r| r.values.get(&k).map(|v| (r.step as f64, *v)))
+                .filter(|(_, v)| v.is_finite())
+                .collect();
             (k, pts)
         })
         .filter(|(_, p): &(String, Vec<(f64, f64)>)| !p.is_empty())
@@ -118,10 +177,18 @@ fn collect(records: &[MetricsRecord], prefixes: &[&str]) -> Series {
 
 /// Draws one chart; `text` = false leaves out every piece of text (for machines without fonts).
 /// Draws `series` (name, points) as lines into the PNG `path`, with `x_desc` under the x axis.
-pub fn draw_lines(path: &Path, title: &str, x_desc: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<(), PlotError> {
+pub fn draw_lines(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Result<(), PlotError> {
     let text = font_available();
     let series: Series = series.to_vec();
-    draw(path, title, x_desc, &series, text).map_err(|message| PlotError::Draw { path: path.to_path_buf(), message })
+    draw(path, title, x_desc, &series, text).map_err(|message| PlotError::Draw {
+        path: path.to_path_buf(),
+        message,
+    })
 }
 
 fn draw(path: &Path, title: &str, x_desc: &str, series: &Series, text: bool) -> Result<(), String> {
@@ -146,9 +213,14 @@ fn draw(path: &Path, title: &str, x_desc: &str, series: &Series, text: bool) -> 
     let mut builder = ChartBuilder::on(&root);
     builder.margin(16);
     if text {
-        builder.caption(title, ("sans-serif", 24)).x_label_area_size(36).y_label_area_size(64);
+        builder
+            .caption(title, ("sans-serif", 24))
+            .x_label_area_size(36)
+            .y_label_area_size(64);
     }
-    let mut chart = builder.build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad)).map_err(|e| e.to_string())?;
+    let mut chart = builder
+        .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))
+        .map_err(|e| e.to_string())?;
     let mut mesh = chart.configure_mesh();
     let integer_label = |x: &f64| format!("{x:.0}");
     if text {
@@ -163,9 +235,13 @@ fn draw(path: &Path, title: &str, x_desc: &str, series: &Series, text: bool) -> 
     mesh.draw().map_err(|e| e.to_string())?;
     for (i, (name, pts)) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
-        let drawn = chart.draw_series(LineSeries::new(pts.iter().cloned(), color.stroke_width(2))).map_err(|e| e.to_string())?;
+        let drawn = chart
+            .draw_series(LineSeries::new(pts.iter().cloned(), color.stroke_width(2)))
+            .map_err(|e| e.to_string())?;
         if text {
-            drawn.label(name.clone()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+            drawn.label(name.clone()).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
         }
     }
     if text {
@@ -184,7 +260,11 @@ fn draw(path: &Path, title: &str, x_desc: &str, series: &Series, text: bool) -> 
 /// its ticks land on whole numbers: at most one per integer of the range, and its default 10.
 /// `None` when some x has a fraction (then plotters' own labels stay).
 fn integer_x_labels(series: &Series) -> Option<usize> {
-    let xs = || series.iter().flat_map(|(_, pts)| pts.iter().map(|(x, _)| *x));
+    let xs = || {
+        series
+            .iter()
+            .flat_map(|(_, pts)| pts.iter().map(|(x, _)| *x))
+    };
     if xs().next().is_none() || xs().any(|x| !x.is_finite() || x.fract() != 0.0) {
         return None;
     }
@@ -201,7 +281,9 @@ mod tests {
     /// ticks, at most one per step.
     #[test]
     fn integer_steps_get_integer_ticks() {
-        let series = |xs: &[f64]| -> Series { vec![("reward".to_string(), xs.iter().map(|x| (*x, 0.5)).collect())] };
+        let series = |xs: &[f64]| -> Series {
+            vec![("reward".to_string(), xs.iter().map(|x| (*x, 0.5)).collect())]
+        };
         assert_eq!(integer_x_labels(&series(&[1.0, 2.0, 3.0, 4.0])), Some(4));
         assert_eq!(integer_x_labels(&series(&[0.0, 500.0])), Some(10));
         assert_eq!(integer_x_labels(&series(&[3.0])), Some(2));
@@ -221,11 +303,21 @@ mod tests {
         }
         drop(w);
         let files = plot_run(dir.path()).unwrap();
-        let names: Vec<String> = files.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        let names: Vec<String> = files
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
         assert_eq!(names, ["reward.png", "loss.png"]);
         // Without a font the same curves are drawn, textless.
         let bare = dir.path().join("bare.png");
-        draw(&bare, "reward", "step", &vec![("r".to_string(), vec![(0.0, 1.0), (1.0, 2.0)])], false).unwrap();
+        draw(
+            &bare,
+            "reward",
+            "step",
+            &vec![("r".to_string(), vec![(0.0, 1.0), (1.0, 2.0)])],
+            false,
+        )
+        .unwrap();
         assert_eq!(&std::fs::read(&bare).unwrap()[1..4], b"PNG");
         for f in files {
             let bytes = std::fs::read(f).unwrap();
@@ -238,16 +330,32 @@ mod tests {
     #[test]
     fn reward_chart_keeps_training_mean_when_eval_keys_abound() {
         let mut values = BTreeMap::new();
-        for k in ["reward/mean", "reward/max", "reward/std", "reward/level_1", "reward/level_2"] {
+        for k in [
+            "reward/mean",
+            "reward/max",
+            "reward/std",
+            "reward/level_1",
+            "reward/level_2",
+        ] {
             values.insert(k.to_string(), 1.0);
         }
         for i in 0..12 {
             values.insert(format!("eval/reward/level_{i}"), 1.0);
         }
         values.insert("eval/reward/mean".to_string(), 1.0);
-        let records = vec![MetricsRecord { step: 1, time: 0.0, values }];
-        let keys: Vec<String> = collect(&records, GROUPS[0].2).into_iter().map(|(k, _)| k).collect();
-        assert_eq!(&keys[..3], ["reward/mean", "reward/max", "eval/reward/mean"]);
+        let records = vec![MetricsRecord {
+            step: 1,
+            time: 0.0,
+            values,
+        }];
+        let keys: Vec<String> = collect(&records, GROUPS[0].2)
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(
+            &keys[..3],
+            ["reward/mean", "reward/max", "eval/reward/mean"]
+        );
         assert!(keys.len() <= 8);
     }
 }

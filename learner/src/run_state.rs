@@ -11,8 +11,15 @@ use crate::error::TrainError;
 /// `<config file stem>-<unix seconds>`.
 pub fn run_dir_for(cfg: &CheckedConfig) -> PathBuf {
     let name = cfg.raw.logging.run_name.clone().unwrap_or_else(|| {
-        let stem = cfg.source.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "run".into());
-        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let stem = cfg
+            .source
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "run".into());
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
         format!("{stem}-{secs}")
     });
     PathBuf::from(&cfg.raw.output.base_dir).join(name)
@@ -24,9 +31,12 @@ pub const FINISHED: &str = "finished.json";
 /// Marks `run_dir` finished after `steps` steps (written by rank 0 at the end of the run).
 pub fn mark_finished(run_dir: &Path, steps: u64) -> Result<(), TrainError> {
     let path = run_dir.join(FINISHED);
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let body = serde_json::json!({"steps": steps, "finished_unix_secs": secs});
-    std::fs::write(&path, body.to_string()).map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))
+    std::fs::write(&path, body.to_string())
+        .map_err(|e| TrainError::Io(format!("{}: {e}", path.display())))
 }
 
 /// What `--resume auto` does with a config's run.
@@ -60,12 +70,18 @@ pub fn auto_resume(cfg: &CheckedConfig) -> Result<AutoResume, TrainError> {
     let root = crate::dist::RankEnv::from_env().map_or(true, |r| r.rank == 0);
     if dir.exists() && root {
         // Killed before its first checkpoint: keep what it wrote, beside the new start.
-        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         let aside = dir.with_file_name(format!(
             "{}.incomplete-{secs}",
-            dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+            dir.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
         ));
-        std::fs::rename(&dir, &aside).map_err(|e| TrainError::Io(format!("{} -> {}: {e}", dir.display(), aside.display())))?;
+        std::fs::rename(&dir, &aside).map_err(|e| {
+            TrainError::Io(format!("{} -> {}: {e}", dir.display(), aside.display()))
+        })?;
         tracing::warn!(run_dir = %dir.display(), moved_to = %aside.display(), "the run has no checkpoint to resume from; starting it again");
     }
     Ok(AutoResume::Start)

@@ -2,7 +2,8 @@
 //! plane: the cluster token, whether unauthenticated non-loopback services are allowed
 //! (`--insecure`), and TLS.
 
-static CLUSTER_TOKEN: std::sync::OnceLock<Option<cotrain_proto::auth::ClusterToken>> = std::sync::OnceLock::new();
+static CLUSTER_TOKEN: std::sync::OnceLock<Option<cotrain_proto::auth::ClusterToken>> =
+    std::sync::OnceLock::new();
 
 /// Sets the cluster token this process sends with weight updates and requires from its embedded
 /// rollout worker's clients (the CLI reads it once from `--cluster-token-file` or
@@ -21,8 +22,15 @@ pub fn cluster_token() -> Option<cotrain_proto::auth::ClusterToken> {
 /// weights into the run through the embedded worker's loopback port. Remote workers are sent the
 /// cluster token only.
 pub fn process_token() -> cotrain_proto::auth::ClusterToken {
-    static RANDOM: std::sync::OnceLock<cotrain_proto::auth::ClusterToken> = std::sync::OnceLock::new();
-    cluster_token().unwrap_or_else(|| RANDOM.get_or_init(|| cotrain_proto::auth::ClusterToken::random().expect("the system's random source")).clone())
+    static RANDOM: std::sync::OnceLock<cotrain_proto::auth::ClusterToken> =
+        std::sync::OnceLock::new();
+    cluster_token().unwrap_or_else(|| {
+        RANDOM
+            .get_or_init(|| {
+                cotrain_proto::auth::ClusterToken::random().expect("the system's random source")
+            })
+            .clone()
+    })
 }
 
 static INSECURE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -37,12 +45,18 @@ pub fn insecure() -> bool {
     INSECURE.get().copied().unwrap_or(false)
 }
 
-static TLS: std::sync::OnceLock<(Option<cotrain_proto::tls::ServerTls>, Option<cotrain_proto::tls::ClientTls>)> = std::sync::OnceLock::new();
+static TLS: std::sync::OnceLock<(
+    Option<cotrain_proto::tls::ServerTls>,
+    Option<cotrain_proto::tls::ClientTls>,
+)> = std::sync::OnceLock::new();
 
 /// Sets this process's TLS: the certificate its control plane serves (`--tls-cert`, `--tls-key`) and
 /// the certificates it trusts when it dials remote services (`--tls-ca`, `COTRAIN_TLS_CA`). The
 /// embedded services on loopback stay plain. Later calls are ignored.
-pub fn set_tls(server: Option<cotrain_proto::tls::ServerTls>, client: Option<cotrain_proto::tls::ClientTls>) {
+pub fn set_tls(
+    server: Option<cotrain_proto::tls::ServerTls>,
+    client: Option<cotrain_proto::tls::ClientTls>,
+) {
     let _ = TLS.set((server, client));
 }
 

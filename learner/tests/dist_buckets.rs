@@ -8,7 +8,9 @@ use std::cell::RefCell;
 use cotrain_learner::config::DistBackend;
 use cotrain_learner::dist::buckets::{MAX_COUNT, plan};
 use cotrain_learner::dist::launch::{LaunchSpec, mpirun_command};
-use cotrain_learner::dist::{self, Collective, DistError, Launcher, RankEnv, all_reduce_grads_bucketed};
+use cotrain_learner::dist::{
+    self, Collective, DistError, Launcher, RankEnv, all_reduce_grads_bucketed,
+};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
@@ -66,7 +68,10 @@ fn loss(model: &impl Module, step: i64, range: std::ops::Range<i64>) -> Tensor {
     let targets = (&idx * 11 + 5).remainder(VOCAB);
     // (N, VOCAB) log-probs, then the target's: (N, 1)
     let logp = model.forward(&tokens).log_softmax(-1, Kind::Float);
-    -logp.gather(1, &targets.unsqueeze(1), false).sum(Kind::Float) / 8.0
+    -logp
+        .gather(1, &targets.unsqueeze(1), false)
+        .sum(Kind::Float)
+        / 8.0
 }
 
 fn grads(vs: &nn::VarStore) -> Vec<Tensor> {
@@ -87,19 +92,32 @@ fn tiny_model_gradients_in_4_kib_buckets_are_each_summed_once() {
     loss(&model, 0, 0..8).backward();
     let before = grads(&vs);
     let params = trainable(&vs);
-    let twins = Twins { calls: RefCell::new(Vec::new()) };
+    let twins = Twins {
+        calls: RefCell::new(Vec::new()),
+    };
     all_reduce_grads_bucketed(&twins, &params, BUCKET_BYTES).unwrap();
 
     for (p, g) in params.iter().zip(&before) {
-        assert!(p.grad().equal(&(g * 2.0)), "a gradient of shape {:?} was not summed exactly once", p.size());
+        assert!(
+            p.grad().equal(&(g * 2.0)),
+            "a gradient of shape {:?} was not summed exactly once",
+            p.size()
+        );
     }
     let calls = twins.calls.into_inner();
     let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
     // In name order: embed.weight 1600 → 1024 + 576; out.bias 50 waits; out.weight 3200 →
     // 3×1024 + 128; up.bias 64 joins out.bias; up.weight 2048 → 2×1024; the shared 50 + 64 last.
-    assert_eq!(calls.iter().map(|c| c.0).collect::<Vec<_>>(), vec![1024, 576, 1024, 1024, 1024, 128, 1024, 1024, 114]);
+    assert_eq!(
+        calls.iter().map(|c| c.0).collect::<Vec<_>>(),
+        vec![1024, 576, 1024, 1024, 1024, 128, 1024, 1024, 114]
+    );
     assert_eq!(calls.len(), plan(&numels, BUCKET_ELEMS).len());
-    assert!(calls.iter().all(|&(n, k)| n <= BUCKET_ELEMS && k == Kind::Float));
+    assert!(
+        calls
+            .iter()
+            .all(|&(n, k)| n <= BUCKET_ELEMS && k == Kind::Float)
+    );
 }
 
 #[test]
@@ -107,19 +125,31 @@ fn bf16_gradients_are_summed_in_f32_buckets_and_written_back() {
     let big = Tensor::randn([3000], (Kind::BFloat16, Device::Cpu)).set_requires_grad(true);
     let small = Tensor::randn([7, 5], (Kind::BFloat16, Device::Cpu)).set_requires_grad(true);
     let f32_big = Tensor::randn([2500], (Kind::Float, Device::Cpu)).set_requires_grad(true);
-    ((&big * &big).sum(Kind::Float) + (&small * 3.0).sum(Kind::Float) + (&f32_big * &f32_big).sum(Kind::Float)).backward();
+    ((&big * &big).sum(Kind::Float)
+        + (&small * 3.0).sum(Kind::Float)
+        + (&f32_big * &f32_big).sum(Kind::Float))
+    .backward();
     let params = [big, small, f32_big];
     let before: Vec<Tensor> = params.iter().map(|p| p.grad().copy()).collect();
-    let twins = Twins { calls: RefCell::new(Vec::new()) };
+    let twins = Twins {
+        calls: RefCell::new(Vec::new()),
+    };
     all_reduce_grads_bucketed(&twins, &params, BUCKET_BYTES).unwrap();
 
     for (p, g) in params.iter().zip(&before) {
         assert_eq!(p.grad().kind(), p.kind());
-        assert!(p.grad().equal(&(g * 2.0)), "a {:?} gradient was not summed exactly once", p.kind());
+        assert!(
+            p.grad().equal(&(g * 2.0)),
+            "a {:?} gradient was not summed exactly once",
+            p.kind()
+        );
     }
     let calls = twins.calls.into_inner();
     // bf16 3000 → 1024 + 1024 + 952 (staged); f32 2500 → 1024 + 1024 + 452 (in place); bf16 7×5 last.
-    assert_eq!(calls.iter().map(|c| c.0).collect::<Vec<_>>(), vec![1024, 1024, 952, 1024, 1024, 452, 35]);
+    assert_eq!(
+        calls.iter().map(|c| c.0).collect::<Vec<_>>(),
+        vec![1024, 1024, 952, 1024, 1024, 452, 35]
+    );
     assert!(calls.iter().all(|&(_, k)| k == Kind::Float));
 }
 
@@ -129,7 +159,14 @@ fn a_rank_without_gradients_contributes_zeros() {
     let _model = tiny_model(&vs.root());
     let params = trainable(&vs);
     assert!(params.iter().all(|p| !p.grad().defined()));
-    all_reduce_grads_bucketed(&Twins { calls: RefCell::new(Vec::new()) }, &params, BUCKET_BYTES).unwrap();
+    all_reduce_grads_bucketed(
+        &Twins {
+            calls: RefCell::new(Vec::new()),
+        },
+        &params,
+        BUCKET_BYTES,
+    )
+    .unwrap();
     for p in &params {
         assert_eq!(p.grad().size(), p.size());
         assert_eq!(p.grad().abs().sum(Kind::Float).double_value(&[]), 0.0);
@@ -152,7 +189,11 @@ fn one_of_two_mpi_ranks() {
     for step in 0..3 {
         opt.zero_grad();
         // Step 0: rank 0 takes the whole batch, and rank 1 has no gradients at all.
-        let mine = if step == 0 { if rank == 0 { Some(0..8) } else { None } } else { Some(4 * rank..4 * rank + 4) };
+        let mine = if step == 0 {
+            if rank == 0 { Some(0..8) } else { None }
+        } else {
+            Some(4 * rank..4 * rank + 4)
+        };
         if let Some(range) = mine {
             loss(&model, step, range).backward();
         }
@@ -160,14 +201,20 @@ fn one_of_two_mpi_ranks() {
         one_opt.zero_grad();
         loss(&one_model, step, 0..8).backward();
         for (two, one) in grads(&vs).iter().zip(&grads(&one_vs)) {
-            assert!(two.allclose(one, 1e-5, 1e-7, false), "rank {rank}, step {step}: gradients differ from one rank's");
+            assert!(
+                two.allclose(one, 1e-5, 1e-7, false),
+                "rank {rank}, step {step}: gradients differ from one rank's"
+            );
         }
         opt.step();
         one_opt.step();
     }
     for (two, one) in trainable(&vs).iter().zip(&trainable(&one_vs)) {
         let diff = (two - one).abs().max().double_value(&[]);
-        assert!(diff < 1e-6, "rank {rank}: weights differ from one rank's by {diff}");
+        assert!(
+            diff < 1e-6,
+            "rank {rank}: weights differ from one rank's by {diff}"
+        );
     }
     println!("rank {rank}: 3 steps in 4 KiB buckets match one rank");
 }
@@ -182,17 +229,31 @@ fn two_mpi_ranks_in_4_kib_buckets_match_one_rank() {
         nproc: 2,
         backend: DistBackend::Mpi,
         master_port: None,
-        args: [name, "--exact", "--nocapture", "--test-threads", "1"].map(String::from).to_vec(),
+        args: [name, "--exact", "--nocapture", "--test-threads", "1"]
+            .map(String::from)
+            .to_vec(),
         token_file: None,
         nccl_one_gpu_test: false,
         network_interface: None,
         global_flags: Vec::new(),
     };
-    let out = mpirun_command(&spec, &std::env::current_exe().unwrap(), is_root()).output().unwrap();
+    let out = mpirun_command(&spec, &std::env::current_exe().unwrap(), is_root())
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "mpirun failed ({})\nstdout:\n{stdout}\nstderr:\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "mpirun failed ({})\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     for rank in 0..2 {
-        assert!(stdout.contains(&format!("rank {rank}: 3 steps in 4 KiB buckets match one rank")), "rank {rank} did not check\n{stdout}");
+        assert!(
+            stdout.contains(&format!(
+                "rank {rank}: 3 steps in 4 KiB buckets match one rank"
+            )),
+            "rank {rank} did not check\n{stdout}"
+        );
     }
 }
 
@@ -200,6 +261,11 @@ fn two_mpi_ranks_in_4_kib_buckets_match_one_rank() {
 fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).and_then(|l| l.split_whitespace().nth(2)).map(|u| u == "0"))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2))
+                .map(|u| u == "0")
+        })
         .unwrap_or(false)
 }

@@ -36,7 +36,10 @@ fn perturb(model: &LoadedModel, seed: i64) {
 /// A checkpoint of `specs.len()` policies, each its base model (named as given in state.json)
 /// with its own noise, written by the trainer's `save_checkpoint`.
 fn write_checkpoint(run_dir: &Path, base: &Path, specs: &[&str], kind: Kind) -> PathBuf {
-    let opts = LoadOptions { kind, ..Default::default() };
+    let opts = LoadOptions {
+        kind,
+        ..Default::default()
+    };
     let models: Vec<LoadedModel> = (0..specs.len())
         .map(|i| {
             let m = loader::load(base.to_str().unwrap(), &opts).unwrap();
@@ -44,8 +47,15 @@ fn write_checkpoint(run_dir: &Path, base: &Path, specs: &[&str], kind: Kind) -> 
             m
         })
         .collect();
-    let optimizers: Vec<AdamW> = models.iter().map(|m| AdamW::new(&m.vs, AdamWConfig::new(1e-3, 0.0, None))).collect();
-    let pairs: Vec<_> = models.iter().zip(&optimizers).map(|(m, o)| (&m.vs, o)).collect();
+    let optimizers: Vec<AdamW> = models
+        .iter()
+        .map(|m| AdamW::new(&m.vs, AdamWConfig::new(1e-3, 0.0, None)))
+        .collect();
+    let pairs: Vec<_> = models
+        .iter()
+        .zip(&optimizers)
+        .map(|(m, o)| (&m.vs, o))
+        .collect();
     let state = TrainState {
         step: 3,
         epoch: 0,
@@ -63,12 +73,28 @@ fn write_checkpoint(run_dir: &Path, base: &Path, specs: &[&str], kind: Kind) -> 
 }
 
 fn assert_weights_equal(dir: &Path, want: &BTreeMap<String, Tensor>, kind: Kind) {
-    let back = loader::load(dir.to_str().unwrap(), &LoadOptions { kind, ..Default::default() }).unwrap();
+    let back = loader::load(
+        dir.to_str().unwrap(),
+        &LoadOptions {
+            kind,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let got = back.named_parameters();
-    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{}", dir.display());
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{}",
+        dir.display()
+    );
     for (name, t) in want {
         assert_eq!(got[name].kind(), kind, "{name}");
-        assert!(got[name].equal(t), "{}: {name} differs from the checkpoint", dir.display());
+        assert!(
+            got[name].equal(t),
+            "{}: {name} differs from the checkpoint",
+            dir.display()
+        );
     }
 }
 
@@ -80,22 +106,47 @@ fn export_writes_every_policy_of_a_checkpoint_as_a_loadable_model() {
     let run = tmp.path().join("run");
     let ckpt = write_checkpoint(&run, &base, &[&spec, &spec], Kind::Float);
     let out = tmp.path().join("export");
-    export(&["--checkpoint", ckpt.to_str().unwrap(), "--out", out.to_str().unwrap()]).unwrap();
+    export(&[
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .unwrap();
     for i in 0..2 {
         let dir = out.join(format!("agent-{i}"));
         assert_weights_equal(&dir, &read_weights(&ckpt, i).unwrap(), Kind::Float);
-        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
         assert_eq!(cfg["architectures"][0], "LlamaForCausalLM");
         assert_eq!(cfg["torch_dtype"], "float32");
-        for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"] {
+        for f in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "generation_config.json",
+        ] {
             assert!(dir.join(f).is_file(), "{f}");
         }
     }
-    assert!(!read_weights(&ckpt, 0).unwrap()["model.norm.weight"].equal(&read_weights(&ckpt, 1).unwrap()["model.norm.weight"]), "the policies differ");
+    assert!(
+        !read_weights(&ckpt, 0).unwrap()["model.norm.weight"]
+            .equal(&read_weights(&ckpt, 1).unwrap()["model.norm.weight"]),
+        "the policies differ"
+    );
 
     // One policy, from the run directory (its latest checkpoint), into `--out` itself.
     let single = tmp.path().join("agent1-model");
-    export(&["--checkpoint", run.to_str().unwrap(), "--policy", "1", "--out", single.to_str().unwrap()]).unwrap();
+    export(&[
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--policy",
+        "1",
+        "--out",
+        single.to_str().unwrap(),
+    ])
+    .unwrap();
     assert_weights_equal(&single, &read_weights(&ckpt, 1).unwrap(), Kind::Float);
 }
 
@@ -103,13 +154,30 @@ fn export_writes_every_policy_of_a_checkpoint_as_a_loadable_model() {
 fn a_bf16_checkpoint_exports_in_bf16() {
     let tmp = tempfile::tempdir().unwrap();
     let base = tiny_model_dir(tmp.path());
-    let ckpt = write_checkpoint(&tmp.path().join("run"), &base, &[base.to_str().unwrap()], Kind::BFloat16);
+    let ckpt = write_checkpoint(
+        &tmp.path().join("run"),
+        &base,
+        &[base.to_str().unwrap()],
+        Kind::BFloat16,
+    );
     let out = tmp.path().join("bf16");
-    export(&["--checkpoint", ckpt.to_str().unwrap(), "--policy", "0", "--out", out.to_str().unwrap()]).unwrap();
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    export(&[
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--policy",
+        "0",
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["torch_dtype"], "bfloat16");
     let stored = Tensor::read_safetensors(out.join("model.safetensors")).unwrap();
-    assert!(stored.iter().all(|(_, t)| t.kind() == Kind::BFloat16), "stored in the training dtype");
+    assert!(
+        stored.iter().all(|(_, t)| t.kind() == Kind::BFloat16),
+        "stored in the training dtype"
+    );
     assert_weights_equal(&out, &read_weights(&ckpt, 0).unwrap(), Kind::BFloat16);
 }
 
@@ -122,17 +190,53 @@ fn export_errors_name_the_problem() {
     let out = tmp.path().join("out");
     let err = |args: &[&str]| format!("{:#}", export(args).unwrap_err());
 
-    let e = err(&["--checkpoint", "/nonexistent/step-1", "--out", out.to_str().unwrap()]);
-    assert!(e.contains("--checkpoint /nonexistent/step-1: no such checkpoint directory"), "{e}");
-    let e = err(&["--checkpoint", base.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let e = err(&[
+        "--checkpoint",
+        "/nonexistent/step-1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("--checkpoint /nonexistent/step-1: no such checkpoint directory"),
+        "{e}"
+    );
+    let e = err(&[
+        "--checkpoint",
+        base.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert!(e.contains("not a checkpoint (no state.json"), "{e}");
-    let e = err(&["--checkpoint", ckpt.to_str().unwrap(), "--policy", "5", "--out", out.to_str().unwrap()]);
-    assert!(e.contains("--policy 5: the checkpoint has 2 policies (indices 0 to 1)"), "{e}");
+    let e = err(&[
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--policy",
+        "5",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("--policy 5: the checkpoint has 2 policies (indices 0 to 1)"),
+        "{e}"
+    );
     assert!(!out.exists(), "nothing written on an error");
 
-    let gone = write_checkpoint(&tmp.path().join("run2"), &base, &["/nonexistent/tiny-llama"], Kind::Float);
-    let e = err(&["--checkpoint", gone.to_str().unwrap(), "--out", out.to_str().unwrap()]);
-    assert!(e.contains("policy 0: cannot load its base model `/nonexistent/tiny-llama`"), "{e}");
+    let gone = write_checkpoint(
+        &tmp.path().join("run2"),
+        &base,
+        &["/nonexistent/tiny-llama"],
+        Kind::Float,
+    );
+    let e = err(&[
+        "--checkpoint",
+        gone.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("policy 0: cannot load its base model `/nonexistent/tiny-llama`"),
+        "{e}"
+    );
     assert!(e.contains("missing file /nonexistent/tiny-llama"), "{e}");
 
     // A checkpoint whose tensors do not fit the base model it names.
@@ -144,10 +248,22 @@ fn export_errors_name_the_problem() {
     }
     std::fs::copy(base.join("tokenizer.json"), other.join("tokenizer.json")).unwrap();
     let state_path = ckpt.join("state.json");
-    let text = std::fs::read_to_string(&state_path).unwrap().replace(&spec, other.to_str().unwrap());
+    let text = std::fs::read_to_string(&state_path)
+        .unwrap()
+        .replace(&spec, other.to_str().unwrap());
     std::fs::write(&state_path, text).unwrap();
-    let e = err(&["--checkpoint", ckpt.to_str().unwrap(), "--policy", "0", "--out", out.to_str().unwrap()]);
-    assert!(e.contains("policy 0: the checkpoint's weights do not fit base model"), "{e}");
+    let e = err(&[
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--policy",
+        "0",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("policy 0: the checkpoint's weights do not fit base model"),
+        "{e}"
+    );
 }
 
 const YAML: &str = "model: {name: unused, temperature: 1.0, top_p: 1.0, top_k: 0, max_length: 64}\n\
@@ -170,10 +286,27 @@ fn a_finished_run_saves_one_final_model_per_agent() {
     let tmp = tempfile::tempdir().unwrap();
     let base = tiny_model_dir(tmp.path());
     let run = tmp.path().join("run");
-    let mut trainer = tiny_trainer(&config(YAML, &[]), &base, &run, Box::new(TokenRule { rule: first_token_even }), 2);
+    let mut trainer = tiny_trainer(
+        &config(YAML, &[]),
+        &base,
+        &run,
+        Box::new(TokenRule {
+            rule: first_token_even,
+        }),
+        2,
+    );
     let summary = trainer.run().unwrap();
-    assert_eq!(summary.final_models, vec![run.join("final_model/agent-0"), run.join("final_model/agent-1")]);
-    let ckpt = summary.checkpoint.clone().expect("the final checkpoint is still written, for resuming");
+    assert_eq!(
+        summary.final_models,
+        vec![
+            run.join("final_model/agent-0"),
+            run.join("final_model/agent-1")
+        ]
+    );
+    let ckpt = summary
+        .checkpoint
+        .clone()
+        .expect("the final checkpoint is still written, for resuming");
     assert!(ckpt.ends_with("step-1"), "{}", ckpt.display());
     for (i, dir) in summary.final_models.iter().enumerate() {
         let trained = trainer.policies()[i].parameters();
@@ -184,7 +317,15 @@ fn a_finished_run_saves_one_final_model_per_agent() {
     // Without save_final_model: neither a final checkpoint nor final models.
     let run = tmp.path().join("run-nosave");
     let cfg = config(YAML, &["output.save_final_model=false".into()]);
-    let summary = tiny_trainer(&cfg, &base, &run, Box::new(TokenRule { rule: any_first }), 2).run().unwrap();
+    let summary = tiny_trainer(
+        &cfg,
+        &base,
+        &run,
+        Box::new(TokenRule { rule: any_first }),
+        2,
+    )
+    .run()
+    .unwrap();
     assert!(summary.final_models.is_empty());
     assert!(!run.join("final_model").exists());
 }
@@ -197,7 +338,13 @@ fn shared_parameters_give_one_shared_final_model() {
     let spec = base.display().to_string();
     let opts = LoadOptions::default();
     let cfg = config(YAML, &[]);
-    let policy = Policy::new("shared", &spec, loader::load(&spec, &opts).unwrap(), None, AdamWConfig::new(0.01, 0.0, None));
+    let policy = Policy::new(
+        "shared",
+        &spec,
+        loader::load(&spec, &opts).unwrap(),
+        None,
+        AdamWConfig::new(0.01, 0.0, None),
+    );
     let mut trainer = Trainer::new(TrainerSetup {
         cfg: cfg.clone(),
         run_dir: run.clone(),
@@ -205,15 +352,24 @@ fn shared_parameters_give_one_shared_final_model() {
         is_code: false,
         policies: vec![policy],
         agent_policy: vec![0, 0],
-        rollout: Box::new(EngineRollout::new(vec![("shared".into(), loader::load(&spec, &opts).unwrap())])),
-        reward: Box::new(TokenRule { rule: first_token_even }),
+        rollout: Box::new(EngineRollout::new(vec![(
+            "shared".into(),
+            loader::load(&spec, &opts).unwrap(),
+        )])),
+        reward: Box::new(TokenRule {
+            rule: first_token_even,
+        }),
         train_items: items(2, 2),
         eval_items: items(1, 2),
     })
     .unwrap();
     let summary = trainer.run().unwrap();
     assert_eq!(summary.final_models, vec![run.join("final_model/shared")]);
-    assert_weights_equal(&summary.final_models[0], &trainer.policies()[0].parameters(), Kind::Float);
+    assert_weights_equal(
+        &summary.final_models[0],
+        &trainer.policies()[0].parameters(),
+        Kind::Float,
+    );
 }
 
 /// A MaPoRL run directory: a trained-looking policy adapter (B non-zero) and a critic, saved in
@@ -232,10 +388,19 @@ fn write_maporl_adapters(run: &Path, base: &Path) -> PathBuf {
                 t.copy_(&(Tensor::randn(t.size(), (Kind::Float, t.device())) * 0.05));
             }
         }
-        ad.save_peft(&dir.join(key), base.to_str().unwrap()).unwrap();
+        ad.save_peft(&dir.join(key), base.to_str().unwrap())
+            .unwrap();
     }
-    let manifest = cotrain_learner::export::MaporlManifest { policies: vec!["agent0.turn0".into()], critics: vec!["critic.agent0".into()], full_finetune: false };
-    std::fs::write(dir.join(cotrain_learner::export::MAPORL_MANIFEST), serde_json::to_string(&manifest).unwrap()).unwrap();
+    let manifest = cotrain_learner::export::MaporlManifest {
+        policies: vec!["agent0.turn0".into()],
+        critics: vec!["critic.agent0".into()],
+        full_finetune: false,
+    };
+    std::fs::write(
+        dir.join(cotrain_learner::export::MAPORL_MANIFEST),
+        serde_json::to_string(&manifest).unwrap(),
+    )
+    .unwrap();
     dir
 }
 
@@ -246,19 +411,41 @@ fn a_maporl_run_exports_its_policy_adapters_and_the_merged_models() {
     let run = tmp.path().join("run");
     let adapters = write_maporl_adapters(&run, &base);
     let out = tmp.path().join("export");
-    export(&["--checkpoint", run.to_str().unwrap(), "--out", out.to_str().unwrap(), "--merged"]).unwrap();
+    export(&[
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--merged",
+    ])
+    .unwrap();
 
     // The policy adapter is copied as PEFT wrote it; the critic is not a policy and stays behind.
     for f in ["adapter_config.json", "adapter_model.safetensors"] {
-        assert_eq!(std::fs::read(out.join("agent0.turn0").join(f)).unwrap(), std::fs::read(adapters.join("agent0.turn0").join(f)).unwrap(), "{f}");
+        assert_eq!(
+            std::fs::read(out.join("agent0.turn0").join(f)).unwrap(),
+            std::fs::read(adapters.join("agent0.turn0").join(f)).unwrap(),
+            "{f}"
+        );
     }
     assert!(!out.join("critic.agent0").exists() && !out.join("critic.agent0-merged").exists());
 
     // The merged model holds W + (alpha / r)·B·A for every targeted projection, computed here from
     // the two files alone, and the base's other tensors unchanged.
-    let merged: BTreeMap<String, Tensor> = Tensor::read_safetensors(out.join("agent0.turn0-merged/model.safetensors")).unwrap().into_iter().collect();
-    let base_w: BTreeMap<String, Tensor> = Tensor::read_safetensors(base.join("model.safetensors")).unwrap().into_iter().collect();
-    let lora: BTreeMap<String, Tensor> = Tensor::read_safetensors(adapters.join("agent0.turn0/adapter_model.safetensors")).unwrap().into_iter().collect();
+    let merged: BTreeMap<String, Tensor> =
+        Tensor::read_safetensors(out.join("agent0.turn0-merged/model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    let base_w: BTreeMap<String, Tensor> = Tensor::read_safetensors(base.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .collect();
+    let lora: BTreeMap<String, Tensor> =
+        Tensor::read_safetensors(adapters.join("agent0.turn0/adapter_model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
     let mut adapted = 0;
     for (name, w) in &base_w {
         let stem = name.strip_suffix(".weight").unwrap_or(name);
@@ -271,16 +458,45 @@ fn a_maporl_run_exports_its_policy_adapters_and_the_merged_models() {
             }
             _ => w.to_kind(Kind::Float),
         };
-        let got = merged.get(name).unwrap_or_else(|| panic!("{name} missing from the merged model")).to_kind(Kind::Float);
+        let got = merged
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} missing from the merged model"))
+            .to_kind(Kind::Float);
         let diff = (&got - &want).abs().max().double_value(&[]);
-        assert!(diff < 1e-6, "{name}: merged differs from W + scaling·B·A by {diff}");
+        assert!(
+            diff < 1e-6,
+            "{name}: merged differs from W + scaling·B·A by {diff}"
+        );
     }
-    let layers = loader::load(base.to_str().unwrap(), &LoadOptions::default()).unwrap().model.config().num_hidden_layers;
-    assert_eq!(adapted, 7 * layers, "every attention and MLP projection of every layer is adapted");
+    let layers = loader::load(base.to_str().unwrap(), &LoadOptions::default())
+        .unwrap()
+        .model
+        .config()
+        .num_hidden_layers;
+    assert_eq!(
+        adapted,
+        7 * layers,
+        "every attention and MLP projection of every layer is adapted"
+    );
     // A user loads the merged directory like any model.
-    loader::load(out.join("agent0.turn0-merged").to_str().unwrap(), &LoadOptions::default()).unwrap();
+    loader::load(
+        out.join("agent0.turn0-merged").to_str().unwrap(),
+        &LoadOptions::default(),
+    )
+    .unwrap();
 
     // `--policy` belongs to MAGRPO checkpoints; `--merged` to adapters.
-    let e = export(&["--checkpoint", run.to_str().unwrap(), "--policy", "0", "--out", out.to_str().unwrap()]).unwrap_err();
-    assert!(e.to_string().contains("--policy selects a MAGRPO policy"), "{e}");
+    let e = export(&[
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--policy",
+        "0",
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("--policy selects a MAGRPO policy"),
+        "{e}"
+    );
 }

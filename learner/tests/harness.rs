@@ -9,11 +9,16 @@ use std::path::{Path, PathBuf};
 use cotrain_learner::config::{CheckedConfig, LegacyFlags, load_config};
 use cotrain_learner::dist::{Collective, SingleRank};
 use cotrain_learner::error::TrainError;
-use cotrain_learner::harness::{Algorithm, Cursor, EvalRule, Headline, RunSummary, Scalars, Schedule, drive};
+use cotrain_learner::harness::{
+    Algorithm, Cursor, EvalRule, Headline, RunSummary, Scalars, Schedule, drive,
+};
 
 fn config() -> CheckedConfig {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/demo.yaml");
-    let overrides = ["logging.plots=false".to_string(), "logging.progress=never".to_string()];
+    let overrides = [
+        "logging.plots=false".to_string(),
+        "logging.progress=never".to_string(),
+    ];
     load_config(&path, &overrides, &LegacyFlags::default()).unwrap()
 }
 
@@ -78,7 +83,11 @@ impl Algorithm for Toy {
     }
     fn epoch_order(&self, epoch: u64) -> Vec<usize> {
         let order: Vec<usize> = (0..7).collect();
-        if epoch % 2 == 1 { order.into_iter().rev().collect() } else { order }
+        if epoch % 2 == 1 {
+            order.into_iter().rev().collect()
+        } else {
+            order
+        }
     }
     fn cursor(&self) -> Cursor {
         self.cursor
@@ -87,7 +96,11 @@ impl Algorithm for Toy {
         self.cursor = c;
     }
     fn resume_from(&mut self, run_dir: &Path) -> Result<PathBuf, TrainError> {
-        let step: u64 = std::fs::read_to_string(run_dir.join("toy-checkpoint")).unwrap().trim().parse().unwrap();
+        let step: u64 = std::fs::read_to_string(run_dir.join("toy-checkpoint"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
         self.cursor = self.schedule.cursor_at(step);
         Ok(run_dir.join("toy-checkpoint"))
     }
@@ -103,7 +116,9 @@ impl Algorithm for Toy {
             return Err(TrainError::Reward("the reward server is gone".into()));
         }
         self.steps.push((self.cursor.step, rows.to_vec()));
-        Ok([("reward/mean".to_string(), rows.len() as f64)].into_iter().collect())
+        Ok([("reward/mean".to_string(), rows.len() as f64)]
+            .into_iter()
+            .collect())
     }
     fn step_failed(&mut self, error: TrainError) -> TrainError {
         self.failures_seen += 1;
@@ -114,7 +129,10 @@ impl Algorithm for Toy {
         Ok(())
     }
     fn headline(&self, values: &Scalars) -> Headline {
-        Headline { text: format!("rows {}", values["reward/mean"]), reward: values.get("reward/mean").copied() }
+        Headline {
+            text: format!("rows {}", values["reward/mean"]),
+            reward: values.get("reward/mean").copied(),
+        }
     }
     fn served_versions(&self) -> Vec<(String, u64)> {
         vec![("toy".into(), self.cursor.step + 1)]
@@ -126,7 +144,9 @@ impl Algorithm for Toy {
         Ok(path)
     }
     fn last_checkpoint(&self) -> Option<PathBuf> {
-        self.checkpoints.last().map(|_| self.run_dir.join("toy-checkpoint"))
+        self.checkpoints
+            .last()
+            .map(|_| self.run_dir.join("toy-checkpoint"))
     }
     fn check_ranks(&self) -> Result<(), TrainError> {
         Ok(())
@@ -156,7 +176,17 @@ fn a_run_takes_every_row_once_per_epoch_on_its_schedules_and_ends_once() {
     let mut toy = Toy::new(dir.path());
     let summary = run(&mut toy).unwrap();
     let rows: Vec<Vec<usize>> = toy.steps.iter().map(|(_, r)| r.clone()).collect();
-    assert_eq!(rows, vec![vec![0, 1, 2], vec![3, 4, 5], vec![6], vec![6, 5, 4], vec![3, 2, 1], vec![0]]);
+    assert_eq!(
+        rows,
+        vec![
+            vec![0, 1, 2],
+            vec![3, 4, 5],
+            vec![6],
+            vec![6, 5, 4],
+            vec![3, 2, 1],
+            vec![0]
+        ]
+    );
     // Before the steps whose items contain a multiple of 4 (0 and 4 of each epoch).
     assert_eq!(toy.evals, vec![0, 1, 3, 4]);
     assert_eq!(toy.checkpoints, vec![2, 4, 6]);
@@ -165,9 +195,15 @@ fn a_run_takes_every_row_once_per_epoch_on_its_schedules_and_ends_once() {
     assert!(!summary.stopped);
     assert_eq!(summary.final_models, vec![dir.path().join("toy-final")]);
     assert_eq!(summary.history.len(), 6);
-    assert_eq!(summary.history[0]["eval/x"], 1.0, "an evaluation is logged with the step it precedes");
+    assert_eq!(
+        summary.history[0]["eval/x"], 1.0,
+        "an evaluation is logged with the step it precedes"
+    );
     assert!(!summary.history[2].contains_key("eval/x"));
-    assert!(dir.path().join("finished.json").is_file(), "a finished run is marked for --resume auto");
+    assert!(
+        dir.path().join("finished.json").is_file(),
+        "a finished run is marked for --resume auto"
+    );
 }
 
 #[test]
@@ -182,15 +218,28 @@ fn a_cut_run_resumed_from_its_checkpoint_does_the_remaining_steps_exactly() {
     let cut = run(&mut first).unwrap();
     assert_eq!(cut.steps, 3);
     assert_eq!(first.finished, 0, "a cut run does no end-of-run work");
-    assert!(!dir.path().join("finished.json").exists(), "a cut run is not marked finished");
+    assert!(
+        !dir.path().join("finished.json").exists(),
+        "a cut run is not marked finished"
+    );
 
     let mut second = Toy::new(dir.path());
     second.resume_from(dir.path()).unwrap();
-    assert_eq!(second.cursor(), Cursor { step: 2, epoch: 0, position: 6 });
+    assert_eq!(
+        second.cursor(),
+        Cursor {
+            step: 2,
+            epoch: 0,
+            position: 6
+        }
+    );
     run(&mut second).unwrap();
     let mut steps = first.steps[..2].to_vec();
     steps.extend(second.steps.clone());
-    assert_eq!(steps, straight.steps, "checkpoint at step 2, then the rest as the uninterrupted run");
+    assert_eq!(
+        steps, straight.steps,
+        "checkpoint at step 2, then the rest as the uninterrupted run"
+    );
     assert_eq!(second.finished, 1);
 }
 

@@ -44,7 +44,10 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[])
+    (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
+        .abs()
+        .max()
+        .double_value(&[])
 }
 
 /// Every push the trainer makes, with what it carried.
@@ -61,12 +64,33 @@ impl RolloutSource for PushLog {
     fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
         self.inner.policy_version(agent)
     }
-    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
-        self.pushes.lock().unwrap().push((agent.into(), version, params.keys().cloned().collect(), None));
+    fn push_weights(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+    ) -> Result<(), TrainError> {
+        self.pushes.lock().unwrap().push((
+            agent.into(),
+            version,
+            params.keys().cloned().collect(),
+            None,
+        ));
         self.inner.push_weights(agent, version, params)
     }
-    fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
-        self.pushes.lock().unwrap().push((agent.into(), version, adapter.keys().cloned().collect(), Some(scaling)));
+    fn push_adapter(
+        &mut self,
+        agent: &str,
+        version: u64,
+        adapter: &BTreeMap<String, Tensor>,
+        scaling: f64,
+    ) -> Result<(), TrainError> {
+        self.pushes.lock().unwrap().push((
+            agent.into(),
+            version,
+            adapter.keys().cloned().collect(),
+            Some(scaling),
+        ));
         self.inner.push_adapter(agent, version, adapter, scaling)
     }
     fn describe(&self) -> String {
@@ -83,40 +107,74 @@ fn magrpo_with_lora_learns_on_one_frozen_base_and_pushes_adapters_only() {
     let cfg = config(&yaml(&spec, 30, 0.02), &[]);
     let pushes = Arc::new(Mutex::new(Vec::new()));
     let (policies, agent_policy) = cotrain_learner::trainer::load_policies(&cfg).unwrap();
-    let engines = policies.iter().map(|p| (p.worker_agent.clone(), loader::load(&spec, &LoadOptions::default()).unwrap())).collect();
-    let mut trainer = cotrain_learner::trainer::Trainer::new(cotrain_learner::trainer::TrainerSetup {
-        cfg: cfg.clone(),
-        run_dir: tmp.path().join("run"),
-        task: "token_rule".into(),
-        is_code: false,
-        policies,
-        agent_policy,
-        rollout: Box::new(PushLog { inner: cotrain_learner::services::EngineRollout::new(engines), pushes: pushes.clone() }),
-        reward: Box::new(TokenRule { rule: same_class }),
-        train_items: train_common::items(4, 2),
-        eval_items: train_common::items(2, 2),
-    })
-    .unwrap();
+    let engines = policies
+        .iter()
+        .map(|p| {
+            (
+                p.worker_agent.clone(),
+                loader::load(&spec, &LoadOptions::default()).unwrap(),
+            )
+        })
+        .collect();
+    let mut trainer =
+        cotrain_learner::trainer::Trainer::new(cotrain_learner::trainer::TrainerSetup {
+            cfg: cfg.clone(),
+            run_dir: tmp.path().join("run"),
+            task: "token_rule".into(),
+            is_code: false,
+            policies,
+            agent_policy,
+            rollout: Box::new(PushLog {
+                inner: cotrain_learner::services::EngineRollout::new(engines),
+                pushes: pushes.clone(),
+            }),
+            reward: Box::new(TokenRule { rule: same_class }),
+            train_items: train_common::items(4, 2),
+            eval_items: train_common::items(2, 2),
+        })
+        .unwrap();
 
     // One base in memory: both policies' networks read the same storage.
     let p = trainer.policies();
     assert_eq!(p.len(), 2);
     let name = "model.layers.0.self_attn.q_proj.weight";
     let ptr = |vs: &tch::nn::VarStore| vs.variables()[name].data_ptr();
-    assert_eq!(ptr(&p[0].model.vs), ptr(&p[1].model.vs), "the two agents must share one base");
+    assert_eq!(
+        ptr(&p[0].model.vs),
+        ptr(&p[1].model.vs),
+        "the two agents must share one base"
+    );
     // AdamW holds state for the adapters only: 2 layers × 7 projections × (A, B).
     for policy in p {
         let trained = policy.parameters();
-        assert_eq!(trained.len(), 28, "{:?}", trained.keys().take(3).collect::<Vec<_>>());
-        assert!(trained.keys().all(|k| k.contains(".lora_A.") || k.contains(".lora_B.")));
+        assert_eq!(
+            trained.len(),
+            28,
+            "{:?}",
+            trained.keys().take(3).collect::<Vec<_>>()
+        );
+        assert!(
+            trained
+                .keys()
+                .all(|k| k.contains(".lora_A.") || k.contains(".lora_B."))
+        );
         assert_eq!(policy.optimizer.parameters().len(), 28);
     }
     let summary = trainer.run().unwrap();
     let r: Vec<f64> = summary.history.iter().map(|m| m["reward/mean"]).collect();
     let last = r[r.len() - 5..].iter().sum::<f64>() / 5.0;
-    eprintln!("lora magrpo: first {:.3} last {last:.3} curve {:?}", r[0], r.iter().map(|x| (x * 100.0).round() / 100.0).collect::<Vec<_>>());
+    eprintln!(
+        "lora magrpo: first {:.3} last {last:.3} curve {:?}",
+        r[0],
+        r.iter()
+            .map(|x| (x * 100.0).round() / 100.0)
+            .collect::<Vec<_>>()
+    );
     assert!(r[0] < 0.5, "starts near chance (0.25), got {}", r[0]);
-    assert!(last >= 0.8, "MAGRPO with LoRA should reach >= 0.8 of the maximum reward, got {last}");
+    assert!(
+        last >= 0.8,
+        "MAGRPO with LoRA should reach >= 0.8 of the maximum reward, got {last}"
+    );
 
     // Every push was an adapter update (alpha / r = 2) of the adapters' tensors alone.
     let pushes = pushes.lock().unwrap();
@@ -130,7 +188,11 @@ fn magrpo_with_lora_learns_on_one_frozen_base_and_pushes_adapters_only() {
     let fresh = loader::load(&spec, &LoadOptions::default()).unwrap();
     let p = trainer.policies();
     for (name, t) in fresh.named_parameters() {
-        assert_eq!(max_diff(&t, &p[0].model.vs.variables()[&name]), 0.0, "base weight {name} changed");
+        assert_eq!(
+            max_diff(&t, &p[0].model.vs.variables()[&name]),
+            0.0,
+            "base weight {name} changed"
+        );
     }
     // The adapters trained (B left zero), and differently for the two agents.
     let b = "model.layers.1.mlp.down_proj.lora_B.weight";
@@ -142,17 +204,32 @@ fn magrpo_with_lora_learns_on_one_frozen_base_and_pushes_adapters_only() {
     // same logits.
     let ids = Tensor::from_slice(&[65i64, 97, 48, 66]).view([1, 4]);
     let unmerged = p[0].model.model.forward(&ids).unwrap();
-    let merged_weights: HashMap<String, Tensor> =
-        p[0].adapter.as_ref().unwrap().merged(&fresh.named_parameters()).unwrap().into_iter().collect();
+    let merged_weights: HashMap<String, Tensor> = p[0]
+        .adapter
+        .as_ref()
+        .unwrap()
+        .merged(&fresh.named_parameters())
+        .unwrap()
+        .into_iter()
+        .collect();
     fresh.load_named_tensors(&merged_weights).unwrap();
     let merged = fresh.model.forward(&ids).unwrap();
-    assert!(max_diff(&unmerged, &merged) < 1e-4, "unmerged vs merged logits differ by {}", max_diff(&unmerged, &merged));
+    assert!(
+        max_diff(&unmerged, &merged) < 1e-4,
+        "unmerged vs merged logits differ by {}",
+        max_diff(&unmerged, &merged)
+    );
 
     // The final models are PEFT adapter directories.
     let run = trainer.run_dir().to_path_buf();
     for a in 0..2 {
         let dir = run.join(format!("final_model/agent-{a}"));
-        assert!(dir.join("adapter_config.json").is_file() && dir.join("adapter_model.safetensors").is_file(), "{}", dir.display());
+        assert!(
+            dir.join("adapter_config.json").is_file()
+                && dir.join("adapter_model.safetensors").is_file(),
+            "{}",
+            dir.display()
+        );
         assert!(!dir.join("model.safetensors").exists());
     }
 }
@@ -169,8 +246,16 @@ fn lora_checkpoints_hold_adapters_resume_to_them_and_export_for_peft() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model_dir(tmp.path());
     let spec = model.display().to_string();
-    let cfg = config(&yaml(&spec, 1, 0.02), &["model.lora.lora_dropout=0.1".into()]);
-    let mut trainer = config_trainer(&cfg, &tmp.path().join("run"), Box::new(TokenRule { rule: same_class }), 4);
+    let cfg = config(
+        &yaml(&spec, 1, 0.02),
+        &["model.lora.lora_dropout=0.1".into()],
+    );
+    let mut trainer = config_trainer(
+        &cfg,
+        &tmp.path().join("run"),
+        Box::new(TokenRule { rule: same_class }),
+        4,
+    );
     trainer.run().unwrap();
     let run = trainer.run_dir().to_path_buf();
     let ckpt = cotrain_learner::checkpoint::latest_checkpoint(&run).expect("a checkpoint");
@@ -178,13 +263,23 @@ fn lora_checkpoints_hold_adapters_resume_to_them_and_export_for_peft() {
     // The checkpoint's tensors are the adapters', and state.json says so.
     let weights = cotrain_learner::checkpoint::read_weights(&ckpt, 0).unwrap();
     assert_eq!(weights.len(), 28);
-    assert!(weights.keys().all(|k| k.contains(".lora_")), "{:?}", weights.keys().next());
-    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap();
+    assert!(
+        weights.keys().all(|k| k.contains(".lora_")),
+        "{:?}",
+        weights.keys().next()
+    );
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap();
     assert_eq!(state["extra"]["policies"][1]["lora"]["r"], 8);
     assert_eq!(state["extra"]["policies"][1]["lora"]["dropout"], 0.1);
 
     // A new trainer resumed from it holds the same adapters (and the untouched base).
-    let mut resumed = config_trainer(&cfg, &tmp.path().join("run-b"), Box::new(TokenRule { rule: same_class }), 4);
+    let mut resumed = config_trainer(
+        &cfg,
+        &tmp.path().join("run-b"),
+        Box::new(TokenRule { rule: same_class }),
+        4,
+    );
     resumed.restore(&ckpt).unwrap();
     for (a, b) in trainer.policies().iter().zip(resumed.policies()) {
         for (name, t) in a.parameters() {
@@ -194,22 +289,44 @@ fn lora_checkpoints_hold_adapters_resume_to_them_and_export_for_peft() {
 
     // `learner export --merged`: a PEFT adapter directory per agent and the merged model beside it.
     let out = tmp.path().join("out");
-    export(&["--checkpoint", ckpt.to_str().unwrap(), "--out", out.to_str().unwrap(), "--merged"]).unwrap();
+    export(&[
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--merged",
+    ])
+    .unwrap();
     let base = loader::load(&spec, &LoadOptions::default()).unwrap();
     for a in 0..2 {
         let dir = out.join(format!("agent-{a}"));
-        let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap();
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
         assert_eq!(config["base_model_name_or_path"], spec.as_str());
         assert_eq!(config["lora_dropout"], 0.1);
         let adapter = LoraAdapter::load_peft(&dir, &base.model).unwrap();
         for (name, t) in adapter.named_tensors() {
-            assert_eq!(max_diff(&t, &trainer.policies()[a].parameters()[&name]), 0.0, "agent {a} {name}");
+            assert_eq!(
+                max_diff(&t, &trainer.policies()[a].parameters()[&name]),
+                0.0,
+                "agent {a} {name}"
+            );
         }
-        let merged = loader::load(out.join(format!("agent-{a}-merged")).to_str().unwrap(), &LoadOptions::default()).unwrap();
+        let merged = loader::load(
+            out.join(format!("agent-{a}-merged")).to_str().unwrap(),
+            &LoadOptions::default(),
+        )
+        .unwrap();
         let ids = Tensor::from_slice(&[66i64, 98, 49]).view([1, 3]);
         let want = trainer.policies()[a].model.model.forward(&ids).unwrap();
         let got = merged.model.forward(&ids).unwrap();
-        assert!(max_diff(&want, &got) < 1e-4, "agent {a}: merged export vs policy logits differ by {}", max_diff(&want, &got));
+        assert!(
+            max_diff(&want, &got) < 1e-4,
+            "agent {a}: merged export vs policy logits differ by {}",
+            max_diff(&want, &got)
+        );
     }
 }
 
@@ -221,21 +338,51 @@ fn lora_settings_are_checked_and_shared_parameters_need_one_adapter() {
         let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
         cotrain_learner::config::merged_value(yaml, "t.yaml", &o, &Default::default()).unwrap()
     };
-    let check = |yaml: &str, o: &[&str]| cotrain_learner::config::CheckedConfig::from_value(v(yaml, o), std::path::Path::new("t.yaml"));
+    let check = |yaml: &str, o: &[&str]| {
+        cotrain_learner::config::CheckedConfig::from_value(
+            v(yaml, o),
+            std::path::Path::new("t.yaml"),
+        )
+    };
     let cfg = check(base, &[]).unwrap();
     assert_eq!(cfg.agents[0].lora.as_ref().unwrap().r, 4);
     assert_eq!(cfg.agents[1].lora.as_ref().unwrap().alpha, 16.0);
     // One agent's own adapter replaces the shared one.
     let cfg = check(base, &["model.agents=[{lora: {r: 16}}, {}]"]).unwrap();
-    assert_eq!((cfg.agents[0].lora.as_ref().unwrap().r, cfg.agents[1].lora.as_ref().unwrap().r), (16, 4));
-    let e = check(base, &["model.lora.target_modules=[qproj]"]).unwrap_err().to_string();
-    assert!(e.contains("model.lora") && e.contains("`qproj` is not one of"), "{e}");
+    assert_eq!(
+        (
+            cfg.agents[0].lora.as_ref().unwrap().r,
+            cfg.agents[1].lora.as_ref().unwrap().r
+        ),
+        (16, 4)
+    );
+    let e = check(base, &["model.lora.target_modules=[qproj]"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model.lora") && e.contains("`qproj` is not one of"),
+        "{e}"
+    );
     let e = check(base, &["model.lora.r=0"]).unwrap_err().to_string();
-    assert!(e.contains("model.lora") && e.contains("r must be at least 1"), "{e}");
+    assert!(
+        e.contains("model.lora") && e.contains("r must be at least 1"),
+        "{e}"
+    );
     let e = check(base, &["model.lora.rank=8"]).unwrap_err().to_string();
     assert!(e.contains("rank"), "{e}");
-    let e = check(base, &["magrpo.shared_parameters=true", "model.agents=[{lora: {r: 16}}, {}]"]).unwrap_err().to_string();
-    assert!(e.contains("model.agents[1].lora") && e.contains("one adapter"), "{e}");
+    let e = check(
+        base,
+        &[
+            "magrpo.shared_parameters=true",
+            "model.agents=[{lora: {r: 16}}, {}]",
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("model.agents[1].lora") && e.contains("one adapter"),
+        "{e}"
+    );
 }
 
 /// LoRA dropout draws masks from libtorch's one generator: seeded per policy and optimiser step,
@@ -246,9 +393,17 @@ fn lora_dropout_runs_repeat_and_resume_exactly() {
     let _serial = serial();
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model_dir(tmp.path());
-    let cfg = config(&yaml(&model.display().to_string(), 3, 0.02), &["model.lora.lora_dropout=0.3".into()]);
+    let cfg = config(
+        &yaml(&model.display().to_string(), 3, 0.02),
+        &["model.lora.lora_dropout=0.3".into()],
+    );
     let run = |dir: &str| {
-        let mut t = config_trainer(&cfg, &tmp.path().join(dir), Box::new(TokenRule { rule: same_class }), 4);
+        let mut t = config_trainer(
+            &cfg,
+            &tmp.path().join(dir),
+            Box::new(TokenRule { rule: same_class }),
+            4,
+        );
         t.run().unwrap();
         t
     };
@@ -256,16 +411,31 @@ fn lora_dropout_runs_repeat_and_resume_exactly() {
     for (pa, pb) in a.policies().iter().zip(b.policies()) {
         assert!(pa.draws_dropout());
         for (name, t) in pa.parameters() {
-            assert_eq!(max_diff(&t, &pb.parameters()[&name]), 0.0, "a repeated run differs at {name}");
+            assert_eq!(
+                max_diff(&t, &pb.parameters()[&name]),
+                0.0,
+                "a repeated run differs at {name}"
+            );
         }
     }
-    let mut resumed = config_trainer(&cfg, &tmp.path().join("a"), Box::new(TokenRule { rule: same_class }), 4);
-    resumed.restore(&a.run_dir().join("checkpoints/step-2")).unwrap();
+    let mut resumed = config_trainer(
+        &cfg,
+        &tmp.path().join("a"),
+        Box::new(TokenRule { rule: same_class }),
+        4,
+    );
+    resumed
+        .restore(&a.run_dir().join("checkpoints/step-2"))
+        .unwrap();
     resumed.run().unwrap();
     assert_eq!(resumed.step(), 3);
     for (pa, pr) in a.policies().iter().zip(resumed.policies()) {
         for (name, t) in pa.parameters() {
-            assert_eq!(max_diff(&t, &pr.parameters()[&name]), 0.0, "the resumed run differs at {name}");
+            assert_eq!(
+                max_diff(&t, &pr.parameters()[&name]),
+                0.0,
+                "the resumed run differs at {name}"
+            );
         }
     }
 }

@@ -11,12 +11,14 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use cotrain_learner::config::{LegacyFlags, load_config};
-use cotrain_learner::prompts::items::prepare_items;
 use cotrain_learner::data::load_split;
 use cotrain_learner::maporl::agents::{Adapters, Bases};
 use cotrain_learner::maporl::{MaporlSetup, MaporlTrainer};
+use cotrain_learner::prompts::items::prepare_items;
 use cotrain_learner::services::EngineRollout;
-use cotrain_learner::trainer::{GenRequest, GenSample, RewardSource, RolloutSource, Score, ScoreAction, TrainError};
+use cotrain_learner::trainer::{
+    GenRequest, GenSample, RewardSource, RolloutSource, Score, ScoreAction, TrainError,
+};
 use tch::Tensor;
 
 fn repo() -> PathBuf {
@@ -36,12 +38,24 @@ impl RolloutSource for VerifierRecorder {
     fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
         self.inner.policy_version(agent)
     }
-    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+    fn push_weights(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+    ) -> Result<(), TrainError> {
         self.inner.push_weights(agent, version, params)
     }
-    fn score_verifier(&mut self, name: &str, conversations: &[(String, String)]) -> Result<Vec<f32>, TrainError> {
+    fn score_verifier(
+        &mut self,
+        name: &str,
+        conversations: &[(String, String)],
+    ) -> Result<Vec<f32>, TrainError> {
         assert_eq!(name, "judge", "the configured verifier name");
-        self.asked.lock().unwrap().extend(conversations.iter().cloned());
+        self.asked
+            .lock()
+            .unwrap()
+            .extend(conversations.iter().cloned());
         Ok(vec![0.5; conversations.len()])
     }
     fn describe(&self) -> String {
@@ -56,7 +70,12 @@ impl RewardSource for Wrong {
     fn score(&mut self, _task: &str, actions: &[ScoreAction]) -> Result<Vec<Score>, TrainError> {
         Ok(actions
             .iter()
-            .map(|a| Score { reward: 0.0, levels: BTreeMap::new(), details: serde_json::json!({"reference": a.item["answer"].to_string()}), code: None })
+            .map(|a| Score {
+                reward: 0.0,
+                levels: BTreeMap::new(),
+                details: serde_json::json!({"reference": a.item["answer"].to_string()}),
+                code: None,
+            })
             .collect())
     }
     fn describe(&self) -> String {
@@ -65,7 +84,13 @@ impl RewardSource for Wrong {
 }
 
 /// The verifier's conversations of one evaluation of 2 questions (2 agents, 2 turns).
-fn asked_with(extra: &[&str]) -> (Vec<(String, String)>, Vec<Vec<String>>, Vec<serde_json::Value>) {
+fn asked_with(
+    extra: &[&str],
+) -> (
+    Vec<(String, String)>,
+    Vec<Vec<String>>,
+    Vec<serde_json::Value>,
+) {
     let overrides: Vec<String> = [
         "model.name=default",
         "model.chat_template=false",
@@ -87,14 +112,24 @@ fn asked_with(extra: &[&str]) -> (Vec<(String, String)>, Vec<Vec<String>>, Vec<s
     .chain(extra)
     .map(|s| s.to_string())
     .collect();
-    let cfg = load_config(&repo().join("configs/maporl_gsm8k_config.yaml"), &overrides, &LegacyFlags::default()).unwrap();
+    let cfg = load_config(
+        &repo().join("configs/maporl_gsm8k_config.yaml"),
+        &overrides,
+        &LegacyFlags::default(),
+    )
+    .unwrap();
     let m = cfg.raw.maporl.clone().unwrap();
     let opts = cotrain_learner::model_options::load_options(&cfg).unwrap();
     let bases = Bases::load(&cfg, &opts).unwrap();
     let adapters = Adapters::new(&cfg, &m, &bases).unwrap();
-    let engines = adapters.worker_agents(&bases).into_iter().map(|(key, spec)| (key, cotrain_model::loader::load(&spec, &opts).unwrap())).collect();
+    let engines = adapters
+        .worker_agents(&bases)
+        .into_iter()
+        .map(|(key, spec)| (key, cotrain_model::loader::load(&spec, &opts).unwrap()))
+        .collect();
     let prompter = cotrain_learner::prompts::Prompter::from_config(&cfg).unwrap();
-    let models: Vec<&cotrain_model::loader::LoadedModel> = bases.agent_base.iter().map(|&b| &bases.models[b]).collect();
+    let models: Vec<&cotrain_model::loader::LoadedModel> =
+        bases.agent_base.iter().map(|&b| &bases.models[b]).collect();
     let limits = vec![4000; cfg.num_agents];
     let encoding = cfg.prompt_encoding();
     let train = load_split(&cfg.raw.dataset, &cfg.train_split).unwrap();
@@ -111,7 +146,10 @@ fn asked_with(extra: &[&str]) -> (Vec<(String, String)>, Vec<Vec<String>>, Vec<s
         task: "gsm8k".into(),
         bases,
         adapters,
-        rollout: Box::new(VerifierRecorder { inner: EngineRollout::new(engines), asked: asked.clone() }),
+        rollout: Box::new(VerifierRecorder {
+            inner: EngineRollout::new(engines),
+            asked: asked.clone(),
+        }),
         reward: Box::new(Wrong),
         train_items,
         eval_items,
@@ -130,7 +168,10 @@ fn the_verifier_reads_each_agents_own_first_question_message_by_default() {
     for (k, (user, _)) in asked.iter().enumerate() {
         let (q, agent) = ((k % 4) / 2, k % 2);
         assert_eq!(user, &texts[q][agent], "conversation {k}");
-        assert!(user.contains("Please ensure that the final answer is always formatted this way."), "the seed's turn-0 message: {user}");
+        assert!(
+            user.contains("Please ensure that the final answer is always formatted this way."),
+            "the seed's turn-0 message: {user}"
+        );
     }
     // Turn 1's messages are the turn-0 question messages too, not the follow-up the agents read.
     assert!(!asked[4].0.contains("verifier"), "{}", asked[4].0);
@@ -138,11 +179,21 @@ fn the_verifier_reads_each_agents_own_first_question_message_by_default() {
 
 #[test]
 fn the_template_option_sends_the_verifier_template_over_the_question() {
-    let (asked, texts, rows) = asked_with(&["maporl.verifier_user_message=template", "verifier.user_template=Q: {{ question }} (judge this)"]);
+    let (asked, texts, rows) = asked_with(&[
+        "maporl.verifier_user_message=template",
+        "verifier.user_template=Q: {{ question }} (judge this)",
+    ]);
     assert_eq!(asked.len(), 8);
     for (k, (user, _)) in asked.iter().enumerate() {
         let q = (k % 4) / 2;
-        assert_eq!(user, &format!("Q: {} (judge this)", rows[q]["question"].as_str().unwrap().trim()), "conversation {k}");
+        assert_eq!(
+            user,
+            &format!(
+                "Q: {} (judge this)",
+                rows[q]["question"].as_str().unwrap().trim()
+            ),
+            "conversation {k}"
+        );
         assert_ne!(user, &texts[q][k % 2]);
     }
 }

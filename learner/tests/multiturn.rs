@@ -15,24 +15,48 @@ use cotrain_learner::algo::{AdamWConfig, AdvantageOptions};
 use cotrain_learner::config::{AdvantageMode, Handoff, JointMode};
 use cotrain_learner::services::EngineRollout;
 use cotrain_learner::trainer::sources::FeedbackSpec;
-use cotrain_learner::trainer::tree::{AgentPrompt, Expansion, Forest, Node, expand, handoff_picks, max_tree_nodes};
-use cotrain_learner::trainer::{GenSample, Policy, RewardSource, RolloutSource, Score, ScoreAction, TrainError, TrainItem, Trainer, TrainerSetup};
+use cotrain_learner::trainer::tree::{
+    AgentPrompt, Expansion, Forest, Node, expand, handoff_picks, max_tree_nodes,
+};
+use cotrain_learner::trainer::{
+    GenSample, Policy, RewardSource, RolloutSource, Score, ScoreAction, TrainError, TrainItem,
+    Trainer, TrainerSetup,
+};
 use rand::SeedableRng;
 use train_common::{config, tiny_model_dir};
 
 fn sample(text: &str) -> GenSample {
-    GenSample { token_ids: vec![1], text: text.into(), logprobs: vec![0.0], stopped: true, policy_version: 0 }
+    GenSample {
+        token_ids: vec![1],
+        text: text.into(),
+        logprobs: vec![0.0],
+        stopped: true,
+        policy_version: 0,
+    }
 }
 
 /// A scored node of `agents` agents with `g` samples each and the given processed rewards.
 fn node(id: usize, turn: usize, agents: usize, g: usize, mode: JointMode, rewards: &[f64]) -> Node {
-    let prompts = (0..agents).map(|_| AgentPrompt { text: String::new(), ids: vec![1] }).collect();
+    let prompts = (0..agents)
+        .map(|_| AgentPrompt {
+            text: String::new(),
+            ids: vec![1],
+        })
+        .collect();
     let mut n = Node::new(id, 0, id, turn, g, prompts, vec![Vec::new(); agents]);
-    n.samples = (0..agents).map(|a| (0..g).map(|k| sample(&format!("a{a}k{k}"))).collect()).collect();
+    n.samples = (0..agents)
+        .map(|a| (0..g).map(|k| sample(&format!("a{a}k{k}"))).collect())
+        .collect();
     n.actions = cotrain_learner::algo::joint_actions(mode, agents, g);
     assert_eq!(n.actions.len(), rewards.len());
     n.rewards = rewards.to_vec();
-    n.scores = rewards.iter().map(|&r| Score { reward: r, ..Default::default() }).collect();
+    n.scores = rewards
+        .iter()
+        .map(|&r| Score {
+            reward: r,
+            ..Default::default()
+        })
+        .collect();
     n
 }
 
@@ -50,7 +74,12 @@ fn close(a: &[f64], b: &[f64]) {
 }
 
 fn mean_adv() -> AdvantageOptions {
-    AdvantageOptions { joint_mode: JointMode::Aligned, mode: AdvantageMode::Mean, normalize: None, clamp: None }
+    AdvantageOptions {
+        joint_mode: JointMode::Aligned,
+        mode: AdvantageMode::Mean,
+        normalize: None,
+        clamp: None,
+    }
 }
 
 #[test]
@@ -62,15 +91,44 @@ fn tree_returns_and_advantages_by_hand_aligned_with_an_early_stop() {
     // Advantages (mean baseline, per agent, aligned: the joint's return): root [0.5 − 0.8125, 1.125 − 0.8125].
     let mut root = node(0, 0, 2, 2, JointMode::Aligned, &[0.0, 1.0]);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
-    let specs = expand(&mut root, 2, Expansion::Tree { termination_threshold: Some(0.9) }, &mut rng);
+    let specs = expand(
+        &mut root,
+        2,
+        Expansion::Tree {
+            termination_threshold: Some(0.9),
+        },
+        &mut rng,
+    );
     assert!(!root.leaf);
-    assert_eq!(specs.iter().map(|s| (s.parent_joint, s.picks.clone())).collect::<Vec<_>>(), vec![(Some(0), vec![0, 0]), (Some(1), vec![1, 1])]);
-    let mut forest = Forest { nodes: vec![root, node(1, 1, 2, 2, JointMode::Aligned, &[1.0, 1.0]), node(2, 1, 2, 2, JointMode::Aligned, &[0.0, 0.5])] };
+    assert_eq!(
+        specs
+            .iter()
+            .map(|s| (s.parent_joint, s.picks.clone()))
+            .collect::<Vec<_>>(),
+        vec![(Some(0), vec![0, 0]), (Some(1), vec![1, 1])]
+    );
+    let mut forest = Forest {
+        nodes: vec![
+            root,
+            node(1, 1, 2, 2, JointMode::Aligned, &[1.0, 1.0]),
+            node(2, 1, 2, 2, JointMode::Aligned, &[0.0, 0.5]),
+        ],
+    };
     link(&mut forest, 0, 0, 1);
     link(&mut forest, 0, 1, 2);
     for id in [1, 2] {
-        let specs = expand(&mut forest.nodes[id], 2, Expansion::Tree { termination_threshold: Some(0.9) }, &mut rng);
-        assert!(specs.is_empty() && forest.nodes[id].leaf && !forest.nodes[id].early_stop, "last-turn nodes are leaves, not early stops");
+        let specs = expand(
+            &mut forest.nodes[id],
+            2,
+            Expansion::Tree {
+                termination_threshold: Some(0.9),
+            },
+            &mut rng,
+        );
+        assert!(
+            specs.is_empty() && forest.nodes[id].leaf && !forest.nodes[id].early_stop,
+            "last-turn nodes are leaves, not early stops"
+        );
     }
     forest.compute_returns(0.5, true);
     close(&forest.nodes[0].returns, &[0.5, 1.125]);
@@ -84,11 +142,32 @@ fn tree_returns_and_advantages_by_hand_aligned_with_an_early_stop() {
     }
     // A first-turn node whose mean is above the threshold stops early, with no children.
     let mut good = node(3, 0, 2, 2, JointMode::Aligned, &[1.0, 0.9]);
-    assert!(expand(&mut good, 2, Expansion::Tree { termination_threshold: Some(0.9) }, &mut rng).is_empty());
+    assert!(
+        expand(
+            &mut good,
+            2,
+            Expansion::Tree {
+                termination_threshold: Some(0.9)
+            },
+            &mut rng
+        )
+        .is_empty()
+    );
     assert!(good.leaf && good.early_stop);
     // Exactly at the threshold is not above it (the original's `>`).
     let mut edge = node(4, 0, 2, 2, JointMode::Aligned, &[0.9, 0.9]);
-    assert_eq!(expand(&mut edge, 2, Expansion::Tree { termination_threshold: Some(0.9) }, &mut rng).len(), 2);
+    assert_eq!(
+        expand(
+            &mut edge,
+            2,
+            Expansion::Tree {
+                termination_threshold: Some(0.9)
+            },
+            &mut rng
+        )
+        .len(),
+        2
+    );
 }
 
 #[test]
@@ -96,13 +175,29 @@ fn tree_returns_and_credit_by_hand_in_cross_mode() {
     // Two agents, G = 2, cross: joint actions (0,0) (0,1) (1,0) (1,1) with rewards [1, 0, 0, 2];
     // a leaf (T = 1), so returns = rewards. Credit: agent 0 completion 0 = 1 + 0 = 1, completion 1 =
     // 0 + 2 = 2; agent 1 completion 0 = 1 + 0 = 1, completion 1 = 0 + 2 = 2. Mean baseline 1.5.
-    let mut forest = Forest { nodes: vec![node(0, 0, 2, 2, JointMode::Cross, &[1.0, 0.0, 0.0, 2.0])] };
+    let mut forest = Forest {
+        nodes: vec![node(0, 0, 2, 2, JointMode::Cross, &[1.0, 0.0, 0.0, 2.0])],
+    };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
     let mut root = forest.nodes[0].clone();
     // Two turns: one child per joint action (G^N = 4).
-    assert_eq!(expand(&mut root, 2, Expansion::Tree { termination_threshold: None }, &mut rng).len(), 4);
+    assert_eq!(
+        expand(
+            &mut root,
+            2,
+            Expansion::Tree {
+                termination_threshold: None
+            },
+            &mut rng
+        )
+        .len(),
+        4
+    );
     forest.compute_returns(0.9, true);
-    let opts = AdvantageOptions { joint_mode: JointMode::Cross, ..mean_adv() };
+    let opts = AdvantageOptions {
+        joint_mode: JointMode::Cross,
+        ..mean_adv()
+    };
     forest.compute_advantages(2, &opts, None);
     close(&forest.nodes[0].advantages[0], &[-0.5, 0.5]);
     close(&forest.nodes[0].advantages[1], &[-0.5, 0.5]);
@@ -116,7 +211,10 @@ fn handoff_best_random_early_termination_and_turn_weights() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
     // Best: the highest joint reward, the first on ties.
     let n = node(0, 0, 2, 4, JointMode::Aligned, &[0.5, 2.0, 2.0, 1.0]);
-    assert_eq!(handoff_picks(&n, Handoff::Best, &mut rng), (Some(1), vec![1, 1]));
+    assert_eq!(
+        handoff_picks(&n, Handoff::Best, &mut rng),
+        (Some(1), vec![1, 1])
+    );
     // Random: each agent its own uniform pick; over many draws every index shows up for each agent.
     let mut seen = vec![[false; 4]; 2];
     for _ in 0..200 {
@@ -128,12 +226,18 @@ fn handoff_best_random_early_termination_and_turn_weights() {
     }
     assert!(seen.iter().all(|s| s.iter().all(|&x| x)), "{seen:?}");
     // Early termination at the turn's mean reward ≥ the threshold (inclusive, as the original).
-    let how = Expansion::Handoff { handoff: Handoff::Best, early_termination_threshold: Some(1.375) };
+    let how = Expansion::Handoff {
+        handoff: Handoff::Best,
+        early_termination_threshold: Some(1.375),
+    };
     let mut first = node(0, 0, 2, 4, JointMode::Aligned, &[0.5, 2.0, 2.0, 1.0]); // mean 1.375
     assert!(expand(&mut first, 3, how, &mut rng).is_empty() && first.early_stop);
     let mut go_on = node(0, 0, 2, 4, JointMode::Aligned, &[0.5, 2.0, 2.0, 0.9]);
     let specs = expand(&mut go_on, 3, how, &mut rng);
-    assert_eq!((specs.len(), specs[0].picks.clone(), specs[0].g), (1, vec![1, 1], 4));
+    assert_eq!(
+        (specs.len(), specs[0].picks.clone(), specs[0].g),
+        (1, vec![1, 1], 4)
+    );
     // Turn weights [1.2, 0.8, 1.0]: an episode that stopped early at turn 2 gets 0.8 · 2.0 there;
     // one that ran to its last turn gets no early-termination weight.
     let mut forest = Forest {
@@ -146,17 +250,42 @@ fn handoff_best_random_early_termination_and_turn_weights() {
     forest.nodes[1].leaf = true;
     forest.nodes[1].early_stop = true;
     forest.assign_turn_weights(&[1.2, 0.8, 1.0], 2.0, true);
-    close(&forest.nodes.iter().map(|n| n.turn_weight).collect::<Vec<_>>(), &[1.2, 1.6, 1.0]);
+    close(
+        &forest
+            .nodes
+            .iter()
+            .map(|n| n.turn_weight)
+            .collect::<Vec<_>>(),
+        &[1.2, 1.6, 1.0],
+    );
     // The tree variant does not apply the early-termination weight.
     forest.assign_turn_weights(&[1.2, 0.8, 1.0], 2.0, false);
-    close(&forest.nodes.iter().map(|n| n.turn_weight).collect::<Vec<_>>(), &[1.2, 0.8, 1.0]);
+    close(
+        &forest
+            .nodes
+            .iter()
+            .map(|n| n.turn_weight)
+            .collect::<Vec<_>>(),
+        &[1.2, 0.8, 1.0],
+    );
 }
 
 #[test]
 fn update_groups_follow_the_original_buffer_order() {
     // Item 0: root 0 with children 1, 2; item 1: root 3 with child 4 (created in that order).
     let mut forest = Forest {
-        nodes: (0..5).map(|id| node(id, [0, 1, 1, 0, 1][id], 1, 2, JointMode::Aligned, &[0.0, 0.0])).collect(),
+        nodes: (0..5)
+            .map(|id| {
+                node(
+                    id,
+                    [0, 1, 1, 0, 1][id],
+                    1,
+                    2,
+                    JointMode::Aligned,
+                    &[0.0, 0.0],
+                )
+            })
+            .collect(),
     };
     for id in [3, 4] {
         forest.nodes[id].item = 1;
@@ -166,11 +295,20 @@ fn update_groups_follow_the_original_buffer_order() {
     link(&mut forest, 3, 0, 4);
     assert_eq!(forest.preorder(0), vec![0, 1, 2]);
     // Buffer of 1 node: every node is its own update, in pre-order (CoMLRL's rollout_buffer_size 1).
-    assert_eq!(forest.update_groups(2, 1, false), vec![vec![0], vec![1], vec![2], vec![3], vec![4]]);
+    assert_eq!(
+        forest.update_groups(2, 1, false),
+        vec![vec![0], vec![1], vec![2], vec![3], vec![4]]
+    );
     // Buffer of 2: [0, 1] → turn 1 then turn 2; [2, 3] → turn 1 (node 3) then turn 2 (node 2); [4].
-    assert_eq!(forest.update_groups(2, 2, false), vec![vec![0], vec![1], vec![3], vec![2], vec![4]]);
+    assert_eq!(
+        forest.update_groups(2, 2, false),
+        vec![vec![0], vec![1], vec![3], vec![2], vec![4]]
+    );
     // Handoff: one update per turn over the step's items.
-    assert_eq!(forest.update_groups(2, 1, true), vec![vec![0, 3], vec![1, 2, 4]]);
+    assert_eq!(
+        forest.update_groups(2, 1, true),
+        vec![vec![0, 3], vec![1, 2, 4]]
+    );
 }
 
 // ------------------------------------------------------------- trainer runs on the tiny model
@@ -191,16 +329,37 @@ impl RewardSource for HiddenTarget {
             .iter()
             .map(|a| {
                 let t = target(&a.item);
-                let hits: Vec<f64> = a.completion_ids.iter().map(|c| (c.first().is_some_and(|x| x % 4 == t)) as u8 as f64).collect();
+                let hits: Vec<f64> = a
+                    .completion_ids
+                    .iter()
+                    .map(|c| (c.first().is_some_and(|x| x % 4 == t)) as u8 as f64)
+                    .collect();
                 let r = hits.iter().sum::<f64>() / hits.len() as f64;
-                Score { reward: r, levels: BTreeMap::from([("level_1".to_string(), r)]), ..Default::default() }
+                Score {
+                    reward: r,
+                    levels: BTreeMap::from([("level_1".to_string(), r)]),
+                    ..Default::default()
+                }
             })
             .collect())
     }
-    fn feedback(&mut self, _task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
-        assert_eq!(spec.mode, cotrain_learner::config::ExternalMode::LevelFeedback);
+    fn feedback(
+        &mut self,
+        _task: &str,
+        actions: &[ScoreAction],
+        spec: &FeedbackSpec,
+    ) -> Result<Vec<Vec<String>>, TrainError> {
+        assert_eq!(
+            spec.mode,
+            cotrain_learner::config::ExternalMode::LevelFeedback
+        );
         // 'd' = 100 ≡ 0, 'e' ≡ 1, 'f' ≡ 2, 'g' ≡ 3 (mod 4).
-        Ok(actions.iter().map(|a| vec![char::from(b'd' + target(&a.item) as u8).to_string(); a.completions.len()]).collect())
+        Ok(actions
+            .iter()
+            .map(|a| {
+                vec![char::from(b'd' + target(&a.item) as u8).to_string(); a.completions.len()]
+            })
+            .collect())
     }
     fn describe(&self) -> String {
         "hidden target".into()
@@ -237,13 +396,23 @@ fn mt_trainer(yaml: &str, overrides: &[String], dir: &std::path::Path, rows: usi
     let model = tiny_model_dir(dir);
     let spec = model.display().to_string();
     let opts = cotrain_model::loader::LoadOptions::default();
-    let adam = AdamWConfig::new(cfg.trainer.learning_rate, cfg.trainer.weight_decay, cfg.trainer.max_grad_norm);
+    let adam = AdamWConfig::new(
+        cfg.trainer.learning_rate,
+        cfg.trainer.weight_decay,
+        cfg.trainer.max_grad_norm,
+    );
     let n = cfg.num_agents;
     let mut policies = Vec::new();
     let mut engines = Vec::new();
     for a in 0..n {
         let name = format!("agent{a}");
-        policies.push(Policy::new(&name, &spec, cotrain_model::loader::load(&spec, &opts).unwrap(), None, adam));
+        policies.push(Policy::new(
+            &name,
+            &spec,
+            cotrain_model::loader::load(&spec, &opts).unwrap(),
+            None,
+            adam,
+        ));
         engines.push((name, cotrain_model::loader::load(&spec, &opts).unwrap()));
     }
     Trainer::new(TrainerSetup {
@@ -268,41 +437,81 @@ fn mean(v: &[f64]) -> f64 {
 #[test]
 fn rollouts_jsonl_matches_an_independent_recomputation() {
     let tmp = tempfile::tempdir().unwrap();
-    let yaml = mt_yaml(2, "tree", 1, "  termination_threshold: 0.7\n  turn_gradient_weights: [1.5, 0.5]\n");
+    let yaml = mt_yaml(
+        2,
+        "tree",
+        1,
+        "  termination_threshold: 0.7\n  turn_gradient_weights: [1.5, 0.5]\n",
+    );
     let mut trainer = mt_trainer(&yaml, &[], tmp.path(), 4);
     let summary = trainer.run().unwrap();
     assert_eq!(summary.steps, 1);
     let m = &summary.history[0];
     let text = std::fs::read_to_string(tmp.path().join("run/rollouts.jsonl")).unwrap();
-    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let by_id: BTreeMap<u64, &serde_json::Value> = lines.iter().map(|l| (l["node_id"].as_u64().unwrap(), l)).collect();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let by_id: BTreeMap<u64, &serde_json::Value> = lines
+        .iter()
+        .map(|l| (l["node_id"].as_u64().unwrap(), l))
+        .collect();
     let f = |v: &serde_json::Value| v.as_f64().unwrap();
     let floats = |v: &serde_json::Value| v.as_array().unwrap().iter().map(f).collect::<Vec<f64>>();
     assert_eq!(m["nodes_per_item"], lines.len() as f64 / 4.0);
     for l in &lines {
-        for key in ["step", "item_index", "node_id", "parent_id", "parent_joint", "turn", "agents", "joint_actions", "rewards", "returns", "advantages", "leaf", "turn_weight"] {
+        for key in [
+            "step",
+            "item_index",
+            "node_id",
+            "parent_id",
+            "parent_joint",
+            "turn",
+            "agents",
+            "joint_actions",
+            "rewards",
+            "returns",
+            "advantages",
+            "leaf",
+            "turn_weight",
+        ] {
             assert!(l.get(key).is_some(), "missing {key} in {l}");
         }
         let rewards = floats(&l["rewards"]);
         let turn = l["turn"].as_u64().unwrap();
-        let children: Vec<&&serde_json::Value> = by_id.values().filter(|c| c["parent_id"].as_u64() == l["node_id"].as_u64()).collect();
+        let children: Vec<&&serde_json::Value> = by_id
+            .values()
+            .filter(|c| c["parent_id"].as_u64() == l["node_id"].as_u64())
+            .collect();
         // Leaves: last turn, or a first-turn node whose mean reward is above 0.7.
         assert_eq!(l["leaf"].as_bool().unwrap(), children.is_empty());
-        assert_eq!(children.is_empty(), turn == 2 || mean(&rewards) > 0.7, "{l}");
+        assert_eq!(
+            children.is_empty(),
+            turn == 2 || mean(&rewards) > 0.7,
+            "{l}"
+        );
         // R_j = r_j + 0.9 · mean(returns of child j).
         let expected: Vec<f64> = rewards
             .iter()
             .enumerate()
-            .map(|(j, r)| match children.iter().find(|c| c["parent_joint"].as_u64() == Some(j as u64)) {
-                Some(c) => r + 0.9 * mean(&floats(&c["returns"])),
-                None => *r,
+            .map(|(j, r)| {
+                match children
+                    .iter()
+                    .find(|c| c["parent_joint"].as_u64() == Some(j as u64))
+                {
+                    Some(c) => r + 0.9 * mean(&floats(&c["returns"])),
+                    None => *r,
+                }
             })
             .collect();
         close(&floats(&l["returns"]), &expected);
         // Aligned: each agent's completion k is credited the return of joint action k; mean baseline.
         let mu = mean(&expected);
         for a in l["advantages"].as_array().unwrap() {
-            close(&floats(a), &expected.iter().map(|r| r - mu).collect::<Vec<_>>());
+            close(
+                &floats(a),
+                &expected.iter().map(|r| r - mu).collect::<Vec<_>>(),
+            );
         }
         assert_eq!(f(&l["turn_weight"]), if turn == 1 { 1.5 } else { 0.5 });
         // The turn-2 prompt is the feedback alone (previous_response: false): one character.
@@ -314,7 +523,11 @@ fn rollouts_jsonl_matches_an_independent_recomputation() {
         }
         assert_eq!(l["agents"][0]["completions"].as_array().unwrap().len(), 4);
     }
-    assert!(m.contains_key("turn_1/reward/mean") && m.contains_key("turn_2/return/mean") && m.contains_key("early_terminations"));
+    assert!(
+        m.contains_key("turn_1/reward/mean")
+            && m.contains_key("turn_2/return/mean")
+            && m.contains_key("early_terminations")
+    );
     // One update per (buffer of 4 nodes, turn) per agent.
     assert!(m["optimizer_steps"] >= 2.0, "{m:?}");
 }
@@ -322,35 +535,75 @@ fn rollouts_jsonl_matches_an_independent_recomputation() {
 /// Turn-1 and turn-2 mean rewards of the first step and of the last `k` steps.
 fn learn(rollout: &str, flip: bool, epochs: usize) -> (f64, f64, f64) {
     let tmp = tempfile::tempdir().unwrap();
-    let overrides: Vec<String> =
-        if flip { vec!["reward_processor={enabled: true, scale_factor: -1.0, shift: 0.0}".into()] } else { vec![] };
+    let overrides: Vec<String> = if flip {
+        vec!["reward_processor={enabled: true, scale_factor: -1.0, shift: 0.0}".into()]
+    } else {
+        vec![]
+    };
     let mut trainer = mt_trainer(&mt_yaml(2, rollout, epochs, ""), &overrides, tmp.path(), 16);
     let summary = trainer.run().unwrap();
-    let t1: Vec<f64> = summary.history.iter().map(|m| m["turn_1/reward/mean"]).collect();
-    let t2: Vec<f64> = summary.history.iter().map(|m| m.get("turn_2/reward/mean").copied().unwrap_or(f64::NAN)).collect();
+    let t1: Vec<f64> = summary
+        .history
+        .iter()
+        .map(|m| m["turn_1/reward/mean"])
+        .collect();
+    let t2: Vec<f64> = summary
+        .history
+        .iter()
+        .map(|m| m.get("turn_2/reward/mean").copied().unwrap_or(f64::NAN))
+        .collect();
     let k = 6;
     let last = |v: &[f64]| v[v.len() - k..].iter().sum::<f64>() / k as f64;
-    let round = |v: &[f64]| v.iter().map(|x| (x * 100.0).round() / 100.0).collect::<Vec<_>>();
-    eprintln!("{rollout} flip={flip}: turn 1 {:?}\nturn 2 {:?}", round(&t1), round(&t2));
+    let round = |v: &[f64]| {
+        v.iter()
+            .map(|x| (x * 100.0).round() / 100.0)
+            .collect::<Vec<_>>()
+    };
+    eprintln!(
+        "{rollout} flip={flip}: turn 1 {:?}\nturn 2 {:?}",
+        round(&t1),
+        round(&t2)
+    );
     (t2[0], last(&t1), last(&t2))
 }
 
 #[test]
 fn only_the_turn_two_feedback_makes_the_task_learnable_handoff() {
     let (first2, last1, last2) = learn("handoff", false, 12);
-    assert!(first2 < 0.5, "turn 2 starts near chance (0.25), got {first2}");
-    assert!(last2 >= 0.8, "turn 2 must learn to use the feedback: {last2}");
-    assert!((0.1..=0.45).contains(&last1), "turn 1 cannot beat chance (0.25) on hidden targets: {last1}");
+    assert!(
+        first2 < 0.5,
+        "turn 2 starts near chance (0.25), got {first2}"
+    );
+    assert!(
+        last2 >= 0.8,
+        "turn 2 must learn to use the feedback: {last2}"
+    );
+    assert!(
+        (0.1..=0.45).contains(&last1),
+        "turn 1 cannot beat chance (0.25) on hidden targets: {last1}"
+    );
     let (_, _, flipped2) = learn("handoff", true, 12);
-    assert!(flipped2 < 0.4, "with the advantage sign flipped turn 2 must not learn: {flipped2}");
+    assert!(
+        flipped2 < 0.4,
+        "with the advantage sign flipped turn 2 must not learn: {flipped2}"
+    );
 }
 
 #[test]
 fn only_the_turn_two_feedback_makes_the_task_learnable_tree() {
     let (first2, last1, last2) = learn("tree", false, 5);
-    assert!(first2 < 0.5, "turn 2 starts near chance (0.25), got {first2}");
-    assert!(last2 >= 0.8, "turn 2 must learn to use the feedback: {last2}");
-    assert!((0.1..=0.45).contains(&last1), "turn 1 cannot beat chance (0.25) on hidden targets: {last1}");
+    assert!(
+        first2 < 0.5,
+        "turn 2 starts near chance (0.25), got {first2}"
+    );
+    assert!(
+        last2 >= 0.8,
+        "turn 2 must learn to use the feedback: {last2}"
+    );
+    assert!(
+        (0.1..=0.45).contains(&last1),
+        "turn 1 cannot beat chance (0.25) on hidden targets: {last1}"
+    );
 }
 
 /// Several learner ranks: the handoff rollout splits by item and is allowed; the tree rollout (whose
@@ -364,21 +617,45 @@ fn learner_ranks_refuse_what_they_cannot_reproduce() {
     assert!(check_ranks(&tree, 1).is_ok());
     assert!(check_ranks(&handoff, 2).is_ok());
     let err = check_ranks(&tree, 2).unwrap_err().to_string();
-    assert!(err.contains("tree") && err.contains("rollout: handoff"), "{err}");
-    let agent = config(&mt_yaml(2, "handoff", 1, ""), &["learner.placement=agent".to_string()]);
+    assert!(
+        err.contains("tree") && err.contains("rollout: handoff"),
+        "{err}"
+    );
+    let agent = config(
+        &mt_yaml(2, "handoff", 1, ""),
+        &["learner.placement=agent".to_string()],
+    );
     assert!(check_ranks(&agent, 2).is_ok() && check_ranks(&agent, 4).is_ok());
     let err = check_ranks(&agent, 3).unwrap_err().to_string();
     assert!(err.contains("multiple of 2 ranks"), "{err}");
-    let shared = config(&mt_yaml(2, "handoff", 1, ""), &["learner.placement=agent".to_string(), "magrpo.shared_parameters=true".to_string()]);
+    let shared = config(
+        &mt_yaml(2, "handoff", 1, ""),
+        &[
+            "learner.placement=agent".to_string(),
+            "magrpo.shared_parameters=true".to_string(),
+        ],
+    );
     let err = check_ranks(&shared, 2).unwrap_err().to_string();
-    assert!(err.contains("one policy") && err.contains("placement: data"), "{err}");
+    assert!(
+        err.contains("one policy") && err.contains("placement: data"),
+        "{err}"
+    );
     // 2026 mini-batches of nodes smaller than the buffer: one optimiser step each, one rank's schedule.
     let nodes = |batch: &str| {
-        let o: Vec<String> = ["comlrl_era=2026", "magrpo.rollout_buffer_size=4", batch].iter().map(|s| s.to_string()).collect();
+        let o: Vec<String> = ["comlrl_era=2026", "magrpo.rollout_buffer_size=4", batch]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         config(&mt_yaml(2, "handoff", 1, ""), &o)
     };
-    let err = check_ranks(&nodes("magrpo.train_batch_size=2"), 2).unwrap_err().to_string();
-    assert!(err.contains("train_batch_size (2) below rollout_buffer_size (4)") && err.contains("one rank"), "{err}");
+    let err = check_ranks(&nodes("magrpo.train_batch_size=2"), 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("train_batch_size (2) below rollout_buffer_size (4)")
+            && err.contains("one rank"),
+        "{err}"
+    );
     assert!(check_ranks(&nodes("magrpo.train_batch_size=4"), 2).is_ok());
 }
 
@@ -402,13 +679,29 @@ impl RewardSource for ByFirstSeen {
                     self.seen.push(row);
                 }
                 let order = self.seen.iter().position(|&r| r == row).unwrap();
-                let r = if Some(order) == self.leaf_item { 1.0 } else { -1.0 };
-                Score { reward: r, levels: BTreeMap::from([("level_1".to_string(), r)]), ..Default::default() }
+                let r = if Some(order) == self.leaf_item {
+                    1.0
+                } else {
+                    -1.0
+                };
+                Score {
+                    reward: r,
+                    levels: BTreeMap::from([("level_1".to_string(), r)]),
+                    ..Default::default()
+                }
             })
             .collect())
     }
-    fn feedback(&mut self, _task: &str, actions: &[ScoreAction], _spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
-        Ok(actions.iter().map(|a| vec!["d".to_string(); a.completions.len()]).collect())
+    fn feedback(
+        &mut self,
+        _task: &str,
+        actions: &[ScoreAction],
+        _spec: &FeedbackSpec,
+    ) -> Result<Vec<Vec<String>>, TrainError> {
+        Ok(actions
+            .iter()
+            .map(|a| vec!["d".to_string(); a.completions.len()])
+            .collect())
     }
     fn describe(&self) -> String {
         "by first seen".into()
@@ -422,14 +715,22 @@ struct Events {
 }
 
 impl RolloutSource for Events {
-    fn generate(&mut self, requests: &[cotrain_learner::trainer::GenRequest]) -> Result<Vec<Vec<GenSample>>, TrainError> {
+    fn generate(
+        &mut self,
+        requests: &[cotrain_learner::trainer::GenRequest],
+    ) -> Result<Vec<Vec<GenSample>>, TrainError> {
         self.log.lock().unwrap().push('G');
         self.inner.generate(requests)
     }
     fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
         self.inner.policy_version(agent)
     }
-    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, tch::Tensor>) -> Result<(), TrainError> {
+    fn push_weights(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, tch::Tensor>,
+    ) -> Result<(), TrainError> {
         self.log.lock().unwrap().push('P');
         self.inner.push_weights(agent, version, params)
     }
@@ -440,29 +741,55 @@ impl RolloutSource for Events {
 
 /// A 2-agent, 2-turn tree trainer on `rows` rows (`{"row": i}`) with the 2026 keys and
 /// `overrides`, its rollouts written to the returned event log.
-fn buffer_trainer(dir: &std::path::Path, overrides: &[&str], rows: usize, reward: Box<dyn RewardSource>) -> (Trainer, std::sync::Arc<std::sync::Mutex<String>>) {
+fn buffer_trainer(
+    dir: &std::path::Path,
+    overrides: &[&str],
+    rows: usize,
+    reward: Box<dyn RewardSource>,
+) -> (Trainer, std::sync::Arc<std::sync::Mutex<String>>) {
     let yaml = mt_yaml(2, "tree", 1, "");
-    let mut all: Vec<String> = ["magrpo.termination_threshold=-0.2", "magrpo.discount=1.0", "magrpo.advantage_normalization=true", "comlrl_era=2026"]
-        .iter()
-        .chain(overrides)
-        .map(|s| s.to_string())
-        .collect();
+    let mut all: Vec<String> = [
+        "magrpo.termination_threshold=-0.2",
+        "magrpo.discount=1.0",
+        "magrpo.advantage_normalization=true",
+        "comlrl_era=2026",
+    ]
+    .iter()
+    .chain(overrides)
+    .map(|s| s.to_string())
+    .collect();
     all.push(format!("dataset.train_split=test[:{rows}]"));
     let cfg = config(&yaml, &all);
     let model = tiny_model_dir(dir);
     let spec = model.display().to_string();
     let opts = cotrain_model::loader::LoadOptions::default();
-    let adam = AdamWConfig::new(cfg.trainer.learning_rate, cfg.trainer.weight_decay, cfg.trainer.max_grad_norm);
+    let adam = AdamWConfig::new(
+        cfg.trainer.learning_rate,
+        cfg.trainer.weight_decay,
+        cfg.trainer.max_grad_norm,
+    );
     let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
     let mut policies = Vec::new();
     let mut engines = Vec::new();
     for a in 0..2 {
         let name = format!("agent{a}");
-        policies.push(Policy::new(&name, &spec, cotrain_model::loader::load(&spec, &opts).unwrap(), None, adam));
+        policies.push(Policy::new(
+            &name,
+            &spec,
+            cotrain_model::loader::load(&spec, &opts).unwrap(),
+            None,
+            adam,
+        ));
         engines.push((name, cotrain_model::loader::load(&spec, &opts).unwrap()));
     }
-    let items: Vec<TrainItem> =
-        (0..rows).map(|i| TrainItem { index: i, item: serde_json::json!({"row": i}), prompts: vec![vec![81, 58]; 2], texts: vec!["Q:".into(); 2] }).collect();
+    let items: Vec<TrainItem> = (0..rows)
+        .map(|i| TrainItem {
+            index: i,
+            item: serde_json::json!({"row": i}),
+            prompts: vec![vec![81, 58]; 2],
+            texts: vec!["Q:".into(); 2],
+        })
+        .collect();
     let trainer = Trainer::new(TrainerSetup {
         cfg: cfg.clone(),
         run_dir: dir.join("run"),
@@ -470,7 +797,10 @@ fn buffer_trainer(dir: &std::path::Path, overrides: &[&str], rows: usize, reward
         is_code: false,
         policies,
         agent_policy: vec![0, 1],
-        rollout: Box::new(Events { inner: EngineRollout::new(engines), log: log.clone() }),
+        rollout: Box::new(Events {
+            inner: EngineRollout::new(engines),
+            log: log.clone(),
+        }),
         reward,
         train_items: items.clone(),
         eval_items: items,
@@ -483,7 +813,15 @@ fn buffer_trainer(dir: &std::path::Path, overrides: &[&str], rows: usize, reward
 /// generation/push sequence, consecutive repeats folded (`GPGP`).
 fn two_item_step(overrides: &[&str], leaf_item: Option<usize>) -> (f64, String) {
     let tmp = tempfile::tempdir().unwrap();
-    let (mut trainer, log) = buffer_trainer(tmp.path(), overrides, 2, Box::new(ByFirstSeen { seen: Vec::new(), leaf_item }));
+    let (mut trainer, log) = buffer_trainer(
+        tmp.path(),
+        overrides,
+        2,
+        Box::new(ByFirstSeen {
+            seen: Vec::new(),
+            leaf_item,
+        }),
+    );
     let m = trainer.train_step(&[1, 0]).unwrap();
     let mut folded = String::new();
     for c in log.lock().unwrap().chars() {
@@ -498,9 +836,16 @@ fn two_item_step(overrides: &[&str], leaf_item: Option<usize>) -> (f64, String) 
 /// `scripts/reference/comlrl2026_fixtures.py` from CoMLRL 86d1bb9's `_train_step_returns` over two
 /// items and the end-of-epoch drain.
 fn original_steps(name: &str) -> f64 {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/comlrl2026/batch_schedule.json");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let run = v["runs"].as_array().unwrap().iter().find(|r| r["name"] == name).unwrap();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/comlrl2026/batch_schedule.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let run = v["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == name)
+        .unwrap();
     run["optimizer_steps"].as_array().unwrap().len() as f64
 }
 
@@ -516,13 +861,26 @@ fn items_train_one_after_another_with_the_originals_optimiser_steps() {
     assert_eq!(steps, original_steps("he_buffer2_batch2_early_stop_item1"));
     assert_eq!(events, "GPGP");
     // Buffer 4: the first item's last child waits for the second item (one push after each item).
-    let (steps, _) = two_item_step(&["magrpo.rollout_buffer_size=4", "magrpo.train_batch_size=4"], None);
+    let (steps, _) = two_item_step(
+        &["magrpo.rollout_buffer_size=4", "magrpo.train_batch_size=4"],
+        None,
+    );
     assert_eq!(steps, original_steps("che_buffer4_batch4"));
     // Mini-batches of 2 nodes in a buffer of 4: one optimiser step per mini-batch.
-    let (steps, _) = two_item_step(&["magrpo.rollout_buffer_size=4", "magrpo.train_batch_size=2"], None);
+    let (steps, _) = two_item_step(
+        &["magrpo.rollout_buffer_size=4", "magrpo.train_batch_size=2"],
+        None,
+    );
     assert_eq!(steps, original_steps("buffer4_batch2"));
     // The step-wise option samples both items first and trains once.
-    let (_, events) = two_item_step(&["magrpo.rollout_buffer_size=2", "magrpo.train_batch_size=2", "magrpo.train_between_items=false"], None);
+    let (_, events) = two_item_step(
+        &[
+            "magrpo.rollout_buffer_size=2",
+            "magrpo.train_batch_size=2",
+            "magrpo.train_between_items=false",
+        ],
+        None,
+    );
     assert_eq!(events, "GP");
 }
 
@@ -538,12 +896,24 @@ impl RewardSource for RowZeroLeaf {
             .map(|a| {
                 let bonus = 0.1 * a.completion_ids[0].first().map_or(0, |t| t % 5) as f64;
                 let r = if a.item["row"] == 0 { 1.0 } else { -1.0 } + bonus;
-                Score { reward: r, levels: BTreeMap::from([("level_1".to_string(), r)]), ..Default::default() }
+                Score {
+                    reward: r,
+                    levels: BTreeMap::from([("level_1".to_string(), r)]),
+                    ..Default::default()
+                }
             })
             .collect())
     }
-    fn feedback(&mut self, _task: &str, actions: &[ScoreAction], _spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
-        Ok(actions.iter().map(|a| vec!["d".to_string(); a.completions.len()]).collect())
+    fn feedback(
+        &mut self,
+        _task: &str,
+        actions: &[ScoreAction],
+        _spec: &FeedbackSpec,
+    ) -> Result<Vec<Vec<String>>, TrainError> {
+        Ok(actions
+            .iter()
+            .map(|a| vec!["d".to_string(); a.completions.len()])
+            .collect())
     }
     fn describe(&self) -> String {
         "row zero leaf".into()
@@ -554,20 +924,35 @@ impl RewardSource for RowZeroLeaf {
 fn a_partial_buffer_waits_for_the_next_step_and_survives_a_checkpoint() {
     // G = 3, buffer 2: row 0 is a leaf (1 node), row 1 grows 3 children (4 nodes); the step's fifth
     // node waits for the next step, whose items are not the epoch's last.
-    let settings = ["magrpo.num_generations=3", "magrpo.rollout_buffer_size=2", "magrpo.train_batch_size=2", "magrpo.learning_rate=0.0003"];
+    let settings = [
+        "magrpo.num_generations=3",
+        "magrpo.rollout_buffer_size=2",
+        "magrpo.train_batch_size=2",
+        "magrpo.learning_rate=0.0003",
+    ];
     let tmp = tempfile::tempdir().unwrap();
-    let (mut straight, _) = buffer_trainer(&tmp.path().join("a"), &settings, 6, Box::new(RowZeroLeaf));
+    let (mut straight, _) =
+        buffer_trainer(&tmp.path().join("a"), &settings, 6, Box::new(RowZeroLeaf));
     let first = straight.train_step(&[0, 1]).unwrap();
     // Nodes [root 0, root 1] (both turn 0: one update), [child, child] (one): 2 per agent.
     assert_eq!(first["optimizer_steps"], 4.0);
     let dir = straight.save_checkpoint().unwrap();
-    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap();
-    assert_eq!(state["extra"]["buffered_nodes"].as_array().unwrap().len(), 1, "the waiting node is in the checkpoint");
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap();
+    assert_eq!(
+        state["extra"]["buffered_nodes"].as_array().unwrap().len(),
+        1,
+        "the waiting node is in the checkpoint"
+    );
     let next = straight.train_step(&[2, 3]).unwrap();
-    assert!(next["grad_norm"] > 0.0, "the second step has a gradient to compare: {next:?}");
+    assert!(
+        next["grad_norm"] > 0.0,
+        "the second step has a gradient to compare: {next:?}"
+    );
 
     // A new trainer resumed from the checkpoint trains the waiting node with the next step's.
-    let (mut resumed, _) = buffer_trainer(&tmp.path().join("b"), &settings, 6, Box::new(RowZeroLeaf));
+    let (mut resumed, _) =
+        buffer_trainer(&tmp.path().join("b"), &settings, 6, Box::new(RowZeroLeaf));
     resumed.restore(&dir).unwrap();
     // As `run` does first: the workers serve the restored weights.
     resumed.sync_all_weights().unwrap();
@@ -601,13 +986,30 @@ impl RewardSource for FailsAtRow {
             if self.seen.len() >= self.fail_at {
                 return Err(TrainError::Reward("the reward server went away".into()));
             }
-            let r = -1.0 + if a.completion_ids[0].first().is_some_and(|t| t % 2 == 1) { 0.5 } else { 0.0 };
-            out.push(Score { reward: r, levels: BTreeMap::from([("level_1".to_string(), r)]), ..Default::default() });
+            let r = -1.0
+                + if a.completion_ids[0].first().is_some_and(|t| t % 2 == 1) {
+                    0.5
+                } else {
+                    0.0
+                };
+            out.push(Score {
+                reward: r,
+                levels: BTreeMap::from([("level_1".to_string(), r)]),
+                ..Default::default()
+            });
         }
         Ok(out)
     }
-    fn feedback(&mut self, _task: &str, actions: &[ScoreAction], _spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
-        Ok(actions.iter().map(|a| vec!["d".to_string(); a.completions.len()]).collect())
+    fn feedback(
+        &mut self,
+        _task: &str,
+        actions: &[ScoreAction],
+        _spec: &FeedbackSpec,
+    ) -> Result<Vec<Vec<String>>, TrainError> {
+        Ok(actions
+            .iter()
+            .map(|a| vec!["d".to_string(); a.completions.len()])
+            .collect())
     }
     fn describe(&self) -> String {
         "fails at a row".into()
@@ -616,18 +1018,47 @@ impl RewardSource for FailsAtRow {
 
 #[test]
 fn a_reward_failure_checkpoints_only_a_state_the_step_can_resume_from() {
-    let settings = ["magrpo.rollout_buffer_size=2", "magrpo.train_batch_size=2", "magrpo.eval_interval=0"];
+    let settings = [
+        "magrpo.rollout_buffer_size=2",
+        "magrpo.train_batch_size=2",
+        "magrpo.eval_interval=0",
+    ];
     // The third row (step 2's first item) fails before step 2 updates anything: the run keeps
     // step 1's state in a checkpoint.
     let tmp = tempfile::tempdir().unwrap();
-    let (mut trainer, _) = buffer_trainer(tmp.path(), &settings, 4, Box::new(FailsAtRow { seen: Vec::new(), fail_at: 3 }));
+    let (mut trainer, _) = buffer_trainer(
+        tmp.path(),
+        &settings,
+        4,
+        Box::new(FailsAtRow {
+            seen: Vec::new(),
+            fail_at: 3,
+        }),
+    );
     let e = trainer.run().unwrap_err();
-    assert!(matches!(e, TrainError::Reward(_)) && e.to_string().contains("resume with"), "{e}");
-    assert!(cotrain_learner::checkpoint::latest_checkpoint(&tmp.path().join("run")).is_some_and(|c| c.ends_with("step-1")));
+    assert!(
+        matches!(e, TrainError::Reward(_)) && e.to_string().contains("resume with"),
+        "{e}"
+    );
+    assert!(
+        cotrain_learner::checkpoint::latest_checkpoint(&tmp.path().join("run"))
+            .is_some_and(|c| c.ends_with("step-1"))
+    );
     // The fourth row fails after step 2's first item trained: no checkpoint of that mixed state.
     let tmp = tempfile::tempdir().unwrap();
-    let (mut trainer, _) = buffer_trainer(tmp.path(), &settings, 4, Box::new(FailsAtRow { seen: Vec::new(), fail_at: 4 }));
+    let (mut trainer, _) = buffer_trainer(
+        tmp.path(),
+        &settings,
+        4,
+        Box::new(FailsAtRow {
+            seen: Vec::new(),
+            fail_at: 4,
+        }),
+    );
     let e = trainer.run().unwrap_err();
-    assert!(matches!(e, TrainError::Reward(_)) && !e.to_string().contains("resume with"), "{e}");
+    assert!(
+        matches!(e, TrainError::Reward(_)) && !e.to_string().contains("resume with"),
+        "{e}"
+    );
     assert!(cotrain_learner::checkpoint::latest_checkpoint(&tmp.path().join("run")).is_none());
 }

@@ -11,13 +11,29 @@ use cotrain_learner::trainer::{RewardSource, Score, ScoreAction};
 
 fn config(extra: &str) -> CheckedConfig {
     let yaml = format!("model: {{name: m}}\ndataset: {{name: humaneval}}\nmagrpo: {{}}\n{extra}");
-    CheckedConfig::from_value(merged_value(&yaml, "t.yaml", &[], &LegacyFlags::default()).unwrap(), Path::new("t.yaml")).unwrap()
+    CheckedConfig::from_value(
+        merged_value(&yaml, "t.yaml", &[], &LegacyFlags::default()).unwrap(),
+        Path::new("t.yaml"),
+    )
+    .unwrap()
 }
 
 /// Scores one joint action through a client that sends `cfg`'s reward options, as the trainer's does.
-fn score(reward: &EmbeddedReward, rt: &std::sync::Arc<tokio::runtime::Runtime>, cfg: &CheckedConfig, task: &str, action: ScoreAction) -> Score {
-    let mut client =
-        GrpcReward::connect(rt.clone(), &reward.grpc.to_string(), Duration::from_secs(60), None).unwrap().with_options(&cfg.score_options);
+fn score(
+    reward: &EmbeddedReward,
+    rt: &std::sync::Arc<tokio::runtime::Runtime>,
+    cfg: &CheckedConfig,
+    task: &str,
+    action: ScoreAction,
+) -> Score {
+    let mut client = GrpcReward::connect(
+        rt.clone(),
+        &reward.grpc.to_string(),
+        Duration::from_secs(60),
+        None,
+    )
+    .unwrap()
+    .with_options(&cfg.score_options);
     client.score(task, &[action]).unwrap().remove(0)
 }
 
@@ -43,7 +59,9 @@ fn config_reward_options_change_what_the_reward_server_computes() {
     assert_eq!(level2(&config("")), 1.0);
     let earlier = 1.0 - (rho - 1.3) / 0.2;
     assert!((level2(&config("reward: {writing_ratio_version: earlier}\n")) - earlier).abs() < 1e-9);
-    assert!((level2(&config("reward: {options: {arxiv_ratio: earlier}}\n")) - earlier).abs() < 1e-9);
+    assert!(
+        (level2(&config("reward: {options: {arxiv_ratio: earlier}}\n")) - earlier).abs() < 1e-9
+    );
 
     // Code: a single agent's solution whose outer `return` follows a nested helper. The original's
     // line rules lose everything after the nested def (main returns None: 0.6 + 0.5 = 1.1); the
@@ -55,7 +73,11 @@ fn config_reward_options_change_what_the_reward_server_computes() {
         "entry_point": "double",
     });
     let main = "def double(x):\n    def helper(y):\n        return y * 2\n    r = helper(x)\n    return r\n";
-    let action = || ScoreAction { completions: vec![main.to_string()], completion_ids: vec![vec![]], item: item.clone() };
+    let action = || ScoreAction {
+        completions: vec![main.to_string()],
+        completion_ids: vec![vec![]],
+        item: item.clone(),
+    };
     assert!((score(&server, &rt, &config(""), "code", action()).reward - 1.1).abs() < 1e-9);
     let structural = config("reward: {options: {code_functions: structural}}\n");
     assert!((score(&server, &rt, &structural, "code", action()).reward - 2.1).abs() < 1e-9);

@@ -33,8 +33,11 @@ fn yaml(section: &str, agents: usize, epochs: usize) -> String {
 
 /// The reward of the first step (sampled before any update: chance) and the mean of the last 5.
 fn run(section: &str, agents: usize, rule: fn(&[u32]) -> bool, flip: bool) -> (f64, f64) {
-    let overrides: Vec<String> =
-        if flip { vec!["reward_processor={enabled: true, scale_factor: -1.0, shift: 0.0}".into()] } else { vec![] };
+    let overrides: Vec<String> = if flip {
+        vec!["reward_processor={enabled: true, scale_factor: -1.0, shift: 0.0}".into()]
+    } else {
+        vec![]
+    };
     let (first, last, _) = run_with(section, agents, rule, &overrides);
     (first, last)
 }
@@ -49,14 +52,25 @@ fn run_with(
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model_dir(tmp.path());
     let cfg = config(&yaml(section, agents, 30), overrides);
-    let mut trainer = tiny_trainer(&cfg, &model, &tmp.path().join("run"), Box::new(TokenRule { rule }), 4);
+    let mut trainer = tiny_trainer(
+        &cfg,
+        &model,
+        &tmp.path().join("run"),
+        Box::new(TokenRule { rule }),
+        4,
+    );
     let summary = trainer.run().unwrap();
     let r: Vec<f64> = summary.history.iter().map(|m| m["reward/mean"]).collect();
     assert_eq!(r.len(), 30);
     let k = 5;
     let first = r[0];
     let last = r[r.len() - k..].iter().sum::<f64>() / k as f64;
-    eprintln!("{section} agents={agents} {overrides:?}: first {first:.3} last {last:.3} curve {:?}", r.iter().map(|x| (x * 100.0).round() / 100.0).collect::<Vec<_>>());
+    eprintln!(
+        "{section} agents={agents} {overrides:?}: first {first:.3} last {last:.3} curve {:?}",
+        r.iter()
+            .map(|x| (x * 100.0).round() / 100.0)
+            .collect::<Vec<_>>()
+    );
     (first, last, summary.history)
 }
 
@@ -64,18 +78,30 @@ fn run_with(
 fn magrpo_learns_a_cooperative_task_and_the_flipped_sign_does_not() {
     let (first, last) = run("magrpo", 2, same_class, false);
     assert!(first < 0.5, "starts near chance (0.25), got {first}");
-    assert!(last >= 0.8, "MAGRPO should reach >= 0.8 of the maximum reward, got {last}");
+    assert!(
+        last >= 0.8,
+        "MAGRPO should reach >= 0.8 of the maximum reward, got {last}"
+    );
     let (_, flipped) = run("magrpo", 2, same_class, true);
-    assert!(flipped < 0.4, "with the advantage sign flipped the reward must not rise, got {flipped}");
+    assert!(
+        flipped < 0.4,
+        "with the advantage sign flipped the reward must not rise, got {flipped}"
+    );
 }
 
 #[test]
 fn grpo_learns_with_one_agent_and_the_flipped_sign_does_not() {
     let (first, last) = run("grpo", 1, class_zero, false);
     assert!(first < 0.5, "starts near chance (0.25), got {first}");
-    assert!(last >= 0.8, "GRPO should reach >= 0.8 of the maximum reward, got {last}");
+    assert!(
+        last >= 0.8,
+        "GRPO should reach >= 0.8 of the maximum reward, got {last}"
+    );
     let (_, flipped) = run("grpo", 1, class_zero, true);
-    assert!(flipped < 0.4, "with the advantage sign flipped the reward must not rise, got {flipped}");
+    assert!(
+        flipped < 0.4,
+        "with the advantage sign flipped the reward must not rise, got {flipped}"
+    );
 }
 
 /// Rollouts drawn by bf16 engines for f32 policies (`rollout.dtype: bf16`): the run learns as the
@@ -85,12 +111,21 @@ fn grpo_learns_with_one_agent_and_the_flipped_sign_does_not() {
 fn magrpo_learns_with_bf16_rollouts_and_reports_the_precision_gap() {
     let (first, last, h) = run_with("magrpo", 2, same_class, &["rollout.dtype=bf16".into()]);
     assert!(first < 0.5, "starts near chance (0.25), got {first}");
-    assert!(last >= 0.8, "MAGRPO with bf16 rollouts should reach >= 0.8 of the maximum reward, got {last}");
+    assert!(
+        last >= 0.8,
+        "MAGRPO with bf16 rollouts should reach >= 0.8 of the maximum reward, got {last}"
+    );
     for m in &h {
         let gap = m["logprob_gap"];
-        assert!(gap > 0.0 && gap < 0.05, "mean |Δ log-prob| per token between bf16 rollout and f32 training: {gap}");
+        assert!(
+            gap > 0.0 && gap < 0.05,
+            "mean |Δ log-prob| per token between bf16 rollout and f32 training: {gap}"
+        );
         let w = m["is/weight_mean"];
-        assert!(w > 0.9 && w <= 1.1, "importance weights near 1 for a precision-only mismatch: {w}");
+        assert!(
+            w > 0.9 && w <= 1.1,
+            "importance weights near 1 for a precision-only mismatch: {w}"
+        );
     }
 }
 
@@ -100,6 +135,14 @@ fn magrpo_learns_with_bf16_rollouts_and_reports_the_precision_gap() {
 fn magrpo_learns_with_bf16_products_and_f32_master_weights() {
     let (first, last, h) = run_with("magrpo", 2, same_class, &["model.matmul_dtype=bf16".into()]);
     assert!(first < 0.5, "starts near chance (0.25), got {first}");
-    assert!(last >= 0.8, "MAGRPO with bf16 products should reach >= 0.8 of the maximum reward, got {last}");
-    assert!(h.iter().all(|m| m["logprob_gap"] > 0.0 && m["logprob_gap"] < 0.05), "{:?}", h.iter().map(|m| m["logprob_gap"]).collect::<Vec<_>>());
+    assert!(
+        last >= 0.8,
+        "MAGRPO with bf16 products should reach >= 0.8 of the maximum reward, got {last}"
+    );
+    assert!(
+        h.iter()
+            .all(|m| m["logprob_gap"] > 0.0 && m["logprob_gap"] < 0.05),
+        "{:?}",
+        h.iter().map(|m| m["logprob_gap"]).collect::<Vec<_>>()
+    );
 }

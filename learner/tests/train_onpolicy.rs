@@ -8,7 +8,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use cotrain_learner::services::EngineRollout;
-use cotrain_learner::trainer::{GenRequest, GenSample, RolloutSource, TrainError, Trainer, TrainerSetup};
+use cotrain_learner::trainer::{
+    GenRequest, GenSample, RolloutSource, TrainError, Trainer, TrainerSetup,
+};
 use tch::Tensor;
 use train_common::{TokenRule, config, tiny_model_dir};
 
@@ -33,7 +35,12 @@ impl RolloutSource for Lagging {
     fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
         self.inner.policy_version(agent)
     }
-    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+    fn push_weights(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+    ) -> Result<(), TrainError> {
         self.pushes.lock().unwrap().push(version);
         self.inner.push_weights(agent, version, params)
     }
@@ -57,8 +64,17 @@ fn trainer(tmp: &std::path::Path, stale_calls: usize, pushes: Arc<Mutex<Vec<u64>
     let spec = model.display().to_string();
     let opts = cotrain_model::loader::LoadOptions::default();
     let adam = cotrain_learner::algo::AdamWConfig::new(1e-3, 0.0, None);
-    let policy = cotrain_learner::trainer::Policy::new("agent0", &spec, cotrain_model::loader::load(&spec, &opts).unwrap(), None, adam);
-    let engine = EngineRollout::new(vec![("agent0".into(), cotrain_model::loader::load(&spec, &opts).unwrap())]);
+    let policy = cotrain_learner::trainer::Policy::new(
+        "agent0",
+        &spec,
+        cotrain_model::loader::load(&spec, &opts).unwrap(),
+        None,
+        adam,
+    );
+    let engine = EngineRollout::new(vec![(
+        "agent0".into(),
+        cotrain_model::loader::load(&spec, &opts).unwrap(),
+    )]);
     Trainer::new(TrainerSetup {
         cfg,
         run_dir: tmp.join("run"),
@@ -66,7 +82,11 @@ fn trainer(tmp: &std::path::Path, stale_calls: usize, pushes: Arc<Mutex<Vec<u64>
         is_code: false,
         policies: vec![policy],
         agent_policy: vec![0],
-        rollout: Box::new(Lagging { inner: engine, stale_calls, pushes }),
+        rollout: Box::new(Lagging {
+            inner: engine,
+            stale_calls,
+            pushes,
+        }),
         reward: Box::new(TokenRule { rule: class_zero }),
         train_items: train_common::items(2, 1),
         eval_items: Vec::new(),
@@ -90,6 +110,19 @@ fn stale_samples_twice_in_a_row_stop_the_run() {
     let tmp = tempfile::tempdir().unwrap();
     let mut t = trainer(tmp.path(), 2, Arc::new(Mutex::new(Vec::new())));
     let err = t.run().unwrap_err();
-    assert!(matches!(err, TrainError::StaleSample { expected: 1, got: 0, .. }), "{err}");
-    assert!(err.to_string().contains("policy version 0") && err.to_string().contains("pushed 1"), "{err}");
+    assert!(
+        matches!(
+            err,
+            TrainError::StaleSample {
+                expected: 1,
+                got: 0,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("policy version 0") && err.to_string().contains("pushed 1"),
+        "{err}"
+    );
 }

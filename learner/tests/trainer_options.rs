@@ -19,8 +19,8 @@ use cotrain_learner::algo::{AdamWConfig, LossOptions};
 use cotrain_learner::config::{KlEstimator, LossNormalization};
 use cotrain_learner::services::EngineRollout;
 use cotrain_learner::trainer::{
-    AgentBatches, GenRequest, GenSample, Policy, RewardSource, RolloutSource, Score, ScoreAction, TrainError, TrainSample, Trainer,
-    TrainerSetup,
+    AgentBatches, GenRequest, GenSample, Policy, RewardSource, RolloutSource, Score, ScoreAction,
+    TrainError, TrainSample, Trainer, TrainerSetup,
 };
 use cotrain_model::loader::{LoadOptions, LoadedModel, load};
 use tch::nn::OptimizerConfig;
@@ -34,7 +34,10 @@ const EPS: f64 = 1.0;
 const LR: f64 = 0.5;
 
 fn adam() -> AdamWConfig {
-    AdamWConfig { eps: EPS, ..AdamWConfig::new(LR, 0.0, None) }
+    AdamWConfig {
+        eps: EPS,
+        ..AdamWConfig::new(LR, 0.0, None)
+    }
 }
 
 fn tiny(dir: &std::path::Path) -> (String, LoadedModel) {
@@ -45,8 +48,17 @@ fn tiny(dir: &std::path::Path) -> (String, LoadedModel) {
 
 /// log π(y_t | prompt, y_<t) for each completion token: one full forward of prompt + completion.
 fn naive_logprobs(model: &LoadedModel, s: &TrainSample) -> Tensor {
-    let ids: Vec<i64> = s.prompt.iter().chain(&s.completion).map(|&t| t as i64).collect();
-    let logits = model.model.forward(&Tensor::from_slice(&ids).unsqueeze(0)).unwrap().squeeze_dim(0);
+    let ids: Vec<i64> = s
+        .prompt
+        .iter()
+        .chain(&s.completion)
+        .map(|&t| t as i64)
+        .collect();
+    let logits = model
+        .model
+        .forward(&Tensor::from_slice(&ids).unsqueeze(0))
+        .unwrap()
+        .squeeze_dim(0);
     let p = s.prompt.len() as i64;
     let c = s.completion.len() as i64;
     // The logits at position i predict token i + 1.
@@ -57,7 +69,15 @@ fn naive_logprobs(model: &LoadedModel, s: &TrainSample) -> Tensor {
 
 /// The reference update: `epochs` × (zero grads, `loss(model)`.backward(), libtorch AdamW step).
 fn reference_update(model: &LoadedModel, epochs: usize, loss: impl Fn(&LoadedModel) -> Tensor) {
-    let mut opt = tch::nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.0, eps: EPS, amsgrad: false }.build(&model.vs, LR).unwrap();
+    let mut opt = tch::nn::AdamW {
+        beta1: 0.9,
+        beta2: 0.999,
+        wd: 0.0,
+        eps: EPS,
+        amsgrad: false,
+    }
+    .build(&model.vs, LR)
+    .unwrap();
     for _ in 0..epochs {
         opt.zero_grad();
         loss(model).backward();
@@ -68,22 +88,41 @@ fn reference_update(model: &LoadedModel, epochs: usize, loss: impl Fn(&LoadedMod
 /// `a` and `b` moved from `base` by the same update: per tensor, they differ by at most 0.1% of the
 /// largest change (float summation orders differ between the two computations) plus 1e-6.
 fn assert_same_weights(a: &LoadedModel, b: &LoadedModel, base: &LoadedModel, what: &str) {
-    let (pa, pb, p0) = (a.named_parameters(), b.named_parameters(), base.named_parameters());
+    let (pa, pb, p0) = (
+        a.named_parameters(),
+        b.named_parameters(),
+        base.named_parameters(),
+    );
     for (name, t) in &pa {
         let diff = (t - &pb[name]).abs().max().double_value(&[]);
         let moved = (&pb[name] - &p0[name]).abs().max().double_value(&[]);
-        assert!(diff <= 1e-3 * moved + 1e-6, "{what}: {name} differs from the hand computation by {diff} (update size {moved})");
+        assert!(
+            diff <= 1e-3 * moved + 1e-6,
+            "{what}: {name} differs from the hand computation by {diff} (update size {moved})"
+        );
     }
 }
 
 fn assert_moved(before: &LoadedModel, after: &LoadedModel) {
     let (pa, pb) = (before.named_parameters(), after.named_parameters());
-    let max = pa.iter().map(|(n, t)| (t - &pb[n]).abs().max().double_value(&[])).fold(0.0, f64::max);
-    assert!(max > 1e-4, "the update must move the weights (max change {max})");
+    let max = pa
+        .iter()
+        .map(|(n, t)| (t - &pb[n]).abs().max().double_value(&[]))
+        .fold(0.0, f64::max);
+    assert!(
+        max > 1e-4,
+        "the update must move the weights (max change {max})"
+    );
 }
 
 fn sample(prompt: &[u32], completion: &[u32], advantage: f64) -> TrainSample {
-    TrainSample { prompt: prompt.to_vec(), completion: completion.to_vec(), advantage, weight: 1.0, old_logprobs: Vec::new() }
+    TrainSample {
+        prompt: prompt.to_vec(),
+        completion: completion.to_vec(),
+        advantage,
+        weight: 1.0,
+        old_logprobs: Vec::new(),
+    }
 }
 
 #[test]
@@ -94,20 +133,42 @@ fn shared_parameters_scale_each_agent_by_one_over_n_and_step_once_per_round() {
     let untouched = load(&spec, &LoadOptions::default()).unwrap();
     let mut policy = Policy::new("shared", &spec, model, None, adam());
     // Agent 0: two samples, one mini-batch; agent 1: three samples in two mini-batches.
-    let a0 = vec![sample(&[65, 97, 48], &[120, 121, 10], 1.0), sample(&[65, 97, 48], &[33, 34], -1.0)];
-    let a1 = vec![sample(&[66, 98], &[40, 41, 42, 43], 0.5), sample(&[66, 98], &[7], -0.25), sample(&[66, 99], &[200, 201], -0.25)];
-    let batches = [
-        AgentBatches { minibatches: vec![a0.clone()], scale: 0.5 },
-        AgentBatches { minibatches: vec![a1[..2].to_vec(), a1[2..].to_vec()], scale: 0.5 },
+    let a0 = vec![
+        sample(&[65, 97, 48], &[120, 121, 10], 1.0),
+        sample(&[65, 97, 48], &[33, 34], -1.0),
     ];
-    let stats = policy.update(&batches, &LossOptions::original(), 1).unwrap();
-    assert_eq!((stats.steps, policy.optimizer.step), (1, 1), "exactly one optimiser step for the round of both agents");
+    let a1 = vec![
+        sample(&[66, 98], &[40, 41, 42, 43], 0.5),
+        sample(&[66, 98], &[7], -0.25),
+        sample(&[66, 99], &[200, 201], -0.25),
+    ];
+    let batches = [
+        AgentBatches {
+            minibatches: vec![a0.clone()],
+            scale: 0.5,
+        },
+        AgentBatches {
+            minibatches: vec![a1[..2].to_vec(), a1[2..].to_vec()],
+            scale: 0.5,
+        },
+    ];
+    let stats = policy
+        .update(&batches, &LossOptions::original(), 1)
+        .unwrap();
+    assert_eq!(
+        (stats.steps, policy.optimizer.step),
+        (1, 1),
+        "exactly one optimiser step for the round of both agents"
+    );
 
     // By hand: L = Σ_agents (1/N) · (1/K_agent) Σ_k −A_k · Σ_t log π_t.
     reference_update(&reference, 1, |m| {
         let agent = |samples: &[TrainSample]| {
             let k = samples.len() as f64;
-            samples.iter().map(|s| naive_logprobs(m, s).sum(Kind::Float) * (-s.advantage / k)).fold(Tensor::from(0.0f32), |a, b| a + b)
+            samples
+                .iter()
+                .map(|s| naive_logprobs(m, s).sum(Kind::Float) * (-s.advantage / k))
+                .fold(Tensor::from(0.0f32), |a, b| a + b)
         };
         (agent(&a0) + agent(&a1)) * 0.5
     });
@@ -121,17 +182,42 @@ fn ratio_clipping_runs_every_epoch_on_the_same_samples() {
     let (spec, model) = tiny(tmp.path());
     let reference = load(&spec, &LoadOptions::default()).unwrap();
     let base = load(&spec, &LoadOptions::default()).unwrap();
-    let mut samples = vec![sample(&[65, 97, 48], &[120, 121, 10], 1.5), sample(&[65, 97, 48], &[33, 34, 35], -1.5)];
+    let mut samples = vec![
+        sample(&[65, 97, 48], &[120, 121, 10], 1.5),
+        sample(&[65, 97, 48], &[33, 34, 35], -1.5),
+    ];
     // Behaviour log-probs: the initial policy's, shifted on some tokens so that clipping bites.
-    for (s, shift) in samples.iter_mut().zip([[0.3f32, -0.3, 0.0], [-0.25, 0.0, 0.4]]) {
+    for (s, shift) in samples
+        .iter_mut()
+        .zip([[0.3f32, -0.3, 0.0], [-0.25, 0.0, 0.4]])
+    {
         let lp: Vec<f32> = Vec::try_from(naive_logprobs(&model, s).detach()).unwrap();
         s.old_logprobs = lp.iter().zip(shift).map(|(x, d)| x + d).collect();
     }
     let mut policy = Policy::new("agent0", &spec, model, None, adam());
-    let opts = LossOptions { clip: Some((0.2, 0.28)), ..LossOptions::original() };
-    let stats = policy.update(&[AgentBatches { minibatches: vec![samples.clone()], scale: 1.0 }], &opts, 3).unwrap();
-    assert_eq!((stats.steps, policy.optimizer.step), (3, 3), "one optimiser step per epoch");
-    assert!(stats.clip_fraction > 0.0, "some tokens are clipped in the last epoch");
+    let opts = LossOptions {
+        clip: Some((0.2, 0.28)),
+        ..LossOptions::original()
+    };
+    let stats = policy
+        .update(
+            &[AgentBatches {
+                minibatches: vec![samples.clone()],
+                scale: 1.0,
+            }],
+            &opts,
+            3,
+        )
+        .unwrap();
+    assert_eq!(
+        (stats.steps, policy.optimizer.step),
+        (3, 3),
+        "one optimiser step per epoch"
+    );
+    assert!(
+        stats.clip_fraction > 0.0,
+        "some tokens are clipped in the last epoch"
+    );
 
     // By hand, per epoch: L = (1/K) Σ_k Σ_t −min(A·ρ_t, A·clip(ρ_t, 0.8, 1.28)), ρ_t = exp(lp − old).
     reference_update(&reference, 3, |m| {
@@ -148,7 +234,12 @@ fn ratio_clipping_runs_every_epoch_on_the_same_samples() {
             })
             .fold(Tensor::from(0.0f32), |a, b| a + b)
     });
-    assert_same_weights(&policy.model, &reference, &base, "clipped multi-epoch update");
+    assert_same_weights(
+        &policy.model,
+        &reference,
+        &base,
+        "clipped multi-epoch update",
+    );
 }
 
 /// Clipping with truncated importance weights (asynchronous or bf16 rollouts): decoupled PPO. The
@@ -161,20 +252,43 @@ fn clipping_with_importance_weights_is_decoupled_ppo_against_the_proximal_policy
     let (spec, model) = tiny(tmp.path());
     let reference = load(&spec, &LoadOptions::default()).unwrap();
     let base = load(&spec, &LoadOptions::default()).unwrap();
-    let mut samples = vec![sample(&[65, 97, 48], &[120, 121, 10], 1.5), sample(&[65, 97, 48], &[33, 34, 35], -1.5)];
+    let mut samples = vec![
+        sample(&[65, 97, 48], &[120, 121, 10], 1.5),
+        sample(&[65, 97, 48], &[33, 34, 35], -1.5),
+    ];
     // Behaviour log-probs: the initial policy's shifted, some beyond the cap (e^0.9 > 2).
     let mut proximal = Vec::new();
-    for (s, shift) in samples.iter_mut().zip([[-0.5f32, 0.3, -0.9], [0.4, -0.6, 0.1]]) {
+    for (s, shift) in samples
+        .iter_mut()
+        .zip([[-0.5f32, 0.3, -0.9], [0.4, -0.6, 0.1]])
+    {
         let lp = naive_logprobs(&model, s).detach();
         let v: Vec<f32> = Vec::try_from(&lp).unwrap();
         s.old_logprobs = v.iter().zip(shift).map(|(x, d)| x + d).collect();
         proximal.push(lp);
     }
     let mut policy = Policy::new("agent0", &spec, model, None, adam());
-    let opts = LossOptions { clip: Some((0.2, 0.28)), truncated_is: Some(2.0), measure_gap: true, ..LossOptions::original() };
-    let stats = policy.update(&[AgentBatches { minibatches: vec![samples.clone()], scale: 1.0 }], &opts, 3).unwrap();
+    let opts = LossOptions {
+        clip: Some((0.2, 0.28)),
+        truncated_is: Some(2.0),
+        measure_gap: true,
+        ..LossOptions::original()
+    };
+    let stats = policy
+        .update(
+            &[AgentBatches {
+                minibatches: vec![samples.clone()],
+                scale: 1.0,
+            }],
+            &opts,
+            3,
+        )
+        .unwrap();
     assert_eq!(stats.steps, 3);
-    assert!(stats.is_truncated_fraction > 0.0, "some weights are cut to the cap");
+    assert!(
+        stats.is_truncated_fraction > 0.0,
+        "some weights are cut to the cap"
+    );
 
     // By hand, per epoch: L = (1/K) Σ_k Σ_t −w_t · min(A·r_t, A·clip(r_t, 0.8, 1.28)),
     // r_t = exp(lp − lp_prox), w_t = min(exp(lp_prox − μ), 2), lp_prox fixed at the start.
@@ -186,7 +300,9 @@ fn clipping_with_importance_weights_is_decoupled_ppo_against_the_proximal_policy
             .map(|(s, prox)| {
                 let lp = naive_logprobs(m, s);
                 let ratio = (&lp - prox).exp();
-                let w = (prox - Tensor::from_slice(&s.old_logprobs)).exp().clamp_max(2.0);
+                let w = (prox - Tensor::from_slice(&s.old_logprobs))
+                    .exp()
+                    .clamp_max(2.0);
                 let a = s.advantage;
                 let term = (&ratio * a).minimum(&(ratio.clamp(0.8, 1.28) * a));
                 (term * w).sum(Kind::Float) * (-1.0 / k)
@@ -206,28 +322,70 @@ fn behaviour_logprobs_must_cover_every_completion_token() {
     let mut s = sample(&[65, 97, 48], &[120, 121, 10], 1.0);
     s.old_logprobs = vec![-1.0, -2.0];
     let mut policy = Policy::new("agent0", &spec, model, None, adam());
-    let opts = LossOptions { clip: Some((0.2, 0.2)), ..LossOptions::original() };
-    let e = policy.update(&[AgentBatches { minibatches: vec![vec![s]], scale: 1.0 }], &opts, 1).unwrap_err().to_string();
-    assert!(e.contains("2 behaviour log-probs for its 3 completion tokens"), "{e}");
+    let opts = LossOptions {
+        clip: Some((0.2, 0.2)),
+        ..LossOptions::original()
+    };
+    let e = policy
+        .update(
+            &[AgentBatches {
+                minibatches: vec![vec![s]],
+                scale: 1.0,
+            }],
+            &opts,
+            1,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("2 behaviour log-probs for its 3 completion tokens"),
+        "{e}"
+    );
     assert_eq!(policy.optimizer.step, 0, "nothing was trained");
 }
 
 #[test]
 fn reference_kl_penalties_match_their_formulas() {
-    for (estimator, normalization) in [(KlEstimator::K3, LossNormalization::Sum), (KlEstimator::K1, LossNormalization::TokenMean)] {
+    for (estimator, normalization) in [
+        (KlEstimator::K3, LossNormalization::Sum),
+        (KlEstimator::K1, LossNormalization::TokenMean),
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         let (spec, model) = tiny(tmp.path());
         let hand = load(&spec, &LoadOptions::default()).unwrap();
         let base = load(&spec, &LoadOptions::default()).unwrap();
         // The frozen reference: the same model with its weights perturbed, so that KL ≠ 0.
         let frozen = perturbed(&spec, 3);
-        let samples = vec![sample(&[65, 97, 48], &[120, 121, 10], 1.0), sample(&[65, 97, 48], &[33, 34], -1.0)];
-        let ref_lp: Vec<Tensor> = samples.iter().map(|s| tch::no_grad(|| naive_logprobs(&frozen, s))).collect();
+        let samples = vec![
+            sample(&[65, 97, 48], &[120, 121, 10], 1.0),
+            sample(&[65, 97, 48], &[33, 34], -1.0),
+        ];
+        let ref_lp: Vec<Tensor> = samples
+            .iter()
+            .map(|s| tch::no_grad(|| naive_logprobs(&frozen, s)))
+            .collect();
         let mut policy = Policy::new("agent0", &spec, model, Some(frozen), adam());
         let coef = 0.7;
-        let opts = LossOptions { kl: Some((coef, estimator)), normalization, ..LossOptions::original() };
-        let stats = policy.update(&[AgentBatches { minibatches: vec![samples.clone()], scale: 1.0 }], &opts, 1).unwrap();
-        assert!(stats.kl.abs() > 1e-4, "{estimator:?}: the perturbed reference gives a non-zero KL, got {}", stats.kl);
+        let opts = LossOptions {
+            kl: Some((coef, estimator)),
+            normalization,
+            ..LossOptions::original()
+        };
+        let stats = policy
+            .update(
+                &[AgentBatches {
+                    minibatches: vec![samples.clone()],
+                    scale: 1.0,
+                }],
+                &opts,
+                1,
+            )
+            .unwrap();
+        assert!(
+            stats.kl.abs() > 1e-4,
+            "{estimator:?}: the perturbed reference gives a non-zero KL, got {}",
+            stats.kl
+        );
 
         let reduce = |x: Tensor, n: usize| match normalization {
             LossNormalization::Sum => x.sum(Kind::Float),
@@ -256,7 +414,12 @@ fn reference_kl_penalties_match_their_formulas() {
             }
             total
         });
-        assert_same_weights(&policy.model, &hand, &base, &format!("{estimator:?} penalty"));
+        assert_same_weights(
+            &policy.model,
+            &hand,
+            &base,
+            &format!("{estimator:?} penalty"),
+        );
     }
 }
 
@@ -285,7 +448,12 @@ impl RolloutSource for Recording {
     fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
         self.inner.policy_version(agent)
     }
-    fn push_weights(&mut self, agent: &str, version: u64, params: &std::collections::BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+    fn push_weights(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &std::collections::BTreeMap<String, Tensor>,
+    ) -> Result<(), TrainError> {
         self.inner.push_weights(agent, version, params)
     }
     fn describe(&self) -> String {
@@ -302,7 +470,12 @@ struct IndexReward {
 impl RewardSource for IndexReward {
     fn score(&mut self, _task: &str, actions: &[ScoreAction]) -> Result<Vec<Score>, TrainError> {
         self.calls.lock().unwrap().push(actions.len());
-        Ok((0..actions.len()).map(|j| Score { reward: 1.0 + j as f64, ..Default::default() }).collect())
+        Ok((0..actions.len())
+            .map(|j| Score {
+                reward: 1.0 + j as f64,
+                ..Default::default()
+            })
+            .collect())
     }
     fn describe(&self) -> String {
         "index reward".into()
@@ -341,7 +514,13 @@ fn cross_mode_credits(concurrent: bool) {
     let mut engines = Vec::new();
     for a in 0..2 {
         let name = format!("agent{a}");
-        policies.push(Policy::new(&name, &spec, load(&spec, &opts).unwrap(), None, adam()));
+        policies.push(Policy::new(
+            &name,
+            &spec,
+            load(&spec, &opts).unwrap(),
+            None,
+            adam(),
+        ));
         engines.push((name, load(&spec, &opts).unwrap()));
     }
     let train_items = items(1, 2);
@@ -353,20 +532,37 @@ fn cross_mode_credits(concurrent: bool) {
         is_code: false,
         policies,
         agent_policy: vec![0, 1],
-        rollout: Box::new(Recording { inner: EngineRollout::new(engines), seen: seen.clone(), first_ends_on_eos: false }),
-        reward: Box::new(IndexReward { calls: calls.clone() }),
+        rollout: Box::new(Recording {
+            inner: EngineRollout::new(engines),
+            seen: seen.clone(),
+            first_ends_on_eos: false,
+        }),
+        reward: Box::new(IndexReward {
+            calls: calls.clone(),
+        }),
         train_items,
         eval_items: Vec::new(),
     })
     .unwrap();
     trainer.sync_all_weights().unwrap();
     let metrics = trainer.train_step(&[0]).unwrap();
-    assert_eq!(*calls.lock().unwrap(), vec![9], "G^N = 3^2 joint actions scored in one call");
+    assert_eq!(
+        *calls.lock().unwrap(),
+        vec![9],
+        "G^N = 3^2 joint actions scored in one call"
+    );
     // Joint action (i, j) is index 3i + j, reward r = 1 + 3i + j; mean over the nine = 5.
     assert!((metrics["reward/mean"] - 5.0).abs() < 1e-12);
     // With two OpenMP threads or more, the two policies train at the same time, each on its own.
-    let together = if concurrent && tch::get_num_threads() >= 2 { 2.0 } else { 1.0 };
-    assert_eq!(metrics["concurrent_policies"], together, "policies updated at the same time");
+    let together = if concurrent && tch::get_num_threads() >= 2 {
+        2.0
+    } else {
+        1.0
+    };
+    assert_eq!(
+        metrics["concurrent_policies"], together,
+        "policies updated at the same time"
+    );
 
     // Credit: agent 0's completion i gets Σ_j r(i, j) = 3 + 9i + 3 = 6 + 9i → [6, 15, 24];
     // agent 1's completion j gets Σ_i r(i, j) = 3 + 9 + 3j = 12 + 3j → [12, 15, 18].
@@ -380,13 +576,27 @@ fn cross_mode_credits(concurrent: bool) {
         let train: Vec<TrainSample> = samples[a]
             .iter()
             .zip(advantages[a])
-            .map(|(s, adv)| TrainSample { prompt: prompts[a].clone(), completion: s.token_ids.clone(), advantage: adv, weight: 1.0, old_logprobs: Vec::new() })
+            .map(|(s, adv)| TrainSample {
+                prompt: prompts[a].clone(),
+                completion: s.token_ids.clone(),
+                advantage: adv,
+                weight: 1.0,
+                old_logprobs: Vec::new(),
+            })
             .collect();
         reference_update(&hand, 1, |m| {
             let k = train.len() as f64;
-            train.iter().map(|s| naive_logprobs(m, s).sum(Kind::Float) * (-s.advantage / k)).fold(Tensor::from(0.0f32), |x, y| x + y)
+            train
+                .iter()
+                .map(|s| naive_logprobs(m, s).sum(Kind::Float) * (-s.advantage / k))
+                .fold(Tensor::from(0.0f32), |x, y| x + y)
         });
-        assert_same_weights(&trainer.policies()[a].model, &hand, &base, &format!("cross mode, agent {a}"));
+        assert_same_weights(
+            &trainer.policies()[a].model,
+            &hand,
+            &base,
+            &format!("cross mode, agent {a}"),
+        );
     }
 }
 
@@ -422,13 +632,23 @@ fn reference_kl_on_the_returns_shapes_each_completions_return_before_the_baselin
          logging: {tensorboard: false, plots: false, progress: never}\n",
         &[],
     );
-    assert_eq!(LossOptions::from_section(&cfg.trainer).kl, None, "no KL term in the loss");
+    assert_eq!(
+        LossOptions::from_section(&cfg.trainer).kl,
+        None,
+        "no KL term in the loss"
+    );
     let seen = Arc::new(Mutex::new(Vec::new()));
     let mut policies = Vec::new();
     let mut engines = Vec::new();
     for a in 0..2 {
         let name = format!("agent{a}");
-        policies.push(Policy::new(&name, &spec, load(&spec, &opts).unwrap(), Some(perturbed(&spec, 3 + a as i64)), adam()));
+        policies.push(Policy::new(
+            &name,
+            &spec,
+            load(&spec, &opts).unwrap(),
+            Some(perturbed(&spec, 3 + a as i64)),
+            adam(),
+        ));
         engines.push((name, load(&spec, &opts).unwrap()));
     }
     let train_items = items(1, 2);
@@ -440,8 +660,14 @@ fn reference_kl_on_the_returns_shapes_each_completions_return_before_the_baselin
         is_code: false,
         policies,
         agent_policy: vec![0, 1],
-        rollout: Box::new(Recording { inner: EngineRollout::new(engines), seen: seen.clone(), first_ends_on_eos: true }),
-        reward: Box::new(IndexReward { calls: Arc::new(Mutex::new(Vec::new())) }),
+        rollout: Box::new(Recording {
+            inner: EngineRollout::new(engines),
+            seen: seen.clone(),
+            first_ends_on_eos: true,
+        }),
+        reward: Box::new(IndexReward {
+            calls: Arc::new(Mutex::new(Vec::new())),
+        }),
         train_items,
         eval_items: Vec::new(),
     })
@@ -457,21 +683,33 @@ fn reference_kl_on_the_returns_shapes_each_completions_return_before_the_baselin
     let stop = base.stop_token_ids();
     let samples = seen.lock().unwrap().clone();
     assert_eq!(samples.len(), 2, "one request per agent");
-    assert!(samples.iter().all(|s| s[0].stopped && stop.contains(s[0].token_ids.last().unwrap())));
+    assert!(
+        samples
+            .iter()
+            .all(|s| s[0].stopped && stop.contains(s[0].token_ids.last().unwrap()))
+    );
     let mut all_kls = Vec::new();
     for a in 0..2 {
         let reference = perturbed(&spec, 3 + a as i64);
         let mut train: Vec<TrainSample> = samples[a]
             .iter()
-            .map(|s| TrainSample { prompt: prompts[a].clone(), completion: s.token_ids.clone(), advantage: 0.0, weight: 1.0, old_logprobs: Vec::new() })
+            .map(|s| TrainSample {
+                prompt: prompts[a].clone(),
+                completion: s.token_ids.clone(),
+                advantage: 0.0,
+                weight: 1.0,
+                old_logprobs: Vec::new(),
+            })
             .collect();
         let shaped: Vec<f64> = train
             .iter()
             .zip(&samples[a])
             .enumerate()
             .map(|(k, (t, s))| {
-                let counted = t.completion.len() - (s.stopped && stop.contains(t.completion.last().unwrap())) as usize;
-                let (lp, lr) = tch::no_grad(|| (naive_logprobs(&base, t), naive_logprobs(&reference, t)));
+                let counted = t.completion.len()
+                    - (s.stopped && stop.contains(t.completion.last().unwrap())) as usize;
+                let (lp, lr) =
+                    tch::no_grad(|| (naive_logprobs(&base, t), naive_logprobs(&reference, t)));
                 let d = (lr - lp).narrow(0, 0, counted as i64);
                 let kl = (d.exp() - &d - 1.0).sum(Kind::Double).double_value(&[]);
                 all_kls.push(kl);
@@ -483,19 +721,38 @@ fn reference_kl_on_the_returns_shapes_each_completions_return_before_the_baselin
             t.advantage = r - mean;
         }
         // The shaping matters: without it the advantages would be [−1, 0, 1].
-        let moved = train.iter().enumerate().map(|(k, t)| (t.advantage - (k as f64 - 1.0)).abs()).fold(0.0, f64::max);
-        assert!(moved > 0.05, "agent {a}: the KL changes the advantages ({train:?})");
+        let moved = train
+            .iter()
+            .enumerate()
+            .map(|(k, t)| (t.advantage - (k as f64 - 1.0)).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            moved > 0.05,
+            "agent {a}: the KL changes the advantages ({train:?})"
+        );
 
         let hand = load(&spec, &opts).unwrap();
         reference_update(&hand, 1, |m| {
             let k = train.len() as f64;
-            train.iter().map(|s| naive_logprobs(m, s).sum(Kind::Float) * (-s.advantage / k)).fold(Tensor::from(0.0f32), |x, y| x + y)
+            train
+                .iter()
+                .map(|s| naive_logprobs(m, s).sum(Kind::Float) * (-s.advantage / k))
+                .fold(Tensor::from(0.0f32), |x, y| x + y)
         });
-        assert_same_weights(&trainer.policies()[a].model, &hand, &base, &format!("return-shaped KL, agent {a}"));
+        assert_same_weights(
+            &trainer.policies()[a].model,
+            &hand,
+            &base,
+            &format!("return-shaped KL, agent {a}"),
+        );
     }
     // The step logs the mean KL per completion and the mean taken off the returns.
     let kl = all_kls.iter().sum::<f64>() / all_kls.len() as f64;
-    assert!(metrics["kl"].is_finite() && (metrics["kl"] - kl).abs() < 1e-4 * (1.0 + kl), "kl {} vs {kl}", metrics["kl"]);
+    assert!(
+        metrics["kl"].is_finite() && (metrics["kl"] - kl).abs() < 1e-4 * (1.0 + kl),
+        "kl {} vs {kl}",
+        metrics["kl"]
+    );
     assert!((metrics["kl/return_penalty"] - coef * metrics["kl"]).abs() < 1e-12);
 }
 
@@ -509,47 +766,118 @@ fn a_minibatch_without_gradient_is_not_back_propagated_and_the_weights_move_as_t
     let hand = load(&spec, &LoadOptions::default()).unwrap();
     let base = load(&spec, &LoadOptions::default()).unwrap();
     let mut policy = Policy::new("agent0", &spec, model, None, adam());
-    let learning = vec![sample(&[65, 97, 48], &[120, 121, 10], 1.0), sample(&[65, 97, 48], &[33, 34], -1.0)];
-    let flat = vec![sample(&[66, 98], &[40, 41, 42], 0.0), sample(&[66, 98], &[7, 8], 0.0)];
-    let rounds: [Vec<Vec<TrainSample>>; 3] = [vec![learning.clone()], vec![flat.clone()], vec![flat.clone(), learning.clone()]];
+    let learning = vec![
+        sample(&[65, 97, 48], &[120, 121, 10], 1.0),
+        sample(&[65, 97, 48], &[33, 34], -1.0),
+    ];
+    let flat = vec![
+        sample(&[66, 98], &[40, 41, 42], 0.0),
+        sample(&[66, 98], &[7, 8], 0.0),
+    ];
+    let rounds: [Vec<Vec<TrainSample>>; 3] = [
+        vec![learning.clone()],
+        vec![flat.clone()],
+        vec![flat.clone(), learning.clone()],
+    ];
 
     let mut after_first = None;
     for (r, minibatches) in rounds.iter().enumerate() {
-        let stats = policy.update(&[AgentBatches { minibatches: minibatches.clone(), scale: 1.0 }], &LossOptions::original(), 1).unwrap();
-        let flat_count = minibatches.iter().filter(|mb| mb.iter().all(|s| s.advantage == 0.0)).count() as u64;
+        let stats = policy
+            .update(
+                &[AgentBatches {
+                    minibatches: minibatches.clone(),
+                    scale: 1.0,
+                }],
+                &LossOptions::original(),
+                1,
+            )
+            .unwrap();
+        let flat_count = minibatches
+            .iter()
+            .filter(|mb| mb.iter().all(|s| s.advantage == 0.0))
+            .count() as u64;
         assert_eq!(stats.minibatches_without_gradient, flat_count, "round {r}");
-        assert_eq!(stats.steps, 1, "round {r}: the optimiser steps even without a gradient, as the original's");
-        assert!(stats.entropy > 0.0 && stats.tokens > 0.0, "round {r}: the statistics still cover every mini-batch: {stats:?}");
+        assert_eq!(
+            stats.steps, 1,
+            "round {r}: the optimiser steps even without a gradient, as the original's"
+        );
+        assert!(
+            stats.entropy > 0.0 && stats.tokens > 0.0,
+            "round {r}: the statistics still cover every mini-batch: {stats:?}"
+        );
         if r == 0 {
-            after_first = Some(policy.model.named_parameters().into_iter().map(|(n, t)| (n, t.detach().copy())).collect::<std::collections::BTreeMap<_, _>>());
+            after_first = Some(
+                policy
+                    .model
+                    .named_parameters()
+                    .into_iter()
+                    .map(|(n, t)| (n, t.detach().copy()))
+                    .collect::<std::collections::BTreeMap<_, _>>(),
+            );
         }
         if r == 1 {
             // Momentum alone moves the weights in the round without a gradient.
             let before = after_first.as_ref().unwrap();
-            let moved = policy.model.named_parameters().iter().map(|(n, t)| (t - &before[n]).abs().max().double_value(&[])).fold(0.0, f64::max);
-            assert!(moved > 1e-4, "a round without gradient must still step AdamW (max change {moved})");
+            let moved = policy
+                .model
+                .named_parameters()
+                .iter()
+                .map(|(n, t)| (t - &before[n]).abs().max().double_value(&[]))
+                .fold(0.0, f64::max);
+            assert!(
+                moved > 1e-4,
+                "a round without gradient must still step AdamW (max change {moved})"
+            );
         }
     }
 
     // By hand: three rounds of (1/K) Σ_k −A_k · Σ_t log π_t over all the round's samples, each a full
     // backward (zero gradients where every advantage is 0) and a libtorch AdamW step.
-    let mut opt = tch::nn::AdamW { beta1: 0.9, beta2: 0.999, wd: 0.0, eps: EPS, amsgrad: false }.build(&hand.vs, LR).unwrap();
+    let mut opt = tch::nn::AdamW {
+        beta1: 0.9,
+        beta2: 0.999,
+        wd: 0.0,
+        eps: EPS,
+        amsgrad: false,
+    }
+    .build(&hand.vs, LR)
+    .unwrap();
     for minibatches in &rounds {
         let all: Vec<&TrainSample> = minibatches.iter().flatten().collect();
         let k = all.len() as f64;
         opt.zero_grad();
-        all.iter().map(|s| naive_logprobs(&hand, s).sum(Kind::Float) * (-s.advantage / k)).fold(Tensor::from(0.0f32), |a, b| a + b).backward();
+        all.iter()
+            .map(|s| naive_logprobs(&hand, s).sum(Kind::Float) * (-s.advantage / k))
+            .fold(Tensor::from(0.0f32), |a, b| a + b)
+            .backward();
         opt.step();
     }
-    assert_same_weights(&policy.model, &hand, &base, "rounds with and without gradient");
+    assert_same_weights(
+        &policy.model,
+        &hand,
+        &base,
+        "rounds with and without gradient",
+    );
 
     // With the KL penalty on, zero advantages still leave a gradient: nothing is skipped.
     let tmp2 = tempfile::tempdir().unwrap();
     let (spec2, model2) = tiny(tmp2.path());
     let frozen = load(&spec2, &LoadOptions::default()).unwrap();
     let mut with_kl = Policy::new("agent0", &spec2, model2, Some(frozen), adam());
-    let opts = LossOptions { kl: Some((0.1, KlEstimator::K3)), ..LossOptions::original() };
-    let stats = with_kl.update(&[AgentBatches { minibatches: vec![flat], scale: 1.0 }], &opts, 1).unwrap();
+    let opts = LossOptions {
+        kl: Some((0.1, KlEstimator::K3)),
+        ..LossOptions::original()
+    };
+    let stats = with_kl
+        .update(
+            &[AgentBatches {
+                minibatches: vec![flat],
+                scale: 1.0,
+            }],
+            &opts,
+            1,
+        )
+        .unwrap();
     assert_eq!(stats.minibatches_without_gradient, 0);
 }
 
@@ -559,10 +887,21 @@ fn a_non_finite_loss_skips_the_update_and_leaves_the_weights() {
     let (spec, model) = tiny(tmp.path());
     let untouched = load(&spec, &LoadOptions::default()).unwrap();
     let mut policy = Policy::new("agent0", &spec, model, None, adam());
-    let batch = AgentBatches { minibatches: vec![vec![sample(&[65, 97], &[120, 121], f64::NAN)]], scale: 1.0 };
-    let stats = policy.update(&[batch], &LossOptions::original(), 1).unwrap();
+    let batch = AgentBatches {
+        minibatches: vec![vec![sample(&[65, 97], &[120, 121], f64::NAN)]],
+        scale: 1.0,
+    };
+    let stats = policy
+        .update(&[batch], &LossOptions::original(), 1)
+        .unwrap();
     assert_eq!(stats.steps, 0);
-    assert!(stats.skipped.as_deref().is_some_and(|r| r.contains("non-finite")), "{stats:?}");
+    assert!(
+        stats
+            .skipped
+            .as_deref()
+            .is_some_and(|r| r.contains("non-finite")),
+        "{stats:?}"
+    );
     assert_eq!(policy.optimizer.step, 0);
     assert_same_weights(&policy.model, &untouched, &untouched, "skipped update");
 }
@@ -577,20 +916,36 @@ fn data_order_and_evaluation_rhythm_follow_the_original() {
                 magrpo:\n  num_agents: 2\n  num_generations: 2\n  max_new_tokens: 2\n  learning_rate: 0.001\n  \
                 num_train_epochs: 1\n  rollout_buffer_size: 1\n  eval_interval: 4\n  eval_num_samples: 2\n  save_steps: 100000\n\
                 logging: {tensorboard: false, plots: false, progress: never}\n";
-    let reward = || Box::new(train_common::TokenRule { rule: |t: &[u32]| t[0].is_multiple_of(2) });
+    let reward = || {
+        Box::new(train_common::TokenRule {
+            rule: |t: &[u32]| t[0].is_multiple_of(2),
+        })
+    };
     // The dataset's order, as the original's DataLoader(shuffle=False); a seeded permutation only
     // when asked.
     let cfg = config(yaml, &[]);
     let mut trainer = train_common::tiny_trainer(&cfg, &model, &tmp.path().join("a"), reward(), 10);
     assert_eq!(trainer.epoch_order(0), (0..10).collect::<Vec<_>>());
-    let shuffled = train_common::tiny_trainer(&config(yaml, &["dataset.shuffle=true".into()]), &model, &tmp.path().join("b"), reward(), 10);
+    let shuffled = train_common::tiny_trainer(
+        &config(yaml, &["dataset.shuffle=true".into()]),
+        &model,
+        &tmp.path().join("b"),
+        reward(),
+        10,
+    );
     let order = shuffled.epoch_order(0);
     assert_ne!(order, (0..10).collect::<Vec<_>>());
     assert_eq!(order, shuffled.epoch_order(0), "seeded");
     // Evaluation before items 0, 4 and 8 of the epoch (steps 1, 5, 9 with one item per step), one
     // joint sample on each of the first eval_num_samples eval items.
     let summary = trainer.run().unwrap();
-    let evaluated: Vec<usize> = summary.history.iter().enumerate().filter(|(_, m)| m.contains_key("eval/reward/mean")).map(|(i, _)| i + 1).collect();
+    let evaluated: Vec<usize> = summary
+        .history
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.contains_key("eval/reward/mean"))
+        .map(|(i, _)| i + 1)
+        .collect();
     assert_eq!(evaluated, vec![1, 5, 9]);
     assert_eq!(summary.history[0]["eval/items"], 2.0);
 }

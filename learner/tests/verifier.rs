@@ -28,9 +28,26 @@ fn toy_data(questions: usize, per: usize, seed: u64) -> VerifierData {
     VerifierData {
         questions: (0..questions)
             .map(|q| {
-                let answers: Vec<String> = (0..per).map(|_| (0..6).map(|_| letters[rng.random_range(0..8)] as char).collect()).collect();
-                let rewards = answers.iter().map(|a| if a.contains('h') { 1.0 } else { 0.0 }).collect();
-                (format!("q{q}"), QuestionEntry { original_answer: String::new(), generated_answers: answers, rewards, ..Default::default() })
+                let answers: Vec<String> = (0..per)
+                    .map(|_| {
+                        (0..6)
+                            .map(|_| letters[rng.random_range(0..8)] as char)
+                            .collect()
+                    })
+                    .collect();
+                let rewards = answers
+                    .iter()
+                    .map(|a| if a.contains('h') { 1.0 } else { 0.0 })
+                    .collect();
+                (
+                    format!("q{q}"),
+                    QuestionEntry {
+                        original_answer: String::new(),
+                        generated_answers: answers,
+                        rewards,
+                        ..Default::default()
+                    },
+                )
             })
             .collect(),
     }
@@ -60,9 +77,23 @@ fn training_on_a_toy_signal_reaches_a_high_heldout_auc() {
     toy_data(50, 8, 1).write(&data).unwrap();
     let config = write_config(tmp.path(), &model);
     let out = tmp.path().join("verifier");
-    run(&["verifier", "train", "--config", config.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap()]).unwrap();
+    run(&[
+        "verifier",
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .unwrap();
 
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     let last = lines.last().unwrap();
     let auc = last["heldout/auc"].as_f64().unwrap();
     println!("held-out after training: {last}");
@@ -71,13 +102,21 @@ fn training_on_a_toy_signal_reaches_a_high_heldout_auc() {
 
     // The directory loads back and gives the held-out answers the scores the last evaluation saw.
     let v = Verifier::load(&out, &LoadOptions::default()).unwrap();
-    let heldout = VerifierData { questions: VerifierData::read(&data).unwrap().questions[40..].to_vec() };
+    let heldout = VerifierData {
+        questions: VerifierData::read(&data).unwrap().questions[40..].to_vec(),
+    };
     let examples = heldout.examples();
-    let enc: Vec<Encoded> = examples.iter().map(|e| v.encode(&e.question, &e.answer).unwrap()).collect();
+    let enc: Vec<Encoded> = examples
+        .iter()
+        .map(|e| v.encode(&e.question, &e.answer).unwrap())
+        .collect();
     let scores = v.score(&enc.iter().collect::<Vec<_>>()).unwrap();
     let labels: Vec<f32> = examples.iter().map(|e| e.label).collect();
     let again = cotrain_learner::verifier::stats::auc(&scores, &labels).unwrap();
-    assert!((again - auc).abs() < 1e-6, "reloaded AUC {again} vs logged {auc}");
+    assert!(
+        (again - auc).abs() < 1e-6,
+        "reloaded AUC {again} vs logged {auc}"
+    );
 }
 
 #[test]
@@ -88,13 +127,47 @@ fn bad_data_and_settings_are_refused_with_the_reason() {
     let out = tmp.path().join("v");
     let data = tmp.path().join("few.json");
     toy_data(10, 2, 2).write(&data).unwrap();
-    let e = run(&["verifier", "train", "--config", config.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap()]).unwrap_err();
-    assert!(format!("{e:#}").contains("test_questions is 10 but the data has 10 questions"), "{e:#}");
+    let e = run(&[
+        "verifier",
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .unwrap_err();
+    assert!(
+        format!("{e:#}").contains("test_questions is 10 but the data has 10 questions"),
+        "{e:#}"
+    );
     let missing = tmp.path().join("nope.json");
-    let e = run(&["verifier", "train", "--config", config.to_str().unwrap(), "--data", missing.to_str().unwrap(), "--out", out.to_str().unwrap()]).unwrap_err();
+    let e = run(&[
+        "verifier",
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--data",
+        missing.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .unwrap_err();
     assert!(format!("{e:#}").contains("nope.json"), "{e:#}");
-    let e = run(&["verifier", "train", "--config", config.to_str().unwrap(), "--override", "verifier.top_p=2", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap()])
-        .unwrap_err();
+    let e = run(&[
+        "verifier",
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--override",
+        "verifier.top_p=2",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .unwrap_err();
     assert!(format!("{e:#}").contains("verifier.top_p"), "{e:#}");
 }
 
@@ -104,7 +177,17 @@ fn balance_writes_the_balanced_file() {
     let data = tmp.path().join("data.json");
     toy_data(20, 12, 3).write(&data).unwrap();
     let out = tmp.path().join("balanced.json");
-    run(&["verifier", "balance", "--in", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--per-type", "3"]).unwrap();
+    run(&[
+        "verifier",
+        "balance",
+        "--in",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--per-type",
+        "3",
+    ])
+    .unwrap();
     let balanced = VerifierData::read(&out).unwrap();
     assert!(!balanced.questions.is_empty());
     for (_, e) in &balanced.questions {

@@ -46,7 +46,12 @@ fn parse_args() -> Args {
         threads: 2,
         skip_transformers: false,
         dtypes: vec!["f32".into()],
-        sampling: SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0 },
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+        },
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -62,7 +67,14 @@ fn parse_args() -> Args {
             "--new-tokens" => args.new_tokens = it.next().unwrap().parse().unwrap(),
             "--threads" => args.threads = it.next().unwrap().parse().unwrap(),
             "--skip-transformers" => args.skip_transformers = true,
-            "--dtypes" => args.dtypes = it.next().expect("--dtypes needs a list").split(',').map(String::from).collect(),
+            "--dtypes" => {
+                args.dtypes = it
+                    .next()
+                    .expect("--dtypes needs a list")
+                    .split(',')
+                    .map(String::from)
+                    .collect()
+            }
             "--temperature" => args.sampling.temperature = it.next().unwrap().parse().unwrap(),
             "--top-p" => args.sampling.top_p = it.next().unwrap().parse().unwrap(),
             "--top-k" => args.sampling.top_k = it.next().unwrap().parse().unwrap(),
@@ -89,7 +101,13 @@ fn notes_roofline(batch: usize) -> f64 {
     (42.0 * batch as f64).min(670.0)
 }
 
-fn run_cotrain(engine: &mut Engine, prompt: &[u32], batch: usize, new_tokens: usize, params: SamplingParams) -> f64 {
+fn run_cotrain(
+    engine: &mut Engine,
+    prompt: &[u32],
+    batch: usize,
+    new_tokens: usize,
+    params: SamplingParams,
+) -> f64 {
     let requests: Vec<Request> = (0..batch)
         .map(|i| Request {
             params,
@@ -172,15 +190,29 @@ fn main() {
     let mut roof = None;
     for dtype in &args.dtypes {
         let dot = dtype == "bf16dot";
-        let kind = if dot { tch::Kind::BFloat16 } else { cotrain_model::config::parse_dtype(dtype).expect("--dtypes: f32, bf16 or bf16dot") };
+        let kind = if dot {
+            tch::Kind::BFloat16
+        } else {
+            cotrain_model::config::parse_dtype(dtype).expect("--dtypes: f32, bf16 or bf16dot")
+        };
         if let Err(e) = cotrain_model::kernels::gemm_bf16dot::set_enabled(dot) {
             eprintln!("{dtype}: skipped ({e})");
             continue;
         }
-        let loaded = loader::load("default", &LoadOptions { kind, ..LoadOptions::default() })
-            .expect("the default model loads (run `make setup`)");
+        let loaded = loader::load(
+            "default",
+            &LoadOptions {
+                kind,
+                ..LoadOptions::default()
+            },
+        )
+        .expect("the default model loads (run `make setup`)");
         let prompt = loaded.tokenizer.encode(PROMPT, true).unwrap();
-        let params: f64 = loaded.named_parameters().values().map(|t| t.numel() as f64).sum();
+        let params: f64 = loaded
+            .named_parameters()
+            .values()
+            .map(|t| t.numel() as f64)
+            .sum();
         let r = *roof.get_or_insert_with(|| {
             let r = Roofline::measure();
             println!("roofline: {}", r.summary());
@@ -222,7 +254,9 @@ fn main() {
         roof.read_bytes_per_s / 1e9,
         roof.f32_flops / 1e9
     );
-    println!("| cotrain dtype | batch | cotrain tok/s | transformers f32 tok/s | ratio | fraction of roofline | of toolchain.md's f32 roofline |");
+    println!(
+        "| cotrain dtype | batch | cotrain tok/s | transformers f32 tok/s | ratio | fraction of roofline | of toolchain.md's f32 roofline |"
+    );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     for (dtype, b, tps, bound) in ours {
         let t = theirs

@@ -16,8 +16,8 @@
 
 use std::time::Instant;
 
-use cotrain_model::kernels::{gemm_bf16dot, gemm_f32};
 use cotrain_model::kernels::kernel_linear_nt as linear_nt;
+use cotrain_model::kernels::{gemm_bf16dot, gemm_f32};
 use cotrain_model::loader;
 use tch::{Kind, Tensor};
 
@@ -52,7 +52,10 @@ fn main() -> anyhow::Result<()> {
     unsafe { cotrain_model::mkl_dispatch::prefer_avx512() };
     cotrain_model::allocator::tune_for_tensors();
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
-    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
+    println!(
+        "roofline: {}",
+        cotrain_model::cpu::Roofline::measure().summary()
+    );
     let mut rows = vec![1i64, 2, 8, 16, 32, 64];
     let mut reps = 5;
     let mut mkldnn = true;
@@ -105,7 +108,16 @@ fn main() -> anyhow::Result<()> {
     );
     println!(
         "{:>5} {:>10} {:>10} {:>10} {:>8} {:>15} {:>16} {:>13} {:>19} {:>12}",
-        "rows", "torch ms", "mkldnn ms", "kernel ms", "dot ms", "torch bf16 ms", "kernel bf16 ms", "dot bf16 ms", "bf16 avx512bf16 ms", "max |diff|"
+        "rows",
+        "torch ms",
+        "mkldnn ms",
+        "kernel ms",
+        "dot ms",
+        "torch bf16 ms",
+        "kernel bf16 ms",
+        "dot bf16 ms",
+        "bf16 avx512bf16 ms",
+        "max |diff|"
     );
     for &b in &rows {
         let x576 = Tensor::randn([b, 576], (Kind::Float, tch::Device::Cpu));
@@ -142,7 +154,11 @@ fn main() -> anyhow::Result<()> {
                 tm = tm.min(t.elapsed().as_secs_f64() * 1e3);
             }
             tk = tk.min(time_step(&ws, &xs, &|x, w| linear_nt(x, w).unwrap()));
-            tbt = tbt.min(time_step(&wb, &|k| xs(k).to_kind(Kind::BFloat16), &|x, w| x.linear::<Tensor>(w, None)));
+            tbt = tbt.min(time_step(
+                &wb,
+                &|k| xs(k).to_kind(Kind::BFloat16),
+                &|x, w| x.linear::<Tensor>(w, None),
+            ));
             tbk = tbk.min(time_step(&wb, &xs, &|x, w| linear_nt(x, w).unwrap()));
             // The kernel's dot-product tiles at every row count (the broadcast path off).
             gemm_f32::set_broadcast_min_rows([usize::MAX; 2]);
@@ -161,7 +177,11 @@ fn main() -> anyhow::Result<()> {
             } else {
                 "-".into()
             },
-            if tbb < f64::MAX { format!("{tbb:.1}") } else { "-".into() }
+            if tbb < f64::MAX {
+                format!("{tbb:.1}")
+            } else {
+                "-".into()
+            }
         );
     }
     Ok(())

@@ -94,7 +94,9 @@ fn best_seconds(a: &Tensor, b: &Tensor, flops: f64, reps: usize) -> f64 {
 fn run_child(reps: usize) -> anyhow::Result<()> {
     // Before any tensor work: MKL fixes its code path at its first call.
     // SAFETY: first thing in this child process, before any other thread and any libtorch call.
-    let dispatch = format!("{:?}", unsafe { cotrain_model::mkl_dispatch::prefer_avx512() });
+    let dispatch = format!("{:?}", unsafe {
+        cotrain_model::mkl_dispatch::prefer_avx512()
+    });
     cotrain_model::allocator::tune_for_tensors();
     let _guard = tch::no_grad_guard();
     let mut timings = Vec::new();
@@ -206,7 +208,10 @@ fn main() -> anyhow::Result<()> {
         return run_child(reps);
     }
     println!("cpu: {}", cotrain_model::cpu::CpuFacts::probe().summary());
-    println!("roofline: {}", cotrain_model::cpu::Roofline::measure().summary());
+    println!(
+        "roofline: {}",
+        cotrain_model::cpu::Roofline::measure().summary()
+    );
     let (mut avx2, mut avx512) = (spawn_child("0", reps)?, spawn_child("1", reps)?);
     for _ in 1..rounds {
         keep_best(&mut avx2, spawn_child("0", reps)?)?;

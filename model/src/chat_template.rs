@@ -114,7 +114,12 @@ impl Clone for ChatTemplate {
     /// Compiles the same source again (minijinja environments are not `Clone`); it compiled once,
     /// so it compiles again.
     fn clone(&self) -> Self {
-        Self::new(self.source.clone(), self.bos_token.as_deref(), self.eos_token.as_deref()).expect("a compiled template compiles again")
+        Self::new(
+            self.source.clone(),
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+        )
+        .expect("a compiled template compiles again")
     }
 }
 

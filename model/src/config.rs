@@ -251,7 +251,13 @@ impl ModelConfig {
         if self.sliding_window == Some(0) {
             return err("`sliding_window` must be positive".into());
         }
-        if let RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, .. } = &self.rope_scaling {
+        if let RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            ..
+        } = &self.rope_scaling
+        {
             for (name, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
                 if f.len() != self.head_dim / 2 {
                     return err(format!(

@@ -46,7 +46,13 @@ impl CpuFacts {
 
     /// Full or split, from the measured ratio (above 1.5: full).
     pub fn avx512_width(&self) -> Option<Avx512Width> {
-        self.fma512_over_256.map(|r| if r > 1.5 { Avx512Width::Full } else { Avx512Width::Split })
+        self.fma512_over_256.map(|r| {
+            if r > 1.5 {
+                Avx512Width::Full
+            } else {
+                Avx512Width::Split
+            }
+        })
     }
 
     /// One line for benchmark headers: `AMD EPYC (family 26, model 2); AVX-512 full width (512-bit
@@ -57,12 +63,25 @@ impl CpuFacts {
             (false, _) => "no AVX-512".to_string(),
             (true, Some(r)) => format!(
                 "AVX-512 {} (512-bit FMA {r:.2}x the 256-bit rate)",
-                if r > 1.5 { "full width" } else { "split into 256-bit halves" }
+                if r > 1.5 {
+                    "full width"
+                } else {
+                    "split into 256-bit halves"
+                }
             ),
             (true, None) => "AVX-512 (width not measured)".to_string(),
         };
-        let bf16 = if self.avx512_bf16 { ", avx512_bf16" } else { "" };
-        format!("{} (family {}, model {}); {avx}{bf16}", self.model_name, num(self.family), num(self.model))
+        let bf16 = if self.avx512_bf16 {
+            ", avx512_bf16"
+        } else {
+            ""
+        };
+        format!(
+            "{} (family {}, model {}); {avx}{bf16}",
+            self.model_name,
+            num(self.family),
+            num(self.model)
+        )
     }
 }
 
@@ -107,9 +126,18 @@ impl Roofline {
         let rate = |kind: Kind| {
             let probe = timed(kind, 256, 1);
             let full_seconds = 5.0 * 2.0 * 2048f64.powi(3) / probe;
-            if full_seconds > 3.0 { probe } else { timed(kind, 2048, 5) }
+            if full_seconds > 3.0 {
+                probe
+            } else {
+                timed(kind, 2048, 5)
+            }
         };
-        Roofline { read_bytes_per_s, f32_flops: rate(Kind::Float), bf16_flops: rate(Kind::BFloat16), threads: tch::get_num_threads() }
+        Roofline {
+            read_bytes_per_s,
+            f32_flops: rate(Kind::Float),
+            bf16_flops: rate(Kind::BFloat16),
+            threads: tch::get_num_threads(),
+        }
     }
 
     /// `read 33.3 GB/s, matmul f32 221 GFLOP/s, bf16 480 GFLOP/s (libtorch, 2 threads)`.
@@ -149,7 +177,10 @@ fn cpuinfo_field(info: &str, key: &str) -> Option<String> {
 /// The 512-bit over the 256-bit FMA rate on this thread, best of a few rounds.
 #[cfg(target_arch = "x86_64")]
 fn fma_ratio() -> Option<f64> {
-    if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+    if !(is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma"))
+    {
         return None;
     }
     const ITERS: usize = 200_000;

@@ -31,7 +31,9 @@ pub fn load() -> &'static std::result::Result<PathBuf, String> {
     LOADED.get_or_init(|| {
         let loaded = load_library();
         match &loaded {
-            Ok(path) => tracing::debug!(library = %path.display(), "loaded libtorch's CUDA backend"),
+            Ok(path) => {
+                tracing::debug!(library = %path.display(), "loaded libtorch's CUDA backend")
+            }
             Err(why) => tracing::debug!("no CUDA backend: {why}"),
         }
         loaded
@@ -57,23 +59,35 @@ fn load_library() -> std::result::Result<PathBuf, String> {
             continue;
         }
         match dlopen_global(candidate) {
-            Ok(()) => return Ok(loaded_library_dir("libtorch_cuda.so").map(|d| d.join("libtorch_cuda.so")).unwrap_or(candidate.clone())),
+            Ok(()) => {
+                return Ok(loaded_library_dir("libtorch_cuda.so")
+                    .map(|d| d.join("libtorch_cuda.so"))
+                    .unwrap_or(candidate.clone()));
+            }
             Err(e) if !errors.contains(&e) => errors.push(e),
             Err(_) => {}
         }
     }
-    Err(format!("libtorch_cuda.so could not be loaded ({})", errors.join("; ")))
+    Err(format!(
+        "libtorch_cuda.so could not be loaded ({})",
+        errors.join("; ")
+    ))
 }
 
 fn dlopen_global(path: &Path) -> std::result::Result<(), String> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| format!("{}: NUL in path", path.display()))?;
+    let c = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("{}: NUL in path", path.display()))?;
     // SAFETY: a NUL-terminated path; the handle is deliberately never closed (the backend must stay
     // registered for the life of the process). dlerror is read right after the failing call.
     unsafe {
         let handle = libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL);
         if handle.is_null() {
             let e = libc::dlerror();
-            return Err(if e.is_null() { format!("{}: dlopen failed", path.display()) } else { CStr::from_ptr(e).to_string_lossy().into_owned() });
+            return Err(if e.is_null() {
+                format!("{}: dlopen failed", path.display())
+            } else {
+                CStr::from_ptr(e).to_string_lossy().into_owned()
+            });
         }
     }
     Ok(())
@@ -85,14 +99,22 @@ pub fn loaded_library_dir(name: &str) -> Option<PathBuf> {
         name: &'a str,
         found: Option<PathBuf>,
     }
-    unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: libc::size_t, data: *mut libc::c_void) -> libc::c_int {
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        _size: libc::size_t,
+        data: *mut libc::c_void,
+    ) -> libc::c_int {
         // SAFETY: the loader hands us a valid info record; `data` is the `Search` passed below.
         let (info, search) = unsafe { (&*info, &mut *(data as *mut Search)) };
         if info.dlpi_name.is_null() {
             return 0;
         }
         // SAFETY: dlpi_name is a NUL-terminated string owned by the loader.
-        let path = PathBuf::from(unsafe { CStr::from_ptr(info.dlpi_name) }.to_string_lossy().into_owned());
+        let path = PathBuf::from(
+            unsafe { CStr::from_ptr(info.dlpi_name) }
+                .to_string_lossy()
+                .into_owned(),
+        );
         if path.file_name().and_then(|f| f.to_str()) == Some(search.name) {
             search.found = path.parent().map(Path::to_path_buf);
             return 1;
@@ -121,7 +143,9 @@ pub fn is_available() -> bool {
 /// Why `cuda:{ordinal}` cannot be used, or `None` when it can.
 pub fn unavailable_reason(ordinal: usize) -> Option<String> {
     if let Err(why) = load() {
-        return Some(format!("{why}; this libtorch has no usable CUDA backend (a CPU set-up: use COTRAIN_TORCH=cuda or system)"));
+        return Some(format!(
+            "{why}; this libtorch has no usable CUDA backend (a CPU set-up: use COTRAIN_TORCH=cuda or system)"
+        ));
     }
     let count = device_count();
     if ordinal < count {
@@ -135,16 +159,27 @@ pub fn unavailable_reason(ordinal: usize) -> Option<String> {
         };
         return Some(format!("CUDA backend loaded but no GPU is usable: {why}"));
     }
-    let visible = std::env::var("CUDA_VISIBLE_DEVICES").map(|v| format!(" (CUDA_VISIBLE_DEVICES={v})")).unwrap_or_default();
-    Some(format!("no device {ordinal}: this process sees {count} CUDA device(s){visible}"))
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES")
+        .map(|v| format!(" (CUDA_VISIBLE_DEVICES={v})"))
+        .unwrap_or_default();
+    Some(format!(
+        "no device {ordinal}: this process sees {count} CUDA device(s){visible}"
+    ))
 }
 
 fn first_line(message: &str) -> String {
-    message.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("unknown error").to_string()
+    message
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("unknown error")
+        .to_string()
 }
 
 /// A device as a user writes it: `auto`, `cpu`, `cuda` (this process's GPU) or `cuda:N`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 #[serde(try_from = "String", into = "String")]
 pub enum DeviceRequest {
     /// A GPU when one is usable, else the CPU (logged).
@@ -208,7 +243,8 @@ impl DeviceRequest {
     /// back to the CPU and logs why.
     pub fn resolve(self, local_rank: usize) -> Result<Device> {
         let ordinal = |count: usize| if count == 1 { 0 } else { local_rank };
-        let unavailable = |device: String, reason: String| ModelError::CudaUnavailable { device, reason };
+        let unavailable =
+            |device: String, reason: String| ModelError::CudaUnavailable { device, reason };
         match self {
             Self::Cpu => Ok(Device::Cpu),
             Self::CudaOrdinal(i) => match unavailable_reason(i) {
@@ -220,7 +256,10 @@ impl DeviceRequest {
                 match unavailable_reason(i) {
                     None => Ok(Device::Cuda(i)),
                     Some(reason) if local_rank == 0 => Err(unavailable("cuda".into(), reason)),
-                    Some(reason) => Err(unavailable(format!("cuda (cuda:{i} for local rank {local_rank})"), reason)),
+                    Some(reason) => Err(unavailable(
+                        format!("cuda (cuda:{i} for local rank {local_rank})"),
+                        reason,
+                    )),
                 }
             }
             Self::Auto => {
@@ -275,7 +314,10 @@ mod tests {
             assert!(e.contains("CUDA is unavailable"), "{e}");
             assert!(e.contains("cuda:1"), "{e}");
             // Either the library is not there/loadable (a CPU set-up) or it is and there is no GPU.
-            assert!(e.contains("libtorch_cuda.so") || e.contains("no GPU is usable"), "{e}");
+            assert!(
+                e.contains("libtorch_cuda.so") || e.contains("no GPU is usable"),
+                "{e}"
+            );
         }
     }
 

@@ -188,7 +188,11 @@ fn fuse_phi3(params: &mut BTreeMap<String, Tensor>, cfg: &ModelConfig) -> Result
 
 /// [`fuse_phi3`] for the groups present in `params`; with `require_all`, every group must be.
 /// A group present in part is an error either way: its fused tensor cannot be written.
-fn fuse_phi3_groups(params: &mut BTreeMap<String, Tensor>, cfg: &ModelConfig, require_all: bool) -> Result<()> {
+fn fuse_phi3_groups(
+    params: &mut BTreeMap<String, Tensor>,
+    cfg: &ModelConfig,
+    require_all: bool,
+) -> Result<()> {
     for (fused, parts) in crate::families::phi3::fused_names(cfg.num_hidden_layers) {
         if !require_all && parts.iter().all(|p| !params.contains_key(p)) {
             continue;
@@ -213,14 +217,24 @@ fn fuse_phi3_groups(params: &mut BTreeMap<String, Tensor>, cfg: &ModelConfig, re
 /// fused again. With tied embeddings the embedding is written under `lm_head.weight` too: vLLM's
 /// in-place reload unties the two (its head becomes a tensor of its own at the first reload), so
 /// a file that named only the embedding would leave the head at its old value.
-pub fn write_weights_file(path: &Path, params: &BTreeMap<String, Tensor>, cfg: &ModelConfig) -> Result<()> {
-    let mut params: BTreeMap<String, Tensor> = params.iter().map(|(k, t)| (k.clone(), t.shallow_clone())).collect();
+pub fn write_weights_file(
+    path: &Path,
+    params: &BTreeMap<String, Tensor>,
+    cfg: &ModelConfig,
+) -> Result<()> {
+    let mut params: BTreeMap<String, Tensor> = params
+        .iter()
+        .map(|(k, t)| (k.clone(), t.shallow_clone()))
+        .collect();
     if cfg.family == Family::Phi3 {
         fuse_phi3_groups(&mut params, cfg, false)?;
     }
     let mut untied = cfg.clone();
     if cfg.tie_word_embeddings {
-        if let Some(e) = params.get("model.embed_tokens.weight").map(Tensor::shallow_clone) {
+        if let Some(e) = params
+            .get("model.embed_tokens.weight")
+            .map(Tensor::shallow_clone)
+        {
             params.insert("lm_head.weight".into(), e);
         }
         untied.tie_word_embeddings = false;
@@ -326,17 +340,31 @@ fn config_json(cfg: &ModelConfig, model: &LoadedModel, kind: Kind) -> Result<Val
         }),
         // The three fields transformers 4's Phi3Config insists on; the context lengths are
         // top-level keys, from which both versions derive the default attention factor.
-        RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor } => {
+        RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } => {
             let mut r = json!({"type": "longrope", "short_factor": short_factor, "long_factor": long_factor});
-            let factor = cfg.max_position_embeddings as f64 / *original_max_position_embeddings as f64;
-            let derived = crate::families::phi3::default_attention_factor(factor, *original_max_position_embeddings);
+            let factor =
+                cfg.max_position_embeddings as f64 / *original_max_position_embeddings as f64;
+            let derived = crate::families::phi3::default_attention_factor(
+                factor,
+                *original_max_position_embeddings,
+            );
             if (attention_factor - derived).abs() > 1e-12 {
                 r["attention_factor"] = json!(attention_factor);
             }
             r
         }
     };
-    if phi3 && matches!(cfg.rope_scaling, RopeScaling::Linear { .. } | RopeScaling::Llama3 { .. }) {
+    if phi3
+        && matches!(
+            cfg.rope_scaling,
+            RopeScaling::Linear { .. } | RopeScaling::Llama3 { .. }
+        )
+    {
         return Err(ExportError::Parameter {
             name: "model.layers.0.self_attn.qkv_proj.weight".into(),
             message: "phi3 configs carry only LongRoPE scaling".into(),
@@ -377,10 +405,20 @@ fn config_json(cfg: &ModelConfig, model: &LoadedModel, kind: Kind) -> Result<Val
             c.insert("use_sliding_window".into(), json!(false));
         }
         Family::Phi3 => {
-            if let RopeScaling::LongRope { original_max_position_embeddings, .. } = &cfg.rope_scaling {
-                c.insert("original_max_position_embeddings".into(), json!(original_max_position_embeddings));
+            if let RopeScaling::LongRope {
+                original_max_position_embeddings,
+                ..
+            } = &cfg.rope_scaling
+            {
+                c.insert(
+                    "original_max_position_embeddings".into(),
+                    json!(original_max_position_embeddings),
+                );
             }
-            c.insert("sliding_window".into(), cfg.sliding_window.map_or(Value::Null, |w| json!(w)));
+            c.insert(
+                "sliding_window".into(),
+                cfg.sliding_window.map_or(Value::Null, |w| json!(w)),
+            );
             for key in ["resid_pdrop", "embd_pdrop"] {
                 c.insert(key.into(), json!(0.0));
             }

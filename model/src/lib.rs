@@ -29,5 +29,5 @@ pub mod mkl_dispatch;
 
 pub use config::{Family, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
-pub use kernels::dispatch::cache_dir;
 pub use families::{CausalLm, KvCache, WeightInit};
+pub use kernels::dispatch::cache_dir;

@@ -53,7 +53,12 @@ pub struct LoraConfig {
 impl Default for LoraConfig {
     /// MaPoRL's adapters: r 8, alpha 16, dropout 0.05 on every attention and MLP projection.
     fn default() -> Self {
-        Self { r: 8, alpha: 16.0, dropout: 0.05, target_modules: PROJECTIONS.iter().map(|(_, m)| m.to_string()).collect() }
+        Self {
+            r: 8,
+            alpha: 16.0,
+            dropout: 0.05,
+            target_modules: PROJECTIONS.iter().map(|(_, m)| m.to_string()).collect(),
+        }
     }
 }
 
@@ -66,13 +71,20 @@ impl LoraConfig {
     /// Checks the rank, dropout and module names.
     pub fn validate(&self) -> Result<()> {
         if self.r == 0 {
-            return Err(ModelError::InvalidConfig("lora r must be at least 1".into()));
+            return Err(ModelError::InvalidConfig(
+                "lora r must be at least 1".into(),
+            ));
         }
         if !(0.0..1.0).contains(&self.dropout) {
-            return Err(ModelError::InvalidConfig(format!("lora dropout {} is not in [0, 1)", self.dropout)));
+            return Err(ModelError::InvalidConfig(format!(
+                "lora dropout {} is not in [0, 1)",
+                self.dropout
+            )));
         }
         if self.target_modules.is_empty() {
-            return Err(ModelError::InvalidConfig("lora target_modules is empty".into()));
+            return Err(ModelError::InvalidConfig(
+                "lora target_modules is empty".into(),
+            ));
         }
         for m in &self.target_modules {
             if m == "qkv_proj" || m == "gate_up_proj" {
@@ -82,7 +94,9 @@ impl LoraConfig {
             }
             if !PROJECTIONS.iter().any(|(_, p)| p == m) {
                 let known: Vec<&str> = PROJECTIONS.iter().map(|(_, p)| *p).collect();
-                return Err(ModelError::InvalidConfig(format!("lora target module `{m}` is not one of {known:?}")));
+                return Err(ModelError::InvalidConfig(format!(
+                    "lora target module `{m}` is not one of {known:?}"
+                )));
             }
         }
         Ok(())
@@ -100,7 +114,12 @@ impl LoraConfig {
             return Ok(self.clone());
         }
         const ON_PHI3: [&str; 2] = ["o_proj", "down_proj"];
-        let kept: Vec<String> = self.target_modules.iter().filter(|m| ON_PHI3.contains(&m.as_str())).cloned().collect();
+        let kept: Vec<String> = self
+            .target_modules
+            .iter()
+            .filter(|m| ON_PHI3.contains(&m.as_str()))
+            .cloned()
+            .collect();
         if kept.is_empty() {
             return Err(ModelError::InvalidConfig(format!(
                 "lora target_modules {:?} name no Phi-3 projection: Phi-3 fuses q/k/v into `qkv_proj` and gate/up into \
@@ -117,7 +136,10 @@ impl LoraConfig {
                 )
             });
         }
-        Ok(LoraConfig { target_modules: kept, ..self.clone() })
+        Ok(LoraConfig {
+            target_modules: kept,
+            ..self.clone()
+        })
     }
 }
 
@@ -157,7 +179,9 @@ impl LoraConfig {
                 if key.ends_with(".lora_B.weight") {
                     continue;
                 }
-                return Err(bad(format!("`{name}` is not a LoRA tensor (X.lora_A.weight / X.lora_B.weight)")));
+                return Err(bad(format!(
+                    "`{name}` is not a LoRA tensor (X.lora_A.weight / X.lora_B.weight)"
+                )));
             };
             let proj = stem.rsplit('.').next().unwrap_or_default();
             if !targets.iter().any(|p| p == proj) {
@@ -166,21 +190,41 @@ impl LoraConfig {
             let r = t.size().first().copied().unwrap_or(0);
             match rank {
                 None => rank = Some(r),
-                Some(r0) if r0 != r => return Err(bad(format!("`{name}` has rank {r}, other pairs {r0}"))),
+                Some(r0) if r0 != r => {
+                    return Err(bad(format!("`{name}` has rank {r}, other pairs {r0}")));
+                }
                 _ => {}
             }
         }
         let r = rank.ok_or_else(|| bad("an adapter update with no lora_A tensor".into()))? as usize;
-        targets.sort_by_key(|p| PROJECTIONS.iter().position(|(_, q)| q == p).unwrap_or(usize::MAX));
-        Ok(LoraConfig { r, alpha: scaling * r as f64, dropout: 0.0, target_modules: targets })
+        targets.sort_by_key(|p| {
+            PROJECTIONS
+                .iter()
+                .position(|(_, q)| q == p)
+                .unwrap_or(usize::MAX)
+        });
+        Ok(LoraConfig {
+            r,
+            alpha: scaling * r as f64,
+            dropout: 0.0,
+            target_modules: targets,
+        })
     }
 }
 
 /// Writes an adapter in PEFT's layout into `dir` (`adapter_config.json` with `config`, and
 /// `adapter_model.safetensors` with `tensors` under PEFT names, on the CPU), as PEFT and vLLM read
 /// it. `base_model` is recorded as `base_model_name_or_path`.
-pub fn write_peft(dir: &Path, config: &LoraConfig, tensors: &BTreeMap<String, Tensor>, base_model: &str) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir).map_err(|source| ModelError::Io { path: dir.to_path_buf(), source })?;
+pub fn write_peft(
+    dir: &Path,
+    config: &LoraConfig,
+    tensors: &BTreeMap<String, Tensor>,
+    base_model: &str,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let json = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -196,12 +240,18 @@ pub fn write_peft(dir: &Path, config: &LoraConfig, tensors: &BTreeMap<String, Te
     });
     let path = dir.join("adapter_config.json");
     let text = serde_json::to_string_pretty(&json).expect("a json value serialises");
-    std::fs::write(&path, text).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+    std::fs::write(&path, text).map_err(|source| ModelError::Io {
+        path: path.clone(),
+        source,
+    })?;
     let tensors: Vec<(String, Tensor)> = tensors
         .iter()
         .map(|(k, v)| {
             let key = k.strip_prefix(PEFT_PREFIX).unwrap_or(k);
-            (format!("{PEFT_PREFIX}{key}"), v.detach().to_device(Device::Cpu).contiguous())
+            (
+                format!("{PEFT_PREFIX}{key}"),
+                v.detach().to_device(Device::Cpu).contiguous(),
+            )
         })
         .collect();
     let path = dir.join("adapter_model.safetensors");
@@ -240,9 +290,20 @@ impl LoraAdapter {
                 let (out_dim, in_dim) = model.projection_shape(proj);
                 let p = &root / "model" / "layers" / layer / group / proj;
                 let bound = 1.0 / (in_dim as f64).sqrt();
-                let init = if random_a { nn::Init::Uniform { lo: -bound, up: bound } } else { nn::Init::Const(0.0) };
+                let init = if random_a {
+                    nn::Init::Uniform {
+                        lo: -bound,
+                        up: bound,
+                    }
+                } else {
+                    nn::Init::Const(0.0)
+                };
                 let a = (&p / "lora_A").var("weight", &[config.r as i64, in_dim], init);
-                let b = (&p / "lora_B").var("weight", &[out_dim, config.r as i64], nn::Init::Const(0.0));
+                let b = (&p / "lora_B").var(
+                    "weight",
+                    &[out_dim, config.r as i64],
+                    nn::Init::Const(0.0),
+                );
                 pairs.insert((layer, proj), (a, b));
             }
         }
@@ -257,14 +318,23 @@ impl LoraAdapter {
                 *b = vars[&format!("{base}.lora_B.weight")].shallow_clone();
             }
         }
-        Ok(Self { config, vs, pairs, layers: cfg.num_hidden_layers })
+        Ok(Self {
+            config,
+            vs,
+            pairs,
+            layers: cfg.num_hidden_layers,
+        })
     }
 
     /// An adapter for `model` holding `tensors` (an adapter update: `lora_A`/`lora_B` pairs under
     /// `VarStore` or PEFT names) scaled by `scaling`: its rank is read from the `A` shapes, its
     /// targets from the names, alpha is `scaling · r`, no dropout. Every layer must carry every
     /// targeted projection's pair.
-    pub fn from_tensors(model: &CausalLm, tensors: &HashMap<String, Tensor>, scaling: f64) -> Result<Self> {
+    pub fn from_tensors(
+        model: &CausalLm,
+        tensors: &HashMap<String, Tensor>,
+        scaling: f64,
+    ) -> Result<Self> {
         let config = LoraConfig::of_tensors(tensors, scaling)?;
         let adapter = Self::zeros(model, config)?;
         adapter.load_tensors(tensors)?;
@@ -288,7 +358,11 @@ impl LoraAdapter {
 
     /// The adapter's tensors under PEFT's names (`base_model.model.` + the `VarStore` name).
     pub fn peft_tensors(&self) -> BTreeMap<String, Tensor> {
-        self.vs.variables().into_iter().map(|(k, v)| (format!("{PEFT_PREFIX}{k}"), v)).collect()
+        self.vs
+            .variables()
+            .into_iter()
+            .map(|(k, v)| (format!("{PEFT_PREFIX}{k}"), v))
+            .collect()
     }
 
     /// Copies tensors (`VarStore` or PEFT names) into the adapter; every tensor of the adapter must
@@ -296,17 +370,29 @@ impl LoraAdapter {
     pub fn load_tensors(&self, tensors: &HashMap<String, Tensor>) -> Result<()> {
         let vars = self.vs.variables();
         if tensors.len() != vars.len() {
-            return Err(ModelError::InvalidConfig(format!("an adapter of {} tensors was given {}", vars.len(), tensors.len())));
+            return Err(ModelError::InvalidConfig(format!(
+                "an adapter of {} tensors was given {}",
+                vars.len(),
+                tensors.len()
+            )));
         }
         let _guard = tch::no_grad_guard();
         for (name, src) in tensors {
             let key = name.strip_prefix(PEFT_PREFIX).unwrap_or(name);
             let mut dst = vars
                 .get(key)
-                .ok_or_else(|| ModelError::InvalidConfig(format!("adapter tensor `{name}` does not belong to this adapter")))?
+                .ok_or_else(|| {
+                    ModelError::InvalidConfig(format!(
+                        "adapter tensor `{name}` does not belong to this adapter"
+                    ))
+                })?
                 .shallow_clone();
             if dst.size() != src.size() {
-                return Err(ModelError::InvalidConfig(format!("adapter tensor `{name}`: shape {:?}, expected {:?}", src.size(), dst.size())));
+                return Err(ModelError::InvalidConfig(format!(
+                    "adapter tensor `{name}`: shape {:?}, expected {:?}",
+                    src.size(),
+                    dst.size()
+                )));
             }
             dst.copy_(&src.to_kind(dst.kind()).to_device(dst.device()));
         }
@@ -315,7 +401,11 @@ impl LoraAdapter {
 
     /// Bytes of the adapter's tensors (what a weight update of it sends in its dtype).
     pub fn num_bytes(&self) -> usize {
-        self.vs.variables().values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
+        self.vs
+            .variables()
+            .values()
+            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+            .sum()
     }
 
     /// Writes PEFT's layout into `dir`: `adapter_config.json` and `adapter_model.safetensors`.
@@ -327,32 +417,56 @@ impl LoraAdapter {
     /// Reads an adapter saved in PEFT's layout (by [`LoraAdapter::save_peft`] or by PEFT) for `model`.
     pub fn load_peft(dir: &Path, model: &CausalLm) -> Result<Self> {
         let path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
         let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| ModelError::InvalidFile { path: path.clone(), message: e.to_string() })?;
-        let bad = |what: &str| ModelError::InvalidFile { path: path.clone(), message: what.to_string() };
+            serde_json::from_str(&text).map_err(|e| ModelError::InvalidFile {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+        let bad = |what: &str| ModelError::InvalidFile {
+            path: path.clone(),
+            message: what.to_string(),
+        };
         let targets = match &v["target_modules"] {
-            serde_json::Value::Array(a) => a.iter().filter_map(|m| m.as_str().map(str::to_string)).collect(),
-            serde_json::Value::String(s) if s == "all-linear" => PROJECTIONS.iter().map(|(_, p)| p.to_string()).collect(),
+            serde_json::Value::Array(a) => a
+                .iter()
+                .filter_map(|m| m.as_str().map(str::to_string))
+                .collect(),
+            serde_json::Value::String(s) if s == "all-linear" => {
+                PROJECTIONS.iter().map(|(_, p)| p.to_string()).collect()
+            }
             _ => return Err(bad("target_modules must be a list of projection names")),
         };
         let config = LoraConfig {
             r: v["r"].as_u64().ok_or_else(|| bad("r is missing"))? as usize,
-            alpha: v["lora_alpha"].as_f64().ok_or_else(|| bad("lora_alpha is missing"))?,
+            alpha: v["lora_alpha"]
+                .as_f64()
+                .ok_or_else(|| bad("lora_alpha is missing"))?,
             dropout: v["lora_dropout"].as_f64().unwrap_or(0.0),
             target_modules: targets,
         };
         let adapter = Self::zeros(model, config)?;
         let file = dir.join("adapter_model.safetensors");
-        let tensors: HashMap<String, Tensor> = Tensor::read_safetensors(&file)?.into_iter().collect();
+        let tensors: HashMap<String, Tensor> =
+            Tensor::read_safetensors(&file)?.into_iter().collect();
         adapter.load_tensors(&tensors)?;
         Ok(adapter)
     }
 
     /// `W + scaling·B·A` for every targeted projection, under the base's parameter names
     /// (`model.layers.{i}.self_attn.q_proj.weight`), from the base's `parameters`.
-    pub fn merged(&self, parameters: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
-        merge_into(|n| parameters.get(n).map(Tensor::shallow_clone), &self.named_tensors(), self.config.scaling())
+    pub fn merged(
+        &self,
+        parameters: &BTreeMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        merge_into(
+            |n| parameters.get(n).map(Tensor::shallow_clone),
+            &self.named_tensors(),
+            self.config.scaling(),
+        )
     }
 }
 
@@ -373,19 +487,37 @@ pub fn merge_into(
             if key.ends_with(".lora_B.weight") {
                 continue;
             }
-            return Err(ModelError::InvalidConfig(format!("`{name}` is not a LoRA tensor (X.lora_A.weight / X.lora_B.weight)")));
+            return Err(ModelError::InvalidConfig(format!(
+                "`{name}` is not a LoRA tensor (X.lora_A.weight / X.lora_B.weight)"
+            )));
         };
         let b_name = name.replace(".lora_A.weight", ".lora_B.weight");
-        let b = adapter.get(&b_name).ok_or_else(|| ModelError::InvalidConfig(format!("`{name}` has no `{b_name}`")))?;
+        let b = adapter
+            .get(&b_name)
+            .ok_or_else(|| ModelError::InvalidConfig(format!("`{name}` has no `{b_name}`")))?;
         let w_name = format!("{stem}.weight");
-        let w = base(&w_name).ok_or_else(|| ModelError::InvalidConfig(format!("`{name}` adapts `{w_name}`, which the model does not have")))?;
+        let w = base(&w_name).ok_or_else(|| {
+            ModelError::InvalidConfig(format!(
+                "`{name}` adapts `{w_name}`, which the model does not have"
+            ))
+        })?;
         let (ws, as_, bs) = (w.size(), a.size(), b.size());
-        if as_.len() != 2 || bs.len() != 2 || ws.len() != 2 || as_[0] != bs[1] || as_[1] != ws[1] || bs[0] != ws[0] {
+        if as_.len() != 2
+            || bs.len() != 2
+            || ws.len() != 2
+            || as_[0] != bs[1]
+            || as_[1] != ws[1]
+            || bs[0] != ws[0]
+        {
             return Err(ModelError::InvalidConfig(format!(
                 "`{stem}`: lora_A {as_:?} and lora_B {bs:?} do not fit the weight {ws:?} (A is r × in, B is out × r)"
             )));
         }
-        let delta = b.to_kind(Kind::Float).to_device(w.device()).matmul(&a.to_kind(Kind::Float).to_device(w.device())) * scaling;
+        let delta = b
+            .to_kind(Kind::Float)
+            .to_device(w.device())
+            .matmul(&a.to_kind(Kind::Float).to_device(w.device()))
+            * scaling;
         out.insert(w_name, (w.to_kind(Kind::Float) + delta).to_kind(w.kind()));
     }
     for name in adapter.keys() {
@@ -393,7 +525,9 @@ pub fn merge_into(
         if let Some(stem) = key.strip_suffix(".lora_B.weight")
             && !out.contains_key(&format!("{stem}.weight"))
         {
-            return Err(ModelError::InvalidConfig(format!("`{name}` has no lora_A partner")));
+            return Err(ModelError::InvalidConfig(format!(
+                "`{name}` has no lora_A partner"
+            )));
         }
     }
     Ok(out)

@@ -119,7 +119,12 @@ unsafe fn overwrite_with_return_one(entry: *mut u8) -> Dispatch {
             ));
         }
         std::ptr::copy_nonoverlapping(RETURN_ONE.as_ptr(), entry, RETURN_ONE.len());
-        if libc::mprotect(start as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_EXEC) != 0 {
+        if libc::mprotect(
+            start as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_EXEC,
+        ) != 0
+        {
             // The patch is in place; the pages merely stay writable.
             tracing::warn!(
                 error = %std::io::Error::last_os_error(),

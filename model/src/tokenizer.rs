@@ -339,12 +339,18 @@ impl Tokenizer {
             return Vec::new();
         };
         if self.byte_level
-            && self.inner.get_added_vocabulary().simple_id_to_token(id).is_none()
+            && self
+                .inner
+                .get_added_vocabulary()
+                .simple_id_to_token(id)
+                .is_none()
             && let Some(bytes) = byte_level_bytes(&token)
         {
             return bytes;
         }
-        self.decode(&[id], false).map(String::into_bytes).unwrap_or_else(|_| token.into_bytes())
+        self.decode(&[id], false)
+            .map(String::into_bytes)
+            .unwrap_or_else(|_| token.into_bytes())
     }
 
     /// Number of ids, added tokens included (the embedding may be larger).
@@ -613,7 +619,12 @@ fn byte_level_bytes(token: &str) -> Option<Vec<u8>> {
         (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
     }
     // The bytes that are not printable, in order: character 256 + n spells the n-th.
-    static OTHERS: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| (0u32..256).filter(|&b| !printable(b)).map(|b| b as u8).collect());
+    static OTHERS: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+        (0u32..256)
+            .filter(|&b| !printable(b))
+            .map(|b| b as u8)
+            .collect()
+    });
     token
         .chars()
         .map(|c| {

@@ -141,7 +141,10 @@ fn qwen3_qk_norm_decode_kernels_match_libtorch() {
 #[test]
 fn bf16_models_decode_in_kernels_within_tolerance_of_f32() {
     kernels_on();
-    let bf16 = LoadOptions { kind: Kind::BFloat16, ..Default::default() };
+    let bf16 = LoadOptions {
+        kind: Kind::BFloat16,
+        ..Default::default()
+    };
     for name in ["llama", "qwen2", "qwen3"] {
         let f32_model = tiny(name, &LoadOptions::default());
         let bf16_model = tiny(name, &bf16);
@@ -152,25 +155,52 @@ fn bf16_models_decode_in_kernels_within_tolerance_of_f32() {
         assert_eq!(cache.layer(0).0.kind(), Kind::BFloat16);
         for (step, ((g, l), r)) in got.iter().zip(&libtorch).zip(&reference).enumerate() {
             let scale = r.abs().max().double_value(&[]);
-            let err = |t: &Tensor| (t.to_kind(Kind::Float) - r).abs().max().double_value(&[]) / scale;
+            let err =
+                |t: &Tensor| (t.to_kind(Kind::Float) - r).abs().max().double_value(&[]) / scale;
             let (e_got, e_lib) = (err(g), err(l));
-            assert!(e_got < 0.04, "{name}, step {step}: bf16 decode {e_got} of the f32 scale off");
-            assert!(e_got <= 1.5 * e_lib + 1e-3, "{name}, step {step}: kernels {e_got} vs libtorch bf16 {e_lib}");
+            assert!(
+                e_got < 0.04,
+                "{name}, step {step}: bf16 decode {e_got} of the f32 scale off"
+            );
+            assert!(
+                e_got <= 1.5 * e_lib + 1e-3,
+                "{name}, step {step}: kernels {e_got} vs libtorch bf16 {e_lib}"
+            );
         }
         if kernels && cotrain_model::kernels::gemm_bf16dot::is_available() {
-            cotrain_model::kernels::gemm_bf16dot::enable_for(Kind::BFloat16, tch::Device::Cpu, "test").unwrap();
+            cotrain_model::kernels::gemm_bf16dot::enable_for(
+                Kind::BFloat16,
+                tch::Device::Cpu,
+                "test",
+            )
+            .unwrap();
             let (dot, _) = run(&bf16_model.model, false, true);
             cotrain_model::kernels::gemm_bf16dot::set_enabled(false).unwrap();
             let mut moved = 0f64;
-            for (step, ((d, g), (l, r))) in dot.iter().zip(&got).zip(libtorch.iter().zip(&reference)).enumerate() {
+            for (step, ((d, g), (l, r))) in dot
+                .iter()
+                .zip(&got)
+                .zip(libtorch.iter().zip(&reference))
+                .enumerate()
+            {
                 let scale = r.abs().max().double_value(&[]);
-                let err = |t: &Tensor| (t.to_kind(Kind::Float) - r).abs().max().double_value(&[]) / scale;
+                let err =
+                    |t: &Tensor| (t.to_kind(Kind::Float) - r).abs().max().double_value(&[]) / scale;
                 let (e_dot, e_lib) = (err(d), err(l));
-                assert!(e_dot < 0.04, "{name}, step {step}: bf16 dot products {e_dot} of the f32 scale off");
-                assert!(e_dot <= 1.5 * e_lib + 1e-3, "{name}, step {step}: bf16 dot products {e_dot} vs libtorch bf16 {e_lib}");
+                assert!(
+                    e_dot < 0.04,
+                    "{name}, step {step}: bf16 dot products {e_dot} of the f32 scale off"
+                );
+                assert!(
+                    e_dot <= 1.5 * e_lib + 1e-3,
+                    "{name}, step {step}: bf16 dot products {e_dot} vs libtorch bf16 {e_lib}"
+                );
                 moved = moved.max((d - g).abs().max().double_value(&[]));
             }
-            assert!(moved > 0.0, "{name}: the bf16 dot products changed nothing (did the path run?)");
+            assert!(
+                moved > 0.0,
+                "{name}: the bf16 dot products changed nothing (did the path run?)"
+            );
         }
     }
 }

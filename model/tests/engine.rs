@@ -438,11 +438,18 @@ fn generation_stops_at_the_end_of_the_context() {
 /// gets alone: the same greedy tokens, log-probs within rounding.
 #[test]
 fn prompts_prefilled_together_match_prompts_prefilled_alone() {
-    let requests: Vec<Request> =
-        [3usize, 9, 4, 16, 1, 8].iter().enumerate().map(|(i, &len)| req(prompt(len, i as u32), SamplingParams::greedy(), 0, 6)).collect();
+    let requests: Vec<Request> = [3usize, 9, 4, 16, 1, 8]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| req(prompt(len, i as u32), SamplingParams::greedy(), 0, 6))
+        .collect();
     let together = engine().generate(&requests).unwrap();
     for (i, r) in requests.iter().enumerate() {
-        let alone = engine().generate(std::slice::from_ref(r)).unwrap().remove(0).remove(0);
+        let alone = engine()
+            .generate(std::slice::from_ref(r))
+            .unwrap()
+            .remove(0)
+            .remove(0);
         let got = &together[i][0];
         assert_eq!(got.token_ids, alone.token_ids, "request {i}");
         for (a, b) in got.logprobs.iter().zip(&alone.logprobs) {
@@ -466,5 +473,8 @@ fn a_request_finishing_on_its_first_token_gets_no_second() {
     stopping.stop.stop_token_ids = vec![first];
     let alone = engine().generate(&[stopping]).unwrap().remove(0).remove(0);
     assert_eq!(alone.token_ids, vec![first]);
-    assert_eq!(alone.finish_reason, cotrain_model::engine::FinishReason::Stop);
+    assert_eq!(
+        alone.finish_reason,
+        cotrain_model::engine::FinishReason::Stop
+    );
 }

@@ -6,7 +6,9 @@
 
 mod support;
 
-use cotrain_model::engine::{DecodeThreads, Engine, EngineConfig, Request, Sample, SamplingParams, StopConditions};
+use cotrain_model::engine::{
+    DecodeThreads, Engine, EngineConfig, Request, Sample, SamplingParams, StopConditions,
+};
 use cotrain_model::loader::{self, LoadOptions};
 use support::*;
 use tch::Kind;
@@ -21,28 +23,66 @@ fn kernels_on() {
 }
 
 fn generate(kind: Kind, threads: DecodeThreads) -> Vec<Vec<Sample>> {
-    let opts = LoadOptions { kind, ..LoadOptions::default() };
+    let opts = LoadOptions {
+        kind,
+        ..LoadOptions::default()
+    };
     let loaded = loader::load(smollm2_path().to_str().unwrap(), &opts).unwrap();
-    let prompt = loaded.tokenizer.encode("def running_sum(xs):\n    \"\"\"Return the running sums of xs.", false).unwrap();
-    let mut engine = Engine::with_config(loaded, EngineConfig { decode_threads: threads, ..EngineConfig::default() });
-    let stop = StopConditions { max_new_tokens: 24, ignore_eos: true, ..Default::default() };
+    let prompt = loaded
+        .tokenizer
+        .encode(
+            "def running_sum(xs):\n    \"\"\"Return the running sums of xs.",
+            false,
+        )
+        .unwrap();
+    let mut engine = Engine::with_config(
+        loaded,
+        EngineConfig {
+            decode_threads: threads,
+            ..EngineConfig::default()
+        },
+    );
+    let stop = StopConditions {
+        max_new_tokens: 24,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let sampled = Request {
         n: 6,
-        params: SamplingParams { temperature: 0.8, top_p: 0.95, ..SamplingParams::default() },
+        params: SamplingParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            ..SamplingParams::default()
+        },
         seed: 11,
         stop: stop.clone(),
         top_logprobs: 2,
         ..Request::new(prompt.clone())
     };
-    let greedy = Request { params: SamplingParams::greedy(), stop, ..Request::new(prompt) };
+    let greedy = Request {
+        params: SamplingParams::greedy(),
+        stop,
+        ..Request::new(prompt)
+    };
     engine.generate(&[sampled, greedy]).unwrap()
 }
 
 fn same_bits(a: &[Vec<Sample>], b: &[Vec<Sample>]) -> bool {
     a.iter().flatten().zip(b.iter().flatten()).all(|(x, y)| {
         x.token_ids == y.token_ids
-            && x.logprobs.iter().map(|v| v.to_bits()).eq(y.logprobs.iter().map(|v| v.to_bits()))
-            && x.top_logprobs.iter().flatten().map(|(t, v)| (*t, v.to_bits())).eq(y.top_logprobs.iter().flatten().map(|(t, v)| (*t, v.to_bits())))
+            && x.logprobs
+                .iter()
+                .map(|v| v.to_bits())
+                .eq(y.logprobs.iter().map(|v| v.to_bits()))
+            && x.top_logprobs
+                .iter()
+                .flatten()
+                .map(|(t, v)| (*t, v.to_bits()))
+                .eq(y
+                    .top_logprobs
+                    .iter()
+                    .flatten()
+                    .map(|(t, v)| (*t, v.to_bits())))
     })
 }
 
@@ -57,8 +97,15 @@ fn decode_thread_count_leaves_samples_bit_identical() {
     for kind in [Kind::Float, Kind::BFloat16] {
         let reference = generate(kind, DecodeThreads::Fixed(1));
         assert_eq!(reference.iter().map(Vec::len).sum::<usize>(), 7);
-        for threads in [DecodeThreads::Fixed(2), DecodeThreads::Fixed(3), DecodeThreads::Adaptive] {
-            assert!(same_bits(&reference, &generate(kind, threads)), "{kind:?}: {threads:?} differs from one thread");
+        for threads in [
+            DecodeThreads::Fixed(2),
+            DecodeThreads::Fixed(3),
+            DecodeThreads::Adaptive,
+        ] {
+            assert!(
+                same_bits(&reference, &generate(kind, threads)),
+                "{kind:?}: {threads:?} differs from one thread"
+            );
         }
     }
 }

@@ -117,10 +117,17 @@ fn exported_tiny_models_load_back_with_the_same_parameters_and_greedy_tokens() {
 
         // Phi-3's checkpoints keep q/k/v and gate/up fused, and so does its export.
         let phi3 = model.model.config().family == cotrain_model::Family::Phi3;
-        for fused in ["model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"] {
+        for fused in [
+            "model.layers.1.self_attn.qkv_proj.weight",
+            "model.layers.1.mlp.gate_up_proj.weight",
+        ] {
             assert_eq!(stored.contains(&fused.to_string()), phi3, "{name}: {fused}");
         }
-        assert_eq!(stored.contains(&"model.layers.1.self_attn.q_proj.weight".to_string()), !phi3, "{name}");
+        assert_eq!(
+            stored.contains(&"model.layers.1.self_attn.q_proj.weight".to_string()),
+            !phi3,
+            "{name}"
+        );
         let prompt = [1u32, 17, 99, 3, 250, 42];
         let tokens = model.tokenizer.encode("t5 t17 t200", true).unwrap();
         assert_eq!(

@@ -134,7 +134,8 @@ fn padded_layout_and_mask() {
         &batch,
         &LogProbOptions {
             chunk_size: 3,
-            with_grad: false, temperature: 1.0
+            with_grad: false,
+            temperature: 1.0,
         },
     )
     .unwrap();
@@ -201,7 +202,11 @@ fn bf16_products_give_f32_gradients_close_to_the_f32_ones() {
         let loaded = tiny(name, &LoadOptions::default());
         let model = &loaded.model;
         let batch = batch();
-        let opts = LogProbOptions { chunk_size: 4, with_grad: true, temperature: 1.0 };
+        let opts = LogProbOptions {
+            chunk_size: 4,
+            with_grad: true,
+            temperature: 1.0,
+        };
         let run = || {
             let out = completion_logprobs(model, &batch, &opts).unwrap();
             let w = weights(out.logprobs.size()[0]);
@@ -214,15 +219,25 @@ fn bf16_products_give_f32_gradients_close_to_the_f32_ones() {
         assert_eq!(model.matmul_kind(), Some(Kind::BFloat16));
         let (lp16, g16) = run();
         let gap = (&lp16 - &lp32).abs().max().double_value(&[]);
-        assert!(gap > 0.0 && gap < 0.05, "{name}: bf16 products move log-probs by {gap}");
+        assert!(
+            gap > 0.0 && gap < 0.05,
+            "{name}: bf16 products move log-probs by {gap}"
+        );
         for ((n, a), (_, b)) in g16.iter().zip(&g32) {
             assert_eq!(a.kind(), Kind::Float, "{name}: {n}'s gradient is f32");
             let cos = (a * b).sum(Kind::Double).double_value(&[])
                 / (a.norm().double_value(&[]) * b.norm().double_value(&[])).max(1e-30);
-            assert!(cos > 0.99 || b.norm().double_value(&[]) < 1e-12, "{name}: {n}: cosine {cos}");
+            assert!(
+                cos > 0.99 || b.norm().double_value(&[]) < 1e-12,
+                "{name}: {n}: cosine {cos}"
+            );
         }
         model.set_matmul_kind(None);
         let (lp_back, _) = run();
-        assert_eq!((&lp_back - &lp32).abs().max().double_value(&[]), 0.0, "{name}");
+        assert_eq!(
+            (&lp_back - &lp32).abs().max().double_value(&[]),
+            0.0,
+            "{name}"
+        );
     }
 }

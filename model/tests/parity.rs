@@ -56,7 +56,8 @@ fn check_family(name: &str) {
             &[seq],
             &LogProbOptions {
                 chunk_size: 5,
-                with_grad: false, temperature: 1.0
+                with_grad: false,
+                temperature: 1.0,
             },
         )
         .unwrap();

@@ -62,8 +62,16 @@ fn common_prefix_batch() -> Vec<Sequence> {
 /// factors. Sequence 2 (21 tokens) is the shortest: its position 22 is padding.
 fn long_batch() -> Vec<Sequence> {
     let (a, b) = (tokens(18, 1), tokens(20, 2));
-    let seq = |prompt: &Vec<u32>, len: usize, salt: u32| Sequence { prompt: prompt.clone(), completion: tokens(len, salt) };
-    vec![seq(&a, 9, 10), seq(&b, 7, 11), seq(&a, 3, 12), seq(&b, 5, 13)]
+    let seq = |prompt: &Vec<u32>, len: usize, salt: u32| Sequence {
+        prompt: prompt.clone(),
+        completion: tokens(len, salt),
+    };
+    vec![
+        seq(&a, 9, 10),
+        seq(&b, 7, 11),
+        seq(&a, 3, 12),
+        seq(&b, 5, 13),
+    ]
 }
 
 fn take_grads(loaded: &LoadedModel) -> Vec<(String, Tensor)> {
@@ -103,7 +111,8 @@ fn run(
 ) -> (TokenLogProbs, Vec<f64>, Vec<(String, Tensor)>) {
     let opts = LogProbOptions {
         chunk_size: 4,
-        with_grad: true, temperature: 1.0
+        with_grad: true,
+        temperature: 1.0,
     };
     let out = completion_logprobs_with_sharing(&loaded.model, batch, &opts, share).unwrap();
     let n = out.logprobs.size()[0];
@@ -252,12 +261,27 @@ fn sequence_hidden_with_common_prefixes_equals_plain_forward() {
     for (b, s) in batch.iter().enumerate() {
         let h = full_hidden(&loaded, &s.prompt, &s.completion);
         let n = h.size()[0];
-        let worst_row = worst(&values(&h), &values(&shared.get(b as i64).narrow(0, 0, n)), 1e-5, 1e-5);
-        assert!(worst_row <= 1.0, "sequence {b}: hidden states off by {worst_row} x tolerance");
+        let worst_row = worst(
+            &values(&h),
+            &values(&shared.get(b as i64).narrow(0, 0, n)),
+            1e-5,
+            1e-5,
+        );
+        assert!(
+            worst_row <= 1.0,
+            "sequence {b}: hidden states off by {worst_row} x tolerance"
+        );
     }
     let mut plain_loss = Tensor::zeros([], (Kind::Float, tch::Device::Cpu));
     for (b, s) in batch.iter().enumerate() {
-        let ids = Tensor::from_slice(&s.prompt.iter().chain(&s.completion).map(|&t| t as i64).collect::<Vec<_>>()).view([1, -1]);
+        let ids = Tensor::from_slice(
+            &s.prompt
+                .iter()
+                .chain(&s.completion)
+                .map(|&t| t as i64)
+                .collect::<Vec<_>>(),
+        )
+        .view([1, -1]);
         let h = loaded.model.forward_hidden(&ids).unwrap().squeeze_dim(0);
         let n = h.size()[0];
         plain_loss += (h * w.get(b as i64).narrow(0, 0, n)).sum(Kind::Float);
@@ -267,15 +291,29 @@ fn sequence_hidden_with_common_prefixes_equals_plain_forward() {
     assert!(g_shared.iter().filter(|(_, g)| g.is_some()).count() > 10);
     for ((n1, a), (_, b)) in g_shared.iter().zip(&g_plain) {
         let (Some(a), Some(b)) = (a, b) else {
-            assert!(a.is_none() && b.is_none(), "{n1}: a gradient in one forward only");
+            assert!(
+                a.is_none() && b.is_none(),
+                "{n1}: a gradient in one forward only"
+            );
             continue;
         };
-        let scale = values(b).iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-6);
+        let scale = values(b)
+            .iter()
+            .fold(0.0f64, |m, x| m.max(x.abs()))
+            .max(1e-6);
         let wg = worst(&values(a), &values(b), 1e-5 * scale, 1e-5);
         assert!(wg <= 1.0, "gradient of {n1} off by {wg} x tolerance");
     }
     // The prefixes were shared: padding reads as zeros.
-    assert_eq!(shared.get(3).narrow(0, 20, 1).abs().sum(Kind::Float).double_value(&[]), 0.0);
+    assert_eq!(
+        shared
+            .get(3)
+            .narrow(0, 20, 1)
+            .abs()
+            .sum(Kind::Float)
+            .double_value(&[]),
+        0.0
+    );
 }
 
 #[test]
@@ -284,7 +322,8 @@ fn shared_prompts_without_grad_equal_per_sequence_kernel() {
     let batch = batch();
     let opts = LogProbOptions {
         chunk_size: 5,
-        with_grad: false, temperature: 1.0
+        with_grad: false,
+        temperature: 1.0,
     };
     let plain = completion_logprobs_with_sharing(&loaded.model, &batch, &opts, false).unwrap();
     let shared = completion_logprobs_with_sharing(&loaded.model, &batch, &opts, true).unwrap();

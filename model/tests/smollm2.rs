@@ -66,7 +66,8 @@ fn smollm2_gguf_matches_transformers() {
             &[seq],
             &LogProbOptions {
                 chunk_size: 8,
-                with_grad: false, temperature: 1.0
+                with_grad: false,
+                temperature: 1.0,
             },
         )
         .unwrap();

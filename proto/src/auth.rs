@@ -24,13 +24,21 @@ impl std::fmt::Debug for ClusterToken {
 impl ClusterToken {
     /// The token in `path` (surrounding whitespace removed; at least 16 characters, printable ASCII).
     pub fn from_file(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cluster token file {}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cluster token file {}: {e}", path.display()))?;
         let token = text.trim();
         if token.len() < 16 {
-            return Err(format!("cluster token file {}: the token must have at least 16 characters, it has {}", path.display(), token.len()));
+            return Err(format!(
+                "cluster token file {}: the token must have at least 16 characters, it has {}",
+                path.display(),
+                token.len()
+            ));
         }
         if !token.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(format!("cluster token file {}: the token must be printable ASCII without spaces", path.display()));
+            return Err(format!(
+                "cluster token file {}: the token must be printable ASCII without spaces",
+                path.display()
+            ));
         }
         Ok(Self(Arc::from(token)))
     }
@@ -52,8 +60,12 @@ impl ClusterToken {
     pub fn random() -> Result<Self, String> {
         use std::io::Read as _;
         let mut bytes = [0u8; 24];
-        std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).map_err(|e| format!("/dev/urandom: {e}"))?;
-        Ok(Self(Arc::from(bytes.iter().map(|b| format!("{b:02x}")).collect::<String>())))
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut bytes))
+            .map_err(|e| format!("/dev/urandom: {e}"))?;
+        Ok(Self(Arc::from(
+            bytes.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+        )))
     }
 
     /// The metadata value a client sends.
@@ -98,9 +110,20 @@ mod tests {
         assert_eq!(format!("{t:?}"), "ClusterToken(<redacted>)");
         let short = dir.join("short");
         std::fs::write(&short, "abc").unwrap();
-        assert!(ClusterToken::from_file(&short).unwrap_err().contains("at least 16"));
-        assert!(ClusterToken::from_file(&dir.join("missing")).unwrap_err().contains("missing"));
-        assert_eq!(ClusterToken::from_flag_or_env(Some(&good)).unwrap(), Some(t));
+        assert!(
+            ClusterToken::from_file(&short)
+                .unwrap_err()
+                .contains("at least 16")
+        );
+        assert!(
+            ClusterToken::from_file(&dir.join("missing"))
+                .unwrap_err()
+                .contains("missing")
+        );
+        assert_eq!(
+            ClusterToken::from_flag_or_env(Some(&good)).unwrap(),
+            Some(t)
+        );
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(constant_time_eq(b"", b""));
         assert!(!constant_time_eq(b"a", b""));

@@ -31,7 +31,13 @@ impl Refusal {
     }
 
     fn parse(s: &str) -> Option<Self> {
-        [Self::StalePolicy, Self::VersionNotNewer, Self::UnknownVerifier].into_iter().find(|r| r.as_str() == s)
+        [
+            Self::StalePolicy,
+            Self::VersionNotNewer,
+            Self::UnknownVerifier,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == s)
     }
 
     /// Marks `status` with this reason and, if given, the server's current version.
@@ -46,13 +52,21 @@ impl Refusal {
 
     /// The reason `status` carries, if any.
     pub fn of(status: &Status) -> Option<Self> {
-        status.metadata().get(REASON_KEY).and_then(|v| v.to_str().ok()).and_then(Self::parse)
+        status
+            .metadata()
+            .get(REASON_KEY)
+            .and_then(|v| v.to_str().ok())
+            .and_then(Self::parse)
     }
 }
 
 /// The server's current version that a version refusal carries.
 pub fn current_version(status: &Status) -> Option<u64> {
-    status.metadata().get(CURRENT_VERSION_KEY).and_then(|v| v.to_str().ok()).and_then(|s| s.parse().ok())
+    status
+        .metadata()
+        .get(CURRENT_VERSION_KEY)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.parse().ok())
 }
 
 #[cfg(test)]
@@ -61,10 +75,13 @@ mod tests {
 
     #[test]
     fn a_marked_status_reads_back_whatever_its_message() {
-        let s = Refusal::VersionNotNewer.mark(Status::failed_precondition("reworded at will"), Some(7));
+        let s =
+            Refusal::VersionNotNewer.mark(Status::failed_precondition("reworded at will"), Some(7));
         assert_eq!(Refusal::of(&s), Some(Refusal::VersionNotNewer));
         assert_eq!(current_version(&s), Some(7));
-        let plain = Status::failed_precondition("weight update version 3 is not newer than the current version 3");
+        let plain = Status::failed_precondition(
+            "weight update version 3 is not newer than the current version 3",
+        );
         assert_eq!(Refusal::of(&plain), None, "the message text is never read");
     }
 }

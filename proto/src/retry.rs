@@ -6,7 +6,15 @@ use tonic::{Code, Status};
 
 /// The server restarting, overloaded, or late: the same call may succeed later.
 pub fn is_transient(status: &Status) -> bool {
-    matches!(status.code(), Code::Unavailable | Code::Unknown | Code::ResourceExhausted | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled)
+    matches!(
+        status.code(),
+        Code::Unavailable
+            | Code::Unknown
+            | Code::ResourceExhausted
+            | Code::DeadlineExceeded
+            | Code::Aborted
+            | Code::Cancelled
+    )
 }
 
 #[cfg(test)]
@@ -17,7 +25,12 @@ mod tests {
     fn refusals_are_not_transient() {
         assert!(is_transient(&Status::unavailable("restarting")));
         assert!(is_transient(&Status::deadline_exceeded("late")));
-        for refused in [Status::invalid_argument("bad"), Status::unauthenticated("token"), Status::internal("model error"), Status::failed_precondition("version")] {
+        for refused in [
+            Status::invalid_argument("bad"),
+            Status::unauthenticated("token"),
+            Status::internal("model error"),
+            Status::failed_precondition("version"),
+        ] {
             assert!(!is_transient(&refused), "{refused:?}");
         }
     }

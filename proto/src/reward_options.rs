@@ -151,7 +151,10 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(corrected, ScoreOptions::corrected());
-        assert_eq!(serde_json::from_str::<ArxivRatioVersion>("\"earlier\"").unwrap(), ArxivRatioVersion::Earlier);
+        assert_eq!(
+            serde_json::from_str::<ArxivRatioVersion>("\"earlier\"").unwrap(),
+            ArxivRatioVersion::Earlier
+        );
         assert!(serde_json::from_str::<ScoreOptions>(r#"{"max_timeout": 3}"#).is_err());
     }
 }

@@ -30,7 +30,12 @@ pub struct ProgramTests {
 pub enum SyntaxCheck {
     Ok,
     /// `SyntaxError` (or `IndentationError`, ...) with Python's message and 1-based position.
-    Error { error_type: String, message: String, line: Option<u32>, column: Option<u32> },
+    Error {
+        error_type: String,
+        message: String,
+        line: Option<u32>,
+        column: Option<u32>,
+    },
 }
 
 /// What happened when the definitions themselves were executed.
@@ -40,7 +45,10 @@ pub enum SetupOutcome {
     Ok,
     /// Not run because the syntax check failed.
     Skipped,
-    Error { error_type: String, message: String },
+    Error {
+        error_type: String,
+        message: String,
+    },
     TimedOut,
 }
 

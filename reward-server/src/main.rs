@@ -78,8 +78,11 @@ fn run() -> anyhow::Result<()> {
             queue_limit: args.queue_limit,
             insecure_no_sandbox: args.insecure_no_sandbox,
             verifier_endpoint: args.verifier_endpoint,
-            tls: cotrain_proto::tls::ServerTls::from_flags(args.tls_cert.as_deref(), args.tls_key.as_deref())
-                .map_err(anyhow::Error::msg)?,
+            tls: cotrain_proto::tls::ServerTls::from_flags(
+                args.tls_cert.as_deref(),
+                args.tls_key.as_deref(),
+            )
+            .map_err(anyhow::Error::msg)?,
         },
     )?;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;

@@ -6,7 +6,7 @@
 mod answers;
 #[path = "rewards/code.rs"]
 mod code;
-#[path = "rewards/writing.rs"]
-mod writing;
 #[path = "rewards/original.rs"]
 mod original;
+#[path = "rewards/writing.rs"]
+mod writing;

@@ -391,10 +391,18 @@ async fn the_original_double_call_runs_an_equality_test_s_call_twice() {
     let mut p = program(code, &["assert f() == 2", "assert len(calls) == 2"]);
     p.double_call = true;
     let r = sb.run_tests(p.clone()).await.unwrap();
-    assert_eq!(r.tests.iter().map(|t| t.passed).collect::<Vec<_>>(), vec![true, true], "{r:?}");
+    assert_eq!(
+        r.tests.iter().map(|t| t.passed).collect::<Vec<_>>(),
+        vec![true, true],
+        "{r:?}"
+    );
     p.double_call = false;
     let r = sb.run_tests(p).await.unwrap();
-    assert_eq!(r.tests.iter().map(|t| t.passed).collect::<Vec<_>>(), vec![false, false], "{r:?}");
+    assert_eq!(
+        r.tests.iter().map(|t| t.passed).collect::<Vec<_>>(),
+        vec![false, false],
+        "{r:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -153,8 +153,17 @@ async fn grpc_score_analyze_execute_and_info() {
     let mut client = server.grpc().await;
 
     // Verify without --verifier-endpoint: UNAVAILABLE, saying how to configure one.
-    let conv = cotrain_proto::reward::VerifyConversation { user: "1+1?".into(), assistant: "2".into() };
-    let err = client.verify(cotrain_proto::reward::VerifyRequest { verifier: String::new(), conversations: vec![conv] }).await.unwrap_err();
+    let conv = cotrain_proto::reward::VerifyConversation {
+        user: "1+1?".into(),
+        assistant: "2".into(),
+    };
+    let err = client
+        .verify(cotrain_proto::reward::VerifyRequest {
+            verifier: String::new(),
+            conversations: vec![conv],
+        })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
     assert!(err.message().contains("--verifier-endpoint"), "{err:?}");
 
@@ -342,13 +351,35 @@ async fn http_native_routes_metrics_and_health() {
 
     // MaPoRL's /predict: a malformed conversation is a 400 naming it; a good one without a
     // verifier endpoint is a 503 saying how to configure one (both in MaPoRL's error shape).
-    let (status, body) = post(&http, server.url("/predict"), json!({"query_responses": [["q", "a"]]})).await;
+    let (status, body) = post(
+        &http,
+        server.url("/predict"),
+        json!({"query_responses": [["q", "a"]]}),
+    )
+    .await;
     assert_eq!(status, 400);
-    assert!(body["error"].as_str().unwrap().contains("query_responses[0][0].role"), "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("query_responses[0][0].role"),
+        "{body}"
+    );
     let conv = json!([{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "\\boxed{2}"}]);
-    let (status, body) = post(&http, server.url("/predict"), json!({"query_responses": [conv]})).await;
+    let (status, body) = post(
+        &http,
+        server.url("/predict"),
+        json!({"query_responses": [conv]}),
+    )
+    .await;
     assert_eq!(status, 503);
-    assert!(body["error"].as_str().unwrap().contains("--verifier-endpoint"), "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("--verifier-endpoint"),
+        "{body}"
+    );
 
     let health: Value = http
         .get(server.url("/health"))

@@ -38,9 +38,22 @@ impl ShmFile {
     /// As [`Self::create`], in another directory (tests of the refusals).
     pub fn create_in(dir: &Path, agent: &str, version: u64) -> std::io::Result<Self> {
         remove_stale(dir);
-        let agent: String =
-            agent.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).take(64).collect();
-        let name = format!("{SHM_PREFIX}{}-{agent}-v{version}-{}", std::process::id(), uuid::Uuid::new_v4().simple());
+        let agent: String = agent
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .take(64)
+            .collect();
+        let name = format!(
+            "{SHM_PREFIX}{}-{agent}-v{version}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        );
         let path = dir.join(name);
         let file = OpenOptions::new()
             .write(true)
@@ -48,7 +61,12 @@ impl ShmFile {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path)?;
-        Ok(Self { path, file, size: 0, tensors: Vec::new() })
+        Ok(Self {
+            path,
+            file,
+            size: 0,
+            tensors: Vec::new(),
+        })
     }
 
     /// Where the file is.
@@ -58,7 +76,13 @@ impl ShmFile {
 
     /// Appends one tensor's little-endian, row-major bytes (`data.len()` must be numel times the
     /// dtype's size; the worker checks it).
-    pub fn write_tensor(&mut self, name: &str, dtype: WireDType, shape: &[i64], data: &[u8]) -> std::io::Result<()> {
+    pub fn write_tensor(
+        &mut self,
+        name: &str,
+        dtype: WireDType,
+        shape: &[i64],
+        data: &[u8],
+    ) -> std::io::Result<()> {
         self.file.write_all(data)?;
         self.tensors.push(ShmTensor {
             name: name.to_string(),
@@ -92,7 +116,11 @@ impl ShmFile {
 
     /// The message naming the file and its tensors.
     pub fn message(&self) -> ShmWeights {
-        ShmWeights { path: self.path.display().to_string(), size: self.size, tensors: self.tensors.clone() }
+        ShmWeights {
+            path: self.path.display().to_string(),
+            size: self.size,
+            tensors: self.tensors.clone(),
+        }
     }
 }
 
@@ -114,21 +142,36 @@ fn remove_stale(dir: &Path) {
     static SWEPT: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
     {
         let mut swept = SWEPT.lock().unwrap_or_else(|e| e.into_inner());
-        if !swept.get_or_insert_with(HashSet::new).insert(dir.to_path_buf()) {
+        if !swept
+            .get_or_insert_with(HashSet::new)
+            .insert(dir.to_path_buf())
+        {
             return;
         }
     }
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(SHM_PREFIX)).and_then(|r| r.split('-').next()) else {
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(SHM_PREFIX))
+            .and_then(|r| r.split('-').next())
+        else {
             continue;
         };
-        let Ok(pid) = pid.parse::<u32>() else { continue };
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
         if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
             match std::fs::remove_file(entry.path()) {
-                Ok(()) => tracing::info!(path = %entry.path().display(), "removed a weight file left by a dead process"),
-                Err(e) => tracing::debug!(path = %entry.path().display(), error = %e, "cannot remove a stale weight file"),
+                Ok(()) => {
+                    tracing::info!(path = %entry.path().display(), "removed a weight file left by a dead process")
+                }
+                Err(e) => {
+                    tracing::debug!(path = %entry.path().display(), error = %e, "cannot remove a stale weight file")
+                }
             }
         }
     }

@@ -17,8 +17,8 @@
 //! version, and an update replaces one agent's adapter (after the engine drains, as above).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use cotrain_model::engine::{Engine, Request, RequestHandle, Sample};
@@ -76,8 +76,13 @@ pub(crate) enum Command {
         reply: oneshot::Sender<Result<JobOutput>>,
         stream: Option<mpsc::UnboundedSender<StreamToken>>,
     },
-    Cancel { id: u64 },
-    Update { update: StagedUpdate, reply: oneshot::Sender<Result<u64>> },
+    Cancel {
+        id: u64,
+    },
+    Update {
+        update: StagedUpdate,
+        reply: oneshot::Sender<Result<u64>>,
+    },
 }
 
 /// How many CPU threads an engine steps on.
@@ -94,13 +99,19 @@ pub enum EngineThreads {
     /// on one adapter's engine at a time), but the counts follow timing and the products' sums
     /// follow the counts: samples are not reproducible from their seeds, so the learner's embedded
     /// worker does not use it.
-    Shared { total: usize, busy: Arc<AtomicUsize> },
+    Shared {
+        total: usize,
+        busy: Arc<AtomicUsize>,
+    },
 }
 
 impl EngineThreads {
     /// Shared between engines: `total` threads.
     pub fn shared(total: usize) -> Self {
-        EngineThreads::Shared { total: total.max(1), busy: Arc::new(AtomicUsize::new(0)) }
+        EngineThreads::Shared {
+            total: total.max(1),
+            busy: Arc::new(AtomicUsize::new(0)),
+        }
     }
 }
 
@@ -122,7 +133,10 @@ pub(crate) struct LoopState {
 impl LoopState {
     /// The state of an adapter loop serving `agents` adapters.
     pub(crate) fn for_adapters(agents: usize) -> Self {
-        Self { agent_versions: (0..agents).map(|_| AtomicU64::new(0)).collect(), ..Self::default() }
+        Self {
+            agent_versions: (0..agents).map(|_| AtomicU64::new(0)).collect(),
+            ..Self::default()
+        }
     }
 }
 
@@ -282,8 +296,20 @@ impl EngineLoop {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, requests, adapter, reply, stream } => {
-                let w = Waiting { id, requests, adapter, reply, stream };
+            Command::Submit {
+                id,
+                requests,
+                adapter,
+                reply,
+                stream,
+            } => {
+                let w = Waiting {
+                    id,
+                    requests,
+                    adapter,
+                    reply,
+                    stream,
+                };
                 if self.updates.is_empty() {
                     self.admit(w);
                 } else {
@@ -302,7 +328,9 @@ impl EngineLoop {
         let mut handles = Vec::with_capacity(w.requests.len());
         let remaining = w.requests.iter().map(|r| r.n).sum();
         // An agent without an adapter yet is the base itself.
-        let adapter = w.adapter.filter(|id| self.engine.adapter_ids().contains(id));
+        let adapter = w
+            .adapter
+            .filter(|id| self.engine.adapter_ids().contains(id));
         let version = match (&self.adapter_versions, w.adapter) {
             (Some(v), Some(id)) => v.get(id as usize).copied().unwrap_or(0),
             _ => self.version,
@@ -322,8 +350,23 @@ impl EngineLoop {
         for &h in &handles {
             self.owner.insert(h, w.id);
         }
-        debug!(job = w.id, requests = handles.len(), version, "job admitted");
-        self.running.insert(w.id, Job { handles, samples: HashMap::new(), remaining, version, reply: w.reply, stream: w.stream });
+        debug!(
+            job = w.id,
+            requests = handles.len(),
+            version,
+            "job admitted"
+        );
+        self.running.insert(
+            w.id,
+            Job {
+                handles,
+                samples: HashMap::new(),
+                remaining,
+                version,
+                reply: w.reply,
+                stream: w.stream,
+            },
+        );
     }
 
     fn cancel(&mut self, id: u64) {
@@ -339,7 +382,12 @@ impl EngineLoop {
 
     /// Cancels jobs whose caller is gone (a dropped client, a passed deadline).
     fn drop_abandoned(&mut self) {
-        let gone: Vec<u64> = self.running.iter().filter(|(_, j)| j.reply.is_closed()).map(|(&id, _)| id).collect();
+        let gone: Vec<u64> = self
+            .running
+            .iter()
+            .filter(|(_, j)| j.reply.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
         for id in gone {
             self.cancel(id);
         }
@@ -355,18 +403,29 @@ impl EngineLoop {
                 continue;
             }
             if update.version <= self.version {
-                let _ = reply.send(Err(WorkerError::VersionNotNewer { current: self.version, offered: update.version }));
+                let _ = reply.send(Err(WorkerError::VersionNotNewer {
+                    current: self.version,
+                    offered: update.version,
+                }));
                 continue;
             }
             let started = Instant::now();
             match self.engine.load_named_tensors(&update.tensors) {
                 Ok(()) => {
                     self.version = update.version;
-                    self.state.policy_version.store(self.version, Ordering::SeqCst);
+                    self.state
+                        .policy_version
+                        .store(self.version, Ordering::SeqCst);
                     for a in &self.agents {
-                        self.metrics.policy_version.with_label_values(&[a.as_str()]).set(self.version as i64);
+                        self.metrics
+                            .policy_version
+                            .with_label_values(&[a.as_str()])
+                            .set(self.version as i64);
                     }
-                    self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "applied"]).inc();
+                    self.metrics
+                        .weight_updates
+                        .with_label_values(&[self.model_id.as_str(), "applied"])
+                        .inc();
                     // Per push, beside the service's own line: detail.
                     debug!(model = %self.model_id, version = self.version, tensors = update.tensors.len(),
                         swap_ms = started.elapsed().as_millis() as u64, "weights swapped");
@@ -376,7 +435,10 @@ impl EngineLoop {
                     }
                 }
                 Err(e) => {
-                    self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "rejected"]).inc();
+                    self.metrics
+                        .weight_updates
+                        .with_label_values(&[self.model_id.as_str(), "rejected"])
+                        .inc();
                     warn!(model = %self.model_id, error = %e, "weight swap rejected");
                     let _ = reply.send(Err(WorkerError::BadUpdate(e.to_string())));
                 }
@@ -386,16 +448,29 @@ impl EngineLoop {
 
     /// Replaces the adapter of agent `id` (an adapter loop, engine empty).
     fn swap_adapter(&mut self, id: u32, scaling: f64, update: StagedUpdate) -> Result<u64> {
-        let current = self.adapter_versions.as_ref().and_then(|v| v.get(id as usize).copied());
+        let current = self
+            .adapter_versions
+            .as_ref()
+            .and_then(|v| v.get(id as usize).copied());
         let Some(current) = current else {
-            return Err(WorkerError::BadUpdate(format!("adapter id {id} is not an agent of model `{}`", self.model_id)));
+            return Err(WorkerError::BadUpdate(format!(
+                "adapter id {id} is not an agent of model `{}`",
+                self.model_id
+            )));
         };
         if update.version <= current {
-            return Err(WorkerError::VersionNotNewer { current, offered: update.version });
+            return Err(WorkerError::VersionNotNewer {
+                current,
+                offered: update.version,
+            });
         }
         let started = Instant::now();
-        let adapter = cotrain_model::lora::LoraAdapter::from_tensors(&self.engine.loaded().model, &update.tensors, scaling)
-            .and_then(|a| self.engine.set_adapter(id, Some(a)));
+        let adapter = cotrain_model::lora::LoraAdapter::from_tensors(
+            &self.engine.loaded().model,
+            &update.tensors,
+            scaling,
+        )
+        .and_then(|a| self.engine.set_adapter(id, Some(a)));
         let agent = self.agents[id as usize].clone();
         match adapter {
             Ok(()) => {
@@ -404,14 +479,23 @@ impl EngineLoop {
                 self.state.agent_versions[id as usize].store(update.version, Ordering::SeqCst);
                 let newest = versions.iter().copied().max().unwrap_or(0);
                 self.state.policy_version.store(newest, Ordering::SeqCst);
-                self.metrics.policy_version.with_label_values(&[agent.as_str()]).set(update.version as i64);
-                self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "applied"]).inc();
+                self.metrics
+                    .policy_version
+                    .with_label_values(&[agent.as_str()])
+                    .set(update.version as i64);
+                self.metrics
+                    .weight_updates
+                    .with_label_values(&[self.model_id.as_str(), "applied"])
+                    .inc();
                 debug!(model = %self.model_id, agent, version = update.version, tensors = update.tensors.len(),
                     swap_ms = started.elapsed().as_millis() as u64, "adapter swapped");
                 Ok(update.version)
             }
             Err(e) => {
-                self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "rejected"]).inc();
+                self.metrics
+                    .weight_updates
+                    .with_label_values(&[self.model_id.as_str(), "rejected"])
+                    .inc();
                 warn!(model = %self.model_id, agent, error = %e, "adapter swap rejected");
                 Err(WorkerError::BadUpdate(e.to_string()))
             }
@@ -443,7 +527,9 @@ impl EngineLoop {
                             self.engine.cancel(*h);
                             self.owner.remove(h);
                         }
-                        let _ = job.reply.send(Err(WorkerError::Internal(format!("engine step failed: {e}"))));
+                        let _ = job.reply.send(Err(WorkerError::Internal(format!(
+                            "engine step failed: {e}"
+                        ))));
                     }
                 }
                 return;
@@ -451,21 +537,45 @@ impl EngineLoop {
         };
         let model = self.model_id.as_str();
         self.metrics.decode_steps.with_label_values(&[model]).inc();
-        self.metrics.generated_tokens.with_label_values(&[model]).inc_by(out.tokens.len() as u64);
+        self.metrics
+            .generated_tokens
+            .with_label_values(&[model])
+            .inc_by(out.tokens.len() as u64);
         self.window_tokens += out.tokens.len() as u64;
         for t in out.tokens {
-            let Some(job) = self.owner.get(&t.request).and_then(|id| self.running.get(id)) else { continue };
+            let Some(job) = self
+                .owner
+                .get(&t.request)
+                .and_then(|id| self.running.get(id))
+            else {
+                continue;
+            };
             if let Some(stream) = &job.stream {
-                let prompt = job.handles.iter().position(|&h| h == t.request).unwrap_or(0);
+                let prompt = job
+                    .handles
+                    .iter()
+                    .position(|&h| h == t.request)
+                    .unwrap_or(0);
                 // A closed receiver is a client that left; the job is dropped through its reply.
-                let _ = stream.send(StreamToken { prompt, index: t.index, token: t.token, logprob: t.logprob, top: t.top });
+                let _ = stream.send(StreamToken {
+                    prompt,
+                    index: t.index,
+                    token: t.token,
+                    logprob: t.logprob,
+                    top: t.top,
+                });
             }
         }
         for s in out.finished {
-            let Some(&id) = self.owner.get(&s.request) else { continue };
+            let Some(&id) = self.owner.get(&s.request) else {
+                continue;
+            };
             let job = self.running.get_mut(&id).expect("owner implies running");
             if s.index == 0 {
-                self.metrics.prompt_tokens.with_label_values(&[model]).inc_by(s.prompt_tokens as u64);
+                self.metrics
+                    .prompt_tokens
+                    .with_label_values(&[model])
+                    .inc_by(s.prompt_tokens as u64);
             }
             job.samples.entry(s.request).or_default().push(s);
             job.remaining -= 1;
@@ -481,7 +591,10 @@ impl EngineLoop {
                         v
                     })
                     .collect();
-                let _ = job.reply.send(Ok(JobOutput { samples, policy_version: job.version }));
+                let _ = job.reply.send(Ok(JobOutput {
+                    samples,
+                    policy_version: job.version,
+                }));
             }
         }
     }
@@ -490,16 +603,36 @@ impl EngineLoop {
         let model = self.model_id.as_str();
         let running = self.engine.num_running();
         let queued = self.engine.num_pending() + self.waiting.len();
-        self.state.running_sequences.store(running, Ordering::SeqCst);
+        self.state
+            .running_sequences
+            .store(running, Ordering::SeqCst);
         self.state.queued_jobs.store(queued, Ordering::SeqCst);
-        self.state.pending_updates.store(self.updates.len(), Ordering::SeqCst);
-        self.metrics.running_sequences.with_label_values(&[model]).set(running as i64);
-        self.metrics.queue_depth.with_label_values(&[model]).set(queued as i64);
-        self.metrics.batch_occupancy.with_label_values(&[model]).set(running as f64 / self.max_rows.max(1) as f64);
+        self.state
+            .pending_updates
+            .store(self.updates.len(), Ordering::SeqCst);
+        self.metrics
+            .running_sequences
+            .with_label_values(&[model])
+            .set(running as i64);
+        self.metrics
+            .queue_depth
+            .with_label_values(&[model])
+            .set(queued as i64);
+        self.metrics
+            .batch_occupancy
+            .with_label_values(&[model])
+            .set(running as f64 / self.max_rows.max(1) as f64);
         let elapsed = self.window_start.elapsed().as_secs_f64();
         if elapsed >= 1.0 || running == 0 {
-            let rate = if elapsed > 0.0 { self.window_tokens as f64 / elapsed } else { 0.0 };
-            self.metrics.tokens_per_second.with_label_values(&[model]).set(rate);
+            let rate = if elapsed > 0.0 {
+                self.window_tokens as f64 / elapsed
+            } else {
+                0.0
+            };
+            self.metrics
+                .tokens_per_second
+                .with_label_values(&[model])
+                .set(rate);
             self.window_start = Instant::now();
             self.window_tokens = 0;
         }

@@ -65,7 +65,6 @@ pub enum WorkerError {
     Internal(String),
 }
 
-
 /// Why a vLLM engine could not be started or used (`serve --engine vllm`, `crate::vllm`).
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -87,7 +86,10 @@ pub enum EngineError {
 impl WorkerError {
     /// Shorthand for [`WorkerError::InvalidArgument`].
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::InvalidArgument { field: field.into(), message: message.into() }
+        Self::InvalidArgument {
+            field: field.into(),
+            message: message.into(),
+        }
     }
 
     /// The gRPC status code this error maps to.
@@ -95,7 +97,9 @@ impl WorkerError {
         match self {
             Self::InvalidArgument { .. } | Self::BadUpdate(_) => Code::InvalidArgument,
             Self::Overloaded { .. } => Code::ResourceExhausted,
-            Self::StalePolicy { .. } | Self::VersionNotNewer { .. } | Self::ShmUnavailable(_) => Code::FailedPrecondition,
+            Self::StalePolicy { .. } | Self::VersionNotNewer { .. } | Self::ShmUnavailable(_) => {
+                Code::FailedPrecondition
+            }
             Self::StreamBroken(_) => Code::Aborted,
             Self::Unavailable(_) => Code::Unavailable,
             Self::Model(cotrain_model::ModelError::InvalidRequest(_)) => Code::InvalidArgument,
@@ -130,9 +134,15 @@ impl From<WorkerError> for Status {
         let status = Status::new(e.code(), e.to_string());
         // The refusals a client's failover acts on are typed in the metadata (never read from the text).
         match e {
-            WorkerError::StalePolicy { current, .. } => Refusal::StalePolicy.mark(status, Some(current)),
-            WorkerError::VersionNotNewer { current, .. } => Refusal::VersionNotNewer.mark(status, Some(current)),
-            WorkerError::InvalidArgument { ref field, .. } if field == "verifier" => Refusal::UnknownVerifier.mark(status, None),
+            WorkerError::StalePolicy { current, .. } => {
+                Refusal::StalePolicy.mark(status, Some(current))
+            }
+            WorkerError::VersionNotNewer { current, .. } => {
+                Refusal::VersionNotNewer.mark(status, Some(current))
+            }
+            WorkerError::InvalidArgument { ref field, .. } if field == "verifier" => {
+                Refusal::UnknownVerifier.mark(status, None)
+            }
             _ => status,
         }
     }
@@ -147,15 +157,25 @@ mod tests {
 
     #[test]
     fn invalid_argument_names_the_field() {
-        let status: Status = WorkerError::invalid("sampling.top_p", "must be in (0, 1], got 1.5").into();
+        let status: Status =
+            WorkerError::invalid("sampling.top_p", "must be in (0, 1], got 1.5").into();
         assert_eq!(status.code(), Code::InvalidArgument);
-        assert!(status.message().contains("sampling.top_p"), "{}", status.message());
+        assert!(
+            status.message().contains("sampling.top_p"),
+            "{}",
+            status.message()
+        );
     }
 
     #[test]
     fn overload_is_resource_exhausted() {
         let status: Status = WorkerError::Overloaded { queued: 8, max: 8 }.into();
         assert_eq!(status.code(), Code::ResourceExhausted);
-        assert_eq!(WorkerError::Overloaded { queued: 8, max: 8 }.http_status().0, 429);
+        assert_eq!(
+            WorkerError::Overloaded { queued: 8, max: 8 }
+                .http_status()
+                .0,
+            429
+        );
     }
 }

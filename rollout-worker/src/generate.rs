@@ -3,11 +3,13 @@
 use std::io::Write;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use cotrain_model::chat_template::ChatMessage;
 use cotrain_model::config::{parse_device, parse_dtype};
-use cotrain_model::engine::{Engine, EngineConfig, LogprobMode, Request, SamplingParams, StopConditions};
+use cotrain_model::engine::{
+    Engine, EngineConfig, LogprobMode, Request, SamplingParams, StopConditions,
+};
 use cotrain_model::loader::{self, LoadOptions};
 
 /// Arguments of `generate`.
@@ -92,13 +94,21 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if let Some(t) = args.threads {
         tch::set_num_threads(t);
     }
-    let opts = LoadOptions { device: parse_device(&args.device)?, kind: parse_dtype(&args.dtype)? };
+    let opts = LoadOptions {
+        device: parse_device(&args.device)?,
+        kind: parse_dtype(&args.dtype)?,
+    };
     if args.bf16_dot_products {
-        cotrain_model::kernels::gemm_bf16dot::enable_for(opts.kind, opts.device, "--bf16-dot-products").map_err(anyhow::Error::msg)?;
+        cotrain_model::kernels::gemm_bf16dot::enable_for(
+            opts.kind,
+            opts.device,
+            "--bf16-dot-products",
+        )
+        .map_err(anyhow::Error::msg)?;
     }
     let load_start = Instant::now();
-    let loaded =
-        loader::load(&args.model, &opts).with_context(|| format!("loading model `{}`", args.model))?;
+    let loaded = loader::load(&args.model, &opts)
+        .with_context(|| format!("loading model `{}`", args.model))?;
     let load_secs = load_start.elapsed().as_secs_f64();
 
     let prompt_ids = if args.chat {
@@ -114,9 +124,15 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             .render(&messages, true, &serde_json::Value::Null)
             .context("rendering the chat template")?;
         // The template already wrote any BOS it wants.
-        loaded.tokenizer.encode(&text, false).context("tokenizing the prompt")?
+        loaded
+            .tokenizer
+            .encode(&text, false)
+            .context("tokenizing the prompt")?
     } else {
-        loaded.tokenizer.encode(&args.prompt, true).context("tokenizing the prompt")?
+        loaded
+            .tokenizer
+            .encode(&args.prompt, true)
+            .context("tokenizing the prompt")?
     };
 
     let request = Request {
@@ -135,18 +151,33 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             stop_strings: args.stop.clone(),
             ignore_eos: args.ignore_eos,
         },
-        logprobs: if args.sampling_logprobs { LogprobMode::Sampling } else { LogprobMode::Raw },
+        logprobs: if args.sampling_logprobs {
+            LogprobMode::Sampling
+        } else {
+            LogprobMode::Raw
+        },
         top_logprobs: 0,
     };
 
     let adapter = match &args.adapter {
         Some(dir) => Some(
-            cotrain_model::lora::LoraAdapter::load_peft(dir, &loaded.model)
-                .with_context(|| format!("loading the adapter {} over `{}`", dir.display(), args.model))?,
+            cotrain_model::lora::LoraAdapter::load_peft(dir, &loaded.model).with_context(|| {
+                format!(
+                    "loading the adapter {} over `{}`",
+                    dir.display(),
+                    args.model
+                )
+            })?,
         ),
         None => None,
     };
-    let mut engine = Engine::with_config(loaded, EngineConfig { decode_threads: args.decode_threads, ..EngineConfig::default() });
+    let mut engine = Engine::with_config(
+        loaded,
+        EngineConfig {
+            decode_threads: args.decode_threads,
+            ..EngineConfig::default()
+        },
+    );
     // The adapter is served unmerged, as `serve --adapters` serves an agent's.
     let adapter_id = match adapter {
         Some(a) => {
@@ -174,7 +205,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         writeln!(stdout, "{}", decoder.finish(engine.tokenizer())?)?;
         finished
     } else {
-        engine.generate_with_adapters(&[(request, adapter_id)])?.remove(0)
+        engine
+            .generate_with_adapters(&[(request, adapter_id)])?
+            .remove(0)
     };
     let secs = start.elapsed().as_secs_f64();
     let generated: usize = samples.iter().map(|s| s.token_ids.len()).sum();

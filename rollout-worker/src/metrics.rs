@@ -1,6 +1,8 @@
 //! Prometheus metrics of one worker, served as text on the HTTP port's `/metrics`.
 
-use prometheus::{Encoder, IntCounterVec, IntGauge, IntGaugeVec, GaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, GaugeVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
 
 /// Every metric the worker exports; cheap to clone (the vectors are shared handles).
 #[derive(Clone)]
@@ -37,40 +39,86 @@ pub struct Metrics {
 impl Metrics {
     /// Registers every metric in a fresh registry.
     pub fn new() -> Self {
-        let registry = Registry::new_custom(Some("cotrain_rollout".into()), None).expect("static prefix is valid");
+        let registry = Registry::new_custom(Some("cotrain_rollout".into()), None)
+            .expect("static prefix is valid");
         fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
-            r.register(Box::new(c.clone())).expect("metric names are unique");
+            r.register(Box::new(c.clone()))
+                .expect("metric names are unique");
             c
         }
         let counter = |name: &str, help: &str, labels: &[&str]| {
-            reg(&registry, IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"))
+            reg(
+                &registry,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
         };
         let gauge = |name: &str, help: &str, labels: &[&str]| {
-            reg(&registry, IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric"))
+            reg(
+                &registry,
+                IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
         };
         let fgauge = |name: &str, help: &str, labels: &[&str]| {
-            reg(&registry, GaugeVec::new(Opts::new(name, help), labels).expect("valid metric"))
+            reg(
+                &registry,
+                GaugeVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
         };
         Self {
-            generated_tokens: counter("generated_tokens_total", "completion tokens sampled", &["model"]),
+            generated_tokens: counter(
+                "generated_tokens_total",
+                "completion tokens sampled",
+                &["model"],
+            ),
             prompt_tokens: counter("prompt_tokens_total", "prompt tokens prefilled", &["model"]),
             decode_steps: counter("decode_steps_total", "decode steps run", &["model"]),
-            requests: counter("requests_total", "generate requests answered", &["agent", "outcome"]),
+            requests: counter(
+                "requests_total",
+                "generate requests answered",
+                &["agent", "outcome"],
+            ),
             running_sequences: gauge("running_sequences", "sequences decoding now", &["model"]),
-            batch_occupancy: fgauge("batch_occupancy", "running sequences over batch capacity", &["model"]),
-            queue_depth: gauge("queue_depth", "sequences waiting to join the batch", &["model"]),
+            batch_occupancy: fgauge(
+                "batch_occupancy",
+                "running sequences over batch capacity",
+                &["model"],
+            ),
+            queue_depth: gauge(
+                "queue_depth",
+                "sequences waiting to join the batch",
+                &["model"],
+            ),
             in_flight_requests: reg(
                 &registry,
-                IntGauge::new("in_flight_requests", "generate requests admitted and not answered").expect("valid metric"),
+                IntGauge::new(
+                    "in_flight_requests",
+                    "generate requests admitted and not answered",
+                )
+                .expect("valid metric"),
             ),
-            tokens_per_second: fgauge("tokens_per_second", "completion tokens per second, last second", &["model"]),
+            tokens_per_second: fgauge(
+                "tokens_per_second",
+                "completion tokens per second, last second",
+                &["model"],
+            ),
             policy_version: gauge("policy_version", "current policy version", &["agent"]),
-            weight_updates: counter("weight_updates_total", "weight updates received", &["model", "outcome"]),
-            verifier_conversations: counter("verifier_conversations_total", "conversations scored by a learned verifier", &["verifier"]),
+            weight_updates: counter(
+                "weight_updates_total",
+                "weight updates received",
+                &["model", "outcome"],
+            ),
+            verifier_conversations: counter(
+                "verifier_conversations_total",
+                "conversations scored by a learned verifier",
+                &["verifier"],
+            ),
             weight_update_bytes: reg(
                 &registry,
-                prometheus::IntCounter::new("weight_update_bytes_total", "weight-update payload bytes received")
-                    .expect("valid metric"),
+                prometheus::IntCounter::new(
+                    "weight_update_bytes_total",
+                    "weight-update payload bytes received",
+                )
+                .expect("valid metric"),
             ),
             registry,
         }
@@ -79,7 +127,9 @@ impl Metrics {
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         let mut buf = Vec::new();
-        TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("encoding to a Vec cannot fail");
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("encoding to a Vec cannot fail");
         String::from_utf8(buf).expect("prometheus text is utf-8")
     }
 }
@@ -100,7 +150,13 @@ mod tests {
         m.generated_tokens.with_label_values(&["m"]).inc_by(7);
         m.policy_version.with_label_values(&["alice"]).set(3);
         let text = m.render();
-        assert!(text.contains("cotrain_rollout_generated_tokens_total{model=\"m\"} 7"), "{text}");
-        assert!(text.contains("cotrain_rollout_policy_version{agent=\"alice\"} 3"), "{text}");
+        assert!(
+            text.contains("cotrain_rollout_generated_tokens_total{model=\"m\"} 7"),
+            "{text}"
+        );
+        assert!(
+            text.contains("cotrain_rollout_policy_version{agent=\"alice\"} 3"),
+            "{text}"
+        );
     }
 }

@@ -50,10 +50,22 @@ impl Probe {
     /// Compares the engine's log-probs of the sequence (same layout as [`Probe::logprobs`]) with
     /// the learner's. A length mismatch or a non-finite value is a failure at that position.
     pub fn check(&self, engine: &[f32], default_tolerance: f32) -> ProbeCheck {
-        let tolerance = if self.tolerance > 0.0 { self.tolerance } else { default_tolerance };
-        let mut worst = ProbeCheck { max_abs_diff: 0.0, position: 0, tolerance };
+        let tolerance = if self.tolerance > 0.0 {
+            self.tolerance
+        } else {
+            default_tolerance
+        };
+        let mut worst = ProbeCheck {
+            max_abs_diff: 0.0,
+            position: 0,
+            tolerance,
+        };
         if engine.len() != self.logprobs.len() {
-            return ProbeCheck { max_abs_diff: f32::INFINITY, position: engine.len().min(self.logprobs.len()) + 1, tolerance };
+            return ProbeCheck {
+                max_abs_diff: f32::INFINITY,
+                position: engine.len().min(self.logprobs.len()) + 1,
+                tolerance,
+            };
         }
         for (i, (e, l)) in engine.iter().zip(&self.logprobs).enumerate() {
             let d = (e - l).abs();
@@ -72,7 +84,11 @@ mod tests {
     use super::*;
 
     fn probe(logprobs: Vec<f32>) -> Probe {
-        Probe { token_ids: (0..=logprobs.len() as u32).collect(), logprobs, tolerance: 0.0 }
+        Probe {
+            token_ids: (0..=logprobs.len() as u32).collect(),
+            logprobs,
+            tolerance: 0.0,
+        }
     }
 
     /// Float noise passes; one position off by a tenth of a nat fails and is named.

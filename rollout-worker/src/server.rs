@@ -191,7 +191,9 @@ pub struct ServeOptions {
 
 fn parse_verifier(s: &str) -> Result<(String, std::path::PathBuf), String> {
     match s.split_once('=') {
-        Some((name, dir)) if !name.is_empty() && !dir.is_empty() => Ok((name.to_string(), dir.into())),
+        Some((name, dir)) if !name.is_empty() && !dir.is_empty() => {
+            Ok((name.to_string(), dir.into()))
+        }
         _ => Err(format!("expected NAME=DIR, got `{s}`")),
     }
 }
@@ -199,7 +201,9 @@ fn parse_verifier(s: &str) -> Result<(String, std::path::PathBuf), String> {
 fn parse_share(s: &str) -> Result<Vec<String>, String> {
     let names: Vec<String> = s.split(',').map(|n| n.trim().to_string()).collect();
     if names.len() < 2 || names.iter().any(String::is_empty) {
-        return Err(format!("expected two or more agent names separated by commas, got `{s}`"));
+        return Err(format!(
+            "expected two or more agent names separated by commas, got `{s}`"
+        ));
     }
     Ok(names)
 }
@@ -207,14 +211,18 @@ fn parse_share(s: &str) -> Result<Vec<String>, String> {
 fn parse_adapters(s: &str) -> Result<Vec<String>, String> {
     let names: Vec<String> = s.split(',').map(|n| n.trim().to_string()).collect();
     if names.iter().any(String::is_empty) {
-        return Err(format!("expected agent names separated by commas, got `{s}`"));
+        return Err(format!(
+            "expected agent names separated by commas, got `{s}`"
+        ));
     }
     Ok(names)
 }
 
 fn parse_agent(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
-        Some((name, model)) if !name.is_empty() && !model.is_empty() => Ok((name.to_string(), model.to_string())),
+        Some((name, model)) if !name.is_empty() && !model.is_empty() => {
+            Ok((name.to_string(), model.to_string()))
+        }
         _ => Err(format!("expected NAME=MODEL, got `{s}`")),
     }
 }
@@ -225,10 +233,20 @@ impl ServeArgs {
         let (mut agents, mut adapters) = (self.agents.clone(), self.adapters.clone());
         for (name, dir) in &self.lora_modules {
             let path = dir.join("adapter_config.json");
-            let text = std::fs::read_to_string(&path).with_context(|| format!("--lora-module {name}={}: reading {}", dir.display(), path.display()))?;
-            let config: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("--lora-module {name}: {}", path.display()))?;
+            let text = std::fs::read_to_string(&path).with_context(|| {
+                format!(
+                    "--lora-module {name}={}: reading {}",
+                    dir.display(),
+                    path.display()
+                )
+            })?;
+            let config: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("--lora-module {name}: {}", path.display()))?;
             let Some(base) = config["base_model_name_or_path"].as_str() else {
-                anyhow::bail!("--lora-module {name}: {} names no base_model_name_or_path", path.display());
+                anyhow::bail!(
+                    "--lora-module {name}: {} names no base_model_name_or_path",
+                    path.display()
+                );
             };
             if agents.iter().any(|(a, _)| a == name) {
                 anyhow::bail!("--lora-module {name}: `{name}` is also an --agent");
@@ -236,7 +254,10 @@ impl ServeArgs {
             agents.push((name.clone(), base.to_string()));
             // With the other adapters of that base, else in a group of its own.
             let spec_of = |a: &String| agents.iter().find(|(n, _)| n == a).map(|(_, s)| s.clone());
-            match adapters.iter_mut().find(|g| g.first().and_then(spec_of).as_deref() == Some(base)) {
+            match adapters
+                .iter_mut()
+                .find(|g| g.first().and_then(spec_of).as_deref() == Some(base))
+            {
                 Some(g) => g.push(name.clone()),
                 None => adapters.push(vec![name.clone()]),
             }
@@ -250,12 +271,20 @@ impl ServeArgs {
             agent_devices: self
                 .agent_devices
                 .iter()
-                .map(|(a, d)| Ok((a.clone(), cotrain_model::config::parse_device(d).with_context(|| format!("--agent-device {a}={d}"))?)))
+                .map(|(a, d)| {
+                    Ok((
+                        a.clone(),
+                        cotrain_model::config::parse_device(d)
+                            .with_context(|| format!("--agent-device {a}={d}"))?,
+                    ))
+                })
                 .collect::<anyhow::Result<_>>()?,
             kind: cotrain_model::config::parse_dtype(&self.dtype).context("--dtype")?,
             max_batch_size: self.max_batch_size,
             max_queued_requests: self.max_queued_requests,
-            engine_threads: self.threads_per_engine.map_or(EngineThreads::Default, |n| EngineThreads::Fixed(n as usize)),
+            engine_threads: self
+                .threads_per_engine
+                .map_or(EngineThreads::Default, |n| EngineThreads::Fixed(n as usize)),
             decode_threads: self.decode_threads,
             verifiers: self.verifiers.clone(),
             engine: self.engine_kind()?,
@@ -306,7 +335,9 @@ impl RunningServer {
         }
         let result = (&mut self.task).await.context("server task panicked")?;
         if let Ok(worker) = Arc::try_unwrap(self.worker) {
-            tokio::task::spawn_blocking(move || worker.shutdown()).await.ok();
+            tokio::task::spawn_blocking(move || worker.shutdown())
+                .await
+                .ok();
         }
         result
     }
@@ -329,7 +360,11 @@ async fn wait_for_signal() -> anyhow::Result<()> {
 }
 
 /// Loads the models and starts both servers on this runtime (shared-memory weight updates off).
-pub async fn start(config: WorkerConfig, grpc_addr: SocketAddr, http_addr: SocketAddr) -> anyhow::Result<RunningServer> {
+pub async fn start(
+    config: WorkerConfig,
+    grpc_addr: SocketAddr,
+    http_addr: SocketAddr,
+) -> anyhow::Result<RunningServer> {
     start_with(config, grpc_addr, http_addr, ServeOptions::default()).await
 }
 
@@ -352,8 +387,12 @@ pub async fn start_with(
         .context("model loading panicked")?
         .context("starting the worker")?;
     let worker = Arc::new(worker);
-    let grpc = TcpListener::bind(grpc_addr).await.with_context(|| format!("binding gRPC on {grpc_addr}"))?;
-    let http = TcpListener::bind(http_addr).await.with_context(|| format!("binding HTTP on {http_addr}"))?;
+    let grpc = TcpListener::bind(grpc_addr)
+        .await
+        .with_context(|| format!("binding gRPC on {grpc_addr}"))?;
+    let http = TcpListener::bind(http_addr)
+        .await
+        .with_context(|| format!("binding HTTP on {http_addr}"))?;
     let (grpc_addr, http_addr) = (grpc.local_addr()?, http.local_addr()?);
 
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -367,10 +406,12 @@ pub async fn start_with(
         tracing::warn!(%grpc_addr, "--insecure: serving on a non-loopback address without a cluster token: anyone who reaches this port can replace the weights");
     }
     let rollout = RolloutServer::new(
-        RolloutService::new(worker.clone()).with_shm_weights(options.allow_shm_weights).with_cluster_token(options.cluster_token.clone()),
+        RolloutService::new(worker.clone())
+            .with_shm_weights(options.allow_shm_weights)
+            .with_cluster_token(options.cluster_token.clone()),
     )
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+    .max_encoding_message_size(MAX_MESSAGE_BYTES);
 
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let (grpc_stop_tx, grpc_stop_rx) = oneshot::channel::<()>();
@@ -380,7 +421,14 @@ pub async fn start_with(
     let (http_plain, http_tls) = match &options.tls {
         Some(tls) => {
             builder = builder.tls_config(tls.tonic()).context("gRPC TLS")?;
-            (None, Some(tls.listener(http).map_err(anyhow::Error::msg).context("HTTP TLS")?))
+            (
+                None,
+                Some(
+                    tls.listener(http)
+                        .map_err(anyhow::Error::msg)
+                        .context("HTTP TLS")?,
+                ),
+            )
         }
         None => (Some(http), None),
     };
@@ -391,22 +439,37 @@ pub async fn start_with(
             .add_service(health_service)
             .add_service(reflection)
             .add_service(rollout)
-            .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)), async {
-                let _ = grpc_stop_rx.await;
-            });
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
+                async {
+                    let _ = grpc_stop_rx.await;
+                },
+            );
         let http_stopped = async {
             let _ = http_stop_rx.await;
         };
         let http_task = match (http_plain, http_tls) {
-            (Some(l), _) => tokio::spawn(async move { axum::serve(l, router).with_graceful_shutdown(http_stopped).await }),
-            (None, Some(l)) => tokio::spawn(async move { axum::serve(l, router).with_graceful_shutdown(http_stopped).await }),
+            (Some(l), _) => tokio::spawn(async move {
+                axum::serve(l, router)
+                    .with_graceful_shutdown(http_stopped)
+                    .await
+            }),
+            (None, Some(l)) => tokio::spawn(async move {
+                axum::serve(l, router)
+                    .with_graceful_shutdown(http_stopped)
+                    .await
+            }),
             (None, None) => unreachable!("one HTTP listener"),
         };
         let grpc_task = tokio::spawn(grpc_server);
         let _ = stop_rx.await;
         // Tell load balancers first, then stop accepting; in-flight requests finish.
-        health.set_not_serving::<RolloutServer<RolloutService>>().await;
-        health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+        health
+            .set_not_serving::<RolloutServer<RolloutService>>()
+            .await;
+        health
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
         let _ = grpc_stop_tx.send(());
         let _ = http_stop_tx.send(());
         grpc_task.await?.context("gRPC server")?;
@@ -416,7 +479,13 @@ pub async fn start_with(
     });
     info!(%grpc_addr, %http_addr, worker_id = worker.id(), shm_weights = options.allow_shm_weights,
         cluster_token = options.cluster_token.is_some(), "rollout worker serving");
-    Ok(RunningServer { grpc_addr, http_addr, worker, stop: Some(stop_tx), task })
+    Ok(RunningServer {
+        grpc_addr,
+        http_addr,
+        worker,
+        stop: Some(stop_tx),
+        task,
+    })
 }
 
 /// `rollout-worker serve`: runs until SIGINT/SIGTERM.
@@ -427,23 +496,60 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let config = args.worker_config()?;
     if args.bf16_dot_products {
-        cotrain_model::kernels::gemm_bf16dot::enable_for(config.kind, config.device, "--bf16-dot-products").map_err(anyhow::Error::msg)?;
+        cotrain_model::kernels::gemm_bf16dot::enable_for(
+            config.kind,
+            config.device,
+            "--bf16-dot-products",
+        )
+        .map_err(anyhow::Error::msg)?;
     }
-    let cluster_token = cotrain_proto::auth::ClusterToken::from_flag_or_env(args.cluster_token_file.as_deref()).map_err(anyhow::Error::msg)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("tokio runtime")?;
+    let cluster_token =
+        cotrain_proto::auth::ClusterToken::from_flag_or_env(args.cluster_token_file.as_deref())
+            .map_err(anyhow::Error::msg)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
     runtime.block_on(async move {
-        let tls = cotrain_proto::tls::ServerTls::from_flags(args.tls_cert.as_deref(), args.tls_key.as_deref()).map_err(anyhow::Error::msg)?;
-        let client_tls = cotrain_proto::tls::ClientTls::from_flag_or_env(args.tls_ca.as_deref(), args.tls_domain.as_deref()).map_err(anyhow::Error::msg)?;
-        let options = ServeOptions { allow_shm_weights: args.allow_shm_weights, cluster_token: cluster_token.clone(), tls, insecure: args.insecure };
+        let tls = cotrain_proto::tls::ServerTls::from_flags(
+            args.tls_cert.as_deref(),
+            args.tls_key.as_deref(),
+        )
+        .map_err(anyhow::Error::msg)?;
+        let client_tls = cotrain_proto::tls::ClientTls::from_flag_or_env(
+            args.tls_ca.as_deref(),
+            args.tls_domain.as_deref(),
+        )
+        .map_err(anyhow::Error::msg)?;
+        let options = ServeOptions {
+            allow_shm_weights: args.allow_shm_weights,
+            cluster_token: cluster_token.clone(),
+            tls,
+            insecure: args.insecure,
+        };
         let agents: Vec<String> = config.agents.iter().map(|(a, _)| a.clone()).collect();
         let server = start_with(config, args.grpc_addr, args.http_addr, options).await?;
-        println!("listening grpc={} http={}", server.grpc_addr, server.http_addr);
+        println!(
+            "listening grpc={} http={}",
+            server.grpc_addr, server.http_addr
+        );
         use std::io::Write as _;
         std::io::stdout().flush()?;
         let registration = match &args.register {
             Some(url) => {
-                let address = crate::register::advertised_address(args.advertise_addr.as_deref(), server.grpc_addr, url)?;
-                Some(crate::register::Registration::start(url, address, agents, server.worker().id().to_string(), cluster_token, client_tls))
+                let address = crate::register::advertised_address(
+                    args.advertise_addr.as_deref(),
+                    server.grpc_addr,
+                    url,
+                )?;
+                Some(crate::register::Registration::start(
+                    url,
+                    address,
+                    agents,
+                    server.worker().id().to_string(),
+                    cluster_token,
+                    client_tls,
+                ))
             }
             None => None,
         };

@@ -34,7 +34,10 @@ pub struct ShmPolicy {
 impl ShmPolicy {
     /// The policy of a worker started with or without the opt-in.
     pub fn new(allowed: bool) -> Self {
-        Self { allowed, dir: PathBuf::from(SHM_DIR) }
+        Self {
+            allowed,
+            dir: PathBuf::from(SHM_DIR),
+        }
     }
 }
 
@@ -48,10 +51,15 @@ fn open_checked(policy: &ShmPolicy, path: &str) -> Result<File> {
     let p = Path::new(path);
     let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
     if !p.is_absolute() || p.parent() != Some(policy.dir.as_path()) || path.contains("/../") {
-        return Err(refuse(format!("path `{path}` is not directly in {}", policy.dir.display())));
+        return Err(refuse(format!(
+            "path `{path}` is not directly in {}",
+            policy.dir.display()
+        )));
     }
     if !name.starts_with(SHM_PREFIX) || name.len() == SHM_PREFIX.len() {
-        return Err(refuse(format!("file name `{name}` does not start with `{SHM_PREFIX}`")));
+        return Err(refuse(format!(
+            "file name `{name}` does not start with `{SHM_PREFIX}`"
+        )));
     }
     // O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below).
     let file = OpenOptions::new()
@@ -65,7 +73,9 @@ fn open_checked(policy: &ShmPolicy, path: &str) -> Result<File> {
             )),
             _ => WorkerError::ShmUnavailable(format!("cannot open `{path}`: {e}")),
         })?;
-    let meta = file.metadata().map_err(|e| WorkerError::ShmUnavailable(format!("cannot stat `{path}`: {e}")))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| WorkerError::ShmUnavailable(format!("cannot stat `{path}`: {e}")))?;
     if !meta.file_type().is_file() {
         return Err(refuse(format!("`{path}` is not a regular file")));
     }
@@ -74,37 +84,58 @@ fn open_checked(policy: &ShmPolicy, path: &str) -> Result<File> {
 
 /// Loads a shared-memory update into `assembler` (whose header came first in the stream) and
 /// finishes it; see the module docs for every check.
-pub fn read_update(policy: &ShmPolicy, msg: &ShmWeights, mut assembler: UpdateAssembler) -> Result<CompleteUpdate> {
+pub fn read_update(
+    policy: &ShmPolicy,
+    msg: &ShmWeights,
+    mut assembler: UpdateAssembler,
+) -> Result<CompleteUpdate> {
     if !policy.allowed {
         return Err(WorkerError::ShmUnavailable(format!(
             "shared-memory weight updates are disabled on this worker (start it with {SHM_FLAG})"
         )));
     }
     let file = open_checked(policy, &msg.path)?;
-    let actual = file.metadata().map_err(|e| WorkerError::ShmUnavailable(format!("cannot stat `{}`: {e}", msg.path)))?.len();
+    let actual = file
+        .metadata()
+        .map_err(|e| WorkerError::ShmUnavailable(format!("cannot stat `{}`: {e}", msg.path)))?
+        .len();
     if actual != msg.size {
-        return Err(refuse(format!("`{}` has {actual} bytes, the message declares {}", msg.path, msg.size)));
+        return Err(refuse(format!(
+            "`{}` has {actual} bytes, the message declares {}",
+            msg.path, msg.size
+        )));
     }
     let mut ranges: Vec<(u64, u64, &str)> = Vec::with_capacity(msg.tensors.len());
     for t in &msg.tensors {
         assembler.push_whole(&t.name, t.dtype, &t.shape, |buf| {
-            let end = t.offset.checked_add(buf.len() as u64).filter(|&e| e <= actual).ok_or_else(|| {
-                refuse(format!(
-                    "tensor `{}`: bytes {}..{} run past the file's {actual} bytes",
-                    t.name,
-                    t.offset,
-                    t.offset as u128 + buf.len() as u128
-                ))
-            })?;
+            let end = t
+                .offset
+                .checked_add(buf.len() as u64)
+                .filter(|&e| e <= actual)
+                .ok_or_else(|| {
+                    refuse(format!(
+                        "tensor `{}`: bytes {}..{} run past the file's {actual} bytes",
+                        t.name,
+                        t.offset,
+                        t.offset as u128 + buf.len() as u128
+                    ))
+                })?;
             ranges.push((t.offset, end, &t.name));
-            file.read_exact_at(buf, t.offset)
-                .map_err(|e| refuse(format!("tensor `{}`: reading bytes {}..{end}: {e}", t.name, t.offset)))
+            file.read_exact_at(buf, t.offset).map_err(|e| {
+                refuse(format!(
+                    "tensor `{}`: reading bytes {}..{end}: {e}",
+                    t.name, t.offset
+                ))
+            })
         })?;
     }
     ranges.sort_unstable();
     for w in ranges.windows(2) {
         if w[1].0 < w[0].1 {
-            return Err(refuse(format!("tensors `{}` and `{}` overlap in the file", w[0].2, w[1].2)));
+            return Err(refuse(format!(
+                "tensors `{}` and `{}` overlap in the file",
+                w[0].2, w[1].2
+            )));
         }
     }
     assembler.finish()
@@ -126,12 +157,22 @@ mod tests {
     }
 
     fn assembler(tensor_count: u32, partial: bool) -> UpdateAssembler {
-        let header = UpdateHeader { agent: "x".into(), version: 1, tensor_count, partial, lora_scaling: 0.0, probe: None };
+        let header = UpdateHeader {
+            agent: "x".into(),
+            version: 1,
+            tensor_count,
+            partial,
+            lora_scaling: 0.0,
+            probe: None,
+        };
         UpdateAssembler::new(header, params(), 0).unwrap()
     }
 
     fn policy(dir: &Path) -> ShmPolicy {
-        ShmPolicy { allowed: true, dir: dir.to_path_buf() }
+        ShmPolicy {
+            allowed: true,
+            dir: dir.to_path_buf(),
+        }
     }
 
     fn full_file(dir: &Path) -> (ShmFile, Vec<u8>, Vec<u8>) {
@@ -155,7 +196,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (f, a, b) = full_file(dir.path());
         let name = f.path().file_name().unwrap().to_str().unwrap().to_string();
-        assert!(name.starts_with(&format!("{SHM_PREFIX}{}-x-v1-", std::process::id())), "{name}");
+        assert!(
+            name.starts_with(&format!("{SHM_PREFIX}{}-x-v1-", std::process::id())),
+            "{name}"
+        );
         let msg = f.message();
         assert_eq!(msg.size, 40);
         assert_eq!(msg.tensors[1].offset, 24);
@@ -168,8 +212,14 @@ mod tests {
             t.copy_data_u8(&mut v, t.numel());
             v
         };
-        assert_eq!((done.loaded[0].0.as_str(), bytes(&done.loaded[0].1)), ("a", a));
-        assert_eq!((done.loaded[1].0.as_str(), bytes(&done.loaded[1].1)), ("b", b));
+        assert_eq!(
+            (done.loaded[0].0.as_str(), bytes(&done.loaded[0].1)),
+            ("a", a)
+        );
+        assert_eq!(
+            (done.loaded[1].0.as_str(), bytes(&done.loaded[1].1)),
+            ("b", b)
+        );
         assert_eq!(done.loaded[0].1.size(), vec![2, 3]);
         assert_eq!(done.len(), 2);
         let converted = done.into_tensors(tch::Kind::BFloat16, tch::Device::Cpu);
@@ -191,9 +241,25 @@ mod tests {
         assert_eq!(f.path(), path, "rewinding must keep the file");
         let msg = f.message();
         assert_eq!((msg.size, msg.tensors.len()), (24, 1));
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), 24, "the old tail must be cut");
-        let header = UpdateHeader { agent: "x".into(), version: 2, tensor_count: 1, partial: true, lora_scaling: 0.0, probe: None };
-        let done = read_update(&policy(dir.path()), &msg, UpdateAssembler::new(header, params(), 1).unwrap()).unwrap();
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            24,
+            "the old tail must be cut"
+        );
+        let header = UpdateHeader {
+            agent: "x".into(),
+            version: 2,
+            tensor_count: 1,
+            partial: true,
+            lora_scaling: 0.0,
+            probe: None,
+        };
+        let done = read_update(
+            &policy(dir.path()),
+            &msg,
+            UpdateAssembler::new(header, params(), 1).unwrap(),
+        )
+        .unwrap();
         let mut v = vec![0u8; 24];
         done.loaded[0].1.copy_data_u8(&mut v, 6);
         assert_eq!(v, a2, "the worker read stale bytes");
@@ -203,7 +269,9 @@ mod tests {
     fn files_of_dead_processes_are_removed_and_live_ones_kept() {
         let dir = tempfile::tempdir().unwrap();
         // Above Linux's largest pid_max, so no process has it.
-        let dead = dir.path().join(format!("{SHM_PREFIX}4194305-agent0-v3-0123"));
+        let dead = dir
+            .path()
+            .join(format!("{SHM_PREFIX}4194305-agent0-v3-0123"));
         let alive = dir.path().join(format!("{SHM_PREFIX}1-agent0-v3-4567"));
         let other = dir.path().join("unrelated-4194305");
         for p in [&dead, &alive, &other] {
@@ -211,7 +279,10 @@ mod tests {
         }
         let f = ShmFile::create_in(dir.path(), "agent1", 1).unwrap();
         assert!(!dead.exists(), "a dead process's file was kept");
-        assert!(alive.exists() && other.exists() && f.path().exists(), "a live or foreign file was removed");
+        assert!(
+            alive.exists() && other.exists() && f.path().exists(),
+            "a live or foreign file was removed"
+        );
     }
 
     #[test]
@@ -227,7 +298,10 @@ mod tests {
     fn refused_without_the_opt_in_naming_the_flag() {
         let dir = tempfile::tempdir().unwrap();
         let (f, ..) = full_file(dir.path());
-        let p = ShmPolicy { allowed: false, dir: dir.path().to_path_buf() };
+        let p = ShmPolicy {
+            allowed: false,
+            dir: dir.path().to_path_buf(),
+        };
         let e = err(read_update(&p, &f.message(), assembler(2, false)));
         assert!(e.to_string().contains(SHM_FLAG), "{e}");
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
@@ -238,19 +312,39 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let other = tempfile::tempdir().unwrap();
         let (f, ..) = full_file(other.path());
-        let e = err(read_update(&policy(dir.path()), &f.message(), assembler(2, false)));
+        let e = err(read_update(
+            &policy(dir.path()),
+            &f.message(),
+            assembler(2, false),
+        ));
         assert!(e.to_string().contains("is not directly in"), "{e}");
         assert_eq!(e.code(), tonic::Code::InvalidArgument);
         let mut msg = f.message();
-        let (other_name, file_name) = (other.path().file_name().unwrap(), f.path().file_name().unwrap());
-        msg.path = format!("{}/../{}/{}", dir.path().display(), other_name.to_str().unwrap(), file_name.to_str().unwrap());
-        assert!(err(read_update(&policy(dir.path()), &msg, assembler(2, false))).to_string().contains("not directly in"));
+        let (other_name, file_name) = (
+            other.path().file_name().unwrap(),
+            f.path().file_name().unwrap(),
+        );
+        msg.path = format!(
+            "{}/../{}/{}",
+            dir.path().display(),
+            other_name.to_str().unwrap(),
+            file_name.to_str().unwrap()
+        );
+        assert!(
+            err(read_update(&policy(dir.path()), &msg, assembler(2, false)))
+                .to_string()
+                .contains("not directly in")
+        );
         msg.path = dir.path().join("weights.bin").display().to_string();
         std::fs::write(&msg.path, [0u8; 40]).unwrap();
         let e = err(read_update(&policy(dir.path()), &msg, assembler(2, false)));
         assert!(e.to_string().contains("does not start with"), "{e}");
         msg.path = "cotrain-weights-relative".into();
-        assert!(err(read_update(&policy(dir.path()), &msg, assembler(2, false))).to_string().contains("not directly in"));
+        assert!(
+            err(read_update(&policy(dir.path()), &msg, assembler(2, false)))
+                .to_string()
+                .contains("not directly in")
+        );
     }
 
     #[test]
@@ -269,7 +363,11 @@ mod tests {
         msg.path = sub.display().to_string();
         let e = err(read_update(&policy(dir.path()), &msg, assembler(2, false)));
         assert!(e.to_string().contains("not a regular file"), "{e}");
-        msg.path = dir.path().join(format!("{SHM_PREFIX}missing")).display().to_string();
+        msg.path = dir
+            .path()
+            .join(format!("{SHM_PREFIX}missing"))
+            .display()
+            .to_string();
         let e = err(read_update(&policy(dir.path()), &msg, assembler(2, false)));
         assert!(e.to_string().contains("does not exist"), "{e}");
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
@@ -279,15 +377,36 @@ mod tests {
     fn refuses_truncated_files_and_ranges_past_the_end() {
         let dir = tempfile::tempdir().unwrap();
         let (f, ..) = full_file(dir.path());
-        std::fs::OpenOptions::new().write(true).open(f.path()).unwrap().set_len(30).unwrap();
-        let e = err(read_update(&policy(dir.path()), &f.message(), assembler(2, false)));
-        assert!(e.to_string().contains("has 30 bytes, the message declares 40"), "{e}");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(f.path())
+            .unwrap()
+            .set_len(30)
+            .unwrap();
+        let e = err(read_update(
+            &policy(dir.path()),
+            &f.message(),
+            assembler(2, false),
+        ));
+        assert!(
+            e.to_string()
+                .contains("has 30 bytes, the message declares 40"),
+            "{e}"
+        );
         let mut msg = f.message();
         msg.size = 30;
         let e = err(read_update(&policy(dir.path()), &msg, assembler(2, false)));
-        assert!(e.to_string().contains("tensor `b`: bytes 24..40 run past the file's 30 bytes"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("tensor `b`: bytes 24..40 run past the file's 30 bytes"),
+            "{e}"
+        );
         msg.tensors[1].offset = u64::MAX;
-        assert!(err(read_update(&policy(dir.path()), &msg, assembler(2, false))).to_string().contains("run past"));
+        assert!(
+            err(read_update(&policy(dir.path()), &msg, assembler(2, false)))
+                .to_string()
+                .contains("run past")
+        );
     }
 
     #[test]
@@ -298,13 +417,25 @@ mod tests {
         let mut msg = f.message();
         msg.tensors[1].shape = vec![2, 2];
         let e = err(read_update(&p, &msg, assembler(2, false)));
-        assert!(e.to_string().contains("tensor `b`: shape [2, 2] does not match the model's [4]"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("tensor `b`: shape [2, 2] does not match the model's [4]"),
+            "{e}"
+        );
         let mut msg = f.message();
         msg.tensors[1].name = "nope".into();
-        assert!(err(read_update(&p, &msg, assembler(2, false))).to_string().contains("no parameter"));
+        assert!(
+            err(read_update(&p, &msg, assembler(2, false)))
+                .to_string()
+                .contains("no parameter")
+        );
         let mut msg = f.message();
         msg.tensors[0].dtype = 0;
-        assert!(err(read_update(&p, &msg, assembler(2, false))).to_string().contains("unsupported dtype"));
+        assert!(
+            err(read_update(&p, &msg, assembler(2, false)))
+                .to_string()
+                .contains("unsupported dtype")
+        );
         let mut msg = f.message();
         msg.tensors[1].offset = 16;
         let e = err(read_update(&p, &msg, assembler(2, false)));
@@ -312,9 +443,16 @@ mod tests {
         let mut msg = f.message();
         msg.tensors.pop();
         let e = err(read_update(&p, &msg, assembler(2, false)));
-        assert!(e.to_string().contains("after 1 of header.tensor_count = 2"), "{e}");
+        assert!(
+            e.to_string().contains("after 1 of header.tensor_count = 2"),
+            "{e}"
+        );
         let mut msg = f.message();
         msg.tensors[1] = msg.tensors[0].clone();
-        assert!(err(read_update(&p, &msg, assembler(2, false))).to_string().contains("overlap"));
+        assert!(
+            err(read_update(&p, &msg, assembler(2, false)))
+                .to_string()
+                .contains("overlap")
+        );
     }
 }

@@ -36,10 +36,17 @@ pub struct VerifierHost {
 
 impl VerifierHost {
     /// Loads `dir` on a new thread and returns once it is loaded (or failed to load).
-    pub fn start(name: &str, dir: PathBuf, opts: LoadOptions, batch_size: usize, metrics: Metrics) -> Result<Self, WorkerError> {
+    pub fn start(
+        name: &str,
+        dir: PathBuf,
+        opts: LoadOptions,
+        batch_size: usize,
+        metrics: Metrics,
+    ) -> Result<Self, WorkerError> {
         let (tx, rx) = mpsc::sync_channel::<Job>(QUEUE_BOUND);
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), WorkerError>>();
-        let (thread_name, label, load_dir) = (format!("verifier-{name}"), name.to_string(), dir.clone());
+        let (thread_name, label, load_dir) =
+            (format!("verifier-{name}"), name.to_string(), dir.clone());
         let thread = std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || {
@@ -57,23 +64,45 @@ impl VerifierHost {
             })
             .map_err(|e| WorkerError::Internal(format!("verifier thread: {e}")))?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(Self { name: name.to_string(), dir, tx: Some(tx), thread: Some(thread) }),
+            Ok(Ok(())) => Ok(Self {
+                name: name.to_string(),
+                dir,
+                tx: Some(tx),
+                thread: Some(thread),
+            }),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
             }
-            Err(_) => Err(WorkerError::Internal(format!("verifier `{name}`: its thread died while loading"))),
+            Err(_) => Err(WorkerError::Internal(format!(
+                "verifier `{name}`: its thread died while loading"
+            ))),
         }
     }
 
     /// Queues a call; the receiver answers with one score per conversation.
-    pub fn submit(&self, conversations: Vec<(String, String)>) -> Result<oneshot::Receiver<Result<Vec<f32>, WorkerError>>, WorkerError> {
+    pub fn submit(
+        &self,
+        conversations: Vec<(String, String)>,
+    ) -> Result<oneshot::Receiver<Result<Vec<f32>, WorkerError>>, WorkerError> {
         let (reply, rx) = oneshot::channel();
-        let tx = self.tx.as_ref().ok_or_else(|| WorkerError::Unavailable("the verifier is shutting down".into()))?;
-        match tx.try_send(Job { conversations, reply }) {
+        let tx = self
+            .tx
+            .as_ref()
+            .ok_or_else(|| WorkerError::Unavailable("the verifier is shutting down".into()))?;
+        match tx.try_send(Job {
+            conversations,
+            reply,
+        }) {
             Ok(()) => Ok(rx),
-            Err(mpsc::TrySendError::Full(_)) => Err(WorkerError::Overloaded { queued: QUEUE_BOUND, max: QUEUE_BOUND }),
-            Err(mpsc::TrySendError::Disconnected(_)) => Err(WorkerError::Unavailable(format!("verifier `{}` has stopped", self.name))),
+            Err(mpsc::TrySendError::Full(_)) => Err(WorkerError::Overloaded {
+                queued: QUEUE_BOUND,
+                max: QUEUE_BOUND,
+            }),
+            Err(mpsc::TrySendError::Disconnected(_)) => Err(WorkerError::Unavailable(format!(
+                "verifier `{}` has stopped",
+                self.name
+            ))),
         }
     }
 }
@@ -102,13 +131,20 @@ fn serve(v: &Verifier, name: &str, rx: &mpsc::Receiver<Job>, batch_size: usize, 
                 .conversations
                 .iter()
                 .enumerate()
-                .map(|(i, (u, a))| v.encode(u, a).map_err(|e| WorkerError::invalid(format!("conversations[{i}]"), e.to_string())))
+                .map(|(i, (u, a))| {
+                    v.encode(u, a).map_err(|e| {
+                        WorkerError::invalid(format!("conversations[{i}]"), e.to_string())
+                    })
+                })
                 .collect();
             match enc {
                 Ok(e) => ok.push((job, e)),
                 Err(e) => {
                     let label = format!("verifier:{name}");
-                    metrics.requests.with_label_values(&[label.as_str(), "invalid"]).inc();
+                    metrics
+                        .requests
+                        .with_label_values(&[label.as_str(), "invalid"])
+                        .inc();
                     let _ = job.reply.send(Err(e));
                 }
             }
@@ -134,8 +170,14 @@ fn serve(v: &Verifier, name: &str, rx: &mpsc::Receiver<Job>, batch_size: usize, 
             };
             at += n;
             let label = format!("verifier:{name}");
-            metrics.requests.with_label_values(&[label.as_str(), if outcome.is_ok() { "ok" } else { "error" }]).inc();
-            metrics.verifier_conversations.with_label_values(&[name]).inc_by(n as u64);
+            metrics
+                .requests
+                .with_label_values(&[label.as_str(), if outcome.is_ok() { "ok" } else { "error" }])
+                .inc();
+            metrics
+                .verifier_conversations
+                .with_label_values(&[name])
+                .inc_by(n as u64);
             let _ = job.reply.send(outcome);
         }
     }

@@ -72,12 +72,19 @@ impl CompleteUpdate {
 
     /// Every tensor, converted to the model's dtype and device (blocking work: call it off the
     /// async runtime).
-    pub fn into_tensors(self, kind: tch::Kind, device: tch::Device) -> HashMap<String, tch::Tensor> {
+    pub fn into_tensors(
+        self,
+        kind: tch::Kind,
+        device: tch::Device,
+    ) -> HashMap<String, tch::Tensor> {
         let chunked = self.tensors.into_iter().map(|t| {
             let tensor = t.to_tensor();
             (t.name, tensor)
         });
-        chunked.chain(self.loaded).map(|(name, t)| (name, t.to_kind(kind).to_device(device))).collect()
+        chunked
+            .chain(self.loaded)
+            .map(|(name, t)| (name, t.to_kind(kind).to_device(device)))
+            .collect()
     }
 }
 
@@ -126,7 +133,10 @@ fn lora_partner(name: &str, half: LoraHalf) -> String {
         LoraHalf::A => (LORA_A, LORA_B),
         LoraHalf::B => (LORA_B, LORA_A),
     };
-    format!("{}{to}", name.strip_suffix(from).expect("a parsed LoRA name"))
+    format!(
+        "{}{to}",
+        name.strip_suffix(from).expect("a parsed LoRA name")
+    )
 }
 
 /// The header's LoRA scaling: `None` for an ordinary update (0), the scale of an adapter update
@@ -157,14 +167,25 @@ pub struct Staging(Arc<Mutex<HashMap<String, tch::Tensor>>>);
 impl Staging {
     /// A buffer for `name` of exactly this shape and dtype, contiguous on the CPU, if one is kept.
     fn take(&self, name: &str, shape: &[i64], kind: tch::Kind) -> Option<tch::Tensor> {
-        let t = self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(name)?;
-        (t.size() == shape && t.kind() == kind && t.device() == tch::Device::Cpu && t.is_contiguous()).then_some(t)
+        let t = self
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name)?;
+        (t.size() == shape
+            && t.kind() == kind
+            && t.device() == tch::Device::Cpu
+            && t.is_contiguous())
+        .then_some(t)
     }
 
     /// Keeps `tensors` for the next update. The caller must hold no other reference to their
     /// storage (the next update overwrites it).
     pub(crate) fn keep(&self, tensors: HashMap<String, tch::Tensor>) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).extend(tensors);
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(tensors);
     }
 }
 
@@ -185,23 +206,39 @@ pub struct UpdateAssembler {
 impl UpdateAssembler {
     /// Starts an update against a model with the given parameters (name → shape), whose current
     /// policy version is `current_version`.
-    pub fn new(header: UpdateHeader, params: HashMap<String, Vec<i64>>, current_version: u64) -> Result<Self> {
+    pub fn new(
+        header: UpdateHeader,
+        params: HashMap<String, Vec<i64>>,
+        current_version: u64,
+    ) -> Result<Self> {
         if header.version <= current_version {
-            return Err(WorkerError::VersionNotNewer { current: current_version, offered: header.version });
+            return Err(WorkerError::VersionNotNewer {
+                current: current_version,
+                offered: header.version,
+            });
         }
         if header.tensor_count == 0 {
             return Err(WorkerError::BadUpdate("header.tensor_count is 0".into()));
         }
         let lora_scaling = header_lora_scaling(&header)?;
         // An adapter names only some projections whatever `partial` says.
-        if lora_scaling.is_none() && !header.partial && header.tensor_count as usize != params.len() {
+        if lora_scaling.is_none() && !header.partial && header.tensor_count as usize != params.len()
+        {
             return Err(WorkerError::BadUpdate(format!(
                 "a full update must carry all {} parameters, header.tensor_count is {}",
                 params.len(),
                 header.tensor_count
             )));
         }
-        Ok(Self { header, params, tensors: HashMap::new(), bytes_received: 0, lora_scaling, lora_rank: None, staging: None })
+        Ok(Self {
+            header,
+            params,
+            tensors: HashMap::new(),
+            bytes_received: 0,
+            lora_scaling,
+            lora_rank: None,
+            staging: None,
+        })
     }
 
     /// Takes whole tensors' buffers from `staging` where it holds one of the right shape and dtype.
@@ -213,7 +250,12 @@ impl UpdateAssembler {
     /// Checks a tensor's name, dtype and shape against the model (or, for an adapter update,
     /// against the weight it adapts) and, for a tensor not seen before, against
     /// `header.tensor_count`; returns its dtype and byte size.
-    fn check_tensor(&mut self, name: &str, raw_dtype: i32, shape: &[i64]) -> Result<(WireDType, u64)> {
+    fn check_tensor(
+        &mut self,
+        name: &str,
+        raw_dtype: i32,
+        shape: &[i64],
+    ) -> Result<(WireDType, u64)> {
         let bad = |msg: String| Err(WorkerError::BadUpdate(format!("tensor `{name}`: {msg}")));
         let rank = match self.lora_scaling {
             None => {
@@ -221,17 +263,26 @@ impl UpdateAssembler {
                     return bad("no parameter of that name in the model".into());
                 };
                 if shape != expected.as_slice() {
-                    return bad(format!("shape {shape:?} does not match the model's {expected:?}"));
+                    return bad(format!(
+                        "shape {shape:?} does not match the model's {expected:?}"
+                    ));
                 }
                 None
             }
             Some(_) => Some(self.check_adapter_shape(name, shape)?),
         };
         let Some(dtype) = WireDType::from_proto(raw_dtype) else {
-            return bad(format!("unsupported dtype {raw_dtype} (expected DTYPE_F32 or DTYPE_BF16)"));
+            return bad(format!(
+                "unsupported dtype {raw_dtype} (expected DTYPE_F32 or DTYPE_BF16)"
+            ));
         };
-        if !self.tensors.contains_key(name) && self.tensors.len() >= self.header.tensor_count as usize {
-            return bad(format!("more tensors than header.tensor_count ({})", self.header.tensor_count));
+        if !self.tensors.contains_key(name)
+            && self.tensors.len() >= self.header.tensor_count as usize
+        {
+            return bad(format!(
+                "more tensors than header.tensor_count ({})",
+                self.header.tensor_count
+            ));
         }
         if rank.is_some() {
             self.lora_rank = rank;
@@ -246,31 +297,46 @@ impl UpdateAssembler {
     fn check_adapter_shape(&self, name: &str, shape: &[i64]) -> Result<i64> {
         let bad = |msg: String| Err(WorkerError::BadUpdate(format!("tensor `{name}`: {msg}")));
         let Some((stem, half)) = parse_lora_name(name) else {
-            return bad(format!("not a LoRA tensor (an adapter update carries `X{LORA_A}` and `X{LORA_B}`)"));
+            return bad(format!(
+                "not a LoRA tensor (an adapter update carries `X{LORA_A}` and `X{LORA_B}`)"
+            ));
         };
         let weight = format!("{stem}.weight");
         let Some(w) = self.params.get(&weight) else {
             return bad(format!("adapts `{weight}`, which the model does not have"));
         };
         let &[out, inp] = w.as_slice() else {
-            return bad(format!("adapts `{weight}` of shape {w:?}, which is not a 2-D weight"));
+            return bad(format!(
+                "adapts `{weight}` of shape {w:?}, which is not a 2-D weight"
+            ));
         };
         let (expected, what) = match (half, shape) {
             (LoraHalf::A, &[r, _]) => ([r, inp], "lora_A is r × in"),
             (LoraHalf::B, &[_, r]) => ([out, r], "lora_B is out × r"),
             _ => return bad(format!("shape {shape:?} is not 2-D")),
         };
-        let r = if half == LoraHalf::A { expected[0] } else { expected[1] };
+        let r = if half == LoraHalf::A {
+            expected[0]
+        } else {
+            expected[1]
+        };
         if shape != expected {
-            return bad(format!("shape {shape:?} does not fit `{weight}` of shape {w:?} ({what})"));
+            return bad(format!(
+                "shape {shape:?} does not fit `{weight}` of shape {w:?} ({what})"
+            ));
         }
         if r < 1 || r > out.min(inp) {
-            return bad(format!("rank {r} is not in [1, {}] for `{weight}` of shape {w:?}", out.min(inp)));
+            return bad(format!(
+                "rank {r} is not in [1, {}] for `{weight}` of shape {w:?}",
+                out.min(inp)
+            ));
         }
         if let Some(rank) = self.lora_rank
             && rank != r
         {
-            return bad(format!("rank {r} differs from the rank {rank} of the update's earlier tensors"));
+            return bad(format!(
+                "rank {r} differs from the rank {rank} of the update's earlier tensors"
+            ));
         }
         Ok(r)
     }
@@ -289,7 +355,9 @@ impl UpdateAssembler {
             }
             let partner = lora_partner(name, half);
             if !all.contains(partner.as_str()) {
-                return Err(WorkerError::BadUpdate(format!("tensor `{name}` came without its partner `{partner}`")));
+                return Err(WorkerError::BadUpdate(format!(
+                    "tensor `{name}` came without its partner `{partner}`"
+                )));
             }
         }
         Ok(())
@@ -297,21 +365,32 @@ impl UpdateAssembler {
 
     /// Adds one chunk, checking it against the model and against earlier chunks.
     pub fn push(&mut self, chunk: TensorChunk) -> Result<()> {
-        let bad = |msg: String| Err(WorkerError::BadUpdate(format!("tensor `{}`: {msg}", chunk.name)));
+        let bad = |msg: String| {
+            Err(WorkerError::BadUpdate(format!(
+                "tensor `{}`: {msg}",
+                chunk.name
+            )))
+        };
         let (dtype, total) = self.check_tensor(&chunk.name, chunk.dtype, &chunk.shape)?;
         let order = self.tensors.len();
-        let t = self.tensors.entry(chunk.name.clone()).or_insert_with(|| PartialTensor {
-            dtype,
-            shape: chunk.shape.clone(),
-            data: vec![0; total as usize],
-            whole: None,
-            total,
-            ranges: BTreeMap::new(),
-            received: 0,
-            order,
-        });
+        let t = self
+            .tensors
+            .entry(chunk.name.clone())
+            .or_insert_with(|| PartialTensor {
+                dtype,
+                shape: chunk.shape.clone(),
+                data: vec![0; total as usize],
+                whole: None,
+                total,
+                ranges: BTreeMap::new(),
+                received: 0,
+                order,
+            });
         if t.dtype != dtype {
-            return bad(format!("dtype changed between chunks ({:?} then {:?})", t.dtype, dtype));
+            return bad(format!(
+                "dtype changed between chunks ({:?} then {:?})",
+                t.dtype, dtype
+            ));
         }
         let start = chunk.offset;
         let end = start.saturating_add(chunk.data.len() as u64);
@@ -319,10 +398,20 @@ impl UpdateAssembler {
             return bad(format!("empty chunk at offset {start}"));
         }
         if end > total {
-            return bad(format!("bytes {start}..{end} run past the tensor's {total} bytes"));
+            return bad(format!(
+                "bytes {start}..{end} run past the tensor's {total} bytes"
+            ));
         }
-        let overlaps_before = t.ranges.range(..=start).next_back().is_some_and(|(_, &e)| e > start);
-        let overlaps_after = t.ranges.range(start..).next().is_some_and(|(&s, _)| s < end);
+        let overlaps_before = t
+            .ranges
+            .range(..=start)
+            .next_back()
+            .is_some_and(|(_, &e)| e > start);
+        let overlaps_after = t
+            .ranges
+            .range(start..)
+            .next()
+            .is_some_and(|(&s, _)| s < end);
         if overlaps_before || overlaps_after {
             return bad(format!("bytes {start}..{end} overlap an earlier chunk"));
         }
@@ -345,19 +434,27 @@ impl UpdateAssembler {
     ) -> Result<()> {
         let (dtype, total) = self.check_tensor(name, raw_dtype, shape)?;
         if self.tensors.contains_key(name) {
-            return Err(WorkerError::BadUpdate(format!("tensor `{name}`: bytes 0..{total} overlap an earlier chunk")));
+            return Err(WorkerError::BadUpdate(format!(
+                "tensor `{name}`: bytes 0..{total} overlap an earlier chunk"
+            )));
         }
-        let kept = self.staging.as_ref().and_then(|s| s.take(name, shape, dtype.kind()));
+        let kept = self
+            .staging
+            .as_ref()
+            .and_then(|s| s.take(name, shape, dtype.kind()));
         let tensor = match kept {
             Some(t) => t,
-            None => tch::Tensor::f_empty(shape, (dtype.kind(), tch::Device::Cpu))
-                .map_err(|e| WorkerError::Internal(format!("tensor `{name}`: allocating {total} bytes: {e}")))?,
+            None => tch::Tensor::f_empty(shape, (dtype.kind(), tch::Device::Cpu)).map_err(|e| {
+                WorkerError::Internal(format!("tensor `{name}`: allocating {total} bytes: {e}"))
+            })?,
         };
         if total > 0 {
             // SAFETY: a contiguous CPU tensor of `numel * dtype size` = `total` bytes, fresh or
             // kept by `staging` (whose contract is that nothing else references it), not shared; the slice ends before `tensor` is used again. Its bytes start
             // uninitialised, and `fill` must write them all (an error discards the tensor).
-            let buf = unsafe { std::slice::from_raw_parts_mut(tensor.data_ptr() as *mut u8, total as usize) };
+            let buf = unsafe {
+                std::slice::from_raw_parts_mut(tensor.data_ptr() as *mut u8, total as usize)
+            };
             fill(buf)?;
         }
         let order = self.tensors.len();
@@ -414,7 +511,12 @@ impl UpdateAssembler {
             }
             match t.whole {
                 Some(tensor) => loaded.push((name, tensor)),
-                None => out.push(UpdatedTensor { name, dtype: t.dtype, shape: t.shape, data: t.data }),
+                None => out.push(UpdatedTensor {
+                    name,
+                    dtype: t.dtype,
+                    shape: t.shape,
+                    data: t.data,
+                }),
             }
         }
         Ok(CompleteUpdate {
@@ -458,28 +560,43 @@ pub fn chunk_tensors<'a>(
 
 #[cfg(test)]
 mod tests {
-    use cotrain_proto::rollout::Dtype;
     use super::*;
+    use cotrain_proto::rollout::Dtype;
 
     fn params() -> HashMap<String, Vec<i64>> {
         HashMap::from([("a".to_string(), vec![2, 3]), ("b".to_string(), vec![4])])
     }
 
     fn header(version: u64, tensor_count: u32, partial: bool) -> UpdateHeader {
-        UpdateHeader { agent: "x".into(), version, tensor_count, partial, lora_scaling: 0.0, probe: None }
+        UpdateHeader {
+            agent: "x".into(),
+            version,
+            tensor_count,
+            partial,
+            lora_scaling: 0.0,
+            probe: None,
+        }
     }
 
     fn chunk(name: &str, shape: Vec<i64>, offset: u64, data: Vec<u8>) -> TensorChunk {
-        TensorChunk { name: name.into(), dtype: Dtype::F32 as i32, shape, offset, data }
+        TensorChunk {
+            name: name.into(),
+            dtype: Dtype::F32 as i32,
+            shape,
+            offset,
+            data,
+        }
     }
 
     #[test]
     fn assembles_out_of_order_chunks() {
         let mut a = UpdateAssembler::new(header(1, 2, false), params(), 0).unwrap();
         let bytes: Vec<u8> = (0..24).collect();
-        a.push(chunk("a", vec![2, 3], 12, bytes[12..].to_vec())).unwrap();
+        a.push(chunk("a", vec![2, 3], 12, bytes[12..].to_vec()))
+            .unwrap();
         a.push(chunk("b", vec![4], 0, vec![7; 16])).unwrap();
-        a.push(chunk("a", vec![2, 3], 0, bytes[..12].to_vec())).unwrap();
+        a.push(chunk("a", vec![2, 3], 0, bytes[..12].to_vec()))
+            .unwrap();
         let done = a.finish().unwrap();
         assert_eq!(done.version, 1);
         assert_eq!(done.tensors[0].name, "a");
@@ -494,16 +611,22 @@ mod tests {
     fn whole_tensor_updates_reuse_kept_buffers_and_carry_their_own_values() {
         let staging = Staging::default();
         let update = |version: u64, fill: u8| {
-            let mut a = UpdateAssembler::new(header(version, 2, false), params(), version - 1).unwrap().with_staging(staging.clone());
+            let mut a = UpdateAssembler::new(header(version, 2, false), params(), version - 1)
+                .unwrap()
+                .with_staging(staging.clone());
             a.push_whole("a", Dtype::F32 as i32, &[2, 3], |buf| {
                 buf.fill(fill);
                 Ok(())
-            }).unwrap();
+            })
+            .unwrap();
             a.push_whole("b", Dtype::F32 as i32, &[4], |buf| {
                 buf.fill(fill);
                 Ok(())
-            }).unwrap();
-            a.finish().unwrap().into_tensors(tch::Kind::Float, tch::Device::Cpu)
+            })
+            .unwrap();
+            a.finish()
+                .unwrap()
+                .into_tensors(tch::Kind::Float, tch::Device::Cpu)
         };
         let first = update(1, 1);
         let ptr_a = first["a"].data_ptr();
@@ -512,7 +635,11 @@ mod tests {
         assert_eq!(second["a"].data_ptr(), ptr_a, "the kept buffer is reused");
         let mut bytes = vec![0u8; 24];
         second["a"].copy_data_u8(&mut bytes, 6);
-        assert_eq!(bytes, vec![2u8; 24], "the second update's values, not the first's");
+        assert_eq!(
+            bytes,
+            vec![2u8; 24],
+            "the second update's values, not the first's"
+        );
         // A kept tensor of another shape is dropped, not written into.
         let odd = tch::Tensor::zeros([5], (tch::Kind::Float, tch::Device::Cpu));
         let odd_ptr = odd.data_ptr();
@@ -549,17 +676,35 @@ mod tests {
     #[test]
     fn full_update_must_name_every_parameter_and_be_newer() {
         assert!(UpdateAssembler::new(header(1, 1, false), params(), 0).is_err());
-        let e = UpdateAssembler::new(header(3, 2, false), params(), 3).err().unwrap();
-        assert!(matches!(e, WorkerError::VersionNotNewer { current: 3, offered: 3 }));
+        let e = UpdateAssembler::new(header(3, 2, false), params(), 3)
+            .err()
+            .unwrap();
+        assert!(matches!(
+            e,
+            WorkerError::VersionNotNewer {
+                current: 3,
+                offered: 3
+            }
+        ));
     }
 
     /// A model with one 4 × 6 projection and one 1-D parameter.
     fn adapter_params() -> HashMap<String, Vec<i64>> {
-        HashMap::from([("l.q_proj.weight".to_string(), vec![4, 6]), ("l.norm.weight".to_string(), vec![4])])
+        HashMap::from([
+            ("l.q_proj.weight".to_string(), vec![4, 6]),
+            ("l.norm.weight".to_string(), vec![4]),
+        ])
     }
 
     fn adapter_header(tensor_count: u32, lora_scaling: f64) -> UpdateHeader {
-        UpdateHeader { agent: "x".into(), version: 1, tensor_count, partial: false, lora_scaling, probe: None }
+        UpdateHeader {
+            agent: "x".into(),
+            version: 1,
+            tensor_count,
+            partial: false,
+            lora_scaling,
+            probe: None,
+        }
     }
 
     fn zeros(name: &str, shape: Vec<i64>) -> TensorChunk {
@@ -572,8 +717,16 @@ mod tests {
         for prefix in ["", "base_model.model."] {
             // `partial: false` with 2 of 2 parameters' worth of tensors: ignored for an adapter.
             let mut a = UpdateAssembler::new(adapter_header(2, 2.0), adapter_params(), 0).unwrap();
-            a.push(zeros(&format!("{prefix}l.q_proj.lora_A.weight"), vec![2, 6])).unwrap();
-            a.push(zeros(&format!("{prefix}l.q_proj.lora_B.weight"), vec![4, 2])).unwrap();
+            a.push(zeros(
+                &format!("{prefix}l.q_proj.lora_A.weight"),
+                vec![2, 6],
+            ))
+            .unwrap();
+            a.push(zeros(
+                &format!("{prefix}l.q_proj.lora_B.weight"),
+                vec![4, 2],
+            ))
+            .unwrap();
             let done = a.finish().unwrap();
             assert_eq!(done.lora_scaling, Some(2.0));
             assert_eq!(done.len(), 2);
@@ -588,32 +741,67 @@ mod tests {
     #[test]
     fn adapter_update_rejects_wrong_shapes_and_ranks() {
         let mut a = UpdateAssembler::new(adapter_header(2, 1.0), adapter_params(), 0).unwrap();
-        let e = a.push(zeros("l.q_proj.lora_A.weight", vec![2, 5])).unwrap_err();
+        let e = a
+            .push(zeros("l.q_proj.lora_A.weight", vec![2, 5]))
+            .unwrap_err();
         assert!(matches!(e, WorkerError::BadUpdate(_)));
-        assert!(e.to_string().contains("`l.q_proj.lora_A.weight`") && e.to_string().contains("does not fit"), "{e}");
-        let e = a.push(zeros("l.q_proj.lora_B.weight", vec![5, 2])).unwrap_err();
-        assert!(e.to_string().contains("`l.q_proj.lora_B.weight`") && e.to_string().contains("out × r"), "{e}");
-        let e = a.push(zeros("l.q_proj.lora_A.weight", vec![2, 6, 1])).unwrap_err();
+        assert!(
+            e.to_string().contains("`l.q_proj.lora_A.weight`")
+                && e.to_string().contains("does not fit"),
+            "{e}"
+        );
+        let e = a
+            .push(zeros("l.q_proj.lora_B.weight", vec![5, 2]))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("`l.q_proj.lora_B.weight`") && e.to_string().contains("out × r"),
+            "{e}"
+        );
+        let e = a
+            .push(zeros("l.q_proj.lora_A.weight", vec![2, 6, 1]))
+            .unwrap_err();
         assert!(e.to_string().contains("not 2-D"), "{e}");
-        let e = a.push(zeros("l.q_proj.lora_A.weight", vec![0, 6])).unwrap_err();
+        let e = a
+            .push(zeros("l.q_proj.lora_A.weight", vec![0, 6]))
+            .unwrap_err();
         assert!(e.to_string().contains("rank 0"), "{e}");
-        let e = a.push(zeros("l.q_proj.lora_A.weight", vec![5, 6])).unwrap_err();
+        let e = a
+            .push(zeros("l.q_proj.lora_A.weight", vec![5, 6]))
+            .unwrap_err();
         assert!(e.to_string().contains("rank 5 is not in [1, 4]"), "{e}");
         // The pair's ranks must agree.
         a.push(zeros("l.q_proj.lora_A.weight", vec![2, 6])).unwrap();
-        let e = a.push(zeros("l.q_proj.lora_B.weight", vec![4, 3])).unwrap_err();
-        assert!(e.to_string().contains("rank 3 differs from the rank 2"), "{e}");
+        let e = a
+            .push(zeros("l.q_proj.lora_B.weight", vec![4, 3]))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("rank 3 differs from the rank 2"),
+            "{e}"
+        );
     }
 
     #[test]
     fn adapter_update_rejects_unknown_bases_and_non_lora_names() {
         let mut a = UpdateAssembler::new(adapter_header(2, 1.0), adapter_params(), 0).unwrap();
-        let e = a.push(zeros("l.k_proj.lora_A.weight", vec![2, 6])).unwrap_err();
-        assert!(e.to_string().contains("`l.k_proj.lora_A.weight`: adapts `l.k_proj.weight`, which the model does not have"), "{e}");
-        let e = a.push(zeros("l.norm.lora_A.weight", vec![2, 4])).unwrap_err();
+        let e = a
+            .push(zeros("l.k_proj.lora_A.weight", vec![2, 6]))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains(
+                "`l.k_proj.lora_A.weight`: adapts `l.k_proj.weight`, which the model does not have"
+            ),
+            "{e}"
+        );
+        let e = a
+            .push(zeros("l.norm.lora_A.weight", vec![2, 4]))
+            .unwrap_err();
         assert!(e.to_string().contains("not a 2-D weight"), "{e}");
         let e = a.push(zeros("l.q_proj.weight", vec![4, 6])).unwrap_err();
-        assert!(e.to_string().contains("`l.q_proj.weight`: not a LoRA tensor"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("`l.q_proj.weight`: not a LoRA tensor"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -621,29 +809,59 @@ mod tests {
         let mut a = UpdateAssembler::new(adapter_header(1, 1.0), adapter_params(), 0).unwrap();
         a.push(zeros("l.q_proj.lora_A.weight", vec![2, 6])).unwrap();
         let e = a.finish().unwrap_err();
-        assert!(e.to_string().contains("`l.q_proj.lora_A.weight` came without its partner `l.q_proj.lora_B.weight`"), "{e}");
+        assert!(
+            e.to_string().contains(
+                "`l.q_proj.lora_A.weight` came without its partner `l.q_proj.lora_B.weight`"
+            ),
+            "{e}"
+        );
         let mut a = UpdateAssembler::new(adapter_header(1, 1.0), adapter_params(), 0).unwrap();
         a.push(zeros("l.q_proj.lora_B.weight", vec![4, 2])).unwrap();
         let e = a.finish().unwrap_err();
-        assert!(e.to_string().contains("without its partner `l.q_proj.lora_A.weight`"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("without its partner `l.q_proj.lora_A.weight`"),
+            "{e}"
+        );
         // A prefixed A does not pair with an unprefixed B.
         let mut a = UpdateAssembler::new(adapter_header(2, 1.0), adapter_params(), 0).unwrap();
-        a.push(zeros("base_model.model.l.q_proj.lora_A.weight", vec![2, 6])).unwrap();
+        a.push(zeros("base_model.model.l.q_proj.lora_A.weight", vec![2, 6]))
+            .unwrap();
         a.push(zeros("l.q_proj.lora_B.weight", vec![4, 2])).unwrap();
-        assert!(a.finish().unwrap_err().to_string().contains("without its partner"));
+        assert!(
+            a.finish()
+                .unwrap_err()
+                .to_string()
+                .contains("without its partner")
+        );
         // The same tensor under both name forms.
         let mut a = UpdateAssembler::new(adapter_header(4, 1.0), adapter_params(), 0).unwrap();
         for prefix in ["", "base_model.model."] {
-            a.push(zeros(&format!("{prefix}l.q_proj.lora_A.weight"), vec![2, 6])).unwrap();
-            a.push(zeros(&format!("{prefix}l.q_proj.lora_B.weight"), vec![4, 2])).unwrap();
+            a.push(zeros(
+                &format!("{prefix}l.q_proj.lora_A.weight"),
+                vec![2, 6],
+            ))
+            .unwrap();
+            a.push(zeros(
+                &format!("{prefix}l.q_proj.lora_B.weight"),
+                vec![4, 2],
+            ))
+            .unwrap();
         }
-        assert!(a.finish().unwrap_err().to_string().contains("the same adapter tensor"));
+        assert!(
+            a.finish()
+                .unwrap_err()
+                .to_string()
+                .contains("the same adapter tensor")
+        );
     }
 
     #[test]
     fn adapter_update_rejects_bad_scaling() {
         for s in [f64::NAN, -1.0, f64::INFINITY, f64::NEG_INFINITY] {
-            let e = UpdateAssembler::new(adapter_header(2, s), adapter_params(), 0).err().unwrap();
+            let e = UpdateAssembler::new(adapter_header(2, s), adapter_params(), 0)
+                .err()
+                .unwrap();
             assert!(matches!(e, WorkerError::BadUpdate(_)), "{e}");
             assert!(e.to_string().contains("header.lora_scaling"), "{e}");
         }
@@ -651,13 +869,21 @@ mod tests {
 
     #[test]
     fn chunking_round_trips() {
-        let t = vec![UpdatedTensor { name: "b".into(), dtype: WireDType::F32, shape: vec![4], data: (0..16).collect() }];
+        let t = vec![UpdatedTensor {
+            name: "b".into(),
+            dtype: WireDType::F32,
+            shape: vec![4],
+            data: (0..16).collect(),
+        }];
         let mut a = UpdateAssembler::new(header(1, 1, true), params(), 0).unwrap();
         let chunks: Vec<_> = chunk_tensors(&t, 5).collect();
         assert_eq!(chunks.len(), 4);
         for c in chunks {
             a.push(c).unwrap();
         }
-        assert_eq!(a.finish().unwrap().tensors[0].data, (0..16).collect::<Vec<u8>>());
+        assert_eq!(
+            a.finish().unwrap().tensors[0].data,
+            (0..16).collect::<Vec<u8>>()
+        );
     }
 }

@@ -19,7 +19,10 @@ pub fn workspace_root() -> PathBuf {
 pub fn profile_dir() -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let deps = exe.parent().context("test binary has no parent dir")?;
-    Ok(deps.parent().context("deps dir has no parent")?.to_path_buf())
+    Ok(deps
+        .parent()
+        .context("deps dir has no parent")?
+        .to_path_buf())
 }
 
 /// Builds (once per test process) the service binaries in the test binary's profile, so the tests
@@ -47,9 +50,13 @@ pub fn binaries() -> anyhow::Result<PathBuf> {
             if cfg!(feature = "cuda") {
                 cmd.args(["--features", "cotrain-learner/cuda"]);
             }
-            let status = cmd.status().map_err(|e| format!("running cargo build: {e}"))?;
+            let status = cmd
+                .status()
+                .map_err(|e| format!("running cargo build: {e}"))?;
             if !status.success() {
-                return Err(format!("cargo build of the service binaries failed: {status}"));
+                return Err(format!(
+                    "cargo build of the service binaries failed: {status}"
+                ));
             }
             Ok(dir)
         })
@@ -103,7 +110,12 @@ pub fn start_service(binary: &str, args: &[String], timeout: Duration) -> anyhow
     let start = Instant::now();
     loop {
         if let Ok((grpc, http)) = rx.recv_timeout(Duration::from_millis(200)) {
-            return Ok(Service { child, grpc, http, name: binary.to_string() });
+            return Ok(Service {
+                child,
+                grpc,
+                http,
+                name: binary.to_string(),
+            });
         }
         if let Some(status) = child.try_wait()? {
             bail!("{binary} exited before listening: {status}");
@@ -117,7 +129,9 @@ pub fn start_service(binary: &str, args: &[String], timeout: Duration) -> anyhow
 
 /// GPT-2's byte ↔ printable-character table (the ByteLevel pre-tokenizer's alphabet).
 fn byte_chars() -> Vec<char> {
-    let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let printable = |b: u32| {
+        (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+    };
     let mut extra = 0;
     (0..256u32)
         .map(|b| {
@@ -133,8 +147,11 @@ fn byte_chars() -> Vec<char> {
 
 /// A byte-level BPE tokenizer with exactly 256 tokens (one per byte, no merges).
 pub fn byte_tokenizer_json() -> String {
-    let vocab: serde_json::Map<String, serde_json::Value> =
-        byte_chars().into_iter().enumerate().map(|(i, c)| (c.to_string(), serde_json::json!(i))).collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = byte_chars()
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), serde_json::json!(i)))
+        .collect();
     serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
@@ -156,9 +173,13 @@ pub fn tiny_model_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     for f in ["model.safetensors", "generation_config.json"] {
         std::fs::copy(src.join(f), out.join(f))?;
     }
-    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json"))?)?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json"))?)?;
     config["max_position_embeddings"] = serde_json::json!(4096);
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     std::fs::write(out.join("tokenizer.json"), byte_tokenizer_json())?;
     Ok(out)
 }
@@ -217,12 +238,24 @@ const TAIL_LINES: usize = 60;
 
 impl Proc {
     pub fn spawn(cmd: &mut Command) -> Self {
-        let program = cmd.get_program().to_string_lossy().rsplit('/').next().unwrap_or_default().to_string();
-        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
+        let program = cmd
+            .get_program()
+            .to_string_lossy()
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
         let (tx, lines) = std::sync::mpsc::channel();
         let tail = std::sync::Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
-        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().expect("piped stdout"));
-        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().expect("piped stderr"));
+        let out: Box<dyn std::io::Read + Send> =
+            Box::new(child.stdout.take().expect("piped stdout"));
+        let err: Box<dyn std::io::Read + Send> =
+            Box::new(child.stderr.take().expect("piped stderr"));
         for stream in [out, err] {
             let (tx, tail) = (tx.clone(), tail.clone());
             std::thread::spawn(move || {
@@ -237,7 +270,13 @@ impl Proc {
                 }
             });
         }
-        Self { child, lines, seen: Vec::new(), program, tail }
+        Self {
+            child,
+            lines,
+            seen: Vec::new(),
+            program,
+            tail,
+        }
     }
 
     /// Waits for a line starting with `prefix`; returns the rest of it.
@@ -249,8 +288,14 @@ impl Proc {
             }
             match self.lines.recv_timeout(Duration::from_millis(200)) {
                 Ok(l) => self.seen.push(l),
-                Err(_) if Instant::now() >= deadline => panic!("no `{prefix}` line within {timeout:?}; saw {:?}", self.seen),
-                Err(_) => assert!(self.child.try_wait().unwrap().is_none(), "exited before `{prefix}`; saw {:?}", self.seen),
+                Err(_) if Instant::now() >= deadline => {
+                    panic!("no `{prefix}` line within {timeout:?}; saw {:?}", self.seen)
+                }
+                Err(_) => assert!(
+                    self.child.try_wait().unwrap().is_none(),
+                    "exited before `{prefix}`; saw {:?}",
+                    self.seen
+                ),
             }
         }
     }
@@ -270,22 +315,40 @@ impl Proc {
                 self.drain();
                 return s;
             }
-            assert!(Instant::now() < deadline, "process still running after {timeout:?}");
+            assert!(
+                Instant::now() < deadline,
+                "process still running after {timeout:?}"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
 
     /// Sends a signal (`-9`, `-TERM`, `-STOP`) with `kill`.
     pub fn signal(&self, sig: &str) {
-        assert!(Command::new("kill").args([sig, &self.child.id().to_string()]).status().unwrap().success());
+        assert!(
+            Command::new("kill")
+                .args([sig, &self.child.id().to_string()])
+                .status()
+                .unwrap()
+                .success()
+        );
     }
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            let exited = self.child.try_wait().ok().flatten().map_or("still running".to_string(), |s| format!("exited: {s}"));
-            eprintln!("--- the last lines of `{}` (pid {}, {exited}) ---", self.program, self.child.id());
+            let exited = self
+                .child
+                .try_wait()
+                .ok()
+                .flatten()
+                .map_or("still running".to_string(), |s| format!("exited: {s}"));
+            eprintln!(
+                "--- the last lines of `{}` (pid {}, {exited}) ---",
+                self.program,
+                self.child.id()
+            );
             if let Ok(t) = self.tail.lock() {
                 for l in t.iter() {
                     eprintln!("{l}");
@@ -296,4 +359,3 @@ impl Drop for Proc {
         let _ = self.child.wait();
     }
 }
-

@@ -13,7 +13,12 @@ fn learner_trains_against_real_services_and_leaves_metrics_and_a_checkpoint() {
     let model = tiny_model_dir(tmp.path()).unwrap();
     let reward = start_service(
         "reward-server",
-        &["--grpc-addr".into(), "127.0.0.1:0".into(), "--http-addr".into(), "127.0.0.1:0".into()],
+        &[
+            "--grpc-addr".into(),
+            "127.0.0.1:0".into(),
+            "--http-addr".into(),
+            "127.0.0.1:0".into(),
+        ],
         Duration::from_secs(120),
     )
     .unwrap();
@@ -60,21 +65,45 @@ fn learner_trains_against_real_services_and_leaves_metrics_and_a_checkpoint() {
     .unwrap();
 
     let learner = binaries().unwrap().join("learner");
-    let out = Command::new(&learner).args(["train", "--config"]).arg(&config).output().unwrap();
+    let out = Command::new(&learner)
+        .args(["train", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "learner train failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        out.status.success(),
+        "learner train failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
     let run_dir = out_dir.join("e2e");
-    assert!(stdout.contains(&format!("run directory: {}", run_dir.display())), "{stdout}");
+    assert!(
+        stdout.contains(&format!("run directory: {}", run_dir.display())),
+        "{stdout}"
+    );
     assert!(stdout.contains("checkpoint: "), "{stdout}");
 
     // metrics.jsonl: one line per step (4 rows, 2 per step), with the reward, loss and the time split.
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
-    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 2, "{text}");
     for (i, m) in lines.iter().enumerate() {
         assert_eq!(m["step"], i as u64 + 1);
-        for k in ["reward/mean", "reward/std", "loss", "entropy", "completion_len/mean", "tokens_per_s", "time/generate", "time/reward", "time/train", "time/weight_sync"] {
+        for k in [
+            "reward/mean",
+            "reward/std",
+            "loss",
+            "entropy",
+            "completion_len/mean",
+            "tokens_per_s",
+            "time/generate",
+            "time/reward",
+            "time/train",
+            "time/weight_sync",
+        ] {
             assert!(m[k].is_number(), "step {}: {k} missing in {m}", i + 1);
         }
         let len = m["completion_len/mean"].as_f64().unwrap();
@@ -83,23 +112,57 @@ fn learner_trains_against_real_services_and_leaves_metrics_and_a_checkpoint() {
     // Every optimiser round pushed a new policy version to the worker.
     let v1 = lines[0]["policy_version"].as_f64().unwrap();
     assert_eq!(lines[1]["policy_version"].as_f64().unwrap(), v1 + 1.0);
-    assert!(lines[1]["eval/reward/mean"].is_number(), "evaluation at step 2: {}", lines[1]);
-    assert!(lines[1]["eval/pass@1"].is_number() && lines[1]["eval/maxcoop@1"].is_number(), "{}", lines[1]);
-    assert!(std::fs::read_dir(&run_dir).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with("events.out.tfevents.")));
+    assert!(
+        lines[1]["eval/reward/mean"].is_number(),
+        "evaluation at step 2: {}",
+        lines[1]
+    );
+    assert!(
+        lines[1]["eval/pass@1"].is_number() && lines[1]["eval/maxcoop@1"].is_number(),
+        "{}",
+        lines[1]
+    );
+    assert!(std::fs::read_dir(&run_dir).unwrap().any(|e| {
+        e.unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with("events.out.tfevents.")
+    }));
 
     // The checkpoint: both agents' weights and optimiser state, and the train state.
     let ckpt = run_dir.join("checkpoints/step-2");
-    assert_eq!(std::fs::read_to_string(run_dir.join("checkpoints/latest")).unwrap().trim(), "step-2");
-    for f in ["agent-0/model.safetensors", "agent-0/optimizer.safetensors", "agent-1/model.safetensors", "agent-1/optimizer.safetensors"] {
+    assert_eq!(
+        std::fs::read_to_string(run_dir.join("checkpoints/latest"))
+            .unwrap()
+            .trim(),
+        "step-2"
+    );
+    for f in [
+        "agent-0/model.safetensors",
+        "agent-0/optimizer.safetensors",
+        "agent-1/model.safetensors",
+        "agent-1/optimizer.safetensors",
+    ] {
         assert!(ckpt.join(f).metadata().unwrap().len() > 1000, "{f}");
     }
-    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap();
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap();
     assert_eq!(state["step"], 2);
     assert_eq!(state["optimizer_steps"], serde_json::json!([2, 2]));
 
     // `learner eval` on that checkpoint, against the same services.
-    let out = Command::new(&learner).args(["eval", "--config"]).arg(&config).arg("--checkpoint").arg(&ckpt).output().unwrap();
-    assert!(out.status.success(), "learner eval failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(&learner)
+        .args(["eval", "--config"])
+        .arg(&config)
+        .arg("--checkpoint")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "learner eval failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let metrics: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(metrics["eval/reward/mean"].is_number(), "{metrics}");
     assert!(ckpt.join("eval.json").is_file());
@@ -115,7 +178,12 @@ fn learner_refuses_a_worker_that_shares_weights_it_trains_separately() {
     let model = tiny_model_dir(tmp.path()).unwrap();
     let reward = start_service(
         "reward-server",
-        &["--grpc-addr".into(), "127.0.0.1:0".into(), "--http-addr".into(), "127.0.0.1:0".into()],
+        &[
+            "--grpc-addr".into(),
+            "127.0.0.1:0".into(),
+            "--http-addr".into(),
+            "127.0.0.1:0".into(),
+        ],
         Duration::from_secs(120),
     )
     .unwrap();
@@ -156,10 +224,20 @@ fn learner_refuses_a_worker_that_shares_weights_it_trains_separately() {
     )
     .unwrap();
     let learner = binaries().unwrap().join("learner");
-    let out = Command::new(&learner).args(["train", "--config"]).arg(&config).output().unwrap();
+    let out = Command::new(&learner)
+        .args(["train", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "training must be refused\nstderr:\n{stderr}");
-    assert!(stderr.contains("--share") && stderr.contains("agent0"), "{stderr}");
+    assert!(
+        !out.status.success(),
+        "training must be refused\nstderr:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("--share") && stderr.contains("agent0"),
+        "{stderr}"
+    );
 }
 
 /// LoRA agents (`model.lora`) served unmerged by the learner's embedded worker
@@ -190,12 +268,32 @@ fn learner_trains_lora_agents_served_unmerged_by_its_embedded_worker() {
     )
     .unwrap();
     let learner = binaries().unwrap().join("learner");
-    let args = Command::new(&learner).args(["worker-args", "--config"]).arg(&config).output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&args.stdout).lines().filter(|l| *l == "agent0,agent1").count(), 1, "{}", String::from_utf8_lossy(&args.stdout));
+    let args = Command::new(&learner)
+        .args(["worker-args", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&args.stdout)
+            .lines()
+            .filter(|l| *l == "agent0,agent1")
+            .count(),
+        1,
+        "{}",
+        String::from_utf8_lossy(&args.stdout)
+    );
 
-    let out = Command::new(&learner).args(["train", "--config"]).arg(&config).env("RUST_LOG", "info,cotrain_rollout_worker::batcher=debug").output().unwrap();
+    let out = Command::new(&learner)
+        .args(["train", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "info,cotrain_rollout_worker::batcher=debug")
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "learner train failed\nstderr:\n{stderr}");
+    assert!(
+        out.status.success(),
+        "learner train failed\nstderr:\n{stderr}"
+    );
     // The worker swapped adapters (unmerged), never merged weights, for both agents.
     for agent in ["agent0", "agent1"] {
         assert!(stderr.lines().any(|l| l.contains("adapter swapped") && l.contains(&format!("agent=\"{agent}\""))), "{agent}: {stderr}");
@@ -206,15 +304,47 @@ fn learner_trains_lora_agents_served_unmerged_by_its_embedded_worker() {
     assert_eq!(text.lines().count(), 2, "{text}");
 
     let ckpt = run_dir.join("checkpoints/step-2");
-    let weights = std::fs::metadata(ckpt.join("agent-0/model.safetensors")).unwrap().len();
-    let base = std::fs::metadata(model.join("model.safetensors")).unwrap().len();
-    assert!(weights * 4 < base, "the checkpoint holds the adapter ({weights} bytes), not the model ({base} bytes)");
-    let out = Command::new(&learner).args(["eval", "--config"]).arg(&config).arg("--checkpoint").arg(&ckpt).output().unwrap();
-    assert!(out.status.success(), "learner eval failed: {}", String::from_utf8_lossy(&out.stderr));
+    let weights = std::fs::metadata(ckpt.join("agent-0/model.safetensors"))
+        .unwrap()
+        .len();
+    let base = std::fs::metadata(model.join("model.safetensors"))
+        .unwrap()
+        .len();
+    assert!(
+        weights * 4 < base,
+        "the checkpoint holds the adapter ({weights} bytes), not the model ({base} bytes)"
+    );
+    let out = Command::new(&learner)
+        .args(["eval", "--config"])
+        .arg(&config)
+        .arg("--checkpoint")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "learner eval failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let exported = tmp.path().join("exported");
-    let out = Command::new(&learner).args(["export", "--checkpoint"]).arg(&ckpt).arg("--out").arg(&exported).arg("--merged").output().unwrap();
-    assert!(out.status.success(), "learner export failed: {}", String::from_utf8_lossy(&out.stderr));
-    for d in ["agent-0/adapter_config.json", "agent-1/adapter_model.safetensors", "agent-0-merged/model.safetensors"] {
+    let out = Command::new(&learner)
+        .args(["export", "--checkpoint"])
+        .arg(&ckpt)
+        .arg("--out")
+        .arg(&exported)
+        .arg("--merged")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "learner export failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for d in [
+        "agent-0/adapter_config.json",
+        "agent-1/adapter_model.safetensors",
+        "agent-0-merged/model.safetensors",
+    ] {
         assert!(exported.join(d).is_file(), "{d}");
     }
 }

@@ -11,7 +11,8 @@ use cotrain_tests::{binaries, start_service, tiny_word_model_dir};
 
 fn learner(args: &[&str], env_token: Option<&Path>) -> Output {
     let mut cmd = Command::new(binaries().unwrap().join("learner"));
-    cmd.args(args).env_remove(cotrain_proto::auth::TOKEN_FILE_ENV);
+    cmd.args(args)
+        .env_remove(cotrain_proto::auth::TOKEN_FILE_ENV);
     if let Some(t) = env_token {
         cmd.env(cotrain_proto::auth::TOKEN_FILE_ENV, t);
     }
@@ -29,9 +30,18 @@ fn a_worker_with_a_cluster_token_refuses_weight_updates_without_it() {
     let worker = start_service(
         "rollout-worker",
         &[
-            "serve".into(), "--grpc-addr".into(), "127.0.0.1:0".into(), "--http-addr".into(), "127.0.0.1:0".into(),
-            "--agent".into(), agent(0), "--agent".into(), agent(1), "--separate-weights".into(),
-            "--cluster-token-file".into(), token.display().to_string(),
+            "serve".into(),
+            "--grpc-addr".into(),
+            "127.0.0.1:0".into(),
+            "--http-addr".into(),
+            "127.0.0.1:0".into(),
+            "--agent".into(),
+            agent(0),
+            "--agent".into(),
+            agent(1),
+            "--separate-weights".into(),
+            "--cluster-token-file".into(),
+            token.display().to_string(),
         ],
         Duration::from_secs(120),
     )
@@ -59,16 +69,51 @@ fn a_worker_with_a_cluster_token_refuses_weight_updates_without_it() {
     let none = learner(&["train", "--config", &config("none")], None);
     let err = String::from_utf8_lossy(&none.stderr);
     assert!(!none.status.success());
-    assert!(err.contains("requires the cluster token") && err.contains("carried none") && err.contains("--cluster-token-file"), "{err}");
+    assert!(
+        err.contains("requires the cluster token")
+            && err.contains("carried none")
+            && err.contains("--cluster-token-file"),
+        "{err}"
+    );
 
-    let other = learner(&["train", "--config", &config("other"), "--cluster-token-file", wrong.to_str().unwrap()], None);
+    let other = learner(
+        &[
+            "train",
+            "--config",
+            &config("other"),
+            "--cluster-token-file",
+            wrong.to_str().unwrap(),
+        ],
+        None,
+    );
     let err = String::from_utf8_lossy(&other.stderr);
     assert!(!other.status.success());
     assert!(err.contains("carried another one"), "{err}");
 
     let by_env = learner(&["train", "--config", &config("env")], Some(&token));
-    assert!(by_env.status.success(), "{}", String::from_utf8_lossy(&by_env.stderr));
-    let ranks = learner(&["--cluster-token-file", token.to_str().unwrap(), "launch", "--nproc-per-node", "2", "--", "train", "--config", &config("ranks")], None);
-    assert!(ranks.status.success(), "{}", String::from_utf8_lossy(&ranks.stderr));
+    assert!(
+        by_env.status.success(),
+        "{}",
+        String::from_utf8_lossy(&by_env.stderr)
+    );
+    let ranks = learner(
+        &[
+            "--cluster-token-file",
+            token.to_str().unwrap(),
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "train",
+            "--config",
+            &config("ranks"),
+        ],
+        None,
+    );
+    assert!(
+        ranks.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ranks.stderr)
+    );
     assert!(tmp.path().join("out/ranks/metrics.jsonl").is_file());
 }

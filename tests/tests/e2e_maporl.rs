@@ -293,7 +293,9 @@ fn digit_model(dir: &std::path::Path) -> std::path::PathBuf {
 
 /// [`digit_model`] made from another of the model crate's tiny fixtures.
 fn digit_model_from(dir: &std::path::Path, fixture: &str) -> std::path::PathBuf {
-    let src = workspace_root().join("model/tests/fixtures/tiny").join(fixture);
+    let src = workspace_root()
+        .join("model/tests/fixtures/tiny")
+        .join(fixture);
     let out = dir.join(format!("digit-{fixture}"));
     std::fs::create_dir_all(&out).unwrap();
     let vocab = 16i64;
@@ -381,7 +383,16 @@ fn train_digits_on(
     overrides: &[String],
     ranks: usize,
 ) -> (std::path::PathBuf, Vec<serde_json::Value>) {
-    train_digits_from(tmp, "llama", maporl_extra, epochs, lr, save_final_model, overrides, ranks)
+    train_digits_from(
+        tmp,
+        "llama",
+        maporl_extra,
+        epochs,
+        lr,
+        save_final_model,
+        overrides,
+        ranks,
+    )
 }
 
 /// [`train_digits_on`] with the digit model made from the tiny `fixture`.
@@ -466,11 +477,25 @@ fn digits_config(
 #[test]
 fn a_killed_or_stopped_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run() {
     let (tmp_a, tmp_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let overrides = ["--override", "maporl.save_steps=1", "maporl.eval_interval=2", "maporl.eval_num_samples=10"];
+    let overrides = [
+        "--override",
+        "maporl.save_steps=1",
+        "maporl.eval_interval=2",
+        "maporl.eval_num_samples=10",
+    ];
     let learner = || Command::new(binaries().unwrap().join("learner"));
     let (config_a, run_a) = digits_config(tmp_a.path(), "llama", "", 3, 1e-3, true);
-    let out = learner().args(["train", "--config"]).arg(&config_a).args(overrides).output().unwrap();
-    assert!(out.status.success(), "learner train failed\n{}", String::from_utf8_lossy(&out.stderr));
+    let out = learner()
+        .args(["train", "--config"])
+        .arg(&config_a)
+        .args(overrides)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "learner train failed\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let (config_b, run_b) = digits_config(tmp_b.path(), "llama", "", 3, 1e-3, true);
     let mut child = learner()
@@ -483,39 +508,95 @@ fn a_killed_or_stopped_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted
         .unwrap();
     let latest = run_b.join("checkpoints/latest");
     while !latest.exists() {
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before its first checkpoint");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before its first checkpoint"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    assert!(!run_b.join("adapters").exists(), "the run finished before it was killed");
-    let killed_at: u64 = std::fs::read_to_string(&latest).unwrap().trim().strip_prefix("step-").unwrap().parse().unwrap();
-    let out = learner().args(["train", "--config"]).arg(&config_b).args(overrides).arg("--resume").arg(&run_b).output().unwrap();
+    assert!(
+        !run_b.join("adapters").exists(),
+        "the run finished before it was killed"
+    );
+    let killed_at: u64 = std::fs::read_to_string(&latest)
+        .unwrap()
+        .trim()
+        .strip_prefix("step-")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let out = learner()
+        .args(["train", "--config"])
+        .arg(&config_b)
+        .args(overrides)
+        .arg("--resume")
+        .arg(&run_b)
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "learner train --resume failed\n{stderr}");
+    assert!(
+        out.status.success(),
+        "learner train --resume failed\n{stderr}"
+    );
     // It continued from the checkpoint: no step up to it was done again.
-    assert!(stderr.contains("resumed") && stderr.contains(&format!("step={killed_at}")), "{stderr}");
+    assert!(
+        stderr.contains("resumed") && stderr.contains(&format!("step={killed_at}")),
+        "{stderr}"
+    );
     for done in 1..=killed_at {
-        assert!(!stderr.contains(&format!("checkpoint saved step={done} ")), "step {done} done again\n{stderr}");
+        assert!(
+            !stderr.contains(&format!("checkpoint saved step={done} ")),
+            "step {done} done again\n{stderr}"
+        );
     }
-    assert!(stderr.contains(&format!("checkpoint saved step={} ", killed_at + 1)), "{stderr}");
+    assert!(
+        stderr.contains(&format!("checkpoint saved step={} ", killed_at + 1)),
+        "{stderr}"
+    );
 
-    let keys: Vec<String> = std::fs::read_dir(run_a.join("adapters")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|k| k.starts_with("agent")).collect();
+    let keys: Vec<String> = std::fs::read_dir(run_a.join("adapters"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|k| k.starts_with("agent"))
+        .collect();
     assert_eq!(keys.len(), 4, "{keys:?}");
     let scalars = |run: &std::path::Path| -> Vec<serde_json::Map<String, serde_json::Value>> {
         read_jsonl(&run.join("metrics.jsonl"))
             .into_iter()
-            .map(|m| m.as_object().unwrap().iter().filter(|(k, _)| !k.starts_with("time")).map(|(k, v)| (k.clone(), v.clone())).collect())
+            .map(|m| {
+                m.as_object()
+                    .unwrap()
+                    .iter()
+                    .filter(|(k, _)| !k.starts_with("time"))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect()
+            })
             .collect()
     };
     let a = scalars(&run_a);
     assert_eq!(a.len(), 7, "six steps and the final evaluation: {a:?}");
     let same_as_uninterrupted = |run: &std::path::Path, how: &str| {
         for key in &keys {
-            let file = |run: &std::path::Path| std::fs::read(run.join("adapters").join(key).join("adapter_model.safetensors")).unwrap();
-            assert!(file(&run_a) == file(run), "{key}: the run {how} and resumed ends with another adapter than the uninterrupted run");
+            let file = |run: &std::path::Path| {
+                std::fs::read(
+                    run.join("adapters")
+                        .join(key)
+                        .join("adapter_model.safetensors"),
+                )
+                .unwrap()
+            };
+            assert!(
+                file(&run_a) == file(run),
+                "{key}: the run {how} and resumed ends with another adapter than the uninterrupted run"
+            );
         }
-        assert_eq!(a, scalars(run), "the run {how} and resumed logged other steps or scalars");
+        assert_eq!(
+            a,
+            scalars(run),
+            "the run {how} and resumed logged other steps or scalars"
+        );
     };
     same_as_uninterrupted(&run_b, "killed");
 
@@ -534,15 +615,45 @@ fn a_killed_or_stopped_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted
     while !latest.exists() {
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
     let out = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && stdout.contains("stopped on request after step"), "{:?}\n{stdout}", out.status);
-    assert!(!run_c.join("adapters").exists(), "the run finished before SIGTERM stopped it");
+    assert!(
+        out.status.success() && stdout.contains("stopped on request after step"),
+        "{:?}\n{stdout}",
+        out.status
+    );
+    assert!(
+        !run_c.join("adapters").exists(),
+        "the run finished before SIGTERM stopped it"
+    );
     let stopped_at = std::fs::read_to_string(&latest).unwrap();
-    assert!(stdout.contains(&format!("after step {};", stopped_at.trim().strip_prefix("step-").unwrap())), "{stdout}");
-    let out = learner().args(["train", "--config"]).arg(&config_c).args(overrides).arg("--resume").arg(&run_c).output().unwrap();
-    assert!(out.status.success(), "learner train --resume failed\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.contains(&format!(
+            "after step {};",
+            stopped_at.trim().strip_prefix("step-").unwrap()
+        )),
+        "{stdout}"
+    );
+    let out = learner()
+        .args(["train", "--config"])
+        .arg(&config_c)
+        .args(overrides)
+        .arg("--resume")
+        .arg(&run_c)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "learner train --resume failed\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     same_as_uninterrupted(&run_c, "stopped by SIGTERM");
 }
 
@@ -712,16 +823,39 @@ fn a_phi3_policy_trains_adapters_on_the_projections_peft_finds() {
     let tmp = tempfile::tempdir().unwrap();
     let lora = "lora: {r: 8, lora_alpha: 16, lora_dropout: 0.05, target_modules: [up_proj, down_proj, gate_proj, k_proj, q_proj, v_proj, o_proj]}";
     let (run, metrics) = train_digits_from(tmp.path(), "phi3", lora, 1, 1e-3, true, &[], 1);
-    let trained = |m: &serde_json::Value| m.as_object().is_some_and(|o| o.keys().any(|k| k.contains("loss/policy")));
-    assert!(metrics.iter().any(trained), "no training step in {metrics:?}");
+    let trained = |m: &serde_json::Value| {
+        m.as_object()
+            .is_some_and(|o| o.keys().any(|k| k.contains("loss/policy")))
+    };
+    assert!(
+        metrics.iter().any(trained),
+        "no training step in {metrics:?}"
+    );
     // LoRA policies are saved under `adapters/` (`final_model/` holds full fine-tuning's models).
     let dir = run.join("adapters/agent1.turn1");
-    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap();
-    let mut targets: Vec<&str> = config["target_modules"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+            .unwrap();
+    let mut targets: Vec<&str> = config["target_modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
     targets.sort();
     assert_eq!(targets, ["down_proj", "o_proj"], "{config}");
-    let names: Vec<String> = tch::Tensor::read_safetensors(dir.join("adapter_model.safetensors")).unwrap().into_iter().map(|(k, _)| k).collect();
-    assert!(!names.is_empty() && names.iter().all(|n| n.contains(".o_proj.lora_") || n.contains(".down_proj.lora_")), "{names:?}");
+    let names: Vec<String> = tch::Tensor::read_safetensors(dir.join("adapter_model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert!(
+        !names.is_empty()
+            && names
+                .iter()
+                .all(|n| n.contains(".o_proj.lora_") || n.contains(".down_proj.lora_")),
+        "{names:?}"
+    );
 
     // `learner eval` on the run loads its final adapters and evaluates them as the run's own final
     // evaluation did (same questions, same sampling seed): the same accuracies per turn.
@@ -732,12 +866,23 @@ fn a_phi3_policy_trains_adapters_on_the_projections_peft_finds() {
         .arg(&run)
         .output()
         .unwrap();
-    assert!(out.status.success(), "learner eval failed\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "learner eval failed\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let evaluated: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let last = metrics.iter().rev().find(|m| m.get("eval/accuracy/turn1").is_some()).expect("a final evaluation");
+    let last = metrics
+        .iter()
+        .rev()
+        .find(|m| m.get("eval/accuracy/turn1").is_some())
+        .expect("a final evaluation");
     for turn in 0..2 {
         let key = format!("eval/accuracy/turn{turn}");
-        assert_eq!(evaluated[&key], last[&key], "{key}: learner eval {evaluated} against the run's final {last}");
+        assert_eq!(
+            evaluated[&key], last[&key],
+            "{key}: learner eval {evaluated} against the run's final {last}"
+        );
     }
     assert!(run.join("adapters/eval.json").is_file());
 }
@@ -882,7 +1027,11 @@ fn assert_same_training(
             // quantity crossing zero there); two ranks moved them by 1.2e-4 and 1e-4. A wrongly
             // weighted or missing micro-batch moves them by percents, an answer sampled differently
             // the accuracies by 1/20.
-            let tol = if a["step"].as_u64() == Some(1) { 1e-5 } else { 1e-3 };
+            let tol = if a["step"].as_u64() == Some(1) {
+                1e-5
+            } else {
+                1e-3
+            };
             if let (Some(x), Some(y)) = (a[k].as_f64(), b[k].as_f64()) {
                 assert!(
                     (x - y).abs() <= tol * x.abs().max(1.0),

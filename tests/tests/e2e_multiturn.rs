@@ -11,8 +11,17 @@ use std::time::Duration;
 use cotrain_tests::{binaries, start_service, tiny_model_dir};
 
 fn worker(agents: &[(&str, &std::path::Path)]) -> cotrain_tests::Service {
-    let mut args: Vec<String> =
-        ["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--separate-weights"].iter().map(|s| s.to_string()).collect();
+    let mut args: Vec<String> = [
+        "serve",
+        "--grpc-addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--separate-weights",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     for (name, dir) in agents {
         args.push("--agent".into());
         args.push(format!("{name}={}", dir.display()));
@@ -27,11 +36,16 @@ fn http_get(addr: &str, path: &str) -> String {
     write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
-    out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or(out)
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or(out)
 }
 
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 #[test]
@@ -41,7 +55,12 @@ fn every_external_mode_builds_turn_two_prompts_through_the_real_services() {
     // The expert: the same tiny model with a chat template, so that /v1/chat/completions serves it.
     let expert_dir = tmp.path().join("expert");
     std::fs::create_dir_all(&expert_dir).unwrap();
-    for f in ["model.safetensors", "generation_config.json", "config.json", "tokenizer.json"] {
+    for f in [
+        "model.safetensors",
+        "generation_config.json",
+        "config.json",
+        "tokenizer.json",
+    ] {
         std::fs::copy(model.join(f), expert_dir.join(f)).unwrap();
     }
     std::fs::write(
@@ -51,7 +70,12 @@ fn every_external_mode_builds_turn_two_prompts_through_the_real_services() {
     .unwrap();
     let reward = start_service(
         "reward-server",
-        &["--grpc-addr".into(), "127.0.0.1:0".into(), "--http-addr".into(), "127.0.0.1:0".into()],
+        &[
+            "--grpc-addr".into(),
+            "127.0.0.1:0".into(),
+            "--http-addr".into(),
+            "127.0.0.1:0".into(),
+        ],
         Duration::from_secs(120),
     )
     .unwrap();
@@ -64,11 +88,21 @@ fn every_external_mode_builds_turn_two_prompts_through_the_real_services() {
     // wording (`next_turn_prompt: cotrain`); the originals' wordings are checked byte for byte against
     // their fixtures in learner/tests/next_turn_prompts.rs.
     let cases = [
-        ("level_feedback", "tree", "Feedback:\n- Helper function `aux`", "- Implementation:"),
+        (
+            "level_feedback",
+            "tree",
+            "Feedback:\n- Helper function `aux`",
+            "- Implementation:",
+        ),
         ("level_passed", "handoff", "- Implementation: ", "Feedback:"),
         ("passed", "handoff", "levels passed.", "Feedback:"),
         ("plain", "handoff", "Your previous response:\n", "Feedback:"),
-        ("expert_edits", "tree", "Revise your function `", "Feedback:"),
+        (
+            "expert_edits",
+            "tree",
+            "Revise your function `",
+            "Feedback:",
+        ),
     ];
     for (mode, variant, must, must_not) in cases {
         let out_dir = tmp.path().join(format!("out-{mode}"));
@@ -95,15 +129,39 @@ fn every_external_mode_builds_turn_two_prompts_through_the_real_services() {
             ),
         )
         .unwrap();
-        let out = Command::new(&learner).args(["train", "--config"]).arg(&config).output().unwrap();
+        let out = Command::new(&learner)
+            .args(["train", "--config"])
+            .arg(&config)
+            .output()
+            .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{mode}: learner train failed\n{stderr}");
+        assert!(
+            out.status.success(),
+            "{mode}: learner train failed\n{stderr}"
+        );
         // Logs that go to a pipe or a file carry no colour codes.
-        assert!(!stderr.contains('\u{1b}'), "{mode}: ANSI escape codes in the learner's piped log:\n{stderr}");
+        assert!(
+            !stderr.contains('\u{1b}'),
+            "{mode}: ANSI escape codes in the learner's piped log:\n{stderr}"
+        );
         let run_dir = out_dir.join("mt");
-        let metrics: serde_json::Value =
-            serde_json::from_str(std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap().lines().next().unwrap()).unwrap();
-        for k in ["turn_1/reward/mean", "turn_2/reward/mean", "turn_2/nodes", "nodes_per_item", "early_terminations", "prompt_truncations", "time/transition"] {
+        let metrics: serde_json::Value = serde_json::from_str(
+            std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+                .unwrap()
+                .lines()
+                .next()
+                .unwrap(),
+        )
+        .unwrap();
+        for k in [
+            "turn_1/reward/mean",
+            "turn_2/reward/mean",
+            "turn_2/nodes",
+            "nodes_per_item",
+            "early_terminations",
+            "prompt_truncations",
+            "time/transition",
+        ] {
             assert!(metrics[k].is_number(), "{mode}: {k} missing in {metrics}");
         }
         let nodes: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("rollouts.jsonl"))
@@ -115,36 +173,82 @@ fn every_external_mode_builds_turn_two_prompts_through_the_real_services() {
         // Tree: one child per joint action (G = 2) per item; handoff: one per item (no early stop: the
         // tiny model's code never reaches reward 4).
         let per_item = if variant == "tree" { 2 } else { 1 };
-        assert_eq!(turn2.len(), 2 * per_item, "{mode}: {} turn-2 nodes", turn2.len());
-        assert_eq!(metrics["turn_2/nodes"].as_f64().unwrap(), turn2.len() as f64, "{mode}");
+        assert_eq!(
+            turn2.len(),
+            2 * per_item,
+            "{mode}: {} turn-2 nodes",
+            turn2.len()
+        );
+        assert_eq!(
+            metrics["turn_2/nodes"].as_f64().unwrap(),
+            turn2.len() as f64,
+            "{mode}"
+        );
         for n in &turn2 {
             for a in 0..2 {
                 let prompt = n["agents"][a]["prompt"].as_str().unwrap();
-                assert!(prompt.contains(must), "{mode}: agent {a}'s turn-2 prompt lacks {must:?}:\n{prompt}");
-                assert!(!prompt.contains(must_not), "{mode}: agent {a}'s turn-2 prompt has {must_not:?}:\n{prompt}");
-                assert!(prompt.trim_end().ends_with("call it where it helps.") == (a == 1), "{mode}: {prompt}");
+                assert!(
+                    prompt.contains(must),
+                    "{mode}: agent {a}'s turn-2 prompt lacks {must:?}:\n{prompt}"
+                );
+                assert!(
+                    !prompt.contains(must_not),
+                    "{mode}: agent {a}'s turn-2 prompt has {must_not:?}:\n{prompt}"
+                );
+                assert!(
+                    prompt.trim_end().ends_with("call it where it helps.") == (a == 1),
+                    "{mode}: {prompt}"
+                );
             }
             assert_eq!(n["turn_weight"].as_f64().unwrap(), 0.8, "{mode}");
             assert!(n["parent_id"].is_u64(), "{mode}");
             // The tiny expert writes no JSON: every turn-2 prompt went without edits, and says why.
-            assert_eq!(n["expert_failure"].is_string(), mode == "expert_edits", "{mode}: {}", n["expert_failure"]);
+            assert_eq!(
+                n["expert_failure"].is_string(),
+                mode == "expert_edits",
+                "{mode}: {}",
+                n["expert_failure"]
+            );
         }
-        let failures = if mode == "expert_edits" { turn2.len() as f64 } else { 0.0 };
-        assert_eq!(metrics["expert_failures"].as_f64(), Some(failures), "{mode}: {metrics}");
+        let failures = if mode == "expert_edits" {
+            turn2.len() as f64
+        } else {
+            0.0
+        };
+        assert_eq!(
+            metrics["expert_failures"].as_f64(),
+            Some(failures),
+            "{mode}: {metrics}"
+        );
     }
     // An expert that refuses the requests (here: a model it does not serve) stops the run, naming the
     // keys to check, rather than training every turn on plain "revise" prompts.
     let config = tmp.path().join("expert_edits.yaml");
-    let refused = std::fs::read_to_string(&config).unwrap().replace("expert_model: expert,", "expert_model: nosuch,");
+    let refused = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("expert_model: expert,", "expert_model: nosuch,");
     std::fs::write(&config, refused).unwrap();
-    let out = Command::new(&learner).args(["train", "--config"]).arg(&config).output().unwrap();
+    let out = Command::new(&learner)
+        .args(["train", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "a refusing expert did not stop the run\n{stderr}");
-    assert!(stderr.contains("refused a request") && stderr.contains("external.expert_model"), "{stderr}");
+    assert!(
+        !out.status.success(),
+        "a refusing expert did not stop the run\n{stderr}"
+    );
+    assert!(
+        stderr.contains("refused a request") && stderr.contains("external.expert_model"),
+        "{stderr}"
+    );
     // The expert worker was asked (the tiny model's replies are no JSON, so the learner retried and
     // then carried on with a plain request to revise, as it must).
     let text = http_get(&expert_http, "/metrics");
-    assert!(metric(&text, "cotrain_rollout_generated_tokens_total") > 0.0, "the expert worker generated nothing:\n{text}");
+    assert!(
+        metric(&text, "cotrain_rollout_generated_tokens_total") > 0.0,
+        "the expert worker generated nothing:\n{text}"
+    );
     drop(expert);
     drop(agents);
     drop(reward);

@@ -18,7 +18,14 @@ use cotrain_tests::{binaries, tiny_word_model_dir};
 use tch::{Kind, Tensor};
 
 /// A TLDR config of `rows` items, 4 per step; `extra` goes into the `magrpo` section, `top` at the top level.
-fn write_config(dir: &Path, model: &Path, name: &str, rows: usize, extra: &str, top: &str) -> PathBuf {
+fn write_config(
+    dir: &Path,
+    model: &Path,
+    name: &str,
+    rows: usize,
+    extra: &str,
+    top: &str,
+) -> PathBuf {
     let path = dir.join(format!("{name}.yaml"));
     std::fs::write(
         &path,
@@ -39,7 +46,12 @@ fn write_config(dir: &Path, model: &Path, name: &str, rows: usize, extra: &str, 
 }
 
 fn learner(args: &[&str], config: &Path) -> Output {
-    let out = Command::new(binaries().unwrap().join("learner")).args(args).arg("--config").arg(config).output().unwrap();
+    let out = Command::new(binaries().unwrap().join("learner"))
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "learner {args:?} failed\nstdout:\n{}\nstderr:\n{}",
@@ -50,7 +62,10 @@ fn learner(args: &[&str], config: &Path) -> Output {
 }
 
 fn weights(path: &Path) -> BTreeMap<String, Tensor> {
-    Tensor::read_safetensors(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).into_iter().collect()
+    Tensor::read_safetensors(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .into_iter()
+        .collect()
 }
 
 /// Over the tensors: the largest ‖a − b‖ / ‖a‖ (relative difference), the largest
@@ -74,7 +89,11 @@ fn relative_difference(a: &Path, b: &Path, base: &Path) -> (f64, f64, f64) {
 }
 
 fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 /// Trains `extra` once on one rank and once on two; asserts the same steps, rewards and weights.
@@ -84,7 +103,13 @@ fn one_rank_equals_two(extra: &str, policy_dirs: &[&str]) {
 
 /// [`one_rank_equals_two`] on `ranks` ranks, with `top` added to the ranks' config (e.g.
 /// `learner.placement`) and `launch_flags` given to `learner launch` (e.g. `--backend nccl`).
-fn one_rank_equals_many(extra: &str, top: &str, ranks: usize, policy_dirs: &[&str], launch_flags: &[&str]) {
+fn one_rank_equals_many(
+    extra: &str,
+    top: &str,
+    ranks: usize,
+    policy_dirs: &[&str],
+    launch_flags: &[&str],
+) {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_word_model_dir(tmp.path()).unwrap();
     let one = write_config(tmp.path(), &model, "one", 12, extra, "");
@@ -100,17 +125,27 @@ fn one_rank_equals_many(extra: &str, top: &str, ranks: usize, policy_dirs: &[&st
     assert!(stdout.contains("run directory: "), "{stdout}");
     assert!(!stdout.contains("[1,1]<stdout>:run directory"), "{stdout}");
 
-    let (m1, m2) = (metrics(&tmp.path().join("out/one")), metrics(&tmp.path().join("out/two")));
+    let (m1, m2) = (
+        metrics(&tmp.path().join("out/one")),
+        metrics(&tmp.path().join("out/two")),
+    );
     assert_eq!(m1.len(), 3, "12 rows, 4 per step");
     assert_eq!(m2.len(), 3, "rank 0 alone writes metrics: {m2:?}");
     for (a, b) in m1.iter().zip(&m2) {
         assert_eq!(b["ranks"].as_f64(), ranks.parse().ok());
         for k in ["reward/mean", "reward/std", "loss", "grad_norm"] {
             let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
-            assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "step {}: {k} {x} on one rank, {y} on two", a["step"]);
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                "step {}: {k} {x} on one rank, {y} on two",
+                a["step"]
+            );
         }
     }
-    assert!(m1.iter().any(|m| m["reward/std"].as_f64().unwrap() > 0.0), "rewards must vary for the comparison to mean anything");
+    assert!(
+        m1.iter().any(|m| m["reward/std"].as_f64().unwrap() > 0.0),
+        "rewards must vary for the comparison to mean anything"
+    );
     for dir in policy_dirs {
         let file = format!("final_model/{dir}/model.safetensors");
         let (rel, of_update, moved) = relative_difference(
@@ -118,11 +153,20 @@ fn one_rank_equals_many(extra: &str, top: &str, ranks: usize, policy_dirs: &[&st
             &tmp.path().join("out/two").join(&file),
             &model.join("model.safetensors"),
         );
-        assert!(moved > 1e-3, "{dir}: training moved no weight (largest change {moved})");
-        assert!(rel <= 1e-5, "{dir}: weights differ by {rel} (relative) between one and two ranks");
+        assert!(
+            moved > 1e-3,
+            "{dir}: training moved no weight (largest change {moved})"
+        );
+        assert!(
+            rel <= 1e-5,
+            "{dir}: weights differ by {rel} (relative) between one and two ranks"
+        );
         // Adam turns the last bits of a gradient summed in another order into visible differences
         // on its smallest components; a rank that trained alone would differ by the whole update.
-        assert!(of_update <= 5e-3, "{dir}: the ranks' weights differ by {of_update} of the update");
+        assert!(
+            of_update <= 5e-3,
+            "{dir}: the ranks' weights differ by {of_update} of the update"
+        );
     }
 }
 
@@ -138,12 +182,24 @@ fn two_cpu_ranks_train_the_same_weights_as_one_with_shared_parameters() {
 
 #[test]
 fn two_agents_placed_on_two_ranks_train_the_same_weights_as_one_rank() {
-    one_rank_equals_many("", "learner: {placement: agent}\n", 2, &["agent-0", "agent-1"], &[]);
+    one_rank_equals_many(
+        "",
+        "learner: {placement: agent}\n",
+        2,
+        &["agent-0", "agent-1"],
+        &[],
+    );
 }
 
 #[test]
 fn two_agents_times_two_data_ranks_train_the_same_weights_as_one_rank() {
-    one_rank_equals_many("", "learner: {placement: agent}\n", 4, &["agent-0", "agent-1"], &[]);
+    one_rank_equals_many(
+        "",
+        "learner: {placement: agent}\n",
+        4,
+        &["agent-0", "agent-1"],
+        &[],
+    );
 }
 
 /// An IAC/MAAC config (`variant`: `iac`, `maac`, or `iac-head` for IAC with value heads on the
@@ -188,7 +244,10 @@ fn checkpoint_difference(a: &Path, b: &Path, part: usize) -> (f64, String) {
     a.iter()
         .map(|(k, ta)| {
             let norm = |t: Tensor| t.to_kind(Kind::Double).norm().double_value(&[]);
-            (norm(ta - &b[k]) / norm(ta.shallow_clone()).max(1e-12), k.clone())
+            (
+                norm(ta - &b[k]) / norm(ta.shallow_clone()).max(1e-12),
+                k.clone(),
+            )
         })
         .fold((0.0, String::new()), |x, y| if y.0 > x.0 { y } else { x })
 }
@@ -211,15 +270,37 @@ fn two_cpu_ranks_train_the_actor_critic_trainers_as_one_rank_does_and_resume() {
         let (run1, run2) = (tmp.path().join("out/one"), tmp.path().join("out/two"));
         let (m1, m2) = (metrics(&run1), metrics(&run2));
         assert_eq!(m1.len(), 2, "{variant}: 20 rows, 10 per step");
-        assert_eq!(m2.len(), 2, "{variant}: rank 0 alone writes metrics: {m2:?}");
+        assert_eq!(
+            m2.len(),
+            2,
+            "{variant}: rank 0 alone writes metrics: {m2:?}"
+        );
         for (a, b) in m1.iter().zip(&m2) {
             assert_eq!(b["ranks"].as_f64(), Some(2.0));
-            for k in ["reward/mean", "reward/std", "loss", "grad_norm", "critic/value_loss", "critic/explained_variance"] {
-                let (x, y) = (a[k].as_f64().unwrap_or_else(|| panic!("{variant}: {k} in {a}")), b[k].as_f64().unwrap());
-                assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "{variant} step {}: {k} {x} on one rank, {y} on two", a["step"]);
+            for k in [
+                "reward/mean",
+                "reward/std",
+                "loss",
+                "grad_norm",
+                "critic/value_loss",
+                "critic/explained_variance",
+            ] {
+                let (x, y) = (
+                    a[k].as_f64()
+                        .unwrap_or_else(|| panic!("{variant}: {k} in {a}")),
+                    b[k].as_f64().unwrap(),
+                );
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                    "{variant} step {}: {k} {x} on one rank, {y} on two",
+                    a["step"]
+                );
             }
         }
-        assert!(m1.iter().any(|m| m["reward/std"].as_f64().unwrap() > 0.0), "rewards must vary for the comparison to mean anything");
+        assert!(
+            m1.iter().any(|m| m["reward/std"].as_f64().unwrap() > 0.0),
+            "rewards must vary for the comparison to mean anything"
+        );
         let policies = |run: &Path| run.join("checkpoints/step-2");
         // Policies, then each critic's backbone and head (IAC: 2 critics; MAAC: 1), or each actor's head.
         let parts = match variant {
@@ -233,29 +314,69 @@ fn two_cpu_ranks_train_the_actor_critic_trainers_as_one_rank_does_and_resume() {
         for part in 0..parts {
             let (rel, key) = checkpoint_difference(&policies(&run1), &policies(&run2), part);
             let bound = if part < 2 { policy_bound } else { 1e-5 };
-            assert!(rel <= bound, "{variant}: checkpoint part {part} differs by {rel} (relative, in `{key}`) between one and two ranks");
+            assert!(
+                rel <= bound,
+                "{variant}: checkpoint part {part} differs by {rel} (relative, in `{key}`) between one and two ranks"
+            );
         }
         for dir in ["agent-0", "agent-1"] {
             let file = format!("final_model/{dir}/model.safetensors");
-            let (rel, of_update, moved) = relative_difference(&run1.join(&file), &run2.join(&file), &model.join("model.safetensors"));
-            assert!(moved > 1e-3, "{variant} {dir}: training moved no weight (largest change {moved})");
-            assert!(rel <= policy_bound && of_update <= 5e-3, "{variant} {dir}: weights differ by {rel} (relative), {of_update} of the update");
+            let (rel, of_update, moved) = relative_difference(
+                &run1.join(&file),
+                &run2.join(&file),
+                &model.join("model.safetensors"),
+            );
+            assert!(
+                moved > 1e-3,
+                "{variant} {dir}: training moved no weight (largest change {moved})"
+            );
+            assert!(
+                rel <= policy_bound && of_update <= 5e-3,
+                "{variant} {dir}: weights differ by {rel} (relative), {of_update} of the update"
+            );
         }
 
         // Resume the 2-rank run from step 1 (whose checkpoint holds 2 items' samples per agent).
-        let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run2.join("checkpoints/step-1/state.json")).unwrap()).unwrap();
-        assert_eq!(state["extra"]["actor_critic_buffer"].as_array().map(Vec::len), Some(12), "{variant}: 2 items × 3 samples × 2 agents buffered");
+        let state: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(run2.join("checkpoints/step-1/state.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            state["extra"]["actor_critic_buffer"]
+                .as_array()
+                .map(Vec::len),
+            Some(12),
+            "{variant}: 2 items × 3 samples × 2 agents buffered"
+        );
         let whole = tmp.path().join("whole");
         std::fs::create_dir_all(&whole).unwrap();
         std::fs::rename(run2.join("checkpoints/step-2"), whole.join("step-2")).unwrap();
         std::fs::remove_dir_all(run2.join("final_model")).unwrap();
         // As a job stopped after step 1 leaves it.
         std::fs::write(run2.join("checkpoints/latest"), "step-1").unwrap();
-        learner(&["launch", "--nproc-per-node", "2", "--", "train", "--resume", run2.to_str().unwrap()], &two);
-        assert_eq!(metrics(&run2).len(), 2, "{variant}: step 2 logged again, once");
+        learner(
+            &[
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--",
+                "train",
+                "--resume",
+                run2.to_str().unwrap(),
+            ],
+            &two,
+        );
+        assert_eq!(
+            metrics(&run2).len(),
+            2,
+            "{variant}: step 2 logged again, once"
+        );
         for part in 0..parts {
             let (rel, key) = checkpoint_difference(&whole.join("step-2"), &policies(&run2), part);
-            assert!(rel <= 1e-5, "{variant}: after the resume, checkpoint part {part} differs by {rel} (in `{key}`) from the uninterrupted run");
+            assert!(
+                rel <= 1e-5,
+                "{variant}: after the resume, checkpoint part {part} differs by {rel} (in `{key}`) from the uninterrupted run"
+            );
         }
     }
 }
@@ -269,7 +390,8 @@ fn rank_pid(rank: usize, config: &Path) -> Option<u32> {
         let environ = std::fs::read(e.path().join("environ")).ok()?;
         let has = |hay: &[u8], needle: &[u8]| hay.split(|&b| b == 0).any(|part| part == needle);
         let cmd = String::from_utf8_lossy(&cmdline);
-        (cmd.contains(config.to_str()?) && cmd.contains("train") && has(&environ, want.as_bytes())).then_some(pid)
+        (cmd.contains(config.to_str()?) && cmd.contains("train") && has(&environ, want.as_bytes()))
+            .then_some(pid)
     })
 }
 
@@ -292,29 +414,68 @@ fn a_rank_killed_mid_run_stops_the_job_and_its_checkpoint_resumes_to_the_same_we
     let run_dir = tmp.path().join("out/cut");
     let start = Instant::now();
     while !run_dir.join("checkpoints/step-1/state.json").exists() {
-        assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint appeared");
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no checkpoint appeared"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     // Freeze rank 1 (rank 0 then waits in the next collective, mid-step), then kill it.
     let pid = rank_pid(1, &cut).expect("rank 1 is running");
-    assert!(Command::new("kill").args(["-STOP", &pid.to_string()]).status().unwrap().success());
+    assert!(
+        Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
     std::thread::sleep(Duration::from_millis(300));
-    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    assert!(
+        Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the job must fail when a rank dies");
-    assert!(stderr.contains("rank 1") && stderr.contains("Killed"), "the error names the rank and its signal:\n{stderr}");
+    assert!(
+        stderr.contains("rank 1") && stderr.contains("Killed"),
+        "the error names the rank and its signal:\n{stderr}"
+    );
     assert!(stderr.contains("the learner job failed"), "{stderr}");
     let done = metrics(&run_dir).len();
-    assert!(done < 8, "the job was cut short (it logged {done} of 8 steps)");
+    assert!(
+        done < 8,
+        "the job was cut short (it logged {done} of 8 steps)"
+    );
 
     // The last complete checkpoint resumes, on two ranks, to the weights of the uninterrupted run.
-    learner(&["launch", "--nproc-per-node", "2", "--", "train", "--resume", run_dir.to_str().unwrap()], &cut);
+    learner(
+        &[
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "train",
+            "--resume",
+            run_dir.to_str().unwrap(),
+        ],
+        &cut,
+    );
     for dir in ["agent-0", "agent-1"] {
         let file = format!("final_model/{dir}/model.safetensors");
-        let (rel, _, moved) = relative_difference(&tmp.path().join("out/whole").join(&file), &run_dir.join(&file), &model.join("model.safetensors"));
+        let (rel, _, moved) = relative_difference(
+            &tmp.path().join("out/whole").join(&file),
+            &run_dir.join(&file),
+            &model.join("model.safetensors"),
+        );
         assert!(moved > 1e-3);
-        assert!(rel <= 1e-5, "{dir}: the resumed run differs by {rel} from the uninterrupted one");
+        assert!(
+            rel <= 1e-5,
+            "{dir}: the resumed run differs by {rel} from the uninterrupted one"
+        );
     }
 }
 
@@ -330,7 +491,16 @@ fn a_rank_that_fails_alone_stops_the_job_with_its_error() {
     std::fs::create_dir_all(&empty).unwrap();
     std::fs::copy(&cfg, empty.join("config.yaml")).unwrap();
     let mut child = Command::new(binaries().unwrap().join("learner"))
-        .args(["launch", "--nproc-per-node", "2", "--", "train", "--resume", empty.to_str().unwrap(), "--config"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "train",
+            "--resume",
+            empty.to_str().unwrap(),
+            "--config",
+        ])
         .arg(&cfg)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -348,7 +518,10 @@ fn a_rank_that_fails_alone_stops_the_job_with_its_error() {
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("no complete checkpoint to resume from"), "rank 0's error is shown:\n{stderr}");
+    assert!(
+        stderr.contains("no complete checkpoint to resume from"),
+        "rank 0's error is shown:\n{stderr}"
+    );
     assert!(stderr.contains("the learner job failed"), "{stderr}");
 }
 
@@ -360,12 +533,20 @@ fn a_torchrun_environment_without_an_mpi_launcher_is_refused_with_the_commands_t
     let out = Command::new(binaries().unwrap().join("learner"))
         .args(["train", "--config"])
         .arg(&cfg)
-        .envs([("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")])
+        .envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29511"),
+        ])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("learner launch --nproc-per-node N") && stderr.contains("mpirun"), "{stderr}");
+    assert!(
+        stderr.contains("learner launch --nproc-per-node N") && stderr.contains("mpirun"),
+        "{stderr}"
+    );
 }
 
 /// On a machine with two GPUs and the `cuda` feature (`cargo test -p cotrain-tests --features cuda

@@ -25,8 +25,15 @@ fn post_json(addr: &str, path: &str, body: &serde_json::Value) -> serde_json::Va
 /// The tiny Llama resized to what vLLM's CPU attention runs (heads of 64; the fixture's are 16),
 /// with random weights and the tokenizer_config.json transformers wants.
 fn vllm_sized(dir: std::path::PathBuf) -> std::path::PathBuf {
-    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    for (k, v) in [("hidden_size", 128), ("intermediate_size", 256), ("num_attention_heads", 2), ("num_key_value_heads", 1), ("head_dim", 64)] {
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    for (k, v) in [
+        ("hidden_size", 128),
+        ("intermediate_size", 256),
+        ("num_attention_heads", 2),
+        ("num_key_value_heads", 1),
+        ("head_dim", 64),
+    ] {
         config[k] = serde_json::json!(v);
     }
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
@@ -55,7 +62,11 @@ fn vllm_sized(dir: std::path::PathBuf) -> std::path::PathBuf {
         }
     }
     tch::Tensor::write_safetensors(&tensors, dir.join("model.safetensors")).unwrap();
-    std::fs::write(dir.join("tokenizer_config.json"), r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#,
+    )
+    .unwrap();
     dir
 }
 
@@ -66,19 +77,35 @@ fn greedy_tokens(http: &str, model: &str) -> Vec<u64> {
         &serde_json::json!({"model": model, "prompt": "Summarize: the cat sat on the mat", "max_tokens": 12, "temperature": 0.0,
                             "ignore_eos": true, "return_token_ids": true}),
     );
-    answer["choices"][0]["token_ids"].as_array().unwrap_or_else(|| panic!("{answer}")).iter().map(|t| t.as_u64().unwrap()).collect()
+    answer["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{answer}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
 }
 
 /// A rollout worker serving agent0 and agent1 on `model` with vLLM engines, plus `extra` flags.
 fn vllm_worker(model: &std::path::Path, extra: &[&str]) -> cotrain_tests::Service {
     let mut args: Vec<String> = [
-        "serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0", "--engine", "vllm", "--vllm-kv-cache-gib", "1",
+        "serve",
+        "--grpc-addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--engine",
+        "vllm",
+        "--vllm-kv-cache-gib",
+        "1",
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
     for agent in ["agent0", "agent1"] {
-        args.extend(["--agent".to_string(), format!("{agent}={}", model.display())]);
+        args.extend([
+            "--agent".to_string(),
+            format!("{agent}={}", model.display()),
+        ]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
     start_service("rollout-worker", &args, Duration::from_secs(900)).unwrap()
@@ -86,7 +113,16 @@ fn vllm_worker(model: &std::path::Path, extra: &[&str]) -> cotrain_tests::Servic
 
 /// A worker on cotrain's engine, the reference: `agents` as `--agent` values, plus `extra`.
 fn cotrain_worker(agents: &[String], extra: &[String]) -> cotrain_tests::Service {
-    let mut args: Vec<String> = ["serve", "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0"].iter().map(|s| s.to_string()).collect();
+    let mut args: Vec<String> = [
+        "serve",
+        "--grpc-addr",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     for a in agents {
         args.extend(["--agent".to_string(), a.clone()]);
     }
@@ -96,7 +132,13 @@ fn cotrain_worker(agents: &[String], extra: &[String]) -> cotrain_tests::Service
 
 /// Runs `learner train` for three MAGRPO steps (two agents, TLDR) against `worker`, with `model_extra`
 /// added to the model section; returns the run directory once its metrics show a push per step.
-fn train(tmp: &std::path::Path, model: &std::path::Path, model_extra: &str, worker: &cotrain_tests::Service, reward: &cotrain_tests::Service) -> std::path::PathBuf {
+fn train(
+    tmp: &std::path::Path,
+    model: &std::path::Path,
+    model_extra: &str,
+    worker: &cotrain_tests::Service,
+    reward: &cotrain_tests::Service,
+) -> std::path::PathBuf {
     let out_dir = tmp.join("out");
     let config = tmp.join("e2e.yaml");
     std::fs::write(
@@ -119,24 +161,48 @@ fn train(tmp: &std::path::Path, model: &std::path::Path, model_extra: &str, work
     )
     .unwrap();
     let learner = binaries().unwrap().join("learner");
-    let out = Command::new(&learner).args(["train", "--config"]).arg(&config).output().unwrap();
+    let out = Command::new(&learner)
+        .args(["train", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "learner train failed\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        out.status.success(),
+        "learner train failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
     let run_dir = out_dir.join("vllm");
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
-    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 3, "{text}");
-    let versions: Vec<f64> = lines.iter().map(|m| m["policy_version"].as_f64().unwrap()).collect();
-    assert!(versions.windows(2).all(|w| w[1] == w[0] + 1.0), "a push per step: {versions:?}");
-    assert!(lines.iter().any(|m| m["grad_norm"].as_f64().unwrap() > 0.0), "the weights never changed: {text}");
+    let versions: Vec<f64> = lines
+        .iter()
+        .map(|m| m["policy_version"].as_f64().unwrap())
+        .collect();
+    assert!(
+        versions.windows(2).all(|w| w[1] == w[0] + 1.0),
+        "a push per step: {versions:?}"
+    );
+    assert!(
+        lines.iter().any(|m| m["grad_norm"].as_f64().unwrap() > 0.0),
+        "the weights never changed: {text}"
+    );
     run_dir
 }
 
 fn reward_server() -> cotrain_tests::Service {
     start_service(
         "reward-server",
-        &["--grpc-addr".into(), "127.0.0.1:0".into(), "--http-addr".into(), "127.0.0.1:0".into()],
+        &[
+            "--grpc-addr".into(),
+            "127.0.0.1:0".into(),
+            "--http-addr".into(),
+            "127.0.0.1:0".into(),
+        ],
         Duration::from_secs(120),
     )
     .unwrap()
@@ -144,7 +210,10 @@ fn reward_server() -> cotrain_tests::Service {
 
 #[test]
 fn learner_trains_through_vllm_workers_and_the_engine_serves_the_final_weights() {
-    assert!(std::env::var_os("COTRAIN_VLLM_PYTHON").is_some(), "COTRAIN_VLLM_PYTHON is not set: run `COTRAIN_VLLM=cpu make setup`");
+    assert!(
+        std::env::var_os("COTRAIN_VLLM_PYTHON").is_some(),
+        "COTRAIN_VLLM_PYTHON is not set: run `COTRAIN_VLLM=cpu make setup`"
+    );
     let tmp = tempfile::tempdir().unwrap();
     let model = vllm_sized(tiny_word_model_dir(tmp.path()).unwrap());
     let reward = reward_server();
@@ -157,7 +226,10 @@ fn learner_trains_through_vllm_workers_and_the_engine_serves_the_final_weights()
     let want = greedy_tokens(&reference.http, "agent0");
     let got = greedy_tokens(&worker.http, "agent0");
     assert_eq!(want.len(), 12);
-    assert_eq!(got, want, "vLLM's greedy tokens after the run differ from the final model's");
+    assert_eq!(
+        got, want,
+        "vLLM's greedy tokens after the run differ from the final model's"
+    );
 }
 
 /// LoRA agents trained through a worker whose adapter group is one vLLM engine with multi-LoRA
@@ -166,7 +238,10 @@ fn learner_trains_through_vllm_workers_and_the_engine_serves_the_final_weights()
 /// equals cotrain's engine serving the run's final adapter.
 #[test]
 fn lora_agents_train_through_vllms_multi_lora() {
-    assert!(std::env::var_os("COTRAIN_VLLM_PYTHON").is_some(), "COTRAIN_VLLM_PYTHON is not set: run `COTRAIN_VLLM=cpu make setup`");
+    assert!(
+        std::env::var_os("COTRAIN_VLLM_PYTHON").is_some(),
+        "COTRAIN_VLLM_PYTHON is not set: run `COTRAIN_VLLM=cpu make setup`"
+    );
     let tmp = tempfile::tempdir().unwrap();
     let model = vllm_sized(tiny_word_model_dir(tmp.path()).unwrap());
     let reward = reward_server();
@@ -175,14 +250,25 @@ fn lora_agents_train_through_vllms_multi_lora() {
     let run_dir = train(tmp.path(), &model, lora, &worker, &reward);
 
     let final_adapter = run_dir.join("final_model/agent-0");
-    assert!(final_adapter.join("adapter_config.json").is_file(), "the final model of a LoRA agent is its adapter");
+    assert!(
+        final_adapter.join("adapter_config.json").is_file(),
+        "the final model of a LoRA agent is its adapter"
+    );
     // `--lora-module` adds agent0 itself, on the base its adapter_config.json names.
     let agents = [format!("agent1={}", model.display())];
-    let extra = ["--adapters".to_string(), "agent1".into(), "--lora-module".into(), format!("agent0={}", final_adapter.display())];
+    let extra = [
+        "--adapters".to_string(),
+        "agent1".into(),
+        "--lora-module".into(),
+        format!("agent0={}", final_adapter.display()),
+    ];
     let reference = cotrain_worker(&agents, &extra);
     let want = greedy_tokens(&reference.http, "agent0");
     let got = greedy_tokens(&worker.http, "agent0");
     let base = greedy_tokens(&reference.http, "agent1");
-    assert_eq!(got, want, "vLLM's greedy tokens after the run differ from cotrain's with the final adapter");
+    assert_eq!(
+        got, want,
+        "vLLM's greedy tokens after the run differ from cotrain's with the final adapter"
+    );
     assert_ne!(want, base, "the trained adapter does not change the output");
 }

@@ -21,17 +21,33 @@
 /// # Panics
 /// If the two slices differ in length.
 pub fn td_targets(rewards: &[f64], values: &[f64], discount: f64) -> Vec<f64> {
-    assert_eq!(rewards.len(), values.len(), "one reward and one value per turn");
-    (0..rewards.len()).map(|t| if t + 1 < rewards.len() { rewards[t] + discount * values[t + 1] } else { rewards[t] }).collect()
+    assert_eq!(
+        rewards.len(),
+        values.len(),
+        "one reward and one value per turn"
+    );
+    (0..rewards.len())
+        .map(|t| {
+            if t + 1 < rewards.len() {
+                rewards[t] + discount * values[t + 1]
+            } else {
+                rewards[t]
+            }
+        })
+        .collect()
 }
 
 /// Σ_{k≥t} rewards[k] for every t (upstream's logged return; undiscounted in 1.4.3).
 pub fn undiscounted_returns(rewards: &[f64]) -> Vec<f64> {
     let mut acc = 0.0;
-    let mut out: Vec<f64> = rewards.iter().rev().map(|r| {
-        acc += r;
-        acc
-    }).collect();
+    let mut out: Vec<f64> = rewards
+        .iter()
+        .rev()
+        .map(|r| {
+            acc += r;
+            acc
+        })
+        .collect();
     out.reverse();
     out
 }
@@ -41,15 +57,25 @@ pub fn undiscounted_returns(rewards: &[f64]) -> Vec<f64> {
 ///
 /// # Panics
 /// If the two slices differ in length.
-pub fn normalized_advantages(targets: &[f64], old_values: &[f64], normalize: bool) -> (Vec<f64>, Vec<f64>) {
-    assert_eq!(targets.len(), old_values.len(), "one target and one value per sample");
+pub fn normalized_advantages(
+    targets: &[f64],
+    old_values: &[f64],
+    normalize: bool,
+) -> (Vec<f64>, Vec<f64>) {
+    assert_eq!(
+        targets.len(),
+        old_values.len(),
+        "one target and one value per sample"
+    );
     let adv: Vec<f64> = targets.iter().zip(old_values).map(|(y, v)| y - v).collect();
     if !normalize || adv.len() < 2 {
         return (adv.clone(), adv);
     }
     let n = adv.len() as f64;
     let mean = adv.iter().sum::<f64>() / n;
-    let std = (adv.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / n).sqrt().max(1e-6);
+    let std = (adv.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / n)
+        .sqrt()
+        .max(1e-6);
     let norm = adv.iter().map(|a| (a - mean) / std).collect();
     (adv, norm)
 }
@@ -57,7 +83,11 @@ pub fn normalized_advantages(targets: &[f64], old_values: &[f64], normalize: boo
 /// The critic's loss before `value_loss_coef`, values (K,) with the gradient, targets and old
 /// values detached: mean_k (y_k − V_k)², or with `clip` = (V_old, ε) (IAC's value head on the
 /// actor) mean_k max((y_k − V_k)², (y_k − V_clip,k)²), V_clip = V_old + clamp(V − V_old, −ε, ε).
-pub fn value_loss(values: &tch::Tensor, targets: &tch::Tensor, clip: Option<(&tch::Tensor, f64)>) -> tch::Tensor {
+pub fn value_loss(
+    values: &tch::Tensor,
+    targets: &tch::Tensor,
+    clip: Option<(&tch::Tensor, f64)>,
+) -> tch::Tensor {
     let kind = values.kind();
     let y = targets.detach().to_kind(kind);
     let plain = (&y - values).square();
@@ -75,10 +105,20 @@ pub fn value_loss(values: &tch::Tensor, targets: &tch::Tensor, clip: Option<(&tc
 /// The MAAC critic's input: `[Agent i] <prompt i>` per agent, joined by blank lines; for Q(h, a) a
 /// `[Joint Action]` block follows with `[Agent i action]` and each completion on the next line.
 pub fn critic_input(prompts: &[&str], actions: Option<&[&str]>) -> String {
-    let mut text = prompts.iter().enumerate().map(|(i, p)| format!("[Agent {i}] {p}")).collect::<Vec<_>>().join("\n\n");
+    let mut text = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("[Agent {i}] {p}"))
+        .collect::<Vec<_>>()
+        .join("\n\n");
     if let Some(actions) = actions {
         let mut parts = vec!["[Joint Action]".to_string()];
-        parts.extend(actions.iter().enumerate().map(|(i, a)| format!("[Agent {i} action]\n{a}")));
+        parts.extend(
+            actions
+                .iter()
+                .enumerate()
+                .map(|(i, a)| format!("[Agent {i} action]\n{a}")),
+        );
         text.push_str("\n\n");
         text.push_str(&parts.join("\n\n"));
     }
@@ -91,7 +131,10 @@ mod tests {
 
     #[test]
     fn targets_bootstrap_from_the_next_turn_but_not_after_the_last() {
-        assert_eq!(td_targets(&[1.0, 2.0, 3.0], &[0.5, 0.25, 4.0], 0.5), vec![1.125, 4.0, 3.0]);
+        assert_eq!(
+            td_targets(&[1.0, 2.0, 3.0], &[0.5, 0.25, 4.0], 0.5),
+            vec![1.125, 4.0, 3.0]
+        );
         assert_eq!(td_targets(&[-1.0], &[9.0], 0.9), vec![-1.0]);
         assert_eq!(undiscounted_returns(&[1.0, 2.0, 3.0]), vec![6.0, 5.0, 3.0]);
     }
@@ -99,7 +142,10 @@ mod tests {
     #[test]
     fn a_group_of_one_or_of_equal_advantages_stays_finite() {
         assert_eq!(normalized_advantages(&[1.0], &[0.25], true).1, vec![0.75]);
-        assert_eq!(normalized_advantages(&[1.0, 1.0], &[0.0, 0.0], true).1, vec![0.0, 0.0]);
+        assert_eq!(
+            normalized_advantages(&[1.0, 1.0], &[0.0, 0.0], true).1,
+            vec![0.0, 0.0]
+        );
         let (_, n) = normalized_advantages(&[1.0, 0.0], &[0.0, 0.0], true);
         assert_eq!(n, vec![1.0, -1.0]);
     }

@@ -11,10 +11,20 @@ pub struct RewardProcessor {
 
 impl RewardProcessor {
     pub fn from_config(cfg: &RewardProcessorConfig) -> Self {
-        if cfg.enabled { Self { scale_factor: cfg.scale_factor, shift: cfg.shift } } else { Self::identity() }
+        if cfg.enabled {
+            Self {
+                scale_factor: cfg.scale_factor,
+                shift: cfg.shift,
+            }
+        } else {
+            Self::identity()
+        }
     }
     pub fn identity() -> Self {
-        Self { scale_factor: 1.0, shift: 0.0 }
+        Self {
+            scale_factor: 1.0,
+            shift: 0.0,
+        }
     }
     pub fn apply(&self, r: f64) -> f64 {
         self.scale_factor * r + self.shift
@@ -34,7 +44,12 @@ pub const ADV_STD_FLOOR: f64 = 1e-6;
 /// - [`NormalizationForm::Uncentred`]: A ← A / (std(R) + 1e-8), std of the returns with divisor G − 1.
 ///
 /// `clamp` limits A to [−c, c] last (the oldest release used 10).
-pub fn advantages(returns: &[f64], mode: AdvantageMode, normalize: Option<NormalizationForm>, clamp: Option<f64>) -> Vec<f64> {
+pub fn advantages(
+    returns: &[f64],
+    mode: AdvantageMode,
+    normalize: Option<NormalizationForm>,
+    clamp: Option<f64>,
+) -> Vec<f64> {
     let g = returns.len();
     if g == 0 {
         return Vec::new();
@@ -45,7 +60,10 @@ pub fn advantages(returns: &[f64], mode: AdvantageMode, normalize: Option<Normal
         AdvantageMode::Mean => returns.iter().map(|r| r - mean).collect(),
         // G = 1 has no leave-one-out baseline; the advantage is then 0 (no signal), never a division by 0.
         AdvantageMode::Rloo if g < 2 => vec![0.0; g],
-        AdvantageMode::Rloo => returns.iter().map(|r| (g as f64 * r - sum) / (g as f64 - 1.0)).collect(),
+        AdvantageMode::Rloo => returns
+            .iter()
+            .map(|r| (g as f64 * r - sum) / (g as f64 - 1.0))
+            .collect(),
         AdvantageMode::Max => {
             let max = returns.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             returns.iter().map(|r| r - max).collect()
@@ -56,14 +74,20 @@ pub fn advantages(returns: &[f64], mode: AdvantageMode, normalize: Option<Normal
         None => {}
         Some(NormalizationForm::Centred) if g > 1 => {
             let m = adv.iter().sum::<f64>() / g as f64;
-            let std = (adv.iter().map(|a| (a - m).powi(2)).sum::<f64>() / g as f64).sqrt().max(ADV_STD_FLOOR);
+            let std = (adv.iter().map(|a| (a - m).powi(2)).sum::<f64>() / g as f64)
+                .sqrt()
+                .max(ADV_STD_FLOOR);
             for a in &mut adv {
                 *a = (*a - m) / std;
             }
         }
         Some(NormalizationForm::Centred) => {}
         Some(NormalizationForm::Uncentred) => {
-            let std = if g < 2 { 0.0 } else { (returns.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (g as f64 - 1.0)).sqrt() };
+            let std = if g < 2 {
+                0.0
+            } else {
+                (returns.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (g as f64 - 1.0)).sqrt()
+            };
             for a in &mut adv {
                 *a /= std + ADV_STD_EPS;
             }
@@ -92,15 +116,35 @@ mod tests {
     fn the_four_modes_match_hand_computed_values() {
         // R = [1, 2, 3, 6]: ΣR = 12, mean 3, max 6.
         let r = [1.0, 2.0, 3.0, 6.0];
-        close(&advantages(&r, AdvantageMode::Mean, None, None), &[-2.0, -1.0, 0.0, 3.0]);
+        close(
+            &advantages(&r, AdvantageMode::Mean, None, None),
+            &[-2.0, -1.0, 0.0, 3.0],
+        );
         // (4·R − 12)/3 = [-8/3, -4/3, 0, 4]
-        close(&advantages(&r, AdvantageMode::Rloo, None, None), &[-8.0 / 3.0, -4.0 / 3.0, 0.0, 4.0]);
-        close(&advantages(&r, AdvantageMode::Max, None, None), &[-5.0, -4.0, -3.0, 0.0]);
+        close(
+            &advantages(&r, AdvantageMode::Rloo, None, None),
+            &[-8.0 / 3.0, -4.0 / 3.0, 0.0, 4.0],
+        );
+        close(
+            &advantages(&r, AdvantageMode::Max, None, None),
+            &[-5.0, -4.0, -3.0, 0.0],
+        );
         close(&advantages(&r, AdvantageMode::Raw, None, None), &r);
         // unbiased std = sqrt((4+1+0+9)/3) = sqrt(14/3)
         let s = (14.0f64 / 3.0).sqrt() + 1e-8;
-        close(&advantages(&r, AdvantageMode::Mean, Some(NormalizationForm::Uncentred), None), &[-2.0 / s, -1.0 / s, 0.0, 3.0 / s]);
-        close(&advantages(&r, AdvantageMode::Mean, None, Some(1.5)), &[-1.5, -1.0, 0.0, 1.5]);
+        close(
+            &advantages(
+                &r,
+                AdvantageMode::Mean,
+                Some(NormalizationForm::Uncentred),
+                None,
+            ),
+            &[-2.0 / s, -1.0 / s, 0.0, 3.0 / s],
+        );
+        close(
+            &advantages(&r, AdvantageMode::Mean, None, Some(1.5)),
+            &[-1.5, -1.0, 0.0, 1.5],
+        );
     }
 
     #[test]
@@ -113,9 +157,17 @@ mod tests {
 
     #[test]
     fn reward_processor_scales_then_shifts() {
-        let p = RewardProcessor::from_config(&RewardProcessorConfig { enabled: true, scale_factor: 2.0, shift: -4.0 });
+        let p = RewardProcessor::from_config(&RewardProcessorConfig {
+            enabled: true,
+            scale_factor: 2.0,
+            shift: -4.0,
+        });
         assert_eq!(p.apply(3.0), 2.0);
-        let off = RewardProcessor::from_config(&RewardProcessorConfig { enabled: false, scale_factor: 2.0, shift: -4.0 });
+        let off = RewardProcessor::from_config(&RewardProcessorConfig {
+            enabled: false,
+            scale_factor: 2.0,
+            shift: -4.0,
+        });
         assert_eq!(off.apply(3.0), 3.0);
     }
 }

@@ -15,7 +15,10 @@ pub struct RolloutBuffer<S> {
 impl<S> RolloutBuffer<S> {
     /// A buffer that is ready after `capacity_nodes` nodes (`rollout_buffer_size`).
     pub fn new(capacity_nodes: usize) -> Self {
-        Self { nodes: Vec::new(), capacity_nodes: capacity_nodes.max(1) }
+        Self {
+            nodes: Vec::new(),
+            capacity_nodes: capacity_nodes.max(1),
+        }
     }
 
     /// Adds one node's samples (its G completions with their advantages).
@@ -38,7 +41,11 @@ impl<S> RolloutBuffer<S> {
 
     /// Empties the buffer: all samples shuffled with `rng`, in mini-batches of `batch_size` samples (one
     /// batch with everything when `None`). The last batch may be smaller.
-    pub fn drain_minibatches<R: Rng + ?Sized>(&mut self, rng: &mut R, batch_size: Option<usize>) -> Vec<Vec<S>> {
+    pub fn drain_minibatches<R: Rng + ?Sized>(
+        &mut self,
+        rng: &mut R,
+        batch_size: Option<usize>,
+    ) -> Vec<Vec<S>> {
         let mut all: Vec<S> = self.nodes.drain(..).flatten().collect();
         all.shuffle(rng);
         let size = batch_size.unwrap_or(all.len()).max(1);
@@ -53,7 +60,11 @@ impl<S> RolloutBuffer<S> {
     /// Empties the buffer as CoMLRL 2026 does (`train_batch_size` counting nodes): the nodes shuffled
     /// whole with `rng`, in mini-batches of `nodes_per_batch` nodes (one batch with everything when
     /// `None`), each batch the samples of its nodes.
-    pub fn drain_node_minibatches<R: Rng + ?Sized>(&mut self, rng: &mut R, nodes_per_batch: Option<usize>) -> Vec<Vec<S>> {
+    pub fn drain_node_minibatches<R: Rng + ?Sized>(
+        &mut self,
+        rng: &mut R,
+        nodes_per_batch: Option<usize>,
+    ) -> Vec<Vec<S>> {
         let mut nodes: Vec<Vec<S>> = self.nodes.drain(..).collect();
         nodes.shuffle(rng);
         let size = nodes_per_batch.unwrap_or(nodes.len()).max(1);
@@ -81,7 +92,10 @@ mod tests {
         assert_eq!(b.samples(), 8);
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         let batches = b.drain_minibatches(&mut rng, Some(3));
-        assert_eq!(batches.iter().map(Vec::len).collect::<Vec<_>>(), vec![3, 3, 2]);
+        assert_eq!(
+            batches.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![3, 3, 2]
+        );
         let mut all: Vec<i32> = batches.concat();
         assert_ne!(all, (0..8).collect::<Vec<_>>(), "shuffled");
         all.sort();
@@ -103,10 +117,17 @@ mod tests {
         }
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
         let batches = b.drain_node_minibatches(&mut rng, Some(2));
-        assert_eq!(batches.iter().map(Vec::len).collect::<Vec<_>>(), vec![8, 4], "2 nodes of G = 4, then 1");
+        assert_eq!(
+            batches.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![8, 4],
+            "2 nodes of G = 4, then 1"
+        );
         for batch in &batches {
             for node in batch.chunks(4) {
-                assert!(node.iter().all(|s| s / 10 == node[0] / 10) && node[0] % 10 == 0, "whole nodes in order: {batch:?}");
+                assert!(
+                    node.iter().all(|s| s / 10 == node[0] / 10) && node[0] % 10 == 0,
+                    "whole nodes in order: {batch:?}"
+                );
             }
         }
         assert_eq!(b.nodes(), 0);

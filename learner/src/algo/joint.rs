@@ -31,7 +31,12 @@ pub fn joint_actions(mode: JointMode, num_agents: usize, g: usize) -> Vec<JointA
 /// Per agent, per completion: the return credited to that completion. `aligned`: completion j gets the
 /// return of joint action j. `cross`: completion k of agent i gets the SUM of the returns of every joint
 /// action that contains it (G^(N−1) of them). `returns[a]` belongs to `joint_actions(mode, N, g)[a]`.
-pub fn credit_per_agent(mode: JointMode, num_agents: usize, g: usize, returns: &[f64]) -> Vec<Vec<f64>> {
+pub fn credit_per_agent(
+    mode: JointMode,
+    num_agents: usize,
+    g: usize,
+    returns: &[f64],
+) -> Vec<Vec<f64>> {
     let actions = joint_actions(mode, num_agents, g);
     assert_eq!(actions.len(), returns.len(), "one return per joint action");
     let mut credit = vec![vec![0.0; g]; num_agents];
@@ -56,7 +61,10 @@ mod tests {
         assert_eq!(a[5], vec![1, 2]);
         assert_eq!(a[8], vec![2, 2]);
         assert_eq!(joint_actions(JointMode::Cross, 3, 2).len(), 8);
-        assert_eq!(joint_actions(JointMode::Aligned, 3, 2), vec![vec![0, 0, 0], vec![1, 1, 1]]);
+        assert_eq!(
+            joint_actions(JointMode::Aligned, 3, 2),
+            vec![vec![0, 0, 0], vec![1, 1, 1]]
+        );
     }
 
     #[test]

@@ -55,16 +55,27 @@ pub struct LossOptions {
 impl LossOptions {
     /// The original's loss: summed log-probs, no clipping, no KL, scale 1.
     pub fn original() -> Self {
-        Self { normalization: LossNormalization::Sum, clip: None, kl: None, scale: 1.0, truncated_is: None, measure_gap: false }
+        Self {
+            normalization: LossNormalization::Sum,
+            clip: None,
+            kl: None,
+            scale: 1.0,
+            truncated_is: None,
+            measure_gap: false,
+        }
     }
 
     /// The options a trainer section asks for (scale 1; the trainer sets turn/shared scaling).
     pub fn from_section(s: &TrainerSection) -> Self {
         Self {
             normalization: s.loss_normalization,
-            clip: s.ppo_clip.enabled.then_some((s.ppo_clip.clip_low, s.ppo_clip.clip_high)),
+            clip: s
+                .ppo_clip
+                .enabled
+                .then_some((s.ppo_clip.clip_low, s.ppo_clip.clip_high)),
             // With `placement: returns` the KL shapes the returns instead (see `algo::reference_kl`).
-            kl: (s.reference_kl.enabled && s.reference_kl.placement == KlPlacement::Loss).then_some((s.reference_kl.coef, s.reference_kl.estimator)),
+            kl: (s.reference_kl.enabled && s.reference_kl.placement == KlPlacement::Loss)
+                .then_some((s.reference_kl.coef, s.reference_kl.estimator)),
             scale: 1.0,
             truncated_is: None,
             measure_gap: false,
@@ -122,11 +133,15 @@ pub enum LossError {
 
 /// Per-sample reduction over tokens: Σ_t x·mask, or that divided by the sample's token count.
 fn reduce(x: &Tensor, mask: &Tensor, norm: LossNormalization) -> Result<Tensor, tch::TchError> {
-    let summed = x.f_mul(mask)?.f_sum_dim_intlist([1i64].as_slice(), false, Kind::Double)?;
+    let summed = x
+        .f_mul(mask)?
+        .f_sum_dim_intlist([1i64].as_slice(), false, Kind::Double)?;
     match norm {
         LossNormalization::Sum => Ok(summed),
         LossNormalization::TokenMean => {
-            let n = mask.f_sum_dim_intlist([1i64].as_slice(), false, Kind::Double)?.f_clamp_min(1.0)?;
+            let n = mask
+                .f_sum_dim_intlist([1i64].as_slice(), false, Kind::Double)?
+                .f_clamp_min(1.0)?;
             summed.f_div(&n)
         }
     }
@@ -148,17 +163,32 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
     let lp = batch.logprobs;
     let dims = lp.size();
     if dims.len() != 2 {
-        return Err(LossError::Shape(format!("logprobs must be (K, T), got {dims:?}")));
+        return Err(LossError::Shape(format!(
+            "logprobs must be (K, T), got {dims:?}"
+        )));
     }
     if batch.mask.size() != dims {
-        return Err(LossError::Shape(format!("mask {:?} vs logprobs {dims:?}", batch.mask.size())));
+        return Err(LossError::Shape(format!(
+            "mask {:?} vs logprobs {dims:?}",
+            batch.mask.size()
+        )));
     }
     if batch.advantages.size() != [dims[0]] {
-        return Err(LossError::Shape(format!("advantages {:?} vs K = {}", batch.advantages.size(), dims[0])));
+        return Err(LossError::Shape(format!(
+            "advantages {:?} vs K = {}",
+            batch.advantages.size(),
+            dims[0]
+        )));
     }
     let k = dims[0].max(1) as f64;
     let weights = match batch.weights {
-        Some(w) if w.size() != [dims[0]] => return Err(LossError::Shape(format!("weights {:?} vs K = {}", w.size(), dims[0]))),
+        Some(w) if w.size() != [dims[0]] => {
+            return Err(LossError::Shape(format!(
+                "weights {:?} vs K = {}",
+                w.size(),
+                dims[0]
+            )));
+        }
         Some(w) => w.f_to_kind(Kind::Double)?,
         None => Tensor::f_ones([dims[0]], (Kind::Double, lp.device()))?,
     };
@@ -166,10 +196,23 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
     let adv = batch.advantages.f_to_kind(Kind::Double)?;
     let tokens = mask.f_sum(Kind::Double)?.double_value(&[]);
     let mean_over_tokens = |x: &Tensor| -> Result<f64, tch::TchError> {
-        Ok(if tokens > 0.0 { x.f_to_kind(Kind::Double)?.f_mul(&mask.f_to_kind(Kind::Double)?)?.f_sum(Kind::Double)?.double_value(&[]) / tokens } else { 0.0 })
+        Ok(if tokens > 0.0 {
+            x.f_to_kind(Kind::Double)?
+                .f_mul(&mask.f_to_kind(Kind::Double)?)?
+                .f_sum(Kind::Double)?
+                .double_value(&[])
+                / tokens
+        } else {
+            0.0
+        })
     };
     let old = match batch.old_logprobs {
-        Some(old) if old.size() != dims => return Err(LossError::Shape(format!("old_logprobs {:?} vs logprobs {dims:?}", old.size()))),
+        Some(old) if old.size() != dims => {
+            return Err(LossError::Shape(format!(
+                "old_logprobs {:?} vs logprobs {dims:?}",
+                old.size()
+            )));
+        }
         Some(old) => Some(old.detach()),
         None => None,
     };
@@ -178,7 +221,12 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
         None => 0.0,
     };
     let proximal = match batch.proximal_logprobs {
-        Some(p) if p.size() != dims => return Err(LossError::Shape(format!("proximal_logprobs {:?} vs logprobs {dims:?}", p.size()))),
+        Some(p) if p.size() != dims => {
+            return Err(LossError::Shape(format!(
+                "proximal_logprobs {:?} vs logprobs {dims:?}",
+                p.size()
+            )));
+        }
         Some(p) => Some(p.detach()),
         None => None,
     };
@@ -188,7 +236,11 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
         None => (None, 0.0, 0.0),
         Some(cap) => {
             let old = old.as_ref().ok_or(LossError::MissingOldLogprobs)?;
-            let raw = proximal.as_ref().unwrap_or(&lp.detach()).f_sub(old)?.f_exp()?;
+            let raw = proximal
+                .as_ref()
+                .unwrap_or(&lp.detach())
+                .f_sub(old)?
+                .f_exp()?;
             let cut = raw.f_gt(cap)?.f_to_kind(lp.kind())?;
             let w = raw.f_clamp_max(cap)?;
             let (mean, frac) = (mean_over_tokens(&w)?, mean_over_tokens(&cut)?);
@@ -209,18 +261,31 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
         }
         Some((low, high)) => {
             // The ratio's anchor: the proximal policy (decoupled PPO), else the behaviour policy.
-            let anchor = proximal.as_ref().or(old.as_ref()).ok_or(LossError::MissingOldLogprobs)?;
+            let anchor = proximal
+                .as_ref()
+                .or(old.as_ref())
+                .ok_or(LossError::MissingOldLogprobs)?;
             let ratio = lp.f_sub(anchor)?.f_exp()?;
             let a = adv.f_unsqueeze(1)?.f_to_kind(lp.kind())?;
             let unclipped = ratio.f_mul(&a)?;
             let clipped = ratio.f_clamp(1.0 - low, 1.0 + high)?.f_mul(&a)?;
             let per_token = weighted(unclipped.f_minimum(&clipped)?.f_neg()?)?;
-            let was_clipped = unclipped.f_gt_tensor(&clipped)?.f_to_kind(Kind::Double)?.f_mul(&mask.f_to_kind(Kind::Double)?)?;
-            let frac = if tokens > 0.0 { was_clipped.f_sum(Kind::Double)?.double_value(&[]) / tokens } else { 0.0 };
+            let was_clipped = unclipped
+                .f_gt_tensor(&clipped)?
+                .f_to_kind(Kind::Double)?
+                .f_mul(&mask.f_to_kind(Kind::Double)?)?;
+            let frac = if tokens > 0.0 {
+                was_clipped.f_sum(Kind::Double)?.double_value(&[]) / tokens
+            } else {
+                0.0
+            };
             (reduce(&per_token, &mask, opts.normalization)?, frac)
         }
     };
-    let policy = per_sample.f_mul(&weights)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
+    let policy = per_sample
+        .f_mul(&weights)?
+        .f_sum(Kind::Double)?
+        .f_div_scalar(k)?;
     let policy_value = policy.double_value(&[]);
 
     let (total, kl_value) = match opts.kl {
@@ -228,7 +293,10 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
         Some((coef, estimator)) => {
             let lr = batch.ref_logprobs.ok_or(LossError::MissingRefLogprobs)?;
             if lr.size() != dims {
-                return Err(LossError::Shape(format!("ref_logprobs {:?} vs logprobs {dims:?}", lr.size())));
+                return Err(LossError::Shape(format!(
+                    "ref_logprobs {:?} vs logprobs {dims:?}",
+                    lr.size()
+                )));
             }
             // Per token, d = log π_ref − log π_θ.
             let d = lr.detach().f_sub(lp)?;
@@ -241,7 +309,11 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
                 // releases shape it, without the group baseline on the KL part).
                 KlEstimator::K1 => {
                     let kl_k = reduce(&d.f_neg()?, &mask, opts.normalization)?.detach();
-                    let pen = kl_k.f_mul(&reduce(lp, &mask, opts.normalization)?)?.f_mul(&weights)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
+                    let pen = kl_k
+                        .f_mul(&reduce(lp, &mask, opts.normalization)?)?
+                        .f_mul(&weights)?
+                        .f_sum(Kind::Double)?
+                        .f_div_scalar(k)?;
                     (kl_k.f_sum(Kind::Double)?.f_div_scalar(k)?, pen)
                 }
                 // k3 = exp(d) − d − 1 (unbiased, always ≥ 0, low variance): differentiated directly,
@@ -251,7 +323,10 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
                     let per_token = d.f_exp()?.f_sub(&d)?.f_sub_scalar(1.0)?;
                     let per_sample_kl = reduce(&per_token, &mask, opts.normalization)?;
                     let kl = per_sample_kl.f_sum(Kind::Double)?.f_div_scalar(k)?;
-                    let pen = per_sample_kl.f_mul(&weights)?.f_sum(Kind::Double)?.f_div_scalar(k)?;
+                    let pen = per_sample_kl
+                        .f_mul(&weights)?
+                        .f_sum(Kind::Double)?
+                        .f_div_scalar(k)?;
                     (kl, pen)
                 }
             };
@@ -261,7 +336,16 @@ pub fn policy_loss(batch: &PolicyBatch<'_>, opts: &LossOptions) -> Result<LossTe
         }
     };
     let loss = total.f_mul_scalar(opts.scale)?;
-    Ok(LossTerms { loss, policy_loss: policy_value, kl: kl_value, clip_fraction, tokens, logprob_gap, is_weight_mean, is_truncated_fraction })
+    Ok(LossTerms {
+        loss,
+        policy_loss: policy_value,
+        kl: kl_value,
+        clip_fraction,
+        tokens,
+        logprob_gap,
+        is_weight_mean,
+        is_truncated_fraction,
+    })
 }
 
 #[cfg(test)]
@@ -282,17 +366,39 @@ mod tests {
         let lp = t2(&[&[-1.0, -2.0], &[-0.5, -9.0]]);
         let mask = t2(&[&[1.0, 1.0], &[1.0, 0.0]]);
         let adv = Tensor::from_slice(&[1.0, -2.0]);
-        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: None, proximal_logprobs: None, ref_logprobs: None, weights: None };
+        let b = PolicyBatch {
+            logprobs: &lp,
+            mask: &mask,
+            advantages: &adv,
+            old_logprobs: None,
+            proximal_logprobs: None,
+            ref_logprobs: None,
+            weights: None,
+        };
         let out = policy_loss(&b, &LossOptions::original()).unwrap();
         assert!((out.loss.double_value(&[]) - 1.0).abs() < 1e-12);
         assert_eq!(out.tokens, 3.0);
         // token-mean: sample 0 −3/2 = −1.5, sample 1 −0.5: L = (1.5 − 1)/2 = 0.25
-        let tm = LossOptions { normalization: LossNormalization::TokenMean, ..LossOptions::original() };
+        let tm = LossOptions {
+            normalization: LossNormalization::TokenMean,
+            ..LossOptions::original()
+        };
         assert!((policy_loss(&b, &tm).unwrap().loss.double_value(&[]) - 0.25).abs() < 1e-12);
         // Weights 1.2 and 0.8 (turn weights): L = (1/2)·(1.2·3 + 0.8·(−1)) = 1.4.
         let w = Tensor::from_slice(&[1.2, 0.8]);
-        let wb = PolicyBatch { weights: Some(&w), ..b };
-        assert!((policy_loss(&wb, &LossOptions::original()).unwrap().loss.double_value(&[]) - 1.4).abs() < 1e-12);
+        let wb = PolicyBatch {
+            weights: Some(&w),
+            ..b
+        };
+        assert!(
+            (policy_loss(&wb, &LossOptions::original())
+                .unwrap()
+                .loss
+                .double_value(&[])
+                - 1.4)
+                .abs()
+                < 1e-12
+        );
     }
 
     #[test]
@@ -303,25 +409,49 @@ mod tests {
         let old = t2(&[&[-1.5, -1.0], &[-2.5, 0.0]]);
         let mask = t2(&[&[1.0, 1.0], &[1.0, 0.0]]);
         let adv = Tensor::from_slice(&[1.0, -2.0]);
-        let b = PolicyBatch { logprobs: &lp, mask: &mask, advantages: &adv, old_logprobs: Some(&old), proximal_logprobs: None, ref_logprobs: None, weights: None };
-        let opts = LossOptions { truncated_is: Some(2.0), ..LossOptions::original() };
+        let b = PolicyBatch {
+            logprobs: &lp,
+            mask: &mask,
+            advantages: &adv,
+            old_logprobs: Some(&old),
+            proximal_logprobs: None,
+            ref_logprobs: None,
+            weights: None,
+        };
+        let opts = LossOptions {
+            truncated_is: Some(2.0),
+            ..LossOptions::original()
+        };
         let out = policy_loss(&b, &opts).unwrap();
         let (w0, w1) = (0.5f64.exp(), (-1.0f64).exp());
         // L = (1/2)·(−1·(w0·(−1) + w1·(−2)) + 2·(2·(−0.5))) = (w0 + 2·w1 − 2)/2.
         let want = (w0 + 2.0 * w1 - 2.0) / 2.0;
-        assert!((out.loss.double_value(&[]) - want).abs() < 1e-12, "{} vs {want}", out.loss.double_value(&[]));
+        assert!(
+            (out.loss.double_value(&[]) - want).abs() < 1e-12,
+            "{} vs {want}",
+            out.loss.double_value(&[])
+        );
         assert!((out.is_weight_mean - (w0 + w1 + 2.0) / 3.0).abs() < 1e-12);
         assert!((out.is_truncated_fraction - 1.0 / 3.0).abs() < 1e-12);
         assert!((out.logprob_gap - (0.5 + 1.0 + 2.0) / 3.0).abs() < 1e-12);
         // The weights carry no gradient: d L / d log π_t = −A·w_t.
         let lpg = lp.detach().set_requires_grad(true);
-        let b = PolicyBatch { logprobs: &lpg, ..b };
+        let b = PolicyBatch {
+            logprobs: &lpg,
+            ..b
+        };
         policy_loss(&b, &opts).unwrap().loss.backward();
         let g = lpg.grad();
         assert!((g.double_value(&[0, 0]) - (-w0 / 2.0)).abs() < 1e-12);
         assert!((g.double_value(&[1, 0]) - (2.0 * 2.0 / 2.0)).abs() < 1e-12);
         // Without behaviour log-probs there is nothing to correct against.
-        let nb = PolicyBatch { old_logprobs: None, ..b };
-        assert!(matches!(policy_loss(&nb, &opts), Err(LossError::MissingOldLogprobs)));
+        let nb = PolicyBatch {
+            old_logprobs: None,
+            ..b
+        };
+        assert!(matches!(
+            policy_loss(&nb, &opts),
+            Err(LossError::MissingOldLogprobs)
+        ));
     }
 }

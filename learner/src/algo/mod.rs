@@ -7,9 +7,9 @@
 pub mod actor_critic;
 pub mod advantage;
 pub mod buffer;
+pub mod discussion_score;
 pub mod joint;
 pub mod loss;
-pub mod discussion_score;
 pub mod optim;
 pub mod padding;
 pub mod ppo;
@@ -37,8 +37,15 @@ pub struct AdvantageOptions {
 impl AdvantageOptions {
     pub fn from_section(s: &crate::config::TrainerSection) -> Self {
         // The form is filled in by config validation; a section typed by hand defaults to `uncentred`.
-        let form = s.advantage_normalization_form.unwrap_or(crate::config::NormalizationForm::Uncentred);
-        Self { joint_mode: s.joint_mode, mode: s.advantage_mode, normalize: s.advantage_normalization.then_some(form), clamp: s.advantage_clamp }
+        let form = s
+            .advantage_normalization_form
+            .unwrap_or(crate::config::NormalizationForm::Uncentred);
+        Self {
+            joint_mode: s.joint_mode,
+            mode: s.advantage_mode,
+            normalize: s.advantage_normalization.then_some(form),
+            clamp: s.advantage_clamp,
+        }
     }
 }
 

@@ -7,7 +7,6 @@ use std::collections::BTreeMap;
 use cotrain_model::kernels::adamw_f32::{AdamWStep, adamw_f32, sum_of_squares_f64};
 use tch::{Kind, Tensor, nn};
 
-
 /// AdamW hyper-parameters (PyTorch defaults for betas and eps; weight decay 0 as in the original).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWConfig {
@@ -87,8 +86,16 @@ impl AdamW {
 
     fn ensure_state(&mut self) {
         if self.m.len() != self.vars.len() {
-            self.m = self.vars.iter().map(|(_, t)| t.zeros_like().detach()).collect();
-            self.v = self.vars.iter().map(|(_, t)| t.zeros_like().detach()).collect();
+            self.m = self
+                .vars
+                .iter()
+                .map(|(_, t)| t.zeros_like().detach())
+                .collect();
+            self.v = self
+                .vars
+                .iter()
+                .map(|(_, t)| t.zeros_like().detach())
+                .collect();
         }
     }
 
@@ -101,7 +108,11 @@ impl AdamW {
     /// write through: what the learner's ranks broadcast after a resume.
     pub fn moments_mut(&mut self) -> Vec<Tensor> {
         self.ensure_state();
-        self.m.iter().chain(&self.v).map(Tensor::shallow_clone).collect()
+        self.m
+            .iter()
+            .chain(&self.v)
+            .map(Tensor::shallow_clone)
+            .collect()
     }
 
     /// Drops the gradients, as `torch.optim`'s `zero_grad()` does by default (`set_to_none`): the
@@ -114,7 +125,10 @@ impl AdamW {
         if self.grad_dropper.is_none() {
             self.grad_dropper = Self::dropper(&self.vars);
         }
-        let dropped = self.grad_dropper.as_ref().is_some_and(|o| o.zero_grad().is_ok());
+        let dropped = self
+            .grad_dropper
+            .as_ref()
+            .is_some_and(|o| o.zero_grad().is_ok());
         if !dropped {
             for (_, p) in &mut self.vars {
                 p.zero_grad();
@@ -127,8 +141,19 @@ impl AdamW {
     /// the weights by their momentum as `torch.optim.AdamW` does after such a backward, without
     /// running that backward. Costs one fill over the model's size.
     pub fn zero_gradients_where_missing(&mut self) {
-        let missing: Vec<&Tensor> = self.vars.iter().map(|(_, p)| p).filter(|p| p.requires_grad() && !p.grad().defined()).collect();
-        let Some(total) = missing.iter().map(|p| p.sum(Kind::Float) * 0.0).reduce(|a, b| a + b) else { return };
+        let missing: Vec<&Tensor> = self
+            .vars
+            .iter()
+            .map(|(_, p)| p)
+            .filter(|p| p.requires_grad() && !p.grad().defined())
+            .collect();
+        let Some(total) = missing
+            .iter()
+            .map(|p| p.sum(Kind::Float) * 0.0)
+            .reduce(|a, b| a + b)
+        else {
+            return;
+        };
         // d(0·Σp)/dp is a zero tensor of p's shape, which autograd stores contiguous as p's gradient.
         total.backward();
     }
@@ -151,12 +176,19 @@ impl AdamW {
             if !g.defined() {
                 continue;
             }
-            total += if g.kind() == Kind::Float && g.device() == tch::Device::Cpu && g.is_contiguous() && g.numel() > 0 {
+            total += if g.kind() == Kind::Float
+                && g.device() == tch::Device::Cpu
+                && g.is_contiguous()
+                && g.numel() > 0
+            {
                 // SAFETY: a contiguous f32 CPU tensor of numel elements, only read while `g` lives.
-                let data = unsafe { std::slice::from_raw_parts(g.data_ptr() as *const f32, g.numel()) };
+                let data =
+                    unsafe { std::slice::from_raw_parts(g.data_ptr() as *const f32, g.numel()) };
                 sum_of_squares_f64(data, threads)
             } else {
-                g.norm_scalaropt_dtype(2.0, Kind::Double).double_value(&[]).powi(2)
+                g.norm_scalaropt_dtype(2.0, Kind::Double)
+                    .double_value(&[])
+                    .powi(2)
             };
         }
         total.sqrt()

@@ -33,8 +33,16 @@ use super::loss::LossError;
 /// # Panics
 /// If the two slices differ in length.
 pub fn kl_per_token(logprobs: &[f32], ref_logprobs: &[f32]) -> Vec<f64> {
-    assert_eq!(logprobs.len(), ref_logprobs.len(), "logprobs and ref_logprobs must have one entry per token");
-    logprobs.iter().zip(ref_logprobs).map(|(lp, lr)| f64::from(*lp) - f64::from(*lr)).collect()
+    assert_eq!(
+        logprobs.len(),
+        ref_logprobs.len(),
+        "logprobs and ref_logprobs must have one entry per token"
+    );
+    logprobs
+        .iter()
+        .zip(ref_logprobs)
+        .map(|(lp, lr)| f64::from(*lp) - f64::from(*lr))
+        .collect()
 }
 
 /// Rewards of one response's tokens: r_t = −kl_coef·(log π(y_t) − log π_ref(y_t)), plus the sequence
@@ -46,7 +54,10 @@ pub fn kl_per_token(logprobs: &[f32], ref_logprobs: &[f32]) -> Vec<f64> {
 /// # Panics
 /// If the two slices differ in length.
 pub fn token_rewards(logprobs: &[f32], ref_logprobs: &[f32], score: f64, kl_coef: f64) -> Vec<f64> {
-    let mut rewards: Vec<f64> = kl_per_token(logprobs, ref_logprobs).into_iter().map(|kl| -kl_coef * kl).collect();
+    let mut rewards: Vec<f64> = kl_per_token(logprobs, ref_logprobs)
+        .into_iter()
+        .map(|kl| -kl_coef * kl)
+        .collect();
     if let Some(last) = rewards.last_mut() {
         *last += score;
     }
@@ -63,7 +74,11 @@ pub fn token_rewards(logprobs: &[f32], ref_logprobs: &[f32], score: f64, kl_coef
 /// # Panics
 /// If `rewards` and `values` differ in length.
 pub fn gae(rewards: &[f64], values: &[f64], gamma: f64, lambda: f64) -> (Vec<f64>, Vec<f64>) {
-    assert_eq!(rewards.len(), values.len(), "rewards and values must have one entry per token");
+    assert_eq!(
+        rewards.len(),
+        values.len(),
+        "rewards and values must have one entry per token"
+    );
     let n = rewards.len();
     let mut advantages = vec![0.0; n];
     let mut last_gae_lam = 0.0;
@@ -90,10 +105,17 @@ pub fn whiten(values: &[f64], shift_mean: bool) -> Vec<f64> {
         return Vec::new();
     }
     let mean = values.iter().sum::<f64>() / n as f64;
-    let var = if n > 1 { values.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64 } else { 0.0 };
+    let var = if n > 1 {
+        values.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64
+    } else {
+        0.0
+    };
     let inv_std = 1.0 / (var + 1e-8).sqrt();
     let shift = if shift_mean { 0.0 } else { mean };
-    values.iter().map(|x| (x - mean) * inv_std + shift).collect()
+    values
+        .iter()
+        .map(|x| (x - mean) * inv_std + shift)
+        .collect()
 }
 
 /// The clipped policy loss of a batch and its diagnostics.
@@ -129,7 +151,10 @@ fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor, tch::TchError> {
 
 fn check_shape(name: &str, t: &Tensor, dims: &[i64]) -> Result<(), LossError> {
     if t.size() != dims {
-        return Err(LossError::Shape(format!("{name} {:?} vs logprobs {dims:?}", t.size())));
+        return Err(LossError::Shape(format!(
+            "{name} {:?} vs logprobs {dims:?}",
+            t.size()
+        )));
     }
     Ok(())
 }
@@ -157,18 +182,27 @@ pub fn clipped_policy_loss(
     let log_ratio = logprobs.f_sub(&old_logprobs.detach().f_to_kind(kind)?)?;
     let ratio = log_ratio.f_exp()?;
     let pg1 = adv.f_neg()?.f_mul(&ratio)?;
-    let pg2 = adv.f_neg()?.f_mul(&ratio.f_clamp(1.0 - clip, 1.0 + clip)?)?;
+    let pg2 = adv
+        .f_neg()?
+        .f_mul(&ratio.f_clamp(1.0 - clip, 1.0 + clip)?)?;
     // The larger (pessimistic) loss: the ratio gains nothing by leaving [1 − ε, 1 + ε] in the
     // direction the advantage rewards.
     let loss = masked_mean(&pg1.f_maximum(&pg2)?, &mask)?;
 
     let no_grad = tch::no_grad_guard();
-    let clip_fraction = masked_mean(&pg2.f_gt_tensor(&pg1)?.f_to_kind(kind)?, &mask)?.double_value(&[]);
+    let clip_fraction =
+        masked_mean(&pg2.f_gt_tensor(&pg1)?.f_to_kind(kind)?, &mask)?.double_value(&[]);
     let approx_kl = 0.5 * masked_mean(&log_ratio.f_square()?, &mask)?.double_value(&[]);
     let policy_kl = masked_mean(&log_ratio.f_neg()?, &mask)?.double_value(&[]);
     let ratio_mean = masked_mean(&ratio, &mask)?.double_value(&[]);
     drop(no_grad);
-    Ok(PolicyLossTerms { loss, clip_fraction, approx_kl, policy_kl, ratio_mean })
+    Ok(PolicyLossTerms {
+        loss,
+        clip_fraction,
+        approx_kl,
+        policy_kl,
+        ratio_mean,
+    })
 }
 
 /// PPO's clipped value loss (TRL `PPOTrainer.loss`), all tensors (K, T) with a 1.0/0.0 `mask`:
@@ -198,9 +232,13 @@ pub fn clipped_value_loss(
     let loss = masked_mean(&vf1.f_maximum(&vf2)?, &mask)?.f_mul_scalar(0.5)?;
 
     let no_grad = tch::no_grad_guard();
-    let clip_fraction = masked_mean(&vf2.f_gt_tensor(&vf1)?.f_to_kind(kind)?, &mask)?.double_value(&[]);
+    let clip_fraction =
+        masked_mean(&vf2.f_gt_tensor(&vf1)?.f_to_kind(kind)?, &mask)?.double_value(&[]);
     drop(no_grad);
-    Ok(ValueLossTerms { loss, clip_fraction })
+    Ok(ValueLossTerms {
+        loss,
+        clip_fraction,
+    })
 }
 
 /// Population variance; 0 for an empty slice.
@@ -223,7 +261,11 @@ fn population_var(xs: &[f64]) -> f64 {
 /// # Panics
 /// If `values` and `returns` differ in length.
 pub fn explained_variance(values: &[f64], returns: &[f64]) -> f64 {
-    assert_eq!(values.len(), returns.len(), "values and returns must have one entry per token");
+    assert_eq!(
+        values.len(),
+        returns.len(),
+        "values and returns must have one entry per token"
+    );
     let var_returns = population_var(returns);
     if var_returns == 0.0 {
         return 0.0;
@@ -262,7 +304,11 @@ mod tests {
         let lp = [-1.0, -0.5, -2.0];
         let lr = [-1.5, -0.5, -1.0];
         assert_close(&kl_per_token(&lp, &lr), &[0.5, 0.0, -1.0], 1e-12);
-        assert_close(&token_rewards(&lp, &lr, 1.0, 0.1), &[-0.05, 0.0, 1.1], 1e-12);
+        assert_close(
+            &token_rewards(&lp, &lr, 1.0, 0.1),
+            &[-0.05, 0.0, 1.1],
+            1e-12,
+        );
         // One token carries both its penalty and the score: −0.1·0.5 + 2 = 1.95.
         assert_close(&token_rewards(&[-1.0], &[-1.5], 2.0, 0.1), &[1.95], 1e-12);
         assert!(token_rewards(&[], &[], 1.0, 0.1).is_empty());
@@ -317,7 +363,11 @@ mod tests {
         assert_close(&whiten(&[1.0, 3.0, 5.0], false), &[2.0, 3.0, 4.0], 1e-8);
         // [2, 2, 2, 6]: mean 3, Σ(x − 3)² = 1 + 1 + 1 + 9 = 12, var 12/3 = 4, std 2 →
         // [−0.5, −0.5, −0.5, 1.5].
-        assert_close(&whiten(&[2.0, 2.0, 2.0, 6.0], true), &[-0.5, -0.5, -0.5, 1.5], 1e-8);
+        assert_close(
+            &whiten(&[2.0, 2.0, 2.0, 6.0], true),
+            &[-0.5, -0.5, -0.5, 1.5],
+            1e-8,
+        );
     }
 
     #[test]
@@ -353,7 +403,11 @@ mod tests {
         let (lp, old, adv, mask) = policy_batch();
         let out = clipped_policy_loss(&lp, &old, &adv, &mask, 0.2).unwrap();
         // (−1.2 − 1.1 + 1.5 + 0.8 − 1.0)/5 = −1.0/5 = −0.2
-        assert!((out.loss.double_value(&[]) + 0.2).abs() < 1e-5, "{}", out.loss.double_value(&[]));
+        assert!(
+            (out.loss.double_value(&[]) + 0.2).abs() < 1e-5,
+            "{}",
+            out.loss.double_value(&[])
+        );
         // Clipped: (0,0) and (1,0) of 5 unmasked tokens → 0.4 (the masked (1,2) would make it 3/6).
         assert!((out.clip_fraction - 0.4).abs() < 1e-12);
         // Mean ratio (1.5 + 1.1 + 1.5 + 0.5 + 0.5)/5 = 5.1/5 = 1.02.
@@ -369,7 +423,11 @@ mod tests {
         // 0 where the clipped (constant) term is active, and on the masked token:
         //   (0,0) 0   (0,1) −1·1.1/5 = −0.22   (0,2) 1·1.5/5 = 0.3
         //   (1,0) 0   (1,1) −2·0.5/5 = −0.2    (1,2) 0
-        assert_close(&to_vec(&lp.grad()), &[0.0, -0.22, 0.3, 0.0, -0.2, 0.0], 1e-6);
+        assert_close(
+            &to_vec(&lp.grad()),
+            &[0.0, -0.22, 0.3, 0.0, -0.2, 0.0],
+            1e-6,
+        );
     }
 
     #[test]
@@ -401,8 +459,14 @@ mod tests {
     fn policy_loss_rejects_mismatched_shapes() {
         let a = t2(&[&[0.0, 0.0]]);
         let b = t2(&[&[0.0], &[0.0]]);
-        assert!(matches!(clipped_policy_loss(&a, &b, &a, &a, 0.2), Err(LossError::Shape(_))));
-        assert!(matches!(clipped_value_loss(&a, &a, &a, &b, 0.2), Err(LossError::Shape(_))));
+        assert!(matches!(
+            clipped_policy_loss(&a, &b, &a, &a, 0.2),
+            Err(LossError::Shape(_))
+        ));
+        assert!(matches!(
+            clipped_value_loss(&a, &a, &a, &b, 0.2),
+            Err(LossError::Shape(_))
+        ));
     }
 
     #[test]
@@ -420,7 +484,11 @@ mod tests {
         let ret = t2(&[&[2.0, 1.0, 0.0], &[0.0, 1.0, 0.0]]);
         let mask = t2(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
         let out = clipped_value_loss(&v, &old, &ret, &mask, 0.2).unwrap();
-        assert!((out.loss.double_value(&[]) - 0.299).abs() < 1e-5, "{}", out.loss.double_value(&[]));
+        assert!(
+            (out.loss.double_value(&[]) - 0.299).abs() < 1e-5,
+            "{}",
+            out.loss.double_value(&[])
+        );
         assert!((out.clip_fraction - 0.4).abs() < 1e-12);
         // d(0.5·(V − R)²/5)/dV = (V − R)/5 where the unclipped term is active, 0 where V_clip is
         // clamped (constant in V) and on the masked token:

@@ -10,7 +10,11 @@ use crate::config::KlEstimator;
 /// k3_t = exp(d_t) − d_t − 1 or k1_t = −d_t = lp_t − lr_t (Schulman, "Approximating KL divergence",
 /// 2020). Both slices hold the tokens to count, one value each (the caller leaves the EOS out).
 pub fn sequence_kl(policy: &[f32], reference: &[f32], estimator: KlEstimator) -> f64 {
-    assert_eq!(policy.len(), reference.len(), "one reference log-prob per policy log-prob");
+    assert_eq!(
+        policy.len(),
+        reference.len(),
+        "one reference log-prob per policy log-prob"
+    );
     policy
         .iter()
         .zip(reference)
@@ -28,7 +32,11 @@ pub fn sequence_kl(policy: &[f32], reference: &[f32], estimator: KlEstimator) ->
 /// the advantage normalisation then see (the shaping is a constant: it carries no gradient).
 pub fn kl_shaped_returns(returns: &[f64], kls: &[f64], coef: f64) -> Vec<f64> {
     assert_eq!(returns.len(), kls.len(), "one KL per return");
-    returns.iter().zip(kls).map(|(r, kl)| r - coef * kl).collect()
+    returns
+        .iter()
+        .zip(kls)
+        .map(|(r, kl)| r - coef * kl)
+        .collect()
 }
 
 #[cfg(test)]
@@ -46,9 +54,15 @@ mod tests {
     fn returns_are_shaped_as_upstreams_unit_test() {
         // Upstream's test_magrpo_applies_reference_kl_to_returns: R = [1, 2], KL = [0.2, 0.4],
         // coef 0.5 → [1 − 0.1, 2 − 0.2] = [0.9, 1.8].
-        close(&kl_shaped_returns(&[1.0, 2.0], &[0.2, 0.4], 0.5), &[0.9, 1.8]);
+        close(
+            &kl_shaped_returns(&[1.0, 2.0], &[0.2, 0.4], 0.5),
+            &[0.9, 1.8],
+        );
         // coef 0 leaves the returns.
-        close(&kl_shaped_returns(&[1.0, -2.0], &[3.0, 4.0], 0.0), &[1.0, -2.0]);
+        close(
+            &kl_shaped_returns(&[1.0, -2.0], &[3.0, 4.0], 0.0),
+            &[1.0, -2.0],
+        );
     }
 
     #[test]

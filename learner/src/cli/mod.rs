@@ -11,8 +11,8 @@ use crate::config::{CheckedConfig, LegacyFlags, load_config};
 
 mod commands;
 
-pub use commands::{show_prompts, show_turn_prompts};
 use commands::{compare_command, export_command, plot_command, verifier_command};
+pub use commands::{show_prompts, show_turn_prompts};
 
 /// Trains cooperating LLM agents with GRPO / MAGRPO.
 #[derive(Debug, Parser)]
@@ -290,7 +290,10 @@ impl ConfigArgs {
             num_epochs: self.num_epochs,
             num_turns: self.num_turns,
             turn_gradient_weights: self.turn_gradient_weights.clone(),
-            output_base_dir: self.output_base_dir.as_ref().map(|p| p.display().to_string()),
+            output_base_dir: self
+                .output_base_dir
+                .as_ref()
+                .map(|p| p.display().to_string()),
         }
     }
 
@@ -307,17 +310,34 @@ pub fn ensure_trainable(cfg: &CheckedConfig) -> anyhow::Result<()> {
 
 /// Runs one parsed command.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
-    let token = cotrain_proto::auth::ClusterToken::from_flag_or_env(cli.cluster_token_file.as_deref()).map_err(anyhow::Error::msg)?;
+    let token =
+        cotrain_proto::auth::ClusterToken::from_flag_or_env(cli.cluster_token_file.as_deref())
+            .map_err(anyhow::Error::msg)?;
     crate::services::set_cluster_token(token.clone());
     crate::services::set_insecure(cli.insecure);
-    let server_tls = cotrain_proto::tls::ServerTls::from_flags(cli.tls_cert.as_deref(), cli.tls_key.as_deref()).map_err(anyhow::Error::msg)?;
-    let client_tls = cotrain_proto::tls::ClientTls::from_flag_or_env(cli.tls_ca.as_deref(), cli.tls_domain.as_deref()).map_err(anyhow::Error::msg)?;
+    let server_tls =
+        cotrain_proto::tls::ServerTls::from_flags(cli.tls_cert.as_deref(), cli.tls_key.as_deref())
+            .map_err(anyhow::Error::msg)?;
+    let client_tls = cotrain_proto::tls::ClientTls::from_flag_or_env(
+        cli.tls_ca.as_deref(),
+        cli.tls_domain.as_deref(),
+    )
+    .map_err(anyhow::Error::msg)?;
     crate::services::set_tls(server_tls, client_tls.clone());
     match cli.command {
         Command::Status { addr, json } => {
-            let status = crate::control::client::call(&addr, token.as_ref(), client_tls.as_ref(), crate::control::client::Call::Status)?.map_err(anyhow::Error::msg)?;
+            let status = crate::control::client::call(
+                &addr,
+                token.as_ref(),
+                client_tls.as_ref(),
+                crate::control::client::Call::Status,
+            )?
+            .map_err(anyhow::Error::msg)?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&crate::control::server::status_json(&status))?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&crate::control::server::status_json(&status))?
+                );
             } else {
                 print!("{}", crate::control::client::format_status(&status));
             }
@@ -328,7 +348,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 ControlAction::Checkpoint => crate::control::client::Call::Checkpoint,
                 ControlAction::Stop => crate::control::client::Call::Stop,
             };
-            if let Err(message) = crate::control::client::call(&addr, token.as_ref(), client_tls.as_ref(), call)? {
+            if let Err(message) =
+                crate::control::client::call(&addr, token.as_ref(), client_tls.as_ref(), call)?
+            {
                 println!("{message}");
             }
             Ok(())
@@ -357,14 +379,16 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             let cfg = config.load()?;
             ensure_trainable(&cfg)?;
             let resume = match resume {
-                Some(dir) if dir.as_os_str() == "auto" => match crate::run_state::auto_resume(&cfg)? {
-                    crate::run_state::AutoResume::Finished(dir) => {
-                        println!("run {} already finished; nothing to do", dir.display());
-                        return Ok(());
+                Some(dir) if dir.as_os_str() == "auto" => {
+                    match crate::run_state::auto_resume(&cfg)? {
+                        crate::run_state::AutoResume::Finished(dir) => {
+                            println!("run {} already finished; nothing to do", dir.display());
+                            return Ok(());
+                        }
+                        crate::run_state::AutoResume::Resume(dir) => Some(dir),
+                        crate::run_state::AutoResume::Start => None,
                     }
-                    crate::run_state::AutoResume::Resume(dir) => Some(dir),
-                    crate::run_state::AutoResume::Start => None,
-                },
+                }
                 other => other,
             };
             if let Some(dir) = &resume
@@ -381,7 +405,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 return Ok(());
             }
             if summary.stopped {
-                println!("stopped on request after step {}; continue with --resume {}", summary.steps, summary.run_dir.display());
+                println!(
+                    "stopped on request after step {}; continue with --resume {}",
+                    summary.steps,
+                    summary.run_dir.display()
+                );
             }
             println!("run directory: {}", summary.run_dir.display());
             println!("metrics: {}", summary.metrics_path.display());
@@ -396,13 +424,20 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Eval { config, checkpoint, k } => {
+        Command::Eval {
+            config,
+            checkpoint,
+            k,
+        } => {
             if k.contains(&0) {
                 bail!("--k: every k must be at least 1, got {k:?}");
             }
             let cfg = config.load()?;
             if !checkpoint.is_dir() {
-                bail!("--checkpoint {}: no such checkpoint directory", checkpoint.display());
+                bail!(
+                    "--checkpoint {}: no such checkpoint directory",
+                    checkpoint.display()
+                );
             }
             ensure_trainable(&cfg)?;
             let metrics = crate::trainers::evaluate(&cfg, &checkpoint, &k)?;
@@ -413,9 +448,18 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             [one] => plot_command(one),
             many => compare_command(many, &key, &out),
         },
-        Command::Launch { nproc_per_node, backend, master_port, nccl_one_gpu_test, network_interface, args } => {
+        Command::Launch {
+            nproc_per_node,
+            backend,
+            master_port,
+            nccl_one_gpu_test,
+            network_interface,
+            args,
+        } => {
             let backend = match backend.as_str() {
-                "mpi" if nccl_one_gpu_test => anyhow::bail!("--nccl-one-gpu-test runs NCCL ranks: drop --backend mpi"),
+                "mpi" if nccl_one_gpu_test => {
+                    anyhow::bail!("--nccl-one-gpu-test runs NCCL ranks: drop --backend mpi")
+                }
                 _ if nccl_one_gpu_test => crate::config::DistBackend::Nccl,
                 "mpi" => crate::config::DistBackend::Mpi,
                 "nccl" => crate::config::DistBackend::Nccl,
@@ -443,11 +487,25 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             })
         }
         Command::Verifier(cmd) => verifier_command(cmd),
-        Command::Export { checkpoint, policy, out, merged } => export_command(&checkpoint, policy, &out, merged),
-        Command::ShowPrompts { config, split, limit, turn } => {
+        Command::Export {
+            checkpoint,
+            policy,
+            out,
+            merged,
+        } => export_command(&checkpoint, policy, &out, merged),
+        Command::ShowPrompts {
+            config,
+            split,
+            limit,
+            turn,
+        } => {
             let cfg = config.load()?;
             let mut out = std::io::stdout().lock();
-            if turn == 1 { show_prompts(&cfg, split, limit, &mut out) } else { show_turn_prompts(&cfg, split, limit, turn as usize, &mut out) }
+            if turn == 1 {
+                show_prompts(&cfg, split, limit, &mut out)
+            } else {
+                show_turn_prompts(&cfg, split, limit, turn as usize, &mut out)
+            }
         }
     }
 }

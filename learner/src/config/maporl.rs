@@ -510,7 +510,10 @@ impl MaporlSection {
             ),
             ("num_mini_batches", self.num_mini_batches),
             ("num_ppo_epochs", self.num_ppo_epochs),
-            ("micro_batch_positions", self.micro_batch_positions.unwrap_or(1)),
+            (
+                "micro_batch_positions",
+                self.micro_batch_positions.unwrap_or(1),
+            ),
             ("max_output_length", self.max_output_length),
             ("logging_steps", self.logging_steps),
         ] {

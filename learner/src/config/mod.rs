@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 
 pub use actor_critic::ActorCriticSetup;
 pub use maporl::{
-    AdapterLayout, AdvantageWhitening, AgentShare, Horizon, IncentiveRule, CriticHead, FollowupStyle, MaporlScore, MaporlSection,
-    OldLogprobs, ScorePosition, VerifierUserMessage,
+    AdapterLayout, AdvantageWhitening, AgentShare, CriticHead, FollowupStyle, Horizon,
+    IncentiveRule, MaporlScore, MaporlSection, OldLogprobs, ScorePosition, VerifierUserMessage,
 };
 pub use schema::*;
 use serde_yaml_ng::{Mapping, Value};

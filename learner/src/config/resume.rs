@@ -57,7 +57,10 @@ pub fn forbidden_changes(run: &Value, given: &Value) -> Vec<ConfigChange> {
 fn key_matches(pattern: &str, key: &str) -> bool {
     let p: Vec<&str> = pattern.split('.').collect();
     // A list entry (`rollout.endpoints[1]`) counts as its list's key.
-    let k: Vec<&str> = key.split('.').map(|s| s.split_once('[').map_or(s, |(name, _)| name)).collect();
+    let k: Vec<&str> = key
+        .split('.')
+        .map(|s| s.split_once('[').map_or(s, |(name, _)| name))
+        .collect();
     // A pattern names a key or any key below it.
     k.len() >= p.len() && p.iter().zip(&k).all(|(a, b)| *a == "*" || a == b)
 }
@@ -65,14 +68,20 @@ fn key_matches(pattern: &str, key: &str) -> bool {
 fn show(v: Option<&Value>) -> String {
     match v {
         None => "(absent)".into(),
-        Some(v) => serde_yaml_ng::to_string(v).map(|s| s.trim().replace('\n', " ")).unwrap_or_default(),
+        Some(v) => serde_yaml_ng::to_string(v)
+            .map(|s| s.trim().replace('\n', " "))
+            .unwrap_or_default(),
     }
 }
 
 fn diff(a: &Value, b: &Value, path: &mut Vec<String>, out: &mut Vec<ConfigChange>) {
     match (a, b) {
         (Value::Mapping(ma), Value::Mapping(mb)) => {
-            let mut keys: Vec<String> = ma.keys().chain(mb.keys()).filter_map(|k| k.as_str().map(str::to_string)).collect();
+            let mut keys: Vec<String> = ma
+                .keys()
+                .chain(mb.keys())
+                .filter_map(|k| k.as_str().map(str::to_string))
+                .collect();
             keys.sort();
             keys.dedup();
             for k in keys {
@@ -81,7 +90,11 @@ fn diff(a: &Value, b: &Value, path: &mut Vec<String>, out: &mut Vec<ConfigChange
                 match (va, vb) {
                     (Some(x), Some(y)) => diff(x, y, path, out),
                     (x, y) if is_nullish(x) && is_nullish(y) => {}
-                    (x, y) => out.push(ConfigChange { key: path.join("."), was: show(x), now: show(y) }),
+                    (x, y) => out.push(ConfigChange {
+                        key: path.join("."),
+                        was: show(x),
+                        now: show(y),
+                    }),
                 }
                 path.pop();
             }
@@ -98,7 +111,11 @@ fn diff(a: &Value, b: &Value, path: &mut Vec<String>, out: &mut Vec<ConfigChange
             }
         }
         _ if a == b => {}
-        _ => out.push(ConfigChange { key: path.join("."), was: show(Some(a)), now: show(Some(b)) }),
+        _ => out.push(ConfigChange {
+            key: path.join("."),
+            was: show(Some(a)),
+            now: show(Some(b)),
+        }),
     }
 }
 
@@ -116,17 +133,37 @@ mod tests {
 
     #[test]
     fn run_changing_keys_are_named_and_schedule_keys_pass() {
-        let run = y("magrpo: {learning_rate: 1.0e-5, num_train_epochs: 2, save_steps: 10}\nmodel: {name: a}\nlogging: {run_name: x}\n");
-        let given = y("magrpo: {learning_rate: 2.0e-5, num_train_epochs: 4, save_steps: 5}\nmodel: {name: b}\nlogging: {run_name: y}\n");
-        let keys: Vec<String> = forbidden_changes(&run, &given).into_iter().map(|c| c.key).collect();
+        let run = y(
+            "magrpo: {learning_rate: 1.0e-5, num_train_epochs: 2, save_steps: 10}\nmodel: {name: a}\nlogging: {run_name: x}\n",
+        );
+        let given = y(
+            "magrpo: {learning_rate: 2.0e-5, num_train_epochs: 4, save_steps: 5}\nmodel: {name: b}\nlogging: {run_name: y}\n",
+        );
+        let keys: Vec<String> = forbidden_changes(&run, &given)
+            .into_iter()
+            .map(|c| c.key)
+            .collect();
         assert_eq!(keys, vec!["magrpo.learning_rate", "model.name"]);
         assert!(forbidden_changes(&run, &run).is_empty());
-        let agents = |t: f64| y(&format!("model: {{name: a, agents: [{{name: a}}, {{name: a, temperature: {t}}}]}}\n"));
-        let keys: Vec<String> = forbidden_changes(&agents(0.5), &agents(0.9)).into_iter().map(|c| c.key).collect();
+        let agents = |t: f64| {
+            y(&format!(
+                "model: {{name: a, agents: [{{name: a}}, {{name: a, temperature: {t}}}]}}\n"
+            ))
+        };
+        let keys: Vec<String> = forbidden_changes(&agents(0.5), &agents(0.9))
+            .into_iter()
+            .map(|c| c.key)
+            .collect();
         assert_eq!(keys, vec!["model.agents[1].temperature"]);
         let endpoints = |e: &str| y(&format!("rollout: {{endpoints: ['http://{e}:1']}}\n"));
-        assert!(forbidden_changes(&endpoints("a"), &endpoints("b")).is_empty(), "a list entry of a resumable key");
+        assert!(
+            forbidden_changes(&endpoints("a"), &endpoints("b")).is_empty(),
+            "a list entry of a resumable key"
+        );
         let c = &forbidden_changes(&y("a: {b: 1}"), &y("a: {}"))[0];
-        assert_eq!((c.key.as_str(), c.was.as_str(), c.now.as_str()), ("a.b", "1", "(absent)"));
+        assert_eq!(
+            (c.key.as_str(), c.was.as_str(), c.now.as_str()),
+            ("a.b", "1", "(absent)")
+        );
     }
 }

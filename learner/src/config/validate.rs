@@ -2,7 +2,9 @@
 
 use std::path::Path;
 
-use super::{Algorithm, BatchUnit, CheckedConfig, ConfigError, NormalizationForm, RawConfig, Sampling};
+use super::{
+    Algorithm, BatchUnit, CheckedConfig, ConfigError, NormalizationForm, RawConfig, Sampling,
+};
 use crate::data::{DatasetKind, SplitSpec};
 
 /// The original generation default when `top_k` is unset anywhere.
@@ -10,7 +12,11 @@ const DEFAULT_TOP_K: u32 = 50;
 
 pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, ConfigError> {
     let file = source.display().to_string();
-    let invalid = |key: &str, message: String| ConfigError::Invalid { file: file.clone(), key: key.to_string(), message };
+    let invalid = |key: &str, message: String| ConfigError::Invalid {
+        file: file.clone(),
+        key: key.to_string(),
+        message,
+    };
 
     let present: Vec<&str> = [
         ("magrpo", raw.magrpo.is_some()),
@@ -24,7 +30,13 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     .map(|(n, _)| *n)
     .collect();
     if present.len() > 1 {
-        return Err(invalid(present[0], format!("and {} are both present; keep exactly one trainer section", present[1..].join(" and "))));
+        return Err(invalid(
+            present[0],
+            format!(
+                "and {} are both present; keep exactly one trainer section",
+                present[1..].join(" and ")
+            ),
+        ));
     }
     let (algorithm, section) = match present.first().copied() {
         Some("magrpo") => (Algorithm::Magrpo, raw.magrpo.clone().expect("present")),
@@ -36,19 +48,40 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
         }
         Some("iac") => (Algorithm::Iac, raw.iac.clone().expect("present")),
         Some("maac") => (Algorithm::Maac, raw.maac.clone().expect("present")),
-        _ => return Err(ConfigError::MissingKey { file: file.clone(), key: "magrpo (or grpo, maporl, iac, maac)".into() }),
+        _ => {
+            return Err(ConfigError::MissingKey {
+                file: file.clone(),
+                key: "magrpo (or grpo, maporl, iac, maac)".into(),
+            });
+        }
     };
     if !algorithm.is_actor_critic() {
         if let Some(key) = super::actor_critic::critic_key_set(&section) {
-            return Err(invalid(&format!("{}.{key}", algorithm.section()), "is a key of the actor-critic trainers (iac, maac)".into()));
+            return Err(invalid(
+                &format!("{}.{key}", algorithm.section()),
+                "is a key of the actor-critic trainers (iac, maac)".into(),
+            ));
         }
         if raw.critic_model.is_some() || raw.critics.is_some() {
-            let key = if raw.critics.is_some() { "critics" } else { "critic_model" };
-            return Err(invalid(key, format!("names critics, which only the iac and maac trainers train ({} takes none)", algorithm.section())));
+            let key = if raw.critics.is_some() {
+                "critics"
+            } else {
+                "critic_model"
+            };
+            return Err(invalid(
+                key,
+                format!(
+                    "names critics, which only the iac and maac trainers train ({} takes none)",
+                    algorithm.section()
+                ),
+            ));
         }
     }
     if raw.output.save_total_limit == Some(0) {
-        return Err(invalid("output.save_total_limit", "must be at least 1 (unset keeps every checkpoint)".into()));
+        return Err(invalid(
+            "output.save_total_limit",
+            "must be at least 1 (unset keeps every checkpoint)".into(),
+        ));
     }
     let s = algorithm.section();
     // The maporl section spells some shared keys as MaPoRL does.
@@ -65,14 +98,21 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     let num_agents = match (algorithm, section.num_agents) {
         (Algorithm::Grpo, None | Some(1)) => 1,
         (Algorithm::Grpo, Some(n)) => {
-            return Err(invalid(&k("num_agents"), format!("is {n} but grpo trains one agent (use a magrpo section)")));
+            return Err(invalid(
+                &k("num_agents"),
+                format!("is {n} but grpo trains one agent (use a magrpo section)"),
+            ));
         }
         (Algorithm::Magrpo, None) => 2,
-        (Algorithm::Magrpo, Some(0)) => return Err(invalid(&k("num_agents"), "must be at least 1".into())),
+        (Algorithm::Magrpo, Some(0)) => {
+            return Err(invalid(&k("num_agents"), "must be at least 1".into()));
+        }
         (Algorithm::Magrpo, Some(n)) => n,
         (Algorithm::Maporl, n) => n.unwrap_or(2),
         (Algorithm::Iac | Algorithm::Maac, None) => 2,
-        (Algorithm::Iac | Algorithm::Maac, Some(0)) => return Err(invalid(&k("num_agents"), "must be at least 1".into())),
+        (Algorithm::Iac | Algorithm::Maac, Some(0)) => {
+            return Err(invalid(&k("num_agents"), "must be at least 1".into()));
+        }
         (Algorithm::Iac | Algorithm::Maac, Some(n)) => n,
     };
 
@@ -91,15 +131,22 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
         return Err(invalid(&k("num_train_epochs"), "must be at least 1".into()));
     }
     if !(section.learning_rate.is_finite() && section.learning_rate > 0.0) {
-        return Err(invalid(&k("learning_rate"), format!("must be a positive number, got {}", section.learning_rate)));
+        return Err(invalid(
+            &k("learning_rate"),
+            format!("must be a positive number, got {}", section.learning_rate),
+        ));
     }
     if algorithm.is_actor_critic() && section.num_generations == 0 {
         return Err(invalid(&k("num_generations"), "must be at least 1".into()));
     }
-    if !algorithm.is_actor_critic() && algorithm != Algorithm::Maporl && section.num_generations < 2 {
+    if !algorithm.is_actor_critic() && algorithm != Algorithm::Maporl && section.num_generations < 2
+    {
         return Err(invalid(
             &k("num_generations"),
-            format!("is {} but advantages are taken over at least 2 siblings", section.num_generations),
+            format!(
+                "is {} but advantages are taken over at least 2 siblings",
+                section.num_generations
+            ),
         ));
     }
     if section.max_new_tokens == 0 {
@@ -108,26 +155,46 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     if section.max_new_tokens >= raw.model.max_length {
         return Err(invalid(
             &k("max_new_tokens"),
-            format!("is {} but model.max_length is {}", section.max_new_tokens, raw.model.max_length),
+            format!(
+                "is {} but model.max_length is {}",
+                section.max_new_tokens, raw.model.max_length
+            ),
         ));
     }
 
     let temperature = section.temperature.unwrap_or(raw.model.temperature);
     let top_p = section.top_p.unwrap_or(raw.model.top_p);
     let top_k = section.top_k.or(raw.model.top_k).unwrap_or(DEFAULT_TOP_K);
-    let t_key = if section.temperature.is_some() { k("temperature") } else { "model.temperature".into() };
+    let t_key = if section.temperature.is_some() {
+        k("temperature")
+    } else {
+        "model.temperature".into()
+    };
     if !(temperature.is_finite() && temperature > 0.0) {
-        return Err(invalid(&t_key, format!("must be positive, got {temperature}")));
+        return Err(invalid(
+            &t_key,
+            format!("must be positive, got {temperature}"),
+        ));
     }
-    let p_key = if section.top_p.is_some() { k("top_p") } else { "model.top_p".into() };
+    let p_key = if section.top_p.is_some() {
+        k("top_p")
+    } else {
+        "model.top_p".into()
+    };
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(invalid(&p_key, format!("must be in (0, 1], got {top_p}")));
     }
     if !(0.0..=1.0).contains(&section.discount) {
-        return Err(invalid(&k("discount"), format!("must be in [0, 1], got {}", section.discount)));
+        return Err(invalid(
+            &k("discount"),
+            format!("must be in [0, 1], got {}", section.discount),
+        ));
     }
     if section.rollout_buffer_size == 0 {
-        return Err(invalid(&k("rollout_buffer_size"), "must be at least 1".into()));
+        return Err(invalid(
+            &k("rollout_buffer_size"),
+            "must be at least 1".into(),
+        ));
     }
     if section.train_batch_size == Some(0) {
         return Err(invalid(&k("train_batch_size"), "must be at least 1".into()));
@@ -141,54 +208,89 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
             if w.len() != section.num_turns {
                 return Err(invalid(
                     &k("turn_gradient_weights"),
-                    format!("has {} values but {} is {}", w.len(), k("num_turns"), section.num_turns),
+                    format!(
+                        "has {} values but {} is {}",
+                        w.len(),
+                        k("num_turns"),
+                        section.num_turns
+                    ),
                 ));
             }
             if let Some(bad) = w.iter().find(|x| !x.is_finite() || **x < 0.0) {
-                return Err(invalid(&k("turn_gradient_weights"), format!("must be finite and >= 0, got {bad}")));
+                return Err(invalid(
+                    &k("turn_gradient_weights"),
+                    format!("must be finite and >= 0, got {bad}"),
+                ));
             }
             w.clone()
         }
     };
     if !(section.early_termination_weight.is_finite() && section.early_termination_weight > 0.0) {
-        return Err(invalid(&k("early_termination_weight"), "must be positive".into()));
+        return Err(invalid(
+            &k("early_termination_weight"),
+            "must be positive".into(),
+        ));
     }
     if let Some(c) = section.advantage_clamp
         && !(c.is_finite() && c > 0.0)
     {
-        return Err(invalid(&k("advantage_clamp"), format!("must be positive, got {c}")));
+        return Err(invalid(
+            &k("advantage_clamp"),
+            format!("must be positive, got {c}"),
+        ));
     }
     let ppo = &section.ppo_clip;
     if ppo.epochs == 0 {
         return Err(invalid(&k("ppo_clip.epochs"), "must be at least 1".into()));
     }
     if !(0.0..1.0).contains(&ppo.clip_low) {
-        return Err(invalid(&k("ppo_clip.clip_low"), format!("must be in [0, 1), got {}", ppo.clip_low)));
+        return Err(invalid(
+            &k("ppo_clip.clip_low"),
+            format!("must be in [0, 1), got {}", ppo.clip_low),
+        ));
     }
     if !(ppo.clip_high.is_finite() && ppo.clip_high >= 0.0) {
-        return Err(invalid(&k("ppo_clip.clip_high"), format!("must be >= 0, got {}", ppo.clip_high)));
+        return Err(invalid(
+            &k("ppo_clip.clip_high"),
+            format!("must be >= 0, got {}", ppo.clip_high),
+        ));
     }
     if ppo.epochs > 1 && !ppo.enabled {
         return Err(invalid(
             &k("ppo_clip.epochs"),
-            format!("is {} but several passes over the same samples need ppo_clip.enabled: true", ppo.epochs),
+            format!(
+                "is {} but several passes over the same samples need ppo_clip.enabled: true",
+                ppo.epochs
+            ),
         ));
     }
     let kl = &section.reference_kl;
     if !(kl.coef.is_finite() && kl.coef >= 0.0) {
-        return Err(invalid(&k("reference_kl.coef"), format!("must be >= 0, got {}", kl.coef)));
+        return Err(invalid(
+            &k("reference_kl.coef"),
+            format!("must be >= 0, got {}", kl.coef),
+        ));
     }
     if let Some(g) = section.max_grad_norm
         && !(g.is_finite() && g > 0.0)
     {
-        return Err(invalid(&k("max_grad_norm"), format!("must be positive, got {g}")));
+        return Err(invalid(
+            &k("max_grad_norm"),
+            format!("must be positive, got {g}"),
+        ));
     }
     if !(section.weight_decay.is_finite() && section.weight_decay >= 0.0) {
-        return Err(invalid(&k("weight_decay"), format!("must be >= 0, got {}", section.weight_decay)));
+        return Err(invalid(
+            &k("weight_decay"),
+            format!("must be >= 0, got {}", section.weight_decay),
+        ));
     }
     let rp = &raw.reward_processor;
     if !rp.scale_factor.is_finite() || !rp.shift.is_finite() {
-        return Err(invalid("reward_processor", "scale_factor and shift must be finite".into()));
+        return Err(invalid(
+            "reward_processor",
+            "scale_factor and shift must be finite".into(),
+        ));
     }
 
     let agent_models = match &raw.model.agents {
@@ -197,47 +299,85 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
             if list.len() != num_agents {
                 return Err(invalid(
                     "model.agents",
-                    format!("has {} entries but {} is {num_agents}", list.len(), k("num_agents")),
+                    format!(
+                        "has {} entries but {} is {num_agents}",
+                        list.len(),
+                        k("num_agents")
+                    ),
                 ));
             }
-            list.iter().map(|a| a.name.clone().unwrap_or_else(|| raw.model.name.clone())).collect()
+            list.iter()
+                .map(|a| a.name.clone().unwrap_or_else(|| raw.model.name.clone()))
+                .collect()
         }
     };
-    let shared = Sampling { temperature, top_p, top_k, max_new_tokens: section.max_new_tokens };
-    let agents = agent_setups(&raw, algorithm, &section, shared, num_agents).map_err(|(key, message)| invalid(&key, message))?;
+    let shared = Sampling {
+        temperature,
+        top_p,
+        top_k,
+        max_new_tokens: section.max_new_tokens,
+    };
+    let agents = agent_setups(&raw, algorithm, &section, shared, num_agents)
+        .map_err(|(key, message)| invalid(&key, message))?;
     if section.shared_parameters && agent_models.iter().any(|m| m != &agent_models[0]) {
         return Err(invalid(
             &k("shared_parameters"),
-            "is true but model.agents names different base models; shared agents need one model".into(),
+            "is true but model.agents names different base models; shared agents need one model"
+                .into(),
         ));
     }
 
     let actor_critic = if algorithm.is_actor_critic() {
-        Some(super::actor_critic::resolve(&raw, algorithm, &section, &agent_models).map_err(|(key, message)| invalid(&key, message))?)
+        Some(
+            super::actor_critic::resolve(&raw, algorithm, &section, &agent_models)
+                .map_err(|(key, message)| invalid(&key, message))?,
+        )
     } else {
         None
     };
 
     let split = |key: &str, text: &str| {
-        SplitSpec::parse(text).map_err(|e| ConfigError::Invalid { file: file.clone(), key: key.into(), message: format!("is invalid: {e}") })
+        SplitSpec::parse(text).map_err(|e| ConfigError::Invalid {
+            file: file.clone(),
+            key: key.into(),
+            message: format!("is invalid: {e}"),
+        })
     };
     let train_split = split("dataset.train_split", &raw.dataset.train_split)?;
-    let eval_split = raw.dataset.eval_split.as_deref().map(|t| split("dataset.eval_split", t)).transpose()?;
-    let kind_key = if raw.dataset.kind.is_some() { "dataset.type" } else { "dataset.name" };
+    let eval_split = raw
+        .dataset
+        .eval_split
+        .as_deref()
+        .map(|t| split("dataset.eval_split", t))
+        .transpose()?;
+    let kind_key = if raw.dataset.kind.is_some() {
+        "dataset.type"
+    } else {
+        "dataset.name"
+    };
     DatasetKind::resolve(&raw.dataset).map_err(|e| invalid(kind_key, e))?;
 
     for (i, e) in raw.rollout.endpoints.iter().enumerate() {
         if !(e.starts_with("http://") || e.starts_with("https://")) {
-            return Err(invalid(&format!("rollout.endpoints[{i}]"), format!("`{e}` must start with http:// or https://")));
+            return Err(invalid(
+                &format!("rollout.endpoints[{i}]"),
+                format!("`{e}` must start with http:// or https://"),
+            ));
         }
     }
     if let Some(a) = &raw.learner.control_addr
         && a.parse::<std::net::SocketAddr>().is_err()
     {
-        return Err(invalid("learner.control_addr", format!("`{a}` must be IP:PORT, e.g. 127.0.0.1:7070 (0.0.0.0:7070 for other hosts)")));
+        return Err(invalid(
+            "learner.control_addr",
+            format!("`{a}` must be IP:PORT, e.g. 127.0.0.1:7070 (0.0.0.0:7070 for other hosts)"),
+        ));
     }
     if raw.rollout.wait_for_registration && raw.learner.control_addr.is_none() {
-        return Err(invalid("rollout.wait_for_registration", "workers register with learner.control_addr, which is not set".to_string()));
+        return Err(invalid(
+            "rollout.wait_for_registration",
+            "workers register with learner.control_addr, which is not set".to_string(),
+        ));
     }
     if raw.rollout.bf16_dot_products {
         use super::schema::{Dtype, Precision};
@@ -247,16 +387,25 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
             Precision::Auto => raw.model.dtype == Dtype::Bf16,
         };
         if !bf16 {
-            return Err(invalid("rollout.bf16_dot_products", "applies to bf16 rollouts only; set rollout.dtype: bf16".to_string()));
+            return Err(invalid(
+                "rollout.bf16_dot_products",
+                "applies to bf16 rollouts only; set rollout.dtype: bf16".to_string(),
+            ));
         }
     }
     if raw.rollout.min_workers == 0 {
-        return Err(invalid("rollout.min_workers", "must be at least 1".to_string()));
+        return Err(invalid(
+            "rollout.min_workers",
+            "must be at least 1".to_string(),
+        ));
     }
     if let Some(e) = &raw.reward.endpoint
         && !(e.starts_with("http://") || e.starts_with("https://"))
     {
-        return Err(invalid("reward.endpoint", format!("`{e}` must start with http:// or https://")));
+        return Err(invalid(
+            "reward.endpoint",
+            format!("`{e}` must start with http:// or https://"),
+        ));
     }
 
     let mut score_options = raw.reward.options.clone();
@@ -267,8 +416,16 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     if score_options.split_seed == 0 {
         score_options.split_seed = raw.seed;
     }
-    if !(score_options.per_test_timeout_secs.is_finite() && score_options.per_test_timeout_secs > 0.0) {
-        return Err(invalid("reward.options.per_test_timeout_secs", format!("must be positive, got {}", score_options.per_test_timeout_secs)));
+    if !(score_options.per_test_timeout_secs.is_finite()
+        && score_options.per_test_timeout_secs > 0.0)
+    {
+        return Err(invalid(
+            "reward.options.per_test_timeout_secs",
+            format!(
+                "must be positive, got {}",
+                score_options.per_test_timeout_secs
+            ),
+        ));
     }
 
     let mut prompt_sources = vec![None; num_agents];
@@ -277,11 +434,24 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
             .strip_prefix("agent")
             .and_then(|i| i.parse::<usize>().ok())
             .filter(|&i| i < num_agents && key == &format!("agent{i}"))
-            .ok_or_else(|| invalid(&format!("prompts.{key}"), format!("is not an agent of this run (agent0 .. agent{})", num_agents - 1)))?;
+            .ok_or_else(|| {
+                invalid(
+                    &format!("prompts.{key}"),
+                    format!(
+                        "is not an agent of this run (agent0 .. agent{})",
+                        num_agents - 1
+                    ),
+                )
+            })?;
         prompt_sources[agent] = Some(match (&p.template, &p.template_file) {
             (Some(t), None) => super::PromptSource::Inline(t.clone()),
             (None, Some(f)) => super::PromptSource::File(f.clone()),
-            _ => return Err(invalid(&format!("prompts.{key}"), "needs exactly one of template and template_file".into())),
+            _ => {
+                return Err(invalid(
+                    &format!("prompts.{key}"),
+                    "needs exactly one of template and template_file".into(),
+                ));
+            }
         });
     }
 
@@ -289,8 +459,18 @@ pub(super) fn check(raw: RawConfig, source: &Path) -> Result<CheckedConfig, Conf
     trainer.num_agents = Some(num_agents);
     // The keys whose meaning changed between CoMLRL's releases default to the config's own era.
     let new_era = raw.era() == super::Era::Comlrl2026;
-    trainer.advantage_normalization_form.get_or_insert(if new_era { NormalizationForm::Centred } else { NormalizationForm::Uncentred });
-    trainer.train_batch_unit.get_or_insert(if new_era { BatchUnit::Nodes } else { BatchUnit::Completions });
+    trainer
+        .advantage_normalization_form
+        .get_or_insert(if new_era {
+            NormalizationForm::Centred
+        } else {
+            NormalizationForm::Uncentred
+        });
+    trainer.train_batch_unit.get_or_insert(if new_era {
+        BatchUnit::Nodes
+    } else {
+        BatchUnit::Completions
+    });
     trainer.eval_all_turns.get_or_insert(new_era);
     trainer.train_between_items.get_or_insert(new_era);
     Ok(CheckedConfig {
@@ -320,7 +500,11 @@ fn agent_setups(
     shared: Sampling,
     num_agents: usize,
 ) -> Result<Vec<super::AgentSetup>, (String, String)> {
-    let entries = raw.model.agents.clone().unwrap_or_else(|| vec![Default::default(); num_agents]);
+    let entries = raw
+        .model
+        .agents
+        .clone()
+        .unwrap_or_else(|| vec![Default::default(); num_agents]);
     if algorithm == Algorithm::Maporl
         && let Some(i) = entries.iter().position(|e| e.has_overrides())
     {
@@ -344,32 +528,59 @@ fn agent_setups(
             max_new_tokens: e.max_new_tokens.unwrap_or(shared.max_new_tokens),
         };
         if !(sampling.temperature.is_finite() && sampling.temperature > 0.0) {
-            return Err((key("temperature"), format!("must be positive, got {}", sampling.temperature)));
+            return Err((
+                key("temperature"),
+                format!("must be positive, got {}", sampling.temperature),
+            ));
         }
         if !(sampling.top_p > 0.0 && sampling.top_p <= 1.0) {
-            return Err((key("top_p"), format!("must be in (0, 1], got {}", sampling.top_p)));
+            return Err((
+                key("top_p"),
+                format!("must be in (0, 1], got {}", sampling.top_p),
+            ));
         }
         if sampling.max_new_tokens == 0 || sampling.max_new_tokens >= raw.model.max_length {
-            return Err((key("max_new_tokens"), format!("must be in [1, model.max_length = {}), got {}", raw.model.max_length, sampling.max_new_tokens)));
+            return Err((
+                key("max_new_tokens"),
+                format!(
+                    "must be in [1, model.max_length = {}), got {}",
+                    raw.model.max_length, sampling.max_new_tokens
+                ),
+            ));
         }
         let stop = e.stop.clone().unwrap_or_default();
         if stop.iter().any(String::is_empty) {
-            return Err((key("stop"), "holds an empty string, which would end every completion at once".into()));
+            return Err((
+                key("stop"),
+                "holds an empty string, which would end every completion at once".into(),
+            ));
         }
         let learning_rate = e.learning_rate.unwrap_or(section.learning_rate);
         if !(learning_rate.is_finite() && learning_rate > 0.0) {
-            return Err((key("learning_rate"), format!("must be a positive number, got {learning_rate}")));
+            return Err((
+                key("learning_rate"),
+                format!("must be a positive number, got {learning_rate}"),
+            ));
         }
         let lora = match e.lora.as_ref().or(raw.model.lora.as_ref()) {
             Some(section) => {
                 let config = section.to_model();
-                let which = if e.lora.is_some() { key("lora") } else { "model.lora".to_string() };
+                let which = if e.lora.is_some() {
+                    key("lora")
+                } else {
+                    "model.lora".to_string()
+                };
                 config.validate().map_err(|err| (which, err.to_string()))?;
                 Some(config)
             }
             None => None,
         };
-        setups.push(super::AgentSetup { sampling, stop, learning_rate, lora });
+        setups.push(super::AgentSetup {
+            sampling,
+            stop,
+            learning_rate,
+            lora,
+        });
     }
     // One policy has one adapter (or none).
     if section.shared_parameters
@@ -377,15 +588,24 @@ fn agent_setups(
     {
         return Err((
             format!("model.agents[{j}].lora"),
-            format!("differs from agent 0's: with {}.shared_parameters the agents train one policy, with one adapter", algorithm.section()),
+            format!(
+                "differs from agent 0's: with {}.shared_parameters the agents train one policy, with one adapter",
+                algorithm.section()
+            ),
         ));
     }
     // Shared parameters are one policy with one optimiser.
     if section.shared_parameters
-        && let Some(j) = setups.iter().position(|s| s.learning_rate != setups[0].learning_rate)
+        && let Some(j) = setups
+            .iter()
+            .position(|s| s.learning_rate != setups[0].learning_rate)
     {
         // Name an entry that sets a rate of its own (agent 0's when only it does).
-        let (i, other) = if entries[j].learning_rate.is_some() { (j, 0) } else { (0, j) };
+        let (i, other) = if entries[j].learning_rate.is_some() {
+            (j, 0)
+        } else {
+            (0, j)
+        };
         return Err((
             format!("model.agents[{i}].learning_rate"),
             format!(

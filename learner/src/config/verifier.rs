@@ -90,7 +90,13 @@ impl VerifierSection {
     pub fn validate(&self) -> Result<(), (String, String)> {
         let bad = |k: &str, m: String| Err((k.to_string(), m));
         if !(self.temperature_min > 0.0 && self.temperature_min <= self.temperature_max) {
-            return bad("temperature_min", format!("must be positive and at most temperature_max ({} > {})", self.temperature_min, self.temperature_max));
+            return bad(
+                "temperature_min",
+                format!(
+                    "must be positive and at most temperature_max ({} > {})",
+                    self.temperature_min, self.temperature_max
+                ),
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
@@ -99,8 +105,14 @@ impl VerifierSection {
             ("samples_per_question", self.samples_per_question),
             ("max_new_tokens", self.max_new_tokens),
             ("num_train_epochs", self.num_train_epochs),
-            ("per_device_train_batch_size", self.per_device_train_batch_size),
-            ("gradient_accumulation_steps", self.gradient_accumulation_steps),
+            (
+                "per_device_train_batch_size",
+                self.per_device_train_batch_size,
+            ),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps,
+            ),
             ("max_length", self.max_length),
             ("eval_interval", self.eval_interval),
         ] {
@@ -109,7 +121,10 @@ impl VerifierSection {
             }
         }
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
-            return bad("learning_rate", format!("must be positive, got {}", self.learning_rate));
+            return bad(
+                "learning_rate",
+                format!("must be positive, got {}", self.learning_rate),
+            );
         }
         if !self.full_finetune
             && let Err(e) = self.lora.to_model().validate()
@@ -149,7 +164,11 @@ fn default_max_new_tokens() -> usize {
     300
 }
 fn default_lora() -> LoraSection {
-    LoraSection { r: 16, lora_alpha: 32.0, ..LoraSection::default() }
+    LoraSection {
+        r: 16,
+        lora_alpha: 32.0,
+        ..LoraSection::default()
+    }
 }
 fn default_lr() -> f64 {
     2e-4

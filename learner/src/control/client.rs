@@ -14,30 +14,54 @@ pub enum Call {
 
 /// Calls the control plane at `addr` (`host:port` or `http://host:port`) with the cluster token, if
 /// any; returns the status, or a line saying what happened.
-pub fn call(addr: &str, token: Option<&ClusterToken>, tls: Option<&cotrain_proto::tls::ClientTls>, what: Call) -> anyhow::Result<Result<StatusResponse, String>> {
+pub fn call(
+    addr: &str,
+    token: Option<&ClusterToken>,
+    tls: Option<&cotrain_proto::tls::ClientTls>,
+    what: Call,
+) -> anyhow::Result<Result<StatusResponse, String>> {
     let endpoint = cotrain_proto::tls::endpoint(addr, tls).map_err(anyhow::Error::msg)?;
     let url = endpoint.uri().to_string();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
-        let channel = endpoint.connect().await.map_err(|e| anyhow::anyhow!("cannot reach the learner control plane at {url}: {e}"))?;
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot reach the learner control plane at {url}: {e}"))?;
         let mut client = LearnerControlClient::new(channel);
         fn request<M>(m: M, token: Option<&ClusterToken>) -> tonic::Request<M> {
             let mut r = tonic::Request::new(m);
             if let Some(t) = token
                 && let Ok(v) = t.bearer().parse()
             {
-                r.metadata_mut().insert(cotrain_proto::auth::METADATA_KEY, v);
+                r.metadata_mut()
+                    .insert(cotrain_proto::auth::METADATA_KEY, v);
             }
             r
         }
         let failed = |s: tonic::Status| anyhow::anyhow!("{url}: {:?}: {}", s.code(), s.message());
         Ok(match what {
-            Call::Status => Ok(client.status(request(StatusRequest {}, token)).await.map_err(failed)?.into_inner()),
+            Call::Status => Ok(client
+                .status(request(StatusRequest {}, token))
+                .await
+                .map_err(failed)?
+                .into_inner()),
             Call::Checkpoint => {
-                let r = client.checkpoint(request(CheckpointRequest {}, token)).await.map_err(failed)?.into_inner();
+                let r = client
+                    .checkpoint(request(CheckpointRequest {}, token))
+                    .await
+                    .map_err(failed)?
+                    .into_inner();
                 Err(format!("checkpoint of step {} written: {}", r.step, r.path))
             }
-            Call::Stop => Err(client.stop(request(StopRequest {}, token)).await.map_err(failed)?.into_inner().message),
+            Call::Stop => Err(client
+                .stop(request(StopRequest {}, token))
+                .await
+                .map_err(failed)?
+                .into_inner()
+                .message),
         })
     })
 }
@@ -53,15 +77,37 @@ pub fn format_status(s: &StatusResponse) -> String {
     let reward = s.reward.map_or("-".into(), |r| format!("{r:.4}"));
     let eta = s.eta_secs.map_or("-".into(), duration);
     out += &format!("run      {}\nstate    {}\n", s.run_dir, s.state);
-    out += &format!("step     {}/{}   epoch {}/{}   reward {reward}   elapsed {}   eta {eta}\n", s.step, s.total_steps, s.epoch, s.total_epochs, duration(s.elapsed_secs));
+    out += &format!(
+        "step     {}/{}   epoch {}/{}   reward {reward}   elapsed {}   eta {eta}\n",
+        s.step,
+        s.total_steps,
+        s.epoch,
+        s.total_epochs,
+        duration(s.elapsed_secs)
+    );
     if let Some(c) = s.last_checkpoint_step {
         out += &format!("checkpoint at step {c}\n");
     }
-    let versions = |v: &[cotrain_proto::control::AgentVersion]| v.iter().map(|a| format!("{}=v{}", a.agent, a.version)).collect::<Vec<_>>().join(" ");
+    let versions = |v: &[cotrain_proto::control::AgentVersion]| {
+        v.iter()
+            .map(|a| format!("{}=v{}", a.agent, a.version))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     out += &format!("policy   {}\n", versions(&s.policy_versions));
-    out += &format!("workers  {} ({} in rotation)\n", s.workers.len(), s.workers.iter().filter(|w| w.in_rotation).count());
+    out += &format!(
+        "workers  {} ({} in rotation)\n",
+        s.workers.len(),
+        s.workers.iter().filter(|w| w.in_rotation).count()
+    );
     for w in &s.workers {
-        let state = if w.in_rotation { "serving" } else if w.healthy { "catching up" } else { "down" };
+        let state = if w.in_rotation {
+            "serving"
+        } else if w.healthy {
+            "catching up"
+        } else {
+            "down"
+        };
         out += &format!(
             "  {:<28} {:<10} {:<11} load {:>3}  done {:>6}  failed {:>4}  catch-ups {:>3}  {}\n",
             w.address,

@@ -26,7 +26,9 @@ static CURRENT: OnceLock<Arc<ControlState>> = OnceLock::new();
 /// calls it before training, and only then does a run listen on `learner.control_addr` and react
 /// to SIGTERM. Later calls return the same state.
 pub fn install() -> Arc<ControlState> {
-    CURRENT.get_or_init(|| Arc::new(ControlState::new())).clone()
+    CURRENT
+        .get_or_init(|| Arc::new(ControlState::new()))
+        .clone()
 }
 
 /// The state [`install`] made, if any.
@@ -38,7 +40,9 @@ pub fn current() -> Option<Arc<ControlState>> {
 /// step, then a clean exit) when a trainer is listening for it, and exits at once otherwise or on
 /// a second signal. For binaries: call once, from `main`'s thread, before the runtime starts.
 pub fn handle_signals(state: Arc<ControlState>) -> std::io::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_io().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
     std::thread::Builder::new().name("cotrain-signals".into()).spawn(move || {
         rt.block_on(async move {
             use tokio::signal::unix::{SignalKind, signal};

@@ -40,7 +40,10 @@ pub struct Progress {
 impl Progress {
     /// Seconds to the end of the run at this process's mean step time.
     pub fn eta_secs(&self) -> Option<f64> {
-        (self.steps_here > 0).then(|| self.secs_here / self.steps_here as f64 * self.last.total_steps.saturating_sub(self.last.step) as f64)
+        (self.steps_here > 0).then(|| {
+            self.secs_here / self.steps_here as f64
+                * self.last.total_steps.saturating_sub(self.last.step) as f64
+        })
     }
 }
 
@@ -58,7 +61,10 @@ impl Requests {
     }
 
     pub fn from_bits(b: u64) -> Self {
-        Self { checkpoint: b & 1 != 0, stop: b & 2 != 0 }
+        Self {
+            checkpoint: b & 1 != 0,
+            stop: b & 2 != 0,
+        }
     }
 }
 
@@ -96,7 +102,10 @@ impl ControlState {
     pub fn new() -> Self {
         Self {
             started: Instant::now(),
-            progress: Mutex::new(Progress { state: "starting", ..Progress::default() }),
+            progress: Mutex::new(Progress {
+                state: "starting",
+                ..Progress::default()
+            }),
             stop: AtomicBool::new(false),
             stop_reason: Mutex::new(None),
             checkpoint_waiters: Mutex::new(Vec::new()),
@@ -134,7 +143,12 @@ impl ControlState {
     pub fn trainer_done(&self, state: &'static str) {
         self.listening.store(false, Ordering::SeqCst);
         self.set_state(state);
-        for w in self.checkpoint_waiters.lock().expect("control lock").drain(..) {
+        for w in self
+            .checkpoint_waiters
+            .lock()
+            .expect("control lock")
+            .drain(..)
+        {
             let _ = w.send(Err(format!("the run is {state}")));
         }
     }
@@ -161,10 +175,16 @@ impl ControlState {
     /// Asks for a checkpoint at the end of the current step; the receiver gets its step and path.
     pub fn request_checkpoint(&self) -> Result<oneshot::Receiver<CheckpointOutcome>, String> {
         if !self.trainer_listening() {
-            return Err(format!("no checkpoint can be written now: the run is {}", self.progress().state));
+            return Err(format!(
+                "no checkpoint can be written now: the run is {}",
+                self.progress().state
+            ));
         }
         let (tx, rx) = oneshot::channel();
-        self.checkpoint_waiters.lock().expect("control lock").push(tx);
+        self.checkpoint_waiters
+            .lock()
+            .expect("control lock")
+            .push(tx);
         Ok(rx)
     }
 
@@ -175,20 +195,40 @@ impl ControlState {
         p.secs_here += report.step_secs;
         p.last = report;
         drop(p);
-        Requests { checkpoint: !self.checkpoint_waiters.lock().expect("control lock").is_empty(), stop: self.stop_requested() }
+        Requests {
+            checkpoint: !self
+                .checkpoint_waiters
+                .lock()
+                .expect("control lock")
+                .is_empty(),
+            stop: self.stop_requested(),
+        }
     }
 
     /// The trainer wrote a checkpoint (requested or scheduled): answers every waiting request.
     pub fn checkpoint_written(&self, step: u64, path: &std::path::Path) {
-        self.progress.lock().expect("control lock").last_checkpoint_step = Some(step);
-        for w in self.checkpoint_waiters.lock().expect("control lock").drain(..) {
+        self.progress
+            .lock()
+            .expect("control lock")
+            .last_checkpoint_step = Some(step);
+        for w in self
+            .checkpoint_waiters
+            .lock()
+            .expect("control lock")
+            .drain(..)
+        {
             let _ = w.send(Ok((step, path.to_path_buf())));
         }
     }
 
     /// A checkpoint requested through the control plane failed.
     pub fn checkpoint_failed(&self, why: &str) {
-        for w in self.checkpoint_waiters.lock().expect("control lock").drain(..) {
+        for w in self
+            .checkpoint_waiters
+            .lock()
+            .expect("control lock")
+            .drain(..)
+        {
             let _ = w.send(Err(why.to_string()));
         }
     }
@@ -198,7 +238,13 @@ impl ControlState {
         if self.pool.set(pool.clone()).is_err() {
             return;
         }
-        let early: Vec<String> = self.registered.lock().expect("control lock").keys().cloned().collect();
+        let early: Vec<String> = self
+            .registered
+            .lock()
+            .expect("control lock")
+            .keys()
+            .cloned()
+            .collect();
         for address in early {
             if let Err(e) = pool.add_endpoint(&address).await {
                 warn!(worker = address, error = %e, "registered worker cannot join the pool");
@@ -235,8 +281,15 @@ impl ControlState {
 
     /// Whether the worker is registered; refreshes its heartbeat.
     pub fn heartbeat(&self, address: &str) -> bool {
-        let Ok(address) = normalise(address) else { return false };
-        match self.registered.lock().expect("control lock").get_mut(&address) {
+        let Ok(address) = normalise(address) else {
+            return false;
+        };
+        match self
+            .registered
+            .lock()
+            .expect("control lock")
+            .get_mut(&address)
+        {
             Some(t) => {
                 *t = Instant::now();
                 true
@@ -247,8 +300,15 @@ impl ControlState {
 
     /// A worker leaves: out of the registry and the pool (requests in flight finish or fail over).
     pub fn deregister(&self, address: &str) -> bool {
-        let Ok(address) = normalise(address) else { return false };
-        let known = self.registered.lock().expect("control lock").remove(&address).is_some();
+        let Ok(address) = normalise(address) else {
+            return false;
+        };
+        let known = self
+            .registered
+            .lock()
+            .expect("control lock")
+            .remove(&address)
+            .is_some();
         if known {
             info!(worker = address, "rollout worker deregistered");
             if let Some(pool) = self.pool.get() {
@@ -263,14 +323,21 @@ impl ControlState {
         let limit = self.heartbeat * 3;
         let gone: Vec<String> = {
             let mut r = self.registered.lock().expect("control lock");
-            let gone: Vec<String> = r.iter().filter(|(_, t)| t.elapsed() > limit).map(|(a, _)| a.clone()).collect();
+            let gone: Vec<String> = r
+                .iter()
+                .filter(|(_, t)| t.elapsed() > limit)
+                .map(|(a, _)| a.clone())
+                .collect();
             for a in &gone {
                 r.remove(a);
             }
             gone
         };
         for a in gone {
-            warn!(worker = a, "registered rollout worker missed its heartbeats, dropped");
+            warn!(
+                worker = a,
+                "registered rollout worker missed its heartbeats, dropped"
+            );
             if let Some(pool) = self.pool.get() {
                 pool.remove_endpoint(&a);
             }
@@ -278,7 +345,13 @@ impl ControlState {
     }
 
     pub fn registered(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.registered.lock().expect("control lock").keys().cloned().collect();
+        let mut v: Vec<String> = self
+            .registered
+            .lock()
+            .expect("control lock")
+            .keys()
+            .cloned()
+            .collect();
         v.sort();
         v
     }
@@ -288,9 +361,13 @@ impl ControlState {
 fn normalise(address: &str) -> Result<String, String> {
     let a = address.trim();
     let rest = a.strip_prefix("http://").unwrap_or(a);
-    let ok = rest.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0));
+    let ok = rest
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0));
     if !ok || rest.contains('/') {
-        return Err(format!("worker address `{address}` is not host:port (or http://host:port) with a non-zero port"));
+        return Err(format!(
+            "worker address `{address}` is not host:port (or http://host:port) with a non-zero port"
+        ));
     }
     Ok(format!("http://{rest}"))
 }
@@ -301,7 +378,10 @@ mod tests {
 
     #[test]
     fn addresses_are_checked_and_normalised() {
-        assert_eq!(normalise("10.0.0.7:50061").unwrap(), "http://10.0.0.7:50061");
+        assert_eq!(
+            normalise("10.0.0.7:50061").unwrap(),
+            "http://10.0.0.7:50061"
+        );
         assert_eq!(normalise("http://[::1]:1").unwrap(), "http://[::1]:1");
         for bad in ["", "host", "host:0", "host:x", "http://h:1/path", ":5"] {
             assert!(normalise(bad).is_err(), "{bad}");
@@ -312,15 +392,29 @@ mod tests {
     /// may register again, and a departure makes room.
     #[test]
     fn the_registry_is_bounded() {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         let s = ControlState::new();
         rt.block_on(async {
             for i in 0..MAX_REGISTERED {
-                assert_eq!(s.register(&format!("10.0.{}.{}:5000", i / 250, i % 250 + 1)).await, Ok(false));
+                assert_eq!(
+                    s.register(&format!("10.0.{}.{}:5000", i / 250, i % 250 + 1))
+                        .await,
+                    Ok(false)
+                );
             }
             let e = s.register("10.9.9.9:5000").await.unwrap_err();
-            assert!(e.contains("1024 registered workers") && e.contains("10.9.9.9"), "{e}");
-            assert_eq!(s.register("10.0.0.1:5000").await, Ok(false), "a registered worker re-registers");
+            assert!(
+                e.contains("1024 registered workers") && e.contains("10.9.9.9"),
+                "{e}"
+            );
+            assert_eq!(
+                s.register("10.0.0.1:5000").await,
+                Ok(false),
+                "a registered worker re-registers"
+            );
             assert!(s.deregister("10.0.0.1:5000"));
             assert_eq!(s.register("10.9.9.9:5000").await, Ok(false));
         });
@@ -328,15 +422,36 @@ mod tests {
 
     #[test]
     fn requests_round_trip_and_checkpoints_answer_waiters() {
-        for r in [Requests::default(), Requests { checkpoint: true, stop: false }, Requests { checkpoint: true, stop: true }] {
+        for r in [
+            Requests::default(),
+            Requests {
+                checkpoint: true,
+                stop: false,
+            },
+            Requests {
+                checkpoint: true,
+                stop: true,
+            },
+        ] {
             assert_eq!(Requests::from_bits(r.to_bits()), r);
         }
         let s = ControlState::new();
         assert!(s.request_checkpoint().is_err(), "no trainer yet");
         s.trainer_started();
         let mut rx = s.request_checkpoint().unwrap();
-        let asked = s.between_steps(StepReport { step: 3, total_steps: 10, step_secs: 2.0, ..StepReport::default() });
-        assert_eq!(asked, Requests { checkpoint: true, stop: false });
+        let asked = s.between_steps(StepReport {
+            step: 3,
+            total_steps: 10,
+            step_secs: 2.0,
+            ..StepReport::default()
+        });
+        assert_eq!(
+            asked,
+            Requests {
+                checkpoint: true,
+                stop: false
+            }
+        );
         s.checkpoint_written(3, std::path::Path::new("/runs/x/checkpoints/step-3"));
         assert_eq!(rx.try_recv().unwrap().unwrap().0, 3);
         assert_eq!(s.progress().eta_secs(), Some(14.0));
@@ -347,8 +462,13 @@ mod tests {
 
     #[test]
     fn workers_that_miss_heartbeats_are_reaped() {
-        let s = ControlState { heartbeat: Duration::from_millis(10), ..ControlState::new() };
-        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let s = ControlState {
+            heartbeat: Duration::from_millis(10),
+            ..ControlState::new()
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
         assert!(!rt.block_on(s.register("127.0.0.1:7")).unwrap());
         assert!(s.heartbeat("http://127.0.0.1:7"));
         std::thread::sleep(Duration::from_millis(40));

@@ -13,16 +13,21 @@ use serde_json::{Map, Value};
 pub use source::DatasetConfig;
 pub use split::{Bound, SplitError, SplitSpec};
 
-
 /// Why a dataset could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     /// The dataset name or type is not one the learner knows.
-    #[error("unknown dataset `{0}` (known: humaneval, coophumaneval, mbpp, arxiv, tldr, gsm8k, anli, or a local file/directory with dataset.type)")]
+    #[error(
+        "unknown dataset `{0}` (known: humaneval, coophumaneval, mbpp, arxiv, tldr, gsm8k, anli, or a local file/directory with dataset.type)"
+    )]
     UnknownDataset(String),
     /// The dataset has no such split.
     #[error("dataset `{dataset}` has no split `{split}` (available: {available})")]
-    UnknownSplit { dataset: String, split: String, available: String },
+    UnknownSplit {
+        dataset: String,
+        split: String,
+        available: String,
+    },
     /// The split expression is invalid or out of range.
     #[error("dataset `{dataset}`: {source}")]
     Split { dataset: String, source: SplitError },
@@ -31,16 +36,27 @@ pub enum DataError {
     NotAvailable { dataset: String, message: String },
     /// A file format the learner cannot read.
     #[error("{path}: unsupported data format `{format}` ({hint})")]
-    UnsupportedFormat { path: PathBuf, format: String, hint: String },
+    UnsupportedFormat {
+        path: PathBuf,
+        format: String,
+        hint: String,
+    },
     /// Reading a file failed.
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// A file's content does not parse.
     #[error("{path}: {message}")]
     Parse { path: PathBuf, message: String },
     /// A row lacks a field the task needs, or has one of the wrong type.
     #[error("{path}: row {row}: {message}")]
-    Row { path: PathBuf, row: usize, message: String },
+    Row {
+        path: PathBuf,
+        row: usize,
+        message: String,
+    },
 }
 
 /// The task a dataset feeds; decides the item schema, the prompts and the reward.
@@ -74,7 +90,11 @@ impl DatasetKind {
     pub fn from_name(name: &str) -> Option<Self> {
         let n = name.trim().to_ascii_lowercase();
         Some(match n.as_str() {
-            "humaneval" | "he" | "openai_humaneval" | "openai/openai_humaneval" | "openai/humaneval" => Self::HumanEval,
+            "humaneval"
+            | "he"
+            | "openai_humaneval"
+            | "openai/openai_humaneval"
+            | "openai/humaneval" => Self::HumanEval,
             "coophumaneval" | "che" | "openmlrl/coophumaneval" => Self::CoopHumanEval,
             "mbpp" | "google-research-datasets/mbpp" | "openmlrl/mbpp" => Self::Mbpp,
             "arxiv" | "arxiv_abstract" | "openmlrl/arxiv_abstract" => Self::Arxiv,
@@ -93,7 +113,10 @@ impl DatasetKind {
             });
         }
         Self::from_name(&cfg.name).ok_or_else(|| {
-            format!("`{}` is not a known dataset; name a known one or set dataset.type for local files", cfg.name)
+            format!(
+                "`{}` is not a known dataset; name a known one or set dataset.type for local files",
+                cfg.name
+            )
         })
     }
 
@@ -229,30 +252,57 @@ pub fn data_dir(cfg: &DatasetConfig) -> PathBuf {
     {
         return PathBuf::from(d);
     }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("data")
 }
 
 /// Loads the rows `split` selects from the dataset `cfg` names.
 pub fn load_split(cfg: &DatasetConfig, split: &SplitSpec) -> Result<Dataset, DataError> {
-    let kind = DatasetKind::resolve(cfg).map_err(|_| DataError::UnknownDataset(cfg.name.clone()))?;
+    let kind =
+        DatasetKind::resolve(cfg).map_err(|_| DataError::UnknownDataset(cfg.name.clone()))?;
     let (path, rows, extra) = raw_rows(cfg, kind, &split.name)?;
-    let range = split.resolve(rows.len()).map_err(|source| DataError::Split { dataset: cfg.name.clone(), source })?;
+    let range = split
+        .resolve(rows.len())
+        .map_err(|source| DataError::Split {
+            dataset: cfg.name.clone(),
+            source,
+        })?;
     let items = rows[range.clone()]
         .iter()
         .enumerate()
-        .map(|(i, row)| to_item(kind, row).map_err(|message| DataError::Row { path: path.clone(), row: extra + range.start + i, message }))
+        .map(|(i, row)| {
+            to_item(kind, row).map_err(|message| DataError::Row {
+                path: path.clone(),
+                row: extra + range.start + i,
+                message,
+            })
+        })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(Dataset { kind, split: split.to_string(), row_offset: range.start, items })
+    Ok(Dataset {
+        kind,
+        split: split.to_string(),
+        row_offset: range.start,
+        items,
+    })
 }
 
 type Rows = Vec<Map<String, Value>>;
 
 /// The full split's rows as JSON objects, with the file they came from and the row number of the
 /// first one in that file (TLDR's test split starts mid-file).
-fn raw_rows(cfg: &DatasetConfig, kind: DatasetKind, split: &str) -> Result<(PathBuf, Rows, usize), DataError> {
+fn raw_rows(
+    cfg: &DatasetConfig,
+    kind: DatasetKind,
+    split: &str,
+) -> Result<(PathBuf, Rows, usize), DataError> {
     let local = Path::new(&cfg.name);
     if local.exists() {
-        let file = if local.is_dir() { find_split_file(local, split, &cfg.name)? } else { single_file_split(local, split, &cfg.name)? };
+        let file = if local.is_dir() {
+            find_split_file(local, split, &cfg.name)?
+        } else {
+            single_file_split(local, split, &cfg.name)?
+        };
         let rows = read_rows(&file)?;
         return Ok((file, rows, 0));
     }
@@ -342,7 +392,11 @@ fn shipped_file(
                         ),
                     });
                 }
-                _ => return Err(unknown("dev, test (round 3), dev_r1, dev_r2, dev_r3, test_r1, test_r2, test_r3")),
+                _ => {
+                    return Err(unknown(
+                        "dev, test (round 3), dev_r1, dev_r2, dev_r3, test_r1, test_r2, test_r3",
+                    ));
+                }
             };
             one(&format!("anli/{round}/{part}.jsonl.gz"))
         }
@@ -363,17 +417,29 @@ pub const TLDR_TRAIN_ROWS: usize = 1445;
 
 /// In a local directory: `{split}.jsonl[.gz]`, `.json`, `.csv`, or HF's `data/{split}-*.{ext}` layout.
 fn find_split_file(dir: &Path, split: &str, dataset: &str) -> Result<PathBuf, DataError> {
-    let exts = ["jsonl", "jsonl.gz", "json", "json.gz", "csv", "csv.gz", "parquet"];
+    let exts = [
+        "jsonl", "jsonl.gz", "json", "json.gz", "csv", "csv.gz", "parquet",
+    ];
     let mut seen = Vec::new();
     for sub in [dir.to_path_buf(), dir.join("data")] {
-        let Ok(entries) = std::fs::read_dir(&sub) else { continue };
-        let mut names: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
+        let Ok(entries) = std::fs::read_dir(&sub) else {
+            continue;
+        };
+        let mut names: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file())
+            .collect();
         names.sort();
         for p in names {
-            let fname = p.file_name().and_then(|f| f.to_str()).unwrap_or_default().to_string();
+            let fname = p
+                .file_name()
+                .and_then(|f| f.to_str())
+                .unwrap_or_default()
+                .to_string();
             seen.push(fname.clone());
             let matches_split = exts.iter().any(|e| fname == format!("{split}.{e}"))
-                || (fname.starts_with(&format!("{split}-")) && exts.iter().any(|e| fname.ends_with(&format!(".{e}"))));
+                || (fname.starts_with(&format!("{split}-"))
+                    && exts.iter().any(|e| fname.ends_with(&format!(".{e}"))));
             if matches_split {
                 return Ok(p);
             }
@@ -382,7 +448,11 @@ fn find_split_file(dir: &Path, split: &str, dataset: &str) -> Result<PathBuf, Da
     Err(DataError::UnknownSplit {
         dataset: dataset.to_string(),
         split: split.to_string(),
-        available: if seen.is_empty() { "no data files".into() } else { format!("files {}", seen.join(", ")) },
+        available: if seen.is_empty() {
+            "no data files".into()
+        } else {
+            format!("files {}", seen.join(", "))
+        },
     })
 }
 
@@ -394,14 +464,18 @@ fn single_file_split(file: &Path, split: &str, dataset: &str) -> Result<PathBuf,
         Err(DataError::UnknownSplit {
             dataset: dataset.to_string(),
             split: split.to_string(),
-            available: "train (a single file is one split; use a directory with {split}.jsonl for more)".into(),
+            available:
+                "train (a single file is one split; use a directory with {split}.jsonl for more)"
+                    .into(),
         })
     }
 }
 
 /// A split file of `name` (an `org/name` HF id) in the local hub cache, if one is there.
 fn hf_cache_file(name: &str, split: &str) -> Result<Option<PathBuf>, DataError> {
-    let Some((org, repo)) = name.split_once('/') else { return Ok(None) };
+    let Some((org, repo)) = name.split_once('/') else {
+        return Ok(None);
+    };
     let hub = match std::env::var("HF_HUB_CACHE") {
         Ok(p) if !p.is_empty() => PathBuf::from(p),
         _ => match std::env::var("HF_HOME") {
@@ -412,8 +486,12 @@ fn hf_cache_file(name: &str, split: &str) -> Result<Option<PathBuf>, DataError> 
             },
         },
     };
-    let snapshots = hub.join(format!("datasets--{org}--{repo}")).join("snapshots");
-    let Ok(entries) = std::fs::read_dir(&snapshots) else { return Ok(None) };
+    let snapshots = hub
+        .join(format!("datasets--{org}--{repo}"))
+        .join("snapshots");
+    let Ok(entries) = std::fs::read_dir(&snapshots) else {
+        return Ok(None);
+    };
     let mut revs: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
     revs.sort();
     for rev in revs {
@@ -426,12 +504,19 @@ fn hf_cache_file(name: &str, split: &str) -> Result<Option<PathBuf>, DataError> 
 
 /// Reads a file of rows: JSON Lines, a JSON array, or CSV with a header; `.gz` is decompressed.
 pub fn read_rows(path: &Path) -> Result<Rows, DataError> {
-    let name = path.file_name().and_then(|f| f.to_str()).unwrap_or_default().to_ascii_lowercase();
+    let name = path
+        .file_name()
+        .and_then(|f| f.to_str())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
     let (base, gz) = match name.strip_suffix(".gz") {
         Some(b) => (b.to_string(), true),
         None => (name.clone(), false),
     };
-    let ext = base.rsplit_once('.').map(|(_, e)| e.to_string()).unwrap_or_default();
+    let ext = base
+        .rsplit_once('.')
+        .map(|(_, e)| e.to_string())
+        .unwrap_or_default();
     if ext == "parquet" {
         return Err(DataError::UnsupportedFormat {
             path: path.to_path_buf(),
@@ -439,16 +524,27 @@ pub fn read_rows(path: &Path) -> Result<Rows, DataError> {
             hint: "parquet is not supported yet; convert it to jsonl, e.g. with pandas `read_parquet(...).to_json(..., orient='records', lines=True)`".into(),
         });
     }
-    let io = |source| DataError::Io { path: path.to_path_buf(), source };
+    let io = |source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let bytes = std::fs::read(path).map_err(io)?;
     let text = if gz {
         let mut s = String::new();
-        flate2::read::GzDecoder::new(&bytes[..]).read_to_string(&mut s).map_err(io)?;
+        flate2::read::GzDecoder::new(&bytes[..])
+            .read_to_string(&mut s)
+            .map_err(io)?;
         s
     } else {
-        String::from_utf8(bytes).map_err(|e| DataError::Parse { path: path.to_path_buf(), message: e.to_string() })?
+        String::from_utf8(bytes).map_err(|e| DataError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?
     };
-    let parse = |message: String| DataError::Parse { path: path.to_path_buf(), message };
+    let parse = |message: String| DataError::Parse {
+        path: path.to_path_buf(),
+        message,
+    };
     match ext.as_str() {
         "jsonl" | "ndjson" => text
             .lines()
@@ -478,18 +574,26 @@ pub fn read_rows(path: &Path) -> Result<Rows, DataError> {
                         _ => Err(parse("`data` element is not a JSON object".into())),
                     })
                     .collect(),
-                _ => Err(parse("expected a JSON array of objects (or {\"data\": [...]})".into())),
+                _ => Err(parse(
+                    "expected a JSON array of objects (or {\"data\": [...]})".into(),
+                )),
             },
             _ => Err(parse("expected a JSON array of objects".into())),
         },
         "csv" => {
-            let mut reader = csv::ReaderBuilder::new().has_headers(true).from_reader(text.as_bytes());
+            let mut reader = csv::ReaderBuilder::new()
+                .has_headers(true)
+                .from_reader(text.as_bytes());
             let headers = reader.headers().map_err(|e| parse(e.to_string()))?.clone();
             reader
                 .records()
                 .map(|r| {
                     let r = r.map_err(|e| parse(e.to_string()))?;
-                    Ok(headers.iter().zip(r.iter()).map(|(h, v)| (h.to_string(), Value::String(v.to_string()))).collect())
+                    Ok(headers
+                        .iter()
+                        .zip(r.iter())
+                        .map(|(h, v)| (h.to_string(), Value::String(v.to_string())))
+                        .collect())
                 })
                 .collect()
         }
@@ -532,11 +636,15 @@ pub fn to_item(kind: DatasetKind, row: &Map<String, Value>) -> Result<TaskItem, 
         DatasetKind::Arxiv => TaskItem::Arxiv(ArxivItem {
             article_id: str_field(row, &["article_id"]).unwrap_or_default(),
             abstract_text: str_field(row, &["abstract_text"])?,
-            token_count: row.get("token_count").and_then(|v| v.as_u64().or_else(|| v.as_str()?.trim().parse().ok())),
+            token_count: row
+                .get("token_count")
+                .and_then(|v| v.as_u64().or_else(|| v.as_str()?.trim().parse().ok())),
         }),
         DatasetKind::Tldr => TaskItem::Tldr(TldrItem {
             prompt: str_field(row, &["prompt", "query"])?,
-            reference: str_field(row, &["completion", "reference_responses"]).ok().map(|s| s.trim().to_string()),
+            reference: str_field(row, &["completion", "reference_responses"])
+                .ok()
+                .map(|s| s.trim().to_string()),
         }),
         DatasetKind::Gsm8k => {
             let answer = str_field(row, &["answer"])?;
@@ -544,11 +652,16 @@ pub fn to_item(kind: DatasetKind, row: &Map<String, Value>) -> Result<TaskItem, 
                 .rsplit_once("####")
                 .map(|(_, a)| a.trim().replace(',', ""))
                 .ok_or_else(|| "field `answer` has no `####` final answer".to_string())?;
-            TaskItem::Gsm8k(Gsm8kItem { question: str_field(row, &["question"])?, answer, final_answer })
+            TaskItem::Gsm8k(Gsm8kItem {
+                question: str_field(row, &["question"])?,
+                answer,
+                final_answer,
+            })
         }
         DatasetKind::Anli => {
             let label_value = row.get("label").ok_or("missing field `label`")?;
-            let label = NliLabel::parse(label_value).ok_or_else(|| format!("unknown label {label_value}"))?;
+            let label = NliLabel::parse(label_value)
+                .ok_or_else(|| format!("unknown label {label_value}"))?;
             TaskItem::Anli(AnliItem {
                 uid: str_field(row, &["uid"]).unwrap_or_default(),
                 premise: str_field(row, &["premise", "context"])?,

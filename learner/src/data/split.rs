@@ -26,14 +26,24 @@ pub enum Bound {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SplitError {
     /// The text is not `name` or `name[start:end]`.
-    #[error("bad split syntax `{0}` (expected `name` or `name[start:end]`, e.g. `test[16:]`, `train[:1100]`)")]
+    #[error(
+        "bad split syntax `{0}` (expected `name` or `name[start:end]`, e.g. `test[16:]`, `train[:1100]`)"
+    )]
     Syntax(String),
     /// The slice does not fit the split's rows.
     #[error("split `{spec}` is out of range: split `{name}` has {len} rows")]
-    OutOfRange { spec: String, name: String, len: usize },
+    OutOfRange {
+        spec: String,
+        name: String,
+        len: usize,
+    },
     /// The slice selects no rows.
     #[error("split `{spec}` selects no rows (start {start} >= end {end})")]
-    Empty { spec: String, start: usize, end: usize },
+    Empty {
+        spec: String,
+        start: usize,
+        end: usize,
+    },
 }
 
 impl SplitSpec {
@@ -49,7 +59,9 @@ impl SplitSpec {
             }
         };
         let name_ok = !name.is_empty()
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.');
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.');
         if !name_ok {
             return Err(bad());
         }
@@ -57,15 +69,26 @@ impl SplitSpec {
             None => (None, None),
             Some(inner) => {
                 let (a, b) = inner.split_once(':').ok_or_else(bad)?;
-                (parse_bound(a).ok_or_else(bad)?, parse_bound(b).ok_or_else(bad)?)
+                (
+                    parse_bound(a).ok_or_else(bad)?,
+                    parse_bound(b).ok_or_else(bad)?,
+                )
             }
         };
-        Ok(Self { name: name.to_string(), start, end })
+        Ok(Self {
+            name: name.to_string(),
+            start,
+            end,
+        })
     }
 
     /// The rows selected out of a split of `len` rows.
     pub fn resolve(&self, len: usize) -> Result<Range<usize>, SplitError> {
-        let out = || SplitError::OutOfRange { spec: self.to_string(), name: self.name.clone(), len };
+        let out = || SplitError::OutOfRange {
+            spec: self.to_string(),
+            name: self.name.clone(),
+            len,
+        };
         let resolve_bound = |b: Bound| -> Result<usize, SplitError> {
             let (value, is_pct) = match b {
                 Bound::Index(i) => (i, false),
@@ -83,12 +106,20 @@ impl SplitSpec {
             if magnitude > len {
                 return Err(out());
             }
-            Ok(if value < 0 { len - magnitude } else { magnitude })
+            Ok(if value < 0 {
+                len - magnitude
+            } else {
+                magnitude
+            })
         };
         let start = self.start.map(resolve_bound).transpose()?.unwrap_or(0);
         let end = self.end.map(resolve_bound).transpose()?.unwrap_or(len);
         if start >= end {
-            return Err(SplitError::Empty { spec: self.to_string(), start, end });
+            return Err(SplitError::Empty {
+                spec: self.to_string(),
+                start,
+                end,
+            });
         }
         Ok(start..end)
     }
@@ -132,23 +163,62 @@ mod tests {
 
     #[test]
     fn seed_config_splits_resolve_like_python_slices() {
-        assert_eq!(SplitSpec::parse("test[33:163]").unwrap().resolve(164).unwrap(), 33..163);
-        assert_eq!(SplitSpec::parse("test[:32]").unwrap().resolve(164).unwrap(), 0..32);
-        assert_eq!(SplitSpec::parse("test[16:]").unwrap().resolve(82).unwrap(), 16..82);
-        assert_eq!(SplitSpec::parse("test").unwrap().resolve(82).unwrap(), 0..82);
-        assert_eq!(SplitSpec::parse("test[-10:]").unwrap().resolve(82).unwrap(), 72..82);
-        assert_eq!(SplitSpec::parse("test[:-2]").unwrap().resolve(82).unwrap(), 0..80);
-        assert_eq!(SplitSpec::parse("train[:10%]").unwrap().resolve(1945).unwrap(), 0..195);
+        assert_eq!(
+            SplitSpec::parse("test[33:163]")
+                .unwrap()
+                .resolve(164)
+                .unwrap(),
+            33..163
+        );
+        assert_eq!(
+            SplitSpec::parse("test[:32]").unwrap().resolve(164).unwrap(),
+            0..32
+        );
+        assert_eq!(
+            SplitSpec::parse("test[16:]").unwrap().resolve(82).unwrap(),
+            16..82
+        );
+        assert_eq!(
+            SplitSpec::parse("test").unwrap().resolve(82).unwrap(),
+            0..82
+        );
+        assert_eq!(
+            SplitSpec::parse("test[-10:]").unwrap().resolve(82).unwrap(),
+            72..82
+        );
+        assert_eq!(
+            SplitSpec::parse("test[:-2]").unwrap().resolve(82).unwrap(),
+            0..80
+        );
+        assert_eq!(
+            SplitSpec::parse("train[:10%]")
+                .unwrap()
+                .resolve(1945)
+                .unwrap(),
+            0..195
+        );
     }
 
     #[test]
     fn bad_syntax_and_ranges_are_errors() {
         for bad in ["test[16]", "test[a:]", "[1:2]", "test[1:2", "te st"] {
-            assert!(matches!(SplitSpec::parse(bad), Err(SplitError::Syntax(_))), "{bad}");
+            assert!(
+                matches!(SplitSpec::parse(bad), Err(SplitError::Syntax(_))),
+                "{bad}"
+            );
         }
-        let e = SplitSpec::parse("test[33:200]").unwrap().resolve(164).unwrap_err();
-        assert_eq!(e.to_string(), "split `test[33:200]` is out of range: split `test` has 164 rows");
-        assert!(matches!(SplitSpec::parse("test[5:5]").unwrap().resolve(10), Err(SplitError::Empty { .. })));
+        let e = SplitSpec::parse("test[33:200]")
+            .unwrap()
+            .resolve(164)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "split `test[33:200]` is out of range: split `test` has 164 rows"
+        );
+        assert!(matches!(
+            SplitSpec::parse("test[5:5]").unwrap().resolve(10),
+            Err(SplitError::Empty { .. })
+        ));
         assert!(SplitSpec::parse("test[-11:]").unwrap().resolve(10).is_err());
     }
 }

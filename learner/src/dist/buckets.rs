@@ -26,7 +26,9 @@ pub const DEFAULT_BUCKET_BYTES: usize = 64 << 20;
 /// `start..end` ranges of at most `max` elements (at least 1) that cover `0..len` in order.
 pub fn chunks(len: usize, max: usize) -> impl Iterator<Item = Range<usize>> {
     let max = max.max(1);
-    (0..len).step_by(max).map(move |start| start..(start + max).min(len))
+    (0..len)
+        .step_by(max)
+        .map(move |start| start..(start + max).min(len))
 }
 
 /// Elements `start..start + len` of gradient `param` (flattened), inside a bucket.
@@ -49,7 +51,13 @@ pub fn plan(numels: &[usize], bucket: usize) -> Vec<Vec<Piece>> {
     let mut filled = 0;
     for (param, &numel) in numels.iter().enumerate() {
         if numel > bucket {
-            buckets.extend(chunks(numel, bucket).map(|r| vec![Piece { param, start: r.start, len: r.len() }]));
+            buckets.extend(chunks(numel, bucket).map(|r| {
+                vec![Piece {
+                    param,
+                    start: r.start,
+                    len: r.len(),
+                }]
+            }));
             continue;
         }
         if numel == 0 {
@@ -59,7 +67,11 @@ pub fn plan(numels: &[usize], bucket: usize) -> Vec<Vec<Piece>> {
             buckets.push(std::mem::take(&mut open));
             filled = 0;
         }
-        open.push(Piece { param, start: 0, len: numel });
+        open.push(Piece {
+            param,
+            start: 0,
+            len: numel,
+        });
         filled += numel;
     }
     if !open.is_empty() {
@@ -72,7 +84,11 @@ pub fn plan(numels: &[usize], bucket: usize) -> Vec<Vec<Piece>> {
 /// gradient (see the [module docs](self)). Parameters without a gradient on this rank contribute
 /// zeros. The extra memory is one bucket on the collective's device (plus, for MPI, one bucket's
 /// send copy: see `mpi_backend`).
-pub fn all_reduce_grads_bucketed(coll: &dyn Collective, params: &[Tensor], bucket_bytes: usize) -> Result<(), DistError> {
+pub fn all_reduce_grads_bucketed(
+    coll: &dyn Collective,
+    params: &[Tensor],
+    bucket_bytes: usize,
+) -> Result<(), DistError> {
     if coll.world() == 1 || params.is_empty() {
         return Ok(());
     }
@@ -81,13 +97,28 @@ pub fn all_reduce_grads_bucketed(coll: &dyn Collective, params: &[Tensor], bucke
     let grads = params
         .iter()
         .enumerate()
-        .map(|(i, p)| p.grad().f_view([-1]).map_err(|e| DistError(format!("gradient of parameter {i} (shape {:?}): {e}", p.size()))))
+        .map(|(i, p)| {
+            p.grad().f_view([-1]).map_err(|e| {
+                DistError(format!(
+                    "gradient of parameter {i} (shape {:?}): {e}",
+                    p.size()
+                ))
+            })
+        })
         .collect::<Result<Vec<Tensor>, DistError>>()?;
     let numels: Vec<usize> = grads.iter().map(Tensor::numel).collect();
-    let buckets = plan(&numels, (bucket_bytes / std::mem::size_of::<f32>()).min(MAX_COUNT));
+    let buckets = plan(
+        &numels,
+        (bucket_bytes / std::mem::size_of::<f32>()).min(MAX_COUNT),
+    );
     let device = coll.device();
     let in_place = |b: &[Piece]| matches!(b, [p] if grads[p.param].kind() == Kind::Float && grads[p.param].device() == device);
-    let staging_len = buckets.iter().filter(|b| !in_place(b)).map(|b| b.iter().map(|p| p.len).sum::<usize>()).max().unwrap_or(0);
+    let staging_len = buckets
+        .iter()
+        .filter(|b| !in_place(b))
+        .map(|b| b.iter().map(|p| p.len).sum::<usize>())
+        .max()
+        .unwrap_or(0);
     let staging = Tensor::empty([staging_len as i64], (Kind::Float, device));
     let narrow = |t: &Tensor, start: usize, len: usize| t.narrow(0, start as i64, len as i64);
     tch::no_grad(|| {
@@ -118,8 +149,15 @@ pub fn all_reduce_grads_bucketed(coll: &dyn Collective, params: &[Tensor], bucke
 /// autograd stores contiguous) so that the other ranks' sum has somewhere to land.
 fn give_missing_zero_grads(params: &[Tensor]) -> Result<(), DistError> {
     let missing: Vec<&Tensor> = params.iter().filter(|p| !p.grad().defined()).collect();
-    let Some(zero) = missing.iter().map(|p| p.sum(Kind::Float) * 0.0).reduce(|a, b| a + b) else { return Ok(()) };
-    zero.f_backward().map_err(|e| DistError(format!("zero gradients: {e}")))
+    let Some(zero) = missing
+        .iter()
+        .map(|p| p.sum(Kind::Float) * 0.0)
+        .reduce(|a, b| a + b)
+    else {
+        return Ok(());
+    };
+    zero.f_backward()
+        .map_err(|e| DistError(format!("zero gradients: {e}")))
 }
 
 #[cfg(test)]
@@ -154,7 +192,14 @@ mod tests {
         // Bucket of 10: 3 + 4 fit, 5 does not (12), 5 + 5 fit, 2 starts the last.
         let plan = plan(&[3, 4, 5, 5, 2], 10);
         let got: Vec<_> = plan.iter().map(|b| pieces(b)).collect();
-        assert_eq!(got, vec![vec![(0, 0, 3), (1, 0, 4)], vec![(2, 0, 5), (3, 0, 5)], vec![(4, 0, 2)]]);
+        assert_eq!(
+            got,
+            vec![
+                vec![(0, 0, 3), (1, 0, 4)],
+                vec![(2, 0, 5), (3, 0, 5)],
+                vec![(4, 0, 2)]
+            ]
+        );
     }
 
     #[test]
@@ -163,7 +208,15 @@ mod tests {
         // the empty one is left out.
         let plan = plan(&[2, 25, 0, 3], 10);
         let got: Vec<_> = plan.iter().map(|b| pieces(b)).collect();
-        assert_eq!(got, vec![vec![(1, 0, 10)], vec![(1, 10, 10)], vec![(1, 20, 5)], vec![(0, 0, 2), (3, 0, 3)]]);
+        assert_eq!(
+            got,
+            vec![
+                vec![(1, 0, 10)],
+                vec![(1, 10, 10)],
+                vec![(1, 20, 5)],
+                vec![(0, 0, 2), (3, 0, 3)]
+            ]
+        );
     }
 
     #[test]
@@ -173,7 +226,10 @@ mod tests {
             let plan = plan(&numels, bucket);
             let mut seen: Vec<Vec<bool>> = numels.iter().map(|&n| vec![false; n]).collect();
             for b in &plan {
-                assert!(!b.is_empty() && b.iter().map(|p| p.len).sum::<usize>() <= bucket, "bucket {bucket}: {b:?}");
+                assert!(
+                    !b.is_empty() && b.iter().map(|p| p.len).sum::<usize>() <= bucket,
+                    "bucket {bucket}: {b:?}"
+                );
                 for p in b {
                     for s in &mut seen[p.param][p.start..p.start + p.len] {
                         assert!(!*s, "an element of {} twice", p.param);
@@ -181,7 +237,10 @@ mod tests {
                     }
                 }
             }
-            assert!(seen.iter().flatten().all(|&s| s), "bucket {bucket}: an element was left out");
+            assert!(
+                seen.iter().flatten().all(|&s| s),
+                "bucket {bucket}: an element was left out"
+            );
         }
     }
 }

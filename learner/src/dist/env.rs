@@ -37,7 +37,13 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 impl RankEnv {
     /// One rank, no launcher.
     pub fn single() -> Self {
-        Self { rank: 0, world: 1, local_rank: 0, master: None, launcher: Launcher::None }
+        Self {
+            rank: 0,
+            world: 1,
+            local_rank: 0,
+            master: None,
+            launcher: Launcher::None,
+        }
     }
 
     /// From this process's environment.
@@ -48,39 +54,86 @@ impl RankEnv {
     /// From the given variables (see the module docs for the order in which launchers are tried).
     pub fn from_vars(vars: &HashMap<String, String>) -> Result<Self, String> {
         let num = |key: &str| -> Result<Option<usize>, String> {
-            vars.get(key).map(|v| v.trim().parse::<usize>().map_err(|_| format!("{key}={v:?} is not a number"))).transpose()
+            vars.get(key)
+                .map(|v| {
+                    v.trim()
+                        .parse::<usize>()
+                        .map_err(|_| format!("{key}={v:?} is not a number"))
+                })
+                .transpose()
         };
         let master_port = || -> Result<u16, String> {
             match vars.get("MASTER_PORT") {
-                Some(p) => p.trim().parse().map_err(|_| format!("MASTER_PORT={p:?} is not a port")),
+                Some(p) => p
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("MASTER_PORT={p:?} is not a port")),
                 None => Ok(DEFAULT_MASTER_PORT),
             }
         };
-        let env = if let (Some(rank), Some(world)) = (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?) {
+        let env = if let (Some(rank), Some(world)) =
+            (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?)
+        {
             let local_rank = num("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0);
-            Self { rank, world, local_rank, master: None, launcher: Launcher::Mpi }
-        } else if let (Some(rank), Some(world)) = (num("PMIX_RANK")?, num("SLURM_NTASKS")?.or(num("PMIX_SIZE")?)) {
+            Self {
+                rank,
+                world,
+                local_rank,
+                master: None,
+                launcher: Launcher::Mpi,
+            }
+        } else if let (Some(rank), Some(world)) = (
+            num("PMIX_RANK")?,
+            num("SLURM_NTASKS")?.or(num("PMIX_SIZE")?),
+        ) {
             let local_rank = num("SLURM_LOCALID")?.unwrap_or(0);
-            Self { rank, world, local_rank, master: None, launcher: Launcher::Mpi }
+            Self {
+                rank,
+                world,
+                local_rank,
+                master: None,
+                launcher: Launcher::Mpi,
+            }
         } else if let (Some(rank), Some(world)) = (num("RANK")?, num("WORLD_SIZE")?) {
             let local_rank = num("LOCAL_RANK")?.unwrap_or(0);
-            let addr = vars.get("MASTER_ADDR").cloned().unwrap_or_else(|| "127.0.0.1".into());
-            Self { rank, world, local_rank, master: Some((addr, master_port()?)), launcher: Launcher::Torchrun }
+            let addr = vars
+                .get("MASTER_ADDR")
+                .cloned()
+                .unwrap_or_else(|| "127.0.0.1".into());
+            Self {
+                rank,
+                world,
+                local_rank,
+                master: Some((addr, master_port()?)),
+                launcher: Launcher::Torchrun,
+            }
         } else if let (Some(rank), Some(world)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
             let local_rank = num("SLURM_LOCALID")?.unwrap_or(0);
             let addr = match vars.get("MASTER_ADDR") {
                 Some(a) => a.clone(),
                 None => {
-                    let list = vars.get("SLURM_JOB_NODELIST").or(vars.get("SLURM_NODELIST")).ok_or("SLURM_PROCID is set but SLURM_JOB_NODELIST is not")?;
+                    let list = vars
+                        .get("SLURM_JOB_NODELIST")
+                        .or(vars.get("SLURM_NODELIST"))
+                        .ok_or("SLURM_PROCID is set but SLURM_JOB_NODELIST is not")?;
                     first_host(list)?
                 }
             };
-            Self { rank, world, local_rank, master: Some((addr, master_port()?)), launcher: Launcher::Slurm }
+            Self {
+                rank,
+                world,
+                local_rank,
+                master: Some((addr, master_port()?)),
+                launcher: Launcher::Slurm,
+            }
         } else {
             return Ok(Self::single());
         };
         if env.world == 0 || env.rank >= env.world {
-            return Err(format!("rank {} of a world of {} (from the {:?} environment)", env.rank, env.world, env.launcher));
+            return Err(format!(
+                "rank {} of a world of {} (from the {:?} environment)",
+                env.rank, env.world, env.launcher
+            ));
         }
         Ok(env)
     }
@@ -114,8 +167,18 @@ pub fn first_host(list: &str) -> Result<String, String> {
     };
     let close = first[open..].find(']').map(|c| open + c).ok_or_else(bad)?;
     let range = &first[open + 1..close];
-    let lowest = range.split(',').next().and_then(|r| r.split('-').next()).filter(|s| !s.is_empty()).ok_or_else(bad)?;
-    Ok(format!("{}{}{}", &first[..open], lowest, &first[close + 1..]))
+    let lowest = range
+        .split(',')
+        .next()
+        .and_then(|r| r.split('-').next())
+        .filter(|s| !s.is_empty())
+        .ok_or_else(bad)?;
+    Ok(format!(
+        "{}{}{}",
+        &first[..open],
+        lowest,
+        &first[close + 1..]
+    ))
 }
 
 #[cfg(test)]
@@ -123,7 +186,10 @@ mod tests {
     use super::*;
 
     fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -139,21 +205,83 @@ mod tests {
     #[test]
     fn launchers_are_read_in_order() {
         assert_eq!(RankEnv::from_vars(&vars(&[])).unwrap(), RankEnv::single());
-        let torchrun = RankEnv::from_vars(&vars(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "h0"), ("MASTER_PORT", "1234")])).unwrap();
-        assert_eq!(torchrun, RankEnv { rank: 1, world: 4, local_rank: 1, master: Some(("h0".into(), 1234)), launcher: Launcher::Torchrun });
-        let slurm = RankEnv::from_vars(&vars(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4"), ("SLURM_LOCALID", "1"), ("SLURM_JOB_NODELIST", "n[4-5]")])).unwrap();
-        assert_eq!(slurm, RankEnv { rank: 3, world: 4, local_rank: 1, master: Some(("n4".into(), DEFAULT_MASTER_PORT)), launcher: Launcher::Slurm });
+        let torchrun = RankEnv::from_vars(&vars(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "h0"),
+            ("MASTER_PORT", "1234"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            torchrun,
+            RankEnv {
+                rank: 1,
+                world: 4,
+                local_rank: 1,
+                master: Some(("h0".into(), 1234)),
+                launcher: Launcher::Torchrun
+            }
+        );
+        let slurm = RankEnv::from_vars(&vars(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_JOB_NODELIST", "n[4-5]"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            slurm,
+            RankEnv {
+                rank: 3,
+                world: 4,
+                local_rank: 1,
+                master: Some(("n4".into(), DEFAULT_MASTER_PORT)),
+                launcher: Launcher::Slurm
+            }
+        );
         // mpirun inside a Slurm allocation: MPI's own numbering wins.
-        let mpi = RankEnv::from_vars(&vars(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")])).unwrap();
+        let mpi = RankEnv::from_vars(&vars(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+        ]))
+        .unwrap();
         assert_eq!((mpi.rank, mpi.world, mpi.launcher), (0, 2, Launcher::Mpi));
-        let pmix = RankEnv::from_vars(&vars(&[("PMIX_RANK", "1"), ("SLURM_NTASKS", "2"), ("SLURM_PROCID", "1"), ("SLURM_LOCALID", "1")])).unwrap();
-        assert_eq!((pmix.rank, pmix.world, pmix.local_rank, pmix.launcher), (1, 2, 1, Launcher::Mpi));
+        let pmix = RankEnv::from_vars(&vars(&[
+            ("PMIX_RANK", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_LOCALID", "1"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (pmix.rank, pmix.world, pmix.local_rank, pmix.launcher),
+            (1, 2, 1, Launcher::Mpi)
+        );
     }
 
     #[test]
     fn inconsistent_environments_are_refused_with_the_variable() {
-        assert!(RankEnv::from_vars(&vars(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err().contains("rank 2 of a world of 2"));
-        assert!(RankEnv::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err().contains("RANK=\"x\""));
-        assert!(RankEnv::from_vars(&vars(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "http")])).unwrap_err().contains("MASTER_PORT"));
+        assert!(
+            RankEnv::from_vars(&vars(&[("RANK", "2"), ("WORLD_SIZE", "2")]))
+                .unwrap_err()
+                .contains("rank 2 of a world of 2")
+        );
+        assert!(
+            RankEnv::from_vars(&vars(&[("RANK", "x"), ("WORLD_SIZE", "2")]))
+                .unwrap_err()
+                .contains("RANK=\"x\"")
+        );
+        assert!(
+            RankEnv::from_vars(&vars(&[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_PORT", "http")
+            ]))
+            .unwrap_err()
+            .contains("MASTER_PORT")
+        );
     }
 }

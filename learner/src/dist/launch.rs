@@ -48,12 +48,17 @@ impl LaunchSpec {
 /// CNI give theirs): Open MPI's TCP transports try every interface, and a rank that reaches for a
 /// peer through a bridge such as `docker0` waits for ever.
 pub fn bridges() -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir("/sys/class/net") else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir("/sys/class/net") else {
+        return Vec::new();
+    };
     let mut out: Vec<String> = entries
         .filter_map(|e| e.ok())
         .filter(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
-            e.path().join("bridge").is_dir() || ["docker", "virbr", "cni", "br-"].iter().any(|p| name.starts_with(p))
+            e.path().join("bridge").is_dir()
+                || ["docker", "virbr", "cni", "br-"]
+                    .iter()
+                    .any(|p| name.starts_with(p))
         })
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
@@ -72,7 +77,10 @@ pub fn mpi_network_args(interface: Option<&str>, bridges: &[String]) -> Vec<Stri
             mca("oob_tcp_if_include", i.to_string());
         }
         None if !bridges.is_empty() => {
-            mca("btl_tcp_if_exclude", format!("127.0.0.1/8,sppp,{}", bridges.join(",")));
+            mca(
+                "btl_tcp_if_exclude",
+                format!("127.0.0.1/8,sppp,{}", bridges.join(",")),
+            );
             mca("oob_tcp_if_exclude", bridges.join(","));
         }
         None => {}
@@ -86,7 +94,12 @@ pub fn mpi_network_args(interface: Option<&str>, bridges: &[String]) -> Vec<Stri
 /// which would find the same device behind both). Variables the user set are kept.
 pub fn one_gpu_test_env(rank: usize) -> Vec<(&'static str, String)> {
     let mut env = vec![("NCCL_HOSTID", format!("cotrain-one-gpu-test-rank{rank}"))];
-    for (key, value) in [("NCCL_SOCKET_IFNAME", "lo"), ("NCCL_IB_DISABLE", "1"), ("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")] {
+    for (key, value) in [
+        ("NCCL_SOCKET_IFNAME", "lo"),
+        ("NCCL_IB_DISABLE", "1"),
+        ("NCCL_P2P_DISABLE", "1"),
+        ("NCCL_SHM_DISABLE", "1"),
+    ] {
         if std::env::var_os(key).is_none() {
             env.push((key, value.to_string()));
         }
@@ -100,7 +113,9 @@ pub fn launch(spec: &LaunchSpec) -> anyhow::Result<()> {
         bail!("--nproc-per-node must be at least 1");
     }
     if spec.args.first().map(String::as_str) != Some("train") {
-        bail!("learner launch runs `train`: give `learner launch --nproc-per-node N -- train --config FILE [...]`");
+        bail!(
+            "learner launch runs `train`: give `learner launch --nproc-per-node N -- train --config FILE [...]`"
+        );
     }
     let exe = std::env::current_exe().context("locating the learner binary")?;
     let backend = match spec.backend {
@@ -126,10 +141,21 @@ pub fn mpirun_command(spec: &LaunchSpec, exe: &std::path::Path, as_root: bool) -
         cmd.arg("--allow-run-as-root");
     }
     // Shared-memory transport without the ptrace-based single copy, which containers often forbid.
-    cmd.args(["--mca", "btl", "self,vader", "--mca", "btl_vader_single_copy_mechanism", "none"]);
-    cmd.args(mpi_network_args(spec.network_interface.as_deref(), &bridges()));
+    cmd.args([
+        "--mca",
+        "btl",
+        "self,vader",
+        "--mca",
+        "btl_vader_single_copy_mechanism",
+        "none",
+    ]);
+    cmd.args(mpi_network_args(
+        spec.network_interface.as_deref(),
+        &bridges(),
+    ));
     if let Some(file) = &spec.token_file {
-        cmd.env(cotrain_proto::auth::TOKEN_FILE_ENV, file).args(["-x", cotrain_proto::auth::TOKEN_FILE_ENV]);
+        cmd.env(cotrain_proto::auth::TOKEN_FILE_ENV, file)
+            .args(["-x", cotrain_proto::auth::TOKEN_FILE_ENV]);
     }
     cmd.arg(exe).args(spec.rank_args());
     cmd
@@ -139,7 +165,12 @@ fn is_root() -> bool {
     // The effective uid from /proc, without a libc dependency.
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).and_then(|l| l.split_whitespace().nth(2)).map(|u| u == "0"))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2))
+                .map(|u| u == "0")
+        })
         .unwrap_or(false)
 }
 
@@ -149,13 +180,17 @@ fn launch_mpi(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Result<()> {
         anyhow::anyhow!("cannot start `mpirun` ({e}): the MPI backend needs Open MPI (Debian: apt-get install openmpi-bin; `make setup` installs it)")
     })?;
     if !status.success() {
-        bail!("the learner job failed ({status}); mpirun's report above names the rank that failed");
+        bail!(
+            "the learner job failed ({status}); mpirun's report above names the rank that failed"
+        );
     }
     Ok(())
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 fn launch_torchrun_style(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Result<()> {
@@ -164,10 +199,17 @@ fn launch_torchrun_style(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Re
         None => free_port()?,
     };
     if spec.nccl_one_gpu_test {
-        tracing::warn!("--nccl-one-gpu-test: {} NCCL ranks share one GPU over loopback sockets (tests only)", spec.nproc);
+        tracing::warn!(
+            "--nccl-one-gpu-test: {} NCCL ranks share one GPU over loopback sockets (tests only)",
+            spec.nproc
+        );
     }
     let mut children = spawn_ranks(spec.nproc, |rank| {
-        let mut one_gpu = if spec.nccl_one_gpu_test { one_gpu_test_env(rank) } else { Vec::new() };
+        let mut one_gpu = if spec.nccl_one_gpu_test {
+            one_gpu_test_env(rank)
+        } else {
+            Vec::new()
+        };
         if let Some(i) = &spec.network_interface {
             one_gpu.retain(|(k, _)| *k != "NCCL_SOCKET_IFNAME");
             one_gpu.push(("NCCL_SOCKET_IFNAME", i.clone()));
@@ -181,20 +223,29 @@ fn launch_torchrun_style(spec: &LaunchSpec, exe: &std::path::Path) -> anyhow::Re
             .env("LOCAL_WORLD_SIZE", spec.nproc.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
-            .envs(spec.token_file.iter().map(|f| (cotrain_proto::auth::TOKEN_FILE_ENV, f)))
+            .envs(
+                spec.token_file
+                    .iter()
+                    .map(|f| (cotrain_proto::auth::TOKEN_FILE_ENV, f)),
+            )
             .spawn()
     })?;
     let failed = supervise(&mut children)?;
     match failed {
         None => Ok(()),
-        Some((rank, status)) => bail!("rank {rank} failed ({status}); the other ranks were stopped. Its error is in the output above."),
+        Some((rank, status)) => bail!(
+            "rank {rank} failed ({status}); the other ranks were stopped. Its error is in the output above."
+        ),
     }
 }
 
 /// Starts ranks `0..nproc` with `spawn`. When one cannot start, the ranks already started are
 /// killed and reaped before the error returns: they would otherwise wait at the rendezvous for a
 /// rank that never comes, outliving the launcher.
-fn spawn_ranks(nproc: usize, mut spawn: impl FnMut(usize) -> std::io::Result<Child>) -> anyhow::Result<Vec<Child>> {
+fn spawn_ranks(
+    nproc: usize,
+    mut spawn: impl FnMut(usize) -> std::io::Result<Child>,
+) -> anyhow::Result<Vec<Child>> {
     let mut children: Vec<Child> = Vec::with_capacity(nproc);
     for rank in 0..nproc {
         match spawn(rank) {
@@ -204,7 +255,10 @@ fn spawn_ranks(nproc: usize, mut spawn: impl FnMut(usize) -> std::io::Result<Chi
                     let _ = child.kill();
                     let _ = child.wait();
                 }
-                return Err(anyhow::Error::new(e).context(format!("starting rank {rank} (the {} ranks already started were stopped)", children.len())));
+                return Err(anyhow::Error::new(e).context(format!(
+                    "starting rank {rank} (the {} ranks already started were stopped)",
+                    children.len()
+                )));
             }
         }
     }
@@ -245,19 +299,46 @@ mod tests {
     fn the_ranks_network_is_the_named_interface_or_everything_but_the_bridges() {
         let bridges = vec!["docker0".to_string(), "virbr0".to_string()];
         let named = mpi_network_args(Some("eth1"), &bridges).join(" ");
-        assert_eq!(named, "--mca btl_tcp_if_include eth1 --mca oob_tcp_if_include eth1");
+        assert_eq!(
+            named,
+            "--mca btl_tcp_if_include eth1 --mca oob_tcp_if_include eth1"
+        );
         let default = mpi_network_args(None, &bridges).join(" ");
-        assert_eq!(default, "--mca btl_tcp_if_exclude 127.0.0.1/8,sppp,docker0,virbr0 --mca oob_tcp_if_exclude docker0,virbr0");
-        assert!(mpi_network_args(None, &[]).is_empty(), "no bridge: Open MPI's own defaults");
-        let spec = LaunchSpec { nproc: 2, backend: DistBackend::Mpi, master_port: None, args: vec!["train".into(), "--config".into(), "c.yaml".into()], token_file: None,
-            nccl_one_gpu_test: false, network_interface: Some("eth1".into()), global_flags: vec!["--insecure".into()] };
+        assert_eq!(
+            default,
+            "--mca btl_tcp_if_exclude 127.0.0.1/8,sppp,docker0,virbr0 --mca oob_tcp_if_exclude docker0,virbr0"
+        );
+        assert!(
+            mpi_network_args(None, &[]).is_empty(),
+            "no bridge: Open MPI's own defaults"
+        );
+        let spec = LaunchSpec {
+            nproc: 2,
+            backend: DistBackend::Mpi,
+            master_port: None,
+            args: vec!["train".into(), "--config".into(), "c.yaml".into()],
+            token_file: None,
+            nccl_one_gpu_test: false,
+            network_interface: Some("eth1".into()),
+            global_flags: vec!["--insecure".into()],
+        };
         let cmd = mpirun_command(&spec, std::path::Path::new("/bin/learner"), false);
-        let args: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
-        assert!(args.join(" ").contains("--mca btl_tcp_if_include eth1 --mca oob_tcp_if_include eth1"), "{args:?}");
+        let args: Vec<String> = cmd
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            args.join(" ")
+                .contains("--mca btl_tcp_if_include eth1 --mca oob_tcp_if_include eth1"),
+            "{args:?}"
+        );
         // `learner --insecure launch ... -- train ...`: every rank gets --insecure too.
-        assert!(args.join(" ").ends_with("/bin/learner train --insecure --config c.yaml"), "{args:?}");
+        assert!(
+            args.join(" ")
+                .ends_with("/bin/learner train --insecure --config c.yaml"),
+            "{args:?}"
+        );
     }
-
 
     /// Regression: a rank that cannot start (here a missing program) left the ranks started before
     /// it running, unwaited, after `learner launch` returned the error.
@@ -274,11 +355,18 @@ mod tests {
         })
         .unwrap_err();
         let message = format!("{err:#}");
-        assert!(message.contains("starting rank 2") && message.contains("2 ranks already started were stopped"), "{message}");
+        assert!(
+            message.contains("starting rank 2")
+                && message.contains("2 ranks already started were stopped"),
+            "{message}"
+        );
         assert_eq!(started.len(), 2);
         for pid in started {
             // Killed and reaped: no process, not even a zombie, is left under that id.
-            assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "rank with pid {pid} outlived the failed launch");
+            assert!(
+                !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+                "rank with pid {pid} outlived the failed launch"
+            );
         }
     }
 }

@@ -63,8 +63,12 @@ pub trait Collective {
         let mut len = Tensor::from_slice(&[bytes.len() as i64]).to_device(self.device());
         self.broadcast(&mut len, root)?;
         let n = len.int64_value(&[0]) as usize;
-        let mut data = if self.rank() == root { Tensor::from_slice(bytes.as_slice()) } else { Tensor::zeros([n as i64], (Kind::Uint8, Device::Cpu)) }
-            .to_device(self.device());
+        let mut data = if self.rank() == root {
+            Tensor::from_slice(bytes.as_slice())
+        } else {
+            Tensor::zeros([n as i64], (Kind::Uint8, Device::Cpu))
+        }
+        .to_device(self.device());
         self.broadcast(&mut data, root)?;
         *bytes = tensor_bytes(&data.to_device(Device::Cpu));
         Ok(())
@@ -75,13 +79,23 @@ pub trait Collective {
         if self.world() == 1 {
             return Ok(vec![mine.to_vec()]);
         }
-        let lens = self.all_gather(&Tensor::from_slice(&[mine.len() as i64]).to_device(self.device()))?.to_device(Device::Cpu);
-        let lens: Vec<usize> = (0..self.world()).map(|r| lens.int64_value(&[r as i64, 0]) as usize).collect();
+        let lens = self
+            .all_gather(&Tensor::from_slice(&[mine.len() as i64]).to_device(self.device()))?
+            .to_device(Device::Cpu);
+        let lens: Vec<usize> = (0..self.world())
+            .map(|r| lens.int64_value(&[r as i64, 0]) as usize)
+            .collect();
         let width = lens.iter().copied().max().unwrap_or(0);
         let mut padded = mine.to_vec();
         padded.resize(width, 0);
-        let all = self.all_gather(&Tensor::from_slice(&padded).to_device(self.device()))?.to_device(Device::Cpu);
-        Ok(lens.iter().enumerate().map(|(r, &n)| tensor_bytes(&all.get(r as i64).narrow(0, 0, n as i64))).collect())
+        let all = self
+            .all_gather(&Tensor::from_slice(&padded).to_device(self.device()))?
+            .to_device(Device::Cpu);
+        Ok(lens
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| tensor_bytes(&all.get(r as i64).narrow(0, 0, n as i64)))
+            .collect())
     }
 
     /// Waits for every rank.
@@ -177,11 +191,18 @@ impl Collective for Shared {
 /// wait in their next collective for this one. A failed rank of several therefore leaves without
 /// it (the error goes back to `main`, which prints it and exits non-zero), and the launcher, seeing
 /// a rank exit without finalising, stops the others.
-pub fn run_ranked<T, E>(dist: Box<dyn Collective>, job: impl FnOnce(Box<dyn Collective>) -> Result<T, E>) -> Result<T, E> {
+pub fn run_ranked<T, E>(
+    dist: Box<dyn Collective>,
+    job: impl FnOnce(Box<dyn Collective>) -> Result<T, E>,
+) -> Result<T, E> {
     let dist: std::rc::Rc<dyn Collective> = std::rc::Rc::from(dist);
     let result = job(Box::new(Shared(dist.clone())));
     if result.is_err() && dist.world() > 1 {
-        tracing::error!(rank = dist.rank(), world = dist.world(), "this rank failed: it leaves the job without finalising MPI, so that the launcher stops the other ranks");
+        tracing::error!(
+            rank = dist.rank(),
+            world = dist.world(),
+            "this rank failed: it leaves the job without finalising MPI, so that the launcher stops the other ranks"
+        );
         std::mem::forget(dist);
     }
     result
@@ -195,7 +216,11 @@ pub fn init(backend: DistBackend, device: Device) -> Result<Box<dyn Collective>,
 
 /// As [`init`], with every collective of several ranks bounded by `timeout`
 /// (`learner.collective_timeout_secs`; see [`watchdog`]).
-pub fn init_with_timeout(backend: DistBackend, device: Device, timeout: Option<std::time::Duration>) -> Result<Box<dyn Collective>, DistError> {
+pub fn init_with_timeout(
+    backend: DistBackend,
+    device: Device,
+    timeout: Option<std::time::Duration>,
+) -> Result<Box<dyn Collective>, DistError> {
     let inner = init_backend(backend, device)?;
     Ok(match timeout {
         Some(t) if inner.world() > 1 => Box::new(watchdog::Watched::new(inner, t)),
@@ -235,7 +260,10 @@ fn init_mpi(env: &RankEnv) -> Result<Box<dyn Collective>, DistError> {
 
 #[cfg(not(feature = "mpi"))]
 fn init_mpi(env: &RankEnv) -> Result<Box<dyn Collective>, DistError> {
-    Err(DistError(format!("{} ranks need the MPI backend, and this learner was built without the `mpi` feature", env.world)))
+    Err(DistError(format!(
+        "{} ranks need the MPI backend, and this learner was built without the `mpi` feature",
+        env.world
+    )))
 }
 
 #[cfg(feature = "cuda")]
@@ -259,22 +287,39 @@ pub fn all_reduce_grads(coll: &dyn Collective, params: &[Tensor]) -> Result<(), 
     if coll.world() == 1 {
         return Ok(());
     }
-    let has: Vec<f64> = params.iter().map(|p| p.grad().defined() as u8 as f64).collect();
+    let has: Vec<f64> = params
+        .iter()
+        .map(|p| p.grad().defined() as u8 as f64)
+        .collect();
     let any = coll.sum_f64(&has)?;
-    let used: Vec<Tensor> = params.iter().zip(&any).filter(|(_, n)| **n > 0.0).map(|(p, _)| p.shallow_clone()).collect();
+    let used: Vec<Tensor> = params
+        .iter()
+        .zip(&any)
+        .filter(|(_, n)| **n > 0.0)
+        .map(|(p, _)| p.shallow_clone())
+        .collect();
     all_reduce_grads_bucketed(coll, &used, DEFAULT_BUCKET_BYTES)
 }
 
 /// Copies rank `root`'s values of `tensors` into every rank's (weights, optimiser moments).
-pub fn broadcast_tensors(coll: &dyn Collective, tensors: &[Tensor], root: usize) -> Result<(), DistError> {
+pub fn broadcast_tensors(
+    coll: &dyn Collective,
+    tensors: &[Tensor],
+    root: usize,
+) -> Result<(), DistError> {
     if coll.world() == 1 {
         return Ok(());
     }
     tch::no_grad(|| {
         for t in tensors {
-            let mut buf = t.detach().to_kind(Kind::Float).to_device(coll.device()).contiguous();
+            let mut buf = t
+                .detach()
+                .to_kind(Kind::Float)
+                .to_device(coll.device())
+                .contiguous();
             coll.broadcast(&mut buf, root)?;
-            t.detach().copy_(&buf.to_device(t.device()).to_kind(t.kind()));
+            t.detach()
+                .copy_(&buf.to_device(t.device()).to_kind(t.kind()));
         }
         Ok(())
     })
@@ -292,12 +337,20 @@ pub fn check_same(coll: &dyn Collective, what: &str, tensors: &[Tensor]) -> Resu
         sum += d.sum(Kind::Double).double_value(&[]);
         sq += (&d * &d).sum(Kind::Double).double_value(&[]);
     }
-    let all = coll.all_gather(&Tensor::from_slice(&[sum, sq]).to_device(coll.device()))?.to_device(Device::Cpu);
+    let all = coll
+        .all_gather(&Tensor::from_slice(&[sum, sq]).to_device(coll.device()))?
+        .to_device(Device::Cpu);
     let at = |r: usize, k: usize| all.double_value(&[r as i64, k as i64]);
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1e-12);
     let differ: Vec<String> = (1..coll.world())
         .filter(|&r| !(close(at(r, 0), at(0, 0)) && close(at(r, 1), at(0, 1))))
-        .map(|r| format!("rank {r} (sum {:.9e}, sum of squares {:.9e})", at(r, 0), at(r, 1)))
+        .map(|r| {
+            format!(
+                "rank {r} (sum {:.9e}, sum of squares {:.9e})",
+                at(r, 0),
+                at(r, 1)
+            )
+        })
         .collect();
     if differ.is_empty() {
         Ok(())
@@ -319,7 +372,10 @@ impl From<DistError> for crate::error::TrainError {
 }
 
 /// The run directory every rank writes to: rank 0's (its name may carry a time stamp).
-pub fn shared_run_dir(dist: &dyn Collective, run_dir: std::path::PathBuf) -> Result<std::path::PathBuf, crate::error::TrainError> {
+pub fn shared_run_dir(
+    dist: &dyn Collective,
+    run_dir: std::path::PathBuf,
+) -> Result<std::path::PathBuf, crate::error::TrainError> {
     if dist.world() == 1 {
         return Ok(run_dir);
     }
@@ -332,5 +388,9 @@ pub fn shared_run_dir(dist: &dyn Collective, run_dir: std::path::PathBuf) -> Res
 
 /// The rows of a step that rank `rank` of `world` rolls out and trains on: every world-th.
 pub fn rank_share(rows: &[usize], rank: usize, world: usize) -> Vec<usize> {
-    rows.iter().copied().skip(rank).step_by(world.max(1)).collect()
+    rows.iter()
+        .copied()
+        .skip(rank)
+        .step_by(world.max(1))
+        .collect()
 }

@@ -25,7 +25,8 @@ pub struct MpiCollective {
 
 impl MpiCollective {
     pub fn init(env: &RankEnv) -> Result<Self, DistError> {
-        let universe = mpi::initialize().ok_or_else(|| DistError("MPI was already initialised in this process".into()))?;
+        let universe = mpi::initialize()
+            .ok_or_else(|| DistError("MPI was already initialised in this process".into()))?;
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         if (rank, size) != (env.rank, env.world) {
@@ -34,13 +35,19 @@ impl MpiCollective {
                 env.rank, env.world
             )));
         }
-        Ok(Self { world, _universe: universe })
+        Ok(Self {
+            world,
+            _universe: universe,
+        })
     }
 }
 
 fn check_cpu(t: &Tensor) -> Result<(), DistError> {
     if t.device() != Device::Cpu || !t.is_contiguous() {
-        return Err(DistError(format!("the MPI backend reduces contiguous CPU tensors, got one on {:?}", t.device())));
+        return Err(DistError(format!(
+            "the MPI backend reduces contiguous CPU tensors, got one on {:?}",
+            t.device()
+        )));
     }
     Ok(())
 }
@@ -61,7 +68,8 @@ impl MpiCollective {
         for r in chunks(buf.len(), max) {
             send.clear();
             send.extend_from_slice(&buf[r.clone()]);
-            self.world.all_reduce_into(&send[..], &mut buf[r], SystemOperation::sum());
+            self.world
+                .all_reduce_into(&send[..], &mut buf[r], SystemOperation::sum());
         }
     }
 
@@ -94,7 +102,11 @@ impl Collective for MpiCollective {
             Kind::Float => self.all_reduce_slice(slice_mut::<f32>(t)),
             Kind::Double => self.all_reduce_slice(slice_mut::<f64>(t)),
             Kind::Int64 => self.all_reduce_slice(slice_mut::<i64>(t)),
-            k => return Err(DistError(format!("the MPI backend sums f32, f64 and i64 tensors, got {k:?}"))),
+            k => {
+                return Err(DistError(format!(
+                    "the MPI backend sums f32, f64 and i64 tensors, got {k:?}"
+                )));
+            }
         }
         Ok(())
     }
@@ -106,7 +118,11 @@ impl Collective for MpiCollective {
             Kind::Double => self.broadcast_slice(slice_mut::<f64>(t), root),
             Kind::Int64 => self.broadcast_slice(slice_mut::<i64>(t), root),
             Kind::Uint8 => self.broadcast_slice(slice_mut::<u8>(t), root),
-            k => return Err(DistError(format!("the MPI backend broadcasts f32, f64, i64 and u8 tensors, got {k:?}"))),
+            k => {
+                return Err(DistError(format!(
+                    "the MPI backend broadcasts f32, f64, i64 and u8 tensors, got {k:?}"
+                )));
+            }
         }
         Ok(())
     }
@@ -126,11 +142,23 @@ impl Collective for MpiCollective {
         }
         let mut out = Tensor::zeros(size.as_slice(), (t.kind(), Device::Cpu));
         match t.kind() {
-            Kind::Float => self.world.all_gather_into(&slice_mut::<f32>(&mut t)[..], slice_mut::<f32>(&mut out)),
-            Kind::Double => self.world.all_gather_into(&slice_mut::<f64>(&mut t)[..], slice_mut::<f64>(&mut out)),
-            Kind::Int64 => self.world.all_gather_into(&slice_mut::<i64>(&mut t)[..], slice_mut::<i64>(&mut out)),
-            Kind::Uint8 => self.world.all_gather_into(&slice_mut::<u8>(&mut t)[..], slice_mut::<u8>(&mut out)),
-            k => return Err(DistError(format!("the MPI backend gathers f32, f64, i64 and u8 tensors, got {k:?}"))),
+            Kind::Float => self
+                .world
+                .all_gather_into(&slice_mut::<f32>(&mut t)[..], slice_mut::<f32>(&mut out)),
+            Kind::Double => self
+                .world
+                .all_gather_into(&slice_mut::<f64>(&mut t)[..], slice_mut::<f64>(&mut out)),
+            Kind::Int64 => self
+                .world
+                .all_gather_into(&slice_mut::<i64>(&mut t)[..], slice_mut::<i64>(&mut out)),
+            Kind::Uint8 => self
+                .world
+                .all_gather_into(&slice_mut::<u8>(&mut t)[..], slice_mut::<u8>(&mut out)),
+            k => {
+                return Err(DistError(format!(
+                    "the MPI backend gathers f32, f64, i64 and u8 tensors, got {k:?}"
+                )));
+            }
         }
         Ok(out)
     }

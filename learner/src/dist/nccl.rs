@@ -29,7 +29,9 @@ fn err(e: impl std::fmt::Debug) -> DistError {
 fn check_nccl_loadable() -> Result<(), DistError> {
     let names = cudarc::get_lib_name_candidates("nccl");
     for name in &names {
-        let Ok(c) = std::ffi::CString::new(name.as_str()) else { continue };
+        let Ok(c) = std::ffi::CString::new(name.as_str()) else {
+            continue;
+        };
         // SAFETY: a NUL-terminated name; the handle stays open (cudarc opens the same library).
         if !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY) }.is_null() {
             return Ok(());
@@ -37,7 +39,12 @@ fn check_nccl_loadable() -> Result<(), DistError> {
     }
     // libtorch_cuda needs libnccl.so.2, so with the CUDA backend loaded the file is known.
     let found = cotrain_model::cuda::loaded_library_dir("libnccl.so.2")
-        .map(|d| format!(" (this process has {} loaded)", d.join("libnccl.so.2").display()))
+        .map(|d| {
+            format!(
+                " (this process has {} loaded)",
+                d.join("libnccl.so.2").display()
+            )
+        })
         .unwrap_or_default();
     Err(DistError(format!(
         "NCCL not found under the names the NCCL backend loads ({}); pip's nvidia-nccl-cu13 ships only libnccl.so.2{found}: \
@@ -50,7 +57,9 @@ fn check_nccl_loadable() -> Result<(), DistError> {
 impl NcclCollective {
     pub fn init(env: &RankEnv, device: Device) -> Result<Self, DistError> {
         let Device::Cuda(ordinal) = device else {
-            return Err(DistError(format!("learner.backend nccl needs CUDA tensors, the learner's device is {device:?}")));
+            return Err(DistError(format!(
+                "learner.backend nccl needs CUDA tensors, the learner's device is {device:?}"
+            )));
         };
         check_nccl_loadable()?;
         let (addr, port) = env.master.clone().ok_or_else(|| {
@@ -67,13 +76,25 @@ impl NcclCollective {
         let ctx = CudaContext::new(ordinal).map_err(err)?;
         let stream = ctx.default_stream();
         let comm = Comm::from_rank(stream.clone(), env.rank, env.world, id).map_err(err)?;
-        Ok(Self { comm, stream, device })
+        Ok(Self {
+            comm,
+            stream,
+            device,
+        })
     }
 
     /// Runs `f` on `t`'s memory as a cudarc slice of `T`, synchronising torch before and NCCL after.
-    fn on_slice<T>(&self, t: &Tensor, f: impl FnOnce(&mut cudarc::driver::CudaSlice<T>) -> Result<(), DistError>) -> Result<(), DistError> {
+    fn on_slice<T>(
+        &self,
+        t: &Tensor,
+        f: impl FnOnce(&mut cudarc::driver::CudaSlice<T>) -> Result<(), DistError>,
+    ) -> Result<(), DistError> {
         if t.device() != self.device || !t.is_contiguous() {
-            return Err(DistError(format!("the NCCL backend works on contiguous tensors on {:?}, got one on {:?}", self.device, t.device())));
+            return Err(DistError(format!(
+                "the NCCL backend works on contiguous tensors on {:?}, got one on {:?}",
+                self.device,
+                t.device()
+            )));
         }
         tch::Cuda::synchronize(match self.device {
             Device::Cuda(i) => i as i64,
@@ -81,7 +102,10 @@ impl NcclCollective {
         });
         // SAFETY: `t` is a live contiguous allocation of `numel` elements of `T` on this device; the
         // slice is leaked back below, so cudarc never frees torch's memory.
-        let mut slice = unsafe { self.stream.upgrade_device_ptr::<T>(t.data_ptr() as u64, t.numel()) };
+        let mut slice = unsafe {
+            self.stream
+                .upgrade_device_ptr::<T>(t.data_ptr() as u64, t.numel())
+        };
         let out = f(&mut slice);
         slice.leak();
         self.stream.synchronize().map_err(err)?;
@@ -108,7 +132,9 @@ impl Collective for NcclCollective {
             ($ty:ty) => {
                 self.on_slice::<$ty>(t, |s| {
                     for r in chunks(s.len(), MAX_COUNT) {
-                        self.comm.all_reduce_in_place(&mut s.slice_mut(r), &ReduceOp::Sum).map_err(err)?;
+                        self.comm
+                            .all_reduce_in_place(&mut s.slice_mut(r), &ReduceOp::Sum)
+                            .map_err(err)?;
                     }
                     Ok(())
                 })
@@ -118,7 +144,9 @@ impl Collective for NcclCollective {
             Kind::Float => sum!(f32),
             Kind::Double => sum!(f64),
             Kind::Int64 => sum!(i64),
-            k => Err(DistError(format!("the NCCL backend sums f32, f64 and i64 tensors, got {k:?}"))),
+            k => Err(DistError(format!(
+                "the NCCL backend sums f32, f64 and i64 tensors, got {k:?}"
+            ))),
         }
     }
 
@@ -128,7 +156,9 @@ impl Collective for NcclCollective {
             ($ty:ty) => {
                 self.on_slice::<$ty>(t, |s| {
                     for r in chunks(s.len(), MAX_COUNT) {
-                        self.comm.broadcast_in_place(&mut s.slice_mut(r), root).map_err(err)?;
+                        self.comm
+                            .broadcast_in_place(&mut s.slice_mut(r), root)
+                            .map_err(err)?;
                     }
                     Ok(())
                 })
@@ -139,7 +169,9 @@ impl Collective for NcclCollective {
             Kind::Double => broadcast!(f64),
             Kind::Int64 => broadcast!(i64),
             Kind::Uint8 => broadcast!(u8),
-            k => Err(DistError(format!("the NCCL backend broadcasts f32, f64, i64 and u8 tensors, got {k:?}"))),
+            k => Err(DistError(format!(
+                "the NCCL backend broadcasts f32, f64, i64 and u8 tensors, got {k:?}"
+            ))),
         }
     }
 
@@ -150,12 +182,19 @@ impl Collective for NcclCollective {
         // Kept to MPI's limit too (gathers carry metadata), rather than trusting every NCCL
         // version with larger counts.
         if t.numel() > MAX_COUNT {
-            return Err(DistError(format!("an all-gather of {} elements per rank exceeds the count limit of {MAX_COUNT}", t.numel())));
+            return Err(DistError(format!(
+                "an all-gather of {} elements per rank exceeds the count limit of {MAX_COUNT}",
+                t.numel()
+            )));
         }
         let out = Tensor::zeros(size.as_slice(), (t.kind(), self.device));
         macro_rules! gather {
             ($ty:ty) => {
-                self.on_slice::<$ty>(&t, |src| self.on_slice::<$ty>(&out, |dst| self.comm.all_gather(src, dst).map(|_| ()).map_err(err)))
+                self.on_slice::<$ty>(&t, |src| {
+                    self.on_slice::<$ty>(&out, |dst| {
+                        self.comm.all_gather(src, dst).map(|_| ()).map_err(err)
+                    })
+                })
             };
         }
         match t.kind() {
@@ -163,7 +202,11 @@ impl Collective for NcclCollective {
             Kind::Double => gather!(f64),
             Kind::Int64 => gather!(i64),
             Kind::Uint8 => gather!(u8),
-            k => return Err(DistError(format!("the NCCL backend gathers f32, f64, i64 and u8 tensors, got {k:?}"))),
+            k => {
+                return Err(DistError(format!(
+                    "the NCCL backend gathers f32, f64, i64 and u8 tensors, got {k:?}"
+                )));
+            }
         }?;
         Ok(out)
     }

@@ -29,13 +29,24 @@ pub fn serve(addr: &str, port: u16, id: &[u8; 128], world: usize) -> Result<(), 
     serve_on(listener, id, world, WAIT)
 }
 
-fn serve_on(listener: TcpListener, id: &[u8; 128], world: usize, wait: Duration) -> Result<(), DistError> {
-    let (addr, port) = listener.local_addr().map(|a| (a.ip().to_string(), a.port())).map_err(|e| DistError(e.to_string()))?;
-    listener.set_nonblocking(true).map_err(|e| DistError(format!("{addr}:{port}: {e}")))?;
+fn serve_on(
+    listener: TcpListener,
+    id: &[u8; 128],
+    world: usize,
+    wait: Duration,
+) -> Result<(), DistError> {
+    let (addr, port) = listener
+        .local_addr()
+        .map(|a| (a.ip().to_string(), a.port()))
+        .map_err(|e| DistError(e.to_string()))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| DistError(format!("{addr}:{port}: {e}")))?;
     let start = Instant::now();
     let mut served = HashSet::new();
     // Greetings are read on threads of their own, so a connection that says nothing delays no rank.
-    let (greeted, greetings) = std::sync::mpsc::channel::<(std::net::SocketAddr, Result<(usize, TcpStream), String>)>();
+    let (greeted, greetings) =
+        std::sync::mpsc::channel::<(std::net::SocketAddr, Result<(usize, TcpStream), String>)>();
     let mut greeting_now = 0usize;
     while served.len() + 1 < world {
         let mut idle = true;
@@ -44,10 +55,16 @@ fn serve_on(listener: TcpListener, id: &[u8; 128], world: usize, wait: Duration)
             greeting_now -= 1;
             match result {
                 Ok((rank, mut s)) if served.insert(rank) => {
-                    s.write_all(id).map_err(|e| DistError(format!("sending the NCCL id to rank {rank}: {e}")))?;
+                    s.write_all(id).map_err(|e| {
+                        DistError(format!("sending the NCCL id to rank {rank}: {e}"))
+                    })?;
                 }
-                Ok((rank, _)) => tracing::warn!(%peer, rank, "a second connection claims a rank already served; ignored"),
-                Err(why) => tracing::warn!(%peer, why, "a connection to the NCCL rendezvous that is not a rank; ignored"),
+                Ok((rank, _)) => {
+                    tracing::warn!(%peer, rank, "a second connection claims a rank already served; ignored")
+                }
+                Err(why) => {
+                    tracing::warn!(%peer, why, "a connection to the NCCL rendezvous that is not a rank; ignored")
+                }
             }
         }
         match listener.accept() {
@@ -67,7 +84,9 @@ fn serve_on(listener: TcpListener, id: &[u8; 128], world: usize, wait: Duration)
         }
         if start.elapsed() > wait {
             let missing: Vec<usize> = (1..world).filter(|r| !served.contains(r)).collect();
-            return Err(DistError(format!("ranks {missing:?} did not reach rank 0 at {addr}:{port} (MASTER_ADDR:MASTER_PORT) within {wait:?}")));
+            return Err(DistError(format!(
+                "ranks {missing:?} did not reach rank 0 at {addr}:{port} (MASTER_ADDR:MASTER_PORT) within {wait:?}"
+            )));
         }
         if idle {
             std::thread::sleep(Duration::from_millis(20));
@@ -78,9 +97,12 @@ fn serve_on(listener: TcpListener, id: &[u8; 128], world: usize, wait: Duration)
 
 /// Reads an accepted connection's greeting: its rank, if it is one of 1..world.
 fn greeting(mut s: TcpStream, world: usize) -> Result<(usize, TcpStream), String> {
-    s.set_nonblocking(false).and_then(|_| s.set_read_timeout(Some(GREETING_WAIT))).map_err(|e| e.to_string())?;
+    s.set_nonblocking(false)
+        .and_then(|_| s.set_read_timeout(Some(GREETING_WAIT)))
+        .map_err(|e| e.to_string())?;
     let mut buf = [0u8; 20];
-    s.read_exact(&mut buf).map_err(|e| format!("no greeting: {e}"))?;
+    s.read_exact(&mut buf)
+        .map_err(|e| format!("no greeting: {e}"))?;
     if &buf[..16] != GREETING {
         return Err("wrong greeting".into());
     }
@@ -100,11 +122,17 @@ pub fn fetch(addr: &str, port: u16, rank: usize) -> Result<[u8; 128], DistError>
                 let mut hello = GREETING.to_vec();
                 hello.extend((rank as u32).to_le_bytes());
                 let mut id = [0u8; 128];
-                s.write_all(&hello).and_then(|_| s.read_exact(&mut id)).map_err(|e| DistError(format!("fetching the NCCL id from {addr}:{port}: {e}")))?;
+                s.write_all(&hello)
+                    .and_then(|_| s.read_exact(&mut id))
+                    .map_err(|e| {
+                        DistError(format!("fetching the NCCL id from {addr}:{port}: {e}"))
+                    })?;
                 return Ok(id);
             }
             Err(e) if start.elapsed() > WAIT => {
-                return Err(DistError(format!("rank 0 did not appear at {addr}:{port} (MASTER_ADDR:MASTER_PORT) within {WAIT:?}: {e}")));
+                return Err(DistError(format!(
+                    "rank 0 did not appear at {addr}:{port} (MASTER_ADDR:MASTER_PORT) within {WAIT:?}: {e}"
+                )));
             }
             Err(_) => std::thread::sleep(Duration::from_millis(200)),
         }
@@ -127,10 +155,21 @@ mod tests {
         let stray = TcpStream::connect(("127.0.0.1", port)).unwrap();
         (&stray).write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
         // Two that connect and say nothing at all: their greeting wait delays no rank.
-        let silent = [TcpStream::connect(("127.0.0.1", port)).unwrap(), TcpStream::connect(("127.0.0.1", port)).unwrap()];
+        let silent = [
+            TcpStream::connect(("127.0.0.1", port)).unwrap(),
+            TcpStream::connect(("127.0.0.1", port)).unwrap(),
+        ];
         let asked = Instant::now();
-        assert_eq!(fetch("127.0.0.1", port, 1).unwrap(), id, "rank 1 still gets the id");
-        assert!(asked.elapsed() < GREETING_WAIT, "rank 1 waited behind silent connections: {:?}", asked.elapsed());
+        assert_eq!(
+            fetch("127.0.0.1", port, 1).unwrap(),
+            id,
+            "rank 1 still gets the id"
+        );
+        assert!(
+            asked.elapsed() < GREETING_WAIT,
+            "rank 1 waited behind silent connections: {:?}",
+            asked.elapsed()
+        );
         drop(silent);
         // Rank 2 never comes.
         let e = server.join().unwrap().unwrap_err().to_string();

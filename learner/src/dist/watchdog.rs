@@ -44,7 +44,12 @@ impl Watched {
 fn watch(in_flight: Weak<InFlight>, timeout: Duration, rank: usize, world: usize, backend: &str) {
     let tick = (timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
     while let Some(slot) = in_flight.upgrade() {
-        let late = slot.lock().unwrap_or_else(|p| p.into_inner()).as_ref().filter(|(_, since)| since.elapsed() >= timeout).map(|(w, s)| (w.clone(), s.elapsed()));
+        let late = slot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .filter(|(_, since)| since.elapsed() >= timeout)
+            .map(|(w, s)| (w.clone(), s.elapsed()));
         drop(slot);
         if let Some((what, waited)) = late {
             let msg = format!(
@@ -79,13 +84,20 @@ impl Collective for Watched {
         self.inner.device()
     }
     fn all_reduce_sum(&self, t: &mut Tensor) -> Result<(), DistError> {
-        self.timed(format!("an all-reduce of {} elements", t.numel()), |c| c.all_reduce_sum(t))
+        self.timed(format!("an all-reduce of {} elements", t.numel()), |c| {
+            c.all_reduce_sum(t)
+        })
     }
     fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<(), DistError> {
-        self.timed(format!("a broadcast of {} elements from rank {root}", t.numel()), |c| c.broadcast(t, root))
+        self.timed(
+            format!("a broadcast of {} elements from rank {root}", t.numel()),
+            |c| c.broadcast(t, root),
+        )
     }
     fn all_gather(&self, t: &Tensor) -> Result<Tensor, DistError> {
-        self.timed(format!("an all-gather of {} elements", t.numel()), |c| c.all_gather(t))
+        self.timed(format!("an all-gather of {} elements", t.numel()), |c| {
+            c.all_gather(t)
+        })
     }
 }
 
@@ -134,12 +146,21 @@ mod tests {
         }
         let exe = std::env::current_exe().unwrap();
         let out = std::process::Command::new(exe)
-            .args(["--exact", "dist::watchdog::tests::a_collective_that_never_completes_stops_the_rank_by_name", "--nocapture"])
+            .args([
+                "--exact",
+                "dist::watchdog::tests::a_collective_that_never_completes_stops_the_rank_by_name",
+                "--nocapture",
+            ])
             .env("COTRAIN_WATCHDOG_CHILD", "1")
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(75), "{err}");
-        assert!(err.contains("learner rank 1 of 2 (stuck): an all-reduce of 3 elements did not complete") && err.contains("collective_timeout_secs"), "{err}");
+        assert!(
+            err.contains(
+                "learner rank 1 of 2 (stuck): an all-reduce of 3 elements did not complete"
+            ) && err.contains("collective_timeout_secs"),
+            "{err}"
+        );
     }
 }

@@ -101,11 +101,15 @@ impl ExpertClient {
             .map(str::trim)
             .filter(|u| !u.is_empty())
             .ok_or("external.expert_base_url is required for external.mode expert_edits")?;
-        let api_key = std::env::var(&ext.expert_api_key_env).ok().filter(|k| !k.is_empty());
+        let api_key = std::env::var(&ext.expert_api_key_env)
+            .ok()
+            .filter(|k| !k.is_empty());
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(ext.expert_timeout_secs))
             .build()
-            .map_err(|e| format!("external.expert_base_url `{base_url}`: cannot build the http client: {e}"))?;
+            .map_err(|e| {
+                format!("external.expert_base_url `{base_url}`: cannot build the http client: {e}")
+            })?;
         Ok(Self {
             runtime,
             http,
@@ -127,8 +131,12 @@ impl ExpertClient {
     /// Asks for edits for every request, at most [`MAX_IN_FLIGHT`] at a time; one result per request,
     /// in order. Never fails as a whole: a request that fails carries its reason in `failure`.
     pub fn edits_batch(&self, requests: &[ExpertRequest]) -> Vec<ExpertEdits> {
-        self.runtime
-            .block_on(futures::stream::iter(requests).map(|r| self.edits_one(r)).buffered(MAX_IN_FLIGHT).collect())
+        self.runtime.block_on(
+            futures::stream::iter(requests)
+                .map(|r| self.edits_one(r))
+                .buffered(MAX_IN_FLIGHT)
+                .collect(),
+        )
     }
 
     /// One request with its retries; warns and returns empty edits when the last attempt fails.
@@ -145,10 +153,24 @@ impl ExpertClient {
             match self.attempt(&body).await {
                 Ok((aux, main)) => {
                     // One agent has no helper to edit, whatever the expert wrote for it.
-                    let aux = if req.aux.is_some() { aux } else { String::new() };
-                    return ExpertEdits { aux, main, failure: None, attempts };
+                    let aux = if req.aux.is_some() {
+                        aux
+                    } else {
+                        String::new()
+                    };
+                    return ExpertEdits {
+                        aux,
+                        main,
+                        failure: None,
+                        attempts,
+                    };
                 }
-                Err(failure @ ExpertFailure { kind: FailureKind::Refused, .. }) => break failure,
+                Err(
+                    failure @ ExpertFailure {
+                        kind: FailureKind::Refused,
+                        ..
+                    },
+                ) => break failure,
                 Err(failure) if attempts >= self.max_attempts => break failure,
                 Err(ExpertFailure { reason, .. }) => {
                     let delay = self.backoff_base * 2u32.saturating_pow(attempts - 1);
@@ -158,7 +180,12 @@ impl ExpertClient {
             }
         };
         tracing::warn!(attempts, url = %self.url, reason = %failure.reason, kind = ?failure.kind, "expert gave no usable edits, the agents see none this turn");
-        ExpertEdits { aux: String::new(), main: String::new(), failure: Some(failure), attempts }
+        ExpertEdits {
+            aux: String::new(),
+            main: String::new(),
+            failure: Some(failure),
+            attempts,
+        }
     }
 
     /// The URL requests go to.
@@ -176,19 +203,51 @@ impl ExpertClient {
         }
         let response = request.send().await.map_err(|e| {
             let reason = format!("request to {} failed: {e}", self.url);
-            fail(if e.is_builder() { FailureKind::Refused } else { FailureKind::Unreachable }, reason)
+            fail(
+                if e.is_builder() {
+                    FailureKind::Refused
+                } else {
+                    FailureKind::Unreachable
+                },
+                reason,
+            )
         })?;
         let status = response.status();
-        let text = response.text().await.map_err(|e| fail(FailureKind::Unreachable, format!("reading the reply failed: {e}")))?;
+        let text = response.text().await.map_err(|e| {
+            fail(
+                FailureKind::Unreachable,
+                format!("reading the reply failed: {e}"),
+            )
+        })?;
         if !status.is_success() {
             let reason = format!("http {status}: {}", snippet(&text));
-            let transient = status == reqwest::StatusCode::TOO_MANY_REQUESTS || status.is_server_error();
-            return Err(fail(if transient { FailureKind::Unreachable } else { FailureKind::Refused }, reason));
+            let transient =
+                status == reqwest::StatusCode::TOO_MANY_REQUESTS || status.is_server_error();
+            return Err(fail(
+                if transient {
+                    FailureKind::Unreachable
+                } else {
+                    FailureKind::Refused
+                },
+                reason,
+            ));
         }
         let content = serde_json::from_str::<Value>(&text)
             .ok()
-            .and_then(|v| v.pointer("/choices/0/message/content").and_then(Value::as_str).map(str::to_string))
-            .ok_or_else(|| fail(FailureKind::Unusable, format!("no choices[0].message.content in the reply: {}", snippet(&text))))?;
+            .and_then(|v| {
+                v.pointer("/choices/0/message/content")
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            })
+            .ok_or_else(|| {
+                fail(
+                    FailureKind::Unusable,
+                    format!(
+                        "no choices[0].message.content in the reply: {}",
+                        snippet(&text)
+                    ),
+                )
+            })?;
         parse_edits(&content).map_err(|why| fail(FailureKind::Unusable, why))
     }
 }
@@ -218,7 +277,12 @@ fn snippet(text: &str) -> String {
 pub fn parse_edits(reply: &str) -> Result<(String, String), String> {
     let object = find_edits_object(reply)
         .or_else(|| find_edits_object(&escape_raw_controls(reply)))
-        .ok_or_else(|| format!("no JSON object with \"aux\" or \"main\" in the expert's reply: {}", snippet(reply)))?;
+        .ok_or_else(|| {
+            format!(
+                "no JSON object with \"aux\" or \"main\" in the expert's reply: {}",
+                snippet(reply)
+            )
+        })?;
     Ok((field(&object, "aux"), field(&object, "main")))
 }
 
@@ -227,8 +291,13 @@ pub fn parse_edits(reply: &str) -> Result<(String, String), String> {
 fn find_edits_object(text: &str) -> Option<Map<String, Value>> {
     text.match_indices('{').find_map(|(i, _)| {
         // The stream stops after the first value, so whatever follows the object is ignored.
-        match serde_json::Deserializer::from_str(&text[i..]).into_iter::<Value>().next() {
-            Some(Ok(Value::Object(map))) if map.contains_key("aux") || map.contains_key("main") => Some(map),
+        match serde_json::Deserializer::from_str(&text[i..])
+            .into_iter::<Value>()
+            .next()
+        {
+            Some(Ok(Value::Object(map))) if map.contains_key("aux") || map.contains_key("main") => {
+                Some(map)
+            }
             _ => None,
         }
     })
@@ -303,13 +372,20 @@ pub fn expert_messages(req: &ExpertRequest) -> Vec<serde_json::Value> {
             main = shown_code(&req.main),
         ),
     };
-    vec![json!({"role": "system", "content": system}), json!({"role": "user", "content": user})]
+    vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": user}),
+    ]
 }
 
 /// Code as shown to the expert; an agent that wrote nothing is said to have done so.
 fn shown_code(code: &str) -> &str {
     let code = code.trim_matches('\n');
-    if code.trim().is_empty() { "# (no code was written)" } else { code }
+    if code.trim().is_empty() {
+        "# (no code was written)"
+    } else {
+        code
+    }
 }
 
 #[cfg(test)]
@@ -339,25 +415,40 @@ mod tests {
     #[test]
     fn parse_edits_reads_fenced_json() {
         let reply = "```json\n{\"aux\": \"return x + 1\", \"main\": \"call aux(n) once\"}\n```";
-        assert_eq!(parse_edits(reply), Ok(("return x + 1".to_string(), "call aux(n) once".to_string())));
+        assert_eq!(
+            parse_edits(reply),
+            Ok(("return x + 1".to_string(), "call aux(n) once".to_string()))
+        );
     }
 
     #[test]
     fn parse_edits_skips_prose_around_the_object() {
         let reply = "Here are my edits {as requested}:\n{\"aux\": \"\", \"main\": \"use >= not >\"}\nHope this helps.";
-        assert_eq!(parse_edits(reply), Ok((String::new(), "use >= not >".to_string())));
+        assert_eq!(
+            parse_edits(reply),
+            Ok((String::new(), "use >= not >".to_string()))
+        );
     }
 
     #[test]
     fn parse_edits_tolerates_a_missing_field_and_non_strings() {
-        assert_eq!(parse_edits("{\"main\": \"fix the loop\"}"), Ok((String::new(), "fix the loop".to_string())));
-        assert_eq!(parse_edits("{\"aux\": [\"a\", 1], \"main\": null}"), Ok(("[\"a\",1]".to_string(), String::new())));
+        assert_eq!(
+            parse_edits("{\"main\": \"fix the loop\"}"),
+            Ok((String::new(), "fix the loop".to_string()))
+        );
+        assert_eq!(
+            parse_edits("{\"aux\": [\"a\", 1], \"main\": null}"),
+            Ok(("[\"a\",1]".to_string(), String::new()))
+        );
     }
 
     #[test]
     fn parse_edits_tolerates_raw_newlines_in_strings() {
         let reply = "{\"aux\": \"def aux(x):\n\treturn x\", \"main\": \"\"}";
-        assert_eq!(parse_edits(reply), Ok(("def aux(x):\n\treturn x".to_string(), String::new())));
+        assert_eq!(
+            parse_edits(reply),
+            Ok(("def aux(x):\n\treturn x".to_string(), String::new()))
+        );
     }
 
     #[test]
@@ -376,20 +467,37 @@ mod tests {
             main: "def total(xs):\n    return sum(xs)".into(),
         };
         let m = expert_messages(&two);
-        assert_eq!((m.len(), m[0]["role"].as_str(), m[1]["role"].as_str()), (2, Some("system"), Some("user")));
+        assert_eq!(
+            (m.len(), m[0]["role"].as_str(), m[1]["role"].as_str()),
+            (2, Some("system"), Some("user"))
+        );
         let user = m[1]["content"].as_str().unwrap();
-        assert!(user.contains("Sum a list.") && user.contains("def aux(x)") && user.contains("def total(xs)"));
+        assert!(
+            user.contains("Sum a list.")
+                && user.contains("def aux(x)")
+                && user.contains("def total(xs)")
+        );
         assert!(user.contains("\"aux\"") && user.contains("\"main\""));
 
         let one = ExpertRequest { aux: None, ..two };
-        let user = expert_messages(&one)[1]["content"].as_str().unwrap().to_string();
-        assert!(user.contains("def total(xs)") && user.contains("\"main\"") && !user.contains("\"aux\""));
+        let user = expert_messages(&one)[1]["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            user.contains("def total(xs)")
+                && user.contains("\"main\"")
+                && !user.contains("\"aux\"")
+        );
     }
 
     #[test]
     fn from_config_names_the_missing_key() {
         let rt = runtime();
-        let mut ext = ExternalConfig { expert_base_url: Some("http://127.0.0.1:1/v1".into()), ..Default::default() };
+        let mut ext = ExternalConfig {
+            expert_base_url: Some("http://127.0.0.1:1/v1".into()),
+            ..Default::default()
+        };
         let err = ExpertClient::from_config(&ext, rt.clone()).err().unwrap();
         assert!(err.contains("external.expert_model"), "{err}");
         ext.expert_model = Some("m".into());
@@ -397,7 +505,10 @@ mod tests {
         let err = ExpertClient::from_config(&ext, rt.clone()).err().unwrap();
         assert!(err.contains("external.expert_base_url"), "{err}");
         ext.expert_base_url = Some("http://127.0.0.1:1/v1/".into());
-        assert_eq!(ExpertClient::from_config(&ext, rt).unwrap().url, "http://127.0.0.1:1/v1/chat/completions");
+        assert_eq!(
+            ExpertClient::from_config(&ext, rt).unwrap().url,
+            "http://127.0.0.1:1/v1/chat/completions"
+        );
     }
 
     /// What the fake expert answers, attempt by attempt (the last one repeats), and what it saw.
@@ -408,23 +519,37 @@ mod tests {
     }
 
     fn chat_reply(content: &str) -> String {
-        json!({"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}).to_string()
+        json!({"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]})
+            .to_string()
     }
 
     fn runtime() -> Arc<Runtime> {
-        Arc::new(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap())
+        Arc::new(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap(),
+        )
     }
 
     /// Serves `script` on a loopback port; returns the base URL (`http://127.0.0.1:port/v1`).
     fn serve(rt: &Runtime, script: Arc<Script>) -> String {
         async fn chat(State(s): State<Arc<Script>>, headers: HeaderMap) -> (StatusCode, String) {
             let n = s.calls.fetch_add(1, Ordering::SeqCst);
-            let auth = headers.get("authorization").and_then(|v| v.to_str().ok()).map(str::to_string);
+            let auth = headers
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
             *s.authorization.lock().unwrap() = auth;
             s.replies[n.min(s.replies.len() - 1)].clone()
         }
-        let app = Router::new().route("/v1/chat/completions", post(chat)).with_state(script);
-        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let app = Router::new()
+            .route("/v1/chat/completions", post(chat))
+            .with_state(script);
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
         let addr = listener.local_addr().unwrap();
         rt.spawn(async move { axum::serve(listener, app).await });
         format!("http://{addr}/v1")
@@ -438,7 +563,9 @@ mod tests {
             expert_timeout_secs: 10,
             ..Default::default()
         };
-        ExpertClient::from_config(&ext, rt.clone()).unwrap().with_backoff_base(Duration::from_millis(10))
+        ExpertClient::from_config(&ext, rt.clone())
+            .unwrap()
+            .with_backoff_base(Duration::from_millis(10))
     }
 
     fn request(aux: Option<&str>) -> ExpertRequest {
@@ -451,7 +578,11 @@ mod tests {
     }
 
     fn script(replies: Vec<(StatusCode, String)>) -> Arc<Script> {
-        Arc::new(Script { replies, calls: AtomicUsize::new(0), authorization: Mutex::new(None) })
+        Arc::new(Script {
+            replies,
+            calls: AtomicUsize::new(0),
+            authorization: Mutex::new(None),
+        })
     }
 
     #[test]
@@ -459,12 +590,24 @@ mod tests {
         let rt = runtime();
         let s = script(vec![
             (StatusCode::INTERNAL_SERVER_ERROR, "overloaded".into()),
-            (StatusCode::OK, chat_reply("the aux is fine but {main is wrong")),
-            (StatusCode::OK, chat_reply("```json\n{\"aux\": \"\", \"main\": \"return 2 * n\"}\n```")),
+            (
+                StatusCode::OK,
+                chat_reply("the aux is fine but {main is wrong"),
+            ),
+            (
+                StatusCode::OK,
+                chat_reply("```json\n{\"aux\": \"\", \"main\": \"return 2 * n\"}\n```"),
+            ),
         ]);
         let url = serve(&rt, s.clone());
-        let edits = client(&rt, url, "COTRAIN_TEST_EXPERT_KEY_UNSET").edits_batch(&[request(Some("def aux(n):\n    return n"))]);
-        let want = ExpertEdits { aux: String::new(), main: "return 2 * n".into(), failure: None, attempts: 3 };
+        let edits = client(&rt, url, "COTRAIN_TEST_EXPERT_KEY_UNSET")
+            .edits_batch(&[request(Some("def aux(n):\n    return n"))]);
+        let want = ExpertEdits {
+            aux: String::new(),
+            main: "return 2 * n".into(),
+            failure: None,
+            attempts: 3,
+        };
         assert_eq!(edits, vec![want]);
         assert_eq!(*s.authorization.lock().unwrap(), None);
     }
@@ -474,12 +617,16 @@ mod tests {
         let rt = runtime();
         let s = script(vec![(StatusCode::SERVICE_UNAVAILABLE, "down".into())]);
         let url = serve(&rt, s.clone());
-        let edits = client(&rt, url, "COTRAIN_TEST_EXPERT_KEY_UNSET").edits_batch(&[request(None), request(None)]);
+        let edits = client(&rt, url, "COTRAIN_TEST_EXPERT_KEY_UNSET")
+            .edits_batch(&[request(None), request(None)]);
         assert_eq!(edits.len(), 2);
         for e in &edits {
             assert_eq!((e.aux.as_str(), e.main.as_str(), e.attempts), ("", "", 3));
             let f = e.failure.as_ref().unwrap();
-            assert!(f.reason.contains("503") && f.kind == FailureKind::Unreachable, "{f:?}");
+            assert!(
+                f.reason.contains("503") && f.kind == FailureKind::Unreachable,
+                "{f:?}"
+            );
         }
         assert_eq!(s.calls.load(Ordering::SeqCst), 6);
     }
@@ -491,7 +638,10 @@ mod tests {
         let url = serve(&rt, s.clone());
         let edits = client(&rt, url, "COTRAIN_TEST_EXPERT_KEY_UNSET").edits_batch(&[request(None)]);
         assert_eq!(edits[0].attempts, 3);
-        assert_eq!(edits[0].failure.as_ref().map(|f| f.kind), Some(FailureKind::Unusable));
+        assert_eq!(
+            edits[0].failure.as_ref().map(|f| f.kind),
+            Some(FailureKind::Unusable)
+        );
     }
 
     #[test]
@@ -502,7 +652,10 @@ mod tests {
         let edits = client(&rt, url, "COTRAIN_TEST_EXPERT_KEY_UNSET").edits_batch(&[request(None)]);
         assert_eq!(edits[0].attempts, 1);
         let f = edits[0].failure.as_ref().unwrap();
-        assert!(f.reason.contains("no such model") && f.kind == FailureKind::Refused, "{f:?}");
+        assert!(
+            f.reason.contains("no such model") && f.kind == FailureKind::Refused,
+            "{f:?}"
+        );
         assert_eq!(s.calls.load(Ordering::SeqCst), 1);
     }
 
@@ -510,23 +663,48 @@ mod tests {
     fn an_unreachable_expert_is_retried_then_given_up() {
         let rt = runtime();
         // A port that was just free: connecting to it is refused.
-        let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-        let edits = client(&rt, format!("http://{addr}/v1"), "COTRAIN_TEST_EXPERT_KEY_UNSET").edits_batch(&[request(None)]);
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let edits = client(
+            &rt,
+            format!("http://{addr}/v1"),
+            "COTRAIN_TEST_EXPERT_KEY_UNSET",
+        )
+        .edits_batch(&[request(None)]);
         assert_eq!(edits[0].attempts, 3);
-        assert_eq!(edits[0].failure.as_ref().map(|f| f.kind), Some(FailureKind::Unreachable));
+        assert_eq!(
+            edits[0].failure.as_ref().map(|f| f.kind),
+            Some(FailureKind::Unreachable)
+        );
     }
 
     #[test]
     fn edits_come_back_in_request_order() {
         let rt = runtime();
-        let s = script(vec![(StatusCode::OK, chat_reply("{\"aux\": \"aux edit\", \"main\": \"main edit\"}"))]);
+        let s = script(vec![(
+            StatusCode::OK,
+            chat_reply("{\"aux\": \"aux edit\", \"main\": \"main edit\"}"),
+        )]);
         let url = serve(&rt, s.clone());
-        let requests: Vec<_> = (0..20).map(|i| if i % 2 == 0 { request(Some("def aux(): pass")) } else { request(None) }).collect();
+        let requests: Vec<_> = (0..20)
+            .map(|i| {
+                if i % 2 == 0 {
+                    request(Some("def aux(): pass"))
+                } else {
+                    request(None)
+                }
+            })
+            .collect();
         let edits = client(&rt, url, "COTRAIN_TEST_EXPERT_KEY_UNSET").edits_batch(&requests);
         for (i, e) in edits.iter().enumerate() {
             // One agent has no helper, so its aux edit is dropped.
             let aux = if i % 2 == 0 { "aux edit" } else { "" };
-            assert_eq!((e.aux.as_str(), e.main.as_str(), e.attempts, &e.failure), (aux, "main edit", 1, &None));
+            assert_eq!(
+                (e.aux.as_str(), e.main.as_str(), e.attempts, &e.failure),
+                (aux, "main edit", 1, &None)
+            );
         }
     }
 
@@ -540,6 +718,9 @@ mod tests {
         let url = serve(&rt, s.clone());
         let edits = client(&rt, url, KEY_ENV).edits_batch(&[request(None)]);
         assert_eq!(edits[0].main, "ok");
-        assert_eq!(s.authorization.lock().unwrap().as_deref(), Some("Bearer sk-test"));
+        assert_eq!(
+            s.authorization.lock().unwrap().as_deref(),
+            Some("Bearer sk-test")
+        );
     }
 }

@@ -3,4 +3,7 @@
 
 pub mod expert;
 
-pub use expert::{ExpertClient, ExpertEdits, ExpertFailure, ExpertRequest, FailureKind, expert_messages, parse_edits};
+pub use expert::{
+    ExpertClient, ExpertEdits, ExpertFailure, ExpertRequest, FailureKind, expert_messages,
+    parse_edits,
+};

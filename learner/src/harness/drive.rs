@@ -33,7 +33,15 @@ pub fn drive(alg: &mut dyn Algorithm) -> Result<RunSummary, TrainError> {
     let schedule = alg.schedule();
     let root = alg.dist().is_root();
     alg.prepare()?;
-    let bar = if root { progress_bar(alg.config().raw.logging.progress, schedule.total_steps(), alg.cursor().step) } else { None };
+    let bar = if root {
+        progress_bar(
+            alg.config().raw.logging.progress,
+            schedule.total_steps(),
+            alg.cursor().step,
+        )
+    } else {
+        None
+    };
     // The control plane: status after every step, checkpoints and stops between steps (rank 0).
     // Every rank's process listens (a SIGTERM does not kill it at once): the other ranks stop when
     // rank 0 says so after the step.
@@ -57,7 +65,10 @@ pub fn drive(alg: &mut dyn Algorithm) -> Result<RunSummary, TrainError> {
     }
     let step = alg.cursor().step;
     if ended == Ended::Requested {
-        let reason = control.as_ref().and_then(|c| c.stop_reason()).unwrap_or_default();
+        let reason = control
+            .as_ref()
+            .and_then(|c| c.stop_reason())
+            .unwrap_or_default();
         info!(step, reason, run_dir = %alg.run_dir().display(),
             "stopped on request after a checkpoint; continue with `learner train --config ... --resume RUN_DIR`");
         return Ok(summary(alg, Vec::new(), Vec::new(), true));
@@ -89,7 +100,12 @@ pub fn drive(alg: &mut dyn Algorithm) -> Result<RunSummary, TrainError> {
     Ok(summary(alg, final_models, plots, false))
 }
 
-fn summary(alg: &dyn Algorithm, final_models: Vec<std::path::PathBuf>, plots: Vec<std::path::PathBuf>, stopped: bool) -> RunSummary {
+fn summary(
+    alg: &dyn Algorithm,
+    final_models: Vec<std::path::PathBuf>,
+    plots: Vec<std::path::PathBuf>,
+    stopped: bool,
+) -> RunSummary {
     RunSummary {
         run_dir: alg.run_dir().to_path_buf(),
         steps: alg.cursor().step,
@@ -104,7 +120,12 @@ fn summary(alg: &dyn Algorithm, final_models: Vec<std::path::PathBuf>, plots: Ve
 }
 
 /// The steps from the cursor on.
-fn run_steps(alg: &mut dyn Algorithm, s: &Schedule, control: Option<&ControlState>, bar: Option<&indicatif::ProgressBar>) -> Result<Ended, TrainError> {
+fn run_steps(
+    alg: &mut dyn Algorithm,
+    s: &Schedule,
+    control: Option<&ControlState>,
+    bar: Option<&indicatif::ProgressBar>,
+) -> Result<Ended, TrainError> {
     let root = alg.dist().is_root();
     loop {
         let at = alg.cursor();
@@ -120,8 +141,14 @@ fn run_steps(alg: &mut dyn Algorithm, s: &Schedule, control: Option<&ControlStat
         let after = s.advance(at);
         let step = (|| {
             // Rank 0 evaluates; the other ranks go on to their share of the step.
-            let eval = if root && s.eval_before(at) { Some(alg.scheduled_eval()?) } else { None };
-            let next = s.has_step(after).then(|| rows(&alg.epoch_order(after.epoch), s, after));
+            let eval = if root && s.eval_before(at) {
+                Some(alg.scheduled_eval()?)
+            } else {
+                None
+            };
+            let next = s
+                .has_step(after)
+                .then(|| rows(&alg.epoch_order(after.epoch), s, after));
             let mut values = alg.run_step(&this, next.as_deref())?;
             values.extend(eval.unwrap_or_default());
             Ok(values)
@@ -134,7 +161,11 @@ fn run_steps(alg: &mut dyn Algorithm, s: &Schedule, control: Option<&ControlStat
         // Rank 0 logs, reports and checkpoints, then tells every rank whether the job goes on,
         // stops on request, or stops because rank 0 failed (so that no rank waits in a collective
         // for a rank that has left).
-        let finished = if root { finish_step_on_root(alg, s, control, bar, &values, started) } else { Ok(false) };
+        let finished = if root {
+            finish_step_on_root(alg, s, control, bar, &values, started)
+        } else {
+            Ok(false)
+        };
         let code = match &finished {
             Ok(false) => GO_ON,
             Ok(true) => STOP_REQUESTED,
@@ -144,7 +175,12 @@ fn run_steps(alg: &mut dyn Algorithm, s: &Schedule, control: Option<&ControlStat
             (_, Err(e)) => return Err(e),
             (GO_ON, _) => {}
             (STOP_REQUESTED, _) => return Ok(Ended::Requested),
-            (_, _) => return Err(TrainError::Dist(format!("rank 0 failed after step {}; its log says why", after.step))),
+            (_, _) => {
+                return Err(TrainError::Dist(format!(
+                    "rank 0 failed after step {}; its log says why",
+                    after.step
+                )));
+            }
         }
     }
 }

@@ -58,7 +58,11 @@ impl Schedule {
     /// The cursor of a run that has done `step` steps.
     pub fn cursor_at(&self, step: u64) -> Cursor {
         let per_epoch = self.steps_per_epoch().max(1);
-        Cursor { step, epoch: step / per_epoch, position: (step % per_epoch) * self.batch }
+        Cursor {
+            step,
+            epoch: step / per_epoch,
+            position: (step % per_epoch) * self.batch,
+        }
     }
 
     /// Whether the run has steps left at `c`.
@@ -75,9 +79,17 @@ impl Schedule {
     pub fn advance(&self, c: Cursor) -> Cursor {
         let end = self.step_end(c);
         if end >= self.items {
-            Cursor { step: c.step + 1, epoch: c.epoch + 1, position: 0 }
+            Cursor {
+                step: c.step + 1,
+                epoch: c.epoch + 1,
+                position: 0,
+            }
         } else {
-            Cursor { step: c.step + 1, epoch: c.epoch, position: end }
+            Cursor {
+                step: c.step + 1,
+                epoch: c.epoch,
+                position: end,
+            }
         }
     }
 
@@ -133,7 +145,10 @@ mod tests {
         let due: Vec<u64> = (0..10).filter(|&i| eval_due(4, i, i + 1)).collect();
         assert_eq!(due, vec![0, 4, 8]);
         // Three items per step: steps [0,3) [3,6) [6,9) [9,10) → the first three contain 0, 4, 8.
-        let steps: Vec<bool> = [(0, 3), (3, 6), (6, 9), (9, 10)].iter().map(|&(a, b)| eval_due(4, a, b)).collect();
+        let steps: Vec<bool> = [(0, 3), (3, 6), (6, 9), (9, 10)]
+            .iter()
+            .map(|&(a, b)| eval_due(4, a, b))
+            .collect();
         assert_eq!(steps, vec![true, true, true, false]);
         assert!(!eval_due(0, 0, 10));
     }
@@ -148,20 +163,36 @@ mod tests {
             assert_eq!(s.cursor_at(c.step), c, "a resumed run finds the same place");
             c = s.advance(c);
         }
-        assert_eq!(seen, vec![(0, 0, 3), (0, 3, 6), (0, 6, 7), (1, 0, 3), (1, 3, 6), (1, 6, 7)]);
+        assert_eq!(
+            seen,
+            vec![
+                (0, 0, 3),
+                (0, 3, 6),
+                (0, 6, 7),
+                (1, 0, 3),
+                (1, 3, 6),
+                (1, 6, 7)
+            ]
+        );
         assert_eq!(c.step, s.total_steps());
     }
 
     #[test]
     fn a_stop_after_steps_ends_the_run_early() {
-        let s = Schedule { stop_after_steps: Some(2), ..schedule(10, 1, 1) };
+        let s = Schedule {
+            stop_after_steps: Some(2),
+            ..schedule(10, 1, 1)
+        };
         assert!(s.has_step(s.cursor_at(1)));
         assert!(!s.has_step(s.cursor_at(2)));
     }
 
     #[test]
     fn maporl_evaluates_on_step_multiples() {
-        let s = Schedule { eval: EvalRule::EverySteps(2), ..schedule(10, 3, 1) };
+        let s = Schedule {
+            eval: EvalRule::EverySteps(2),
+            ..schedule(10, 3, 1)
+        };
         let due: Vec<u64> = (0..4).filter(|&k| s.eval_before(s.cursor_at(k))).collect();
         assert_eq!(due, vec![0, 2]);
     }

@@ -24,9 +24,9 @@ pub use agents::{Adapters, Bases, adapter_key, critic_key};
 pub use run::{MaporlSetup, MaporlTrainer};
 
 use crate::config::CheckedConfig;
-use crate::prompts::items::{prepare_items, reward_task};
 use crate::data::{DatasetKind, load_split};
 use crate::error::TrainError;
+use crate::prompts::items::{prepare_items, reward_task};
 use crate::services::connect::{ServiceGuard, Services, connect_services};
 
 pub use crate::services::EMBEDDED_VERIFIER;

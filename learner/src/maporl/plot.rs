@@ -8,7 +8,11 @@ use tracing::warn;
 
 /// Draws `RUN_DIR/plots/accuracy_per_turn.png`; `None` (with a warning on failure) when there is no
 /// evaluation to draw.
-pub fn accuracy_per_turn(run_dir: &Path, evals: &[(u64, BTreeMap<String, f64>)], turns: usize) -> Option<PathBuf> {
+pub fn accuracy_per_turn(
+    run_dir: &Path,
+    evals: &[(u64, BTreeMap<String, f64>)],
+    turns: usize,
+) -> Option<PathBuf> {
     if evals.is_empty() {
         return None;
     }
@@ -22,7 +26,12 @@ pub fn accuracy_per_turn(run_dir: &Path, evals: &[(u64, BTreeMap<String, f64>)],
         .iter()
         .map(|&k| {
             let (step, m) = &evals[k];
-            let pts = (0..turns).filter_map(|t| m.get(&format!("eval/accuracy/turn{t}")).map(|a| (t as f64, *a))).collect();
+            let pts = (0..turns)
+                .filter_map(|t| {
+                    m.get(&format!("eval/accuracy/turn{t}"))
+                        .map(|a| (t as f64, *a))
+                })
+                .collect();
             (format!("step {step}"), pts)
         })
         .collect();

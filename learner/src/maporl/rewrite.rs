@@ -12,9 +12,11 @@ use std::sync::LazyLock;
 use regex::Regex;
 
 /// `\boxed{...}`, non-greedy, no nesting, within one line (the original's extraction pattern).
-static BOXED: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\\boxed\{(.*?)\}").expect("valid regex"));
+static BOXED: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"\\boxed\{(.*?)\}").expect("valid regex"));
 /// What the verifier's copy loses at its end (once it has an answer).
-static TRAILING: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"[^a-zA-Z}]+$").expect("valid regex"));
+static TRAILING: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"[^a-zA-Z}]+$").expect("valid regex"));
 
 /// One answer as the discussion presents it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,15 +38,28 @@ fn strip(s: &str) -> &str {
 /// for other tasks). GSM8K answers are Python `int`s, here their decimal text.
 pub fn extract_answer(task: &str, text: &str) -> Option<String> {
     let text = strip(text);
-    let answer = BOXED.captures_iter(text).last().map_or(text, |c| strip(c.get(1).map_or("", |m| m.as_str())));
+    let answer = BOXED
+        .captures_iter(text)
+        .last()
+        .map_or(text, |c| strip(c.get(1).map_or("", |m| m.as_str())));
     match task {
         "gsm8k" => {
-            let kept: String = answer.chars().filter(|c| c.is_ascii_digit() || *c == '-' || *c == '.').collect();
+            let kept: String = answer
+                .chars()
+                .filter(|c| c.is_ascii_digit() || *c == '-' || *c == '.')
+                .collect();
             python_int(&kept)
         }
         "anli" => {
-            let letters: String = answer.chars().filter(char::is_ascii_alphabetic).collect::<String>().to_lowercase();
-            ["entailment", "neutral", "contradiction"].into_iter().find(|l| letters.contains(l)).map(str::to_string)
+            let letters: String = answer
+                .chars()
+                .filter(char::is_ascii_alphabetic)
+                .collect::<String>()
+                .to_lowercase();
+            ["entailment", "neutral", "contradiction"]
+                .into_iter()
+                .find(|l| letters.contains(l))
+                .map(str::to_string)
         }
         _ => None,
     }
@@ -86,7 +101,11 @@ pub fn rewrite_answer(task: &str, response: &str) -> (Option<String>, String) {
     let x = answer.as_deref().unwrap_or("invalid");
     let final_line = format!("Answer: \\boxed{{{x}}}");
     let mut m = d.to_string();
-    for pattern in [format!("The answer is: {x}"), format!("The answer is: \\boxed{{{x}}}"), format!("Answer: {x}")] {
+    for pattern in [
+        format!("The answer is: {x}"),
+        format!("The answer is: \\boxed{{{x}}}"),
+        format!("Answer: {x}"),
+    ] {
         if d.contains(&pattern) {
             m = m.replace(&pattern, &final_line);
         }
@@ -115,19 +134,32 @@ pub fn judged_text(task: &str, rewritten: &str) -> String {
     if let Some(rest) = m.strip_suffix("<|im_end|>") {
         m = strip(rest);
     }
-    for prefix in ["model", "<|im_start|>", "assistant", "<|im_start|>assistant"] {
+    for prefix in [
+        "model",
+        "<|im_start|>",
+        "assistant",
+        "<|im_start|>assistant",
+    ] {
         if let Some(rest) = m.strip_prefix(prefix) {
             m = strip(rest);
         }
     }
-    if extract_answer(task, m).is_some() { TRAILING.replace(m, "").into_owned() } else { m.to_string() }
+    if extract_answer(task, m).is_some() {
+        TRAILING.replace(m, "").into_owned()
+    } else {
+        m.to_string()
+    }
 }
 
 /// The rewrite and the verifier's copy of a sampled answer.
 pub fn rewrite(task: &str, response: &str) -> Rewritten {
     let (answer, shown) = rewrite_answer(task, response);
     let judged = judged_text(task, &shown);
-    Rewritten { answer, shown, judged }
+    Rewritten {
+        answer,
+        shown,
+        judged,
+    }
 }
 
 /// Whether the rewrite applies to `task` (the original has it for its GSM8K and ANLI).
@@ -158,9 +190,15 @@ mod tests {
 
     #[test]
     fn anli_answers_are_read_as_the_original_reads_them() {
-        assert_eq!(extract_answer("anli", "So: \\boxed{Neutral}."), Some("neutral".into()));
+        assert_eq!(
+            extract_answer("anli", "So: \\boxed{Neutral}."),
+            Some("neutral".into())
+        );
         assert_eq!(extract_answer("anli", "no label"), None);
         let r = rewrite("anli", "It follows. \\boxed{entailment} indeed");
-        assert_eq!(r.shown, "It follows. entailment indeed\n\nAnswer: \\boxed{entailment}");
+        assert_eq!(
+            r.shown,
+            "It follows. entailment indeed\n\nAnswer: \\boxed{entailment}"
+        );
     }
 }

@@ -18,9 +18,9 @@ use crate::algo::discussion_score::{
     InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason,
 };
 use crate::config::{FollowupStyle, MaporlSection, OldLogprobs};
+use crate::error::TrainError;
 use crate::prompts::items::TrainItem;
 use crate::prompts::items::{PromptEncoding, encode_text};
-use crate::error::TrainError;
 use crate::prompts::{ChatMessage, Followup, Shown};
 use crate::seeds::derive_seed;
 use crate::sources::{GenRequest, RewardSource, RolloutSource, SamplingSpec, ScoreAction};

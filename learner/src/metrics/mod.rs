@@ -36,7 +36,12 @@ pub fn truncate_jsonl_after(path: &std::path::Path, step: u64) -> std::io::Resul
     };
     let keep: Vec<&str> = text
         .lines()
-        .filter(|l| serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64())).is_some_and(|s| s <= step))
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                .is_some_and(|s| s <= step)
+        })
         .collect();
     let dropped = text.lines().count() - keep.len();
     if dropped > 0 {
@@ -65,8 +70,16 @@ impl MetricsWriter {
         std::fs::create_dir_all(run_dir)?;
         let path = run_dir.join(METRICS_FILE);
         let jsonl = OpenOptions::new().create(true).append(true).open(&path)?;
-        let events = if tensorboard { Some(EventWriter::create(run_dir)?) } else { None };
-        Ok(Self { jsonl, events, path })
+        let events = if tensorboard {
+            Some(EventWriter::create(run_dir)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            jsonl,
+            events,
+            path,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -90,14 +103,28 @@ impl MetricsWriter {
         let time = now_secs();
         let mut obj = serde_json::Map::new();
         obj.insert("step".into(), step.into());
-        obj.insert("time".into(), serde_json::Number::from_f64(time).map(Into::into).unwrap_or(serde_json::Value::Null));
+        obj.insert(
+            "time".into(),
+            serde_json::Number::from_f64(time)
+                .map(Into::into)
+                .unwrap_or(serde_json::Value::Null),
+        );
         for (k, v) in values {
-            obj.insert(k.clone(), serde_json::Number::from_f64(*v).map(Into::into).unwrap_or(serde_json::Value::Null));
+            obj.insert(
+                k.clone(),
+                serde_json::Number::from_f64(*v)
+                    .map(Into::into)
+                    .unwrap_or(serde_json::Value::Null),
+            );
         }
         writeln!(self.jsonl, "{}", serde_json::Value::Object(obj))?;
         self.jsonl.flush()?;
         if let Some(ev) = &mut self.events {
-            let finite: Vec<(&str, f32)> = values.iter().filter(|(_, v)| v.is_finite()).map(|(k, v)| (k.as_str(), *v as f32)).collect();
+            let finite: Vec<(&str, f32)> = values
+                .iter()
+                .filter(|(_, v)| v.is_finite())
+                .map(|(k, v)| (k.as_str(), *v as f32))
+                .collect();
             ev.write_scalars(step as i64, time, &finite)?;
         }
         Ok(())
@@ -105,7 +132,10 @@ impl MetricsWriter {
 }
 
 pub(crate) fn now_secs() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// Reads a `metrics.jsonl` back (nulls are dropped from a record's values).
@@ -118,7 +148,10 @@ pub fn read_metrics(path: &Path) -> std::io::Result<Vec<MetricsRecord>> {
             continue;
         }
         let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
-            std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: line {}: {e}", path.display(), i + 1))
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: line {}: {e}", path.display(), i + 1),
+            )
         })?;
         let Some(obj) = v.as_object() else { continue };
         let step = obj.get("step").and_then(|s| s.as_u64()).unwrap_or(i as u64);
@@ -135,7 +168,11 @@ pub fn read_metrics(path: &Path) -> std::io::Result<Vec<MetricsRecord>> {
 
 /// The mean of `v` (0 when empty).
 pub fn mean(v: &[f64]) -> f64 {
-    if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 }
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
 }
 
 #[cfg(test)]
@@ -152,7 +189,10 @@ mod tests {
         w.log(3, &v).unwrap();
         drop(w);
         let text = std::fs::read_to_string(dir.path().join(METRICS_FILE)).unwrap();
-        assert!(text.contains("\"loss\":null") && text.contains("\"reward/mean\":1.5"), "{text}");
+        assert!(
+            text.contains("\"loss\":null") && text.contains("\"reward/mean\":1.5"),
+            "{text}"
+        );
         let back = read_metrics(&dir.path().join(METRICS_FILE)).unwrap();
         assert_eq!(back.len(), 1);
         assert_eq!(back[0].step, 3);
@@ -161,7 +201,11 @@ mod tests {
         let events: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
             .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().starts_with("events.out.tfevents."))
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with("events.out.tfevents.")
+            })
             .collect();
         assert_eq!(events.len(), 1);
     }
@@ -177,11 +221,20 @@ mod tests {
         drop(w);
         let path = dir.path().join(METRICS_FILE);
         // A kill in the middle of a line.
-        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"step\":6,\"ti").unwrap();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap()
+            .write_all(b"{\"step\":6,\"ti")
+            .unwrap();
         let mut w = MetricsWriter::create(dir.path(), false).unwrap();
         assert_eq!(w.truncate_after(3).unwrap(), 3);
         w.log(4, &v).unwrap();
-        let steps: Vec<u64> = read_metrics(&path).unwrap().iter().map(|r| r.step).collect();
+        let steps: Vec<u64> = read_metrics(&path)
+            .unwrap()
+            .iter()
+            .map(|r| r.step)
+            .collect();
         assert_eq!(steps, vec![1, 2, 3, 4]);
     }
 }

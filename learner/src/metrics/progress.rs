@@ -17,9 +17,11 @@ pub fn progress_bar(mode: ProgressMode, total: u64, start: u64) -> Option<indica
     }
     let pb = indicatif::ProgressBar::new(total);
     pb.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {elapsed_precise} eta {eta_precise} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template(
+            "{spinner} step {pos}/{len} [{bar:30}] {elapsed_precise} eta {eta_precise} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
     );
     pb.set_position(start);
     Some(pb)

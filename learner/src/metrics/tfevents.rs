@@ -14,7 +14,11 @@ pub fn crc32c(data: &[u8]) -> u32 {
         for (i, slot) in t.iter_mut().enumerate() {
             let mut c = i as u32;
             for _ in 0..8 {
-                c = if c & 1 != 0 { (c >> 1) ^ 0x82F6_3B78 } else { c >> 1 };
+                c = if c & 1 != 0 {
+                    (c >> 1) ^ 0x82F6_3B78
+                } else {
+                    c >> 1
+                };
             }
             *slot = c;
         }
@@ -48,7 +52,12 @@ fn len_delimited(field: u32, bytes: &[u8], out: &mut Vec<u8>) {
 }
 
 /// `Event { wall_time = 1 (double), step = 2 (int64), file_version = 3 | summary = 5 }`.
-fn event(wall_time: f64, step: i64, file_version: Option<&str>, scalars: &[(&str, f32)]) -> Vec<u8> {
+fn event(
+    wall_time: f64,
+    step: i64,
+    file_version: Option<&str>,
+    scalars: &[(&str, f32)],
+) -> Vec<u8> {
     let mut out = Vec::new();
     out.push(0x09); // field 1, 64-bit
     out.extend_from_slice(&wall_time.to_le_bytes());
@@ -91,11 +100,21 @@ pub struct EventWriter {
 
 impl EventWriter {
     pub fn create(dir: &Path) -> std::io::Result<Self> {
-        let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into());
+        let host = std::fs::read_to_string("/etc/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "localhost".into());
         let now = super::now_secs();
-        let path = dir.join(format!("events.out.tfevents.{}.{host}.{}", now as u64, std::process::id()));
-        let mut w = Self { out: BufWriter::new(File::create(&path)?), path };
-        w.out.write_all(&tfrecord(&event(now, 0, Some("brain.Event:2"), &[])))?;
+        let path = dir.join(format!(
+            "events.out.tfevents.{}.{host}.{}",
+            now as u64,
+            std::process::id()
+        ));
+        let mut w = Self {
+            out: BufWriter::new(File::create(&path)?),
+            path,
+        };
+        w.out
+            .write_all(&tfrecord(&event(now, 0, Some("brain.Event:2"), &[])))?;
         w.out.flush()?;
         Ok(w)
     }
@@ -104,8 +123,14 @@ impl EventWriter {
         &self.path
     }
 
-    pub fn write_scalars(&mut self, step: i64, wall_time: f64, scalars: &[(&str, f32)]) -> std::io::Result<()> {
-        self.out.write_all(&tfrecord(&event(wall_time, step, None, scalars)))?;
+    pub fn write_scalars(
+        &mut self,
+        step: i64,
+        wall_time: f64,
+        scalars: &[(&str, f32)],
+    ) -> std::io::Result<()> {
+        self.out
+            .write_all(&tfrecord(&event(wall_time, step, None, scalars)))?;
         self.out.flush()
     }
 }
@@ -131,8 +156,14 @@ mod tests {
         expected.extend_from_slice(&2.0f32.to_le_bytes());
         assert_eq!(e, expected);
         let rec = tfrecord(&e);
-        assert_eq!(u64::from_le_bytes(rec[..8].try_into().unwrap()), e.len() as u64);
-        assert_eq!(u32::from_le_bytes(rec[8..12].try_into().unwrap()), masked_crc32c(&rec[..8]));
+        assert_eq!(
+            u64::from_le_bytes(rec[..8].try_into().unwrap()),
+            e.len() as u64
+        );
+        assert_eq!(
+            u32::from_le_bytes(rec[8..12].try_into().unwrap()),
+            masked_crc32c(&rec[..8])
+        );
         assert_eq!(&rec[12..12 + e.len()], &e[..]);
     }
 }

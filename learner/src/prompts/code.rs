@@ -55,8 +55,14 @@ mod tests {
     #[test]
     fn signature_params_skip_annotations_defaults_and_nested_commas() {
         let p = "from typing import List, Dict\n\ndef f(numbers: List[float], m: Dict[str, int] = {}, *args, k=3, **kw) -> bool:\n";
-        assert_eq!(signature_params(p, "f").unwrap(), vec!["numbers", "m", "*args", "k", "**kw"]);
-        assert_eq!(signature_params("def g():\n", "g").unwrap(), Vec::<String>::new());
+        assert_eq!(
+            signature_params(p, "f").unwrap(),
+            vec!["numbers", "m", "*args", "k", "**kw"]
+        );
+        assert_eq!(
+            signature_params("def g():\n", "g").unwrap(),
+            Vec::<String>::new()
+        );
         assert_eq!(signature_params("def g(x):\n", "h"), None);
     }
 }

@@ -70,7 +70,10 @@ fn definition(a: &AgentDiagnostics, what: &str) -> (bool, String) {
     } else if !a.has_return {
         (false, format!("{what} missing return statement"))
     } else {
-        (true, format!("{what} properly defined with return statement"))
+        (
+            true,
+            format!("{what} properly defined with return statement"),
+        )
     }
 }
 
@@ -84,15 +87,30 @@ impl LevelReport {
         let ep = &d.entry_point;
         let main = d.main_agent();
         let aux = (!d.single_agent).then(|| &d.agents[0]);
-        let (aux_defined, aux_message) = aux.map_or((false, "Single-agent mode: aux not used".to_string()), |a| definition(a, "Aux function"));
+        let (aux_defined, aux_message) = aux.map_or(
+            (false, "Single-agent mode: aux not used".to_string()),
+            |a| definition(a, "Aux function"),
+        );
         let (main_defined, main_message) = definition(main, &format!("Main function ({ep})"));
         // Nothing found: the original still parses (imports only, fine) and runs the tests.
         let (syntax_ok, syntax_message, syntax_error) = match &d.syntax {
-            Some(SyntaxCheck::Error { message, line, column, .. }) => (
+            Some(SyntaxCheck::Error {
+                message,
+                line,
+                column,
+                ..
+            }) => (
                 false,
                 // Python's str(SyntaxError) from ast.parse.
-                format!("Combined code has syntax error: {message} (<unknown>, line {})", or_none(*line)),
-                Some(SyntaxErrorAt { line: *line, offset: *column, msg: message.clone() }),
+                format!(
+                    "Combined code has syntax error: {message} (<unknown>, line {})",
+                    or_none(*line)
+                ),
+                Some(SyntaxErrorAt {
+                    line: *line,
+                    offset: *column,
+                    msg: message.clone(),
+                }),
             ),
             _ => (true, "Combined code syntax OK".to_string(), None),
         };
@@ -100,19 +118,39 @@ impl LevelReport {
         if syntax_ok {
             for f in &d.tests.failures {
                 let (error_type, error_message) = if f.timed_out {
-                    ("TimeoutException".to_string(), "Code execution timed out".to_string())
+                    (
+                        "TimeoutException".to_string(),
+                        "Code execution timed out".to_string(),
+                    )
                 } else if f.not_run {
                     match &d.setup {
-                        Some(SetupOutcome::Error { error_type, message }) => (error_type.clone(), message.clone()),
-                        Some(SetupOutcome::TimedOut) => ("TimeoutException".to_string(), "Code execution timed out".to_string()),
-                        None => ("NameError".to_string(), format!("name '{ep}' is not defined")),
+                        Some(SetupOutcome::Error {
+                            error_type,
+                            message,
+                        }) => (error_type.clone(), message.clone()),
+                        Some(SetupOutcome::TimedOut) => (
+                            "TimeoutException".to_string(),
+                            "Code execution timed out".to_string(),
+                        ),
+                        None => (
+                            "NameError".to_string(),
+                            format!("name '{ep}' is not defined"),
+                        ),
                         // Left out after the timeout limit: the original lists no detail for them.
                         _ => continue,
                     }
                 } else {
-                    (f.error_type.clone().unwrap_or_else(|| "Exception".into()), f.message.clone().unwrap_or_default())
+                    (
+                        f.error_type.clone().unwrap_or_else(|| "Exception".into()),
+                        f.message.clone().unwrap_or_default(),
+                    )
                 };
-                test_details.push(TestDetail { status: "fail".into(), case: f.assert.clone(), error_type: Some(error_type), error_message: Some(error_message) });
+                test_details.push(TestDetail {
+                    status: "fail".into(),
+                    case: f.assert.clone(),
+                    error_type: Some(error_type),
+                    error_message: Some(error_message),
+                });
             }
         }
         let usage = main.aux_usage.as_ref();
@@ -129,7 +167,11 @@ impl LevelReport {
             aux_called: usage.is_some_and(|u| u.calls_aux),
             aux_called_but_not_used: usage.is_some_and(|u| u.misuse_line.is_some()),
             // cotrain flags a bare call, which the original words as a standalone call.
-            aux_problematic_calls: usage.and_then(|u| u.misuse_line).map(|l| format!("Line {l}: standalone call (not assigned)")).into_iter().collect(),
+            aux_problematic_calls: usage
+                .and_then(|u| u.misuse_line)
+                .map(|l| format!("Line {l}: standalone call (not assigned)"))
+                .into_iter()
+                .collect(),
             is_wrapper: usage.is_some_and(|u| u.thin_wrapper),
             tests_passed: if syntax_ok { d.tests.passed } else { 0 },
             tests_total: if syntax_ok { d.tests.total } else { 0 },
@@ -141,7 +183,11 @@ impl LevelReport {
     pub fn placeholder(entry_point: &str, responses: &[String]) -> Self {
         let aux = responses.len() > 1;
         Self {
-            aux_func: if aux { responses[0].clone() } else { String::new() },
+            aux_func: if aux {
+                responses[0].clone()
+            } else {
+                String::new()
+            },
             main_func: responses.last().cloned().unwrap_or_default(),
             aux_defined: aux,
             aux_message: "<placeholder: the aux definition check>".into(),
@@ -174,20 +220,40 @@ fn is_aux(agent: usize, num_agents: usize) -> bool {
 /// The diagnostics block and the closing request, as lines (the original's `lines` after history).
 fn diagnostics(report: &LevelReport, aux: bool, single: bool, entry_point: &str) -> Vec<String> {
     let found = |ok: bool| if ok { "FOUND" } else { "MISSING" };
-    let aux_line = format!("- Aux definition: {} ({})", found(report.aux_defined), report.aux_message);
-    let main_line = format!("- Main definition: {} ({})", found(report.main_defined), report.main_message);
+    let aux_line = format!(
+        "- Aux definition: {} ({})",
+        found(report.aux_defined),
+        report.aux_message
+    );
+    let main_line = format!(
+        "- Main definition: {} ({})",
+        found(report.main_defined),
+        report.main_message
+    );
     let mut lines = vec!["Static and execution diagnostics:".to_string()];
     match (single, aux) {
         (true, _) => lines.push(main_line),
         (false, true) => lines.extend([aux_line, main_line]),
         (false, false) => lines.extend([main_line, aux_line]),
     }
-    lines.push(format!("- Syntax: {} ({})", if report.syntax_ok { "OK" } else { "ERROR" }, report.syntax_message));
+    lines.push(format!(
+        "- Syntax: {} ({})",
+        if report.syntax_ok { "OK" } else { "ERROR" },
+        report.syntax_message
+    ));
     if let Some(se) = &report.syntax_error {
-        lines.push(format!("  SyntaxError at line {}, col {}: {}", or_none(se.line), or_none(se.offset), se.msg));
+        lines.push(format!(
+            "  SyntaxError at line {}, col {}: {}",
+            or_none(se.line),
+            or_none(se.offset),
+            se.msg
+        ));
     }
     if report.tests_total > 0 {
-        lines.push(format!("- Tests: {}/{} passed", report.tests_passed, report.tests_total));
+        lines.push(format!(
+            "- Tests: {}/{} passed",
+            report.tests_passed, report.tests_total
+        ));
         for td in report.test_details.iter().filter(|t| t.status == "fail") {
             lines.push(format!(
                 "  Failed case: {} -> {}: {}",
@@ -203,8 +269,16 @@ fn diagnostics(report: &LevelReport, aux: bool, single: bool, entry_point: &str)
         if !report.aux_called {
             lines.push("- Aux usage: main does NOT call aux".to_string());
         } else if report.aux_called_but_not_used {
-            let reasons: Vec<&str> = report.aux_problematic_calls.iter().take(2).map(String::as_str).collect();
-            lines.push(format!("- Aux usage: called but misused ({})", reasons.join(", ")));
+            let reasons: Vec<&str> = report
+                .aux_problematic_calls
+                .iter()
+                .take(2)
+                .map(String::as_str)
+                .collect();
+            lines.push(format!(
+                "- Aux usage: called but misused ({})",
+                reasons.join(", ")
+            ));
         } else {
             lines.push("- Aux usage: main calls aux and uses its result".to_string());
         }
@@ -220,14 +294,24 @@ fn diagnostics(report: &LevelReport, aux: bool, single: bool, entry_point: &str)
 /// The 2026 next-turn text of `agent`: every earlier turn's prompt, every response, the diagnostics
 /// (e5b008e `format_followup_prompts`). `drop` leaves out that many of the oldest turns (cotrain's
 /// fitting into the context; the original never leaves any out).
-pub fn level_feedback_2026(report: &LevelReport, agent: usize, num_agents: usize, entry_point: &str, history: &[TurnRecord], drop: usize) -> String {
+pub fn level_feedback_2026(
+    report: &LevelReport,
+    agent: usize,
+    num_agents: usize,
+    entry_point: &str,
+    history: &[TurnRecord],
+    drop: usize,
+) -> String {
     let aux = is_aux(agent, num_agents);
     let single = num_agents == 1;
     let kept: Vec<(usize, &TurnRecord)> = history.iter().enumerate().skip(drop).collect();
     let mut lines = Vec::new();
     if !kept.is_empty() {
         lines.push("History: previous prompts:".to_string());
-        lines.extend(kept.iter().map(|(i, t)| format!("- Turn {} prompt:\n{}", i + 1, t.prompt)));
+        lines.extend(
+            kept.iter()
+                .map(|(i, t)| format!("- Turn {} prompt:\n{}", i + 1, t.prompt)),
+        );
         lines.push(String::new());
         lines.push(
             match (single, aux) {
@@ -237,7 +321,10 @@ pub fn level_feedback_2026(report: &LevelReport, agent: usize, num_agents: usize
             }
             .to_string(),
         );
-        lines.extend(kept.iter().map(|(i, t)| format!("- Turn {} response:\n{}", i + 1, t.response)));
+        lines.extend(
+            kept.iter()
+                .map(|(i, t)| format!("- Turn {} response:\n{}", i + 1, t.response)),
+        );
         lines.push(String::new());
     }
     lines.extend(diagnostics(report, aux, single, entry_point));
@@ -261,9 +348,15 @@ fn september_problem_block(problem: &str, entry_point: &str, aux: bool) -> Strin
         );
     }
     let (only, form) = if entry_point.is_empty() {
-        ("- Implement ONLY the required function as specified\n".to_string(), "def <entry_point>(...):".to_string())
+        (
+            "- Implement ONLY the required function as specified\n".to_string(),
+            "def <entry_point>(...):".to_string(),
+        )
     } else {
-        (format!("- Implement ONLY the '{entry_point}' function as specified\n"), format!("def {entry_point}(...):"))
+        (
+            format!("- Implement ONLY the '{entry_point}' function as specified\n"),
+            format!("def {entry_point}(...):"),
+        )
     };
     format!(
         "Original problem and instructions:\n\nSolve this coding problem by implementing the required function.\n\nProblem:\n{problem}\n\n\
@@ -290,7 +383,10 @@ pub fn level_feedback_2025_09(
     let mut lines = Vec::new();
     if original_prompt {
         // The single-agent text reuses the main block, aux instructions and all.
-        lines.extend([september_problem_block(problem, entry_point, aux), String::new()]);
+        lines.extend([
+            september_problem_block(problem, entry_point, aux),
+            String::new(),
+        ]);
     }
     if previous_response {
         let (heading, code) = match (single, aux) {
@@ -298,7 +394,11 @@ pub fn level_feedback_2025_09(
             (false, true) => ("Your previous aux(...) implementation:", &report.aux_func),
             (false, false) => ("Your previous main implementation:", &report.main_func),
         };
-        let code = if code.is_empty() { "<no implementation found>" } else { code.as_str() };
+        let code = if code.is_empty() {
+            "<no implementation found>"
+        } else {
+            code.as_str()
+        };
         lines.extend([heading.to_string(), code.to_string(), String::new()]);
     }
     lines.extend(diagnostics(report, aux, single, entry_point));
@@ -309,9 +409,15 @@ pub fn level_feedback_2025_09(
 /// joined by ", ": what the original's formatters put in `def entry_point(...)`
 /// (`re.search(r"def\s+\w+\s*\(([^)]+)\)")`). `None` where they return [`FORMATTER_ERROR`].
 pub fn formatter_params(text: &str) -> Option<String> {
-    static DEF: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| regex::Regex::new(r"def\s+\w+\s*\(([^)]+)\)").expect("static regex"));
+    static DEF: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(r"def\s+\w+\s*\(([^)]+)\)").expect("static regex")
+    });
     let inner = DEF.captures(text)?.get(1)?.as_str();
-    let params: Vec<&str> = inner.split(',').map(str::trim).filter(|p| !p.is_empty()).collect();
+    let params: Vec<&str> = inner
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .collect();
     (!params.is_empty()).then(|| params.join(", "))
 }
 
@@ -321,9 +427,15 @@ mod tests {
 
     #[test]
     fn formatter_params_read_the_first_def_as_the_original_regex_does() {
-        assert_eq!(formatter_params("x\ndef f(a: List[int], b=1) -> int:\ndef g(c):").as_deref(), Some("a: List[int], b=1"));
+        assert_eq!(
+            formatter_params("x\ndef f(a: List[int], b=1) -> int:\ndef g(c):").as_deref(),
+            Some("a: List[int], b=1")
+        );
         // `[^)]+` needs one character: an empty list moves on to the next def.
-        assert_eq!(formatter_params("def f():\n    pass\ndef g(c):").as_deref(), Some("c"));
+        assert_eq!(
+            formatter_params("def f():\n    pass\ndef g(c):").as_deref(),
+            Some("c")
+        );
         assert_eq!(formatter_params("def f():"), None);
         assert_eq!(formatter_params("no code"), None);
         // Python's split-strip-filter: stray commas vanish.
@@ -332,22 +444,43 @@ mod tests {
 
     #[test]
     fn cotrain_diagnostics_read_in_the_originals_words() {
-        use cotrain_reward_server::rewards::code::diagnostics::{AgentRole, AuxUsage, TestFailure, TestsSummary};
+        use cotrain_reward_server::rewards::code::diagnostics::{
+            AgentRole, AuxUsage, TestFailure, TestsSummary,
+        };
         let agent = |role, function: &str, found, has_return, aux_usage| AgentDiagnostics {
             role,
             function: function.into(),
             found,
             has_return,
             reason: None,
-            code: if found { format!("def {function}(x):\n    return x") } else { String::new() },
+            code: if found {
+                format!("def {function}(x):\n    return x")
+            } else {
+                String::new()
+            },
             aux_usage,
         };
-        let failure = |assert: &str, timed_out, not_run| TestFailure { assert: assert.into(), error_type: Some("AssertionError".into()), message: Some(String::new()), timed_out, not_run };
-        let usage = AuxUsage { calls_aux: true, uses_result: false, misuse_line: Some(2), misuse_text: Some("aux(x)".into()), thin_wrapper: false };
+        let failure = |assert: &str, timed_out, not_run| TestFailure {
+            assert: assert.into(),
+            error_type: Some("AssertionError".into()),
+            message: Some(String::new()),
+            timed_out,
+            not_run,
+        };
+        let usage = AuxUsage {
+            calls_aux: true,
+            uses_result: false,
+            misuse_line: Some(2),
+            misuse_text: Some("aux(x)".into()),
+            thin_wrapper: false,
+        };
         let mut d = CodeDiagnostics {
             single_agent: false,
             entry_point: "f".into(),
-            agents: vec![agent(AgentRole::Aux, "aux", true, false, None), agent(AgentRole::Main, "f", true, true, Some(usage))],
+            agents: vec![
+                agent(AgentRole::Aux, "aux", true, false, None),
+                agent(AgentRole::Main, "f", true, true, Some(usage)),
+            ],
             syntax: Some(SyntaxCheck::Ok),
             setup: Some(SetupOutcome::Ok),
             tests: TestsSummary {
@@ -356,18 +489,36 @@ mod tests {
                 item_total: 3,
                 timeouts: 1,
                 stopped_after_timeouts: true,
-                failures: vec![failure("assert f(1) == 2", false, false), failure("assert f(2) == 3", true, false), failure("assert f(3) == 4", false, true)],
+                failures: vec![
+                    failure("assert f(1) == 2", false, false),
+                    failure("assert f(2) == 3", true, false),
+                    failure("assert f(3) == 4", false, true),
+                ],
             },
             program: String::new(),
         };
         let r = LevelReport::from_diagnostics(&d);
-        assert_eq!((r.aux_defined, r.aux_message.as_str()), (false, "Aux function missing return statement"));
-        assert_eq!(r.main_message, "Main function (f) properly defined with return statement");
-        assert_eq!(r.aux_problematic_calls, vec!["Line 2: standalone call (not assigned)".to_string()]);
+        assert_eq!(
+            (r.aux_defined, r.aux_message.as_str()),
+            (false, "Aux function missing return statement")
+        );
+        assert_eq!(
+            r.main_message,
+            "Main function (f) properly defined with return statement"
+        );
+        assert_eq!(
+            r.aux_problematic_calls,
+            vec!["Line 2: standalone call (not assigned)".to_string()]
+        );
         let main = level_feedback_2026(&r, 1, 2, "f", &[], 0);
         assert!(main.contains("- Tests: 0/3 passed\n  Failed case: assert f(1) == 2 -> AssertionError: \n  Failed case: assert f(2) == 3 -> TimeoutException: Code execution timed out\n- Aux usage: called but misused (Line 2: standalone call (not assigned))\n"), "{main}");
         // A syntax error: the original runs no test.
-        d.syntax = Some(SyntaxCheck::Error { error_type: "SyntaxError".into(), message: "invalid syntax".into(), line: Some(3), column: Some(7) });
+        d.syntax = Some(SyntaxCheck::Error {
+            error_type: "SyntaxError".into(),
+            message: "invalid syntax".into(),
+            line: Some(3),
+            column: Some(7),
+        });
         let aux = level_feedback_2026(&LevelReport::from_diagnostics(&d), 0, 2, "f", &[], 0);
         assert!(aux.contains("- Syntax: ERROR (Combined code has syntax error: invalid syntax (<unknown>, line 3))\n  SyntaxError at line 3, col 7: invalid syntax\n- Tests: no test cases found\n"), "{aux}");
     }
@@ -375,11 +526,23 @@ mod tests {
     #[test]
     fn history_left_out_keeps_the_turn_numbers() {
         let report = LevelReport::placeholder("f", &["A".into(), "M".into()]);
-        let h = [TurnRecord { prompt: "P1".into(), response: "R1".into() }, TurnRecord { prompt: "P2".into(), response: "R2".into() }];
+        let h = [
+            TurnRecord {
+                prompt: "P1".into(),
+                response: "R1".into(),
+            },
+            TurnRecord {
+                prompt: "P2".into(),
+                response: "R2".into(),
+            },
+        ];
         let t = level_feedback_2026(&report, 1, 2, "f", &h, 1);
         assert!(t.starts_with("History: previous prompts:\n- Turn 2 prompt:\nP2\n\nHistory: your previous main responses:\n- Turn 2 response:\nR2\n\n"), "{t}");
         let none = level_feedback_2026(&report, 0, 2, "f", &h, 2);
-        assert!(none.starts_with("Static and execution diagnostics:\n- Aux definition:"), "{none}");
+        assert!(
+            none.starts_with("Static and execution diagnostics:\n- Aux definition:"),
+            "{none}"
+        );
         assert!(none.ends_with("\n\nRevise your aux(...) accordingly. Output ONLY the function code with no extra text."));
     }
 }

@@ -6,9 +6,9 @@ use cotrain_model::chat_template::{ChatMessage as TemplateMessage, ChatTemplate}
 use cotrain_model::loader::LoadedModel;
 use cotrain_model::tokenizer::Tokenizer;
 
-use crate::error::TrainError;
-use crate::data::{Dataset, DatasetKind, TaskItem};
 use super::Prompter;
+use crate::data::{Dataset, DatasetKind, TaskItem};
+use crate::error::TrainError;
 
 /// One dataset row, ready to be rolled out.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,12 +57,19 @@ impl PromptEncoding {
             Some(b) => serde_json::json!({ "enable_thinking": b }),
             None => serde_json::Value::Null,
         };
-        Self { chat_template, extra }
+        Self {
+            chat_template,
+            extra,
+        }
     }
 
     /// The exact text the model receives: `text` itself (the original tokenises the raw prompt), or
     /// `text` as a user message rendered with the model's chat template.
-    pub fn model_text(&self, chat_template: Option<&ChatTemplate>, text: &str) -> Result<String, TrainError> {
+    pub fn model_text(
+        &self,
+        chat_template: Option<&ChatTemplate>,
+        text: &str,
+    ) -> Result<String, TrainError> {
         if !self.chat_template {
             return Ok(text.to_string());
         }
@@ -71,17 +78,27 @@ impl PromptEncoding {
 
     /// `messages` rendered with the model's chat template (the generation prompt added), with this
     /// encoding's extra variables; an error when the model has none.
-    pub fn render_chat(&self, chat_template: Option<&ChatTemplate>, messages: &[TemplateMessage]) -> Result<String, TrainError> {
-        let t = chat_template
-            .ok_or_else(|| TrainError::Config("model.chat_template is true but the model has no chat template".into()))?;
-        t.render(messages, true, &self.extra).map_err(|e| TrainError::Model(format!("chat template: {e}")))
+    pub fn render_chat(
+        &self,
+        chat_template: Option<&ChatTemplate>,
+        messages: &[TemplateMessage],
+    ) -> Result<String, TrainError> {
+        let t = chat_template.ok_or_else(|| {
+            TrainError::Config(
+                "model.chat_template is true but the model has no chat template".into(),
+            )
+        })?;
+        t.render(messages, true, &self.extra)
+            .map_err(|e| TrainError::Model(format!("chat template: {e}")))
     }
 }
 
 /// Tokenizes the text the model receives (no special tokens added: the chat template, if any, has
 /// them already, and the original's raw prompts get none).
 pub fn encode_text(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, TrainError> {
-    let ids = tokenizer.encode(text, false).map_err(|e| TrainError::Model(format!("tokenizer: {e}")))?;
+    let ids = tokenizer
+        .encode(text, false)
+        .map_err(|e| TrainError::Model(format!("tokenizer: {e}")))?;
     if ids.is_empty() {
         return Err(TrainError::Data("a prompt tokenized to nothing".into()));
     }
@@ -109,10 +126,16 @@ pub fn render_prompt(
     encoding: &PromptEncoding,
 ) -> Result<RenderedPrompt, TrainError> {
     let row = data.row_offset + index;
-    let user_text = prompter.render(&data.items[index], row, agent).map_err(|e| TrainError::Config(e.to_string()))?;
+    let user_text = prompter
+        .render(&data.items[index], row, agent)
+        .map_err(|e| TrainError::Config(e.to_string()))?;
     let text = encoding.model_text(chat_template, &user_text)?;
     let ids = encode_text(tokenizer, &text)?;
-    Ok(RenderedPrompt { user_text, text, ids })
+    Ok(RenderedPrompt {
+        user_text,
+        text,
+        ids,
+    })
 }
 
 /// Builds every row's per-agent prompts; `models[agent]` is the model agent `agent` samples from.

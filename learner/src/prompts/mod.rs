@@ -5,8 +5,8 @@
 
 mod code;
 pub mod comlrl;
-pub mod items;
 mod discussion;
+pub mod items;
 pub mod multiturn;
 pub mod template;
 mod turns;
@@ -15,7 +15,10 @@ use serde::{Deserialize, Serialize};
 
 pub use code::signature_params;
 pub use discussion::{Followup, Shown, reading_band, verifier_reading};
-pub use multiturn::{AgentTurn, NextTurn, NextTurnError, NextTurnPrompter, NextTurnText, TurnRecord, compose_next_turn, droppable_entries};
+pub use multiturn::{
+    AgentTurn, NextTurn, NextTurnError, NextTurnPrompter, NextTurnText, TurnRecord,
+    compose_next_turn, droppable_entries,
+};
 pub use template::{Prompter, TemplateError, default_template_name};
 
 /// One chat message.
@@ -28,12 +31,21 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn user(content: impl Into<String>) -> Self {
-        Self { role: "user".into(), content: content.into() }
+        Self {
+            role: "user".into(),
+            content: content.into(),
+        }
     }
     pub fn assistant(content: impl Into<String>) -> Self {
-        Self { role: "assistant".into(), content: content.into() }
+        Self {
+            role: "assistant".into(),
+            content: content.into(),
+        }
     }
     pub fn system(content: impl Into<String>) -> Self {
-        Self { role: "system".into(), content: content.into() }
+        Self {
+            role: "system".into(),
+            content: content.into(),
+        }
     }
 }

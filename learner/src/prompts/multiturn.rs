@@ -44,7 +44,10 @@ pub fn droppable_entries(next: &NextTurn<'_>, flags: &ExternalConfig) -> usize {
 pub fn compose_next_turn(next: &NextTurn<'_>, flags: &ExternalConfig, drop: usize) -> String {
     let mut text = String::new();
     if flags.original_prompt {
-        text.push_str(&format!("Original problem and instructions:\n{}\n\n", next.original_prompt.trim_end()));
+        text.push_str(&format!(
+            "Original problem and instructions:\n{}\n\n",
+            next.original_prompt.trim_end()
+        ));
     }
     if flags.history {
         let kept: Vec<(usize, &TurnRecord)> = next.history.iter().enumerate().skip(drop).collect();
@@ -53,16 +56,27 @@ pub fn compose_next_turn(next: &NextTurn<'_>, flags: &ExternalConfig, drop: usiz
             for (i, turn) in kept {
                 // The first turn's prompt is the original problem: shown above when asked for.
                 if i > 0 {
-                    text.push_str(&format!("Turn {} prompt:\n{}\n\n", i + 1, turn.prompt.trim_end()));
+                    text.push_str(&format!(
+                        "Turn {} prompt:\n{}\n\n",
+                        i + 1,
+                        turn.prompt.trim_end()
+                    ));
                 }
-                text.push_str(&format!("Turn {} response:\n{}\n\n", i + 1, turn.response.trim_end()));
+                text.push_str(&format!(
+                    "Turn {} response:\n{}\n\n",
+                    i + 1,
+                    turn.response.trim_end()
+                ));
             }
         }
     } else if flags.previous_response
         && drop == 0
         && let Some(prev) = next.history.last()
     {
-        text.push_str(&format!("Your previous response:\n{}\n\n", prev.response.trim_end()));
+        text.push_str(&format!(
+            "Your previous response:\n{}\n\n",
+            prev.response.trim_end()
+        ));
     }
     text.push_str(next.feedback.trim_end());
     text
@@ -134,10 +148,15 @@ impl NextTurnPrompter {
                 )));
             }
             if !code_task {
-                return Err(NextTurnError::Config(format!("external.next_turn_prompt: {name} is written for code tasks; use next_turn_prompt: cotrain")));
+                return Err(NextTurnError::Config(format!(
+                    "external.next_turn_prompt: {name} is written for code tasks; use next_turn_prompt: cotrain"
+                )));
             }
             if cfg.num_agents > 2 {
-                return Err(NextTurnError::Config(format!("external.next_turn_prompt: {name} is written for 1 or 2 agents, not {}", cfg.num_agents)));
+                return Err(NextTurnError::Config(format!(
+                    "external.next_turn_prompt: {name} is written for 1 or 2 agents, not {}",
+                    cfg.num_agents
+                )));
             }
         }
         Ok(Self {
@@ -165,25 +184,62 @@ impl NextTurnPrompter {
     }
 
     /// The agent's next prompt, leaving out the `drop` oldest history entries.
-    pub fn compose(&self, turn: &AgentTurn<'_>, drop: usize) -> Result<NextTurnText, NextTurnError> {
+    pub fn compose(
+        &self,
+        turn: &AgentTurn<'_>,
+        drop: usize,
+    ) -> Result<NextTurnText, NextTurnError> {
         if self.format == NextTurnPrompt::Cotrain {
             let text = compose_next_turn(&turn.next, &self.flags, drop);
-            return Ok(NextTurnText { recorded: text.clone(), user_text: text });
+            return Ok(NextTurnText {
+                recorded: text.clone(),
+                user_text: text,
+            });
         }
-        let report = turn.report.ok_or(NextTurnError::NoDiagnostics(format_name(self.format)))?;
-        let field = |key: &str| turn.item.get(key).and_then(|v| v.as_str()).unwrap_or_default();
+        let report = turn
+            .report
+            .ok_or(NextTurnError::NoDiagnostics(format_name(self.format)))?;
+        let field = |key: &str| {
+            turn.item
+                .get(key)
+                .and_then(|v| v.as_str())
+                .unwrap_or_default()
+        };
         let (problem, entry_point) = (field("prompt"), field("entry_point"));
         let text = match self.format {
-            NextTurnPrompt::Comlrl2026 => level_feedback_2026(report, turn.agent, self.num_agents, entry_point, turn.next.history, drop),
-            _ => level_feedback_2025_09(report, turn.agent, self.num_agents, problem, entry_point, self.flags.original_prompt, self.flags.previous_response),
+            NextTurnPrompt::Comlrl2026 => level_feedback_2026(
+                report,
+                turn.agent,
+                self.num_agents,
+                entry_point,
+                turn.next.history,
+                drop,
+            ),
+            _ => level_feedback_2025_09(
+                report,
+                turn.agent,
+                self.num_agents,
+                problem,
+                entry_point,
+                self.flags.original_prompt,
+                self.flags.previous_response,
+            ),
         };
         let user_text = if self.passthrough {
             text.clone()
         } else {
-            let item: TaskItem = serde_json::from_value(turn.item.clone()).map_err(|e| NextTurnError::Item { row: turn.row, message: e.to_string() })?;
-            self.templates.render_next_turn(&item, turn.row, turn.agent, &text)?
+            let item: TaskItem =
+                serde_json::from_value(turn.item.clone()).map_err(|e| NextTurnError::Item {
+                    row: turn.row,
+                    message: e.to_string(),
+                })?;
+            self.templates
+                .render_next_turn(&item, turn.row, turn.agent, &text)?
         };
-        Ok(NextTurnText { recorded: text, user_text })
+        Ok(NextTurnText {
+            recorded: text,
+            user_text,
+        })
     }
 }
 
@@ -201,17 +257,36 @@ mod tests {
     use super::*;
 
     fn flags(original_prompt: bool, previous_response: bool, history: bool) -> ExternalConfig {
-        ExternalConfig { original_prompt, previous_response, history, ..ExternalConfig::default() }
+        ExternalConfig {
+            original_prompt,
+            previous_response,
+            history,
+            ..ExternalConfig::default()
+        }
     }
 
     #[test]
     fn default_flags_include_previous_response_but_not_the_problem() {
-        let hist = [TurnRecord { prompt: "PROBLEM".into(), response: "def aux(): return 1".into() }];
-        let next = NextTurn { original_prompt: "PROBLEM", history: &hist, feedback: "Tests: 0/1 passed\nRevise." };
+        let hist = [TurnRecord {
+            prompt: "PROBLEM".into(),
+            response: "def aux(): return 1".into(),
+        }];
+        let next = NextTurn {
+            original_prompt: "PROBLEM",
+            history: &hist,
+            feedback: "Tests: 0/1 passed\nRevise.",
+        };
         let d = compose_next_turn(&next, &ExternalConfig::default(), 0);
-        assert_eq!(d, "Your previous response:\ndef aux(): return 1\n\nTests: 0/1 passed\nRevise.");
+        assert_eq!(
+            d,
+            "Your previous response:\ndef aux(): return 1\n\nTests: 0/1 passed\nRevise."
+        );
         let both = compose_next_turn(&next, &flags(true, true, false), 0);
-        assert!(both.starts_with("Original problem and instructions:\nPROBLEM\n\nYour previous response:"));
+        assert!(
+            both.starts_with(
+                "Original problem and instructions:\nPROBLEM\n\nYour previous response:"
+            )
+        );
         let neither = compose_next_turn(&next, &flags(false, false, false), 0);
         assert_eq!(neither, "Tests: 0/1 passed\nRevise.");
         assert_eq!(droppable_entries(&next, &ExternalConfig::default()), 1);
@@ -223,10 +298,20 @@ mod tests {
     #[test]
     fn history_keeps_every_turn_and_drops_the_oldest_first() {
         let hist = [
-            TurnRecord { prompt: "P0".into(), response: "R0".into() },
-            TurnRecord { prompt: "P1".into(), response: "R1".into() },
+            TurnRecord {
+                prompt: "P0".into(),
+                response: "R0".into(),
+            },
+            TurnRecord {
+                prompt: "P1".into(),
+                response: "R1".into(),
+            },
         ];
-        let next = NextTurn { original_prompt: "P0", history: &hist, feedback: "F" };
+        let next = NextTurn {
+            original_prompt: "P0",
+            history: &hist,
+            feedback: "F",
+        };
         let f = flags(true, true, true);
         let all = compose_next_turn(&next, &f, 0);
         assert_eq!(

@@ -28,40 +28,92 @@ use crate::data::TaskItem;
 pub enum TemplateError {
     /// A `template_file` could not be read.
     #[error("prompts.{agent}.template_file {path}: {source}")]
-    Read { agent: String, path: String, source: std::io::Error },
+    Read {
+        agent: String,
+        path: String,
+        source: std::io::Error,
+    },
     /// The template does not parse.
     #[error("prompts.{agent}: invalid template: {message}")]
     Syntax { agent: String, message: String },
     /// Rendering failed (an undefined variable, a filter error, ...).
     #[error("prompts.{agent}: cannot render the prompt of row {row}: {message}")]
-    Render { agent: String, row: usize, message: String },
+    Render {
+        agent: String,
+        row: usize,
+        message: String,
+    },
     /// The task has no default prompt for this many agents.
-    #[error("task `{task}` has default prompts for {supported} agents, not {num_agents}; give prompts.agentN.template for each agent")]
-    AgentCount { task: &'static str, num_agents: usize, supported: &'static str },
+    #[error(
+        "task `{task}` has default prompts for {supported} agents, not {num_agents}; give prompts.agentN.template for each agent"
+    )]
+    AgentCount {
+        task: &'static str,
+        num_agents: usize,
+        supported: &'static str,
+    },
 }
 
 /// The default template of each (task, role), from `configs/prompts/`.
 const DEFAULTS: &[(&str, &str)] = &[
-    ("code_helper", include_str!("../../../configs/prompts/code_helper.j2")),
-    ("code_main", include_str!("../../../configs/prompts/code_main.j2")),
-    ("code_single", include_str!("../../../configs/prompts/code_single.j2")),
-    ("arxiv_background", include_str!("../../../configs/prompts/arxiv_background.j2")),
-    ("arxiv_methods", include_str!("../../../configs/prompts/arxiv_methods.j2")),
-    ("arxiv_single", include_str!("../../../configs/prompts/arxiv_single.j2")),
-    ("tldr_concise", include_str!("../../../configs/prompts/tldr_concise.j2")),
-    ("tldr_detailed", include_str!("../../../configs/prompts/tldr_detailed.j2")),
-    ("tldr_single", include_str!("../../../configs/prompts/tldr_single.j2")),
+    (
+        "code_helper",
+        include_str!("../../../configs/prompts/code_helper.j2"),
+    ),
+    (
+        "code_main",
+        include_str!("../../../configs/prompts/code_main.j2"),
+    ),
+    (
+        "code_single",
+        include_str!("../../../configs/prompts/code_single.j2"),
+    ),
+    (
+        "arxiv_background",
+        include_str!("../../../configs/prompts/arxiv_background.j2"),
+    ),
+    (
+        "arxiv_methods",
+        include_str!("../../../configs/prompts/arxiv_methods.j2"),
+    ),
+    (
+        "arxiv_single",
+        include_str!("../../../configs/prompts/arxiv_single.j2"),
+    ),
+    (
+        "tldr_concise",
+        include_str!("../../../configs/prompts/tldr_concise.j2"),
+    ),
+    (
+        "tldr_detailed",
+        include_str!("../../../configs/prompts/tldr_detailed.j2"),
+    ),
+    (
+        "tldr_single",
+        include_str!("../../../configs/prompts/tldr_single.j2"),
+    ),
     ("gsm8k", include_str!("../../../configs/prompts/gsm8k.j2")),
     ("anli", include_str!("../../../configs/prompts/anli.j2")),
 ];
 
 /// The name of the default template (a file stem in `configs/prompts/`) of `agent` of `num_agents`.
-pub fn default_template_name(item: &TaskItem, agent: usize, num_agents: usize) -> Result<&'static str, TemplateError> {
-    let two = |task: &'static str, single: &'static str, first: &'static str, second: &'static str| match num_agents {
+pub fn default_template_name(
+    item: &TaskItem,
+    agent: usize,
+    num_agents: usize,
+) -> Result<&'static str, TemplateError> {
+    let two = |task: &'static str,
+               single: &'static str,
+               first: &'static str,
+               second: &'static str| match num_agents {
         1 => Ok(single),
         2 if agent == 0 => Ok(first),
         2 => Ok(second),
-        _ => Err(TemplateError::AgentCount { task, num_agents, supported: "1 or 2" }),
+        _ => Err(TemplateError::AgentCount {
+            task,
+            num_agents,
+            supported: "1 or 2",
+        }),
     };
     match item {
         TaskItem::Code(_) => two("code", "code_single", "code_helper", "code_main"),
@@ -83,7 +135,9 @@ pub struct Prompter {
 
 impl std::fmt::Debug for Prompter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Prompter").field("names", &self.names).finish_non_exhaustive()
+        f.debug_struct("Prompter")
+            .field("names", &self.names)
+            .finish_non_exhaustive()
     }
 }
 
@@ -134,12 +188,23 @@ fn derived(item: &TaskItem) -> Derived {
                 ..Derived::default()
             }
         }
-        TaskItem::Arxiv(a) => Derived { abstract_text: Some(a.abstract_text.trim().to_string()), ..Derived::default() },
-        TaskItem::Tldr(t) => Derived { post: Some(t.prompt.trim().to_string()), ..Derived::default() },
-        TaskItem::Gsm8k(g) => Derived { question: Some(g.question.trim().to_string()), ..Derived::default() },
-        TaskItem::Anli(a) => {
-            Derived { premise: Some(a.premise.trim().to_string()), hypothesis: Some(a.hypothesis.trim().to_string()), ..Derived::default() }
-        }
+        TaskItem::Arxiv(a) => Derived {
+            abstract_text: Some(a.abstract_text.trim().to_string()),
+            ..Derived::default()
+        },
+        TaskItem::Tldr(t) => Derived {
+            post: Some(t.prompt.trim().to_string()),
+            ..Derived::default()
+        },
+        TaskItem::Gsm8k(g) => Derived {
+            question: Some(g.question.trim().to_string()),
+            ..Derived::default()
+        },
+        TaskItem::Anli(a) => Derived {
+            premise: Some(a.premise.trim().to_string()),
+            hypothesis: Some(a.hypothesis.trim().to_string()),
+            ..Derived::default()
+        },
     }
 }
 
@@ -155,7 +220,8 @@ fn environment() -> Environment<'static> {
     env.set_debug(true);
     minijinja_contrib::add_to_environment(&mut env);
     for (name, text) in DEFAULTS {
-        env.add_template(name, text).expect("the embedded default prompt templates parse");
+        env.add_template(name, text)
+            .expect("the embedded default prompt templates parse");
     }
     env
 }
@@ -172,48 +238,97 @@ impl Prompter {
                 None => continue,
                 Some(PromptSource::Inline(t)) => t.clone(),
                 Some(PromptSource::File(p)) => {
-                    let path = if Path::new(p).is_absolute() { Path::new(p).to_path_buf() } else { base.join(p) };
-                    std::fs::read_to_string(&path)
-                        .map_err(|source| TemplateError::Read { agent: key.clone(), path: path.display().to_string(), source })?
+                    let path = if Path::new(p).is_absolute() {
+                        Path::new(p).to_path_buf()
+                    } else {
+                        base.join(p)
+                    };
+                    std::fs::read_to_string(&path).map_err(|source| TemplateError::Read {
+                        agent: key.clone(),
+                        path: path.display().to_string(),
+                        source,
+                    })?
                 }
             };
-            env.add_template_owned(key.clone(), text).map_err(|e| TemplateError::Syntax { agent: key.clone(), message: e.to_string() })?;
+            env.add_template_owned(key.clone(), text)
+                .map_err(|e| TemplateError::Syntax {
+                    agent: key.clone(),
+                    message: e.to_string(),
+                })?;
             names[agent] = Some(key);
         }
-        Ok(Self { env, names, models: cfg.agent_models.clone() })
+        Ok(Self {
+            env,
+            names,
+            models: cfg.agent_models.clone(),
+        })
     }
 
     /// Only the defaults (tests, tools), for agents of no named model.
     pub fn defaults(num_agents: usize) -> Self {
-        Self { env: environment(), names: vec![None; num_agents], models: Vec::new() }
+        Self {
+            env: environment(),
+            names: vec![None; num_agents],
+            models: Vec::new(),
+        }
     }
 
     /// The first-turn prompt text of `agent` for `item` (row `row` of its split, for messages).
-    pub fn render(&self, item: &TaskItem, row: usize, agent: usize) -> Result<String, TemplateError> {
+    pub fn render(
+        &self,
+        item: &TaskItem,
+        row: usize,
+        agent: usize,
+    ) -> Result<String, TemplateError> {
         let num_agents = self.names.len();
         let name = match self.names.get(agent).cloned().flatten() {
             Some(n) => n,
             None => default_template_name(item, agent, num_agents)?.to_string(),
         };
         let agent_key = format!("agent{agent}");
-        let tmpl = self.env.get_template(&name).map_err(|e| TemplateError::Syntax { agent: agent_key.clone(), message: e.to_string() })?;
+        let tmpl = self
+            .env
+            .get_template(&name)
+            .map_err(|e| TemplateError::Syntax {
+                agent: agent_key.clone(),
+                message: e.to_string(),
+            })?;
         let model = self.models.get(agent).map_or("", String::as_str);
-        let ctx = Context { item, agent, num_agents, model, derived: derived(item) };
-        tmpl.render(&ctx).map_err(|e| TemplateError::Render { agent: agent_key, row, message: format!("{e:#}") })
+        let ctx = Context {
+            item,
+            agent,
+            num_agents,
+            model,
+            derived: derived(item),
+        };
+        tmpl.render(&ctx).map_err(|e| TemplateError::Render {
+            agent: agent_key,
+            row,
+            message: format!("{e:#}"),
+        })
     }
 
     /// A later turn's `text` wrapped in `agent`'s first-turn template, as the original's formatters
     /// wrapped it (`external.prompt_passthrough: false`): the text in place of the code problem, so
     /// the template's `def_params` and `signature` come from the first `def` in the text; the
     /// original's error string when the text has no `def name(params)`. Other tasks are not wrapped.
-    pub fn render_next_turn(&self, item: &TaskItem, row: usize, agent: usize, text: &str) -> Result<String, TemplateError> {
+    pub fn render_next_turn(
+        &self,
+        item: &TaskItem,
+        row: usize,
+        agent: usize,
+        text: &str,
+    ) -> Result<String, TemplateError> {
         let TaskItem::Code(code) = item else {
             return Ok(text.to_string());
         };
         if formatter_params(text).is_none() {
             return Ok(FORMATTER_ERROR.to_string());
         }
-        let wrapped = TaskItem::Code(crate::data::CodeItem { prompt: text.to_string(), ..code.clone() });
+        let wrapped = TaskItem::Code(crate::data::CodeItem {
+            prompt: text.to_string(),
+            ..code.clone()
+        });
         self.render(&wrapped, row, agent)
     }
 }
@@ -237,11 +352,21 @@ mod tests {
         let p = Prompter::defaults(2);
         let helper = p.render(&code_item(), 0, 0).unwrap();
         let main = p.render(&code_item(), 0, 1).unwrap();
-        assert!(helper.contains("aux") && helper.contains("def add(a: int, b: List[int]) -> int:"), "{helper}");
+        assert!(
+            helper.contains("aux") && helper.contains("def add(a: int, b: List[int]) -> int:"),
+            "{helper}"
+        );
         assert!(main.contains("add(a, b)") && main.contains("aux"), "{main}");
         let single = Prompter::defaults(1).render(&code_item(), 0, 0).unwrap();
-        assert!(single.contains("add(a, b)") && !single.contains("aux"), "{single}");
-        let a = TaskItem::Arxiv(ArxivItem { article_id: "1".into(), abstract_text: " We study X. ".into(), token_count: None });
+        assert!(
+            single.contains("add(a, b)") && !single.contains("aux"),
+            "{single}"
+        );
+        let a = TaskItem::Arxiv(ArxivItem {
+            article_id: "1".into(),
+            abstract_text: " We study X. ".into(),
+            token_count: None,
+        });
         for agents in [1, 2] {
             for agent in 0..agents {
                 let text = Prompter::defaults(agents).render(&a, 0, agent).unwrap();
@@ -259,7 +384,10 @@ mod tests {
         let v = crate::config::merged_value(yaml, "p.yaml", &[], &Default::default()).unwrap();
         let cfg = CheckedConfig::from_value(v, Path::new("p.yaml")).unwrap();
         let p = Prompter::from_config(&cfg).unwrap();
-        assert_eq!(p.render(&code_item(), 0, 1).unwrap(), "t/1|add|a,b|add(a, b)|1/2");
+        assert_eq!(
+            p.render(&code_item(), 0, 1).unwrap(),
+            "t/1|add|a,b|add(a, b)|1/2"
+        );
         // Agent 0 keeps its default.
         assert!(p.render(&code_item(), 0, 0).unwrap().contains("aux"));
     }
@@ -269,8 +397,15 @@ mod tests {
         let yaml = "model: {name: m}\ndataset: {name: humaneval}\nmagrpo: {}\nprompts: {agent0: {template: '{{ nope }}'}}\n";
         let v = crate::config::merged_value(yaml, "p.yaml", &[], &Default::default()).unwrap();
         let cfg = CheckedConfig::from_value(v, Path::new("p.yaml")).unwrap();
-        let e = Prompter::from_config(&cfg).unwrap().render(&code_item(), 3, 0).unwrap_err().to_string();
-        assert!(e.contains("prompts.agent0") && e.contains("row 3") && e.contains("nope"), "{e}");
+        let e = Prompter::from_config(&cfg)
+            .unwrap()
+            .render(&code_item(), 3, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("prompts.agent0") && e.contains("row 3") && e.contains("nope"),
+            "{e}"
+        );
         let yaml = "model: {name: m}\ndataset: {name: humaneval}\nmagrpo: {}\nprompts: {agent1: {template: '{% if %}'}}\n";
         let v = crate::config::merged_value(yaml, "p.yaml", &[], &Default::default()).unwrap();
         let cfg = CheckedConfig::from_value(v, Path::new("p.yaml")).unwrap();

@@ -11,7 +11,10 @@ use tracing::info;
 use crate::config::CheckedConfig;
 use crate::error::TrainError;
 use crate::model_options::{load_options, rollout_kind};
-use crate::services::{self, GrpcReward, PoolRollout, embedded::{EmbeddedReward, EmbeddedRollout}};
+use crate::services::{
+    self, GrpcReward, PoolRollout,
+    embedded::{EmbeddedReward, EmbeddedRollout},
+};
 use crate::sources::{RewardSource, RolloutSource};
 
 /// The rollout and reward sources a config names.
@@ -34,19 +37,37 @@ pub struct ServiceGuard {
 /// The services a config names, or the embedded default: a reward server and a rollout worker in
 /// this process on loopback ports, used over gRPC. `agents` are the (worker agent, model spec) pairs
 /// the learner trains; each must have weights of its own on the workers.
-pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Result<Services, TrainError> {
+pub fn connect_services(
+    cfg: &CheckedConfig,
+    agents: &[(String, String)],
+) -> Result<Services, TrainError> {
     let runtime = services::runtime().map_err(|e| TrainError::Io(format!("tokio runtime: {e}")))?;
     let r = &cfg.raw.reward;
     let (reward, embedded_reward): (Box<dyn RewardSource>, _) = match &r.endpoint {
         Some(ep) => (
-            Box::new(GrpcReward::connect(runtime.clone(), ep, Duration::from_secs(r.request_timeout_secs), services::client_tls().as_ref())?.with_options(&cfg.score_options).with_retries(r.max_retries)),
+            Box::new(
+                GrpcReward::connect(
+                    runtime.clone(),
+                    ep,
+                    Duration::from_secs(r.request_timeout_secs),
+                    services::client_tls().as_ref(),
+                )?
+                .with_options(&cfg.score_options)
+                .with_retries(r.max_retries),
+            ),
             None,
         ),
         None => {
             let server = EmbeddedReward::start(runtime.clone())?;
             info!(grpc = %server.grpc, http = %server.http, "embedded reward server started");
-            let client = GrpcReward::connect(runtime.clone(), &server.grpc.to_string(), Duration::from_secs(r.request_timeout_secs), None)?
-                .with_options(&cfg.score_options).with_retries(r.max_retries);
+            let client = GrpcReward::connect(
+                runtime.clone(),
+                &server.grpc.to_string(),
+                Duration::from_secs(r.request_timeout_secs),
+                None,
+            )?
+            .with_options(&cfg.score_options)
+            .with_retries(r.max_retries);
             (Box::new(client), Some(server))
         }
     };
@@ -55,17 +76,25 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
     // the pool, operators ask for status, checkpoints and stops.
     let control = match (crate::control::current(), &cfg.raw.learner.control_addr) {
         (Some(state), Some(addr)) => {
-            let addr: std::net::SocketAddr =
-                addr.parse().map_err(|_| TrainError::Config(format!("learner.control_addr: `{addr}` is not IP:PORT")))?;
+            let addr: std::net::SocketAddr = addr.parse().map_err(|_| {
+                TrainError::Config(format!("learner.control_addr: `{addr}` is not IP:PORT"))
+            })?;
             let server = runtime
-                .block_on(crate::control::ControlServer::start(addr, state.clone(), services::cluster_token(), services::server_tls()))
+                .block_on(crate::control::ControlServer::start(
+                    addr,
+                    state.clone(),
+                    services::cluster_token(),
+                    services::server_tls(),
+                ))
                 .map_err(|e| TrainError::Io(format!("learner.control_addr {addr}: {e}")))?;
             println!("control plane listening on {}", server.addr);
             Some((state, server))
         }
         _ => None,
     };
-    let registration = control.as_ref().map(|(state, server)| (state.as_ref(), server.addr.to_string()));
+    let registration = control
+        .as_ref()
+        .map(|(state, server)| (state.as_ref(), server.addr.to_string()));
     // The embedded worker requires this process's token; remote workers get the cluster token only
     // (a worker without one ignores it, one with a token must be sent that very token).
     let pool = |endpoints: Vec<String>,
@@ -89,8 +118,17 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             replay_dir: Some(PathBuf::from(&cfg.raw.output.base_dir)),
             ..Default::default()
         };
-        PoolRollout::connect_with(runtime.clone(), pool_cfg, registration.clone(), min_workers, wait)
-            .map(|p| p.with_weight_transport(ro.weight_transport).with_weight_dtype(ro.weight_dtype))
+        PoolRollout::connect_with(
+            runtime.clone(),
+            pool_cfg,
+            registration.clone(),
+            min_workers,
+            wait,
+        )
+        .map(|p| {
+            p.with_weight_transport(ro.weight_transport)
+                .with_weight_dtype(ro.weight_dtype)
+        })
     };
     let remote_only = !ro.endpoints.is_empty() || ro.dns_name.is_some() || ro.wait_for_registration;
     let (rollout, embedded_rollout): (Box<dyn RolloutSource>, _) = if !remote_only {
@@ -101,10 +139,20 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             .maporl
             .as_ref()
             .and_then(|m| m.verifier_path.as_ref())
-            .map(|dir| vec![(super::EMBEDDED_VERIFIER.to_string(), std::path::PathBuf::from(dir))])
+            .map(|dir| {
+                vec![(
+                    super::EMBEDDED_VERIFIER.to_string(),
+                    std::path::PathBuf::from(dir),
+                )]
+            })
             .unwrap_or_default();
         if ro.bf16_dot_products {
-            cotrain_model::kernels::gemm_bf16dot::enable_for(rollout_kind(cfg), opts.device, "rollout.bf16_dot_products").map_err(TrainError::Config)?;
+            cotrain_model::kernels::gemm_bf16dot::enable_for(
+                rollout_kind(cfg),
+                opts.device,
+                "rollout.bf16_dot_products",
+            )
+            .map_err(TrainError::Config)?;
         }
         // A training run's LoRA agents, of those this worker serves: other commands on the same
         // config (`verifier generate`, evaluation) start other agents.
@@ -112,7 +160,11 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             crate::config::LoraServing::Merged => Vec::new(),
             crate::config::LoraServing::Unmerged => crate::model_options::adapter_groups(cfg)
                 .into_iter()
-                .map(|g| g.into_iter().filter(|name| agents.iter().any(|(a, _)| a == name)).collect::<Vec<_>>())
+                .map(|g| {
+                    g.into_iter()
+                        .filter(|name| agents.iter().any(|(a, _)| a == name))
+                        .collect::<Vec<_>>()
+                })
                 .filter(|g| !g.is_empty())
                 .collect(),
         };
@@ -124,9 +176,27 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
                 opts.device
             )));
         }
-        let worker = EmbeddedRollout::start_full(runtime.clone(), agents, opts.device, rollout_kind(cfg), verifiers, adapter_groups, ro.engine)?;
+        let worker = EmbeddedRollout::start_full(
+            runtime.clone(),
+            agents,
+            opts.device,
+            rollout_kind(cfg),
+            verifiers,
+            adapter_groups,
+            ro.engine,
+        )?;
         info!(grpc = %worker.grpc, "embedded rollout worker started");
-        (Box::new(pool(vec![format!("http://{}", worker.grpc)], Vec::new(), 1, Duration::from_secs(120), None, Some(services::process_token()))?), Some(worker))
+        (
+            Box::new(pool(
+                vec![format!("http://{}", worker.grpc)],
+                Vec::new(),
+                1,
+                Duration::from_secs(120),
+                None,
+                Some(services::process_token()),
+            )?),
+            Some(worker),
+        )
     } else {
         if ro.bf16_dot_products {
             return Err(TrainError::Config(
@@ -136,27 +206,54 @@ pub fn connect_services(cfg: &CheckedConfig, agents: &[(String, String)]) -> Res
             ));
         }
         let (min, wait) = if ro.wait_for_registration {
-            (ro.min_workers, Duration::from_secs(ro.registration_timeout_secs))
+            (
+                ro.min_workers,
+                Duration::from_secs(ro.registration_timeout_secs),
+            )
         } else {
             (1, Duration::from_secs(120))
         };
-        let remote = pool(ro.endpoints.clone(), ro.dns_name.iter().cloned().collect(), min, wait, services::client_tls(), services::cluster_token())?;
+        let remote = pool(
+            ro.endpoints.clone(),
+            ro.dns_name.iter().cloned().collect(),
+            min,
+            wait,
+            services::client_tls(),
+            services::cluster_token(),
+        )?;
         remote.check_separate_models(&agents.iter().map(|(a, _)| a.clone()).collect::<Vec<_>>())?;
         (Box::new(remote), None)
     };
     let control = control.map(|(_, server)| server);
-    Ok(Services { rollout, reward, guard: ServiceGuard { control, embedded_reward, embedded_rollout, runtime } })
+    Ok(Services {
+        rollout,
+        reward,
+        guard: ServiceGuard {
+            control,
+            embedded_reward,
+            embedded_rollout,
+            runtime,
+        },
+    })
 }
 
 /// The run directory of a job: rank 0's (a run name made of the start time differs between ranks).
 /// Rank 0 connects to the services (starting the embedded ones); the other ranks connect to the
 /// same endpoints, which rank 0 sends them.
-pub fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, String)], dist: &dyn crate::dist::Collective) -> Result<Services, TrainError> {
+pub fn connect_services_ranked(
+    cfg: &CheckedConfig,
+    agents: &[(String, String)],
+    dist: &dyn crate::dist::Collective,
+) -> Result<Services, TrainError> {
     let (services, mut endpoints) = if dist.is_root() {
         let services = connect_services(cfg, agents)?;
         let g = &services.guard;
         let ro = &cfg.raw.rollout;
-        let registered = g.control.as_ref().and_then(|_| crate::control::current()).and_then(|c| c.pool().map(|p| p.workers()));
+        let registered = g
+            .control
+            .as_ref()
+            .and_then(|_| crate::control::current())
+            .and_then(|c| c.pool().map(|p| p.workers()));
         let rollout = match (&g.embedded_rollout, registered) {
             (Some(w), _) => vec![format!("http://{}", w.grpc)],
             // Every worker rank 0's pool has now (static, resolved and registered ones).
@@ -168,7 +265,10 @@ pub fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, String)],
             None => cfg.raw.reward.endpoint.clone(),
         };
         let ep = serde_json::json!({"rollout": rollout, "dns_name": ro.dns_name, "reward": reward, "host": host_name()});
-        (Some(services), serde_json::to_vec(&ep).map_err(|e| TrainError::Dist(e.to_string()))?)
+        (
+            Some(services),
+            serde_json::to_vec(&ep).map_err(|e| TrainError::Dist(e.to_string()))?,
+        )
     } else {
         (None, Vec::new())
     };
@@ -176,13 +276,30 @@ pub fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, String)],
     if let Some(s) = services {
         return Ok(s);
     }
-    let ep: serde_json::Value = serde_json::from_slice(&endpoints).map_err(|e| TrainError::Dist(format!("rank 0's service endpoints: {e}")))?;
-    let rollout_eps: Vec<String> = ep["rollout"].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(String::from)).collect();
+    let ep: serde_json::Value = serde_json::from_slice(&endpoints)
+        .map_err(|e| TrainError::Dist(format!("rank 0's service endpoints: {e}")))?;
+    let rollout_eps: Vec<String> = ep["rollout"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().map(String::from))
+        .collect();
     let reward_ep = ep["reward"].as_str().map(String::from);
-    unreachable_from_here(ep["host"].as_str().unwrap_or_default(), &host_name(), rollout_eps.iter().chain(&reward_ep))
-        .map_or(Ok(()), |e| Err(TrainError::Config(format!("rank {}: {e}", dist.rank()))))?;
+    unreachable_from_here(
+        ep["host"].as_str().unwrap_or_default(),
+        &host_name(),
+        rollout_eps.iter().chain(&reward_ep),
+    )
+    .map_or(Ok(()), |e| {
+        Err(TrainError::Config(format!("rank {}: {e}", dist.rank())))
+    })?;
     let mut own = cfg.clone();
-    own.raw.rollout.endpoints = ep["rollout"].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(String::from)).collect();
+    own.raw.rollout.endpoints = ep["rollout"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().map(String::from))
+        .collect();
     own.raw.rollout.dns_name = ep["dns_name"].as_str().map(String::from);
     own.raw.reward.endpoint = ep["reward"].as_str().map(String::from);
     // Rank 0 alone serves the control plane; the workers that registered there are in the list.
@@ -194,17 +311,26 @@ pub fn connect_services_ranked(cfg: &CheckedConfig, agents: &[(String, String)],
 
 /// This machine's host name (`/proc/sys/kernel/hostname`), empty if unreadable.
 fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
 }
 
 /// Why a rank on `here` cannot use rank 0's service `endpoints` (rank 0 runs on `rank0`): a
 /// loopback address names the rank's own machine, not rank 0's, as the embedded services (which
 /// listen on loopback) are.
-fn unreachable_from_here<'a>(rank0: &str, here: &str, endpoints: impl IntoIterator<Item = &'a String>) -> Option<String> {
+fn unreachable_from_here<'a>(
+    rank0: &str,
+    here: &str,
+    endpoints: impl IntoIterator<Item = &'a String>,
+) -> Option<String> {
     if rank0.is_empty() || here.is_empty() || rank0 == here {
         return None;
     }
-    let local: Vec<&String> = endpoints.into_iter().filter(|e| cotrain_rollout_client::pool::is_loopback(e)).collect();
+    let local: Vec<&String> = endpoints
+        .into_iter()
+        .filter(|e| cotrain_rollout_client::pool::is_loopback(e))
+        .collect();
     (!local.is_empty()).then(|| {
         format!(
             "this rank runs on `{here}` and rank 0 on `{rank0}`, whose services {local:?} listen on loopback: a job across \
@@ -219,11 +345,27 @@ mod tests {
 
     #[test]
     fn loopback_services_of_another_machine_are_refused() {
-        let eps = ["http://127.0.0.1:5000".to_string(), "http://reward-0:50051".to_string()];
+        let eps = [
+            "http://127.0.0.1:5000".to_string(),
+            "http://reward-0:50051".to_string(),
+        ];
         let e = unreachable_from_here("node-a", "node-b", &eps).expect("refused");
-        assert!(e.contains("node-b") && e.contains("node-a") && e.contains("127.0.0.1:5000") && !e.contains("reward-0"), "{e}");
-        assert_eq!(unreachable_from_here("node-a", "node-a", &eps), None, "the same machine reaches its loopback");
-        assert_eq!(unreachable_from_here("node-a", "node-b", &eps[1..]), None, "routable names are fine");
+        assert!(
+            e.contains("node-b")
+                && e.contains("node-a")
+                && e.contains("127.0.0.1:5000")
+                && !e.contains("reward-0"),
+            "{e}"
+        );
+        assert_eq!(
+            unreachable_from_here("node-a", "node-a", &eps),
+            None,
+            "the same machine reaches its loopback"
+        );
+        assert_eq!(
+            unreachable_from_here("node-a", "node-b", &eps[1..]),
+            None,
+            "routable names are fine"
+        );
     }
 }
-

@@ -28,8 +28,15 @@ impl EmbeddedReward {
     /// Starts the reward server (strict sandbox, as the binary's default) on 127.0.0.1:0.
     pub fn start(rt: Arc<Runtime>) -> Result<Self, TrainError> {
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
-        let cfg = ServerConfig::resolve(None, Overrides { grpc_addr: Some(loopback), http_addr: Some(loopback), ..Overrides::default() })
-            .map_err(|e| TrainError::Reward(format!("embedded reward server: {e}")))?;
+        let cfg = ServerConfig::resolve(
+            None,
+            Overrides {
+                grpc_addr: Some(loopback),
+                http_addr: Some(loopback),
+                ..Overrides::default()
+            },
+        )
+        .map_err(|e| TrainError::Reward(format!("embedded reward server: {e}")))?;
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let (bound_tx, bound_rx) = oneshot::channel();
         let task = rt.spawn(async move {
@@ -45,7 +52,13 @@ impl EmbeddedReward {
             .await
         });
         match rt.block_on(async { tokio::time::timeout(Duration::from_secs(60), bound_rx).await }) {
-            Ok(Ok(b)) => Ok(Self { grpc: b.grpc, http: b.http, shutdown: Some(stop_tx), rt, task: Some(task) }),
+            Ok(Ok(b)) => Ok(Self {
+                grpc: b.grpc,
+                http: b.http,
+                shutdown: Some(stop_tx),
+                rt,
+                task: Some(task),
+            }),
             _ => {
                 // It never bound: its error says why (no working sandbox, ...).
                 let why = match rt.block_on(task) {
@@ -53,7 +66,9 @@ impl EmbeddedReward {
                     Ok(Ok(())) => "it stopped before binding".into(),
                     Err(e) => e.to_string(),
                 };
-                Err(TrainError::Reward(format!("the embedded reward server did not start: {why}")))
+                Err(TrainError::Reward(format!(
+                    "the embedded reward server did not start: {why}"
+                )))
             }
         }
     }
@@ -68,7 +83,9 @@ impl Drop for EmbeddedReward {
             let rt = self.rt.clone();
             match rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), task).await }) {
                 Ok(Ok(Ok(()))) => {}
-                Ok(Ok(Err(e))) => warn!(error = %format!("{e:#}"), "embedded reward server stopped with an error"),
+                Ok(Ok(Err(e))) => {
+                    warn!(error = %format!("{e:#}"), "embedded reward server stopped with an error")
+                }
                 _ => warn!("embedded reward server did not stop within 10 s"),
             }
         }
@@ -87,7 +104,12 @@ pub struct EmbeddedRollout {
 impl EmbeddedRollout {
     /// Starts a worker serving `agents` (`(name, model spec)`, one model copy per agent) on
     /// 127.0.0.1:0.
-    pub fn start(rt: Arc<Runtime>, agents: &[(String, String)], device: tch::Device, kind: tch::Kind) -> Result<Self, TrainError> {
+    pub fn start(
+        rt: Arc<Runtime>,
+        agents: &[(String, String)],
+        device: tch::Device,
+        kind: tch::Kind,
+    ) -> Result<Self, TrainError> {
         Self::start_with_verifiers(rt, agents, device, kind, Vec::new())
     }
 
@@ -99,7 +121,15 @@ impl EmbeddedRollout {
         kind: tch::Kind,
         verifiers: Vec<(String, std::path::PathBuf)>,
     ) -> Result<Self, TrainError> {
-        Self::start_full(rt, agents, device, kind, verifiers, Vec::new(), crate::config::RolloutEngine::Cotrain)
+        Self::start_full(
+            rt,
+            agents,
+            device,
+            kind,
+            verifiers,
+            Vec::new(),
+            crate::config::RolloutEngine::Cotrain,
+        )
     }
 
     /// As [`EmbeddedRollout::start_with_verifiers`], serving each group of `adapter_groups` as
@@ -120,9 +150,15 @@ impl EmbeddedRollout {
         // the engines busy at each step): its counts follow timing, the products' sums follow the
         // counts, and a seeded run then did not repeat (a MaPoRL test learned in one run of two).
         // An adapter group is one engine.
-        let engines = agents.len() - adapter_groups.iter().map(|g| g.len().saturating_sub(1)).sum::<usize>();
+        let engines = agents.len()
+            - adapter_groups
+                .iter()
+                .map(|g| g.len().saturating_sub(1))
+                .sum::<usize>();
         let engine_threads = if device == tch::Device::Cpu && engines > 1 {
-            cotrain_rollout_worker::worker::EngineThreads::Fixed((tch::get_num_threads().max(1) as usize / engines).max(1))
+            cotrain_rollout_worker::worker::EngineThreads::Fixed(
+                (tch::get_num_threads().max(1) as usize / engines).max(1),
+            )
         } else {
             cotrain_rollout_worker::worker::EngineThreads::Default
         };
@@ -152,9 +188,17 @@ impl EmbeddedRollout {
             insecure: false,
         };
         let server = rt
-            .block_on(cotrain_rollout_worker::server::start_with(config, loopback, loopback, options))
-            .map_err(|e| TrainError::Rollout(format!("the embedded rollout worker did not start: {e:#}")))?;
-        Ok(Self { grpc: server.grpc_addr, server: Some(server), rt })
+            .block_on(cotrain_rollout_worker::server::start_with(
+                config, loopback, loopback, options,
+            ))
+            .map_err(|e| {
+                TrainError::Rollout(format!("the embedded rollout worker did not start: {e:#}"))
+            })?;
+        Ok(Self {
+            grpc: server.grpc_addr,
+            server: Some(server),
+            rt,
+        })
     }
 }
 
@@ -170,13 +214,20 @@ impl Drop for EmbeddedRollout {
 
 /// The embedded worker's engine for `rollout.engine`: vLLM with the defaults of `rollout-worker
 /// serve --engine vllm`, from the interpreter `make setup` recorded (or COTRAIN_VLLM_PYTHON).
-fn embedded_engine(engine: crate::config::RolloutEngine) -> Result<cotrain_rollout_worker::worker::EngineKind, TrainError> {
+fn embedded_engine(
+    engine: crate::config::RolloutEngine,
+) -> Result<cotrain_rollout_worker::worker::EngineKind, TrainError> {
     use cotrain_rollout_worker::vllm;
     match engine {
-        crate::config::RolloutEngine::Cotrain => Ok(cotrain_rollout_worker::worker::EngineKind::Cotrain),
+        crate::config::RolloutEngine::Cotrain => {
+            Ok(cotrain_rollout_worker::worker::EngineKind::Cotrain)
+        }
         crate::config::RolloutEngine::Vllm => {
-            let (python, _) = vllm::VllmOptions::discover(None).map_err(|e| TrainError::Config(format!("rollout.engine: vllm: {e}")))?;
-            Ok(cotrain_rollout_worker::worker::EngineKind::Vllm(vllm::VllmOptions::defaults(python)))
+            let (python, _) = vllm::VllmOptions::discover(None)
+                .map_err(|e| TrainError::Config(format!("rollout.engine: vllm: {e}")))?;
+            Ok(cotrain_rollout_worker::worker::EngineKind::Vllm(
+                vllm::VllmOptions::defaults(python),
+            ))
         }
     }
 }

@@ -47,7 +47,10 @@ impl EmbeddedRollout {
         _kind: tch::Kind,
         _verifiers: Vec<(String, std::path::PathBuf)>,
     ) -> Result<Self, TrainError> {
-        Err(not_built("a rollout worker", "rollout.endpoints (or rollout.dns_name)"))
+        Err(not_built(
+            "a rollout worker",
+            "rollout.endpoints (or rollout.dns_name)",
+        ))
     }
 
     /// Refuses: see the module docs.
@@ -60,6 +63,9 @@ impl EmbeddedRollout {
         _adapter_groups: Vec<Vec<String>>,
         _engine: crate::config::RolloutEngine,
     ) -> Result<Self, TrainError> {
-        Err(not_built("a rollout worker", "rollout.endpoints (or rollout.dns_name)"))
+        Err(not_built(
+            "a rollout worker",
+            "rollout.endpoints (or rollout.dns_name)",
+        ))
     }
 }

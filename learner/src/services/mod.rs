@@ -28,12 +28,19 @@ pub use reward_grpc::GrpcReward;
 /// The name the embedded rollout worker serves `maporl.verifier_path` under.
 pub const EMBEDDED_VERIFIER: &str = "maporl";
 
-pub use crate::security::{client_tls, cluster_token, insecure, process_token, server_tls, set_cluster_token, set_insecure, set_tls};
+pub use crate::security::{
+    client_tls, cluster_token, insecure, process_token, server_tls, set_cluster_token,
+    set_insecure, set_tls,
+};
 
 /// A multi-threaded tokio runtime for the gRPC clients and embedded servers; the trainer's own
 /// thread blocks on it and keeps the tensor work off it.
 pub fn runtime() -> std::io::Result<std::sync::Arc<tokio::runtime::Runtime>> {
     Ok(std::sync::Arc::new(
-        tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("cotrain-io").enable_all().build()?,
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("cotrain-io")
+            .enable_all()
+            .build()?,
     ))
 }

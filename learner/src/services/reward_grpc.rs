@@ -25,14 +25,31 @@ pub struct GrpcReward {
 
 impl GrpcReward {
     /// Connects to `endpoint` (`host:port` or `http://host:port`; over TLS with `tls`).
-    pub fn connect(rt: Arc<Runtime>, endpoint: &str, timeout: Duration, tls: Option<&cotrain_proto::tls::ClientTls>) -> Result<Self, TrainError> {
-        let ep = cotrain_proto::tls::endpoint(endpoint, tls).map_err(|e| TrainError::Reward(format!("reward.endpoint: {e}")))?;
+    pub fn connect(
+        rt: Arc<Runtime>,
+        endpoint: &str,
+        timeout: Duration,
+        tls: Option<&cotrain_proto::tls::ClientTls>,
+    ) -> Result<Self, TrainError> {
+        let ep = cotrain_proto::tls::endpoint(endpoint, tls)
+            .map_err(|e| TrainError::Reward(format!("reward.endpoint: {e}")))?;
         let uri = ep.uri().to_string();
         let channel = rt
             .block_on(ep.connect_timeout(Duration::from_secs(10)).connect())
-            .map_err(|e| TrainError::Reward(format!("cannot reach the reward server at {uri}: {e}")))?;
-        let client = RewardClient::new(channel).max_decoding_message_size(usize::MAX).max_encoding_message_size(usize::MAX);
-        Ok(Self { rt, client, endpoint: uri, timeout, options_json: String::new(), retries: 5 })
+            .map_err(|e| {
+                TrainError::Reward(format!("cannot reach the reward server at {uri}: {e}"))
+            })?;
+        let client = RewardClient::new(channel)
+            .max_decoding_message_size(usize::MAX)
+            .max_encoding_message_size(usize::MAX);
+        Ok(Self {
+            rt,
+            client,
+            endpoint: uri,
+            timeout,
+            options_json: String::new(),
+            retries: 5,
+        })
     }
 
     /// Retries transient failures this many times (`reward.max_retries`).
@@ -43,7 +60,12 @@ impl GrpcReward {
 
     /// Runs `call` with the timeout, retrying transient failures with exponential backoff; the
     /// error names the server, the call and how many attempts failed.
-    fn call<Req: Clone, Resp, F, Fut>(&self, what: &str, req: Req, mut call: F) -> Result<Resp, TrainError>
+    fn call<Req: Clone, Resp, F, Fut>(
+        &self,
+        what: &str,
+        req: Req,
+        mut call: F,
+    ) -> Result<Resp, TrainError>
     where
         F: FnMut(RewardClient<Channel>, tonic::Request<Req>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
@@ -60,8 +82,17 @@ impl GrpcReward {
                     wait = (wait * 2).min(Duration::from_secs(8));
                 }
                 Err(s) => {
-                    let tries = if cotrain_proto::retry::is_transient(&s) { format!(" after {} attempts", attempt + 1) } else { String::new() };
-                    return Err(TrainError::Reward(format!("{}: {what} failed{tries}: {} ({:?})", self.endpoint, s.message(), s.code())));
+                    let tries = if cotrain_proto::retry::is_transient(&s) {
+                        format!(" after {} attempts", attempt + 1)
+                    } else {
+                        String::new()
+                    };
+                    return Err(TrainError::Reward(format!(
+                        "{}: {what} failed{tries}: {} ({:?})",
+                        self.endpoint,
+                        s.message(),
+                        s.code()
+                    )));
                 }
             }
         }
@@ -81,35 +112,60 @@ impl RewardSource for GrpcReward {
             task: task.to_string(),
             actions: actions
                 .iter()
-                .map(|a| JointAction { completions: a.completions.clone(), item_json: a.item.to_string() })
+                .map(|a| JointAction {
+                    completions: a.completions.clone(),
+                    item_json: a.item.to_string(),
+                })
                 .collect(),
             options_json: self.options_json.clone(),
         };
         let resp = self.call("Score", req, |mut c, r| async move { c.score(r).await })?;
         // Callers index the scores by joint action: a short or long answer is the server's error.
         if resp.results.len() != actions.len() {
-            return Err(TrainError::Reward(format!("{}: {} scores for {} joint actions", self.endpoint, resp.results.len(), actions.len())));
+            return Err(TrainError::Reward(format!(
+                "{}: {} scores for {} joint actions",
+                self.endpoint,
+                resp.results.len(),
+                actions.len()
+            )));
         }
         Ok(resp
             .results
             .into_iter()
             .map(|r| {
-                let details = serde_json::from_str(&r.details_json).unwrap_or(serde_json::Value::Null);
+                let details =
+                    serde_json::from_str(&r.details_json).unwrap_or(serde_json::Value::Null);
                 Score {
                     reward: r.reward,
                     levels: r.levels.into_iter().collect(),
-                    code: (task == "code").then(|| CodeOutcome::from_details(&details)).flatten(),
+                    code: (task == "code")
+                        .then(|| CodeOutcome::from_details(&details))
+                        .flatten(),
                     details,
                 }
             })
             .collect())
     }
 
-    fn feedback(&mut self, task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Vec<String>>, TrainError> {
-        Ok(self.analyze(task, actions, spec)?.into_iter().map(|a| a.feedback).collect())
+    fn feedback(
+        &mut self,
+        task: &str,
+        actions: &[ScoreAction],
+        spec: &FeedbackSpec,
+    ) -> Result<Vec<Vec<String>>, TrainError> {
+        Ok(self
+            .analyze(task, actions, spec)?
+            .into_iter()
+            .map(|a| a.feedback)
+            .collect())
     }
 
-    fn analyze(&mut self, task: &str, actions: &[ScoreAction], spec: &FeedbackSpec) -> Result<Vec<Analysis>, TrainError> {
+    fn analyze(
+        &mut self,
+        task: &str,
+        actions: &[ScoreAction],
+        spec: &FeedbackSpec,
+    ) -> Result<Vec<Analysis>, TrainError> {
         let score: serde_json::Value = if self.options_json.is_empty() {
             serde_json::json!({})
         } else {
@@ -122,13 +178,21 @@ impl RewardSource for GrpcReward {
             task: task.to_string(),
             actions: actions
                 .iter()
-                .map(|a| JointAction { completions: a.completions.clone(), item_json: a.item.to_string() })
+                .map(|a| JointAction {
+                    completions: a.completions.clone(),
+                    item_json: a.item.to_string(),
+                })
                 .collect(),
             options_json: options.to_string(),
         };
         let resp = self.call("Analyze", req, |mut c, r| async move { c.analyze(r).await })?;
         if resp.results.len() != actions.len() {
-            return Err(TrainError::Reward(format!("{}: {} analyses for {} joint actions", self.endpoint, resp.results.len(), actions.len())));
+            return Err(TrainError::Reward(format!(
+                "{}: {} analyses for {} joint actions",
+                self.endpoint,
+                resp.results.len(),
+                actions.len()
+            )));
         }
         resp.results
             .iter()
@@ -139,10 +203,19 @@ impl RewardSource for GrpcReward {
                     #[serde(default)]
                     diagnostics: Option<cotrain_reward_server::rewards::CodeDiagnostics>,
                 }
-                let a: Wire = serde_json::from_str(&r.analysis_json)
-                    .map_err(|e| TrainError::Reward(format!("{}: unreadable analysis: {e}", self.endpoint)))?;
-                let feedback = a.feedback.ok_or_else(|| TrainError::Reward(format!("{}: the analysis carries no feedback text", self.endpoint)))?;
-                Ok(Analysis { feedback, diagnostics: a.diagnostics })
+                let a: Wire = serde_json::from_str(&r.analysis_json).map_err(|e| {
+                    TrainError::Reward(format!("{}: unreadable analysis: {e}", self.endpoint))
+                })?;
+                let feedback = a.feedback.ok_or_else(|| {
+                    TrainError::Reward(format!(
+                        "{}: the analysis carries no feedback text",
+                        self.endpoint
+                    ))
+                })?;
+                Ok(Analysis {
+                    feedback,
+                    diagnostics: a.diagnostics,
+                })
             })
             .collect()
     }

@@ -26,12 +26,14 @@ use super::setup::Trainer;
 use super::step::StepUpdates;
 use super::tree::Forest;
 use crate::algo::AdamWConfig;
-use crate::algo::actor_critic::{critic_input, normalized_advantages, td_targets, undiscounted_returns};
+use crate::algo::actor_critic::{
+    critic_input, normalized_advantages, td_targets, undiscounted_returns,
+};
 use crate::config::{CheckedConfig, CriticType, KlPlacement};
-use crate::prompts::items::TrainItem;
 use crate::dist::rank_share;
 use crate::error::TrainError;
 use crate::metrics::mean;
+use crate::prompts::items::TrainItem;
 
 /// Seed path tag of the critics' value heads.
 const TAG_CRITIC_HEAD: u64 = 8;

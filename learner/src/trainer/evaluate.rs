@@ -9,8 +9,8 @@ use super::setup::{TAG_EVAL, Trainer};
 use super::step_metrics::reward_metrics;
 use super::tree::{Expansion, Forest};
 use crate::config::{EvalDecoding, JointMode, MultiTurnMode};
-use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
+use crate::prompts::items::TrainItem;
 use crate::sources::{CodeOutcome, Score};
 
 /// The offline code metrics over items, each with its joint samples in drawing order.
@@ -33,22 +33,37 @@ pub fn code_at_k(items: &[Vec<CodeOutcome>], k: usize) -> AtK {
         let first = &node[..k.min(node.len())];
         pass += first.iter().any(CodeOutcome::all_passed) as u8 as f64;
         accuracy += first.iter().map(CodeOutcome::pass_rate).fold(0.0, f64::max);
-        let best_coop = first.iter().map(|o| o.cooperation_bonus).fold(f64::NEG_INFINITY, f64::max);
+        let best_coop = first
+            .iter()
+            .map(|o| o.cooperation_bonus)
+            .fold(f64::NEG_INFINITY, f64::max);
         max_coop += if first.is_empty() { 0.0 } else { best_coop };
     }
-    AtK { pass: pass / c, accuracy: accuracy / c, max_coop: max_coop / c }
+    AtK {
+        pass: pass / c,
+        accuracy: accuracy / c,
+        max_coop: max_coop / c,
+    }
 }
 
 /// The scores of the last turn of each path of an evaluation forest's item, in joint-sample order:
 /// path j starts at the root's joint action j and follows its child (one joint action each) down.
 pub(super) fn path_final_scores(forest: &Forest, item: usize) -> Vec<Score> {
-    let Some(root) = forest.nodes.iter().find(|n| n.item == item && n.parent.is_none()) else {
+    let Some(root) = forest
+        .nodes
+        .iter()
+        .find(|n| n.item == item && n.parent.is_none())
+    else {
         return Vec::new();
     };
     (0..root.scores.len())
         .map(|j| {
             let (mut node, mut joint) = (root, j);
-            while let Some(&c) = node.children.iter().find(|&&c| forest.nodes[c].parent_joint == Some(joint)) {
+            while let Some(&c) = node
+                .children
+                .iter()
+                .find(|&&c| forest.nodes[c].parent_joint == Some(joint))
+            {
                 node = &forest.nodes[c];
                 joint = 0;
             }
@@ -67,8 +82,17 @@ impl Trainer {
     /// Accuracy@k and MaxCoop@k for each k in `ks` that is at most `samples`. During training the
     /// original draws one joint sample per item (`samples` = 1); `learner eval --k 1,5,10` draws the
     /// largest k. With `eval_decoding: greedy` and `samples` = 1 every completion is the argmax one.
-    pub fn evaluate(&mut self, samples: usize, ks: &[usize]) -> Result<BTreeMap<String, f64>, TrainError> {
-        let count = self.s.cfg.trainer.eval_num_samples.min(self.s.eval_items.len());
+    pub fn evaluate(
+        &mut self,
+        samples: usize,
+        ks: &[usize],
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
+        let count = self
+            .s
+            .cfg
+            .trainer
+            .eval_num_samples
+            .min(self.s.eval_items.len());
         let items: Vec<TrainItem> = self.s.eval_items[..count].to_vec();
         let mut m = BTreeMap::new();
         if items.is_empty() || samples == 0 {
@@ -79,21 +103,44 @@ impl Trainer {
         let tr = &self.s.cfg.trainer;
         let expansion = match tr.rollout {
             // CoMLRL 2026 plays every turn of an eval path; the earlier trainer stopped it as training does.
-            MultiTurnMode::Tree if tr.eval_all_turns == Some(true) => Expansion::Paths { stop_above: None, inclusive: false },
-            MultiTurnMode::Tree => Expansion::Paths { stop_above: tr.termination_threshold, inclusive: false },
-            MultiTurnMode::Handoff => Expansion::Paths { stop_above: tr.early_termination_threshold, inclusive: true },
+            MultiTurnMode::Tree if tr.eval_all_turns == Some(true) => Expansion::Paths {
+                stop_above: None,
+                inclusive: false,
+            },
+            MultiTurnMode::Tree => Expansion::Paths {
+                stop_above: tr.termination_threshold,
+                inclusive: false,
+            },
+            MultiTurnMode::Handoff => Expansion::Paths {
+                stop_above: tr.early_termination_threshold,
+                inclusive: true,
+            },
         };
         // The September 2025 trainer's eval generate followed the base model's generation_config
         // (greedy for its Qwen2.5-Coder models) with one return sequence, and sampled with more.
         let greedy = tr.eval_decoding == EvalDecoding::Greedy && samples == 1;
-        let plan = RolloutPlan { expansion, joint_mode: JointMode::Aligned, g: samples, seed_tag: TAG_EVAL, seed_step: 0, greedy };
+        let plan = RolloutPlan {
+            expansion,
+            joint_mode: JointMode::Aligned,
+            g: samples,
+            seed_tag: TAG_EVAL,
+            seed_step: 0,
+            greedy,
+        };
         let (forest, _) = self.roll_out(&refs, &plan)?;
-        let finals: Vec<Vec<Score>> = (0..items.len()).map(|i| path_final_scores(&forest, i)).collect();
+        let finals: Vec<Vec<Score>> = (0..items.len())
+            .map(|i| path_final_scores(&forest, i))
+            .collect();
         let all: Vec<&Score> = finals.iter().flatten().collect();
         reward_metrics(&mut m, "eval/", &all);
         if self.s.cfg.is_multi_turn() {
             for turn in 0..self.s.cfg.trainer.num_turns {
-                let at: Vec<&Score> = forest.nodes.iter().filter(|n| n.turn == turn).flat_map(|n| &n.scores).collect();
+                let at: Vec<&Score> = forest
+                    .nodes
+                    .iter()
+                    .filter(|n| n.turn == turn)
+                    .flat_map(|n| &n.scores)
+                    .collect();
                 if !at.is_empty() {
                     reward_metrics(&mut m, &format!("eval/turn_{}/", turn + 1), &at);
                 }
@@ -102,8 +149,10 @@ impl Trainer {
             m.insert("eval/early_terminations".into(), stopped);
         }
         if self.s.is_code {
-            let outcomes: Vec<Vec<CodeOutcome>> =
-                finals.iter().map(|node| node.iter().map(|s| s.code.unwrap_or_default()).collect()).collect();
+            let outcomes: Vec<Vec<CodeOutcome>> = finals
+                .iter()
+                .map(|node| node.iter().map(|s| s.code.unwrap_or_default()).collect())
+                .collect();
             for &k in ks.iter().filter(|&&k| k >= 1 && k <= samples) {
                 let at = code_at_k(&outcomes, k);
                 m.insert(format!("eval/pass@{k}"), at.pass);
@@ -123,7 +172,11 @@ mod tests {
 
     #[test]
     fn at_k_metrics_on_known_outcomes() {
-        let o = |p: u64, t: u64, coop: f64| CodeOutcome { passed_tests: p, total_tests: t, cooperation_bonus: coop };
+        let o = |p: u64, t: u64, coop: f64| CodeOutcome {
+            passed_tests: p,
+            total_tests: t,
+            cooperation_bonus: coop,
+        };
         // Item A: samples pass 1/4, 4/4, 2/4 with bonuses 0, 1.5, 0.5; item B: 0/3, 3/3 (bonus −0.5
         // then 1.0), 0/3; item C has no tests (never a pass).
         let items = vec![

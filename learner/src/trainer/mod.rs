@@ -19,8 +19,8 @@
 //! - this module: building all of it from a config ([`build`]); `crate::trainers` runs it
 //!   (`learner train`, `learner eval`) in the harness ([`crate::harness`]).
 
-mod batch;
 mod actor_critic;
+mod batch;
 mod checkpoints;
 pub mod critic;
 mod evaluate;
@@ -40,19 +40,27 @@ pub mod tree;
 
 use std::path::PathBuf;
 
-pub use evaluate::{AtK, code_at_k};
 pub use crate::harness::{RunSummary, eval_due};
+pub use evaluate::{AtK, code_at_k};
 pub use policy::{AgentBatches, Policy, TrainSample, UpdateStats};
 pub use setup::{Trainer, TrainerSetup};
 
 // The pieces every trainer builds on live below both trainers; re-exported here for the library's
 // users (tests, other tools) that know them under `trainer`.
-pub use crate::prompts::items::{self, TrainItem, prepare_items};
 pub use crate::error::TrainError;
-pub use crate::model_options::{learner_device, load_options, matmul_kind, rollout_kind, rollout_precision_differs, worker_agents};
+pub use crate::model_options::{
+    learner_device, load_options, matmul_kind, rollout_kind, rollout_precision_differs,
+    worker_agents,
+};
+pub use crate::prompts::items::{self, TrainItem, prepare_items};
 pub use crate::seeds::derive_seed;
-pub use crate::services::connect::{ServiceGuard, Services, connect_services, connect_services_ranked};
-pub use crate::sources::{self, CodeOutcome, FeedbackSpec, GenRequest, GenSample, PoolStats, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction, WeightPush};
+pub use crate::services::connect::{
+    ServiceGuard, Services, connect_services, connect_services_ranked,
+};
+pub use crate::sources::{
+    self, CodeOutcome, FeedbackSpec, GenRequest, GenSample, PoolStats, RewardSource, RolloutSource,
+    SamplingSpec, Score, ScoreAction, WeightPush,
+};
 
 use crate::algo::AdamWConfig;
 use crate::config::CheckedConfig;
@@ -69,7 +77,13 @@ pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), T
     let opts = load_options(cfg)?;
     let t = &cfg.trainer;
     // A policy's learning rate is its first agent's (shared parameters: validation made them equal).
-    let adam = |agent: usize| AdamWConfig::new(cfg.agents[agent].learning_rate, t.weight_decay, t.max_grad_norm);
+    let adam = |agent: usize| {
+        AdamWConfig::new(
+            cfg.agents[agent].learning_rate,
+            t.weight_decay,
+            t.max_grad_norm,
+        )
+    };
     let with_ref = t.reference_kl.enabled;
     if t.shared_parameters {
         let first = &cfg.agent_models[0];
@@ -91,21 +105,39 @@ pub fn load_policies(cfg: &CheckedConfig) -> Result<(Vec<Policy>, Vec<usize>), T
                 let base = match bases.iter().position(|(s, _)| s == spec) {
                     Some(i) => &bases[i].1,
                     None => {
-                        let mut m = cotrain_model::loader::load(spec, &opts).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+                        let mut m = cotrain_model::loader::load(spec, &opts)
+                            .map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
                         m.vs.freeze();
                         bases.push((spec.clone(), m));
                         &bases[bases.len() - 1].1
                     }
                 };
                 // Each adapter's A from its own seed: the same on every rank and in every resume.
-                tch::manual_seed(crate::seeds::derive_seed(&[cfg.raw.seed, TAG_LORA_INIT, pi as u64]) as i64);
-                let dropout_seed = crate::seeds::derive_seed(&[cfg.raw.seed, TAG_LORA_DROPOUT, pi as u64]);
-                Policy::lora(agent, spec, base, lora.clone(), adam(pi), with_ref, dropout_seed)?
+                tch::manual_seed(crate::seeds::derive_seed(&[
+                    cfg.raw.seed,
+                    TAG_LORA_INIT,
+                    pi as u64,
+                ]) as i64);
+                let dropout_seed =
+                    crate::seeds::derive_seed(&[cfg.raw.seed, TAG_LORA_DROPOUT, pi as u64]);
+                Policy::lora(
+                    agent,
+                    spec,
+                    base,
+                    lora.clone(),
+                    adam(pi),
+                    with_ref,
+                    dropout_seed,
+                )?
             }
         };
         policies.push(policy);
     }
-    let agent_policy = if t.shared_parameters { vec![0; cfg.num_agents] } else { (0..cfg.num_agents).collect() };
+    let agent_policy = if t.shared_parameters {
+        vec![0; cfg.num_agents]
+    } else {
+        (0..cfg.num_agents).collect()
+    };
     Ok((policies, agent_policy))
 }
 
@@ -144,11 +176,17 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
         )));
     }
     if cfg.is_multi_turn() && t.rollout == crate::config::MultiTurnMode::Tree {
-        let nodes = tree::max_tree_nodes(t.joint_mode, cfg.num_agents, t.num_generations, t.num_turns);
+        let nodes =
+            tree::max_tree_nodes(t.joint_mode, cfg.num_agents, t.num_generations, t.num_turns);
         if nodes > t.max_nodes_per_item as u128 {
             let growth = match t.joint_mode {
-                crate::config::JointMode::Aligned => format!("G^T = {}^{} leaves", t.num_generations, t.num_turns),
-                crate::config::JointMode::Cross => format!("G^(N*T) = {}^({}*{}) leaves", t.num_generations, cfg.num_agents, t.num_turns),
+                crate::config::JointMode::Aligned => {
+                    format!("G^T = {}^{} leaves", t.num_generations, t.num_turns)
+                }
+                crate::config::JointMode::Cross => format!(
+                    "G^(N*T) = {}^({}*{}) leaves",
+                    t.num_generations, cfg.num_agents, t.num_turns
+                ),
             };
             return Err(TrainError::Config(format!(
                 "{}: a {section} tree rollout grows up to {nodes} nodes per item ({growth} without early stops), more than \
@@ -173,7 +211,10 @@ pub fn check_supported(cfg: &CheckedConfig) -> Result<(), TrainError> {
     }
     let ext = &cfg.raw.external;
     if cfg.is_multi_turn() && ext.mode == crate::config::ExternalMode::ExpertEdits {
-        for (key, value) in [("expert_model", &ext.expert_model), ("expert_base_url", &ext.expert_base_url)] {
+        for (key, value) in [
+            ("expert_model", &ext.expert_model),
+            ("expert_base_url", &ext.expert_base_url),
+        ] {
             if value.is_none() {
                 return Err(TrainError::Config(format!(
                     "{}: external.mode is expert_edits but external.{key} is not set (any OpenAI-compatible chat endpoint works, \
@@ -215,7 +256,9 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
         return Ok(());
     }
     let section = cfg.algorithm.section();
-    if cfg.algorithm.is_actor_critic() && cfg.raw.learner.placement == crate::config::Placement::Agent {
+    if cfg.algorithm.is_actor_critic()
+        && cfg.raw.learner.placement == crate::config::Placement::Agent
+    {
         return Err(TrainError::NotBuilt(format!(
             "{}: learner.placement: agent with {world} ranks: the {section} trainer places data only so far (each rank rolls out \
              its share of the items and trains every actor and critic on its share of each mini-batch); use learner.placement: data",
@@ -235,13 +278,21 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
         )));
     }
     if cfg.raw.learner.placement == crate::config::Placement::Agent {
-        let policies = if cfg.trainer.shared_parameters { 1 } else { cfg.num_agents };
+        let policies = if cfg.trainer.shared_parameters {
+            1
+        } else {
+            cfg.num_agents
+        };
         if policies < 2 {
             return Err(TrainError::Config(format!(
                 "{}: learner.placement: agent places each agent's policy on its own ranks, but this run trains one policy \
                  ({}); use learner.placement: data",
                 cfg.source.display(),
-                if cfg.trainer.shared_parameters { "shared_parameters: true" } else { "one agent" }
+                if cfg.trainer.shared_parameters {
+                    "shared_parameters: true"
+                } else {
+                    "one agent"
+                }
             )));
         }
         if !world.is_multiple_of(policies) {
@@ -252,7 +303,10 @@ pub fn check_ranks(cfg: &CheckedConfig, world: usize) -> Result<(), TrainError> 
         }
     }
     if cfg.trainer.train_batch_unit == Some(crate::config::BatchUnit::Nodes)
-        && cfg.trainer.train_batch_size.is_some_and(|b| b < cfg.trainer.rollout_buffer_size)
+        && cfg
+            .trainer
+            .train_batch_size
+            .is_some_and(|b| b < cfg.trainer.rollout_buffer_size)
     {
         return Err(TrainError::NotBuilt(format!(
             "{}: {world} learner ranks with {section}.train_batch_unit: nodes and train_batch_size ({}) below rollout_buffer_size \
@@ -280,27 +334,50 @@ pub fn build(cfg: &CheckedConfig, run_dir: PathBuf) -> Result<(Trainer, ServiceG
 
 /// [`build`] as one rank of `dist`: rank 0 connects to (or starts) the services and tells the other
 /// ranks where they are, so that the embedded services are started once per job.
-pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::dist::Collective>) -> Result<(Trainer, ServiceGuard), TrainError> {
+pub fn build_ranked(
+    cfg: &CheckedConfig,
+    run_dir: PathBuf,
+    dist: Box<dyn crate::dist::Collective>,
+) -> Result<(Trainer, ServiceGuard), TrainError> {
     check_supported(cfg)?;
-    let kind = DatasetKind::resolve(&cfg.raw.dataset).map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
-    let train = load_split(&cfg.raw.dataset, &cfg.train_split).map_err(|e| TrainError::Data(e.to_string()))?;
+    let kind = DatasetKind::resolve(&cfg.raw.dataset)
+        .map_err(|e| TrainError::Data(format!("{}: dataset: {e}", cfg.source.display())))?;
+    let train = load_split(&cfg.raw.dataset, &cfg.train_split)
+        .map_err(|e| TrainError::Data(e.to_string()))?;
     let eval = match &cfg.eval_split {
-        Some(s) => Some(load_split(&cfg.raw.dataset, s).map_err(|e| TrainError::Data(e.to_string()))?),
+        Some(s) => {
+            Some(load_split(&cfg.raw.dataset, s).map_err(|e| TrainError::Data(e.to_string()))?)
+        }
         None => None,
     };
     let (policies, agent_policy) = load_policies(cfg)?;
-    let prompter = crate::prompts::Prompter::from_config(cfg).map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
+    let prompter = crate::prompts::Prompter::from_config(cfg)
+        .map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
     let encoding = cfg.prompt_encoding();
-    let max_prompt: Vec<usize> = (0..cfg.num_agents).map(|a| cfg.max_prompt_tokens(a)).collect();
-    let models: Vec<&cotrain_model::loader::LoadedModel> = agent_policy.iter().map(|&p| &policies[p].model).collect();
+    let max_prompt: Vec<usize> = (0..cfg.num_agents)
+        .map(|a| cfg.max_prompt_tokens(a))
+        .collect();
+    let models: Vec<&cotrain_model::loader::LoadedModel> =
+        agent_policy.iter().map(|&p| &policies[p].model).collect();
     let train_items = prepare_items(&train, &models, &prompter, &encoding, &max_prompt)?;
     let eval_items = match &eval {
         Some(d) => prepare_items(d, &models, &prompter, &encoding, &max_prompt)?,
         None => Vec::new(),
     };
-    let agents: Vec<(String, String)> = policies.iter().map(|p| (p.worker_agent.clone(), p.model_spec.clone())).collect();
-    let services = if dist.world() == 1 { connect_services(cfg, &agents)? } else { connect_services_ranked(cfg, &agents, dist.as_ref())? };
-    let Services { rollout, reward, guard } = services;
+    let agents: Vec<(String, String)> = policies
+        .iter()
+        .map(|p| (p.worker_agent.clone(), p.model_spec.clone()))
+        .collect();
+    let services = if dist.world() == 1 {
+        connect_services(cfg, &agents)?
+    } else {
+        connect_services_ranked(cfg, &agents, dist.as_ref())?
+    };
+    let Services {
+        rollout,
+        reward,
+        guard,
+    } = services;
     let setup = TrainerSetup {
         cfg: cfg.clone(),
         run_dir,
@@ -315,8 +392,11 @@ pub fn build_ranked(cfg: &CheckedConfig, run_dir: PathBuf, dist: Box<dyn crate::
     };
     let mut trainer = Trainer::new_ranked(setup, dist)?;
     if cfg.is_multi_turn() && cfg.raw.external.mode == crate::config::ExternalMode::ExpertEdits {
-        let expert = crate::external::expert::ExpertClient::from_config(&cfg.raw.external, guard.runtime.clone())
-            .map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
+        let expert = crate::external::expert::ExpertClient::from_config(
+            &cfg.raw.external,
+            guard.runtime.clone(),
+        )
+        .map_err(|e| TrainError::Config(format!("{}: {e}", cfg.source.display())))?;
         trainer = trainer.with_expert(expert);
     }
     Ok((trainer, guard))

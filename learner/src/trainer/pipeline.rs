@@ -9,8 +9,8 @@ use tracing::warn;
 use super::batch::AsyncReport;
 use super::setup::Trainer;
 use super::tree::Forest;
-use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
+use crate::prompts::items::TrainItem;
 
 /// The items of a single-turn forest with a sample more than `k` versions older than the version
 /// its agent trains now (`current[agent]`), or newer than it, with how many such samples each has.
@@ -22,7 +22,12 @@ pub(super) fn stale_items(forest: &Forest, current: &[u64], k: u64) -> Vec<(usiz
             .iter()
             .enumerate()
             // A sample from a version newer than the learner's is from weights it never pushed.
-            .map(|(a, samples)| samples.iter().filter(|s| s.policy_version > current[a] || current[a] - s.policy_version > k).count())
+            .map(|(a, samples)| {
+                samples
+                    .iter()
+                    .filter(|s| s.policy_version > current[a] || current[a] - s.policy_version > k)
+                    .count()
+            })
             .sum();
         if stale > 0 {
             out.push((node.item, stale));
@@ -39,7 +44,11 @@ impl Trainer {
     /// The loss corrects for the behaviour policy with truncated importance weights
     /// (`rollout.importance_weight_cap`). A checkpoint holds no rollout: a resumed run draws the
     /// rollout of its next step anew, from the restored policy.
-    pub fn train_step_async(&mut self, rows: &[usize], next: Option<&[usize]>) -> Result<BTreeMap<String, f64>, TrainError> {
+    pub fn train_step_async(
+        &mut self,
+        rows: &[usize],
+        next: Option<&[usize]>,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
         let t_step = Instant::now();
         let k = self.s.cfg.raw.rollout.max_off_policy_steps as u64;
         let mut batch = match self.pending.take() {
@@ -47,13 +56,20 @@ impl Trainer {
             _ => self.roll_out_rows(rows, self.step)?,
         };
         let mut report = AsyncReport::default();
-        let current: Vec<u64> = (0..self.s.cfg.num_agents).map(|a| self.target(a).1).collect();
+        let current: Vec<u64> = (0..self.s.cfg.num_agents)
+            .map(|a| self.target(a).1)
+            .collect();
         let stale = stale_items(&batch.forest, &current, k);
         if !stale.is_empty() {
             let t = Instant::now();
             report.dropped = stale.iter().map(|&(_, n)| n).sum();
             let redo_rows: Vec<usize> = stale.iter().map(|&(i, _)| batch.items[i].index).collect();
-            warn!(items = stale.len(), samples = report.dropped, bound = k, "samples staler than max_off_policy_steps: redrawing their items");
+            warn!(
+                items = stale.len(),
+                samples = report.dropped,
+                bound = k,
+                "samples staler than max_off_policy_steps: redrawing their items"
+            );
             let refs: Vec<&TrainItem> = stale.iter().map(|&(i, _)| &batch.items[i]).collect();
             let plan = self.train_plan(self.step);
             let (fresh, _) = self.roll_out(&refs, &plan)?;
@@ -69,7 +85,11 @@ impl Trainer {
         }
         for node in &batch.forest.nodes {
             for (a, samples) in node.samples.iter().enumerate() {
-                report.staleness.extend(samples.iter().map(|s| current[a].saturating_sub(s.policy_version) as f64));
+                report.staleness.extend(
+                    samples
+                        .iter()
+                        .map(|s| current[a].saturating_sub(s.policy_version) as f64),
+                );
             }
         }
         self.update_and_report(batch, t_step, next, report)
@@ -86,14 +106,44 @@ mod tests {
     /// as fresh.
     #[test]
     fn samples_too_old_or_from_the_future_make_their_item_stale() {
-        let sample = |v: u64| GenSample { token_ids: vec![1], text: String::new(), logprobs: vec![0.0], stopped: true, policy_version: v };
+        let sample = |v: u64| GenSample {
+            token_ids: vec![1],
+            text: String::new(),
+            logprobs: vec![0.0],
+            stopped: true,
+            policy_version: v,
+        };
         let node = |item: usize, versions: [u64; 2]| {
-            let mut n = crate::trainer::tree::Node::new(item, item, 0, 0, 1, vec![crate::trainer::tree::AgentPrompt { text: String::new(), ids: vec![1] }; 2], vec![Vec::new(); 2]);
+            let mut n = crate::trainer::tree::Node::new(
+                item,
+                item,
+                0,
+                0,
+                1,
+                vec![
+                    crate::trainer::tree::AgentPrompt {
+                        text: String::new(),
+                        ids: vec![1]
+                    };
+                    2
+                ],
+                vec![Vec::new(); 2],
+            );
             n.samples = versions.iter().map(|&v| vec![sample(v)]).collect();
             n
         };
-        let forest = Forest { nodes: vec![node(0, [5, 5]), node(1, [3, 5]), node(2, [4, 6]), node(3, [2, 9])] };
+        let forest = Forest {
+            nodes: vec![
+                node(0, [5, 5]),
+                node(1, [3, 5]),
+                node(2, [4, 6]),
+                node(3, [2, 9]),
+            ],
+        };
         // The learner trains version 5 of both agents; k = 1.
-        assert_eq!(stale_items(&forest, &[5, 5], 1), vec![(1, 1), (2, 1), (3, 2)]);
+        assert_eq!(
+            stale_items(&forest, &[5, 5], 1),
+            vec![(1, 1), (2, 1), (3, 2)]
+        );
     }
 }

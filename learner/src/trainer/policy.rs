@@ -130,10 +130,18 @@ impl std::fmt::Debug for Policy {
 
 impl Policy {
     /// Loads `spec` for training (and a frozen reference copy when `with_reference`).
-    pub fn load(worker_agent: &str, spec: &str, opts: &LoadOptions, adam: AdamWConfig, with_reference: bool) -> Result<Self, TrainError> {
-        let model = cotrain_model::loader::load(spec, opts).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+    pub fn load(
+        worker_agent: &str,
+        spec: &str,
+        opts: &LoadOptions,
+        adam: AdamWConfig,
+        with_reference: bool,
+    ) -> Result<Self, TrainError> {
+        let model = cotrain_model::loader::load(spec, opts)
+            .map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
         let reference = if with_reference {
-            let r = cotrain_model::loader::load(spec, opts).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+            let r = cotrain_model::loader::load(spec, opts)
+                .map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
             r.vs.variables().values().for_each(|t| {
                 let _ = t.shallow_clone().set_requires_grad(false);
             });
@@ -145,7 +153,13 @@ impl Policy {
     }
 
     /// A policy around an already loaded model.
-    pub fn new(worker_agent: &str, spec: &str, model: LoadedModel, reference: Option<LoadedModel>, adam: AdamWConfig) -> Self {
+    pub fn new(
+        worker_agent: &str,
+        spec: &str,
+        model: LoadedModel,
+        reference: Option<LoadedModel>,
+        adam: AdamWConfig,
+    ) -> Self {
         let optimizer = AdamW::new(&model.vs, adam);
         Self {
             worker_agent: worker_agent.to_string(),
@@ -175,8 +189,12 @@ impl Policy {
         dropout_seed: u64,
     ) -> Result<Self, TrainError> {
         let model = base.share_frozen();
-        let adapter = LoraAdapter::new(&model.model, lora).map_err(|e| TrainError::Config(format!("lora of `{worker_agent}`: {e}")))?;
-        model.model.set_adapter(Some(&adapter), false).map_err(|e| TrainError::Model(format!("lora of `{worker_agent}`: {e}")))?;
+        let adapter = LoraAdapter::new(&model.model, lora)
+            .map_err(|e| TrainError::Config(format!("lora of `{worker_agent}`: {e}")))?;
+        model
+            .model
+            .set_adapter(Some(&adapter), false)
+            .map_err(|e| TrainError::Model(format!("lora of `{worker_agent}`: {e}")))?;
         let optimizer = AdamW::new(&adapter.vs, adam);
         Ok(Self {
             worker_agent: worker_agent.to_string(),
@@ -194,7 +212,9 @@ impl Policy {
     /// Whether its forwards draw LoRA dropout masks (libtorch's one generator: see
     /// [`Policy::update_ranked`]).
     pub fn draws_dropout(&self) -> bool {
-        self.adapter.as_ref().is_some_and(|a| a.config.dropout > 0.0)
+        self.adapter
+            .as_ref()
+            .is_some_and(|a| a.config.dropout > 0.0)
     }
 
     /// What the policy trains: the adapter's variables with LoRA, else the model's.
@@ -222,17 +242,34 @@ impl Policy {
     /// The policy's log-probs of [`PROBE_TEXT`] under its current weights (with its adapter, if
     /// any): what a worker's engine must reproduce after loading a push of them.
     pub fn weight_probe(&self) -> Result<cotrain_proto::rollout::WeightProbe, TrainError> {
-        let mut ids = self.model.tokenizer.encode(PROBE_TEXT, false).map_err(|e| TrainError::Model(format!("probe text: {e}")))?;
+        let mut ids = self
+            .model
+            .tokenizer
+            .encode(PROBE_TEXT, false)
+            .map_err(|e| TrainError::Model(format!("probe text: {e}")))?;
         ids.truncate(PROBE_TOKENS);
         let _no_grad = tch::no_grad_guard();
         let logprobs = cotrain_model::logprobs::sequence_logprobs(&self.model.model, &ids)
-            .map_err(|e| TrainError::Model(format!("probe log-probs of `{}`: {e}", self.worker_agent)))?;
+            .map_err(|e| {
+                TrainError::Model(format!("probe log-probs of `{}`: {e}", self.worker_agent))
+            })?;
         // Computed in f32 (0: the worker's default for its engine) unless the learner's own
         // products or weights are half precision, whose log-probs differ from an f32 engine's
         // by up to ~0.1 nat.
-        let half = self.model.model.matmul_kind().is_some_and(|k| k != tch::Kind::Float)
-            || self.parameters().values().any(|t| t.kind() != tch::Kind::Float);
-        Ok(cotrain_proto::rollout::WeightProbe { token_ids: ids, logprobs, tolerance: if half { 0.25 } else { 0.0 } })
+        let half = self
+            .model
+            .model
+            .matmul_kind()
+            .is_some_and(|k| k != tch::Kind::Float)
+            || self
+                .parameters()
+                .values()
+                .any(|t| t.kind() != tch::Kind::Float);
+        Ok(cotrain_proto::rollout::WeightProbe {
+            token_ids: ids,
+            logprobs,
+            tolerance: if half { 0.25 } else { 0.0 },
+        })
     }
 
     /// The LoRA scale (alpha / r) the workers merge a pushed adapter with; `None` without LoRA.
@@ -242,8 +279,12 @@ impl Policy {
 
     /// Replaces the trained tensors by name (all or nothing; see
     /// [`cotrain_model::loader::load_named_tensors`]).
-    pub fn load_trained(&self, tensors: &std::collections::HashMap<String, Tensor>) -> Result<(), TrainError> {
-        cotrain_model::loader::load_named_tensors(self.trained_vs(), tensors).map_err(|e| TrainError::Model(e.to_string()))
+    pub fn load_trained(
+        &self,
+        tensors: &std::collections::HashMap<String, Tensor>,
+    ) -> Result<(), TrainError> {
+        cotrain_model::loader::load_named_tensors(self.trained_vs(), tensors)
+            .map_err(|e| TrainError::Model(e.to_string()))
     }
 
     /// Writes the policy as something other tools load: a Hugging Face model directory, or with
@@ -251,8 +292,12 @@ impl Policy {
     /// its base spec.
     pub fn save_pretrained(&self, dir: &std::path::Path) -> Result<std::path::PathBuf, TrainError> {
         let written = match &self.adapter {
-            Some(a) => a.save_peft(dir, &self.model_spec).map_err(|e| e.to_string()),
-            None => cotrain_model::export::save_pretrained(&self.model, dir).map_err(|e| e.to_string()),
+            Some(a) => a
+                .save_peft(dir, &self.model_spec)
+                .map_err(|e| e.to_string()),
+            None => {
+                cotrain_model::export::save_pretrained(&self.model, dir).map_err(|e| e.to_string())
+            }
         };
         written.map_err(|e| TrainError::Checkpoint(format!("{}: {e}", dir.display())))
     }
@@ -262,8 +307,16 @@ impl Policy {
     /// `agent.scale · |batch| / |agent's samples|` (so each agent's loss is the mean over its
     /// samples, as the original's (1/K) Σ_k), then one AdamW step. A non-finite loss or gradient
     /// skips the step with a warning and drops the gradients.
-    pub fn update(&mut self, agents: &[AgentBatches], loss_opts: &LossOptions, epochs: usize) -> Result<UpdateStats, TrainError> {
-        let totals: Vec<usize> = agents.iter().map(|a| a.minibatches.iter().map(Vec::len).sum()).collect();
+    pub fn update(
+        &mut self,
+        agents: &[AgentBatches],
+        loss_opts: &LossOptions,
+        epochs: usize,
+    ) -> Result<UpdateStats, TrainError> {
+        let totals: Vec<usize> = agents
+            .iter()
+            .map(|a| a.minibatches.iter().map(Vec::len).sum())
+            .collect();
         self.update_ranked(agents, &totals, loss_opts, epochs, &crate::dist::SingleRank)
     }
 
@@ -285,7 +338,9 @@ impl Policy {
         // checkpoint restores the step), so seeded runs repeat and resume exactly; the policies'
         // updates then run in turn (`rounds`), never drawing from it at the same time.
         if self.draws_dropout() {
-            tch::manual_seed(crate::seeds::derive_seed(&[self.dropout_seed, self.optimizer.step]) as i64);
+            tch::manual_seed(
+                crate::seeds::derive_seed(&[self.dropout_seed, self.optimizer.step]) as i64,
+            );
         }
         self.set_adapter_training(true)?;
         let out = self.run_update(agents, totals, loss_opts, epochs, dist, None);
@@ -308,7 +363,9 @@ impl Policy {
         extra: &mut dyn FnMut(&cotrain_model::families::CausalLm) -> Result<f64, TrainError>,
     ) -> Result<UpdateStats, TrainError> {
         if self.draws_dropout() {
-            tch::manual_seed(crate::seeds::derive_seed(&[self.dropout_seed, self.optimizer.step]) as i64);
+            tch::manual_seed(
+                crate::seeds::derive_seed(&[self.dropout_seed, self.optimizer.step]) as i64,
+            );
         }
         self.set_adapter_training(true)?;
         let out = self.run_update(agents, totals, loss_opts, 1, dist, Some(extra));
@@ -319,9 +376,11 @@ impl Policy {
     /// Sets the policy's adapter (if any) on its network with or without its dropout.
     fn set_adapter_training(&self, training: bool) -> Result<(), TrainError> {
         match &self.adapter {
-            Some(a) if a.config.dropout > 0.0 => {
-                self.model.model.set_adapter(Some(a), training).map_err(|e| TrainError::Model(format!("lora of `{}`: {e}", self.worker_agent)))
-            }
+            Some(a) if a.config.dropout > 0.0 => self
+                .model
+                .model
+                .set_adapter(Some(a), training)
+                .map_err(|e| TrainError::Model(format!("lora of `{}`: {e}", self.worker_agent))),
             _ => Ok(()),
         }
     }
@@ -334,13 +393,19 @@ impl Policy {
         loss_opts: &LossOptions,
         epochs: usize,
         dist: &dyn crate::dist::Collective,
-        mut extra: Option<&mut dyn FnMut(&cotrain_model::families::CausalLm) -> Result<f64, TrainError>>,
+        mut extra: Option<
+            &mut dyn FnMut(&cotrain_model::families::CausalLm) -> Result<f64, TrainError>,
+        >,
     ) -> Result<UpdateStats, TrainError> {
         let mut stats = UpdateStats::default();
-        let behaviour = loss_opts.clip.is_some() || loss_opts.truncated_is.is_some() || loss_opts.measure_gap;
+        let behaviour =
+            loss_opts.clip.is_some() || loss_opts.truncated_is.is_some() || loss_opts.measure_gap;
         if behaviour {
             // A ratio against padded zeros would be silently wrong: every token needs its log-prob.
-            let short = agents.iter().flat_map(|a| a.minibatches.iter().flatten()).find(|s| s.old_logprobs.len() != s.completion.len());
+            let short = agents
+                .iter()
+                .flat_map(|a| a.minibatches.iter().flatten())
+                .find(|s| s.old_logprobs.len() != s.completion.len());
             if let Some(s) = short {
                 return Err(TrainError::Rollout(format!(
                     "a sample has {} behaviour log-probs for its {} completion tokens (the rollout worker must return one per token)",
@@ -353,10 +418,14 @@ impl Policy {
         // proximal policy is this step's starting point, whose log-probs are the first epoch's
         // (the optimiser steps once per epoch), kept per mini-batch for the later epochs.
         let decoupled = loss_opts.clip.is_some() && loss_opts.truncated_is.is_some();
-        let mut proximal: Vec<Vec<Option<Tensor>>> = agents.iter().map(|a| a.minibatches.iter().map(|_| None).collect()).collect();
+        let mut proximal: Vec<Vec<Option<Tensor>>> = agents
+            .iter()
+            .map(|a| a.minibatches.iter().map(|_| None).collect())
+            .collect();
         for _ in 0..epochs.max(1) {
             self.optimizer.zero_grad();
-            let (mut loss, mut kl, mut clip_tok, mut ent_sum, mut tokens) = (0.0, 0.0, 0.0, 0.0, 0.0);
+            let (mut loss, mut kl, mut clip_tok, mut ent_sum, mut tokens) =
+                (0.0, 0.0, 0.0, 0.0, 0.0);
             let (mut gap_tok, mut isw_tok, mut cut_tok) = (0.0, 0.0, 0.0);
             let mut bad_loss: Option<f64> = None;
             let (mut backpropagated, mut without_gradient) = (0u64, 0u64);
@@ -365,33 +434,62 @@ impl Policy {
                     if mb.is_empty() {
                         continue;
                     }
-                    let seqs: Vec<Sequence> =
-                        mb.iter().map(|s| Sequence { prompt: s.prompt.clone(), completion: s.completion.clone() }).collect();
+                    let seqs: Vec<Sequence> = mb
+                        .iter()
+                        .map(|s| Sequence {
+                            prompt: s.prompt.clone(),
+                            completion: s.completion.clone(),
+                        })
+                        .collect();
                     let t_fwd = std::time::Instant::now();
                     let with_grad = has_gradient(mb, loss_opts);
-                    let tlp = completion_logprobs(&self.model.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad, temperature: 1.0 })
-                        .map_err(|e| TrainError::Update(format!("log-probs: {e}")))?;
+                    let tlp = completion_logprobs(
+                        &self.model.model,
+                        &seqs,
+                        &LogProbOptions {
+                            chunk_size: self.chunk_size,
+                            with_grad,
+                            temperature: 1.0,
+                        },
+                    )
+                    .map_err(|e| TrainError::Update(format!("log-probs: {e}")))?;
                     let (lp, mask) = tlp.padded();
                     let mask = mask.to_kind(Kind::Float);
                     let width = lp.size()[1] as usize;
                     // The per-sample inputs are built on the host and go where the log-probs are.
                     let device = lp.device();
-                    let adv = Tensor::from_slice(&mb.iter().map(|s| s.advantage).collect::<Vec<f64>>()).to_device(device);
-                    let weights = Tensor::from_slice(&mb.iter().map(|s| s.weight).collect::<Vec<f64>>()).to_device(device);
-                    let old = behaviour.then(|| pad_values(mb.iter().map(|s| s.old_logprobs.as_slice()), width).to_device(device));
+                    let adv =
+                        Tensor::from_slice(&mb.iter().map(|s| s.advantage).collect::<Vec<f64>>())
+                            .to_device(device);
+                    let weights =
+                        Tensor::from_slice(&mb.iter().map(|s| s.weight).collect::<Vec<f64>>())
+                            .to_device(device);
+                    let old = behaviour.then(|| {
+                        pad_values(mb.iter().map(|s| s.old_logprobs.as_slice()), width)
+                            .to_device(device)
+                    });
                     if decoupled && proximal[ai][mi].is_none() {
                         proximal[ai][mi] = Some(lp.detach().copy());
                     }
                     let reference = match (&self.reference, loss_opts.kl) {
                         (Some(r), Some(_)) => {
-                            let t = completion_logprobs(&r.model, &seqs, &LogProbOptions { chunk_size: self.chunk_size, with_grad: false, temperature: 1.0 })
-                                .map_err(|e| TrainError::Update(format!("reference log-probs: {e}")))?;
+                            let t = completion_logprobs(
+                                &r.model,
+                                &seqs,
+                                &LogProbOptions {
+                                    chunk_size: self.chunk_size,
+                                    with_grad: false,
+                                    temperature: 1.0,
+                                },
+                            )
+                            .map_err(|e| TrainError::Update(format!("reference log-probs: {e}")))?;
                             Some(t.padded().0)
                         }
                         _ => None,
                     };
                     let mut opts = *loss_opts;
-                    opts.scale = loss_opts.scale * agent.scale * mb.len() as f64 / total.max(1) as f64;
+                    opts.scale =
+                        loss_opts.scale * agent.scale * mb.len() as f64 / total.max(1) as f64;
                     let batch = PolicyBatch {
                         logprobs: &lp,
                         mask: &mask,
@@ -401,7 +499,8 @@ impl Policy {
                         ref_logprobs: reference.as_ref(),
                         weights: Some(&weights),
                     };
-                    let terms = policy_loss(&batch, &opts).map_err(|e| TrainError::Update(format!("loss: {e}")))?;
+                    let terms = policy_loss(&batch, &opts)
+                        .map_err(|e| TrainError::Update(format!("loss: {e}")))?;
                     let value = terms.loss.double_value(&[]);
                     if !value.is_finite() {
                         bad_loss = Some(value);
@@ -410,8 +509,12 @@ impl Policy {
                     stats.secs_forward += t_fwd.elapsed().as_secs_f64();
                     let t_bwd = std::time::Instant::now();
                     if with_grad {
-                        terms.loss.f_backward().map_err(|e| TrainError::Update(format!("backward: {e}")))?;
-                        tlp.propagate().map_err(|e| TrainError::Update(format!("backward: {e}")))?;
+                        terms
+                            .loss
+                            .f_backward()
+                            .map_err(|e| TrainError::Update(format!("backward: {e}")))?;
+                        tlp.propagate()
+                            .map_err(|e| TrainError::Update(format!("backward: {e}")))?;
                         backpropagated += 1;
                     } else {
                         without_gradient += 1;
@@ -445,8 +548,31 @@ impl Policy {
                 }
             }
             // Every rank takes part in the same reductions, whatever its own samples did.
-            let summed = dist.sum_f64(&[loss, kl, clip_tok, ent_sum, tokens, gap_tok, isw_tok, cut_tok, bad_loss.is_some() as u8 as f64])?;
-            let [loss, kl, clip_tok, ent_sum, tokens, gap_tok, isw_tok, cut_tok, bad] = summed[..] else { unreachable!("nine values were summed") };
+            let summed = dist.sum_f64(&[
+                loss,
+                kl,
+                clip_tok,
+                ent_sum,
+                tokens,
+                gap_tok,
+                isw_tok,
+                cut_tok,
+                bad_loss.is_some() as u8 as f64,
+            ])?;
+            let [
+                loss,
+                kl,
+                clip_tok,
+                ent_sum,
+                tokens,
+                gap_tok,
+                isw_tok,
+                cut_tok,
+                bad,
+            ] = summed[..]
+            else {
+                unreachable!("nine values were summed")
+            };
             if bad > 0.0 {
                 self.optimizer.zero_grad();
                 let why = match bad_loss {
@@ -501,6 +627,6 @@ impl Policy {
 /// whose samples all got the same reward) needs its log-probs only for the statistics, so they run
 /// without autograd and nothing is back-propagated: two thirds of its cost saved.
 fn has_gradient(mb: &[TrainSample], loss_opts: &LossOptions) -> bool {
-    !mb.iter().all(|s| s.weight == 0.0 || (s.advantage == 0.0 && loss_opts.kl.is_none()))
+    !mb.iter()
+        .all(|s| s.weight == 0.0 || (s.advantage == 0.0 && loss_opts.kl.is_none()))
 }
-

@@ -9,10 +9,10 @@ use tracing::info;
 
 use super::setup::Trainer;
 use super::tree::Forest;
-use crate::prompts::items::TrainItem;
 use crate::dist::Collective;
 use crate::dist::rank_share;
 use crate::error::TrainError;
+use crate::prompts::items::TrainItem;
 use crate::sources::WeightPush;
 
 /// Where a rank's work lies. Data placement: the step's items are split into one shard per rank and
@@ -61,7 +61,12 @@ impl Trainer {
                 *v = served.max(p.wire_version) + 1;
             }
             let params: Vec<_> = self.s.policies.iter().map(|p| p.parameters()).collect();
-            let probes = self.s.policies.iter().map(|p| p.weight_probe()).collect::<Result<Vec<_>, _>>()?;
+            let probes = self
+                .s
+                .policies
+                .iter()
+                .map(|p| p.weight_probe())
+                .collect::<Result<Vec<_>, _>>()?;
             let updates: Vec<WeightPush> = self
                 .s
                 .policies

@@ -29,7 +29,10 @@ impl Trainer {
         }
         for (pi, policy) in self.s.policies.iter().enumerate() {
             let reference = policy.reference.as_ref().ok_or_else(|| {
-                TrainError::Config(format!("reference_kl is on but policy `{}` has no frozen reference model", policy.worker_agent))
+                TrainError::Config(format!(
+                    "reference_kl is on but policy `{}` has no frozen reference model",
+                    policy.worker_agent
+                ))
             })?;
             let stop_ids = policy.model.stop_token_ids();
             // (node, agent, completion) of every sample this policy drew, with the tokens its KL counts.
@@ -48,7 +51,8 @@ impl Trainer {
                                 s.token_ids.len()
                             )));
                         }
-                        let ends_on_stop = s.stopped && s.token_ids.last().is_some_and(|t| stop_ids.contains(t));
+                        let ends_on_stop =
+                            s.stopped && s.token_ids.last().is_some_and(|t| stop_ids.contains(t));
                         let counted = s.token_ids.len() - ends_on_stop as usize;
                         if counted > 0 {
                             todo.push((id, a, k, counted));
@@ -61,17 +65,27 @@ impl Trainer {
                     .iter()
                     .map(|&(id, a, k, _)| {
                         let node = &forest.nodes[id];
-                        Sequence { prompt: node.prompts[a].ids.clone(), completion: node.samples[a][k].token_ids.clone() }
+                        Sequence {
+                            prompt: node.prompts[a].ids.clone(),
+                            completion: node.samples[a][k].token_ids.clone(),
+                        }
                     })
                     .collect();
-                let opts = LogProbOptions { chunk_size: policy.chunk_size, with_grad: false, temperature: 1.0 };
-                let tlp = completion_logprobs(&reference.model, &seqs, &opts).map_err(|e| TrainError::Update(format!("reference log-probs: {e}")))?;
-                let flat: Vec<f32> = Vec::try_from(tlp.logprobs.to_device(Device::Cpu).to_kind(Kind::Float))
+                let opts = LogProbOptions {
+                    chunk_size: policy.chunk_size,
+                    with_grad: false,
+                    temperature: 1.0,
+                };
+                let tlp = completion_logprobs(&reference.model, &seqs, &opts)
                     .map_err(|e| TrainError::Update(format!("reference log-probs: {e}")))?;
+                let flat: Vec<f32> =
+                    Vec::try_from(tlp.logprobs.to_device(Device::Cpu).to_kind(Kind::Float))
+                        .map_err(|e| TrainError::Update(format!("reference log-probs: {e}")))?;
                 for (b, &(id, a, k, counted)) in chunk.iter().enumerate() {
                     let start = tlp.offsets[b];
                     let behaviour = &forest.nodes[id].samples[a][k].logprobs[..counted];
-                    forest.nodes[id].reference_kl[a][k] = sequence_kl(behaviour, &flat[start..start + counted], estimator);
+                    forest.nodes[id].reference_kl[a][k] =
+                        sequence_kl(behaviour, &flat[start..start + counted], estimator);
                 }
             }
         }

@@ -46,7 +46,12 @@ pub fn node_json(step: u64, forest: &Forest, id: usize, items: &[&TrainItem]) ->
 }
 
 /// Appends every node of `forest` (items in order, each in pre-order) to `path`.
-pub fn append(path: &Path, step: u64, forest: &Forest, items: &[&TrainItem]) -> std::io::Result<()> {
+pub fn append(
+    path: &Path,
+    step: u64,
+    forest: &Forest,
+    items: &[&TrainItem],
+) -> std::io::Result<()> {
     let mut out = String::new();
     for i in 0..items.len() {
         for id in forest.preorder(i) {
@@ -54,6 +59,9 @@ pub fn append(path: &Path, step: u64, forest: &Forest, items: &[&TrainItem]) -> 
             out.push('\n');
         }
     }
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
     f.write_all(out.as_bytes())
 }

@@ -41,19 +41,29 @@ pub(super) fn run_rounds(
     concurrent: bool,
 ) -> Result<RoundsDone, TrainError> {
     let mut updated = vec![false; policies.len()];
-    let threads = if concurrent { threads_per_policy(policies, rounds, dist) } else { None };
+    let threads = if concurrent {
+        threads_per_policy(policies, rounds, dist)
+    } else {
+        None
+    };
     let together = threads.as_ref().map_or(1, Vec::len);
     let stats = match threads {
         Some(shares) => concurrently(policies, rounds, loss_opts, epochs, &shares)?,
         None => rounds
             .iter()
-            .map(|r| policies[r.policy].update_ranked(&r.batches, &r.totals, loss_opts, epochs, dist))
+            .map(|r| {
+                policies[r.policy].update_ranked(&r.batches, &r.totals, loss_opts, epochs, dist)
+            })
             .collect::<Result<Vec<_>, _>>()?,
     };
     for (r, s) in rounds.iter().zip(&stats) {
         updated[r.policy] |= s.steps > 0;
     }
-    Ok(RoundsDone { stats, updated, concurrent: together })
+    Ok(RoundsDone {
+        stats,
+        updated,
+        concurrent: together,
+    })
 }
 
 /// The policies that `rounds` update, each once, in index order.
@@ -68,15 +78,27 @@ fn involved(rounds: &[Round]) -> Vec<usize> {
 /// `None` to run the rounds in turn: with one policy, several ranks (their collectives must keep
 /// one order), a GPU, more policies than this thread's OpenMP threads, or LoRA dropout (its masks
 /// come from libtorch's one generator, which concurrent updates would share in timing's order).
-fn threads_per_policy(policies: &[Policy], rounds: &[Round], dist: &dyn Collective) -> Option<Vec<(usize, usize)>> {
+fn threads_per_policy(
+    policies: &[Policy],
+    rounds: &[Round],
+    dist: &dyn Collective,
+) -> Option<Vec<(usize, usize)>> {
     let involved = involved(rounds);
     let (n, threads) = (involved.len(), tch::get_num_threads().max(1) as usize);
-    let on_cpu = involved.iter().all(|&p| policies[p].model.model.device() == tch::Device::Cpu);
+    let on_cpu = involved
+        .iter()
+        .all(|&p| policies[p].model.model.device() == tch::Device::Cpu);
     let dropout = involved.iter().any(|&p| policies[p].draws_dropout());
     if dist.world() > 1 || n < 2 || n > threads || !on_cpu || dropout {
         return None;
     }
-    Some(involved.into_iter().enumerate().map(|(i, p)| (p, threads / n + usize::from(i < threads % n))).collect())
+    Some(
+        involved
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| (p, threads / n + usize::from(i < threads % n)))
+            .collect(),
+    )
 }
 
 /// One scoped thread per policy of `shares`, each with its share of OpenMP threads, running that
@@ -93,13 +115,24 @@ fn concurrently(
         let handles: Vec<_> = policies
             .iter_mut()
             .enumerate()
-            .filter_map(|(pi, policy)| shares.iter().find(|(p, _)| *p == pi).map(|&(_, threads)| (pi, policy, threads)))
+            .filter_map(|(pi, policy)| {
+                shares
+                    .iter()
+                    .find(|(p, _)| *p == pi)
+                    .map(|&(_, threads)| (pi, policy, threads))
+            })
             .map(|(pi, policy, threads)| {
                 scope.spawn(move || {
                     cotrain_model::kernels::set_threads_of_this_thread(threads);
                     let mut out = Vec::new();
                     for (ri, r) in rounds.iter().enumerate().filter(|(_, r)| r.policy == pi) {
-                        let s = policy.update_ranked(&r.batches, &r.totals, loss_opts, epochs, &SingleRank);
+                        let s = policy.update_ranked(
+                            &r.batches,
+                            &r.totals,
+                            loss_opts,
+                            epochs,
+                            &SingleRank,
+                        );
                         let failed = s.is_err();
                         out.push((ri, s));
                         if failed {
@@ -110,9 +143,17 @@ fn concurrently(
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| vec![(0, Err(TrainError::Panicked("a policy's update thread")))])).collect()
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    vec![(0, Err(TrainError::Panicked("a policy's update thread")))]
+                })
+            })
+            .collect()
     });
-    let mut by_round: Vec<(usize, Result<UpdateStats, TrainError>)> = results.into_iter().flatten().collect();
+    let mut by_round: Vec<(usize, Result<UpdateStats, TrainError>)> =
+        results.into_iter().flatten().collect();
     by_round.sort_by_key(|(ri, _)| *ri);
     by_round.into_iter().map(|(_, s)| s).collect()
 }

@@ -21,7 +21,11 @@ impl Trainer {
     pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.s.train_items.len()).collect();
         if self.s.cfg.raw.dataset.shuffle {
-            order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[self.s.cfg.raw.seed, TAG_ORDER, epoch])));
+            order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[
+                self.s.cfg.raw.seed,
+                TAG_ORDER,
+                epoch,
+            ])));
         }
         order
     }
@@ -66,7 +70,11 @@ impl Algorithm for Trainer {
     }
 
     fn cursor(&self) -> Cursor {
-        Cursor { step: self.step, epoch: self.epoch, position: self.position }
+        Cursor {
+            step: self.step,
+            epoch: self.epoch,
+            position: self.position,
+        }
     }
 
     fn set_cursor(&mut self, c: Cursor) {
@@ -83,7 +91,15 @@ impl Algorithm for Trainer {
         let cfg = &self.s.cfg;
         info!(run_dir = %self.s.run_dir.display(), rollout = %self.s.rollout.describe(), reward = %self.s.reward.describe(),
             steps = self.total_steps(), start_step = self.step, sync_secs = t_sync, rank = self.dist.rank(), ranks = self.dist.world(), "training");
-        if self.dist.is_root() && cfg.raw.model.agents.iter().flatten().any(|a| a.has_overrides()) {
+        if self.dist.is_root()
+            && cfg
+                .raw
+                .model
+                .agents
+                .iter()
+                .flatten()
+                .any(|a| a.has_overrides())
+        {
             for (a, s) in cfg.agents.iter().enumerate() {
                 info!(agent = a, model = %cfg.agent_models[a], temperature = s.sampling.temperature, top_p = s.sampling.top_p, top_k = s.sampling.top_k,
                     max_new_tokens = s.sampling.max_new_tokens, stop = ?s.stop, learning_rate = s.learning_rate, "per-agent settings");
@@ -97,7 +113,11 @@ impl Algorithm for Trainer {
     }
 
     fn run_step(&mut self, rows: &[usize], next: Option<&[usize]>) -> Result<Scalars, TrainError> {
-        if self.s.cfg.raw.rollout.max_off_policy_steps > 0 { self.train_step_async(rows, next) } else { self.train_step(rows) }
+        if self.s.cfg.raw.rollout.max_off_policy_steps > 0 {
+            self.train_step_async(rows, next)
+        } else {
+            self.train_step(rows)
+        }
     }
 
     fn step_failed(&mut self, e: TrainError) -> TrainError {
@@ -105,7 +125,11 @@ impl Algorithm for Trainer {
         // update), so the state is still the previous step's: keep it in a checkpoint. (Not when
         // items train one after another and an earlier item of the step updated.)
         match e {
-            TrainError::Reward(_) if self.dist.world() == 1 && self.s.cfg.raw.rollout.max_off_policy_steps == 0 && !self.updated_mid_step => {
+            TrainError::Reward(_)
+                if self.dist.world() == 1
+                    && self.s.cfg.raw.rollout.max_off_policy_steps == 0
+                    && !self.updated_mid_step =>
+            {
                 self.checkpoint_before_failing(e)
             }
             e => e,
@@ -119,11 +143,18 @@ impl Algorithm for Trainer {
     fn headline(&self, values: &Scalars) -> Headline {
         let reward = values.get("reward/mean").copied().unwrap_or(f64::NAN);
         let loss = values.get("loss").copied().unwrap_or(f64::NAN);
-        Headline { text: format!("reward {reward:.3}, loss {loss:.4}"), reward: Some(reward) }
+        Headline {
+            text: format!("reward {reward:.3}, loss {loss:.4}"),
+            reward: Some(reward),
+        }
     }
 
     fn served_versions(&self) -> Vec<(String, u64)> {
-        self.s.policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect()
+        self.s
+            .policies
+            .iter()
+            .map(|p| (p.worker_agent.clone(), p.wire_version))
+            .collect()
     }
 
     fn checkpoint(&mut self) -> Result<PathBuf, TrainError> {
@@ -143,7 +174,10 @@ impl Algorithm for Trainer {
             return Ok(Vec::new());
         }
         // The checkpoint (for resuming) and the models users load, as the original's save_pretrained.
-        let saved_now = self.last_checkpoint.as_ref().is_some_and(|d| d.ends_with(format!("step-{}", self.step)));
+        let saved_now = self
+            .last_checkpoint
+            .as_ref()
+            .is_some_and(|d| d.ends_with(format!("step-{}", self.step)));
         if !saved_now {
             self.save_checkpoint()?;
         }

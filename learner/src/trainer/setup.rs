@@ -30,12 +30,12 @@ use tracing::warn;
 use super::batch::StepRollout;
 use super::policy::Policy;
 use crate::config::CheckedConfig;
-use crate::prompts::items::TrainItem;
 use crate::dist::{Collective, SingleRank};
 use crate::error::TrainError;
 use crate::external::expert::ExpertClient;
 use crate::metrics::MetricsWriter;
 use crate::prompts::NextTurnPrompter;
+use crate::prompts::items::TrainItem;
 use crate::seeds::derive_seed;
 use crate::sources::{GenRequest, GenSample, RewardSource, RolloutSource, SamplingSpec};
 

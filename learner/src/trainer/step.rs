@@ -12,11 +12,11 @@ use super::step_metrics::{reward_metrics, turn_metrics};
 use super::tree::{Expansion, Forest};
 use crate::algo::{AdvantageOptions, LossOptions, RolloutBuffer};
 use crate::config::{BatchUnit, KlPlacement, MultiTurnMode};
-use crate::prompts::items::TrainItem;
 use crate::dist::SingleRank;
 use crate::dist::rank_share;
 use crate::error::TrainError;
 use crate::metrics::mean;
+use crate::prompts::items::TrainItem;
 use crate::sources::{GenSample, Score, WeightPush};
 
 impl Trainer {
@@ -25,10 +25,22 @@ impl Trainer {
     pub(super) fn train_plan(&self, step: u64) -> RolloutPlan {
         let t = &self.s.cfg.trainer;
         let expansion = match t.rollout {
-            MultiTurnMode::Tree => Expansion::Tree { termination_threshold: t.termination_threshold },
-            MultiTurnMode::Handoff => Expansion::Handoff { handoff: t.handoff, early_termination_threshold: t.early_termination_threshold },
+            MultiTurnMode::Tree => Expansion::Tree {
+                termination_threshold: t.termination_threshold,
+            },
+            MultiTurnMode::Handoff => Expansion::Handoff {
+                handoff: t.handoff,
+                early_termination_threshold: t.early_termination_threshold,
+            },
         };
-        RolloutPlan { expansion, joint_mode: t.joint_mode, g: t.num_generations, seed_tag: TAG_SAMPLE, seed_step: step, greedy: false }
+        RolloutPlan {
+            expansion,
+            joint_mode: t.joint_mode,
+            g: t.num_generations,
+            seed_tag: TAG_SAMPLE,
+            seed_step: step,
+            greedy: false,
+        }
     }
 
     /// One step on the given rows of the train split (see the module docs); returns its scalars.
@@ -60,7 +72,11 @@ impl Trainer {
     /// items (and steps), and every time the buffer holds `rollout_buffer_size` nodes they are
     /// trained (one update per turn among them, first turn first) and pushed. The step that ends
     /// an epoch trains what is left. The metrics are the whole step's.
-    fn train_step_item_by_item(&mut self, rows: &[usize], t_step: Instant) -> Result<BTreeMap<String, f64>, TrainError> {
+    fn train_step_item_by_item(
+        &mut self,
+        rows: &[usize],
+        t_step: Instant,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
         // A failure before the step's first update leaves the state as the step found it (the
         // buffer as it was), so that a checkpoint of it resumes exactly; one after it cannot.
         let kept = self.buffered.len();
@@ -75,16 +91,30 @@ impl Trainer {
         result
     }
 
-    fn train_items_in_turn(&mut self, rows: &[usize], t_step: Instant) -> Result<BTreeMap<String, f64>, TrainError> {
+    fn train_items_in_turn(
+        &mut self,
+        rows: &[usize],
+        t_step: Instant,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
         let buffer_nodes = self.s.cfg.trainer.rollout_buffer_size.max(1);
         let ends_epoch = self.position as usize + rows.len() >= self.s.train_items.len();
-        let mut step = StepRollout { rows: rows.to_vec(), items: Vec::new(), forest: Forest::default(), times: RolloutTimes::default() };
+        let mut step = StepRollout {
+            rows: rows.to_vec(),
+            items: Vec::new(),
+            forest: Forest::default(),
+            times: RolloutTimes::default(),
+        };
         let mut updates = StepUpdates::default();
         let mut return_kl_coef = None;
         for (k, &row) in rows.iter().enumerate() {
             let mut one = self.roll_out_rows(&[row], self.step)?;
             return_kl_coef = self.prepare_forest(&mut one.forest)?;
-            self.buffered.extend(one.forest.preorder(0).into_iter().map(|id| buffered_node(&one.forest, id)));
+            self.buffered.extend(
+                one.forest
+                    .preorder(0)
+                    .into_iter()
+                    .map(|id| buffered_node(&one.forest, id)),
+            );
             let mut groups = Vec::new();
             while self.buffered.len() >= buffer_nodes {
                 groups.extend(by_turn(self.buffered.drain(..buffer_nodes).collect()));
@@ -98,11 +128,23 @@ impl Trainer {
                 let rounds = self.rounds_of(groups)?;
                 let concurrent = self.s.cfg.raw.learner.concurrent_policies;
                 self.updated_mid_step = true;
-                let done = run_rounds(&mut self.s.policies, &rounds, &loss_opts, epochs, self.dist.as_ref(), concurrent)?;
+                let done = run_rounds(
+                    &mut self.s.policies,
+                    &rounds,
+                    &loss_opts,
+                    epochs,
+                    self.dist.as_ref(),
+                    concurrent,
+                )?;
                 let t_train = t.elapsed().as_secs_f64();
                 let policies: Vec<usize> = rounds.iter().map(|r| r.policy).collect();
                 let push = self.push_updated(&done.updated)?;
-                updates.absorb(StepUpdates { stats: policies.into_iter().zip(done.stats).collect(), concurrent: done.concurrent, t_train, push });
+                updates.absorb(StepUpdates {
+                    stats: policies.into_iter().zip(done.stats).collect(),
+                    concurrent: done.concurrent,
+                    t_train,
+                    push,
+                });
             }
             step.forest.absorb(one.forest, step.items.len());
             step.items.extend(one.items);
@@ -110,19 +152,37 @@ impl Trainer {
             step.times.reward += one.times.reward;
             step.times.transition += one.times.transition;
         }
-        self.report_step(step, updates, return_kl_coef, t_step, AsyncReport::default())
+        self.report_step(
+            step,
+            updates,
+            return_kl_coef,
+            t_step,
+            AsyncReport::default(),
+        )
     }
 
     /// This rank's share of `rows` rolled out as step `step` (its seeds).
-    pub(super) fn roll_out_rows(&mut self, rows: &[usize], step: u64) -> Result<StepRollout, TrainError> {
+    pub(super) fn roll_out_rows(
+        &mut self,
+        rows: &[usize],
+        step: u64,
+    ) -> Result<StepRollout, TrainError> {
         let layout = self.layout();
         // This rank's shard of the step's items: every shards-th, from its shard on.
-        let items: Vec<TrainItem> = rank_share(rows, layout.shard, layout.shards).iter().map(|&r| self.s.train_items[r].clone()).collect();
+        let items: Vec<TrainItem> = rank_share(rows, layout.shard, layout.shards)
+            .iter()
+            .map(|&r| self.s.train_items[r].clone())
+            .collect();
         let plan = self.train_plan(step);
         if layout.own.is_none() {
             let refs: Vec<&TrainItem> = items.iter().collect();
             let (forest, times) = self.roll_out(&refs, &plan)?;
-            return Ok(StepRollout { rows: rows.to_vec(), items, forest, times });
+            return Ok(StepRollout {
+                rows: rows.to_vec(),
+                items,
+                forest,
+                times,
+            });
         }
         // Agent placement: the ranks of policy 0 (ranks 0..shards) roll their shards out for every
         // agent; every other rank receives its shard's rollout from them.
@@ -131,10 +191,17 @@ impl Trainer {
             let refs: Vec<&TrainItem> = items.iter().collect();
             (forest, times) = self.roll_out(&refs, &plan)?;
         }
-        let bytes = serde_json::to_vec(&forest).map_err(|e| TrainError::Dist(format!("serialising the step's rollouts: {e}")))?;
+        let bytes = serde_json::to_vec(&forest)
+            .map_err(|e| TrainError::Dist(format!("serialising the step's rollouts: {e}")))?;
         let all = self.dist.all_gather_bytes(&bytes)?;
-        let forest = serde_json::from_slice(&all[layout.shard]).map_err(|e| TrainError::Dist(format!("rank {}'s rollouts: {e}", layout.shard)))?;
-        Ok(StepRollout { rows: rows.to_vec(), items, forest, times })
+        let forest = serde_json::from_slice(&all[layout.shard])
+            .map_err(|e| TrainError::Dist(format!("rank {}'s rollouts: {e}", layout.shard)))?;
+        Ok(StepRollout {
+            rows: rows.to_vec(),
+            items,
+            forest,
+            times,
+        })
     }
 
     /// Advantages, the optimiser rounds (on another thread while `lookahead`'s rollout is drawn
@@ -146,7 +213,12 @@ impl Trainer {
         lookahead: Option<&[usize]>,
         mut report: AsyncReport,
     ) -> Result<BTreeMap<String, f64>, TrainError> {
-        let StepRollout { rows, items, mut forest, times } = batch;
+        let StepRollout {
+            rows,
+            items,
+            mut forest,
+            times,
+        } = batch;
         let handoff = self.s.cfg.trainer.rollout == MultiTurnMode::Handoff;
         let return_kl_coef = self.prepare_forest(&mut forest)?;
 
@@ -156,16 +228,38 @@ impl Trainer {
         let plans = self.plan_rounds(&forest, items.len(), handoff)?;
         let concurrent = self.s.cfg.raw.learner.concurrent_policies;
         let done = match lookahead {
-            None => run_rounds(&mut self.s.policies, &plans, &loss_opts, epochs, self.dist.as_ref(), concurrent)?,
+            None => run_rounds(
+                &mut self.s.policies,
+                &plans,
+                &loss_opts,
+                epochs,
+                self.dist.as_ref(),
+                concurrent,
+            )?,
             Some(next) => {
                 // The policies train on another thread; rollouts meanwhile read the served versions.
                 let mut policies = std::mem::take(&mut self.s.policies);
-                self.lent = Some(policies.iter().map(|p| (p.worker_agent.clone(), p.wire_version)).collect());
+                self.lent = Some(
+                    policies
+                        .iter()
+                        .map(|p| (p.worker_agent.clone(), p.wire_version))
+                        .collect(),
+                );
                 let (trained, drawn) = std::thread::scope(|scope| {
                     let worker = scope.spawn(|| {
                         let t = Instant::now();
                         // In turn: the rollout below already has the other cores.
-                        (run_rounds(&mut policies, &plans, &loss_opts, epochs, &SingleRank, false), t.elapsed().as_secs_f64())
+                        (
+                            run_rounds(
+                                &mut policies,
+                                &plans,
+                                &loss_opts,
+                                epochs,
+                                &SingleRank,
+                                false,
+                            ),
+                            t.elapsed().as_secs_f64(),
+                        )
                     });
                     let t = Instant::now();
                     let drawn = self.roll_out_rows(next, self.step + 1);
@@ -174,7 +268,8 @@ impl Trainer {
                 });
                 self.s.policies = policies;
                 self.lent = None;
-                let (trained, train_secs) = trained.map_err(|_| TrainError::Panicked("the update thread"))?;
+                let (trained, train_secs) =
+                    trained.map_err(|_| TrainError::Panicked("the update thread"))?;
                 let (drawn, gen_secs) = drawn;
                 self.pending = Some(drawn?);
                 report.overlap_secs = train_secs.min(gen_secs);
@@ -185,8 +280,24 @@ impl Trainer {
         let t_train = t.elapsed().as_secs_f64();
         let push = self.push_updated(&done.updated)?;
         let policies: Vec<usize> = plans.iter().map(|r| r.policy).collect();
-        let updates = StepUpdates { stats: policies.into_iter().zip(done.stats).collect(), concurrent: done.concurrent, t_train, push };
-        self.report_step(StepRollout { rows, items, forest, times }, updates, return_kl_coef, t_step, report)
+        let updates = StepUpdates {
+            stats: policies.into_iter().zip(done.stats).collect(),
+            concurrent: done.concurrent,
+            t_train,
+            push,
+        };
+        self.report_step(
+            StepRollout {
+                rows,
+                items,
+                forest,
+                times,
+            },
+            updates,
+            return_kl_coef,
+            t_step,
+            report,
+        )
     }
 
     /// Returns, the reference KL where it shapes them, advantages and turn weights of `forest`'s
@@ -196,12 +307,21 @@ impl Trainer {
         let handoff = cfg.trainer.rollout == MultiTurnMode::Handoff;
         forest.compute_returns(cfg.trainer.discount, !handoff);
         let kl = &cfg.trainer.reference_kl;
-        let return_kl_coef = (kl.enabled && kl.placement == KlPlacement::Returns).then_some(kl.coef);
+        let return_kl_coef =
+            (kl.enabled && kl.placement == KlPlacement::Returns).then_some(kl.coef);
         if return_kl_coef.is_some() {
             self.measure_reference_kl(forest)?;
         }
-        forest.compute_advantages(cfg.num_agents, &AdvantageOptions::from_section(&cfg.trainer), return_kl_coef);
-        forest.assign_turn_weights(&cfg.turn_gradient_weights, cfg.trainer.early_termination_weight, handoff);
+        forest.compute_advantages(
+            cfg.num_agents,
+            &AdvantageOptions::from_section(&cfg.trainer),
+            return_kl_coef,
+        );
+        forest.assign_turn_weights(
+            &cfg.turn_gradient_weights,
+            cfg.trainer.early_termination_weight,
+            handoff,
+        );
         Ok(return_kl_coef)
     }
 
@@ -216,7 +336,11 @@ impl Trainer {
             loss_opts.truncated_is = cfg.raw.rollout.importance_weight_cap;
             loss_opts.measure_gap = true;
         }
-        let epochs = if cfg.trainer.ppo_clip.enabled { cfg.trainer.ppo_clip.epochs } else { 1 };
+        let epochs = if cfg.trainer.ppo_clip.enabled {
+            cfg.trainer.ppo_clip.epochs
+        } else {
+            1
+        };
         (loss_opts, epochs)
     }
 
@@ -225,18 +349,35 @@ impl Trainer {
     pub(super) fn push_updated(&mut self, updated: &[bool]) -> Result<PushReport, TrainError> {
         let t = Instant::now();
         let mut push = PushReport::default();
-        let changed: Vec<usize> = updated.iter().enumerate().filter(|(_, c)| **c).map(|(pi, _)| pi).collect();
+        let changed: Vec<usize> = updated
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| **c)
+            .map(|(pi, _)| pi)
+            .collect();
         if self.dist.is_root() && !changed.is_empty() {
             // Every changed policy at once: the pushes overlap where the source can.
-            let params: Vec<_> = changed.iter().map(|&pi| self.s.policies[pi].parameters()).collect();
-            let probes = changed.iter().map(|&pi| self.s.policies[pi].weight_probe()).collect::<Result<Vec<_>, _>>()?;
+            let params: Vec<_> = changed
+                .iter()
+                .map(|&pi| self.s.policies[pi].parameters())
+                .collect();
+            let probes = changed
+                .iter()
+                .map(|&pi| self.s.policies[pi].weight_probe())
+                .collect::<Result<Vec<_>, _>>()?;
             let updates: Vec<WeightPush> = changed
                 .iter()
                 .zip(&params)
                 .zip(&probes)
                 .map(|((&pi, params), probe)| {
                     let p = &self.s.policies[pi];
-                    WeightPush { agent: &p.worker_agent, version: p.wire_version + 1, params, lora_scaling: p.lora_scaling(), probe: Some(probe) }
+                    WeightPush {
+                        agent: &p.worker_agent,
+                        version: p.wire_version + 1,
+                        params,
+                        lora_scaling: p.lora_scaling(),
+                        probe: Some(probe),
+                    }
                 })
                 .collect();
             self.s.rollout.push_weights_all(&updates)?;
@@ -266,11 +407,29 @@ impl Trainer {
     ) -> Result<BTreeMap<String, f64>, TrainError> {
         let cfg = self.s.cfg.clone();
         let world = self.dist.world();
-        let StepRollout { rows, items, forest, times } = step;
-        let StepUpdates { stats: rounds, concurrent, t_train, push } = updates;
-        let PushReport { bytes: push_bytes, workers: push_workers, secs: t_sync } = push;
+        let StepRollout {
+            rows,
+            items,
+            forest,
+            times,
+        } = step;
+        let StepUpdates {
+            stats: rounds,
+            concurrent,
+            t_train,
+            push,
+        } = updates;
+        let PushReport {
+            bytes: push_bytes,
+            workers: push_workers,
+            secs: t_sync,
+        } = push;
         // Rank 0 reports the whole step: every rank's nodes, its items in the same order.
-        let (forest, items) = if world > 1 { self.gather_step(forest, &rows)? } else { (forest, items) };
+        let (forest, items) = if world > 1 {
+            self.gather_step(forest, &rows)?
+        } else {
+            (forest, items)
+        };
         if forest.nodes.is_empty() && !self.dist.is_root() {
             return Ok(BTreeMap::new());
         }
@@ -289,28 +448,66 @@ impl Trainer {
         if cfg.is_multi_turn() {
             turn_metrics(&mut m, &forest, cfg.trainer.num_turns, items.len());
         }
-        let samples: Vec<&GenSample> = forest.nodes.iter().flat_map(|n| n.samples.iter().flatten()).collect();
+        let samples: Vec<&GenSample> = forest
+            .nodes
+            .iter()
+            .flat_map(|n| n.samples.iter().flatten())
+            .collect();
         let lens: Vec<f64> = samples.iter().map(|s| s.token_ids.len() as f64).collect();
         let gen_tokens: f64 = lens.iter().sum();
         m.insert("completion_len/mean".into(), mean(&lens));
-        m.insert("completion_len/max".into(), lens.iter().cloned().fold(0.0, f64::max));
-        m.insert("completion/stopped_frac".into(), mean(&samples.iter().map(|s| s.stopped as u8 as f64).collect::<Vec<_>>()));
+        m.insert(
+            "completion_len/max".into(),
+            lens.iter().cloned().fold(0.0, f64::max),
+        );
+        m.insert(
+            "completion/stopped_frac".into(),
+            mean(
+                &samples
+                    .iter()
+                    .map(|s| s.stopped as u8 as f64)
+                    .collect::<Vec<_>>(),
+            ),
+        );
         if cfg.num_agents > 1 {
             // Per agent: its completions (each may sample with its own settings) and its policy's learning rate.
             for a in 0..cfg.num_agents {
-                let own: Vec<f64> = forest.nodes.iter().filter_map(|n| n.samples.get(a)).flatten().map(|s| s.token_ids.len() as f64).collect();
+                let own: Vec<f64> = forest
+                    .nodes
+                    .iter()
+                    .filter_map(|n| n.samples.get(a))
+                    .flatten()
+                    .map(|s| s.token_ids.len() as f64)
+                    .collect();
                 m.insert(format!("agent{a}/completion_len/mean"), mean(&own));
-                m.insert(format!("agent{a}/learning_rate"), self.s.policies[self.s.agent_policy[a]].optimizer.cfg.lr);
+                m.insert(
+                    format!("agent{a}/learning_rate"),
+                    self.s.policies[self.s.agent_policy[a]].optimizer.cfg.lr,
+                );
             }
         }
-        let trained: Vec<&UpdateStats> = rounds.iter().map(|(_, s)| s).filter(|s| s.skipped.is_none() && s.steps > 0).collect();
-        let avg = |f: fn(&UpdateStats) -> f64| if trained.is_empty() { f64::NAN } else { trained.iter().map(|s| f(s)).sum::<f64>() / trained.len() as f64 };
+        let trained: Vec<&UpdateStats> = rounds
+            .iter()
+            .map(|(_, s)| s)
+            .filter(|s| s.skipped.is_none() && s.steps > 0)
+            .collect();
+        let avg = |f: fn(&UpdateStats) -> f64| {
+            if trained.is_empty() {
+                f64::NAN
+            } else {
+                trained.iter().map(|s| f(s)).sum::<f64>() / trained.len() as f64
+            }
+        };
         m.insert("loss".into(), avg(|s| s.loss));
         match return_kl_coef {
             // Return shaping: the mean KL per completion over the step (the loss holds no KL term),
             // and the mean amount taken off the returns.
             Some(coef) => {
-                let kls: Vec<f64> = forest.nodes.iter().flat_map(|n| n.reference_kl.iter().flatten().copied()).collect();
+                let kls: Vec<f64> = forest
+                    .nodes
+                    .iter()
+                    .flat_map(|n| n.reference_kl.iter().flatten().copied())
+                    .collect();
                 m.insert("kl".into(), mean(&kls));
                 m.insert("kl/return_penalty".into(), coef * mean(&kls));
             }
@@ -326,35 +523,83 @@ impl Trainer {
         let policies = self.s.policies.len();
         if policies > 1 {
             for pi in 0..policies {
-                let own: Vec<f64> = rounds.iter().filter(|(p, s)| *p == pi && s.skipped.is_none() && s.steps > 0).map(|(_, s)| s.loss).collect();
-                m.insert(format!("policy{pi}/loss"), if own.is_empty() { f64::NAN } else { mean(&own) });
+                let own: Vec<f64> = rounds
+                    .iter()
+                    .filter(|(p, s)| *p == pi && s.skipped.is_none() && s.steps > 0)
+                    .map(|(_, s)| s.loss)
+                    .collect();
+                m.insert(
+                    format!("policy{pi}/loss"),
+                    if own.is_empty() { f64::NAN } else { mean(&own) },
+                );
             }
         }
         let rounds: Vec<&UpdateStats> = rounds.iter().map(|(_, s)| s).collect();
-        m.insert("skipped_updates".into(), rounds.iter().filter(|s| s.skipped.is_some()).count() as f64);
-        m.insert("optimizer_steps".into(), rounds.iter().map(|s| s.steps as f64).sum::<f64>());
+        m.insert(
+            "skipped_updates".into(),
+            rounds.iter().filter(|s| s.skipped.is_some()).count() as f64,
+        );
+        m.insert(
+            "optimizer_steps".into(),
+            rounds.iter().map(|s| s.steps as f64).sum::<f64>(),
+        );
         m.insert("concurrent_policies".into(), concurrent as f64);
         let train_tokens: f64 = rounds.iter().map(|s| s.tokens).sum();
-        m.insert("tokens_per_s".into(), if times.generate > 0.0 { gen_tokens / times.generate } else { 0.0 });
-        m.insert("train_tokens_per_s".into(), if t_train > 0.0 { train_tokens / t_train } else { 0.0 });
+        m.insert(
+            "tokens_per_s".into(),
+            if times.generate > 0.0 {
+                gen_tokens / times.generate
+            } else {
+                0.0
+            },
+        );
+        m.insert(
+            "train_tokens_per_s".into(),
+            if t_train > 0.0 {
+                train_tokens / t_train
+            } else {
+                0.0
+            },
+        );
         m.insert("time/generate".into(), times.generate);
         m.insert("time/reward".into(), times.reward);
         if cfg.is_multi_turn() {
             m.insert("time/transition".into(), times.transition);
         }
         m.insert("time/train".into(), t_train);
-        m.insert("time/train_forward".into(), rounds.iter().map(|s| s.secs_forward).sum::<f64>());
-        m.insert("time/train_backward".into(), rounds.iter().map(|s| s.secs_backward).sum::<f64>());
-        m.insert("time/train_optimizer".into(), rounds.iter().map(|s| s.secs_optimizer).sum::<f64>());
-        m.insert("train/minibatches_without_gradient".into(), rounds.iter().map(|s| s.minibatches_without_gradient as f64).sum::<f64>());
+        m.insert(
+            "time/train_forward".into(),
+            rounds.iter().map(|s| s.secs_forward).sum::<f64>(),
+        );
+        m.insert(
+            "time/train_backward".into(),
+            rounds.iter().map(|s| s.secs_backward).sum::<f64>(),
+        );
+        m.insert(
+            "time/train_optimizer".into(),
+            rounds.iter().map(|s| s.secs_optimizer).sum::<f64>(),
+        );
+        m.insert(
+            "train/minibatches_without_gradient".into(),
+            rounds
+                .iter()
+                .map(|s| s.minibatches_without_gradient as f64)
+                .sum::<f64>(),
+        );
         if world > 1 {
-            m.insert("time/train_allreduce".into(), rounds.iter().map(|s| s.secs_allreduce).sum::<f64>());
+            m.insert(
+                "time/train_allreduce".into(),
+                rounds.iter().map(|s| s.secs_allreduce).sum::<f64>(),
+            );
             m.insert("ranks".into(), world as f64);
         }
         m.insert("time/weight_sync".into(), t_sync);
         if cfg.raw.rollout.max_off_policy_steps > 0 {
             m.insert("async/staleness_mean".into(), mean(&report.staleness));
-            m.insert("async/staleness_max".into(), report.staleness.iter().cloned().fold(0.0, f64::max));
+            m.insert(
+                "async/staleness_max".into(),
+                report.staleness.iter().cloned().fold(0.0, f64::max),
+            );
             m.insert("async/dropped_samples".into(), report.dropped as f64);
             m.insert("async/redrawn_samples".into(), report.redrawn as f64);
             m.insert("async/overlap_secs".into(), report.overlap_secs);
@@ -379,20 +624,36 @@ impl Trainer {
         }
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
         m.insert("epoch".into(), self.epoch as f64);
-        m.insert("policy_version".into(), self.s.policies.iter().map(|p| p.wire_version).max().unwrap_or(0) as f64);
+        m.insert(
+            "policy_version".into(),
+            self.s
+                .policies
+                .iter()
+                .map(|p| p.wire_version)
+                .max()
+                .unwrap_or(0) as f64,
+        );
         Ok(m)
     }
 
     /// The optimiser rounds of a step: per update group (see [`Forest::update_groups`]; with several
     /// ranks one group per turn, so that every rank runs the same rounds); see [`Self::rounds_of`].
-    pub(super) fn plan_rounds(&mut self, forest: &Forest, items: usize, handoff: bool) -> Result<Vec<Round>, TrainError> {
+    pub(super) fn plan_rounds(
+        &mut self,
+        forest: &Forest,
+        items: usize,
+        handoff: bool,
+    ) -> Result<Vec<Round>, TrainError> {
         let cfg = &self.s.cfg;
         let groups = if self.dist.world() > 1 {
             forest.groups_by_turn(items, cfg.trainer.num_turns)
         } else {
             forest.update_groups(items, cfg.trainer.rollout_buffer_size, handoff)
         };
-        let groups = groups.iter().map(|g| g.iter().map(|&id| buffered_node(forest, id)).collect()).collect();
+        let groups = groups
+            .iter()
+            .map(|g| g.iter().map(|&id| buffered_node(forest, id)).collect())
+            .collect();
         self.rounds_of(groups)
     }
 
@@ -401,13 +662,18 @@ impl Trainer {
     /// one rank, each mini-batch is a round of its own (CoMLRL 2026 steps the optimiser after
     /// each); otherwise a group's mini-batches make one optimiser step. Groups no rank has samples
     /// in are left out.
-    pub(super) fn rounds_of(&mut self, groups: Vec<Vec<BufferedNode>>) -> Result<Vec<Round>, TrainError> {
+    pub(super) fn rounds_of(
+        &mut self,
+        groups: Vec<Vec<BufferedNode>>,
+    ) -> Result<Vec<Round>, TrainError> {
         let cfg = &self.s.cfg;
         let n = cfg.num_agents;
-        let step_per_minibatch = cfg.trainer.train_batch_unit == Some(BatchUnit::Nodes) && self.dist.world() == 1;
+        let step_per_minibatch =
+            cfg.trainer.train_batch_unit == Some(BatchUnit::Nodes) && self.dist.world() == 1;
         let mut rounds = Vec::new();
         for group in groups {
-            let mut buffers: Vec<RolloutBuffer<TrainSample>> = (0..n).map(|_| RolloutBuffer::new(group.len())).collect();
+            let mut buffers: Vec<RolloutBuffer<TrainSample>> =
+                (0..n).map(|_| RolloutBuffer::new(group.len())).collect();
             for node in group {
                 for (buffer, samples) in buffers.iter_mut().zip(node.samples) {
                     buffer.push_node(samples);
@@ -415,7 +681,9 @@ impl Trainer {
             }
             let own = self.layout().own;
             for policy in 0..self.s.policies.len() {
-                let members: Vec<usize> = (0..n).filter(|&a| self.s.agent_policy[a] == policy).collect();
+                let members: Vec<usize> = (0..n)
+                    .filter(|&a| self.s.agent_policy[a] == policy)
+                    .collect();
                 let scale = 1.0 / members.len().max(1) as f64;
                 // Agent placement: another rank computes this policy's gradients (this one adds zeros).
                 let mine = own.is_none_or(|o| o == policy);
@@ -423,24 +691,49 @@ impl Trainer {
                     .iter()
                     .map(|&a| match (mine, cfg.trainer.train_batch_unit) {
                         (false, _) => Vec::new(),
-                        (true, Some(BatchUnit::Nodes)) => buffers[a].drain_node_minibatches(&mut self.rng, cfg.trainer.train_batch_size),
-                        (true, _) => buffers[a].drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size),
+                        (true, Some(BatchUnit::Nodes)) => buffers[a]
+                            .drain_node_minibatches(&mut self.rng, cfg.trainer.train_batch_size),
+                        (true, _) => buffers[a]
+                            .drain_minibatches(&mut self.rng, cfg.trainer.train_batch_size),
                     })
                     .collect();
                 let parts: Vec<Vec<Vec<Vec<TrainSample>>>> = if step_per_minibatch {
                     // Round k: every member's k-th mini-batch.
                     let most = minibatches.iter().map(Vec::len).max().unwrap_or(0);
-                    let mut per_member: Vec<std::vec::IntoIter<Vec<TrainSample>>> = minibatches.into_iter().map(Vec::into_iter).collect();
-                    (0..most).map(|_| per_member.iter_mut().map(|it| it.next().into_iter().collect()).collect()).collect()
+                    let mut per_member: Vec<std::vec::IntoIter<Vec<TrainSample>>> =
+                        minibatches.into_iter().map(Vec::into_iter).collect();
+                    (0..most)
+                        .map(|_| {
+                            per_member
+                                .iter_mut()
+                                .map(|it| it.next().into_iter().collect())
+                                .collect()
+                        })
+                        .collect()
                 } else {
                     vec![minibatches]
                 };
                 for part in parts {
-                    let batches: Vec<AgentBatches> = part.into_iter().map(|minibatches| AgentBatches { minibatches, scale }).collect();
-                    let local: Vec<f64> = batches.iter().map(|b| b.minibatches.iter().map(Vec::len).sum::<usize>() as f64).collect();
-                    let totals: Vec<usize> = self.dist.sum_f64(&local)?.iter().map(|&c| c as usize).collect();
+                    let batches: Vec<AgentBatches> = part
+                        .into_iter()
+                        .map(|minibatches| AgentBatches { minibatches, scale })
+                        .collect();
+                    let local: Vec<f64> = batches
+                        .iter()
+                        .map(|b| b.minibatches.iter().map(Vec::len).sum::<usize>() as f64)
+                        .collect();
+                    let totals: Vec<usize> = self
+                        .dist
+                        .sum_f64(&local)?
+                        .iter()
+                        .map(|&c| c as usize)
+                        .collect();
                     if totals.iter().any(|&c| c > 0) {
-                        rounds.push(Round { policy, batches, totals });
+                        rounds.push(Round {
+                            policy,
+                            batches,
+                            totals,
+                        });
                     }
                 }
             }
@@ -474,7 +767,10 @@ fn buffered_node(forest: &Forest, id: usize) -> BufferedNode {
                 .collect()
         })
         .collect();
-    BufferedNode { turn: node.turn, samples }
+    BufferedNode {
+        turn: node.turn,
+        samples,
+    }
 }
 
 /// A processed buffer's update groups: its nodes by turn, first turn first, each in buffer order.

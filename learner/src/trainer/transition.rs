@@ -11,10 +11,12 @@ use cotrain_model::loader::LoadedModel;
 
 use super::tree::AgentPrompt;
 use crate::config::{ExternalConfig, ExternalMode, SandboxSlice};
-use crate::prompts::items::{PromptEncoding, encode_text};
 use crate::error::TrainError;
-use crate::external::expert::{ExpertClient, ExpertEdits, ExpertFailure, ExpertRequest, FailureKind};
+use crate::external::expert::{
+    ExpertClient, ExpertEdits, ExpertFailure, ExpertRequest, FailureKind,
+};
 use crate::prompts::comlrl::LevelReport;
+use crate::prompts::items::{PromptEncoding, encode_text};
 use crate::prompts::multiturn::{AgentTurn, NextTurnPrompter, TurnRecord};
 use crate::sources::{FeedbackSpec, RewardSource, ScoreAction};
 
@@ -64,27 +66,61 @@ pub fn feedback_texts(
         return Ok(Feedback::default());
     }
     if ext.mode == ExternalMode::ExpertEdits {
-        let expert = expert.ok_or_else(|| TrainError::Config("external.mode is expert_edits but no expert client was set up".into()))?;
+        let expert = expert.ok_or_else(|| {
+            TrainError::Config(
+                "external.mode is expert_edits but no expert client was set up".into(),
+            )
+        })?;
         let requests: Vec<ExpertRequest> = inputs.iter().map(expert_request).collect();
         let edits = expert.edits_batch(&requests);
         check_expert(expert.url(), &edits)?;
         return Ok(Feedback {
-            texts: inputs.iter().zip(&edits).map(|(input, e)| expert_feedback(input, e)).collect(),
-            expert_failures: edits.iter().map(|e| e.failure.as_ref().map(|f| f.reason.clone())).collect(),
+            texts: inputs
+                .iter()
+                .zip(&edits)
+                .map(|(input, e)| expert_feedback(input, e))
+                .collect(),
+            expert_failures: edits
+                .iter()
+                .map(|e| e.failure.as_ref().map(|f| f.reason.clone()))
+                .collect(),
             reports: vec![None; inputs.len()],
         });
     }
     let actions: Vec<ScoreAction> = inputs
         .iter()
-        .map(|i| ScoreAction { completions: i.completions.clone(), completion_ids: i.completion_ids.clone(), item: i.item.clone() })
+        .map(|i| ScoreAction {
+            completions: i.completions.clone(),
+            completion_ids: i.completion_ids.clone(),
+            item: i.item.clone(),
+        })
         .collect();
-    let spec = FeedbackSpec { mode: ext.mode, sandbox_slice: sandbox_slice(ext) };
+    let spec = FeedbackSpec {
+        mode: ext.mode,
+        sandbox_slice: sandbox_slice(ext),
+    };
     let analyses = reward.analyze(task, &actions, &spec)?;
-    if analyses.len() != inputs.len() || analyses.iter().zip(inputs).any(|(a, i)| a.feedback.len() != i.completions.len()) {
-        return Err(TrainError::Reward(format!("{}: feedback does not match the {} joint actions asked about", reward.describe(), inputs.len())));
+    if analyses.len() != inputs.len()
+        || analyses
+            .iter()
+            .zip(inputs)
+            .any(|(a, i)| a.feedback.len() != i.completions.len())
+    {
+        return Err(TrainError::Reward(format!(
+            "{}: feedback does not match the {} joint actions asked about",
+            reward.describe(),
+            inputs.len()
+        )));
     }
-    let reports = analyses.iter().map(|a| a.diagnostics.as_ref().map(LevelReport::from_diagnostics)).collect();
-    Ok(Feedback { expert_failures: vec![None; analyses.len()], texts: analyses.into_iter().map(|a| a.feedback).collect(), reports })
+    let reports = analyses
+        .iter()
+        .map(|a| a.diagnostics.as_ref().map(LevelReport::from_diagnostics))
+        .collect();
+    Ok(Feedback {
+        expert_failures: vec![None; analyses.len()],
+        texts: analyses.into_iter().map(|a| a.feedback).collect(),
+        reports,
+    })
 }
 
 /// Refuses a batch whose requests the expert refused, or of which it answered none.
@@ -96,7 +132,10 @@ fn check_expert(url: &str, edits: &[ExpertEdits]) -> Result<(), TrainError> {
             f.reason
         )));
     }
-    if !edits.is_empty() && failures.len() == edits.len() && failures.iter().all(|f| f.kind == FailureKind::Unreachable) {
+    if !edits.is_empty()
+        && failures.len() == edits.len()
+        && failures.iter().all(|f| f.kind == FailureKind::Unreachable)
+    {
         return Err(TrainError::External(format!(
             "the expert at {url} answered none of {} requests after retries: {}",
             edits.len(),
@@ -107,17 +146,30 @@ fn check_expert(url: &str, edits: &[ExpertEdits]) -> Result<(), TrainError> {
 }
 
 fn entry_point(item: &serde_json::Value) -> String {
-    item.get("entry_point").and_then(|v| v.as_str()).unwrap_or("main").to_string()
+    item.get("entry_point")
+        .and_then(|v| v.as_str())
+        .unwrap_or("main")
+        .to_string()
 }
 
 fn expert_request(input: &TransitionInput<'_>) -> ExpertRequest {
-    let problem = input.item.get("prompt").and_then(|v| v.as_str()).unwrap_or_default().to_string();
+    let problem = input
+        .item
+        .get("prompt")
+        .and_then(|v| v.as_str())
+        .unwrap_or_default()
+        .to_string();
     let (aux, main) = match input.completions.as_slice() {
         [main] => (None, main.clone()),
         [aux, main, ..] => (Some(aux.clone()), main.clone()),
         [] => (None, String::new()),
     };
-    ExpertRequest { problem, entry_point: entry_point(input.item), aux, main }
+    ExpertRequest {
+        problem,
+        entry_point: entry_point(input.item),
+        aux,
+        main,
+    }
 }
 
 /// Each agent's text for `expert_edits`: its function's suggested edit (or that none was suggested)
@@ -159,11 +211,19 @@ pub fn fit_prompt(
     let droppable = prompter.droppable(turn);
     let mut last_len = 0;
     for drop in 0..=droppable {
-        let text = prompter.compose(turn, drop).map_err(|e| TrainError::Config(e.to_string()))?;
+        let text = prompter
+            .compose(turn, drop)
+            .map_err(|e| TrainError::Config(e.to_string()))?;
         let model_text = encoding.model_text(model.chat_template.as_ref(), &text.user_text)?;
         let ids = encode_text(&model.tokenizer, &model_text)?;
         if ids.len() <= max_tokens {
-            return Ok((AgentPrompt { text: text.recorded, ids }, drop));
+            return Ok((
+                AgentPrompt {
+                    text: text.recorded,
+                    ids,
+                },
+                drop,
+            ));
         }
         last_len = ids.len();
     }
@@ -176,7 +236,10 @@ pub fn fit_prompt(
 /// The history of one agent after a turn: its earlier turns plus this one.
 pub fn extend_history(history: &[TurnRecord], prompt: &str, response: &str) -> Vec<TurnRecord> {
     let mut h = history.to_vec();
-    h.push(TurnRecord { prompt: prompt.to_string(), response: response.to_string() });
+    h.push(TurnRecord {
+        prompt: prompt.to_string(),
+        response: response.to_string(),
+    });
     h
 }
 
@@ -186,38 +249,106 @@ mod tests {
 
     #[test]
     fn sandbox_slice_forms() {
-        let ext = |s: Option<SandboxSlice>| ExternalConfig { sandbox_slice: s, ..ExternalConfig::default() };
+        let ext = |s: Option<SandboxSlice>| ExternalConfig {
+            sandbox_slice: s,
+            ..ExternalConfig::default()
+        };
         assert_eq!(sandbox_slice(&ext(Some(SandboxSlice::Count(2)))), Some(2));
         assert_eq!(sandbox_slice(&ext(Some(SandboxSlice::Count(-1)))), Some(-1));
         assert_eq!(sandbox_slice(&ext(Some(SandboxSlice::Count(0)))), None);
         assert_eq!(sandbox_slice(&ext(None)), None);
-        assert_eq!(sandbox_slice(&ext(Some(SandboxSlice::Keyword(crate::config::AllKeyword::All)))), None);
+        assert_eq!(
+            sandbox_slice(&ext(Some(SandboxSlice::Keyword(
+                crate::config::AllKeyword::All
+            )))),
+            None
+        );
     }
 
     #[test]
     fn expert_feedback_shows_each_agent_its_edit() {
         let item = serde_json::json!({"prompt": "def add(a, b):", "entry_point": "add"});
-        let input = TransitionInput { item: &item, completions: vec!["def aux(x): return x".into(), "def add(a, b): return a".into()], completion_ids: vec![vec![], vec![]] };
-        let e = ExpertEdits { aux: String::new(), main: "return a + b".into(), failure: None, attempts: 1 };
+        let input = TransitionInput {
+            item: &item,
+            completions: vec![
+                "def aux(x): return x".into(),
+                "def add(a, b): return a".into(),
+            ],
+            completion_ids: vec![vec![], vec![]],
+        };
+        let e = ExpertEdits {
+            aux: String::new(),
+            main: "return a + b".into(),
+            failure: None,
+            attempts: 1,
+        };
         let t = expert_feedback(&input, &e);
         assert!(t[0].contains("suggests no changes") && t[0].contains("`aux`"));
-        assert!(t[1].contains("return a + b") && t[1].contains("`add`") && t[1].contains("Do not redefine `aux`"));
-        let failed = ExpertEdits { failure: Some(ExpertFailure { kind: FailureKind::Unusable, reason: "no JSON".into() }), ..ExpertEdits::default() };
+        assert!(
+            t[1].contains("return a + b")
+                && t[1].contains("`add`")
+                && t[1].contains("Do not redefine `aux`")
+        );
+        let failed = ExpertEdits {
+            failure: Some(ExpertFailure {
+                kind: FailureKind::Unusable,
+                reason: "no JSON".into(),
+            }),
+            ..ExpertEdits::default()
+        };
         let t = expert_feedback(&input, &failed);
         assert!(t[1].starts_with("Revise your function `add`"));
         let r = expert_request(&input);
-        assert_eq!((r.aux.as_deref(), r.main.as_str(), r.entry_point.as_str()), (Some("def aux(x): return x"), "def add(a, b): return a", "add"));
+        assert_eq!(
+            (r.aux.as_deref(), r.main.as_str(), r.entry_point.as_str()),
+            (
+                Some("def aux(x): return x"),
+                "def add(a, b): return a",
+                "add"
+            )
+        );
     }
 
     #[test]
     fn an_expert_that_refuses_or_answers_nothing_stops_the_run_and_single_failures_degrade() {
-        let fail = |kind| ExpertEdits { failure: Some(ExpertFailure { kind, reason: format!("{kind:?}") }), ..ExpertEdits::default() };
-        let ok = ExpertEdits { main: "x".into(), ..ExpertEdits::default() };
-        let e = check_expert("http://e/v1/chat/completions", &[ok.clone(), fail(FailureKind::Refused)]).unwrap_err().to_string();
-        assert!(e.contains("refused a request") && e.contains("external.expert_model"), "{e}");
-        let e = check_expert("http://e", &[fail(FailureKind::Unreachable), fail(FailureKind::Unreachable)]).unwrap_err().to_string();
+        let fail = |kind| ExpertEdits {
+            failure: Some(ExpertFailure {
+                kind,
+                reason: format!("{kind:?}"),
+            }),
+            ..ExpertEdits::default()
+        };
+        let ok = ExpertEdits {
+            main: "x".into(),
+            ..ExpertEdits::default()
+        };
+        let e = check_expert(
+            "http://e/v1/chat/completions",
+            &[ok.clone(), fail(FailureKind::Refused)],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("refused a request") && e.contains("external.expert_model"),
+            "{e}"
+        );
+        let e = check_expert(
+            "http://e",
+            &[
+                fail(FailureKind::Unreachable),
+                fail(FailureKind::Unreachable),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("answered none of 2 requests"), "{e}");
         assert!(check_expert("http://e", &[ok.clone(), fail(FailureKind::Unreachable)]).is_ok());
-        assert!(check_expert("http://e", &[fail(FailureKind::Unusable), fail(FailureKind::Unusable)]).is_ok());
+        assert!(
+            check_expert(
+                "http://e",
+                &[fail(FailureKind::Unusable), fail(FailureKind::Unusable)]
+            )
+            .is_ok()
+        );
     }
 }

@@ -89,7 +89,15 @@ pub struct Node {
 
 impl Node {
     /// A node with prompts and nothing sampled yet.
-    pub fn new(id: usize, item: usize, local: usize, turn: usize, g: usize, prompts: Vec<AgentPrompt>, history: Vec<Vec<TurnRecord>>) -> Self {
+    pub fn new(
+        id: usize,
+        item: usize,
+        local: usize,
+        turn: usize,
+        g: usize,
+        prompts: Vec<AgentPrompt>,
+        history: Vec<Vec<TurnRecord>>,
+    ) -> Self {
         Self {
             id,
             item,
@@ -132,9 +140,17 @@ impl Node {
 /// How nodes grow; see the module docs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Expansion {
-    Tree { termination_threshold: Option<f64> },
-    Handoff { handoff: Handoff, early_termination_threshold: Option<f64> },
-    Paths { stop_above: Option<f64>, inclusive: bool },
+    Tree {
+        termination_threshold: Option<f64>,
+    },
+    Handoff {
+        handoff: Handoff,
+        early_termination_threshold: Option<f64>,
+    },
+    Paths {
+        stop_above: Option<f64>,
+        inclusive: bool,
+    },
 }
 
 /// What a non-leaf node's child continues from.
@@ -151,11 +167,18 @@ pub struct ChildSpec {
 
 /// Decides whether `node` (scored, at turn `node.turn` of `num_turns`) is a leaf and which children
 /// it gets. `rng` draws random handoffs.
-pub fn expand<R: Rng + ?Sized>(node: &mut Node, num_turns: usize, how: Expansion, rng: &mut R) -> Vec<ChildSpec> {
+pub fn expand<R: Rng + ?Sized>(
+    node: &mut Node,
+    num_turns: usize,
+    how: Expansion,
+    rng: &mut R,
+) -> Vec<ChildSpec> {
     let last = node.turn + 1 >= num_turns;
     let m = node.mean_reward();
     match how {
-        Expansion::Tree { termination_threshold } => {
+        Expansion::Tree {
+            termination_threshold,
+        } => {
             let stop = termination_threshold.is_some_and(|t| !node.rewards.is_empty() && m > t);
             node.leaf = last || stop;
             node.early_stop = stop && !last;
@@ -163,27 +186,50 @@ pub fn expand<R: Rng + ?Sized>(node: &mut Node, num_turns: usize, how: Expansion
                 return Vec::new();
             }
             (0..node.actions.len())
-                .map(|j| ChildSpec { parent: node.id, parent_joint: Some(j), picks: node.actions[j].clone(), g: node.g })
+                .map(|j| ChildSpec {
+                    parent: node.id,
+                    parent_joint: Some(j),
+                    picks: node.actions[j].clone(),
+                    g: node.g,
+                })
                 .collect()
         }
-        Expansion::Handoff { handoff, early_termination_threshold } => {
-            let stop = early_termination_threshold.is_some_and(|t| !node.rewards.is_empty() && m >= t);
+        Expansion::Handoff {
+            handoff,
+            early_termination_threshold,
+        } => {
+            let stop =
+                early_termination_threshold.is_some_and(|t| !node.rewards.is_empty() && m >= t);
             node.leaf = last || stop;
             node.early_stop = stop && !last;
             if node.leaf {
                 return Vec::new();
             }
             let (parent_joint, picks) = handoff_picks(node, handoff, rng);
-            vec![ChildSpec { parent: node.id, parent_joint, picks, g: node.g }]
+            vec![ChildSpec {
+                parent: node.id,
+                parent_joint,
+                picks,
+                g: node.g,
+            }]
         }
-        Expansion::Paths { stop_above, inclusive } => {
-            let passes = |r: f64| stop_above.is_some_and(|t| if inclusive { r >= t } else { r > t });
+        Expansion::Paths {
+            stop_above,
+            inclusive,
+        } => {
+            let passes =
+                |r: f64| stop_above.is_some_and(|t| if inclusive { r >= t } else { r > t });
             let children: Vec<ChildSpec> = if last {
                 Vec::new()
             } else {
                 (0..node.actions.len())
                     .filter(|&j| !passes(node.rewards[j]))
-                    .map(|j| ChildSpec { parent: node.id, parent_joint: Some(j), picks: node.actions[j].clone(), g: 1 })
+                    .map(|j| ChildSpec {
+                        parent: node.id,
+                        parent_joint: Some(j),
+                        picks: node.actions[j].clone(),
+                        g: 1,
+                    })
                     .collect()
             };
             node.leaf = children.is_empty();
@@ -195,7 +241,11 @@ pub fn expand<R: Rng + ?Sized>(node: &mut Node, num_turns: usize, how: Expansion
 
 /// The handoff of a node: `best` = the joint action with the highest reward (the first on ties, as
 /// Python's `list.index(max(...))`); `random` = each agent one of its own completions, uniformly.
-pub fn handoff_picks<R: Rng + ?Sized>(node: &Node, handoff: Handoff, rng: &mut R) -> (Option<usize>, Vec<usize>) {
+pub fn handoff_picks<R: Rng + ?Sized>(
+    node: &Node,
+    handoff: Handoff,
+    rng: &mut R,
+) -> (Option<usize>, Vec<usize>) {
     match handoff {
         Handoff::Best => {
             let mut best = 0;
@@ -206,7 +256,13 @@ pub fn handoff_picks<R: Rng + ?Sized>(node: &Node, handoff: Handoff, rng: &mut R
             }
             (Some(best), node.actions[best].clone())
         }
-        Handoff::Random => (None, node.samples.iter().map(|s| rng.random_range(0..s.len().max(1))).collect()),
+        Handoff::Random => (
+            None,
+            node.samples
+                .iter()
+                .map(|s| rng.random_range(0..s.len().max(1)))
+                .collect(),
+        ),
     }
 }
 
@@ -234,7 +290,15 @@ impl Forest {
     /// when this rank has no node of it), so that every rank runs the same optimiser rounds.
     pub fn groups_by_turn(&self, items: usize, turns: usize) -> Vec<Vec<usize>> {
         let order: Vec<usize> = (0..items).flat_map(|i| self.preorder(i)).collect();
-        (0..turns.max(1)).map(|t| order.iter().copied().filter(|&i| self.nodes[i].turn == t).collect()).collect()
+        (0..turns.max(1))
+            .map(|t| {
+                order
+                    .iter()
+                    .copied()
+                    .filter(|&i| self.nodes[i].turn == t)
+                    .collect()
+            })
+            .collect()
     }
 
     /// Returns of every node: `discounted` (tree) R_j = r_j + γ·mean(returns of child j), R_j = r_j
@@ -258,7 +322,12 @@ impl Forest {
     /// action's return; cross: the sum over the joint actions that contain it), with `kl_coef`
     /// (`reference_kl.placement: returns`) less coef·its `reference_kl` ([`kl_shaped_returns`]; a node
     /// without them is left as it is), then the configured advantage mode.
-    pub fn compute_advantages(&mut self, num_agents: usize, opts: &AdvantageOptions, kl_coef: Option<f64>) {
+    pub fn compute_advantages(
+        &mut self,
+        num_agents: usize,
+        opts: &AdvantageOptions,
+        kl_coef: Option<f64>,
+    ) {
         for node in &mut self.nodes {
             let mut credit = credit_per_agent(opts.joint_mode, num_agents, node.g, &node.returns);
             if let Some(coef) = kl_coef {
@@ -266,23 +335,41 @@ impl Forest {
                     *c = kl_shaped_returns(c, kl, coef);
                 }
             }
-            node.advantages = credit.iter().map(|c| advantages(c, opts.mode, opts.normalize, opts.clamp)).collect();
+            node.advantages = credit
+                .iter()
+                .map(|c| advantages(c, opts.mode, opts.normalize, opts.clamp))
+                .collect();
         }
     }
 
     /// Loss weight of every node: `turn_gradient_weights[turn]`, times `early_termination_weight`
     /// for the last node of an episode that stopped early (`apply_early`, the handoff variant).
-    pub fn assign_turn_weights(&mut self, weights: &[f64], early_termination_weight: f64, apply_early: bool) {
+    pub fn assign_turn_weights(
+        &mut self,
+        weights: &[f64],
+        early_termination_weight: f64,
+        apply_early: bool,
+    ) {
         for node in &mut self.nodes {
             let w = weights.get(node.turn).copied().unwrap_or(1.0);
-            node.turn_weight = if apply_early && node.early_stop { w * early_termination_weight } else { w };
+            node.turn_weight = if apply_early && node.early_stop {
+                w * early_termination_weight
+            } else {
+                w
+            };
         }
     }
 
     /// The nodes of `item` in depth-first pre-order (the order the original creates and buffers them).
     pub fn preorder(&self, item: usize) -> Vec<usize> {
         let mut out = Vec::new();
-        let mut stack: Vec<usize> = self.nodes.iter().filter(|n| n.item == item && n.parent.is_none()).map(|n| n.id).rev().collect();
+        let mut stack: Vec<usize> = self
+            .nodes
+            .iter()
+            .filter(|n| n.item == item && n.parent.is_none())
+            .map(|n| n.id)
+            .rev()
+            .collect();
         while let Some(id) = stack.pop() {
             out.push(id);
             stack.extend(self.nodes[id].children.iter().rev());
@@ -296,11 +383,21 @@ impl Forest {
     /// is processed whenever it holds `buffer_nodes` nodes (and at the end of the step): its nodes are
     /// grouped by turn, one update per turn, first turn first. Handoff (September 2025): one update
     /// per turn over the step's items, first turn first.
-    pub fn update_groups(&self, items: usize, buffer_nodes: usize, per_turn_over_step: bool) -> Vec<Vec<usize>> {
+    pub fn update_groups(
+        &self,
+        items: usize,
+        buffer_nodes: usize,
+        per_turn_over_step: bool,
+    ) -> Vec<Vec<usize>> {
         let by_turn = |ids: &[usize]| -> Vec<Vec<usize>> {
             let max_turn = ids.iter().map(|&i| self.nodes[i].turn).max().unwrap_or(0);
             (0..=max_turn)
-                .map(|t| ids.iter().copied().filter(|&i| self.nodes[i].turn == t).collect::<Vec<usize>>())
+                .map(|t| {
+                    ids.iter()
+                        .copied()
+                        .filter(|&i| self.nodes[i].turn == t)
+                        .collect::<Vec<usize>>()
+                })
                 .filter(|g| !g.is_empty())
                 .collect()
         };
@@ -308,7 +405,10 @@ impl Forest {
         if per_turn_over_step {
             return by_turn(&order);
         }
-        order.chunks(buffer_nodes.max(1)).flat_map(by_turn).collect()
+        order
+            .chunks(buffer_nodes.max(1))
+            .flat_map(by_turn)
+            .collect()
     }
 }
 
@@ -324,6 +424,7 @@ pub fn max_tree_nodes(mode: JointMode, num_agents: usize, g: usize, turns: usize
         JointMode::Aligned => g as u128,
         JointMode::Cross => (g as u128).saturating_pow(num_agents as u32),
     };
-    (0..turns).map(|t| b.saturating_pow(t as u32)).fold(0u128, u128::saturating_add)
+    (0..turns)
+        .map(|t| b.saturating_pow(t as u32))
+        .fold(0u128, u128::saturating_add)
 }
-

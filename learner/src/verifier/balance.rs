@@ -27,13 +27,21 @@ pub struct BalanceReport {
 }
 
 /// Balances `data` to `per_type` answers of each kind per question.
-pub fn balance(data: &VerifierData, per_type: usize, keep_short: bool) -> (VerifierData, BalanceReport) {
+pub fn balance(
+    data: &VerifierData,
+    per_type: usize,
+    keep_short: bool,
+) -> (VerifierData, BalanceReport) {
     let mut out = VerifierData::default();
     let mut report = BalanceReport::default();
     for (q, e) in &data.questions {
         report.answers_in += e.generated_answers.len();
-        let correct: Vec<usize> = (0..e.generated_answers.len()).filter(|&i| e.correct(i)).collect();
-        let incorrect: Vec<usize> = (0..e.generated_answers.len()).filter(|&i| !e.correct(i)).collect();
+        let correct: Vec<usize> = (0..e.generated_answers.len())
+            .filter(|&i| e.correct(i))
+            .collect();
+        let incorrect: Vec<usize> = (0..e.generated_answers.len())
+            .filter(|&i| !e.correct(i))
+            .collect();
         let short = correct.len() < per_type || incorrect.len() < per_type;
         let outcome = match (short, keep_short) {
             (false, _) => "balanced".to_string(),
@@ -44,13 +52,29 @@ pub fn balance(data: &VerifierData, per_type: usize, keep_short: bool) -> (Verif
                 incorrect.len()
             ),
         };
-        report.questions.push(QuestionReport { question: q.clone(), correct: correct.len(), incorrect: incorrect.len(), outcome: outcome.clone() });
+        report.questions.push(QuestionReport {
+            question: q.clone(),
+            correct: correct.len(),
+            incorrect: incorrect.len(),
+            outcome: outcome.clone(),
+        });
         if short && !keep_short {
             report.dropped += 1;
             continue;
         }
-        let take: Vec<usize> = correct.iter().take(per_type).chain(incorrect.iter().take(per_type)).copied().collect();
-        let pick = |v: &[String]| -> Vec<String> { if v.is_empty() { Vec::new() } else { take.iter().map(|&i| v[i].clone()).collect() } };
+        let take: Vec<usize> = correct
+            .iter()
+            .take(per_type)
+            .chain(incorrect.iter().take(per_type))
+            .copied()
+            .collect();
+        let pick = |v: &[String]| -> Vec<String> {
+            if v.is_empty() {
+                Vec::new()
+            } else {
+                take.iter().map(|&i| v[i].clone()).collect()
+            }
+        };
         let entry = QuestionEntry {
             original_answer: e.original_answer.clone(),
             generated_answers: pick(&e.generated_answers),
@@ -88,14 +112,29 @@ mod tests {
             ],
         };
         let (out, r) = balance(&data, 2, false);
-        assert_eq!((r.kept, r.dropped, r.answers_in, r.answers_out), (1, 2, 13, 4));
+        assert_eq!(
+            (r.kept, r.dropped, r.answers_in, r.answers_out),
+            (1, 2, 13, 4)
+        );
         assert_eq!(out.questions.len(), 1);
         let (q, e) = &out.questions[0];
         assert_eq!(q, "easy");
-        assert_eq!(e.generated_answers, ["a0", "a1", "a3", "a5"], "the first two of each kind, correct first");
+        assert_eq!(
+            e.generated_answers,
+            ["a0", "a1", "a3", "a5"],
+            "the first two of each kind, correct first"
+        );
         assert_eq!(e.rewards, [1.0, 1.0, 0.0, 0.0]);
-        assert_eq!((r.questions[1].correct, r.questions[1].incorrect), (1, 3), "-1 counts as incorrect");
-        assert!(r.questions[2].outcome.starts_with("dropped: 0 correct and 3 incorrect"));
+        assert_eq!(
+            (r.questions[1].correct, r.questions[1].incorrect),
+            (1, 3),
+            "-1 counts as incorrect"
+        );
+        assert!(
+            r.questions[2]
+                .outcome
+                .starts_with("dropped: 0 correct and 3 incorrect")
+        );
 
         let (out, r) = balance(&data, 2, true);
         assert_eq!((r.kept, r.dropped), (3, 0));
@@ -131,9 +170,15 @@ pub fn fill(
 ) -> Result<FillReport, crate::error::TrainError> {
     use super::generate::Ask;
     let mut report = FillReport::default();
-    let count = |e: &QuestionEntry, want: bool| (0..e.rewards.len()).filter(|&i| e.correct(i) == want).count();
+    let count = |e: &QuestionEntry, want: bool| {
+        (0..e.rewards.len())
+            .filter(|&i| e.correct(i) == want)
+            .count()
+    };
     // The reference solution first.
-    let short: Vec<usize> = (0..data.questions.len()).filter(|&k| count(&data.questions[k].1, true) < per_type).collect();
+    let short: Vec<usize> = (0..data.questions.len())
+        .filter(|&k| count(&data.questions[k].1, true) < per_type)
+        .collect();
     let mut refs = Vec::new();
     for &k in &short {
         let (q, e) = &data.questions[k];
@@ -144,7 +189,13 @@ pub fn fill(
             refs.push((k, item, e.original_answer.clone()));
         }
     }
-    let labelled = sampler.label(&refs.iter().map(|(_, item, _)| *item).collect::<Vec<_>>(), &refs.iter().map(|(_, _, a)| vec![a.clone()]).collect::<Vec<_>>())?;
+    let labelled = sampler.label(
+        &refs.iter().map(|(_, item, _)| *item).collect::<Vec<_>>(),
+        &refs
+            .iter()
+            .map(|(_, _, a)| vec![a.clone()])
+            .collect::<Vec<_>>(),
+    )?;
     for ((k, _, answer), l) in refs.iter().zip(labelled) {
         if l[0].correct {
             push(&mut data.questions[*k].1, answer.clone(), &l[0]);
@@ -156,22 +207,39 @@ pub fn fill(
         let mut wants = Vec::new();
         for (k, (q, e)) in data.questions.iter().enumerate() {
             let Some(item) = items.get(q) else { continue };
-            let short_of: Vec<bool> = [true, false].into_iter().filter(|&want| count(e, want) < per_type).collect();
+            let short_of: Vec<bool> = [true, false]
+                .into_iter()
+                .filter(|&want| count(e, want) < per_type)
+                .collect();
             if short_of.is_empty() {
                 continue;
             }
             let user = sampler.user_message(q)?;
             for want in short_of {
                 let prompt = if want {
-                    let solution = (0..e.rewards.len()).find(|&i| e.correct(i)).map_or(e.original_answer.as_str(), |i| e.generated_answers[i].as_str());
+                    let solution = (0..e.rewards.len())
+                        .find(|&i| e.correct(i))
+                        .map_or(e.original_answer.as_str(), |i| {
+                            e.generated_answers[i].as_str()
+                        });
                     if solution.is_empty() {
                         continue;
                     }
-                    format!("{user}\n\nA correct solution:\n{solution}\n\nWrite your own solution that reaches the same final answer, in different words, and end with it in the same format.")
+                    format!(
+                        "{user}\n\nA correct solution:\n{solution}\n\nWrite your own solution that reaches the same final answer, in different words, and end with it in the same format."
+                    )
                 } else {
-                    format!("{user}\n\nWrite a solution that sounds convincing but reaches a WRONG final answer, and end with that wrong answer in the requested format.")
+                    format!(
+                        "{user}\n\nWrite a solution that sounds convincing but reaches a WRONG final answer, and end with that wrong answer in the requested format."
+                    )
                 };
-                asks.push(Ask { item: item.clone(), user: prompt, n: 2 * per_type, seed_parts: vec![k as u64, round as u64, u64::from(want), 77], temperature: Some(0.9) });
+                asks.push(Ask {
+                    item: item.clone(),
+                    user: prompt,
+                    n: 2 * per_type,
+                    seed_parts: vec![k as u64, round as u64, u64::from(want), 77],
+                    temperature: Some(0.9),
+                });
                 wants.push((k, want));
             }
         }
@@ -193,7 +261,13 @@ pub fn fill(
             }
         }
     }
-    report.not_found = data.questions.iter().filter(|(q, e)| !items.contains_key(q) && (count(e, true) < per_type || count(e, false) < per_type)).count();
+    report.not_found = data
+        .questions
+        .iter()
+        .filter(|(q, e)| {
+            !items.contains_key(q) && (count(e, true) < per_type || count(e, false) < per_type)
+        })
+        .count();
     Ok(report)
 }
 

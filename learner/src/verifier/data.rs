@@ -55,7 +55,8 @@ impl VerifierData {
     /// Reads and checks a data file (every entry has as many rewards as answers).
     pub fn read(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let data: VerifierData = serde_json::from_str(&text).map_err(|e| format!("{}: not a verifier data file: {e}", path.display()))?;
+        let data: VerifierData = serde_json::from_str(&text)
+            .map_err(|e| format!("{}: not a verifier data file: {e}", path.display()))?;
         for (q, e) in &data.questions {
             if e.rewards.len() != e.generated_answers.len() {
                 return Err(format!(
@@ -83,7 +84,10 @@ impl VerifierData {
     }
 
     pub fn get(&self, question: &str) -> Option<&QuestionEntry> {
-        self.questions.iter().find(|(q, _)| q == question).map(|(_, e)| e)
+        self.questions
+            .iter()
+            .find(|(q, _)| q == question)
+            .map(|(_, e)| e)
     }
 
     /// Every answer as an example, question by question.
@@ -94,7 +98,11 @@ impl VerifierData {
                 e.generated_answers
                     .iter()
                     .enumerate()
-                    .map(move |(i, a)| Example { question: q.clone(), answer: a.clone(), label: if e.correct(i) { 1.0 } else { 0.0 } })
+                    .map(move |(i, a)| Example {
+                        question: q.clone(),
+                        answer: a.clone(),
+                        label: if e.correct(i) { 1.0 } else { 0.0 },
+                    })
             })
             .collect()
     }
@@ -108,13 +116,24 @@ impl VerifierData {
             ));
         }
         let cut = self.questions.len() - test_questions;
-        Ok((VerifierData { questions: self.questions[..cut].to_vec() }, VerifierData { questions: self.questions[cut..].to_vec() }))
+        Ok((
+            VerifierData {
+                questions: self.questions[..cut].to_vec(),
+            },
+            VerifierData {
+                questions: self.questions[cut..].to_vec(),
+            },
+        ))
     }
 }
 
 fn short(q: &str) -> String {
     let s: String = q.chars().take(60).collect();
-    if s.len() < q.len() { format!("{s}…") } else { s }
+    if s.len() < q.len() {
+        format!("{s}…")
+    } else {
+        s
+    }
 }
 
 impl Serialize for VerifierData {
@@ -133,7 +152,9 @@ impl<'de> Deserialize<'de> for VerifierData {
         impl<'de> Visitor<'de> for InOrder {
             type Value = VerifierData;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("an object from question to {original_answer, generated_answers, rewards}")
+                f.write_str(
+                    "an object from question to {original_answer, generated_answers, rewards}",
+                )
             }
             fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<VerifierData, A::Error> {
                 let mut questions = Vec::new();
@@ -157,13 +178,22 @@ mod tests {
                        "a": {"original_answer": "", "generated_answers": ["c"], "rewards": [-1]},
                        "m": {"generated_answers": [], "rewards": []}}"#;
         let d: VerifierData = serde_json::from_str(text).unwrap();
-        assert_eq!(d.questions.iter().map(|(q, _)| q.as_str()).collect::<Vec<_>>(), ["z", "a", "m"]);
+        assert_eq!(
+            d.questions
+                .iter()
+                .map(|(q, _)| q.as_str())
+                .collect::<Vec<_>>(),
+            ["z", "a", "m"]
+        );
         let back: VerifierData = serde_json::from_str(&serde_json::to_string(&d).unwrap()).unwrap();
         assert_eq!(back, d);
         let labels: Vec<f32> = d.examples().iter().map(|e| e.label).collect();
         assert_eq!(labels, [1.0, 0.0, 0.0], "-1 (unreadable) is incorrect");
         let (train, test) = d.split(1).unwrap();
-        assert_eq!((train.questions.len(), test.questions[0].0.as_str()), (2, "m"));
+        assert_eq!(
+            (train.questions.len(), test.questions[0].0.as_str()),
+            (2, "m")
+        );
         assert!(d.split(3).unwrap_err().contains("at least one must remain"));
     }
 
@@ -171,7 +201,15 @@ mod tests {
     fn answers_and_rewards_must_pair_up() {
         let tmp = tempfile::tempdir().unwrap();
         let p = tmp.path().join("bad.json");
-        std::fs::write(&p, r#"{"q": {"generated_answers": ["a", "b"], "rewards": [1]}}"#).unwrap();
-        assert!(VerifierData::read(&p).unwrap_err().contains("2 answers but 1 rewards"));
+        std::fs::write(
+            &p,
+            r#"{"q": {"generated_answers": ["a", "b"], "rewards": [1]}}"#,
+        )
+        .unwrap();
+        assert!(
+            VerifierData::read(&p)
+                .unwrap_err()
+                .contains("2 answers but 1 rewards")
+        );
     }
 }

@@ -19,9 +19,9 @@ use tracing::info;
 
 use super::data::{QuestionEntry, VerifierData};
 use crate::config::{CheckedConfig, VerifierSection};
-use crate::prompts::items::{encode_text, item_json, reward_task};
 use crate::data::{DatasetKind, load_split};
 use crate::error::TrainError;
+use crate::prompts::items::{encode_text, item_json, reward_task};
 use crate::seeds::derive_seed;
 use crate::services::connect::{ServiceGuard, connect_services};
 use crate::sources::{GenRequest, RewardSource, RolloutSource, SamplingSpec, ScoreAction};

@@ -25,13 +25,22 @@ pub fn auc(scores: &[f32], labels: &[f32]) -> Option<f64> {
     if pos == 0 || neg == 0 {
         return None;
     }
-    let rank_sum: f64 = labels.iter().zip(&ranks).filter(|(y, _)| **y > 0.5).map(|(_, r)| r).sum();
+    let rank_sum: f64 = labels
+        .iter()
+        .zip(&ranks)
+        .filter(|(y, _)| **y > 0.5)
+        .map(|(_, r)| r)
+        .sum();
     Some((rank_sum - (pos * (pos + 1)) as f64 / 2.0) / (pos * neg) as f64)
 }
 
 /// Fraction of answers whose score is on the label's side of 0.5.
 pub fn accuracy(scores: &[f32], labels: &[f32]) -> f64 {
-    let right = scores.iter().zip(labels).filter(|(s, y)| (**s >= 0.5) == (**y > 0.5)).count();
+    let right = scores
+        .iter()
+        .zip(labels)
+        .filter(|(s, y)| (**s >= 0.5) == (**y > 0.5))
+        .count();
     right as f64 / scores.len().max(1) as f64
 }
 
@@ -53,14 +62,21 @@ pub fn calibration_bins(scores: &[f32], labels: &[f32], bins: usize) -> Vec<Bin>
         acc[b].2 += f64::from(*y);
     }
     acc.into_iter()
-        .map(|(n, s, y)| Bin { count: n, mean_score: if n > 0 { s / n as f64 } else { 0.0 }, fraction_correct: if n > 0 { y / n as f64 } else { 0.0 } })
+        .map(|(n, s, y)| Bin {
+            count: n,
+            mean_score: if n > 0 { s / n as f64 } else { 0.0 },
+            fraction_correct: if n > 0 { y / n as f64 } else { 0.0 },
+        })
         .collect()
 }
 
 /// Expected calibration error: Σ_bins (count / n) · |fraction correct − mean score|.
 pub fn ece(scores: &[f32], labels: &[f32], bins: usize) -> f64 {
     let n = scores.len().max(1) as f64;
-    calibration_bins(scores, labels, bins).iter().map(|b| b.count as f64 / n * (b.fraction_correct - b.mean_score).abs()).sum()
+    calibration_bins(scores, labels, bins)
+        .iter()
+        .map(|b| b.count as f64 / n * (b.fraction_correct - b.mean_score).abs())
+        .sum()
 }
 
 #[cfg(test)]

@@ -18,8 +18,8 @@ use super::data::{Example, VerifierData};
 use super::stats;
 use crate::algo::{AdamW, AdamWConfig};
 use crate::config::{CheckedConfig, VerifierSection};
-use crate::metrics::MetricsWriter;
 use crate::error::TrainError;
+use crate::metrics::MetricsWriter;
 
 /// What a finished training leaves.
 #[derive(Debug, Clone)]
@@ -42,19 +42,33 @@ fn encode_all(v: &Verifier, template: &str, examples: &[Example]) -> Result<Vec<
         .iter()
         .map(|e| {
             let user = super::user_message(template, &e.question).map_err(TrainError::Config)?;
-            let enc = v.encode(&user, &e.answer).map_err(|err| TrainError::Data(format!("question {:?}: {err}", e.question.chars().take(60).collect::<String>())))?;
-            Ok(Item { enc, label: e.label })
+            let enc = v.encode(&user, &e.answer).map_err(|err| {
+                TrainError::Data(format!(
+                    "question {:?}: {err}",
+                    e.question.chars().take(60).collect::<String>()
+                ))
+            })?;
+            Ok(Item {
+                enc,
+                label: e.label,
+            })
         })
         .collect()
 }
 
 /// Loss, accuracy, AUC and ECE of `items` (batches of `batch`, no gradient), plus the scores.
-fn evaluate(v: &Verifier, items: &[Item], batch: usize) -> Result<(BTreeMap<String, f64>, Vec<f32>), TrainError> {
+fn evaluate(
+    v: &Verifier,
+    items: &[Item],
+    batch: usize,
+) -> Result<(BTreeMap<String, f64>, Vec<f32>), TrainError> {
     let (mut scores, mut labels, mut loss) = (Vec::new(), Vec::new(), 0.0);
     for part in items.chunks(batch.max(1)) {
         let refs: Vec<&Encoded> = part.iter().map(|i| &i.enc).collect();
         let ls: Vec<f32> = part.iter().map(|i| i.label).collect();
-        let (l, s) = v.loss(&refs, &ls, false).map_err(|e| TrainError::Update(e.to_string()))?;
+        let (l, s) = v
+            .loss(&refs, &ls, false)
+            .map_err(|e| TrainError::Update(e.to_string()))?;
         loss += l.double_value(&[]) * part.len() as f64;
         scores.extend(s);
         labels.extend(ls);
@@ -66,29 +80,45 @@ fn evaluate(v: &Verifier, items: &[Item], batch: usize) -> Result<(BTreeMap<Stri
     if let Some(a) = stats::auc(&scores, &labels) {
         m.insert("heldout/auc".into(), a);
     }
-    m.insert("heldout/positive_fraction".into(), labels.iter().map(|&y| f64::from(y)).sum::<f64>() / labels.len().max(1) as f64);
+    m.insert(
+        "heldout/positive_fraction".into(),
+        labels.iter().map(|&y| f64::from(y)).sum::<f64>() / labels.len().max(1) as f64,
+    );
     Ok((m, scores))
 }
 
 /// Trains a verifier on `data` as `cfg` says (`model.name`, `seed`, the `verifier` section) and
 /// writes it to `out`.
-pub fn train_verifier(cfg: &CheckedConfig, data: &VerifierData, out: &Path) -> Result<VerifierSummary, TrainError> {
+pub fn train_verifier(
+    cfg: &CheckedConfig,
+    data: &VerifierData,
+    out: &Path,
+) -> Result<VerifierSummary, TrainError> {
     let vcfg: VerifierSection = cfg.raw.verifier.clone().unwrap_or_default();
     let (train_data, test_data) = data.split(vcfg.test_questions).map_err(TrainError::Data)?;
     let spec = cfg.raw.model.name.clone();
-    let base = cotrain_model::loader::load(&spec, &crate::model_options::load_options(cfg)?).map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
+    let base = cotrain_model::loader::load(&spec, &crate::model_options::load_options(cfg)?)
+        .map_err(|e| TrainError::Model(format!("loading `{spec}`: {e}")))?;
     tch::manual_seed(cfg.raw.seed as i64);
     let lora = (!vcfg.full_finetune).then(|| vcfg.lora.to_model());
-    let v = Verifier::new(base, &spec, lora, vcfg.max_length).map_err(|e| TrainError::Model(e.to_string()))?;
+    let v = Verifier::new(base, &spec, lora, vcfg.max_length)
+        .map_err(|e| TrainError::Model(e.to_string()))?;
     let template = vcfg.template(&super::task_of(cfg)?);
     let train = encode_all(&v, &template, &train_data.examples())?;
     let test = encode_all(&v, &template, &test_data.examples())?;
     if train.is_empty() {
-        return Err(TrainError::Data("the training questions hold no answer".into()));
+        return Err(TrainError::Data(
+            "the training questions hold no answer".into(),
+        ));
     }
     std::fs::create_dir_all(out).map_err(|e| TrainError::Io(format!("{}: {e}", out.display())))?;
-    let mut metrics = MetricsWriter::create(out, cfg.raw.logging.tensorboard).map_err(|e| TrainError::Io(format!("{}: {e}", out.display())))?;
-    let adam = AdamWConfig { beta1: vcfg.beta1, beta2: vcfg.beta2, ..AdamWConfig::new(vcfg.learning_rate, vcfg.weight_decay, None) };
+    let mut metrics = MetricsWriter::create(out, cfg.raw.logging.tensorboard)
+        .map_err(|e| TrainError::Io(format!("{}: {e}", out.display())))?;
+    let adam = AdamWConfig {
+        beta1: vcfg.beta1,
+        beta2: vcfg.beta2,
+        ..AdamWConfig::new(vcfg.learning_rate, vcfg.weight_decay, None)
+    };
     let (trunk_vs, head_vs) = v.trainable();
     let mut opts = [AdamW::new(trunk_vs, adam), AdamW::new(head_vs, adam)];
 
@@ -105,7 +135,8 @@ pub fn train_verifier(cfg: &CheckedConfig, data: &VerifierData, out: &Path) -> R
         let mut order: Vec<usize> = (0..train.len()).collect();
         order.shuffle(&mut rng);
         for chunk in order.chunks(per_step) {
-            let lr = vcfg.learning_rate * ((step + 1) as f64 / vcfg.warmup_steps.max(1) as f64).min(1.0);
+            let lr =
+                vcfg.learning_rate * ((step + 1) as f64 / vcfg.warmup_steps.max(1) as f64).min(1.0);
             for o in opts.iter_mut() {
                 o.cfg.lr = lr;
                 o.zero_grad();
@@ -114,7 +145,9 @@ pub fn train_verifier(cfg: &CheckedConfig, data: &VerifierData, out: &Path) -> R
             for mb in chunk.chunks(micro) {
                 let refs: Vec<&Encoded> = mb.iter().map(|&k| &train[k].enc).collect();
                 let ls: Vec<f32> = mb.iter().map(|&k| train[k].label).collect();
-                let (loss, s) = v.loss(&refs, &ls, true).map_err(|e| TrainError::Update(e.to_string()))?;
+                let (loss, s) = v
+                    .loss(&refs, &ls, true)
+                    .map_err(|e| TrainError::Update(e.to_string()))?;
                 // The step's loss is the mean over its answers.
                 (&loss * (mb.len() as f64 / chunk.len() as f64)).backward();
                 loss_sum += loss.double_value(&[]) * mb.len() as f64;
@@ -127,18 +160,37 @@ pub fn train_verifier(cfg: &CheckedConfig, data: &VerifierData, out: &Path) -> R
                     o.step();
                 }
             } else {
-                warn!(step = step + 1, loss, "non-finite verifier loss or gradient: step skipped");
+                warn!(
+                    step = step + 1,
+                    loss, "non-finite verifier loss or gradient: step skipped"
+                );
             }
             step += 1;
-            let mut m = BTreeMap::from([("train/loss".to_string(), loss), ("train/accuracy".to_string(), stats::accuracy(&scores, &labels)), ("lr".to_string(), lr)]);
-            if !test.is_empty() && (step.is_multiple_of(vcfg.eval_interval as u64) || step == total) {
+            let mut m = BTreeMap::from([
+                ("train/loss".to_string(), loss),
+                (
+                    "train/accuracy".to_string(),
+                    stats::accuracy(&scores, &labels),
+                ),
+                ("lr".to_string(), lr),
+            ]);
+            if !test.is_empty() && (step.is_multiple_of(vcfg.eval_interval as u64) || step == total)
+            {
                 let (h, s) = evaluate(&v, &test, micro)?;
-                info!(step, loss = h["heldout/loss"], accuracy = h["heldout/accuracy"], auc = h.get("heldout/auc").copied().unwrap_or(f64::NAN), "held-out evaluation");
+                info!(
+                    step,
+                    loss = h["heldout/loss"],
+                    accuracy = h["heldout/accuracy"],
+                    auc = h.get("heldout/auc").copied().unwrap_or(f64::NAN),
+                    "held-out evaluation"
+                );
                 m.extend(h.clone());
                 heldout = h;
                 last_scores = s;
             }
-            metrics.log(step, &m).map_err(|e| TrainError::Io(format!("metrics: {e}")))?;
+            metrics
+                .log(step, &m)
+                .map_err(|e| TrainError::Io(format!("metrics: {e}")))?;
             if let Some(pb) = &pb {
                 pb.set_position(step);
                 pb.set_message(format!("loss {loss:.4}"));
@@ -148,9 +200,23 @@ pub fn train_verifier(cfg: &CheckedConfig, data: &VerifierData, out: &Path) -> R
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }
-    v.save(out).map_err(|e| TrainError::Checkpoint(format!("{}: {e}", out.display())))?;
-    let plots = if cfg.raw.logging.plots { plot(out, &last_scores, &test.iter().map(|i| i.label).collect::<Vec<_>>()) } else { Vec::new() };
-    Ok(VerifierSummary { out_dir: out.to_path_buf(), optimizer_steps: step, heldout, plots })
+    v.save(out)
+        .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", out.display())))?;
+    let plots = if cfg.raw.logging.plots {
+        plot(
+            out,
+            &last_scores,
+            &test.iter().map(|i| i.label).collect::<Vec<_>>(),
+        )
+    } else {
+        Vec::new()
+    };
+    Ok(VerifierSummary {
+        out_dir: out.to_path_buf(),
+        optimizer_steps: step,
+        heldout,
+        plots,
+    })
 }
 
 /// Loss and held-out curves from `metrics.jsonl`, and the final reliability diagram.
@@ -164,24 +230,65 @@ fn plot(out: &Path, scores: &[f32], labels: &[f32]) -> Vec<PathBuf> {
             return written;
         }
     };
-    let curve = |key: &str| -> (String, Vec<(f64, f64)>) { (key.to_string(), records.iter().filter_map(|r| r.values.get(key).map(|v| (r.step as f64, *v))).collect()) };
+    let curve = |key: &str| -> (String, Vec<(f64, f64)>) {
+        (
+            key.to_string(),
+            records
+                .iter()
+                .filter_map(|r| r.values.get(key).map(|v| (r.step as f64, *v)))
+                .collect(),
+        )
+    };
     let _ = std::fs::create_dir_all(&dir);
     let mut charts = vec![
-        ("loss.png", "verifier loss (binary cross-entropy)", vec![curve("train/loss"), curve("heldout/loss")]),
-        ("heldout.png", "held-out accuracy and AUC", vec![curve("heldout/accuracy"), curve("heldout/auc"), curve("heldout/ece")]),
+        (
+            "loss.png",
+            "verifier loss (binary cross-entropy)",
+            vec![curve("train/loss"), curve("heldout/loss")],
+        ),
+        (
+            "heldout.png",
+            "held-out accuracy and AUC",
+            vec![
+                curve("heldout/accuracy"),
+                curve("heldout/auc"),
+                curve("heldout/ece"),
+            ],
+        ),
     ];
     if !scores.is_empty() {
         let bins = stats::calibration_bins(scores, labels, 10);
-        let observed: Vec<(f64, f64)> = bins.iter().filter(|b| b.count > 0).map(|b| (b.mean_score, b.fraction_correct)).collect();
-        charts.push(("calibration.png", "calibration: fraction correct against mean score", vec![("held-out answers".into(), observed), ("perfect".into(), vec![(0.0, 0.0), (1.0, 1.0)])]));
+        let observed: Vec<(f64, f64)> = bins
+            .iter()
+            .filter(|b| b.count > 0)
+            .map(|b| (b.mean_score, b.fraction_correct))
+            .collect();
+        charts.push((
+            "calibration.png",
+            "calibration: fraction correct against mean score",
+            vec![
+                ("held-out answers".into(), observed),
+                ("perfect".into(), vec![(0.0, 0.0), (1.0, 1.0)]),
+            ],
+        ));
     }
     for (file, title, series) in charts {
-        let series: Vec<(String, Vec<(f64, f64)>)> = series.into_iter().filter(|(_, p)| !p.is_empty()).collect();
+        let series: Vec<(String, Vec<(f64, f64)>)> =
+            series.into_iter().filter(|(_, p)| !p.is_empty()).collect();
         if series.is_empty() {
             continue;
         }
         let path = dir.join(file);
-        match crate::plot::draw_lines(&path, title, if file == "calibration.png" { "mean score" } else { "step" }, &series) {
+        match crate::plot::draw_lines(
+            &path,
+            title,
+            if file == "calibration.png" {
+                "mean score"
+            } else {
+                "step"
+            },
+            &series,
+        ) {
             Ok(()) => written.push(path),
             Err(e) => warn!("verifier plots: {e}"),
         }

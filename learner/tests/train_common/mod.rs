@@ -12,13 +12,17 @@ use cotrain_learner::algo::AdamWConfig;
 use cotrain_learner::config::{CheckedConfig, LegacyFlags, merged_value};
 use cotrain_learner::services::EngineRollout;
 use cotrain_learner::trainer::{
-    GenRequest, GenSample, Policy, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction, TrainError, TrainItem, Trainer, TrainerSetup,
+    GenRequest, GenSample, Policy, RewardSource, RolloutSource, SamplingSpec, Score, ScoreAction,
+    TrainError, TrainItem, Trainer, TrainerSetup,
 };
 use tch::Tensor;
 
 /// GPT-2's byte ↔ printable-character table (the ByteLevel pre-tokenizer's alphabet).
 fn byte_chars() -> Vec<char> {
-    let mut keep: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut keep: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut chars = vec!['\0'; 256];
     let mut extra = 0;
     for b in 0..256u32 {
@@ -36,8 +40,11 @@ fn byte_chars() -> Vec<char> {
 /// A byte-level BPE tokenizer with exactly 256 tokens (one per byte, no merges): it fits the tiny
 /// fixtures' vocabulary of 256.
 pub fn byte_tokenizer_json() -> String {
-    let vocab: serde_json::Map<String, serde_json::Value> =
-        byte_chars().into_iter().enumerate().map(|(i, c)| (c.to_string(), serde_json::json!(i))).collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = byte_chars()
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), serde_json::json!(i)))
+        .collect();
     serde_json::json!({
         "version": "1.0",
         "truncation": null,
@@ -91,17 +98,34 @@ impl RolloutSource for Recording {
         for (r, samples) in requests.iter().zip(&out) {
             let completions = samples.iter().map(|s| s.token_ids.clone()).collect();
             let texts = samples.iter().map(|s| s.text.clone()).collect();
-            seen.push(Seen { sampling: r.sampling.clone(), prompt: r.prompt.clone(), completions, texts, agent: r.agent.clone() });
+            seen.push(Seen {
+                sampling: r.sampling.clone(),
+                prompt: r.prompt.clone(),
+                completions,
+                texts,
+                agent: r.agent.clone(),
+            });
         }
         Ok(out)
     }
     fn policy_version(&mut self, agent: &str) -> Result<u64, TrainError> {
         self.inner.policy_version(agent)
     }
-    fn push_weights(&mut self, agent: &str, version: u64, params: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+    fn push_weights(
+        &mut self,
+        agent: &str,
+        version: u64,
+        params: &BTreeMap<String, Tensor>,
+    ) -> Result<(), TrainError> {
         self.inner.push_weights(agent, version, params)
     }
-    fn push_adapter(&mut self, agent: &str, version: u64, adapter: &BTreeMap<String, Tensor>, scaling: f64) -> Result<(), TrainError> {
+    fn push_adapter(
+        &mut self,
+        agent: &str,
+        version: u64,
+        adapter: &BTreeMap<String, Tensor>,
+        scaling: f64,
+    ) -> Result<(), TrainError> {
         self.inner.push_adapter(agent, version, adapter, scaling)
     }
     fn describe(&self) -> String {
@@ -130,11 +154,20 @@ impl RewardSource for TokenRule {
         Ok(actions
             .iter()
             .map(|a| {
-                let firsts: Vec<u32> = a.completion_ids.iter().map(|c| c.first().copied().unwrap_or(u32::MAX)).collect();
+                let firsts: Vec<u32> = a
+                    .completion_ids
+                    .iter()
+                    .map(|c| c.first().copied().unwrap_or(u32::MAX))
+                    .collect();
                 let ok = (self.rule)(&firsts);
                 let mut levels = BTreeMap::new();
                 levels.insert("level_1".to_string(), if ok { 1.0 } else { 0.0 });
-                Score { reward: if ok { 1.0 } else { 0.0 }, levels, details: serde_json::Value::Null, code: None }
+                Score {
+                    reward: if ok { 1.0 } else { 0.0 },
+                    levels,
+                    details: serde_json::Value::Null,
+                    code: None,
+                }
             })
             .collect())
     }
@@ -149,8 +182,19 @@ pub fn items(rows: usize, agents: usize) -> Vec<TrainItem> {
         .map(|i| TrainItem {
             index: i,
             item: serde_json::json!({"row": i}),
-            prompts: (0..agents).map(|a| vec![65 + a as u32, 97 + i as u32, 48 + (i * 7 % 10) as u32]).collect(),
-            texts: (0..agents).map(|a| format!("{}{}{}", (65 + a as u8) as char, (97 + i as u8) as char, (48 + (i * 7 % 10) as u8) as char)).collect(),
+            prompts: (0..agents)
+                .map(|a| vec![65 + a as u32, 97 + i as u32, 48 + (i * 7 % 10) as u32])
+                .collect(),
+            texts: (0..agents)
+                .map(|a| {
+                    format!(
+                        "{}{}{}",
+                        (65 + a as u8) as char,
+                        (97 + i as u8) as char,
+                        (48 + (i * 7 % 10) as u8) as char
+                    )
+                })
+                .collect(),
         })
         .collect()
 }
@@ -158,10 +202,26 @@ pub fn items(rows: usize, agents: usize) -> Vec<TrainItem> {
 /// A trainer whose policies are what `cfg` asks for, loaded as `learner train` loads them
 /// ([`cotrain_learner::trainer::load_policies`]: `model.name` must be the model directory), with
 /// one in-process engine per worker agent and `reward`.
-pub fn config_trainer(cfg: &CheckedConfig, run_dir: &Path, reward: Box<dyn RewardSource>, rows: usize) -> Trainer {
+pub fn config_trainer(
+    cfg: &CheckedConfig,
+    run_dir: &Path,
+    reward: Box<dyn RewardSource>,
+    rows: usize,
+) -> Trainer {
     let (policies, agent_policy) = cotrain_learner::trainer::load_policies(cfg).unwrap();
-    let rollout_opts = cotrain_model::loader::LoadOptions { kind: cotrain_learner::trainer::rollout_kind(cfg), ..Default::default() };
-    let engines = policies.iter().map(|p| (p.worker_agent.clone(), cotrain_model::loader::load(&p.model_spec, &rollout_opts).unwrap())).collect();
+    let rollout_opts = cotrain_model::loader::LoadOptions {
+        kind: cotrain_learner::trainer::rollout_kind(cfg),
+        ..Default::default()
+    };
+    let engines = policies
+        .iter()
+        .map(|p| {
+            (
+                p.worker_agent.clone(),
+                cotrain_model::loader::load(&p.model_spec, &rollout_opts).unwrap(),
+            )
+        })
+        .collect();
     Trainer::new(TrainerSetup {
         cfg: cfg.clone(),
         run_dir: run_dir.to_path_buf(),
@@ -178,19 +238,41 @@ pub fn config_trainer(cfg: &CheckedConfig, run_dir: &Path, reward: Box<dyn Rewar
 }
 
 /// A trainer on the tiny model: one policy per agent, the in-process engine, `reward`.
-pub fn tiny_trainer(cfg: &CheckedConfig, model_dir: &Path, run_dir: &Path, reward: Box<dyn RewardSource>, rows: usize) -> Trainer {
+pub fn tiny_trainer(
+    cfg: &CheckedConfig,
+    model_dir: &Path,
+    run_dir: &Path,
+    reward: Box<dyn RewardSource>,
+    rows: usize,
+) -> Trainer {
     let spec = model_dir.display().to_string();
     let opts = cotrain_model::loader::LoadOptions::default();
     let n = cfg.num_agents;
-    let adam = AdamWConfig::new(cfg.trainer.learning_rate, cfg.trainer.weight_decay, cfg.trainer.max_grad_norm);
+    let adam = AdamWConfig::new(
+        cfg.trainer.learning_rate,
+        cfg.trainer.weight_decay,
+        cfg.trainer.max_grad_norm,
+    );
     let mut policies = Vec::new();
     let mut engines = Vec::new();
     for a in 0..n {
         let name = format!("agent{a}");
-        policies.push(Policy::new(&name, &spec, cotrain_model::loader::load(&spec, &opts).unwrap(), None, adam));
+        policies.push(Policy::new(
+            &name,
+            &spec,
+            cotrain_model::loader::load(&spec, &opts).unwrap(),
+            None,
+            adam,
+        ));
         // The rollout engines load in the rollout precision, as the embedded worker does.
-        let rollout_opts = cotrain_model::loader::LoadOptions { kind: cotrain_learner::trainer::rollout_kind(cfg), ..opts };
-        engines.push((name, cotrain_model::loader::load(&spec, &rollout_opts).unwrap()));
+        let rollout_opts = cotrain_model::loader::LoadOptions {
+            kind: cotrain_learner::trainer::rollout_kind(cfg),
+            ..opts
+        };
+        engines.push((
+            name,
+            cotrain_model::loader::load(&spec, &rollout_opts).unwrap(),
+        ));
     }
     Trainer::new(TrainerSetup {
         cfg: cfg.clone(),

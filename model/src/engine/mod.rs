@@ -291,9 +291,12 @@ impl Engine {
                 self.adapters.insert(id, a);
             }
             None => {
-                let in_use = self.pending_adapter.values().any(|&x| x == id) || self.active.iter().any(|s| s.adapter == Some(id));
+                let in_use = self.pending_adapter.values().any(|&x| x == id)
+                    || self.active.iter().any(|s| s.adapter == Some(id));
                 if in_use {
-                    return Err(ModelError::InvalidRequest(format!("adapter {id} is in use by a queued or running request")));
+                    return Err(ModelError::InvalidRequest(format!(
+                        "adapter {id} is in use by a queued or running request"
+                    )));
                 }
                 self.adapters.remove(&id);
             }
@@ -309,11 +312,17 @@ impl Engine {
     }
 
     /// [`Engine::add`] for adapter `adapter` (registered with [`Engine::set_adapter`]) on the base.
-    pub fn add_with_adapter(&mut self, request: Request, adapter: Option<u32>) -> Result<RequestHandle> {
+    pub fn add_with_adapter(
+        &mut self,
+        request: Request,
+        adapter: Option<u32>,
+    ) -> Result<RequestHandle> {
         if let Some(id) = adapter
             && !self.adapters.contains_key(&id)
         {
-            return Err(ModelError::InvalidRequest(format!("no adapter {id} is registered on this engine")));
+            return Err(ModelError::InvalidRequest(format!(
+                "no adapter {id} is registered on this engine"
+            )));
         }
         let handle = self.add(request)?;
         if let Some(id) = adapter {
@@ -324,7 +333,8 @@ impl Engine {
 
     /// Sets the per-row adapters of a forward whose row `i` belongs to adapter `row_adapters[i]`.
     fn set_row_adapters(&self, row_adapters: impl Iterator<Item = Option<u32>>) {
-        let mut groups: std::collections::BTreeMap<u32, Vec<i64>> = std::collections::BTreeMap::new();
+        let mut groups: std::collections::BTreeMap<u32, Vec<i64>> =
+            std::collections::BTreeMap::new();
         for (row, a) in row_adapters.enumerate() {
             if let Some(id) = a {
                 groups.entry(id).or_default().push(row as i64);
@@ -333,7 +343,10 @@ impl Engine {
         if groups.is_empty() {
             return;
         }
-        let list: Vec<(&LoraAdapter, &[i64])> = groups.iter().map(|(id, rows)| (&self.adapters[id], rows.as_slice())).collect();
+        let list: Vec<(&LoraAdapter, &[i64])> = groups
+            .iter()
+            .map(|(id, rows)| (&self.adapters[id], rows.as_slice()))
+            .collect();
         self.loaded.model.set_row_adapters(&list);
     }
 
@@ -442,12 +455,16 @@ impl Engine {
 
     /// Runs requests to completion: samples per request, in request order and sample order.
     pub fn generate(&mut self, requests: &[Request]) -> Result<Vec<Vec<Sample>>> {
-        let requests: Vec<(Request, Option<u32>)> = requests.iter().map(|r| (r.clone(), None)).collect();
+        let requests: Vec<(Request, Option<u32>)> =
+            requests.iter().map(|r| (r.clone(), None)).collect();
         self.generate_with_adapters(&requests)
     }
 
     /// [`Engine::generate`] with each request's adapter (`None`: the base), all in one batch.
-    pub fn generate_with_adapters(&mut self, requests: &[(Request, Option<u32>)]) -> Result<Vec<Vec<Sample>>> {
+    pub fn generate_with_adapters(
+        &mut self,
+        requests: &[(Request, Option<u32>)],
+    ) -> Result<Vec<Vec<Sample>>> {
         let mut handles = Vec::with_capacity(requests.len());
         for (r, adapter) in requests {
             match self.add_with_adapter(r.clone(), *adapter) {
@@ -526,7 +543,11 @@ impl Engine {
     /// One forward over the right-padded prompts of `group` (padding after a prompt cannot reach
     /// its positions under causal attention), then each request's last-position logits sample its
     /// first tokens and its cache rows are copied in, one per sample.
-    fn prefill(&mut self, group: Vec<(RequestHandle, Request)>, out: &mut StepOutput) -> Result<()> {
+    fn prefill(
+        &mut self,
+        group: Vec<(RequestHandle, Request)>,
+        out: &mut StepOutput,
+    ) -> Result<()> {
         let model = &self.loaded.model;
         let device = model.device();
         let lens: Vec<usize> = group.iter().map(|(_, r)| r.prompt.len()).collect();
@@ -537,9 +558,15 @@ impl Engine {
                 ids[i * width + j] = t as i64;
             }
         }
-        let ids = Tensor::from_slice(&ids).to_device(device).view([group.len() as i64, width as i64]);
+        let ids = Tensor::from_slice(&ids)
+            .to_device(device)
+            .view([group.len() as i64, width as i64]);
         let mut prompt_cache = KvCache::new(model, group.len(), width);
-        self.set_row_adapters(group.iter().map(|(h, _)| self.pending_adapter.get(h).copied()));
+        self.set_row_adapters(
+            group
+                .iter()
+                .map(|(h, _)| self.pending_adapter.get(h).copied()),
+        );
         let hidden = model.forward_hidden_cached(&ids, &vec![0; group.len()], &mut prompt_cache);
         model.clear_row_adapters();
         if hidden.is_err() {
@@ -550,12 +577,24 @@ impl Engine {
         }
         let hidden = hidden?;
         // Only each prompt's last position is needed: (G, L, H) -> (G, H) -> (G, V).
-        let last: Vec<i64> = lens.iter().enumerate().map(|(i, &l)| (i * width + l - 1) as i64).collect();
+        let last: Vec<i64> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i * width + l - 1) as i64)
+            .collect();
         let hidden = hidden.reshape([(group.len() * width) as i64, -1]);
-        let logits = model.lm_head(&hidden.index_select(0, &Tensor::from_slice(&last).to_device(device)));
+        let logits =
+            model.lm_head(&hidden.index_select(0, &Tensor::from_slice(&last).to_device(device)));
         self.stats.prefill_tokens += lens.iter().sum::<usize>() as u64;
         for (i, (handle, req)) in group.into_iter().enumerate() {
-            self.start_request(handle, req, &prompt_cache, i, &logits.narrow(0, i as i64, 1), out)?;
+            self.start_request(
+                handle,
+                req,
+                &prompt_cache,
+                i,
+                &logits.narrow(0, i as i64, 1),
+                out,
+            )?;
         }
         Ok(())
     }
@@ -626,7 +665,13 @@ impl Engine {
         let (tokens, lps) = sampling::sample(&logits, &specs)?;
         let mut tops = sampling::top_logprobs(&logits, &vec![req.top_logprobs; req.n])?.into_iter();
         for (i, (t, lp)) in tokens.into_iter().zip(lps).enumerate() {
-            self.push_token(first_row + i, t as u32, lp, tops.next().unwrap_or_default(), out)?;
+            self.push_token(
+                first_row + i,
+                t as u32,
+                lp,
+                tops.next().unwrap_or_default(),
+                out,
+            )?;
         }
         Ok(())
     }
@@ -674,7 +719,10 @@ impl Engine {
         // Sampling runs at the step's count too: its work is split by rows.
         let sampled = hidden.and_then(|h| {
             let logits = model.lm_head(&h.squeeze_dim(1));
-            Ok((sampling::sample(&logits, &specs)?, sampling::top_logprobs(&logits, &ks)?))
+            Ok((
+                sampling::sample(&logits, &specs)?,
+                sampling::top_logprobs(&logits, &ks)?,
+            ))
         });
         self.end_step_threads(threads, b, started.elapsed());
         let ((tokens, lps), tops) = sampled?;
@@ -702,7 +750,9 @@ impl Engine {
             DecodeThreads::Adaptive => {
                 // The configured count can change between steps (a worker's engines sharing cores):
                 // what was measured under the old one no longer applies.
-                let g = self.governor.get_or_insert_with(|| threads::Adaptive::new(configured));
+                let g = self
+                    .governor
+                    .get_or_insert_with(|| threads::Adaptive::new(configured));
                 if g.max() != configured {
                     *g = threads::Adaptive::new(configured);
                 }
@@ -710,11 +760,19 @@ impl Engine {
             }
         };
         let changed = used != configured && crate::kernels::omp::set_threads_of_this_thread(used);
-        Some(StepThreads { used, restore: changed.then_some(configured) })
+        Some(StepThreads {
+            used,
+            restore: changed.then_some(configured),
+        })
     }
 
     /// Undoes [`Engine::decode_threads_for`] and reports the step's time to the governor.
-    fn end_step_threads(&mut self, threads: Option<StepThreads>, rows: usize, elapsed: std::time::Duration) {
+    fn end_step_threads(
+        &mut self,
+        threads: Option<StepThreads>,
+        rows: usize,
+        elapsed: std::time::Duration,
+    ) {
         let Some(t) = threads else { return };
         if let Some(configured) = t.restore {
             crate::kernels::omp::set_threads_of_this_thread(configured);
@@ -724,7 +782,14 @@ impl Engine {
         }
     }
 
-    fn push_token(&mut self, row: usize, token: u32, lp: f32, top: Vec<(u32, f32)>, out: &mut StepOutput) -> Result<()> {
+    fn push_token(
+        &mut self,
+        row: usize,
+        token: u32,
+        lp: f32,
+        top: Vec<(u32, f32)>,
+        out: &mut StepOutput,
+    ) -> Result<()> {
         self.stats.generated_tokens += 1;
         let tokenizer = &self.loaded.tokenizer;
         let seq = &mut self.active[row];
@@ -826,8 +891,12 @@ const PREFILL_GROUP_TOKENS: usize = 4096;
 /// [`PREFILL_GROUP_TOKENS`], and padding at most as many positions as the prompts have.
 fn prefill_group_fits(group: &[(RequestHandle, Request)], len: usize) -> bool {
     let rows = group.len() + 1;
-    let width = group.iter().map(|(_, r)| r.prompt.len()).max().unwrap_or(0).max(len);
+    let width = group
+        .iter()
+        .map(|(_, r)| r.prompt.len())
+        .max()
+        .unwrap_or(0)
+        .max(len);
     let real: usize = group.iter().map(|(_, r)| r.prompt.len()).sum::<usize>() + len;
     rows * width <= PREFILL_GROUP_TOKENS && rows * width <= 2 * real
 }
-

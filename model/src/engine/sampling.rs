@@ -103,7 +103,13 @@ pub(crate) fn top_logprobs(logits: &Tensor, ks: &[usize]) -> Result<Vec<Vec<(u32
     Ok(ks
         .iter()
         .zip(values.into_iter().zip(indices))
-        .map(|(&k, (vs, is))| is.into_iter().zip(vs).take(k).map(|(i, v)| (i as u32, v)).collect())
+        .map(|(&k, (vs, is))| {
+            is.into_iter()
+                .zip(vs)
+                .take(k)
+                .map(|(i, v)| (i as u32, v))
+                .collect()
+        })
         .collect())
 }
 
@@ -573,16 +579,31 @@ mod tests {
         for (ti, &(temperature, top_k, top_p, min_p)) in grid.iter().enumerate() {
             let rows: Vec<RowSpec> = (0..64)
                 .map(|i| RowSpec {
-                    params: SamplingParams { temperature, top_k, top_p, min_p },
-                    logprobs: if i % 2 == 0 { LogprobMode::Sampling } else { LogprobMode::Raw },
+                    params: SamplingParams {
+                        temperature,
+                        top_k,
+                        top_p,
+                        min_p,
+                    },
+                    logprobs: if i % 2 == 0 {
+                        LogprobMode::Sampling
+                    } else {
+                        LogprobMode::Raw
+                    },
                     uniform: ((i as f32 + ti as f32 * 0.37) * 0.618_034).fract(),
                 })
                 .collect();
             let fast = plain::sample(&logits, &rows).expect("CPU f32 rows take the slice route");
             let slow = sample_libtorch(&logits, &rows).unwrap();
-            assert_eq!(fast.0, slow.0, "tokens for T {temperature} top-k {top_k} top-p {top_p} min-p {min_p}");
+            assert_eq!(
+                fast.0, slow.0,
+                "tokens for T {temperature} top-k {top_k} top-p {top_p} min-p {min_p}"
+            );
             for (a, b) in fast.1.iter().zip(&slow.1) {
-                assert!((a - b).abs() < 1e-3, "log-prob {a} vs {b} for T {temperature} top-k {top_k} top-p {top_p}");
+                assert!(
+                    (a - b).abs() < 1e-3,
+                    "log-prob {a} vs {b} for T {temperature} top-k {top_k} top-p {top_p}"
+                );
             }
         }
     }

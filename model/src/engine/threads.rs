@@ -101,7 +101,11 @@ struct Probe {
 impl Probe {
     /// The count of the probe's next step: candidate and current alternate, candidate first.
     fn next_threads(&self, current: usize) -> usize {
-        if self.candidate_secs.len() == self.current_secs.len() { self.candidate } else { current }
+        if self.candidate_secs.len() == self.current_secs.len() {
+            self.candidate
+        } else {
+            current
+        }
     }
 
     fn done(&self) -> bool {
@@ -111,7 +115,11 @@ impl Probe {
 
 /// The median of pairwise ratios candidate / current: robust to one preempted step.
 fn median_ratio(candidate: &[f64], current: &[f64]) -> f64 {
-    let mut r: Vec<f64> = candidate.iter().zip(current).map(|(a, b)| a / b.max(1e-9)).collect();
+    let mut r: Vec<f64> = candidate
+        .iter()
+        .zip(current)
+        .map(|(a, b)| a / b.max(1e-9))
+        .collect();
     r.sort_by(f64::total_cmp);
     r[r.len() / 2]
 }
@@ -165,10 +173,17 @@ impl Governor {
                 && (self.contended || self.slow_streak >= SLOW_STREAK)
                 && self.since_probe >= self.down_gap)
                 .then(|| (self.current / 2).max(1));
-            let up = (self.current < self.max && !self.contended && self.since_probe >= self.up_interval)
+            let up = (self.current < self.max
+                && !self.contended
+                && self.since_probe >= self.up_interval)
                 .then(|| (self.current * 2).min(self.max));
             if let Some(candidate) = down.or(up) {
-                self.probe = Some(Probe { candidate, rows, candidate_secs: Vec::new(), current_secs: Vec::new() });
+                self.probe = Some(Probe {
+                    candidate,
+                    rows,
+                    candidate_secs: Vec::new(),
+                    current_secs: Vec::new(),
+                });
                 self.slow_streak = 0;
             }
         }
@@ -202,7 +217,10 @@ impl Governor {
         }
         if threads == self.current {
             self.since_probe += 1;
-            let slow = self.typical.get(&(threads, rows)).is_some_and(|&t| secs > SLOW_FACTOR * t);
+            let slow = self
+                .typical
+                .get(&(threads, rows))
+                .is_some_and(|&t| secs > SLOW_FACTOR * t);
             self.slow_streak = if slow { self.slow_streak + 1 } else { 0 };
             if !slow {
                 self.note_typical(threads, rows, secs);
@@ -219,7 +237,11 @@ impl Governor {
         self.since_probe = 0;
         self.slow_streak = 0;
         if median_ratio(&p.candidate_secs, &p.current_secs) <= WIN_RATIO {
-            tracing::debug!(from = self.current, to = p.candidate, "decode threads changed");
+            tracing::debug!(
+                from = self.current,
+                to = p.candidate,
+                "decode threads changed"
+            );
             self.current = p.candidate;
             self.up_interval = FIRST_INTERVAL;
             self.down_gap = DOWN_GAP;
@@ -251,7 +273,11 @@ impl Adaptive {
         let mut run_delay = RunDelay::new();
         // The baseline: the first decode step then already reads whether the prefill waited.
         run_delay.share();
-        Adaptive { governor: Governor::new(max), run_delay, steps: 0 }
+        Adaptive {
+            governor: Governor::new(max),
+            run_delay,
+            steps: 0,
+        }
     }
 
     pub(crate) fn max(&self) -> usize {
@@ -290,7 +316,9 @@ impl RunDelay {
     pub fn share(&mut self) -> Option<f64> {
         let now = std::time::Instant::now();
         let total = Self::total_ns()?;
-        let share = self.last.map(|(t, ns)| total.saturating_sub(ns) as f64 / 1e9 / now.duration_since(t).as_secs_f64().max(1e-6));
+        let share = self.last.map(|(t, ns)| {
+            total.saturating_sub(ns) as f64 / 1e9 / now.duration_since(t).as_secs_f64().max(1e-6)
+        });
         self.last = Some((now, total));
         share
     }
@@ -300,8 +328,14 @@ impl RunDelay {
     fn total_ns() -> Option<u64> {
         let mut total = 0u64;
         for entry in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
-            let Ok(text) = std::fs::read_to_string(entry.path().join("schedstat")) else { continue };
-            total += text.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            let Ok(text) = std::fs::read_to_string(entry.path().join("schedstat")) else {
+                continue;
+            };
+            total += text
+                .split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
         }
         Some(total)
     }
@@ -370,7 +404,10 @@ mod tests {
         let used = run(&mut g, 1000, 8, |t| 0.010 * 8.0 / t as f64);
         assert_eq!(g.current(), 8);
         let probed = used.iter().filter(|&&t| t != 8).count();
-        assert!(probed <= 8 * PROBE_STEPS, "{probed} of 1000 steps probed fewer threads");
+        assert!(
+            probed <= 8 * PROBE_STEPS,
+            "{probed} of 1000 steps probed fewer threads"
+        );
     }
 
     #[test]
@@ -394,9 +431,23 @@ mod tests {
 
     #[test]
     fn parses_the_flag() {
-        assert_eq!("adaptive".parse::<DecodeThreads>().unwrap(), DecodeThreads::Adaptive);
-        assert_eq!("3".parse::<DecodeThreads>().unwrap(), DecodeThreads::Fixed(3));
-        assert_eq!("fixed".parse::<DecodeThreads>().unwrap(), DecodeThreads::Fixed(0));
-        assert!("fast".parse::<DecodeThreads>().unwrap_err().contains("`fast`"));
+        assert_eq!(
+            "adaptive".parse::<DecodeThreads>().unwrap(),
+            DecodeThreads::Adaptive
+        );
+        assert_eq!(
+            "3".parse::<DecodeThreads>().unwrap(),
+            DecodeThreads::Fixed(3)
+        );
+        assert_eq!(
+            "fixed".parse::<DecodeThreads>().unwrap(),
+            DecodeThreads::Fixed(0)
+        );
+        assert!(
+            "fast"
+                .parse::<DecodeThreads>()
+                .unwrap_err()
+                .contains("`fast`")
+        );
     }
 }

@@ -79,7 +79,9 @@ impl Phi3Config {
                 )));
             }
         }
-        let head_dim = self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
+        let head_dim = self
+            .head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
         // transformers 5 moves everything RoPE into `rope_parameters`; Hub checkpoints keep
         // `rope_theta`, `rope_scaling` and the top-level `original_max_position_embeddings`.
         let params = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref());
@@ -92,7 +94,12 @@ impl Phi3Config {
                 "`partial_rotary_factor: {partial}` (RoPE on part of each head) is not built"
             )));
         }
-        let rope_theta = self.rope_parameters.as_ref().and_then(|p| p.rope_theta).or(self.rope_theta).unwrap_or(10000.0);
+        let rope_theta = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.rope_theta)
+            .or(self.rope_theta)
+            .unwrap_or(10000.0);
         let rope_scaling = match params {
             None => RopeScaling::None,
             Some(p) => match p.rope_type.as_deref().unwrap_or("default") {
@@ -105,10 +112,18 @@ impl Phi3Config {
                         .or(self.original_max_position_embeddings)
                         .unwrap_or(self.max_position_embeddings);
                     let needs = |f: &Option<Vec<f64>>, name: &str| {
-                        f.clone().ok_or_else(|| ModelError::InvalidConfig(format!("rope_scaling `longrope` needs `{name}`")))
+                        f.clone().ok_or_else(|| {
+                            ModelError::InvalidConfig(format!(
+                                "rope_scaling `longrope` needs `{name}`"
+                            ))
+                        })
                     };
-                    let factor = p.factor.unwrap_or(self.max_position_embeddings as f64 / original.max(1) as f64);
-                    let attention_factor = p.attention_factor.unwrap_or_else(|| default_attention_factor(factor, original));
+                    let factor = p
+                        .factor
+                        .unwrap_or(self.max_position_embeddings as f64 / original.max(1) as f64);
+                    let attention_factor = p
+                        .attention_factor
+                        .unwrap_or_else(|| default_attention_factor(factor, original));
                     RopeScaling::LongRope {
                         short_factor: needs(&p.short_factor, "short_factor")?,
                         long_factor: needs(&p.long_factor, "long_factor")?,
@@ -137,7 +152,10 @@ impl Phi3Config {
             qk_norm: false,
             sliding_window: self.sliding_window,
             bos_token_id: self.bos_token_id,
-            eos_token_ids: self.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default(),
+            eos_token_ids: self
+                .eos_token_id
+                .map(OneOrMany::into_vec)
+                .unwrap_or_default(),
         })
     }
 }
@@ -145,20 +163,37 @@ impl Phi3Config {
 /// LongRoPE's cos/sin multiplier when the config gives none (transformers' rule): `sqrt(1 +
 /// ln(factor) / ln(original))` for a context extended `factor` times beyond `original` positions.
 pub(crate) fn default_attention_factor(factor: f64, original: usize) -> f64 {
-    if factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / (original as f64).ln()).sqrt() }
+    if factor <= 1.0 {
+        1.0
+    } else {
+        (1.0 + factor.ln() / (original as f64).ln()).sqrt()
+    }
 }
 
 /// The checkpoint's fused projections of one layer and what they split into, in order.
 pub(crate) const FUSED: [(&str, &[&str]); 2] = [
-    ("self_attn.qkv_proj.weight", &["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
-    ("mlp.gate_up_proj.weight", &["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+    (
+        "self_attn.qkv_proj.weight",
+        &[
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+        ],
+    ),
+    (
+        "mlp.gate_up_proj.weight",
+        &["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    ),
 ];
 
 /// The rows each part of a fused projection takes: q, k, v heads, or gate and up halves.
 fn part_rows(cfg: &ModelConfig, fused: &str) -> Vec<i64> {
     let d = cfg.head_dim as i64;
     if fused.starts_with("self_attn") {
-        let (q, kv) = (cfg.num_attention_heads as i64 * d, cfg.num_key_value_heads as i64 * d);
+        let (q, kv) = (
+            cfg.num_attention_heads as i64 * d,
+            cfg.num_key_value_heads as i64 * d,
+        );
         vec![q, kv, kv]
     } else {
         vec![cfg.intermediate_size as i64; 2]
@@ -168,19 +203,33 @@ fn part_rows(cfg: &ModelConfig, fused: &str) -> Vec<i64> {
 /// Splits a checkpoint tensor named `name` into the parameters it holds: `Some([(name, rows)])`
 /// for a fused Phi-3 projection (`model.layers.{i}.self_attn.qkv_proj.weight` into q, k, v as
 /// transformers slices it; `mlp.gate_up_proj.weight` into gate, then up), `None` for any other.
-pub(crate) fn split_fused(cfg: &ModelConfig, name: &str, t: &Tensor) -> Option<Result<Vec<(String, Tensor)>>> {
-    let (fused, parts) = FUSED.iter().find(|(f, _)| name.ends_with(&format!(".{f}")))?;
+pub(crate) fn split_fused(
+    cfg: &ModelConfig,
+    name: &str,
+    t: &Tensor,
+) -> Option<Result<Vec<(String, Tensor)>>> {
+    let (fused, parts) = FUSED
+        .iter()
+        .find(|(f, _)| name.ends_with(&format!(".{f}")))?;
     let prefix = &name[..name.len() - fused.len()];
     let rows = part_rows(cfg, fused);
     let total: i64 = rows.iter().sum();
     if t.dim() != 2 || t.size()[0] != total {
         return Some(Err(ModelError::Weight {
             name: name.into(),
-            message: format!("checkpoint shape {:?}, config implies [{total}, {}]", t.size(), cfg.hidden_size),
+            message: format!(
+                "checkpoint shape {:?}, config implies [{total}, {}]",
+                t.size(),
+                cfg.hidden_size
+            ),
         }));
     }
     let pieces = t.split_with_sizes(rows.as_slice(), 0);
-    Some(Ok(parts.iter().zip(pieces).map(|(p, piece)| (format!("{prefix}{p}"), piece)).collect()))
+    Some(Ok(parts
+        .iter()
+        .zip(pieces)
+        .map(|(p, piece)| (format!("{prefix}{p}"), piece))
+        .collect()))
 }
 
 /// The fused checkpoint tensors of one layer's parameters, the inverse of [`split_fused`]:
@@ -190,7 +239,10 @@ pub(crate) fn fused_names(layers: usize) -> Vec<(String, Vec<String>)> {
     for i in 0..layers {
         for (fused, parts) in FUSED {
             let p = format!("model.layers.{i}.");
-            out.push((format!("{p}{fused}"), parts.iter().map(|x| format!("{p}{x}")).collect()));
+            out.push((
+                format!("{p}{fused}"),
+                parts.iter().map(|x| format!("{p}{x}")).collect(),
+            ));
         }
     }
     out
@@ -211,7 +263,12 @@ mod tests {
                 "sliding_window": 262144}}"#
         ))
         .unwrap();
-        let RopeScaling::LongRope { original_max_position_embeddings, attention_factor, .. } = cfg.rope_scaling else {
+        let RopeScaling::LongRope {
+            original_max_position_embeddings,
+            attention_factor,
+            ..
+        } = cfg.rope_scaling
+        else {
             panic!("{:?}", cfg.rope_scaling)
         };
         assert_eq!(original_max_position_embeddings, 4096);
@@ -226,12 +283,23 @@ mod tests {
         for (extra, says) in [
             (r#""partial_rotary_factor": 0.75"#, "partial_rotary_factor"),
             (r#""resid_pdrop": 0.1"#, "resid_pdrop"),
-            (r#""rope_scaling": {"type": "dynamic", "factor": 2.0}"#, "dynamic"),
-            (r#""rope_scaling": {"type": "longrope", "short_factor": [1.0]}"#, "long_factor"),
-            (r#""rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}"#, "head_dim / 2"),
+            (
+                r#""rope_scaling": {"type": "dynamic", "factor": 2.0}"#,
+                "dynamic",
+            ),
+            (
+                r#""rope_scaling": {"type": "longrope", "short_factor": [1.0]}"#,
+                "long_factor",
+            ),
+            (
+                r#""rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}"#,
+                "head_dim / 2",
+            ),
             (r#""hidden_act": "gelu""#, "gelu"),
         ] {
-            let e = ModelConfig::from_hf_json(&format!("{{{BASE}, {extra}}}")).unwrap_err().to_string();
+            let e = ModelConfig::from_hf_json(&format!("{{{BASE}, {extra}}}"))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(says), "{extra}: {e}");
         }
     }

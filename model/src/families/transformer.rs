@@ -14,17 +14,19 @@ use tch::{Device, Kind, Tensor, nn};
 mod decode_cpu;
 mod layers;
 
-use layers::{AttnInputs, CacheStep, DecoderLayer, Linear, PrefixKv, RmsNorm, Rotary, RowLora, linear, param};
 pub use layers::WeightInit;
 pub(crate) use layers::linear_in;
+use layers::{
+    AttnInputs, CacheStep, DecoderLayer, Linear, PrefixKv, RmsNorm, Rotary, RowLora, linear, param,
+};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::lora::{LoraAdapter, LoraSlot};
 /// The plain libtorch route, re-exported from its old home here; it lives in
 /// [`crate::kernels::libtorch_route`] so that the kernels' dispatch can time it without depending
 /// on this module.
 pub use crate::kernels::libtorch_route::libtorch_linear;
+use crate::lora::{LoraAdapter, LoraSlot};
 
 // ---------------------------------------------------------------------------------------------
 // KV cache
@@ -257,7 +259,15 @@ impl CausalLm {
         self.matmul_kind.set(kind);
         for l in &self.layers {
             let a = &l.self_attn;
-            for lin in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj] {
+            for lin in [
+                &a.q_proj,
+                &a.k_proj,
+                &a.v_proj,
+                &a.o_proj,
+                &l.mlp.gate_proj,
+                &l.mlp.up_proj,
+                &l.mlp.down_proj,
+            ] {
                 lin.matmul_kind.set(kind);
             }
         }
@@ -270,7 +280,10 @@ impl CausalLm {
 
     /// (out, in) of a decoder projection (`q_proj`, ..., `down_proj`); panics on another name.
     pub fn projection_shape(&self, projection: &str) -> (i64, i64) {
-        let w = &self.projection(0, projection).expect("a known projection").weight;
+        let w = &self
+            .projection(0, projection)
+            .expect("a known projection")
+            .weight;
         (w.size()[0], w.size()[1])
     }
 
@@ -297,7 +310,15 @@ impl CausalLm {
         }
         for layer in &self.layers {
             let a = &layer.self_attn;
-            for lin in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &layer.mlp.gate_proj, &layer.mlp.up_proj, &layer.mlp.down_proj] {
+            for lin in [
+                &a.q_proj,
+                &a.k_proj,
+                &a.v_proj,
+                &a.o_proj,
+                &layer.mlp.gate_proj,
+                &layer.mlp.up_proj,
+                &layer.mlp.down_proj,
+            ] {
                 *lin.lora.borrow_mut() = None;
             }
         }
@@ -305,9 +326,15 @@ impl CausalLm {
         if let Some(ad) = adapter {
             let dropout = if training { ad.config.dropout } else { 0.0 };
             for (layer, proj, a, b) in ad.pairs() {
-                let lin = self.projection(layer, proj).expect("validated against the config");
-                *lin.lora.borrow_mut() =
-                    Some(LoraSlot { a: a.shallow_clone(), b: b.shallow_clone(), scaling: ad.config.scaling(), dropout });
+                let lin = self
+                    .projection(layer, proj)
+                    .expect("validated against the config");
+                *lin.lora.borrow_mut() = Some(LoraSlot {
+                    a: a.shallow_clone(),
+                    b: b.shallow_clone(),
+                    scaling: ad.config.scaling(),
+                    dropout,
+                });
             }
         }
         Ok(())
@@ -358,7 +385,9 @@ impl CausalLm {
             }
             let idx = Tensor::from_slice(rows).to_device(self.device);
             for (layer, proj, a, b) in adapter.pairs() {
-                let lin = self.projection(layer, proj).expect("checked against the config");
+                let lin = self
+                    .projection(layer, proj)
+                    .expect("checked against the config");
                 lin.row_loras.borrow_mut().push(RowLora {
                     a: a.shallow_clone(),
                     b: b.shallow_clone(),
@@ -378,7 +407,15 @@ impl CausalLm {
         }
         for layer in &self.layers {
             let a = &layer.self_attn;
-            for lin in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &layer.mlp.gate_proj, &layer.mlp.up_proj, &layer.mlp.down_proj] {
+            for lin in [
+                &a.q_proj,
+                &a.k_proj,
+                &a.v_proj,
+                &a.o_proj,
+                &layer.mlp.gate_proj,
+                &layer.mlp.up_proj,
+                &layer.mlp.down_proj,
+            ] {
                 lin.row_loras.borrow_mut().clear();
             }
         }
@@ -523,7 +560,12 @@ impl CausalLm {
         if let Some(w) = self.cfg.sliding_window.filter(|&w| max_pos >= w as i64) {
             // Positions of the keys (B, 1, 1, P + L) and of the queries (B, 1, L, 1).
             let key_pos = Tensor::cat(
-                &[Tensor::arange(p, (Kind::Int64, self.device)).view([1, p]).expand([b, p], false), positions.shallow_clone()],
+                &[
+                    Tensor::arange(p, (Kind::Int64, self.device))
+                        .view([1, p])
+                        .expand([b, p], false),
+                    positions.shallow_clone(),
+                ],
                 1,
             )
             .view([b, 1, 1, p + l]);
@@ -555,7 +597,9 @@ impl CausalLm {
     fn window_mask(&self, l: i64) -> Option<Tensor> {
         let w = self.cfg.sliding_window.filter(|&w| l > w as i64)? as i64;
         // Key j is seen by query i when i - w < j <= i.
-        let band = Tensor::ones([l, l], (Kind::Bool, self.device)).tril(0).triu(1 - w);
+        let band = Tensor::ones([l, l], (Kind::Bool, self.device))
+            .tril(0)
+            .triu(1 - w);
         Some(band.view([1, 1, l, l]))
     }
 

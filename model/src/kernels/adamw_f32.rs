@@ -95,7 +95,10 @@ pub fn sum_of_squares_f64(g: &[f32], threads: usize) -> f64 {
     let partial = std::sync::Mutex::new(Vec::with_capacity(parts));
     super::omp::parallel_for(n, parts, &|lo, hi| {
         let s = sum_of_squares(&g[lo..hi]);
-        partial.lock().expect("no panic holds this lock").push((lo, s));
+        partial
+            .lock()
+            .expect("no panic holds this lock")
+            .push((lo, s));
     });
     let mut partial = partial.into_inner().expect("no panic holds this lock");
     partial.sort_unstable_by_key(|&(lo, _)| lo);
@@ -139,11 +142,17 @@ mod tests {
         tch::manual_seed(5);
         for n in [0usize, 1, 15, 16, 17, 65_537, 300_001] {
             let t = Tensor::randn([n as i64], (Kind::Float, tch::Device::Cpu)) * 3.0;
-            let want = t.norm_scalaropt_dtype(2.0, Kind::Double).double_value(&[]).powi(2);
+            let want = t
+                .norm_scalaropt_dtype(2.0, Kind::Double)
+                .double_value(&[])
+                .powi(2);
             let g = Vec::<f32>::try_from(&t).unwrap();
             for threads in [1, 2, 3] {
                 let got = sum_of_squares_f64(&g, threads);
-                assert!((got - want).abs() <= 1e-12 * want.max(1.0), "n = {n}, {threads} threads: {got} against {want}");
+                assert!(
+                    (got - want).abs() <= 1e-12 * want.max(1.0),
+                    "n = {n}, {threads} threads: {got} against {want}"
+                );
             }
         }
         let mut g = vec![1.0f32; 100_000];

@@ -581,22 +581,59 @@ mod tests {
         tch::manual_seed(6);
         for dim in [64usize, 24] {
             let (rows, heads, kvh, cap) = (3usize, 4usize, 2usize, 21usize);
-            let shape = CacheShape { kv_heads: kvh, capacity: cap, dim };
-            let kc: Vec<bf16> = randn(rows * kvh * cap * dim).into_iter().map(bf16::from_f32).collect();
-            let vc: Vec<bf16> = randn(rows * kvh * cap * dim).into_iter().map(bf16::from_f32).collect();
+            let shape = CacheShape {
+                kv_heads: kvh,
+                capacity: cap,
+                dim,
+            };
+            let kc: Vec<bf16> = randn(rows * kvh * cap * dim)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let vc: Vec<bf16> = randn(rows * kvh * cap * dim)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
             let widen = |c: &[bf16]| c.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
             let q = randn(rows * heads * dim);
             let lens = [21usize, 1, 9];
             let scale = 1.0 / (dim as f32).sqrt();
             let (mut got, mut want) = (vec![0.0; q.len()], vec![0.0; q.len()]);
             attend(&q, &kc, &vc, shape, heads, &lens, scale, &mut got, 2);
-            attend(&q, &widen(&kc), &widen(&vc), shape, heads, &lens, scale, &mut want, 2);
+            attend(
+                &q,
+                &widen(&kc),
+                &widen(&vc),
+                shape,
+                heads,
+                &lens,
+                scale,
+                &mut want,
+                2,
+            );
             assert!(max_diff(&got, &want) < 1e-6, "dim {dim}");
         }
-        let shape = CacheShape { kv_heads: 1, capacity: 2, dim: 2 };
+        let shape = CacheShape {
+            kv_heads: 1,
+            capacity: 2,
+            dim: 2,
+        };
         let (mut kc, mut vc) = (vec![bf16::ZERO; 4], vec![bf16::ZERO; 4]);
-        write_cache(&mut kc, &mut vc, shape, &[1.0 + 1.0 / 256.0, 3.3], &[-2.5e-3, 7.0], &[1]);
-        assert_eq!(kc[2..].iter().map(|x| x.to_f32()).collect::<Vec<_>>(), [bf16::from_f32(1.0 + 1.0 / 256.0).to_f32(), bf16::from_f32(3.3).to_f32()]);
+        write_cache(
+            &mut kc,
+            &mut vc,
+            shape,
+            &[1.0 + 1.0 / 256.0, 3.3],
+            &[-2.5e-3, 7.0],
+            &[1],
+        );
+        assert_eq!(
+            kc[2..].iter().map(|x| x.to_f32()).collect::<Vec<_>>(),
+            [
+                bf16::from_f32(1.0 + 1.0 / 256.0).to_f32(),
+                bf16::from_f32(3.3).to_f32()
+            ]
+        );
         assert_eq!(vc[3].to_f32(), 7.0);
     }
 

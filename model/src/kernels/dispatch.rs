@@ -95,7 +95,14 @@ pub fn fused_decode() -> bool {
         let avx512 = super::gemm_f32::is_available();
         #[cfg(not(target_arch = "x86_64"))]
         let avx512 = false;
-        let off = matches!(std::env::var(ENV).unwrap_or_default().trim().to_ascii_lowercase().as_str(), "off" | "0" | "false");
+        let off = matches!(
+            std::env::var(ENV)
+                .unwrap_or_default()
+                .trim()
+                .to_ascii_lowercase()
+                .as_str(),
+            "off" | "0" | "false"
+        );
         avx512 && !off
     })
 }
@@ -103,7 +110,11 @@ pub fn fused_decode() -> bool {
 /// cotrain's cache directory, as `scripts/setup.sh` names it: `$COTRAIN_CACHE`, else
 /// `$XDG_CACHE_HOME/cotrain`, else `~/.cache/cotrain`.
 pub fn cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     var("COTRAIN_CACHE")
         .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("cotrain")))
         .or_else(|| var("HOME").map(|d| d.join(".cache/cotrain")))
@@ -111,7 +122,11 @@ pub fn cache_dir() -> Option<PathBuf> {
 
 /// The decision under switch value `mode`, pinned in `cache` (none: measured, not pinned).
 fn decide(kind: Kind, mode: &str, cache: Option<&Path>) -> Decision {
-    let fixed = |own: bool, reason: String| Decision { own_kernels: own, reason, probe_us: None };
+    let fixed = |own: bool, reason: String| Decision {
+        own_kernels: own,
+        reason,
+        probe_us: None,
+    };
     #[cfg(not(target_arch = "x86_64"))]
     return fixed(false, "not an x86-64 CPU".into());
     #[cfg(target_arch = "x86_64")]
@@ -137,7 +152,14 @@ fn decide(kind: Kind, mode: &str, cache: Option<&Path>) -> Decision {
                 reason: format!("{how}: cotrain's kernel {ours:.0} µs, libtorch {theirs:.0} µs"),
                 probe_us: Some((ours, theirs)),
             };
-            (d, Pinned { own_kernels: ours <= theirs, kernel_us: ours, libtorch_us: theirs })
+            (
+                d,
+                Pinned {
+                    own_kernels: ours <= theirs,
+                    kernel_us: ours,
+                    libtorch_us: theirs,
+                },
+            )
         };
         let Some(dir) = cache else {
             return measured("measured (no cache directory to pin it in)").0;
@@ -146,12 +168,19 @@ fn decide(kind: Kind, mode: &str, cache: Option<&Path>) -> Decision {
             if !remeasure && let Some(p) = pins.get(&key) {
                 return (p.decision(&key), None);
             }
-            let (d, p) = measured(if remeasure { "measured again" } else { "measured on this CPU's first use" });
+            let (d, p) = measured(if remeasure {
+                "measured again"
+            } else {
+                "measured on this CPU's first use"
+            });
             (d, Some(p))
         }) {
             Ok(d) => d,
             Err(e) => {
-                tracing::warn!("cannot pin the CPU kernel decision in {}: {e}", dir.display());
+                tracing::warn!(
+                    "cannot pin the CPU kernel decision in {}: {e}",
+                    dir.display()
+                );
                 measured("measured (not pinned)").0
             }
         }
@@ -165,7 +194,11 @@ fn pin_key(kind: Kind) -> String {
         "{} | {} threads | {kind:?} | kernels r{KERNEL_REVISION} | {} build",
         crate::cpu::identity(),
         tch::get_num_threads().max(1),
-        if cfg!(debug_assertions) { "debug" } else { "release" }
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }
     )
 }
 
@@ -207,15 +240,21 @@ mod pin {
         f: impl FnOnce(&BTreeMap<String, Pinned>) -> (Decision, Option<Pinned>),
     ) -> std::io::Result<Decision> {
         std::fs::create_dir_all(dir)?;
-        let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("cpu-dispatch.lock"))?;
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join("cpu-dispatch.lock"))?;
         // SAFETY: flock on a descriptor this function owns; released when `lock` is closed.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
         let path = dir.join(FILE);
         // A missing or unreadable file is an empty one: the answer is measured and written anew.
-        let mut pins: BTreeMap<String, Pinned> =
-            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        let mut pins: BTreeMap<String, Pinned> = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
         let (decision, new) = f(&pins);
         if let Some(p) = new {
             pins.insert(key.to_string(), p);
@@ -240,7 +279,15 @@ mod pin {
 #[cfg(target_arch = "x86_64")]
 pub fn probe(kind: Kind) -> (f64, f64) {
     let _guard = tch::no_grad_guard();
-    const LAYER: [(i64, i64); 7] = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)];
+    const LAYER: [(i64, i64); 7] = [
+        (576, 576),
+        (192, 576),
+        (192, 576),
+        (576, 576),
+        (1536, 576),
+        (1536, 576),
+        (576, 1536),
+    ];
     // 14.2 MB per layer in f32: 3 layers in f32, 6 in bf16, more than the L3 caches of the CPUs
     // this runs on, so the weights stream from memory as a model's do.
     let layers = if kind == Kind::Float { 3 } else { 6 };
@@ -248,7 +295,10 @@ pub fn probe(kind: Kind) -> (f64, f64) {
         .flat_map(|_| LAYER)
         .enumerate()
         .map(|(i, (n, k))| {
-            let w = (Tensor::arange(n * k, (Kind::Float, Device::Cpu)) * (0.37 + 0.01 * i as f64)).sin().reshape([n, k]) * 0.05;
+            let w = (Tensor::arange(n * k, (Kind::Float, Device::Cpu)) * (0.37 + 0.01 * i as f64))
+                .sin()
+                .reshape([n, k])
+                * 0.05;
             w.to_kind(kind)
         })
         .collect();
@@ -274,8 +324,24 @@ pub fn probe(kind: Kind) -> (f64, f64) {
                 // SAFETY: a contiguous CPU tensor of n·k elements of its kind, read-only here.
                 unsafe {
                     match kind {
-                        Kind::BFloat16 => super::gemm_f32::matmul_nt(&x[..m * k], std::slice::from_raw_parts(w.data_ptr() as *const half::bf16, n * k), &mut out_k, m, n, k, threads),
-                        _ => super::gemm_f32::matmul_nt(&x[..m * k], std::slice::from_raw_parts(w.data_ptr() as *const f32, n * k), &mut out_k, m, n, k, threads),
+                        Kind::BFloat16 => super::gemm_f32::matmul_nt(
+                            &x[..m * k],
+                            std::slice::from_raw_parts(w.data_ptr() as *const half::bf16, n * k),
+                            &mut out_k,
+                            m,
+                            n,
+                            k,
+                            threads,
+                        ),
+                        _ => super::gemm_f32::matmul_nt(
+                            &x[..m * k],
+                            std::slice::from_raw_parts(w.data_ptr() as *const f32, n * k),
+                            &mut out_k,
+                            m,
+                            n,
+                            k,
+                            threads,
+                        ),
                     }
                 }
             }
@@ -305,8 +371,14 @@ pub fn probe(kind: Kind) -> (f64, f64) {
 pub fn product_gflops(kind: Kind) -> f64 {
     let _guard = tch::no_grad_guard();
     let (m, k, n) = (1024i64, 576i64, 1536i64);
-    let a = ((Tensor::arange(m * k, (Kind::Float, Device::Cpu)) * 0.13).sin().reshape([m, k])).to_kind(kind);
-    let b = ((Tensor::arange(n * k, (Kind::Float, Device::Cpu)) * 0.29).cos().reshape([n, k])).to_kind(kind);
+    let a = ((Tensor::arange(m * k, (Kind::Float, Device::Cpu)) * 0.13)
+        .sin()
+        .reshape([m, k]))
+    .to_kind(kind);
+    let b = ((Tensor::arange(n * k, (Kind::Float, Device::Cpu)) * 0.29)
+        .cos()
+        .reshape([n, k]))
+    .to_kind(kind);
     let _ = a.linear::<Tensor>(&b, None);
     let mut t: Vec<f64> = (0..5)
         .map(|_| {
@@ -342,7 +414,10 @@ mod tests {
                 assert!(d.probe_us.is_none());
             }
         }
-        assert!(!dir.path().join("cpu-dispatch.json").exists(), "forced modes pin nothing");
+        assert!(
+            !dir.path().join("cpu-dispatch.json").exists(),
+            "forced modes pin nothing"
+        );
     }
 
     /// The first decision is measured and pinned; later ones read the pin (even one that says the
@@ -355,9 +430,13 @@ mod tests {
         }
         let dir = tempfile::tempdir().unwrap();
         let first = decide(Kind::BFloat16, "auto", Some(dir.path()));
-        assert!(first.reason.starts_with("measured on this CPU's first use"), "{first:?}");
+        assert!(
+            first.reason.starts_with("measured on this CPU's first use"),
+            "{first:?}"
+        );
         let path = dir.path().join("cpu-dispatch.json");
-        let mut pins: BTreeMap<String, Pinned> = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let mut pins: BTreeMap<String, Pinned> =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         let key = pin_key(Kind::BFloat16);
         assert_eq!(pins[&key].own_kernels, first.own_kernels);
         pins.get_mut(&key).unwrap().own_kernels = !first.own_kernels;
@@ -366,8 +445,12 @@ mod tests {
         assert_eq!(again.own_kernels, !first.own_kernels, "{again:?}");
         assert!(again.reason.starts_with("pinned for"), "{again:?}");
         let remeasured = decide(Kind::BFloat16, "probe", Some(dir.path()));
-        assert!(remeasured.reason.starts_with("measured again"), "{remeasured:?}");
-        let pins: BTreeMap<String, Pinned> = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert!(
+            remeasured.reason.starts_with("measured again"),
+            "{remeasured:?}"
+        );
+        let pins: BTreeMap<String, Pinned> =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         assert_eq!(pins[&key].own_kernels, remeasured.own_kernels);
         eprintln!("{first:?}\n{remeasured:?}");
     }

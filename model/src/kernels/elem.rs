@@ -97,7 +97,11 @@ mod tests {
         let mut out = [0f32; 16];
         // SAFETY: 16 elements (or `n` of them) and 16 floats; AVX-512F is enabled here.
         unsafe {
-            let v = if n == 16 { E::load16(xs.as_ptr()) } else { E::load_partial(xs.as_ptr(), n) };
+            let v = if n == 16 {
+                E::load16(xs.as_ptr())
+            } else {
+                E::load_partial(xs.as_ptr(), n)
+            };
             _mm512_storeu_ps(out.as_mut_ptr(), v);
         }
         out
@@ -109,7 +113,8 @@ mod tests {
         if !is_x86_feature_detected!("avx512f") {
             return;
         }
-        let vals: [f32; 16] = std::array::from_fn(|i| (i as f32 - 7.3) * 1.37e3_f32.powi(i as i32 % 3 - 1));
+        let vals: [f32; 16] =
+            std::array::from_fn(|i| (i as f32 - 7.3) * 1.37e3_f32.powi(i as i32 % 3 - 1));
         let b: [bf16; 16] = vals.map(bf16::from_f32);
         // SAFETY: AVX-512F is present.
         let wide = unsafe { widen(&b, 16) };

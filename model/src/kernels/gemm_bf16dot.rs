@@ -56,7 +56,9 @@ thread_local! {
 pub fn is_available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
     *AVAILABLE.get_or_init(|| {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16")
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512bf16")
     })
 }
 
@@ -64,7 +66,10 @@ pub fn is_available() -> bool {
 /// on where the CPU lacks AVX512_BF16 is refused with an error naming what is missing.
 pub fn set_enabled(on: bool) -> Result<(), String> {
     if on && !is_available() {
-        return Err("bf16 dot products need a CPU with AVX512_BF16 (and AVX-512F/BW); this one has not".into());
+        return Err(
+            "bf16 dot products need a CPU with AVX512_BF16 (and AVX-512F/BW); this one has not"
+                .into(),
+        );
     }
     ENABLED.store(on, Ordering::Relaxed);
     Ok(())
@@ -79,10 +84,14 @@ pub fn enable_for(kind: tch::Kind, device: tch::Device, option: &str) -> Result<
             tch::Kind::Half => "f16".to_string(),
             other => format!("{other:?}"),
         };
-        return Err(format!("{option} applies to bf16 weights only, and the model is loaded as {name} (--dtype bf16, rollout.dtype: bf16)"));
+        return Err(format!(
+            "{option} applies to bf16 weights only, and the model is loaded as {name} (--dtype bf16, rollout.dtype: bf16)"
+        ));
     }
     if device != tch::Device::Cpu {
-        return Err(format!("{option} is a CPU kernel; the model is on {device:?}"));
+        return Err(format!(
+            "{option} is a CPU kernel; the model is on {device:?}"
+        ));
     }
     set_enabled(true).map_err(|e| format!("{option}: {e}"))
 }
@@ -111,7 +120,16 @@ pub(crate) fn block(m: usize) -> usize {
 /// [`is_available`] checks, and no other thread may write columns `[n_lo, n_hi)` of `y` meanwhile.
 #[allow(clippy::too_many_arguments)] // the product's buffers and shapes, as `gemm_f32::Job` holds them
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(crate) unsafe fn run(x: *const f32, w: *const bf16, y: *mut f32, m: usize, n: usize, k: usize, n_lo: usize, n_hi: usize) {
+pub(crate) unsafe fn run(
+    x: *const f32,
+    w: *const bf16,
+    y: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    n_lo: usize,
+    n_hi: usize,
+) {
     let w = w.cast::<u16>();
     INPUTS.with_borrow_mut(|buf| {
         if m >= BROADCAST_MIN_ROWS {
@@ -188,10 +206,16 @@ unsafe fn pack_pairs(x: *const f32, m: usize, k: usize, mpad: usize, xp: *mut u3
                     let row = x.add((i0 + c) * k + q);
                     let a = _mm512_maskz_loadu_ps(mask(lo), row);
                     let b = _mm512_maskz_loadu_ps(mask(hi), row.add(lo));
-                    *v = _mm512_castsi512_ps(std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(b, a)));
+                    *v = _mm512_castsi512_ps(std::mem::transmute::<__m512bh, __m512i>(
+                        _mm512_cvtne2ps_pbh(b, a),
+                    ));
                 }
             }
-            for (d, v) in super::gemm_broadcast::transpose16(r).iter().enumerate().take(width / 2) {
+            for (d, v) in super::gemm_broadcast::transpose16(r)
+                .iter()
+                .enumerate()
+                .take(width / 2)
+            {
                 // SAFETY: pair row `q / 2 + d < k / 2` of `xp`, columns `i0..i0 + 16 <= mpad`.
                 unsafe { _mm512_storeu_ps(xp.add((q / 2 + d) * mpad + i0).cast(), *v) };
             }
@@ -206,7 +230,17 @@ unsafe fn pack_pairs(x: *const f32, m: usize, k: usize, mpad: usize, xp: *mut u3
 /// As for [`run`], with `xb` holding `m` rows of `kpad` bf16, zero beyond `k`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn run_dot(xb: *const u16, kpad: usize, w: *const u16, y: *mut f32, m: usize, n: usize, k: usize, n_lo: usize, n_hi: usize) {
+unsafe fn run_dot(
+    xb: *const u16,
+    kpad: usize,
+    w: *const u16,
+    y: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    n_lo: usize,
+    n_hi: usize,
+) {
     let tiles = m.div_ceil(MR);
     let mut n0 = n_lo;
     while n0 < n_hi {
@@ -215,17 +249,53 @@ unsafe fn run_dot(xb: *const u16, kpad: usize, w: *const u16, y: *mut f32, m: us
         for t in 0..tiles {
             let mr = (m - j0) / (tiles - t) + usize::from(!(m - j0).is_multiple_of(tiles - t));
             // The first tile of a block prefetches the block after next (as the f32 tiles do).
-            let next = if t == 0 && n0 + AHEAD * NR < n_hi { w.wrapping_add((n0 + AHEAD * NR) * k) } else { std::ptr::null() };
+            let next = if t == 0 && n0 + AHEAD * NR < n_hi {
+                w.wrapping_add((n0 + AHEAD * NR) * k)
+            } else {
+                std::ptr::null()
+            };
             macro_rules! by_mr {
                 ($nr:literal) => {
                     // SAFETY: rows `j0..j0 + mr <= m` of `xb`, rows `n0..n0 + nr <= n` of `w`, that
                     // block of `y`; `next` is only prefetched.
                     unsafe {
                         match mr {
-                            1 => dot_tile::<$nr, 1>(xb.add(j0 * kpad), kpad, w.add(n0 * k), next, y.add(j0 * n + n0), k, n),
-                            2 => dot_tile::<$nr, 2>(xb.add(j0 * kpad), kpad, w.add(n0 * k), next, y.add(j0 * n + n0), k, n),
-                            3 => dot_tile::<$nr, 3>(xb.add(j0 * kpad), kpad, w.add(n0 * k), next, y.add(j0 * n + n0), k, n),
-                            _ => dot_tile::<$nr, 4>(xb.add(j0 * kpad), kpad, w.add(n0 * k), next, y.add(j0 * n + n0), k, n),
+                            1 => dot_tile::<$nr, 1>(
+                                xb.add(j0 * kpad),
+                                kpad,
+                                w.add(n0 * k),
+                                next,
+                                y.add(j0 * n + n0),
+                                k,
+                                n,
+                            ),
+                            2 => dot_tile::<$nr, 2>(
+                                xb.add(j0 * kpad),
+                                kpad,
+                                w.add(n0 * k),
+                                next,
+                                y.add(j0 * n + n0),
+                                k,
+                                n,
+                            ),
+                            3 => dot_tile::<$nr, 3>(
+                                xb.add(j0 * kpad),
+                                kpad,
+                                w.add(n0 * k),
+                                next,
+                                y.add(j0 * n + n0),
+                                k,
+                                n,
+                            ),
+                            _ => dot_tile::<$nr, 4>(
+                                xb.add(j0 * kpad),
+                                kpad,
+                                w.add(n0 * k),
+                                next,
+                                y.add(j0 * n + n0),
+                                k,
+                                n,
+                            ),
                         }
                     }
                 };
@@ -251,7 +321,15 @@ unsafe fn run_dot(xb: *const u16, kpad: usize, w: *const u16, y: *mut f32, m: us
 #[inline]
 #[allow(clippy::needless_range_loop)] // register tiles read best as acc[i][j]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn dot_tile<const R: usize, const C: usize>(xb: *const u16, kpad: usize, w: *const u16, next: *const u16, y: *mut f32, k: usize, ldy: usize) {
+unsafe fn dot_tile<const R: usize, const C: usize>(
+    xb: *const u16,
+    kpad: usize,
+    w: *const u16,
+    next: *const u16,
+    y: *mut f32,
+    k: usize,
+    ldy: usize,
+) {
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     let mut p = 0;
     while p < k {
@@ -269,13 +347,17 @@ unsafe fn dot_tile<const R: usize, const C: usize>(xb: *const u16, kpad: usize, 
                 if left >= 32 {
                     _mm512_loadu_si512(w.add(i * k + p).cast())
                 } else {
-                    _mm512_maskz_loadu_epi16(((1u64 << left) - 1) as __mmask32, w.add(i * k + p).cast())
+                    _mm512_maskz_loadu_epi16(
+                        ((1u64 << left) - 1) as __mmask32,
+                        w.add(i * k + p).cast(),
+                    )
                 }
             };
         }
         for j in 0..C {
             // SAFETY: 32 u16 of row `j < C` of `xb` from `p < kpad` (a multiple of 32).
-            let xv: __m512bh = unsafe { std::mem::transmute(_mm512_loadu_si512(xb.add(j * kpad + p).cast())) };
+            let xv: __m512bh =
+                unsafe { std::mem::transmute(_mm512_loadu_si512(xb.add(j * kpad + p).cast())) };
             for i in 0..R {
                 // SAFETY: both are 512-bit vectors; the transmute reinterprets the lanes as bf16.
                 let wi: __m512bh = unsafe { std::mem::transmute(wv[i]) };
@@ -304,12 +386,25 @@ unsafe fn dot_tile<const R: usize, const C: usize>(xb: *const u16, kpad: usize, 
 /// As for [`run`], with `xp` as [`pack_pairs`] writes it.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn run_broadcast(xp: *const u32, mpad: usize, w: *const u16, y: *mut f32, m: usize, n: usize, k: usize, n_lo: usize, n_hi: usize) {
+unsafe fn run_broadcast(
+    xp: *const u32,
+    mpad: usize,
+    w: *const u16,
+    y: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    n_lo: usize,
+    n_hi: usize,
+) {
     let mut n0 = n_lo;
     while n0 < n_hi {
         let rows = WROWS.min(n_hi - n0);
         let next = WROWS.min(n_hi - n0 - rows);
-        let mut ahead = Prefetch::new(w.wrapping_add((n0 + rows) * k).cast(), (next * k * 2).div_ceil(64));
+        let mut ahead = Prefetch::new(
+            w.wrapping_add((n0 + rows) * k).cast(),
+            (next * k * 2).div_ceil(64),
+        );
         let mut i0 = 0;
         while i0 < m {
             let take = 32.min(m - i0);
@@ -352,14 +447,28 @@ unsafe fn run_broadcast(xp: *const u32, mpad: usize, w: *const u16, y: *mut f32,
 #[inline]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn pair_tile<const R: usize, const V: usize>(w: *const u16, k: usize, xp: *const u32, ldx: usize, y: *mut f32, ldy: usize, take: usize, ahead: &mut Prefetch) {
+unsafe fn pair_tile<const R: usize, const V: usize>(
+    w: *const u16,
+    k: usize,
+    xp: *const u32,
+    ldx: usize,
+    y: *mut f32,
+    ldy: usize,
+    take: usize,
+    ahead: &mut Prefetch,
+) {
     let mut acc = [[_mm512_setzero_ps(); V]; R];
     for q in 0..k / 2 {
         ahead.step();
-        let mut xv: [__m512bh; V] = [unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()) }; V];
+        let mut xv: [__m512bh; V] =
+            [unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()) }; V];
         for (v, r) in xv.iter_mut().enumerate() {
             // SAFETY: 16 pairs of row `q < k / 2` of `xp` from column `16v < 16V`.
-            *r = unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(xp.add(q * ldx + 16 * v).cast())) };
+            *r = unsafe {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    xp.add(q * ldx + 16 * v).cast(),
+                ))
+            };
         }
         for i in 0..R {
             // SAFETY: elements `2q, 2q + 1 < k` of weight row `i < R`.

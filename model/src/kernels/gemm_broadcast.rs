@@ -86,7 +86,19 @@ pub(crate) unsafe fn run<W: Elem>(
                 // SAFETY: weight rows `n0..n0 + rows <= n_hi` (as f32 at `block`), input rows
                 // `i0..i0 + take <= m` (transposed: columns `i0..i0 + 16V <= mpad` of `xt`), the
                 // matching block of `y`.
-                unsafe { tile_dispatch(rows, take, block, k, xt.add(i0), mpad, y.add(i0 * n + n0), n, &mut ahead) };
+                unsafe {
+                    tile_dispatch(
+                        rows,
+                        take,
+                        block,
+                        k,
+                        xt.add(i0),
+                        mpad,
+                        y.add(i0 * n + n0),
+                        n,
+                        &mut ahead,
+                    )
+                };
                 i0 += take;
             }
             n0 += rows;
@@ -300,7 +312,8 @@ mod tests {
         let src: Vec<f32> = (0..256).map(|i| i as f32).collect();
         // SAFETY: AVX-512F checked; 16 rows of 16 floats.
         let out = unsafe {
-            let r: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(src.as_ptr().add(16 * i)));
+            let r: [__m512; 16] =
+                std::array::from_fn(|i| _mm512_loadu_ps(src.as_ptr().add(16 * i)));
             transpose16(r)
         };
         for (i, v) in out.iter().enumerate() {

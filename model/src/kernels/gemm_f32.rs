@@ -79,7 +79,10 @@ pub const BROADCAST_MIN_ROWS: [usize; 2] = [12, 32];
 /// The environment override of [`BROADCAST_MIN_ROWS`].
 pub const BROADCAST_ENV: &str = "COTRAIN_BROADCAST_MIN_ROWS";
 
-static BROADCAST_FROM: [AtomicUsize; 2] = [AtomicUsize::new(BROADCAST_MIN_ROWS[0]), AtomicUsize::new(BROADCAST_MIN_ROWS[1])];
+static BROADCAST_FROM: [AtomicUsize; 2] = [
+    AtomicUsize::new(BROADCAST_MIN_ROWS[0]),
+    AtomicUsize::new(BROADCAST_MIN_ROWS[1]),
+];
 
 /// Moves the row counts (f32, bf16 weights) from which the broadcast path runs (`usize::MAX`:
 /// never), process-wide, so that benchmarks and tests can run both paths on the same shapes.
@@ -95,7 +98,9 @@ pub fn set_broadcast_min_rows(rows: [usize; 2]) {
 fn read_env() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let Ok(v) = std::env::var(BROADCAST_ENV) else { return };
+        let Ok(v) = std::env::var(BROADCAST_ENV) else {
+            return;
+        };
         let rows = match v.trim() {
             "off" => usize::MAX,
             n => match n.parse() {
@@ -143,16 +148,39 @@ pub fn matmul_nt<W: Elem>(
 /// If the CPU lacks AVX512_BF16 ([`super::gemm_bf16dot::is_available`]), `k` is odd, or as
 /// [`matmul_nt`].
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_nt_bf16_dot(x: &[f32], w: &[half::bf16], y: &mut [f32], m: usize, n: usize, k: usize, threads: usize) {
-    assert!(super::gemm_bf16dot::is_available(), "matmul_nt_bf16_dot needs avx512_bf16");
-    assert!(k.is_multiple_of(2), "matmul_nt_bf16_dot needs an even width, got {k}");
+pub fn matmul_nt_bf16_dot(
+    x: &[f32],
+    w: &[half::bf16],
+    y: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) {
+    assert!(
+        super::gemm_bf16dot::is_available(),
+        "matmul_nt_bf16_dot needs avx512_bf16"
+    );
+    assert!(
+        k.is_multiple_of(2),
+        "matmul_nt_bf16_dot needs an even width, got {k}"
+    );
     matmul_nt_on(x, w, y, m, n, k, threads, true);
 }
 
 /// [`matmul_nt`] with the AVX512_BF16 path chosen by the caller (`bf16_dot`: bf16 weights, even
 /// `k`, a CPU that has it).
 #[allow(clippy::too_many_arguments)]
-fn matmul_nt_on<W: Elem>(x: &[f32], w: &[W], y: &mut [f32], m: usize, n: usize, k: usize, threads: usize, bf16_dot: bool) {
+fn matmul_nt_on<W: Elem>(
+    x: &[f32],
+    w: &[W],
+    y: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+    bf16_dot: bool,
+) {
     assert!(is_available(), "matmul_nt needs avx512f");
     assert!(
         x.len() >= m * k && w.len() >= n * k && y.len() >= m * n,
@@ -244,9 +272,20 @@ impl<W: Elem> Job<W> {
             if self.bf16_dot {
                 // `bf16_dot` is only set for bf16 weights of even width on a CPU with AVX512_BF16
                 // (`matmul_nt`, `matmul_nt_bf16_dot`).
-                super::gemm_bf16dot::run(self.x, self.w.cast(), self.y, self.m, self.n, self.k, n_lo, n_hi)
+                super::gemm_bf16dot::run(
+                    self.x,
+                    self.w.cast(),
+                    self.y,
+                    self.m,
+                    self.n,
+                    self.k,
+                    n_lo,
+                    n_hi,
+                )
             } else if self.broadcast() {
-                super::gemm_broadcast::run(self.x, self.w, self.y, self.m, self.n, self.k, n_lo, n_hi)
+                super::gemm_broadcast::run(
+                    self.x, self.w, self.y, self.m, self.n, self.k, n_lo, n_hi,
+                )
             } else {
                 run(self, n_lo, n_hi)
             }
@@ -261,7 +300,9 @@ impl<W: Elem> Job<W> {
 /// thread may write columns `[n_lo, n_hi)` of `y` meanwhile.
 #[target_feature(enable = "avx512f")]
 unsafe fn run<W: Elem>(job: &Job<W>, n_lo: usize, n_hi: usize) {
-    let Job { x, w, y, m, n, k, .. } = *job;
+    let Job {
+        x, w, y, m, n, k, ..
+    } = *job;
     // Input rows split into tiles of nearly equal height (6 rows: 3 + 3, not 4 + 2).
     let tiles = m.div_ceil(MR);
     let mut n0 = n_lo;

@@ -13,12 +13,22 @@ const SMALL_LINEAR_ROWS: i64 = 16;
 /// `w`'s dtype (the rows rounded to it, as libtorch's own decode step would have them): how the
 /// fused decode step runs its products when the dispatch keeps libtorch, and what the dispatch's
 /// probe times the kernel against.
-pub(crate) fn libtorch_product_into(x: &[f32], rows: usize, w: &Tensor, b: Option<&Tensor>, out: &mut [f32]) {
+pub(crate) fn libtorch_product_into(
+    x: &[f32],
+    rows: usize,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    out: &mut [f32],
+) {
     let (n, k) = (w.size()[0] as usize, w.size()[1] as usize);
-    let xs = Tensor::from_slice(&x[..rows * k]).view([rows as i64, k as i64]).to_kind(w.kind());
+    let xs = Tensor::from_slice(&x[..rows * k])
+        .view([rows as i64, k as i64])
+        .to_kind(w.kind());
     let y = libtorch_linear(&xs, w, b).to_kind(Kind::Float).contiguous();
     // SAFETY: a fresh contiguous f32 CPU tensor of rows·n elements, only read while `y` lives.
-    out[..rows * n].copy_from_slice(unsafe { std::slice::from_raw_parts(y.data_ptr() as *const f32, rows * n) });
+    out[..rows * n].copy_from_slice(unsafe {
+        std::slice::from_raw_parts(y.data_ptr() as *const f32, rows * n)
+    });
 }
 
 /// `xs · wᵀ + b` by libtorch alone: what the transformer's `linear` falls back to where cotrain's

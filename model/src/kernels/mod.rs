@@ -15,10 +15,10 @@ pub mod dispatch;
 #[cfg(target_arch = "x86_64")]
 pub mod elem;
 #[cfg(target_arch = "x86_64")]
-pub mod gemm_f32;
+pub mod gemm_bf16dot;
 mod gemm_broadcast;
 #[cfg(target_arch = "x86_64")]
-pub mod gemm_bf16dot;
+pub mod gemm_f32;
 pub mod libtorch_route;
 pub(crate) mod omp;
 
@@ -95,7 +95,11 @@ pub fn kernel_linear_nt(xs: &Tensor, w: &Tensor) -> Option<Tensor> {
             }
         }
     }
-    Some(if out_kind == Kind::Float { ys } else { ys.to_kind(out_kind) })
+    Some(if out_kind == Kind::Float {
+        ys
+    } else {
+        ys.to_kind(out_kind)
+    })
 }
 
 /// Elsewhere there is no kernel: always `None`.
@@ -168,9 +172,17 @@ mod tests {
         tch::manual_seed(5);
         gemm_f32::set_broadcast_min_rows(gemm_f32::BROADCAST_MIN_ROWS);
         // Below and above the rows where bf16 takes the broadcast path (`gemm_f32::BROADCAST_MIN_ROWS`).
-        for (b, n, k) in [(1, 17, 33), (4, 193, 600), (8, 576, 576), (16, 193, 600), (33, 66, 40), (70, 17, 33)] {
+        for (b, n, k) in [
+            (1, 17, 33),
+            (4, 193, 600),
+            (8, 576, 576),
+            (16, 193, 600),
+            (33, 66, 40),
+            (70, 17, 33),
+        ] {
             let x = Tensor::randn([b, k], (Kind::Float, Device::Cpu));
-            let w = (Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05).to_kind(Kind::BFloat16);
+            let w =
+                (Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05).to_kind(Kind::BFloat16);
             let got = kernel_linear_nt(&x, &w).expect("kernel applies");
             assert_eq!(got.kind(), Kind::Float);
             let want = x.linear::<Tensor>(&w.to_kind(Kind::Float), None);
@@ -194,25 +206,50 @@ mod tests {
             return;
         }
         tch::manual_seed(9);
-        for (b, n, k) in [(1, 17, 34), (3, 5, 2), (4, 193, 600), (7, 66, 40), (8, 576, 576), (13, 9, 62), (16, 193, 600), (32, 64, 1536), (33, 66, 40), (70, 17, 34)] {
+        for (b, n, k) in [
+            (1, 17, 34),
+            (3, 5, 2),
+            (4, 193, 600),
+            (7, 66, 40),
+            (8, 576, 576),
+            (13, 9, 62),
+            (16, 193, 600),
+            (32, 64, 1536),
+            (33, 66, 40),
+            (70, 17, 34),
+        ] {
             let x = Tensor::randn([b, k], (Kind::Float, Device::Cpu));
-            let w = (Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05).to_kind(Kind::BFloat16);
-            let want = x.to_kind(Kind::BFloat16).to_kind(Kind::Float).linear::<Tensor>(&w.to_kind(Kind::Float), None);
+            let w =
+                (Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05).to_kind(Kind::BFloat16);
+            let want = x
+                .to_kind(Kind::BFloat16)
+                .to_kind(Kind::Float)
+                .linear::<Tensor>(&w.to_kind(Kind::Float), None);
             let (m, n, k) = (b as usize, n as usize, k as usize);
             let xs = Vec::<f32>::try_from(x.flatten(0, -1)).unwrap();
-            let ws: Vec<half::bf16> = Vec::<f32>::try_from(w.to_kind(Kind::Float).flatten(0, -1)).unwrap().into_iter().map(half::bf16::from_f32).collect();
+            let ws: Vec<half::bf16> = Vec::<f32>::try_from(w.to_kind(Kind::Float).flatten(0, -1))
+                .unwrap()
+                .into_iter()
+                .map(half::bf16::from_f32)
+                .collect();
             for threads in [1, 2] {
                 let mut y = vec![f32::NAN; m * n];
                 gemm_f32::matmul_nt_bf16_dot(&xs, &ws, &mut y, m, n, k, threads);
                 let got = Tensor::from_slice(&y).view([b, n as i64]);
                 let diff = (&got - &want).abs().max().double_value(&[]);
-                assert!(diff <= 1e-4, "b={b} n={n} k={k} threads={threads}: max |diff| {diff}");
+                assert!(
+                    diff <= 1e-4,
+                    "b={b} n={n} k={k} threads={threads}: max |diff| {diff}"
+                );
             }
             // Rounding the rows is what sets the path apart: against the unrounded product the
             // difference is that of bf16's 8-bit mantissa, not of the sums' order.
             let exact = x.linear::<Tensor>(&w.to_kind(Kind::Float), None);
             let off = (&exact - &want).abs().max().double_value(&[]);
-            assert!(k < 8 || off > 1e-4, "b={b} n={n} k={k}: rounding the rows changed nothing ({off})");
+            assert!(
+                k < 8 || off > 1e-4,
+                "b={b} n={n} k={k}: rounding the rows changed nothing ({off})"
+            );
         }
     }
 
@@ -252,11 +289,16 @@ mod tests {
             let wg = w.copy().set_requires_grad(true);
             let xg = x.copy().set_requires_grad(true);
             // (Without AVX-512F the kernel serves nothing: libtorch's route everywhere.)
-            assert_eq!(kernel_linear_nt(&xg, &wg).map(|y| y.requires_grad()), gemm_f32::is_available().then_some(false));
+            assert_eq!(
+                kernel_linear_nt(&xg, &wg).map(|y| y.requires_grad()),
+                gemm_f32::is_available().then_some(false)
+            );
         }
         assert!(kernel_linear_nt(&x.to_kind(Kind::Double), &w.to_kind(Kind::Double)).is_none());
         assert!(kernel_linear_nt(&x, &w.to_kind(Kind::Half)).is_none());
-        assert!(kernel_linear_nt(&x, &Tensor::randn([8, 4], (Kind::Float, Device::Cpu)).tr()).is_none());
+        assert!(
+            kernel_linear_nt(&x, &Tensor::randn([8, 4], (Kind::Float, Device::Cpu)).tr()).is_none()
+        );
         assert!(kernel_linear_nt(&Tensor::randn([2, 7], (Kind::Float, Device::Cpu)), &w).is_none());
     }
 

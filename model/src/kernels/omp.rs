@@ -58,7 +58,8 @@ pub fn set_threads_of_this_thread(n: usize) -> bool {
         // SAFETY: `dlsym` only looks the name up.
         let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"omp_set_num_threads".as_ptr()) };
         // SAFETY: libgomp's `void omp_set_num_threads(int)`.
-        (!f.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32)>(f) })
+        (!f.is_null())
+            .then(|| unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32)>(f) })
     });
     // MKL's own count, if the process set one (`tch::set_num_threads` does), would otherwise still
     // apply to this thread's MKL calls.
@@ -67,7 +68,9 @@ pub fn set_threads_of_this_thread(n: usize) -> bool {
         // SAFETY: `dlsym` only looks the name up.
         let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"MKL_Set_Num_Threads_Local".as_ptr()) };
         // SAFETY: MKL's C `int MKL_Set_Num_Threads_Local(int)` (the lower-case name is Fortran's, by pointer).
-        (!f.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32) -> i32>(f) })
+        (!f.is_null()).then(|| unsafe {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32) -> i32>(f)
+        })
     });
     let n = n.clamp(1, i32::MAX as usize) as i32;
     if let Some(f) = set_mkl {
@@ -150,7 +153,11 @@ mod tests {
         .join()
         .unwrap();
         assert_eq!(inner, 1);
-        assert_eq!(tch::get_num_threads(), before, "the calling thread's count is untouched");
+        assert_eq!(
+            tch::get_num_threads(),
+            before,
+            "the calling thread's count is untouched"
+        );
     }
 
     #[test]

@@ -5,7 +5,9 @@ use std::path::Path;
 
 use tch::Tensor;
 
-use super::{Filler, GenerationDefaults, LoadOptions, LoadedModel, ModelSource, new_store, optional_template};
+use super::{
+    Filler, GenerationDefaults, LoadOptions, LoadedModel, ModelSource, new_store, optional_template,
+};
 use crate::chat_template::ChatTemplate;
 use crate::config::{Family, ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
@@ -148,7 +150,11 @@ pub fn gguf_to_hf_name(name: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}.{param}"))
 }
 
-pub(super) fn load_gguf(path: &Path, opts: &LoadOptions, source: ModelSource) -> Result<LoadedModel> {
+pub(super) fn load_gguf(
+    path: &Path,
+    opts: &LoadOptions,
+    source: ModelSource,
+) -> Result<LoadedModel> {
     if !path.exists() {
         return Err(ModelError::MissingFile {
             path: path.into(),
@@ -206,4 +212,3 @@ pub(super) fn load_gguf(path: &Path, opts: &LoadOptions, source: ModelSource) ->
         source,
     })
 }
-

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use tch::{Kind, Tensor, nn::VarStore};
 
-use super::{Filler, GenerationDefaults, LoadOptions, LoadedModel, ModelSource, new_store, optional_template};
+use super::{
+    Filler, GenerationDefaults, LoadOptions, LoadedModel, ModelSource, new_store, optional_template,
+};
 use crate::chat_template::ChatTemplate;
 use crate::config::{ModelConfig, OneOrMany};
 use crate::error::{ModelError, Result};
@@ -107,20 +109,41 @@ pub fn load_hf_weights(dir: &Path, opts: &LoadOptions) -> Result<(VarStore, Caus
 /// (`Tensor::read_safetensors`) held the file's bytes, every tensor in its stored dtype and the
 /// parameters at once, and the process keeps its peak ([`crate::allocator`]): a bf16 1.7B
 /// checkpoint loaded in f32 stayed at twice the parameters' size.
-pub(super) fn for_each_safetensor(file: &Path, mut f: impl FnMut(&str, Tensor) -> Result<()>) -> Result<()> {
-    let bad = |message: String| ModelError::InvalidFile { path: file.to_path_buf(), message };
-    let handle = std::fs::File::open(file).map_err(|source| ModelError::Io { path: file.to_path_buf(), source })?;
+pub(super) fn for_each_safetensor(
+    file: &Path,
+    mut f: impl FnMut(&str, Tensor) -> Result<()>,
+) -> Result<()> {
+    let bad = |message: String| ModelError::InvalidFile {
+        path: file.to_path_buf(),
+        message,
+    };
+    let handle = std::fs::File::open(file).map_err(|source| ModelError::Io {
+        path: file.to_path_buf(),
+        source,
+    })?;
     // SAFETY: the mapping is read-only and lives until the end of this function. Another process
     // rewriting the file meanwhile could give wrong bytes, as reading it could, and truncating it
     // would stop this process (SIGBUS): model files are not written while a model loads from them.
-    let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|source| ModelError::Io { path: file.to_path_buf(), source })?;
+    let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|source| ModelError::Io {
+        path: file.to_path_buf(),
+        source,
+    })?;
     if map.len() < 8 {
-        return Err(bad("not a readable safetensors file: shorter than its 8-byte header length".into()));
+        return Err(bad(
+            "not a readable safetensors file: shorter than its 8-byte header length".into(),
+        ));
     }
     let header_len = u64::from_le_bytes(map[..8].try_into().expect("8 bytes")) as usize;
-    let body = 8usize.checked_add(header_len).filter(|&b| b <= map.len()).ok_or_else(|| bad(format!("not a readable safetensors file: header of {header_len} bytes past the end")))?;
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&map[8..body]).map_err(|e| bad(format!("not a readable safetensors file: header: {e}")))?;
+    let body = 8usize
+        .checked_add(header_len)
+        .filter(|&b| b <= map.len())
+        .ok_or_else(|| {
+            bad(format!(
+                "not a readable safetensors file: header of {header_len} bytes past the end"
+            ))
+        })?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&map[8..body])
+        .map_err(|e| bad(format!("not a readable safetensors file: header: {e}")))?;
     for (name, entry) in &header {
         if name == "__metadata__" {
             continue;
@@ -138,19 +161,45 @@ pub(super) fn for_each_safetensor(file: &Path, mut f: impl FnMut(&str, Tensor) -
             Some("BOOL") => Kind::Bool,
             other => return Err(bad(format!("tensor `{name}`: unsupported dtype {other:?}"))),
         };
-        let dims = entry["shape"].as_array().ok_or_else(|| bad(format!("tensor `{name}`: no shape")))?;
-        let shape: Vec<i64> = dims.iter().map(|v| v.as_u64().and_then(|d| i64::try_from(d).ok())).collect::<Option<_>>()
-            .ok_or_else(|| bad(format!("tensor `{name}`: shape {dims:?} is not a list of sizes")))?;
-        let offsets: Vec<u64> = entry["data_offsets"].as_array().map(|a| a.iter().filter_map(|v| v.as_u64()).collect()).unwrap_or_default();
+        let dims = entry["shape"]
+            .as_array()
+            .ok_or_else(|| bad(format!("tensor `{name}`: no shape")))?;
+        let shape: Vec<i64> = dims
+            .iter()
+            .map(|v| v.as_u64().and_then(|d| i64::try_from(d).ok()))
+            .collect::<Option<_>>()
+            .ok_or_else(|| {
+                bad(format!(
+                    "tensor `{name}`: shape {dims:?} is not a list of sizes"
+                ))
+            })?;
+        let offsets: Vec<u64> = entry["data_offsets"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
+            .unwrap_or_default();
         let [start, end] = offsets[..] else {
             return Err(bad(format!("tensor `{name}`: no data_offsets")));
         };
         // The byte count the shape implies, and the data's place in the file, without overflow.
-        let want = shape.iter().try_fold(kind.elt_size_in_bytes() as u64, |n, &d| n.checked_mul(d as u64));
-        let range = (body as u64).checked_add(start).zip((body as u64).checked_add(end));
+        let want = shape
+            .iter()
+            .try_fold(kind.elt_size_in_bytes() as u64, |n, &d| {
+                n.checked_mul(d as u64)
+            });
+        let range = (body as u64)
+            .checked_add(start)
+            .zip((body as u64).checked_add(end));
         let (from, to) = match (want, range) {
-            (Some(want), Some((from, to))) if start <= end && to <= map.len() as u64 && end - start == want => (from as usize, to as usize),
-            _ => return Err(bad(format!("tensor `{name}`: data_offsets [{start}, {end}] do not hold its {shape:?} {kind:?}"))),
+            (Some(want), Some((from, to)))
+                if start <= end && to <= map.len() as u64 && end - start == want =>
+            {
+                (from as usize, to as usize)
+            }
+            _ => {
+                return Err(bad(format!(
+                    "tensor `{name}`: data_offsets [{start}, {end}] do not hold its {shape:?} {kind:?}"
+                )));
+            }
         };
         let t = Tensor::f_from_data_size(&map[from..to], &shape, kind)?;
         f(name, t)?;
@@ -187,7 +236,11 @@ pub fn hf_generation_defaults(dir: &Path, cfg: &ModelConfig) -> Result<Generatio
     })
 }
 
-pub(super) fn load_hf_dir(dir: &Path, opts: &LoadOptions, source: ModelSource) -> Result<LoadedModel> {
+pub(super) fn load_hf_dir(
+    dir: &Path,
+    opts: &LoadOptions,
+    source: ModelSource,
+) -> Result<LoadedModel> {
     let tok_path = dir.join("tokenizer.json");
     if !tok_path.exists() {
         return Err(ModelError::MissingFile {
@@ -211,4 +264,3 @@ pub(super) fn load_hf_dir(dir: &Path, opts: &LoadOptions, source: ModelSource) -
         source,
     })
 }
-

@@ -27,8 +27,8 @@ mod resolve;
 
 pub use gguf_file::{gguf_config, gguf_to_hf_name};
 use gguf_file::{gguf_err, load_gguf};
-pub use hf_dir::{hf_generation_defaults, load_hf_weights};
 use hf_dir::load_hf_dir;
+pub use hf_dir::{hf_generation_defaults, load_hf_weights};
 pub use resolve::{hf_hub_cache_dir, resolve};
 
 /// The environment variable naming the embedded default model file.
@@ -194,7 +194,10 @@ pub fn load_source(source: ModelSource, opts: &LoadOptions) -> Result<LoadedMode
     if let Device::Cuda(i) = opts.device
         && let Some(reason) = crate::cuda::unavailable_reason(i)
     {
-        return Err(ModelError::CudaUnavailable { device: format!("cuda:{i}"), reason });
+        return Err(ModelError::CudaUnavailable {
+            device: format!("cuda:{i}"),
+            reason,
+        });
     }
     match &source {
         ModelSource::HfDir(dir) => load_hf_dir(dir, opts, source.clone()),
@@ -309,13 +312,21 @@ impl<'a> Filler<'a> {
 pub fn load_text_side(spec: &str) -> Result<(Tokenizer, Option<ChatTemplate>)> {
     match resolve(spec)? {
         ModelSource::HfDir(dir) => {
-            let tokenizer = Tokenizer::from_hf_dir(&dir).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
-            Ok((tokenizer, optional_template(ChatTemplate::from_hf_dir(&dir, None))?))
+            let tokenizer =
+                Tokenizer::from_hf_dir(&dir).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+            Ok((
+                tokenizer,
+                optional_template(ChatTemplate::from_hf_dir(&dir, None))?,
+            ))
         }
         ModelSource::Gguf(path) => {
             let gguf = GgufFile::open(&path).map_err(|e| gguf_err(&path, e))?;
-            let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
-            Ok((tokenizer, optional_template(ChatTemplate::from_gguf(&gguf))?))
+            let tokenizer =
+                Tokenizer::from_gguf(&gguf).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+            Ok((
+                tokenizer,
+                optional_template(ChatTemplate::from_gguf(&gguf))?,
+            ))
         }
     }
 }
@@ -358,4 +369,3 @@ mod tests {
         assert!(e.contains("local Hugging Face cache"), "{e}");
     }
 }
-

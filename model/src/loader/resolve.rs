@@ -145,4 +145,3 @@ pub(super) fn resolve_hf_cache(repo_id: &str) -> Result<ModelSource> {
     };
     source_for_path(repo_id, &snapshot)
 }
-

@@ -133,16 +133,17 @@ pub(super) struct SharedLayout {
 /// template's system turn) never swallows groups that share more. With `within`, only sequences
 /// of the same group (`within[b]`) share: a trainer whose rows must be computed the same way
 /// whichever other rows share their batch (MaPoRL's ranks, each with its own questions).
-pub(super) fn group_prefixes<'b>(batch: &'b [Sequence], within: Option<&[usize]>) -> Option<(Vec<&'b [u32]>, Vec<i64>)> {
+pub(super) fn group_prefixes<'b>(
+    batch: &'b [Sequence],
+    within: Option<&[usize]>,
+) -> Option<(Vec<&'b [u32]>, Vec<i64>)> {
     let n = batch.len();
     if n < 2 {
         return None;
     }
     let group = |b: usize| within.map_or(0, |g| g[b]);
     let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&a, &b| {
-        (group(a), &batch[a].prompt, a).cmp(&(group(b), &batch[b].prompt, b))
-    });
+    order.sort_by(|&a, &b| (group(a), &batch[a].prompt, a).cmp(&(group(b), &batch[b].prompt, b)));
     let lcp = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
     // adjacent[k]: common prefix of the k-th and (k+1)-th prompts in sorted order (none across
     // groups).
@@ -176,7 +177,10 @@ pub(super) fn group_prefixes<'b>(batch: &'b [Sequence], within: Option<&[usize]>
             }
         }
     }
-    let total: usize = batch.iter().map(|s| s.prompt.len() + s.completion.len()).sum();
+    let total: usize = batch
+        .iter()
+        .map(|s| s.prompt.len() + s.completion.len())
+        .sum();
     let repeated = order
         .windows(2)
         .any(|w| group(w[0]) == group(w[1]) && batch[w[0]].prompt == batch[w[1]].prompt);
@@ -198,7 +202,11 @@ pub(super) fn group_prefixes<'b>(batch: &'b [Sequence], within: Option<&[usize]>
         let len = if members.len() == 1 {
             batch[members[0]].prompt.len()
         } else {
-            adjacent[g.start..g.end - 1].iter().copied().min().unwrap_or(0)
+            adjacent[g.start..g.end - 1]
+                .iter()
+                .copied()
+                .min()
+                .unwrap_or(0)
         };
         for &m in members {
             prefix_of[m] = prefixes.len() as i64;
@@ -208,7 +216,11 @@ pub(super) fn group_prefixes<'b>(batch: &'b [Sequence], within: Option<&[usize]>
     Some((prefixes, prefix_of))
 }
 
-pub(super) fn shared_layout(batch: &[Sequence], prefixes: &[&[u32]], prompt_of: Vec<i64>) -> SharedLayout {
+pub(super) fn shared_layout(
+    batch: &[Sequence],
+    prefixes: &[&[u32]],
+    prompt_of: Vec<i64>,
+) -> SharedLayout {
     let g = prefixes.len();
     let p = prefixes.iter().map(|x| x.len()).max().unwrap_or(0);
     let prefix_len = |b: usize| prefixes[prompt_of[b] as usize].len();
@@ -277,7 +289,12 @@ pub(super) enum Plan {
 }
 
 impl Plan {
-    pub(super) fn new(model: &CausalLm, batch: &[Sequence], share_prompts: bool, within: Option<&[usize]>) -> Result<Plan> {
+    pub(super) fn new(
+        model: &CausalLm,
+        batch: &[Sequence],
+        share_prompts: bool,
+        within: Option<&[usize]>,
+    ) -> Result<Plan> {
         if within.is_some_and(|g| g.len() != batch.len()) {
             return Err(ModelError::InvalidBatch(format!(
                 "{} sharing groups for {} sequences",
@@ -292,8 +309,13 @@ impl Plan {
                 // The prefixed forward picks LongRoPE's table by its padded extent (longest prefix
                 // plus widest continuation), the plain one by the longest sequence; where those
                 // fall on either side of the original context, the plain forward is the faithful one.
-                let longest = batch.iter().map(|s| (s.prompt.len() + s.completion.len()) as i64).max().unwrap_or(0);
-                let extent = lay.prompt_lens.iter().copied().max().unwrap_or(0) + lay.completion_ids.size().get(1).copied().unwrap_or(0);
+                let longest = batch
+                    .iter()
+                    .map(|s| (s.prompt.len() + s.completion.len()) as i64)
+                    .max()
+                    .unwrap_or(0);
+                let extent = lay.prompt_lens.iter().copied().max().unwrap_or(0)
+                    + lay.completion_ids.size().get(1).copied().unwrap_or(0);
                 if model.rope_table_agrees(longest, extent) {
                     return Ok(Plan::Shared(lay));
                 }
@@ -348,14 +370,16 @@ impl Plan {
     }
 }
 
-
 #[cfg(test)]
 mod prefix_grouping_tests {
     use super::super::Sequence;
     use super::group_prefixes;
 
     fn seq(prompt: Vec<u32>, completion: usize) -> Sequence {
-        Sequence { prompt, completion: vec![7; completion] }
+        Sequence {
+            prompt,
+            completion: vec![7; completion],
+        }
     }
 
     #[test]
@@ -388,7 +412,11 @@ mod prefix_grouping_tests {
 
     #[test]
     fn repeated_prompts_share_whole_and_a_tiny_common_prefix_does_not() {
-        let batch = vec![seq(vec![1, 2, 3], 90), seq(vec![1, 2, 3], 90), seq(vec![4, 5], 3)];
+        let batch = vec![
+            seq(vec![1, 2, 3], 90),
+            seq(vec![1, 2, 3], 90),
+            seq(vec![4, 5], 3),
+        ];
         let (prefixes, of) = group_prefixes(&batch, None).expect("GRPO's repeated prompt shares");
         assert_eq!(prefixes[of[0] as usize], &[1, 2, 3]);
         assert_eq!(of[0], of[1]);
@@ -399,4 +427,3 @@ mod prefix_grouping_tests {
         assert!(group_prefixes(&batch[..1], None).is_none());
     }
 }
-

@@ -78,7 +78,9 @@ use crate::error::{ModelError, Result};
 use crate::families::CausalLm;
 use layout::{Layout, Plan, group_prefixes, layout};
 pub use token_logprobs::TokenLogProbs;
-use token_logprobs::{BackwardState, HiddenView, KeptChunk, chunk_logprobs, chunk_logprobs_keeping, head_logits, rows};
+use token_logprobs::{
+    BackwardState, HiddenView, KeptChunk, chunk_logprobs, chunk_logprobs_keeping, head_logits, rows,
+};
 
 /// The LM-head chunk the trainers use. GRPO's usual 4 × 128 completion positions fit one chunk,
 /// and the seed configs' 4 × 256 two; both are kept ([`KEPT_CHUNKS`]), so their backward is the
@@ -130,12 +132,24 @@ impl Default for LogProbOptions {
 /// pushed weights can show that it computes the same.
 pub fn sequence_logprobs(model: &CausalLm, tokens: &[u32]) -> Result<Vec<f32>> {
     if tokens.len() < 2 {
-        return Err(crate::ModelError::InvalidBatch(format!("a probe needs two tokens or more, got {}", tokens.len())));
+        return Err(crate::ModelError::InvalidBatch(format!(
+            "a probe needs two tokens or more, got {}",
+            tokens.len()
+        )));
     }
-    let seq = Sequence { prompt: tokens[..1].to_vec(), completion: tokens[1..].to_vec() };
-    let opts = LogProbOptions { with_grad: false, ..LogProbOptions::default() };
+    let seq = Sequence {
+        prompt: tokens[..1].to_vec(),
+        completion: tokens[1..].to_vec(),
+    };
+    let opts = LogProbOptions {
+        with_grad: false,
+        ..LogProbOptions::default()
+    };
     let out = completion_logprobs(model, &[seq], &opts)?;
-    let flat = out.logprobs.to_kind(tch::Kind::Float).to_device(tch::Device::Cpu);
+    let flat = out
+        .logprobs
+        .to_kind(tch::Kind::Float)
+        .to_device(tch::Device::Cpu);
     Ok(Vec::<f32>::try_from(&flat)?)
 }
 
@@ -180,7 +194,10 @@ fn logprobs_kernel(
     within: Option<&[usize]>,
 ) -> Result<TokenLogProbs> {
     if !(opts.temperature > 0.0 && opts.temperature.is_finite()) {
-        return Err(ModelError::InvalidBatch(format!("temperature {} must be positive", opts.temperature)));
+        return Err(ModelError::InvalidBatch(format!(
+            "temperature {} must be positive",
+            opts.temperature
+        )));
     }
     if opts.chunk_size == 0 {
         return Err(ModelError::InvalidBatch(
@@ -205,7 +222,10 @@ fn logprobs_kernel(
         let flat = rows(hidden);
         let (mut lps, mut ents, mut kept) = (Vec::new(), Vec::new(), Vec::new());
         // Chunks starting here or later are kept.
-        let kept_from = ((n as usize).div_ceil(chunk as usize).saturating_sub(KEPT_CHUNKS) as i64) * chunk;
+        let kept_from = ((n as usize)
+            .div_ceil(chunk as usize)
+            .saturating_sub(KEPT_CHUNKS) as i64)
+            * chunk;
         let mut start = 0;
         while start < n {
             let len = chunk.min(n - start);
@@ -214,7 +234,11 @@ fn logprobs_kernel(
             let targets = targets.narrow(0, start, len);
             let (lp, ent, logp) = chunk_logprobs_keeping(&logits, &targets, opts.temperature);
             if keep_last && start >= kept_from {
-                kept.push(KeptChunk { start, logp, entropy: ent.shallow_clone() });
+                kept.push(KeptChunk {
+                    start,
+                    logp,
+                    entropy: ent.shallow_clone(),
+                });
             }
             lps.push(lp);
             ents.push(ent);
@@ -263,14 +287,22 @@ fn logprobs_kernel(
 /// padding when prefixes were shared), with autograd as the caller's mode: one trunk forward,
 /// sharing common prompt prefixes as [`completion_logprobs`] does. For value heads, which read
 /// every position and need no LM head. With `within`, only sequences of the same group share.
-pub fn sequence_hidden(model: &CausalLm, batch: &[Sequence], within: Option<&[usize]>) -> Result<Tensor> {
+pub fn sequence_hidden(
+    model: &CausalLm,
+    batch: &[Sequence],
+    within: Option<&[usize]>,
+) -> Result<Tensor> {
     let plan = Plan::new(model, batch, true, within)?;
     let trunk = plan.trunk(model)?;
     Ok(match plan.view(model) {
         HiddenView::Padded => trunk,
-        HiddenView::Gathered { rows: r, valid, b, l, .. } => {
-            (rows(&trunk).index_select(0, &r) * valid).view([b, l, -1])
-        }
+        HiddenView::Gathered {
+            rows: r,
+            valid,
+            b,
+            l,
+            ..
+        } => (rows(&trunk).index_select(0, &r) * valid).view([b, l, -1]),
     })
 }
 
@@ -281,9 +313,16 @@ pub fn sequence_hidden(model: &CausalLm, batch: &[Sequence], within: Option<&[us
 /// If `within` does not give one group per sequence (the kernels refuse such a batch with an error).
 pub fn trunk_positions(batch: &[Sequence], within: Option<&[usize]>) -> usize {
     if let Some(g) = within {
-        assert_eq!(g.len(), batch.len(), "trunk_positions: one sharing group per sequence");
+        assert_eq!(
+            g.len(),
+            batch.len(),
+            "trunk_positions: one sharing group per sequence"
+        );
     }
-    let all: usize = batch.iter().map(|s| s.prompt.len() + s.completion.len()).sum();
+    let all: usize = batch
+        .iter()
+        .map(|s| s.prompt.len() + s.completion.len())
+        .sum();
     match group_prefixes(batch, within) {
         Some((prefixes, prefix_of)) => {
             let shared: usize = prefix_of.iter().map(|&k| prefixes[k as usize].len()).sum();
@@ -322,4 +361,3 @@ pub fn naive_completion_logprobs_at(
     let (lp, ent) = chunk_logprobs(&flat.index_select(0, &pos), &tgt, temperature);
     Ok((lp, ent, offsets))
 }
-

@@ -165,7 +165,13 @@ impl TokenLogProbs {
                 let h = hidden.index_select(0, &pos);
                 if let Some(kept) = st.kept.iter().find(|k| k.start == start) {
                     let grad = |g: &Tensor, defined: bool| defined.then(|| g.narrow(0, start, len));
-                    self.kept_chunk_backward(&h, &tgt, kept, grad(&g_lp, has_lp), grad(&g_ent, has_ent))?;
+                    self.kept_chunk_backward(
+                        &h,
+                        &tgt,
+                        kept,
+                        grad(&g_lp, has_lp),
+                        grad(&g_ent, has_ent),
+                    )?;
                     start += len;
                     continue;
                 }
@@ -215,7 +221,8 @@ impl TokenLogProbs {
                     let _ = grad.g_mul_(&(g_lp * (-1.0 / t)).unsqueeze(1));
                 }
                 (g_lp, Some(g_ent)) => {
-                    let mut weight = (&kept.logp + kept.entropy.unsqueeze(1)) * (g_ent * (-1.0 / t)).unsqueeze(1);
+                    let mut weight = (&kept.logp + kept.entropy.unsqueeze(1))
+                        * (g_ent * (-1.0 / t)).unsqueeze(1);
                     if let Some(g) = g_lp {
                         let _ = weight.g_add_(&(g * (-1.0 / t)).unsqueeze(1));
                     }
@@ -234,7 +241,9 @@ impl TokenLogProbs {
         let (grad_hidden, grad_head) = tch::no_grad(|| {
             let g = product(&grad_logits);
             let grad_hidden = g.mm(&product(head)).to_kind(h.kind());
-            let grad_head = head.requires_grad().then(|| g.tr().mm(&product(h)).to_kind(head.kind()));
+            let grad_head = head
+                .requires_grad()
+                .then(|| g.tr().mm(&product(h)).to_kind(head.kind()));
             (grad_hidden, grad_head)
         });
         let mut surrogate = (h * grad_hidden).sum(Kind::Float);
@@ -250,7 +259,11 @@ impl TokenLogProbs {
             .head
             .as_ref()
             .expect("the head is kept whenever backward state is");
-        chunk_logprobs(&head_logits(h, head, self.matmul_kind), targets, self.temperature)
+        chunk_logprobs(
+            &head_logits(h, head, self.matmul_kind),
+            targets,
+            self.temperature,
+        )
     }
 }
 
@@ -269,18 +282,29 @@ pub(super) fn rows(hidden: &Tensor) -> Tensor {
 }
 
 /// log-prob of `targets` and entropy from logits (C, V), computed in f32.
-pub(super) fn chunk_logprobs(logits: &Tensor, targets: &Tensor, temperature: f64) -> (Tensor, Tensor) {
+pub(super) fn chunk_logprobs(
+    logits: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+) -> (Tensor, Tensor) {
     let (lp, ent, _) = chunk_logprobs_keeping(logits, targets, temperature);
     (lp, ent)
 }
 
 /// [`chunk_logprobs`] and the log-softmax (C, V) they came from.
-pub(super) fn chunk_logprobs_keeping(logits: &Tensor, targets: &Tensor, temperature: f64) -> (Tensor, Tensor, Tensor) {
+pub(super) fn chunk_logprobs_keeping(
+    logits: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+) -> (Tensor, Tensor, Tensor) {
     let logits = logits.to_kind(Kind::Float);
-    let logits = if temperature == 1.0 { logits } else { logits / temperature };
+    let logits = if temperature == 1.0 {
+        logits
+    } else {
+        logits / temperature
+    };
     let logp = logits.log_softmax(-1, Kind::Float);
     let lp = logp.gather(1, &targets.unsqueeze(1), false).squeeze_dim(1);
     let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
     (lp, ent, logp)
 }
-

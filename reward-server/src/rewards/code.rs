@@ -116,16 +116,36 @@ pub fn prepare(
             // The original extracts from the raw completions (its clean-up strips the fences).
             let found = |text: &str, name: &str| {
                 let source = original::extract_function(text, name);
-                (!source.is_empty()).then(|| FunctionSource { name: name.to_string(), source, start: 0, end: 0 })
+                (!source.is_empty()).then(|| FunctionSource {
+                    name: name.to_string(),
+                    source,
+                    start: 0,
+                    end: 0,
+                })
             };
-            let aux = if single_agent { None } else { found(&completions[0], AUX_NAME) };
+            let aux = if single_agent {
+                None
+            } else {
+                found(&completions[0], AUX_NAME)
+            };
             let main = found(main_text, it.entry_point);
             let facts = |f: &FunctionSource| original_facts(&f.source);
             let (af, mf) = (aux.as_ref().map(facts), main.as_ref().map(facts));
-            (aux, main, af, mf, original::prompt_imports(it.prompt), "\n\n")
+            (
+                aux,
+                main,
+                af,
+                mf,
+                original::prompt_imports(it.prompt),
+                "\n\n",
+            )
         }
         CodeFunctions::Structural => {
-            let aux = if single_agent { None } else { find_function(&strip_fences(&completions[0]), AUX_NAME) };
+            let aux = if single_agent {
+                None
+            } else {
+                find_function(&strip_fences(&completions[0]), AUX_NAME)
+            };
             let main = find_function(&strip_fences(main_text), it.entry_point);
             let af = aux.as_ref().map(|f| function_facts(&f.source, AUX_NAME));
             let mf = main.as_ref().map(|f| function_facts(&f.source, AUX_NAME));
@@ -163,7 +183,10 @@ pub fn prepare(
     let tests = match opts.code_tests {
         CodeTests::Original => original::tests(it.test, it.entry_point)
             .into_iter()
-            .map(|t| ExtractedTest { assert_text: t.clone(), code: t })
+            .map(|t| ExtractedTest {
+                assert_text: t.clone(),
+                code: t,
+            })
             .collect(),
         CodeTests::Statements => extract_tests(it.test, it.entry_point),
     };
@@ -491,7 +514,11 @@ mod tests {
         assert_eq!(r.details["bonus"]["ignored_result_penalty"], -0.5);
         // The original's pattern needs `aux`, one space, one character in parentheses.
         assert_eq!(two(AUX, main, &[true; 4]).reward, 4.0);
-        let r = two(AUX, "def add(a, b):\n    aux (a)\n    return a + b\n", &[true; 4]);
+        let r = two(
+            AUX,
+            "def add(a, b):\n    aux (a)\n    return a + b\n",
+            &[true; 4],
+        );
         assert_eq!(r.reward, 3.5);
     }
 
@@ -538,17 +565,31 @@ mod tests {
 
     #[test]
     fn program_is_imports_then_aux_then_main() {
-        let completions = ["```python\nimport math\ndef aux(a, b):\n    return a + b\n```".to_string(), MAIN_COOP.to_string()];
+        let completions = [
+            "```python\nimport math\ndef aux(a, b):\n    return a + b\n```".to_string(),
+            MAIN_COOP.to_string(),
+        ];
         // The original: the prompt's imports only, parts joined by one blank line.
         let prep = prepare(&completions, &item(), &ScoreOptions::default()).unwrap();
-        assert_eq!(prep.program, format!("from typing import List\n\n{}\n\n{}\n", AUX.trim_end(), MAIN_COOP.trim_end()));
+        assert_eq!(
+            prep.program,
+            format!(
+                "from typing import List\n\n{}\n\n{}\n",
+                AUX.trim_end(),
+                MAIN_COOP.trim_end()
+            )
+        );
         assert_eq!(prep.tests.len(), 4);
         assert_eq!(prep.tests[3].code, "assert add(5, 5) == 10");
         // With the completion's own imports kept (and cotrain's layout).
         let prep = prepare(&completions, &item(), &ScoreOptions::corrected()).unwrap();
         assert_eq!(
             prep.program,
-            format!("from typing import List\nimport math\n\n\n{}\n\n\n{}\n", AUX.trim_end(), MAIN_COOP.trim_end())
+            format!(
+                "from typing import List\nimport math\n\n\n{}\n\n\n{}\n",
+                AUX.trim_end(),
+                MAIN_COOP.trim_end()
+            )
         );
         assert_eq!(prep.tests[3].code, "assert add(5, 5) == 10");
     }

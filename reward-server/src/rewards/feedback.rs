@@ -325,7 +325,10 @@ mod tests {
         d.tests.passed = 2;
         assert!(render(FeedbackMode::Passed, &d, 1, &ctx).contains("All levels passed."));
         let plain = render(FeedbackMode::Plain, &diag(), 0, &FeedbackContext::default());
-        assert!(!plain.contains("def aux(a):"), "without context the feedback is the signals and the request only");
+        assert!(
+            !plain.contains("def aux(a):"),
+            "without context the feedback is the signals and the request only"
+        );
         assert!(!plain.contains("Tests"));
         assert!(plain.trim_start().starts_with("Revise your function `aux`"));
     }

@@ -191,9 +191,12 @@ pub enum SplitMethod {
     Random,
 }
 
-static PARAGRAPH_2_RE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?i)Paragraph 2:\s*").expect("valid regex"));
-static LEADING_P1_RE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?i)^Paragraph 1:\s*").expect("valid regex"));
-static LEADING_P2_RE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?i)^Paragraph 2:\s*").expect("valid regex"));
+static PARAGRAPH_2_RE: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"(?i)Paragraph 2:\s*").expect("valid regex"));
+static LEADING_P1_RE: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"(?i)^Paragraph 1:\s*").expect("valid regex"));
+static LEADING_P2_RE: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"(?i)^Paragraph 2:\s*").expect("valid regex"));
 
 /// Splits one completion into agent 1's and agent 2's parts, as the original's single-agent writing
 /// reward does: the trimmed text at the first `[PARAGRAPH_SPLIT]`; else at the first
@@ -204,9 +207,17 @@ static LEADING_P2_RE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(?i)^Parag
 pub fn split_single(text: &str, seed: u64) -> (String, String, SplitMethod) {
     let text = text.trim();
     let (a, b, method) = if let Some(p) = text.find(SPLIT_MARKER) {
-        (&text[..p], &text[p + SPLIT_MARKER.len()..], SplitMethod::Marker)
+        (
+            &text[..p],
+            &text[p + SPLIT_MARKER.len()..],
+            SplitMethod::Marker,
+        )
     } else if let Some(m) = PARAGRAPH_2_RE.find(text) {
-        (&text[..m.start()], &text[m.end()..], SplitMethod::Paragraph2)
+        (
+            &text[..m.start()],
+            &text[m.end()..],
+            SplitMethod::Paragraph2,
+        )
     } else {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let r: f64 = rng.random_range(2.0..=3.0);
@@ -398,7 +409,10 @@ mod tests {
         );
         // Labels are matched in any case and stripped from both parts.
         let (a, b, m) = split_single("Paragraph 1: x\nparagraph 2:  y", 0);
-        assert_eq!((a.as_str(), b.as_str(), m), ("x", "y", SplitMethod::Paragraph2));
+        assert_eq!(
+            (a.as_str(), b.as_str(), m),
+            ("x", "y", SplitMethod::Paragraph2)
+        );
         let (a, b, _) = split_single(" PARAGRAPH 1: x\n[PARAGRAPH_SPLIT]\nParagraph 2: y ", 0);
         assert_eq!((a.as_str(), b.as_str()), ("x", "y"));
         let text = "abcdefghij".repeat(10);

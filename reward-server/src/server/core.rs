@@ -86,11 +86,19 @@ pub fn parse_options<T: serde::de::DeserializeOwned + Default>(
 
 impl RewardApi {
     pub fn new(sandbox: BwrapSandbox, metrics: Arc<Metrics>) -> Self {
-        Self { sandbox, metrics, verifier: None }
+        Self {
+            sandbox,
+            metrics,
+            verifier: None,
+        }
     }
 
     /// Scores (user, assistant) conversations with the learned verifier.
-    pub async fn verify(&self, name: &str, conversations: Vec<(String, String)>) -> Result<(String, Vec<f32>), ApiError> {
+    pub async fn verify(
+        &self,
+        name: &str,
+        conversations: Vec<(String, String)>,
+    ) -> Result<(String, Vec<f32>), ApiError> {
         if conversations.is_empty() {
             return Err(ApiError::invalid("conversations", "must not be empty"));
         }

@@ -128,10 +128,17 @@ impl pb::reward_server::Reward for RewardGrpc {
     }
 
     #[tracing::instrument(skip_all, fields(n = request.get_ref().conversations.len()))]
-    async fn verify(&self, request: Request<pb::VerifyRequest>) -> Result<Response<pb::VerifyResponse>, Status> {
+    async fn verify(
+        &self,
+        request: Request<pb::VerifyRequest>,
+    ) -> Result<Response<pb::VerifyResponse>, Status> {
         let started = Instant::now();
         let req = request.into_inner();
-        let conversations = req.conversations.into_iter().map(|c| (c.user, c.assistant)).collect();
+        let conversations = req
+            .conversations
+            .into_iter()
+            .map(|c| (c.user, c.assistant))
+            .collect();
         let result = self.api.verify(&req.verifier, conversations).await;
         self.observe("grpc.verify", started, &result);
         let (verifier, scores) = result?;

@@ -269,11 +269,18 @@ async fn openrlhf(state: &HttpState, req: OpenRlhfRequest) -> Result<OpenRlhfRes
             format!("{} prompts for {n} queries", p.len()),
         ));
     }
-    let parsed: Vec<RewardLabel> = labels.iter().enumerate().map(|(i, l)| parse_label(i, l)).collect::<Result<_, _>>()?;
+    let parsed: Vec<RewardLabel> = labels
+        .iter()
+        .enumerate()
+        .map(|(i, l)| parse_label(i, l))
+        .collect::<Result<_, _>>()?;
     let verifier_labels = parsed.iter().filter(|l| l.task == "verifier").count();
     if verifier_labels > 0 {
         if verifier_labels != n {
-            return Err(ApiError::invalid("labels", "a batch is either all `verifier` labels or none"));
+            return Err(ApiError::invalid(
+                "labels",
+                "a batch is either all `verifier` labels or none",
+            ));
         }
         return openrlhf_verifier(state, &req, &parsed).await;
     }
@@ -335,24 +342,42 @@ async fn openrlhf(state: &HttpState, req: OpenRlhfRequest) -> Result<OpenRlhfRes
 
 /// OpenRLHF with `{"task": "verifier", "item": {"user": "...", "verifier"?: "name"}}` labels: the
 /// learned verifier's probability of each response (the query without its prompt) as the reward.
-async fn openrlhf_verifier(state: &HttpState, req: &OpenRlhfRequest, labels: &[RewardLabel]) -> Result<OpenRlhfResponse, ApiError> {
+async fn openrlhf_verifier(
+    state: &HttpState,
+    req: &OpenRlhfRequest,
+    labels: &[RewardLabel],
+) -> Result<OpenRlhfResponse, ApiError> {
     let mut conversations = Vec::with_capacity(labels.len());
     let mut name: Option<&str> = None;
     for (i, (query, label)) in req.query.iter().zip(labels).enumerate() {
         let user = label.item.get("user").and_then(|u| u.as_str()).ok_or_else(|| {
             ApiError::invalid(format!("labels[{i}].item.user"), "a verifier label carries the user message: {\"task\": \"verifier\", \"item\": {\"user\": \"...\"}}")
         })?;
-        let this = label.item.get("verifier").and_then(|v| v.as_str()).unwrap_or("");
+        let this = label
+            .item
+            .get("verifier")
+            .and_then(|v| v.as_str())
+            .unwrap_or("");
         if name.is_some_and(|n| n != this) {
-            return Err(ApiError::invalid(format!("labels[{i}].item.verifier"), "one batch asks one verifier"));
+            return Err(ApiError::invalid(
+                format!("labels[{i}].item.verifier"),
+                "one batch asks one verifier",
+            ));
         }
         name = Some(this);
         let prompt = req.prompts.as_ref().map(|p| p[i].as_str()).unwrap_or("");
-        conversations.push((user.to_string(), query.strip_prefix(prompt).unwrap_or(query).to_string()));
+        conversations.push((
+            user.to_string(),
+            query.strip_prefix(prompt).unwrap_or(query).to_string(),
+        ));
     }
     let (_, scores) = state.api.verify(name.unwrap_or(""), conversations).await?;
     let rewards: Vec<f64> = scores.iter().map(|s| f64::from(*s)).collect();
-    Ok(OpenRlhfResponse { scores: rewards.clone(), rewards, extra_logs: Default::default() })
+    Ok(OpenRlhfResponse {
+        scores: rewards.clone(),
+        rewards,
+        extra_logs: Default::default(),
+    })
 }
 
 // -------------------------------------------------------------------------------- SandboxFusion
@@ -467,7 +492,8 @@ async fn predict(State(state): State<HttpState>, body: axum::body::Bytes) -> Res
 /// `query_responses` of a `/predict` body as (user, assistant) pairs: each entry must be exactly
 /// `[{"role": "user", ..}, {"role": "assistant", ..}]`, as MaPoRL's trainer sends them.
 fn predict_conversations(body: &[u8]) -> Result<Vec<(String, String)>, ApiError> {
-    let v: serde_json::Value = serde_json::from_slice(body).map_err(|e| ApiError::invalid("body", format!("not JSON: {e}")))?;
+    let v: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid("body", format!("not JSON: {e}")))?;
     let list = v
         .get("query_responses")
         .ok_or_else(|| ApiError::invalid("query_responses", "missing from the request body"))?
@@ -478,17 +504,35 @@ fn predict_conversations(body: &[u8]) -> Result<Vec<(String, String)>, ApiError>
         .enumerate()
         .map(|(i, conv)| {
             let field = format!("query_responses[{i}]");
-            let msgs = conv.as_array().ok_or_else(|| ApiError::invalid(&field, "must be a list of messages"))?;
+            let msgs = conv
+                .as_array()
+                .ok_or_else(|| ApiError::invalid(&field, "must be a list of messages"))?;
             let text = |j: usize, role: &str| -> Result<String, ApiError> {
-                let m = msgs.get(j).ok_or_else(|| ApiError::invalid(&field, "must hold a user message and an assistant message"))?;
+                let m = msgs.get(j).ok_or_else(|| {
+                    ApiError::invalid(&field, "must hold a user message and an assistant message")
+                })?;
                 let got = m.get("role").and_then(|r| r.as_str());
                 if got != Some(role) {
-                    return Err(ApiError::invalid(format!("{field}[{j}].role"), format!("must be `{role}`, got {}", got.map_or("nothing".into(), |g| format!("`{g}`")))));
+                    return Err(ApiError::invalid(
+                        format!("{field}[{j}].role"),
+                        format!(
+                            "must be `{role}`, got {}",
+                            got.map_or("nothing".into(), |g| format!("`{g}`"))
+                        ),
+                    ));
                 }
-                m.get("content").and_then(|c| c.as_str()).map(str::to_string).ok_or_else(|| ApiError::invalid(format!("{field}[{j}].content"), "must be a string"))
+                m.get("content")
+                    .and_then(|c| c.as_str())
+                    .map(str::to_string)
+                    .ok_or_else(|| {
+                        ApiError::invalid(format!("{field}[{j}].content"), "must be a string")
+                    })
             };
             if msgs.len() != 2 {
-                return Err(ApiError::invalid(&field, format!("must be [user, assistant], got {} messages", msgs.len())));
+                return Err(ApiError::invalid(
+                    &field,
+                    format!("must be [user, assistant], got {} messages", msgs.len()),
+                ));
             }
             Ok((text(0, "user")?, text(1, "assistant")?))
         })
@@ -512,11 +556,17 @@ struct VerifyConversation {
 
 async fn verify(State(state): State<HttpState>, ApiJson(req): ApiJson<VerifyRequest>) -> Response {
     let started = Instant::now();
-    let conversations = req.conversations.into_iter().map(|c| (c.user, c.assistant)).collect();
+    let conversations = req
+        .conversations
+        .into_iter()
+        .map(|c| (c.user, c.assistant))
+        .collect();
     let result = state.api.verify(&req.verifier, conversations).await;
     observe(&state, "http.verify", started, &result);
     match result {
-        Ok((verifier, scores)) => Json(serde_json::json!({ "verifier": verifier, "scores": scores })).into_response(),
+        Ok((verifier, scores)) => {
+            Json(serde_json::json!({ "verifier": verifier, "scores": scores })).into_response()
+        }
         Err(e) => e.into_response(),
     }
 }

@@ -77,7 +77,14 @@ pub async fn serve(
     let (http_plain, http_tls) = match &cfg.tls {
         Some(tls) => {
             builder = builder.tls_config(tls.tonic()).context("gRPC TLS")?;
-            (None, Some(tls.listener(http_listener).map_err(anyhow::Error::msg).context("HTTP TLS")?))
+            (
+                None,
+                Some(
+                    tls.listener(http_listener)
+                        .map_err(anyhow::Error::msg)
+                        .context("HTTP TLS")?,
+                ),
+            )
         }
         None => (Some(http_listener), None),
     };
@@ -96,8 +103,16 @@ pub async fn serve(
     let http_stopped = stopped(stop_rx.clone());
     let http_server = async move {
         match (http_plain, http_tls) {
-            (Some(l), _) => axum::serve(l, router).with_graceful_shutdown(http_stopped).await,
-            (None, Some(l)) => axum::serve(l, router).with_graceful_shutdown(http_stopped).await,
+            (Some(l), _) => {
+                axum::serve(l, router)
+                    .with_graceful_shutdown(http_stopped)
+                    .await
+            }
+            (None, Some(l)) => {
+                axum::serve(l, router)
+                    .with_graceful_shutdown(http_stopped)
+                    .await
+            }
             (None, None) => unreachable!("one HTTP listener"),
         }
     };

@@ -344,7 +344,10 @@ async fn analyze_reports_failures_syntax_and_aux_misuse() {
         &[AUX_SQ.into(), main.into()],
         &item,
         &sb,
-        &AnalyzeOptions { score: ScoreOptions::corrected(), ..AnalyzeOptions::default() },
+        &AnalyzeOptions {
+            score: ScoreOptions::corrected(),
+            ..AnalyzeOptions::default()
+        },
     )
     .await
     .unwrap();
@@ -442,7 +445,10 @@ async fn request_errors_name_the_field() {
         &["a".into()],
         &json!({}),
         &sb,
-        &AnalyzeOptions { score: ScoreOptions::corrected(), ..AnalyzeOptions::default() },
+        &AnalyzeOptions {
+            score: ScoreOptions::corrected(),
+            ..AnalyzeOptions::default()
+        },
     )
     .await
     .unwrap_err();

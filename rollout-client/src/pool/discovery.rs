@@ -2,8 +2,8 @@
 //! addresses join, those that left are dropped) and workers that register themselves.
 
 use std::collections::HashSet;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use tracing::{info, warn};
 
@@ -13,7 +13,11 @@ use super::{Inner, PoolError, RolloutPool};
 
 /// A worker address with its scheme (`http://` when it has none).
 pub(super) fn normalise(endpoint: &str) -> String {
-    if endpoint.contains("://") { endpoint.to_string() } else { format!("http://{endpoint}") }
+    if endpoint.contains("://") {
+        endpoint.to_string()
+    } else {
+        format!("http://{endpoint}")
+    }
 }
 
 impl RolloutPool {
@@ -36,7 +40,13 @@ impl RolloutPool {
 
     /// Removes a worker; requests in flight on it finish or fail over as usual.
     pub fn remove_endpoint(&self, endpoint: &str) -> bool {
-        match self.inner.workers.write().expect("pool lock").remove(&normalise(endpoint)) {
+        match self
+            .inner
+            .workers
+            .write()
+            .expect("pool lock")
+            .remove(&normalise(endpoint))
+        {
             Some(w) => {
                 w.removed.store(true, Ordering::SeqCst);
                 true
@@ -58,8 +68,18 @@ impl Inner {
             .initial_connection_window_size(crate::wire::CONNECTION_WINDOW_BYTES)
             .tcp_nodelay(true);
         let w = Arc::new(Worker::new(address, endpoint.connect_lazy(), origin));
-        info!(worker = address, ?origin, "rollout worker added to the pool");
-        Ok(self.workers.write().expect("pool lock").entry(address.to_string()).or_insert(w).clone())
+        info!(
+            worker = address,
+            ?origin,
+            "rollout worker added to the pool"
+        );
+        Ok(self
+            .workers
+            .write()
+            .expect("pool lock")
+            .entry(address.to_string())
+            .or_insert(w)
+            .clone())
     }
 
     /// Re-resolves the DNS names: new addresses join, addresses that left are dropped.
@@ -84,7 +104,10 @@ impl Inner {
             self.workers.write().expect("pool lock").retain(|addr, w| {
                 let keep = w.origin != Origin::Dns || resolved.contains(addr);
                 if !keep {
-                    info!(worker = addr, "rollout worker left dns, dropped from the pool");
+                    info!(
+                        worker = addr,
+                        "rollout worker left dns, dropped from the pool"
+                    );
                     w.removed.store(true, Ordering::SeqCst);
                 }
                 keep

@@ -32,7 +32,9 @@ pub enum PoolError {
         status: Status,
     },
     /// A worker serves a newer version of the agent than the one this pool pushed.
-    #[error("worker {worker} serves version {served} of `{agent}`, newer than the pushed version {version}: another learner or pool is pushing to it")]
+    #[error(
+        "worker {worker} serves version {served} of `{agent}`, newer than the pushed version {version}: another learner or pool is pushing to it"
+    )]
     VersionAhead {
         /// The agent.
         agent: String,

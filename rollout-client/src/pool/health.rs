@@ -1,13 +1,13 @@
 //! Health: checking every worker on a schedule (the background refresher), taking failed ones
 //! out of rotation with a backoff, and waiting for enough workers in rotation.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
-use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
 use tracing::{debug, info};
 
 use super::member::Worker;
@@ -56,7 +56,13 @@ impl Inner {
     }
 
     pub(super) fn healthy(&self) -> Vec<Arc<Worker>> {
-        self.workers.read().expect("pool lock").values().filter(|w| w.healthy.load(Ordering::SeqCst)).cloned().collect()
+        self.workers
+            .read()
+            .expect("pool lock")
+            .values()
+            .filter(|w| w.healthy.load(Ordering::SeqCst))
+            .cloned()
+            .collect()
     }
 
     /// A worker failed a call: it is unhealthy and out of rotation until a health check (after its
@@ -64,14 +70,20 @@ impl Inner {
     pub(super) fn mark_failed(&self, w: &Worker) {
         w.healthy.store(false, Ordering::SeqCst);
         w.bench();
-        let wait = w.backoff.lock().expect("backoff lock").fail(self.cfg.health_interval, self.cfg.max_backoff);
+        let wait = w
+            .backoff
+            .lock()
+            .expect("backoff lock")
+            .fail(self.cfg.health_interval, self.cfg.max_backoff);
         debug!(worker = %w.address, ?wait, "worker failed, next attempt after backoff");
     }
 
     /// Health-checks `w`; a worker that passes after being out of rotation is caught up.
     pub(super) async fn check(&self, w: &Worker) {
         let mut h = w.health.clone();
-        let mut req = tonic::Request::new(HealthCheckRequest { service: String::new() });
+        let mut req = tonic::Request::new(HealthCheckRequest {
+            service: String::new(),
+        });
         req.set_timeout(self.cfg.connect_timeout);
         let ok = matches!(
             tokio::time::timeout(self.cfg.connect_timeout, h.check(req)).await,
@@ -94,14 +106,19 @@ impl Inner {
         if !now {
             // It may come back restarted, at version 0.
             w.bench();
-            w.backoff.lock().expect("backoff lock").fail(self.cfg.health_interval, self.cfg.max_backoff);
+            w.backoff
+                .lock()
+                .expect("backoff lock")
+                .fail(self.cfg.health_interval, self.cfg.max_backoff);
         }
     }
 
     pub(super) async fn refresh(self: &Arc<Self>) {
         let resolve_now = {
             let mut at = self.resolved_at.lock().expect("pool lock");
-            let due = at.is_none_or(|t| t.elapsed() + Duration::from_millis(10) >= self.cfg.refresh_interval);
+            let due = at.is_none_or(|t| {
+                t.elapsed() + Duration::from_millis(10) >= self.cfg.refresh_interval
+            });
             if due {
                 *at = Some(Instant::now());
             }
@@ -116,10 +133,18 @@ impl Inner {
     async fn check_all(self: &Arc<Self>) {
         // Workers in their backoff are left alone; the others are checked, and caught up when
         // they pass while out of rotation.
-        let due: Vec<Arc<Worker>> =
-            self.workers.read().expect("pool lock").values().filter(|w| w.serving() || w.backoff_due()).cloned().collect();
+        let due: Vec<Arc<Worker>> = self
+            .workers
+            .read()
+            .expect("pool lock")
+            .values()
+            .filter(|w| w.serving() || w.backoff_due())
+            .cloned()
+            .collect();
         futures::future::join_all(due.iter().map(|w| self.check(w))).await;
-        let behind = due.into_iter().filter(|w| w.healthy.load(Ordering::SeqCst) && !w.serving());
+        let behind = due
+            .into_iter()
+            .filter(|w| w.healthy.load(Ordering::SeqCst) && !w.serving());
         futures::future::join_all(behind.map(|w| self.clone().catch_up(w))).await;
         self.changed.notify_waiters();
     }

@@ -56,13 +56,18 @@ pub(super) struct Backoff {
 
 impl Backoff {
     const fn new() -> Self {
-        Self { failures: 0, retry_at: None }
+        Self {
+            failures: 0,
+            retry_at: None,
+        }
     }
 
     /// Records a failure; the next attempt waits `base · 2^(failures-1)`, at most `max`.
     pub(super) fn fail(&mut self, base: Duration, max: Duration) -> Duration {
         self.failures = self.failures.saturating_add(1);
-        let wait = base.saturating_mul(1u32 << (self.failures - 1).min(16)).min(max);
+        let wait = base
+            .saturating_mul(1u32 << (self.failures - 1).min(16))
+            .min(max);
         self.retry_at = Some(Instant::now() + wait);
         wait
     }
@@ -106,7 +111,9 @@ impl Worker {
     pub(super) fn new(address: &str, channel: Channel, origin: Origin) -> Self {
         Self {
             address: address.to_string(),
-            client: RolloutClient::new(channel.clone()).max_decoding_message_size(usize::MAX).max_encoding_message_size(usize::MAX),
+            client: RolloutClient::new(channel.clone())
+                .max_decoding_message_size(usize::MAX)
+                .max_encoding_message_size(usize::MAX),
             health: HealthClient::new(channel),
             origin,
             healthy: AtomicBool::new(false),
@@ -142,7 +149,11 @@ impl Worker {
 
     /// Whether it serves `agent` (true while not known).
     pub(super) fn serves(&self, agent: &str) -> bool {
-        self.agents.lock().expect("worker lock").as_ref().is_none_or(|a| a.contains(agent))
+        self.agents
+            .lock()
+            .expect("worker lock")
+            .as_ref()
+            .is_none_or(|a| a.contains(agent))
     }
 
     /// Healthy and in rotation: may get generate requests.
@@ -157,7 +168,10 @@ impl Worker {
 
     /// Runs `call` unless the worker is lost first (fails a health check or leaves the pool): a
     /// frozen or partitioned worker must not hold a request or a push until its deadline.
-    pub(super) async fn unless_lost<T>(&self, call: impl std::future::Future<Output = Result<T, tonic::Status>>) -> Result<T, tonic::Status> {
+    pub(super) async fn unless_lost<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, tonic::Status>>,
+    ) -> Result<T, tonic::Status> {
         let lost = async {
             loop {
                 if !self.healthy.load(Ordering::SeqCst) || self.removed.load(Ordering::SeqCst) {

@@ -116,7 +116,14 @@ impl RolloutPool {
 
     /// Every known worker.
     pub fn workers(&self) -> Vec<WorkerSnapshot> {
-        let mut v: Vec<_> = self.inner.workers.read().expect("pool lock").values().map(|w| w.snapshot()).collect();
+        let mut v: Vec<_> = self
+            .inner
+            .workers
+            .read()
+            .expect("pool lock")
+            .values()
+            .map(|w| w.snapshot())
+            .collect();
         v.sort_by(|a, b| a.address.cmp(&b.address));
         v
     }
@@ -146,7 +153,10 @@ impl Inner {
         (w.address.clone(), c.info(r).await.map(|r| r.into_inner()))
     }
 
-    pub(super) async fn info_of(&self, workers: Vec<Arc<Worker>>) -> Vec<(String, Result<InfoResponse, Status>)> {
+    pub(super) async fn info_of(
+        &self,
+        workers: Vec<Arc<Worker>>,
+    ) -> Vec<(String, Result<InfoResponse, Status>)> {
         futures::future::join_all(workers.iter().map(|w| self.info(w))).await
     }
 }
@@ -161,7 +171,10 @@ mod tests {
 
     #[tokio::test]
     async fn pool_without_endpoints_is_a_config_error() {
-        assert!(matches!(RolloutPool::new(PoolConfig::default()).await, Err(PoolError::Config(_))));
+        assert!(matches!(
+            RolloutPool::new(PoolConfig::default()).await,
+            Err(PoolError::Config(_))
+        ));
     }
 
     #[tokio::test]

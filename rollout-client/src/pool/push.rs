@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use cotrain_proto::refusal::{self, Refusal};
 use cotrain_proto::rollout::{
-    update_weights_request::Item, ShmWeights, UpdateHeader, UpdateWeightsRequest, UpdateWeightsResponse,
+    ShmWeights, UpdateHeader, UpdateWeightsRequest, UpdateWeightsResponse,
+    update_weights_request::Item,
 };
 use futures::StreamExt as _;
 use tonic::Status;
@@ -24,7 +25,8 @@ use crate::wire::UpdatedTensor;
 /// (a re-push). A worker that serves a *newer* one is not current: it has weights this pool never
 /// sent, and leaves rotation.
 fn already_current(status: &Status, version: u64) -> bool {
-    Refusal::of(status) == Some(Refusal::VersionNotNewer) && refusal::current_version(status) == Some(version)
+    Refusal::of(status) == Some(Refusal::VersionNotNewer)
+        && refusal::current_version(status) == Some(version)
 }
 
 impl RolloutPool {
@@ -37,7 +39,8 @@ impl RolloutPool {
         partial: bool,
         tensors: Arc<Vec<UpdatedTensor>>,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
-        self.push_weights_except(agent, version, partial, tensors, &HashSet::new()).await
+        self.push_weights_except(agent, version, partial, tensors, &HashSet::new())
+            .await
     }
 
     /// As [`Self::push_weights`], to every healthy worker but those in `skip` (the ones that
@@ -50,7 +53,12 @@ impl RolloutPool {
         tensors: Arc<Vec<UpdatedTensor>>,
         skip: &HashSet<String>,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
-        let header = UpdateHeader { agent: agent.to_string(), version, partial, ..UpdateHeader::default() };
+        let header = UpdateHeader {
+            agent: agent.to_string(),
+            version,
+            partial,
+            ..UpdateHeader::default()
+        };
         self.push_update_except(header, tensors, skip).await
     }
 
@@ -71,16 +79,28 @@ impl RolloutPool {
             let (inner, header, tensors) = (self.inner.clone(), header.clone(), tensors.clone());
             tokio::task::spawn_blocking(move || inner.replay.record_chunks(&header, &tensors))
         };
-        let workers: Vec<Arc<Worker>> =
-            self.inner.push_targets(&header.agent).into_iter().filter(|w| !skip.contains(&w.address)).collect();
-        let calls = workers.iter().map(|w| self.inner.send_chunks(w, &header, &tensors));
+        let workers: Vec<Arc<Worker>> = self
+            .inner
+            .push_targets(&header.agent)
+            .into_iter()
+            .filter(|w| !skip.contains(&w.address))
+            .collect();
+        let calls = workers
+            .iter()
+            .map(|w| self.inner.send_chunks(w, &header, &tensors));
         let (answers, kept) = futures::future::join(futures::future::join_all(calls), keep).await;
         match kept {
             Ok(Ok(())) => {}
-            Ok(Err(why)) => warn!(agent = %header.agent, version = header.version, why, "workers that join later cannot be caught up"),
-            Err(e) => warn!(agent = %header.agent, version = header.version, error = %e, "keeping the update for workers that join later failed"),
+            Ok(Err(why)) => {
+                warn!(agent = %header.agent, version = header.version, why, "workers that join later cannot be caught up")
+            }
+            Err(e) => {
+                warn!(agent = %header.agent, version = header.version, error = %e, "keeping the update for workers that join later failed")
+            }
         }
-        self.inner.clone().settle_push(&workers, answers, header.version)
+        self.inner
+            .clone()
+            .settle_push(&workers, answers, header.version)
     }
 
     /// Sends a weight update whose tensors are in a shared-memory file (see [`crate::shm`]) to
@@ -93,7 +113,12 @@ impl RolloutPool {
         partial: bool,
         shm: &ShmWeights,
     ) -> Vec<(String, Result<UpdateWeightsResponse, Status>)> {
-        let header = UpdateHeader { agent: agent.to_string(), version, partial, ..UpdateHeader::default() };
+        let header = UpdateHeader {
+            agent: agent.to_string(),
+            version,
+            partial,
+            ..UpdateHeader::default()
+        };
         let lock = self.shm_lock(agent);
         let _writing = lock.lock().await;
         self.push_update_shm(header, shm).await
@@ -114,7 +139,9 @@ impl RolloutPool {
         let workers: Vec<Arc<Worker>> = self.inner.push_targets(&header.agent);
         let calls = workers.iter().map(|w| self.inner.send_shm(w, &header, shm));
         let answers = futures::future::join_all(calls).await;
-        self.inner.clone().settle_push(&workers, answers, header.version)
+        self.inner
+            .clone()
+            .settle_push(&workers, answers, header.version)
     }
 
     /// The lock a writer of `agent`'s shared-memory weight file holds while it rewrites the file
@@ -136,7 +163,12 @@ impl RolloutPool {
             }
             match info {
                 Ok(i) if i.shm_weights => {}
-                Ok(_) => return Err(format!("worker {addr} was not started with {}", crate::shm::SHM_FLAG)),
+                Ok(_) => {
+                    return Err(format!(
+                        "worker {addr} was not started with {}",
+                        crate::shm::SHM_FLAG
+                    ));
+                }
                 Err(s) => return Err(format!("worker {addr}: Info failed: {}", s.message())),
             }
         }
@@ -145,20 +177,45 @@ impl RolloutPool {
 
     /// Waits until every worker in rotation reports at least `version` for `agent` (workers that
     /// refused the push are out of rotation and not waited on).
-    pub async fn wait_for_version(&self, agent: &str, version: u64, timeout: Duration) -> Result<(), PoolError> {
+    pub async fn wait_for_version(
+        &self,
+        agent: &str,
+        version: u64,
+        timeout: Duration,
+    ) -> Result<(), PoolError> {
         let start = Instant::now();
         loop {
             let mut laggards = Vec::new();
-            let serving: Vec<Arc<Worker>> = self.inner.healthy().into_iter().filter(|w| w.serving() && w.serves(agent)).collect();
+            let serving: Vec<Arc<Worker>> = self
+                .inner
+                .healthy()
+                .into_iter()
+                .filter(|w| w.serving() && w.serves(agent))
+                .collect();
             for (addr, info) in self.inner.info_of(serving).await {
                 // A worker that answers and does not serve the agent (a verifier-only worker) is not waited on.
-                if info.as_ref().is_ok_and(|i| !i.agents.iter().any(|a| a.name == agent)) {
+                if info
+                    .as_ref()
+                    .is_ok_and(|i| !i.agents.iter().any(|a| a.name == agent))
+                {
                     continue;
                 }
-                let v = info.ok().and_then(|i| i.agents.iter().find(|a| a.name == agent).map(|a| a.policy_version));
+                let v = info.ok().and_then(|i| {
+                    i.agents
+                        .iter()
+                        .find(|a| a.name == agent)
+                        .map(|a| a.policy_version)
+                });
                 match v {
                     // Weights this pool never sent (another learner, a stale pool): not this policy.
-                    Some(v) if v > version => return Err(PoolError::VersionAhead { agent: agent.into(), version, worker: addr, served: v }),
+                    Some(v) if v > version => {
+                        return Err(PoolError::VersionAhead {
+                            agent: agent.into(),
+                            version,
+                            worker: addr,
+                            served: v,
+                        });
+                    }
                     Some(v) if v == version => {}
                     _ => laggards.push((addr, v)),
                 }
@@ -167,7 +224,12 @@ impl RolloutPool {
                 return Ok(());
             }
             if start.elapsed() >= timeout {
-                return Err(PoolError::VersionTimeout { agent: agent.into(), version, waited: start.elapsed(), laggards });
+                return Err(PoolError::VersionTimeout {
+                    agent: agent.into(),
+                    version,
+                    waited: start.elapsed(),
+                    laggards,
+                });
             }
             // Polling: a worker exposes its version through Info only.
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -198,9 +260,15 @@ pub fn update_stream(
     let plan: Vec<(usize, usize)> = tensors
         .iter()
         .enumerate()
-        .flat_map(|(i, t)| (0..t.data.len().div_ceil(chunk_bytes)).map(move |c| (i, c * chunk_bytes)))
+        .flat_map(|(i, t)| {
+            (0..t.data.len().div_ceil(chunk_bytes)).map(move |c| (i, c * chunk_bytes))
+        })
         .collect();
-    let head = futures::stream::once(async move { UpdateWeightsRequest { item: Some(Item::Header(header)) } });
+    let head = futures::stream::once(async move {
+        UpdateWeightsRequest {
+            item: Some(Item::Header(header)),
+        }
+    });
     let body = futures::stream::iter(plan).map(move |(i, start)| {
         let t = &tensors[i];
         let end = (start + chunk_bytes).min(t.data.len());
@@ -222,7 +290,11 @@ impl Inner {
     /// (their refusals name the unknown agent, so the push fails rather than reaching nobody).
     pub(super) fn push_targets(&self, agent: &str) -> Vec<Arc<Worker>> {
         let healthy = self.healthy();
-        let serving: Vec<Arc<Worker>> = healthy.iter().filter(|w| w.serves(agent)).cloned().collect();
+        let serving: Vec<Arc<Worker>> = healthy
+            .iter()
+            .filter(|w| w.serves(agent))
+            .cloned()
+            .collect();
         if serving.is_empty() { healthy } else { serving }
     }
 
@@ -232,7 +304,9 @@ impl Inner {
         if let Some(token) = &self.cfg.cluster_token
             && let Ok(value) = token.bearer().parse()
         {
-            request.metadata_mut().insert(cotrain_proto::auth::METADATA_KEY, value);
+            request
+                .metadata_mut()
+                .insert(cotrain_proto::auth::METADATA_KEY, value);
         }
         request
     }
@@ -243,28 +317,65 @@ impl Inner {
         header: &UpdateHeader,
         tensors: &Arc<Vec<UpdatedTensor>>,
     ) -> (String, Result<UpdateWeightsResponse, Status>) {
-        let mut request = self.authorised(update_stream(header.clone(), tensors.clone(), self.cfg.weight_chunk_bytes));
+        let mut request = self.authorised(update_stream(
+            header.clone(),
+            tensors.clone(),
+            self.cfg.weight_chunk_bytes,
+        ));
         request.set_timeout(self.cfg.push_timeout);
         let mut c = w.client.clone();
-        (w.address.clone(), w.unless_lost(c.update_weights(request)).await.map(|r| r.into_inner()))
+        (
+            w.address.clone(),
+            w.unless_lost(c.update_weights(request))
+                .await
+                .map(|r| r.into_inner()),
+        )
     }
 
-    pub(super) async fn send_file(&self, w: &Worker, header: &UpdateHeader, file: Arc<replay::SpillFile>) -> (String, Result<UpdateWeightsResponse, Status>) {
-        let mut request = self.authorised(replay::file_update_stream(header.clone(), file, self.cfg.weight_chunk_bytes));
+    pub(super) async fn send_file(
+        &self,
+        w: &Worker,
+        header: &UpdateHeader,
+        file: Arc<replay::SpillFile>,
+    ) -> (String, Result<UpdateWeightsResponse, Status>) {
+        let mut request = self.authorised(replay::file_update_stream(
+            header.clone(),
+            file,
+            self.cfg.weight_chunk_bytes,
+        ));
         request.set_timeout(self.cfg.push_timeout);
         let mut c = w.client.clone();
-        (w.address.clone(), w.unless_lost(c.update_weights(request)).await.map(|r| r.into_inner()))
+        (
+            w.address.clone(),
+            w.unless_lost(c.update_weights(request))
+                .await
+                .map(|r| r.into_inner()),
+        )
     }
 
-    pub(super) async fn send_shm(&self, w: &Worker, header: &UpdateHeader, shm: &ShmWeights) -> (String, Result<UpdateWeightsResponse, Status>) {
+    pub(super) async fn send_shm(
+        &self,
+        w: &Worker,
+        header: &UpdateHeader,
+        shm: &ShmWeights,
+    ) -> (String, Result<UpdateWeightsResponse, Status>) {
         let msgs = vec![
-            UpdateWeightsRequest { item: Some(Item::Header(header.clone())) },
-            UpdateWeightsRequest { item: Some(Item::Shm(shm.clone())) },
+            UpdateWeightsRequest {
+                item: Some(Item::Header(header.clone())),
+            },
+            UpdateWeightsRequest {
+                item: Some(Item::Shm(shm.clone())),
+            },
         ];
         let mut request = self.authorised(futures::stream::iter(msgs));
         request.set_timeout(self.cfg.push_timeout);
         let mut c = w.client.clone();
-        (w.address.clone(), w.unless_lost(c.update_weights(request)).await.map(|r| r.into_inner()))
+        (
+            w.address.clone(),
+            w.unless_lost(c.update_weights(request))
+                .await
+                .map(|r| r.into_inner()),
+        )
     }
 
     /// After a push of `version`: a worker that already serves exactly that version (a re-push)
@@ -280,7 +391,13 @@ impl Inner {
         let answers: Vec<_> = answers
             .into_iter()
             .map(|(addr, answer)| match answer {
-                Err(status) if already_current(&status, version) => (addr, Ok(UpdateWeightsResponse { version, ..Default::default() })),
+                Err(status) if already_current(&status, version) => (
+                    addr,
+                    Ok(UpdateWeightsResponse {
+                        version,
+                        ..Default::default()
+                    }),
+                ),
                 other => (addr, other),
             })
             .collect();
@@ -312,14 +429,34 @@ mod tests {
     #[test]
     fn update_stream_chunks_every_tensor() {
         let tensors = Arc::new(vec![
-            UpdatedTensor { name: "a".into(), dtype: WireDType::Bf16, shape: vec![5], data: vec![1; 10] },
-            UpdatedTensor { name: "b".into(), dtype: WireDType::F32, shape: vec![1], data: vec![2; 4] },
+            UpdatedTensor {
+                name: "a".into(),
+                dtype: WireDType::Bf16,
+                shape: vec![5],
+                data: vec![1; 10],
+            },
+            UpdatedTensor {
+                name: "b".into(),
+                dtype: WireDType::F32,
+                shape: vec![1],
+                data: vec![2; 4],
+            },
         ]);
-        let header = UpdateHeader { agent: "x".into(), version: 1, tensor_count: 2, partial: true, lora_scaling: 0.0, probe: None };
-        let msgs: Vec<UpdateWeightsRequest> = futures::executor::block_on(update_stream(header, tensors, 4).collect());
+        let header = UpdateHeader {
+            agent: "x".into(),
+            version: 1,
+            tensor_count: 2,
+            partial: true,
+            lora_scaling: 0.0,
+            probe: None,
+        };
+        let msgs: Vec<UpdateWeightsRequest> =
+            futures::executor::block_on(update_stream(header, tensors, 4).collect());
         assert_eq!(msgs.len(), 1 + 3 + 1);
         assert!(matches!(msgs[0].item, Some(Item::Header(_))));
-        let Some(Item::Chunk(c)) = &msgs[3].item else { panic!("expected a chunk") };
+        let Some(Item::Chunk(c)) = &msgs[3].item else {
+            panic!("expected a chunk")
+        };
         assert_eq!((c.name.as_str(), c.offset, c.data.len()), ("a", 8, 2));
     }
 

@@ -23,7 +23,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cotrain_proto::rollout::{update_weights_request::Item, ShmWeights, TensorChunk, UpdateHeader, UpdateWeightsRequest};
+use cotrain_proto::rollout::{
+    ShmWeights, TensorChunk, UpdateHeader, UpdateWeightsRequest, update_weights_request::Item,
+};
 
 use crate::wire::{UpdatedTensor, WireDType};
 
@@ -89,11 +91,20 @@ impl Replay {
     /// A store whose files go in a new directory under `parent` (the system's temporary directory
     /// when `None`).
     pub(super) fn new(parent: Option<&Path>) -> Self {
-        let parent = parent.map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir);
+        let parent = parent
+            .map(Path::to_path_buf)
+            .unwrap_or_else(std::env::temp_dir);
         remove_orphans(&parent);
-        let path = parent.join(format!(".cotrain-replay-{}-{}", std::process::id(), uuid::Uuid::new_v4().simple()));
+        let path = parent.join(format!(
+            ".cotrain-replay-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ));
         Self {
-            dir: SpillDir { path, made: std::sync::Once::new() },
+            dir: SpillDir {
+                path,
+                made: std::sync::Once::new(),
+            },
             latest: Mutex::default(),
             locks: Mutex::default(),
             writing: Mutex::default(),
@@ -112,12 +123,21 @@ impl Replay {
 
     /// The highest version of `agent` this pool has pushed or is pushing.
     pub(super) fn announced(&self, agent: &str) -> Option<u64> {
-        self.announced.lock().expect("replay lock").get(agent).copied()
+        self.announced
+            .lock()
+            .expect("replay lock")
+            .get(agent)
+            .copied()
     }
 
     /// The lock a shared-memory writer and readers of `agent`'s file hold.
     pub(super) fn lock(&self, agent: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.locks.lock().expect("replay lock").entry(agent.to_string()).or_default().clone()
+        self.locks
+            .lock()
+            .expect("replay lock")
+            .entry(agent.to_string())
+            .or_default()
+            .clone()
     }
 
     pub(super) fn generation(&self) -> u64 {
@@ -133,15 +153,30 @@ impl Replay {
     /// one is ignored). Blocking: file I/O. A partial update of parameters is merged with the kept
     /// full one as the file is written, one tensor in memory at a time. A failed write is kept as
     /// [`Body::Lost`] (catch-ups then say why they cannot proceed) and returned.
-    pub(super) fn record_chunks(&self, header: &UpdateHeader, tensors: &[UpdatedTensor]) -> Result<(), String> {
-        let guard = self.writing.lock().expect("replay lock").entry(header.agent.clone()).or_default().clone();
+    pub(super) fn record_chunks(
+        &self,
+        header: &UpdateHeader,
+        tensors: &[UpdatedTensor],
+    ) -> Result<(), String> {
+        let guard = self
+            .writing
+            .lock()
+            .expect("replay lock")
+            .entry(header.agent.clone())
+            .or_default()
+            .clone();
         let _writing = guard.lock().expect("replay write lock");
         let base = {
             let latest = self.latest.lock().expect("replay lock");
             match latest.get(&header.agent) {
                 Some(l) if l.header.version > header.version => return Ok(()),
-                Some(Latest { header: old, body: Body::File(file) })
-                    if header.partial && header.lora_scaling == 0.0 && old.lora_scaling == 0.0 && !old.partial =>
+                Some(Latest {
+                    header: old,
+                    body: Body::File(file),
+                }) if header.partial
+                    && header.lora_scaling == 0.0
+                    && old.lora_scaling == 0.0
+                    && !old.partial =>
                 {
                     Some(file.clone())
                 }
@@ -151,12 +186,19 @@ impl Replay {
         match self.write(header, tensors, base.as_deref()) {
             Ok((file, count)) => {
                 let partial = header.partial && base.is_none();
-                let header = UpdateHeader { partial, tensor_count: count, ..header.clone() };
+                let header = UpdateHeader {
+                    partial,
+                    tensor_count: count,
+                    ..header.clone()
+                };
                 self.install(header, Body::File(Arc::new(file)));
                 Ok(())
             }
             Err(e) => {
-                let why = format!("writing the kept update to {}: {e}", self.dir.path.display());
+                let why = format!(
+                    "writing the kept update to {}: {e}",
+                    self.dir.path.display()
+                );
                 self.install(header.clone(), Body::Lost(why.clone()));
                 Err(why)
             }
@@ -165,7 +207,10 @@ impl Replay {
 
     fn install(&self, header: UpdateHeader, body: Body) {
         let mut latest = self.latest.lock().expect("replay lock");
-        if latest.get(&header.agent).is_some_and(|l| l.header.version > header.version) {
+        if latest
+            .get(&header.agent)
+            .is_some_and(|l| l.header.version > header.version)
+        {
             return;
         }
         latest.insert(header.agent.clone(), Latest { header, body });
@@ -173,13 +218,27 @@ impl Replay {
     }
 
     /// Writes `tensors` (over `base`'s, when merging) to a new file; returns it and its tensor count.
-    fn write(&self, header: &UpdateHeader, tensors: &[UpdatedTensor], base: Option<&SpillFile>) -> std::io::Result<(SpillFile, u32)> {
+    fn write(
+        &self,
+        header: &UpdateHeader,
+        tensors: &[UpdatedTensor],
+        base: Option<&SpillFile>,
+    ) -> std::io::Result<(SpillFile, u32)> {
         let mut made = Ok(());
-        self.dir.made.call_once(|| made = std::fs::create_dir_all(&self.dir.path));
+        self.dir
+            .made
+            .call_once(|| made = std::fs::create_dir_all(&self.dir.path));
         made?;
         let n = self.files.fetch_add(1, Ordering::SeqCst);
-        let safe: String = header.agent.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
-        let path = self.dir.path.join(format!("{safe}-v{}-{n}.weights", header.version));
+        let safe: String = header
+            .agent
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        let path = self
+            .dir
+            .path
+            .join(format!("{safe}-v{}-{n}.weights", header.version));
         // Removed if anything below fails.
         let file = SpillFile { path };
         let mut out = BufWriter::with_capacity(1 << 20, File::create(&file.path)?);
@@ -187,7 +246,8 @@ impl Replay {
         let mut count = 0u32;
         let mut written: HashSet<&str> = HashSet::new();
         if let Some(base) = base {
-            let by_name: HashMap<&str, &UpdatedTensor> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+            let by_name: HashMap<&str, &UpdatedTensor> =
+                tensors.iter().map(|t| (t.name.as_str(), t)).collect();
             let mut reader = SpillReader::open(&base.path)?;
             while let Some(old) = reader.next_tensor()? {
                 match by_name.get(old.name.as_str()) {
@@ -200,7 +260,10 @@ impl Replay {
                 count += 1;
             }
         }
-        for t in tensors.iter().filter(|t| !written.contains(t.name.as_str())) {
+        for t in tensors
+            .iter()
+            .filter(|t| !written.contains(t.name.as_str()))
+        {
             write_tensor(&mut out, t)?;
             count += 1;
         }
@@ -216,17 +279,28 @@ impl Replay {
 
     /// Every agent's latest update.
     pub(super) fn all(&self) -> Vec<Latest> {
-        self.latest.lock().expect("replay lock").values().cloned().collect()
+        self.latest
+            .lock()
+            .expect("replay lock")
+            .values()
+            .cloned()
+            .collect()
     }
 }
 
 /// Removes replay directories in `parent` left by processes that no longer run (killed before
 /// their pool could remove its own): each holds a copy of a policy.
 fn remove_orphans(parent: &Path) {
-    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix(".cotrain-replay-").and_then(|rest| rest.split('-').next()).and_then(|p| p.parse::<u32>().ok()) else {
+        let Some(pid) = name
+            .strip_prefix(".cotrain-replay-")
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
             continue;
         };
         if !Path::new(&format!("/proc/{pid}")).exists() && Path::new("/proc/self").exists() {
@@ -282,7 +356,10 @@ impl SpillReader {
         if &magic != MAGIC {
             return Err(invalid("not a cotrain replay file"));
         }
-        Ok(Self { input, current: None })
+        Ok(Self {
+            input,
+            current: None,
+        })
     }
 
     fn u32(&mut self) -> std::io::Result<u32> {
@@ -315,17 +392,32 @@ impl SpillReader {
             _ => return Err(invalid("unknown dtype")),
         };
         let rank = self.u32()?;
-        let shape = (0..rank).map(|_| self.u64().map(|d| d as i64)).collect::<std::io::Result<Vec<i64>>>()?;
+        let shape = (0..rank)
+            .map(|_| self.u64().map(|d| d as i64))
+            .collect::<std::io::Result<Vec<i64>>>()?;
         let len = self.u64()?;
-        Ok(Some(Current { name, dtype, shape, len, offset: 0 }))
+        Ok(Some(Current {
+            name,
+            dtype,
+            shape,
+            len,
+            offset: 0,
+        }))
     }
 
     /// The next whole tensor.
     fn next_tensor(&mut self) -> std::io::Result<Option<UpdatedTensor>> {
-        let Some(c) = self.next_header()? else { return Ok(None) };
+        let Some(c) = self.next_header()? else {
+            return Ok(None);
+        };
         let mut data = vec![0u8; c.len as usize];
         self.input.read_exact(&mut data)?;
-        Ok(Some(UpdatedTensor { name: c.name, dtype: c.dtype, shape: c.shape, data }))
+        Ok(Some(UpdatedTensor {
+            name: c.name,
+            dtype: c.dtype,
+            shape: c.shape,
+            data,
+        }))
     }
 
     /// The next chunk message of at most `chunk_bytes` payload bytes, or None at the end.
@@ -346,7 +438,13 @@ impl SpillReader {
             let n = (c.len - c.offset).min(chunk_bytes.max(1) as u64) as usize;
             let mut data = vec![0u8; n];
             self.input.read_exact(&mut data)?;
-            let chunk = TensorChunk { name: c.name.clone(), dtype: c.dtype.to_proto() as i32, shape: c.shape.clone(), offset: c.offset, data };
+            let chunk = TensorChunk {
+                name: c.name.clone(),
+                dtype: c.dtype.to_proto() as i32,
+                shape: c.shape.clone(),
+                offset: c.offset,
+                data,
+            };
             c.offset += n as u64;
             return Ok(Some(chunk));
         }
@@ -361,7 +459,11 @@ pub(super) fn file_update_stream(
     file: Arc<SpillFile>,
     chunk_bytes: usize,
 ) -> impl futures::Stream<Item = UpdateWeightsRequest> + Send + 'static {
-    let head = futures::stream::once(async move { UpdateWeightsRequest { item: Some(Item::Header(header)) } });
+    let head = futures::stream::once(async move {
+        UpdateWeightsRequest {
+            item: Some(Item::Header(header)),
+        }
+    });
     let state: Option<(Option<SpillReader>, Arc<SpillFile>)> = Some((None, file));
     let body = futures::stream::unfold(state, move |state| async move {
         let (reader, file) = state?;
@@ -375,7 +477,12 @@ pub(super) fn file_update_stream(
         })
         .await;
         match step {
-            Ok(Ok((Some(chunk), reader, file))) => Some((UpdateWeightsRequest { item: Some(Item::Chunk(chunk)) }, Some((Some(reader), file)))),
+            Ok(Ok((Some(chunk), reader, file))) => Some((
+                UpdateWeightsRequest {
+                    item: Some(Item::Chunk(chunk)),
+                },
+                Some((Some(reader), file)),
+            )),
             Ok(Ok((None, ..))) => None,
             // A read error or a panicked read task: the stream ends short, so the worker rejects
             // the incomplete update and the catch-up is counted as failed.
@@ -399,16 +506,30 @@ mod tests {
     use super::*;
 
     fn tensor(name: &str, byte: u8) -> UpdatedTensor {
-        UpdatedTensor { name: name.into(), dtype: WireDType::F32, shape: vec![1], data: vec![byte; 4] }
+        UpdatedTensor {
+            name: name.into(),
+            dtype: WireDType::F32,
+            shape: vec![1],
+            data: vec![byte; 4],
+        }
     }
 
     fn header(version: u64, partial: bool, lora_scaling: f64) -> UpdateHeader {
-        UpdateHeader { agent: "a".into(), version, tensor_count: 0, partial, lora_scaling, probe: None }
+        UpdateHeader {
+            agent: "a".into(),
+            version,
+            tensor_count: 0,
+            partial,
+            lora_scaling,
+            probe: None,
+        }
     }
 
     fn kept(r: &Replay) -> (UpdateHeader, Vec<(String, u8)>) {
         let l = r.all().remove(0);
-        let Body::File(f) = &l.body else { panic!("expected a file") };
+        let Body::File(f) = &l.body else {
+            panic!("expected a file")
+        };
         let mut reader = SpillReader::open(&f.path).unwrap();
         let mut out = Vec::new();
         while let Some(t) = reader.next_tensor().unwrap() {
@@ -419,21 +540,31 @@ mod tests {
 
     #[test]
     fn partial_updates_merge_into_the_last_full_one_on_disk_and_old_versions_are_ignored() {
-        let tmp = std::env::temp_dir().join(format!("replay-test-{}", uuid::Uuid::new_v4().simple()));
+        let tmp =
+            std::env::temp_dir().join(format!("replay-test-{}", uuid::Uuid::new_v4().simple()));
         let r = Replay::new(Some(&tmp));
-        r.record_chunks(&header(1, false, 0.0), &[tensor("x", 1), tensor("y", 1)]).unwrap();
-        r.record_chunks(&header(2, true, 0.0), &[tensor("y", 2), tensor("z", 2)]).unwrap();
+        r.record_chunks(&header(1, false, 0.0), &[tensor("x", 1), tensor("y", 1)])
+            .unwrap();
+        r.record_chunks(&header(2, true, 0.0), &[tensor("y", 2), tensor("z", 2)])
+            .unwrap();
         let (h, t) = kept(&r);
         assert_eq!((h.version, h.partial, h.tensor_count), (2, false, 3));
         assert_eq!(t, vec![("x".into(), 1), ("y".into(), 2), ("z".into(), 2)]);
-        r.record_chunks(&header(1, false, 0.0), &[tensor("x", 9)]).unwrap();
+        r.record_chunks(&header(1, false, 0.0), &[tensor("x", 9)])
+            .unwrap();
         assert_eq!(kept(&r).0.version, 2);
         // An adapter replaces what was kept: workers merge it into their own base weights.
-        r.record_chunks(&header(3, true, 2.0), &[tensor("x.lora_A.weight", 3)]).unwrap();
+        r.record_chunks(&header(3, true, 2.0), &[tensor("x.lora_A.weight", 3)])
+            .unwrap();
         assert_eq!(kept(&r).1, vec![("x.lora_A.weight".into(), 3)]);
         assert_eq!(r.generation(), 3);
         // One file per agent on disk: the superseded versions were removed.
-        let dir = std::fs::read_dir(&tmp).unwrap().next().unwrap().unwrap().path();
+        let dir = std::fs::read_dir(&tmp)
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
         // A directory left by a process that is gone is removed by the next pool there.
         let orphan = tmp.join(".cotrain-replay-4194304999-0");
         std::fs::create_dir_all(&orphan).unwrap();
@@ -450,14 +581,30 @@ mod tests {
     fn the_file_streams_back_as_the_chunks_a_push_sends() {
         let r = Replay::new(None);
         let tensors = vec![
-            UpdatedTensor { name: "a".into(), dtype: WireDType::Bf16, shape: vec![5], data: (0..10).collect() },
-            UpdatedTensor { name: "b".into(), dtype: WireDType::F32, shape: vec![1], data: vec![2; 4] },
+            UpdatedTensor {
+                name: "a".into(),
+                dtype: WireDType::Bf16,
+                shape: vec![5],
+                data: (0..10).collect(),
+            },
+            UpdatedTensor {
+                name: "b".into(),
+                dtype: WireDType::F32,
+                shape: vec![1],
+                data: vec![2; 4],
+            },
         ];
         r.record_chunks(&header(1, false, 0.0), &tensors).unwrap();
         let l = r.all().remove(0);
-        let Body::File(f) = l.body else { panic!("expected a file") };
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let from_disk: Vec<UpdateWeightsRequest> = rt.block_on(file_update_stream(l.header.clone(), f, 4).collect());
+        let Body::File(f) = l.body else {
+            panic!("expected a file")
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let from_disk: Vec<UpdateWeightsRequest> =
+            rt.block_on(file_update_stream(l.header.clone(), f, 4).collect());
         let from_memory: Vec<UpdateWeightsRequest> =
             rt.block_on(super::super::update_stream(l.header, Arc::new(tensors), 4).collect());
         assert_eq!(from_disk, from_memory);
@@ -465,10 +612,13 @@ mod tests {
 
     #[test]
     fn a_write_that_fails_is_kept_as_lost_with_the_reason() {
-        let blocker = std::env::temp_dir().join(format!("replay-blocker-{}", uuid::Uuid::new_v4().simple()));
+        let blocker =
+            std::env::temp_dir().join(format!("replay-blocker-{}", uuid::Uuid::new_v4().simple()));
         std::fs::write(&blocker, b"a file, not a directory").unwrap();
         let r = Replay::new(Some(&blocker));
-        let err = r.record_chunks(&header(1, false, 0.0), &[tensor("x", 1)]).unwrap_err();
+        let err = r
+            .record_chunks(&header(1, false, 0.0), &[tensor("x", 1)])
+            .unwrap_err();
         assert!(err.contains("writing the kept update"), "{err}");
         assert!(matches!(r.all()[0].body, Body::Lost(_)));
         let _ = std::fs::remove_file(&blocker);

@@ -37,13 +37,22 @@ mod tests {
 
     #[test]
     fn ipv6_addresses_are_bracketed() {
-        assert_eq!(worker_address(&"[::1]:50061".parse().unwrap()), "http://[::1]:50061");
-        assert_eq!(worker_address(&"10.0.0.7:1".parse().unwrap()), "http://10.0.0.7:1");
+        assert_eq!(
+            worker_address(&"[::1]:50061".parse().unwrap()),
+            "http://[::1]:50061"
+        );
+        assert_eq!(
+            worker_address(&"10.0.0.7:1".parse().unwrap()),
+            "http://10.0.0.7:1"
+        );
     }
 
     #[tokio::test]
     async fn localhost_resolves() {
         let addrs = SystemResolver.resolve("localhost:80").await.unwrap();
-        assert!(addrs.iter().all(|a| a.ip().is_loopback() && a.port() == 80), "{addrs:?}");
+        assert!(
+            addrs.iter().all(|a| a.ip().is_loopback() && a.port() == 80),
+            "{addrs:?}"
+        );
     }
 }

@@ -2,12 +2,14 @@
 //! sending it again elsewhere when a worker fails or refuses it as stale.
 
 use std::collections::HashSet;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use cotrain_proto::refusal::Refusal;
-use cotrain_proto::rollout::{GenerateRequest, GenerateResponse, ScoreVerifierRequest, ScoreVerifierResponse};
+use cotrain_proto::rollout::{
+    GenerateRequest, GenerateResponse, ScoreVerifierRequest, ScoreVerifierResponse,
+};
 use tonic::{Code, Status};
 use tracing::{debug, warn};
 
@@ -17,13 +19,17 @@ use super::{Inner, PoolError, RolloutPool};
 /// Answers after which the same request goes to another worker: the transient failures, and two
 /// that another worker may not give (a model error of this worker, a worker behind on versions).
 fn retryable(status: &Status) -> bool {
-    cotrain_proto::retry::is_transient(status) || matches!(status.code(), Code::Internal | Code::FailedPrecondition)
+    cotrain_proto::retry::is_transient(status)
+        || matches!(status.code(), Code::Internal | Code::FailedPrecondition)
 }
 
 /// Errors that say the worker itself is in trouble, not just busy or behind.
 pub fn worker_failed(status: &Status) -> bool {
     // Not `Internal`: a worker answers it for a model error one request caused, and is fine.
-    matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Cancelled)
+    matches!(
+        status.code(),
+        Code::Unavailable | Code::Unknown | Code::Cancelled
+    )
 }
 
 /// A refusal because the worker's policy is older than the request needs (typed by the worker:
@@ -78,16 +84,28 @@ impl RolloutPool {
                     warn!(worker = %worker.address, attempt, code = ?status.code(), message = status.message(), "generate attempt failed, retrying elsewhere");
                     last = Some((worker.address.clone(), status));
                 }
-                Err(status) => return Err(PoolError::Rejected { worker: worker.address.clone(), status }),
+                Err(status) => {
+                    return Err(PoolError::Rejected {
+                        worker: worker.address.clone(),
+                        status,
+                    });
+                }
             }
         }
         let (worker, status) = last.expect("at least one attempt");
-        Err(PoolError::AttemptsExhausted { attempts: self.inner.cfg.max_attempts, worker, status })
+        Err(PoolError::AttemptsExhausted {
+            attempts: self.inner.cfg.max_attempts,
+            worker,
+            status,
+        })
     }
 
     /// Scores conversations with the learned verifier `name` on a healthy worker that serves it:
     /// workers are tried least-loaded first; one that does not serve it, or fails, passes the call on.
-    pub async fn score_verifier(&self, req: ScoreVerifierRequest) -> Result<ScoreVerifierResponse, PoolError> {
+    pub async fn score_verifier(
+        &self,
+        req: ScoreVerifierRequest,
+    ) -> Result<ScoreVerifierResponse, PoolError> {
         let mut tried = HashSet::new();
         let mut last: Option<(String, Status)> = None;
         while let Ok(worker) = self.inner.pick(&tried, None).await {
@@ -105,9 +123,13 @@ impl RolloutPool {
             match result {
                 Ok(resp) => return Ok(resp.into_inner()),
                 Err(status) => {
-                    let elsewhere = retryable(&status) || Refusal::of(&status) == Some(Refusal::UnknownVerifier);
+                    let elsewhere = retryable(&status)
+                        || Refusal::of(&status) == Some(Refusal::UnknownVerifier);
                     if !elsewhere {
-                        return Err(PoolError::Rejected { worker: worker.address.clone(), status });
+                        return Err(PoolError::Rejected {
+                            worker: worker.address.clone(),
+                            status,
+                        });
                     }
                     if worker_failed(&status) {
                         self.inner.mark_failed(&worker);
@@ -117,7 +139,11 @@ impl RolloutPool {
             }
         }
         match last {
-            Some((worker, status)) => Err(PoolError::AttemptsExhausted { attempts: tried.len(), worker, status }),
+            Some((worker, status)) => Err(PoolError::AttemptsExhausted {
+                attempts: tried.len(),
+                worker,
+                status,
+            }),
             None => Err(PoolError::NoWorker(self.inner.cfg.wait_for_worker)),
         }
     }
@@ -126,17 +152,34 @@ impl RolloutPool {
 impl Inner {
     /// The least-loaded worker in rotation that serves `agent` (any, for None), preferring ones
     /// not yet tried for this request.
-    async fn pick(&self, tried: &HashSet<String>, agent: Option<&str>) -> Result<Arc<Worker>, PoolError> {
+    async fn pick(
+        &self,
+        tried: &HashSet<String>,
+        agent: Option<&str>,
+    ) -> Result<Arc<Worker>, PoolError> {
         let deadline = Instant::now() + self.cfg.wait_for_worker;
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let serving: Vec<Arc<Worker>> = self.healthy().into_iter().filter(|w| w.serving()).collect();
+            let serving: Vec<Arc<Worker>> =
+                self.healthy().into_iter().filter(|w| w.serving()).collect();
             // Workers that serve the agent; when none does, any (its refusal names the unknown agent).
-            let with_agent: Vec<Arc<Worker>> = serving.iter().filter(|w| agent.is_none_or(|a| w.serves(a))).cloned().collect();
-            let serving = if with_agent.is_empty() { serving } else { with_agent };
-            let untried: Vec<_> = serving.iter().filter(|w| !tried.contains(&w.address)).cloned().collect();
+            let with_agent: Vec<Arc<Worker>> = serving
+                .iter()
+                .filter(|w| agent.is_none_or(|a| w.serves(a)))
+                .cloned()
+                .collect();
+            let serving = if with_agent.is_empty() {
+                serving
+            } else {
+                with_agent
+            };
+            let untried: Vec<_> = serving
+                .iter()
+                .filter(|w| !tried.contains(&w.address))
+                .cloned()
+                .collect();
             let candidates = if untried.is_empty() { serving } else { untried };
             if !candidates.is_empty() {
                 let turn = self.tie_breaker.fetch_add(1, Ordering::Relaxed);

@@ -33,12 +33,23 @@ pub fn chat_entry(tok: &Tokenizer, id: u32, logprob: f32, top: &[(u32, f32)]) ->
 
 /// Chat's `logprobs` object for the tokens `ids` with log-probs `lps` and alternatives `tops`.
 pub fn chat_logprobs(tok: &Tokenizer, ids: &[u32], lps: &[f32], tops: &[Vec<(u32, f32)>]) -> Value {
-    let content: Vec<Value> = ids.iter().zip(lps).enumerate().map(|(i, (&id, &lp))| chat_entry(tok, id, lp, top_at(tops, i))).collect();
+    let content: Vec<Value> = ids
+        .iter()
+        .zip(lps)
+        .enumerate()
+        .map(|(i, (&id, &lp))| chat_entry(tok, id, lp, top_at(tops, i)))
+        .collect();
     json!({"content": content, "refusal": Value::Null})
 }
 
 /// The completions endpoint's `logprobs` object; `text_offset` counts characters from `offset`.
-pub fn completion_logprobs(tok: &Tokenizer, ids: &[u32], lps: &[f32], tops: &[Vec<(u32, f32)>], offset: usize) -> Value {
+pub fn completion_logprobs(
+    tok: &Tokenizer,
+    ids: &[u32],
+    lps: &[f32],
+    tops: &[Vec<(u32, f32)>],
+    offset: usize,
+) -> Value {
     let mut tokens = Vec::with_capacity(ids.len());
     let mut offsets = Vec::with_capacity(ids.len());
     let mut at = offset;
@@ -54,7 +65,8 @@ pub fn completion_logprobs(tok: &Tokenizer, ids: &[u32], lps: &[f32], tops: &[Ve
             let mut m = Map::new();
             m.insert(tokens[i].clone(), json!(lps[i]));
             for &(t, lp) in top_at(tops, i) {
-                m.entry(String::from_utf8_lossy(&tok.token_bytes(t)).into_owned()).or_insert(json!(lp));
+                m.entry(String::from_utf8_lossy(&tok.token_bytes(t)).into_owned())
+                    .or_insert(json!(lp));
             }
             Value::Object(m)
         })

@@ -87,12 +87,36 @@ struct Chunks<'a> {
 }
 
 impl<'a> Chunks<'a> {
-    fn new(spec: &'a StreamSpec, tok: &'a Tokenizer, job: &GenerateJob, prompt_ids: Vec<Vec<u32>>) -> Self {
-        let hold = job.stop.stop_strings.iter().map(String::len).max().unwrap_or(1).saturating_sub(1);
+    fn new(
+        spec: &'a StreamSpec,
+        tok: &'a Tokenizer,
+        job: &GenerateJob,
+        prompt_ids: Vec<Vec<u32>>,
+    ) -> Self {
+        let hold = job
+            .stop
+            .stop_strings
+            .iter()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .saturating_sub(1);
         let choices = (0..job.prompts.len() * job.n)
-            .map(|_| ChoiceText { decoder: IncrementalDecoder::new(true), sent: 0, started: false, token_chars: 0 })
+            .map(|_| ChoiceText {
+                decoder: IncrementalDecoder::new(true),
+                sent: 0,
+                started: false,
+                token_chars: 0,
+            })
             .collect();
-        Self { spec, tok, prompt_ids, hold, stops: job.stop.stop_strings.clone(), choices }
+        Self {
+            spec,
+            tok,
+            prompt_ids,
+            hold,
+            stops: job.stop.stop_strings.clone(),
+            choices,
+        }
     }
 
     fn object(&self) -> &'static str {
@@ -115,9 +139,12 @@ impl<'a> Chunks<'a> {
     fn token(&mut self, t: &StreamToken) -> Vec<Event> {
         let index = t.prompt * self.spec.n + t.index;
         let mut events = Vec::new();
-        let Some(choice) = self.choices.get_mut(index) else { return events };
+        let Some(choice) = self.choices.get_mut(index) else {
+            return events;
+        };
         let first = !choice.started;
-        let prompt_ids = (first && self.spec.token_ids).then(|| json!(self.prompt_ids.get(t.prompt).cloned().unwrap_or_default()));
+        let prompt_ids = (first && self.spec.token_ids)
+            .then(|| json!(self.prompt_ids.get(t.prompt).cloned().unwrap_or_default()));
         if first && self.spec.shape == Shape::Chat {
             let role = json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": Value::Null, "finish_reason": Value::Null});
             let mut body = self.body(vec![role]);
@@ -133,8 +160,18 @@ impl<'a> Chunks<'a> {
         let text = choice.decoder.text();
         // A stop string this token completes starts at or after `sent` (everything before it was
         // held back by `hold`): the answer ends there.
-        let stop_at = self.stops.iter().filter_map(|s| text.get(choice.sent..)?.find(s.as_str()).map(|p| choice.sent + p)).min();
-        let mut until = stop_at.unwrap_or_else(|| text.len().saturating_sub(self.hold)).max(choice.sent);
+        let stop_at = self
+            .stops
+            .iter()
+            .filter_map(|s| {
+                text.get(choice.sent..)?
+                    .find(s.as_str())
+                    .map(|p| choice.sent + p)
+            })
+            .min();
+        let mut until = stop_at
+            .unwrap_or_else(|| text.len().saturating_sub(self.hold))
+            .max(choice.sent);
         while until > choice.sent && !text.is_char_boundary(until) {
             until -= 1;
         }
@@ -143,7 +180,9 @@ impl<'a> Chunks<'a> {
         let offset = choice.token_chars;
         // `text_offset` (legacy completions' log-probs) counts the characters of the tokens so far.
         if self.spec.logprobs {
-            choice.token_chars += String::from_utf8_lossy(&self.tok.token_bytes(t.token)).chars().count();
+            choice.token_chars += String::from_utf8_lossy(&self.tok.token_bytes(t.token))
+                .chars()
+                .count();
         }
         let mut c = match self.spec.shape {
             Shape::Chat => json!({
@@ -176,12 +215,18 @@ impl<'a> Chunks<'a> {
         for (p, completion) in out.completions.iter().enumerate() {
             for (i, s) in completion.samples.iter().enumerate() {
                 let index = p * self.spec.n + i;
-                let Some(choice) = self.choices.get(index) else { continue };
+                let Some(choice) = self.choices.get(index) else {
+                    continue;
+                };
                 // The final text is the decoder's, cut before a stop string: what was sent is its prefix.
                 let rest = s.text.get(choice.sent..).unwrap_or_default().to_string();
                 let c = match self.spec.shape {
-                    Shape::Chat => json!({"index": index, "delta": if rest.is_empty() { json!({}) } else { json!({"content": rest}) }, "logprobs": Value::Null, "finish_reason": s.finish_reason.as_str(), "policy_version": s.policy_version}),
-                    Shape::Completion => json!({"index": index, "text": rest, "logprobs": Value::Null, "finish_reason": s.finish_reason.as_str(), "policy_version": s.policy_version}),
+                    Shape::Chat => {
+                        json!({"index": index, "delta": if rest.is_empty() { json!({}) } else { json!({"content": rest}) }, "logprobs": Value::Null, "finish_reason": s.finish_reason.as_str(), "policy_version": s.policy_version})
+                    }
+                    Shape::Completion => {
+                        json!({"index": index, "text": rest, "logprobs": Value::Null, "finish_reason": s.finish_reason.as_str(), "policy_version": s.policy_version})
+                    }
                 };
                 events.push(self.chunk(vec![c]));
             }
@@ -196,7 +241,11 @@ impl<'a> Chunks<'a> {
 }
 
 /// Runs `job` and answers with its stream; see the module docs.
-pub(super) async fn respond(worker: Arc<Worker>, job: GenerateJob, spec: StreamSpec) -> Result<Response, ApiError> {
+pub(super) async fn respond(
+    worker: Arc<Worker>,
+    job: GenerateJob,
+    spec: StreamSpec,
+) -> Result<Response, ApiError> {
     let (events_tx, mut events) = mpsc::unbounded_channel::<Result<Event, ApiError>>();
     tokio::spawn(async move {
         let send = |e| events_tx.send(e).is_ok();
@@ -216,7 +265,11 @@ pub(super) async fn respond(worker: Arc<Worker>, job: GenerateJob, spec: StreamS
                 return;
             }
         };
-        job.prompts = prompt_ids.iter().cloned().map(PromptInput::Tokens).collect();
+        job.prompts = prompt_ids
+            .iter()
+            .cloned()
+            .map(PromptInput::Tokens)
+            .collect();
         let mut chunks = Chunks::new(&spec, tok, &job, prompt_ids);
         let (tokens_tx, mut tokens) = mpsc::unbounded_channel();
         let generation = worker.generate_streaming(job, Some(tokens_tx));
@@ -264,7 +317,11 @@ pub(super) async fn respond(worker: Arc<Worker>, job: GenerateJob, spec: StreamS
         Some(Err(e)) => return Err(e),
         None => return Err(ApiError::internal("the generation ended without an answer")),
     };
-    let rest = UnboundedReceiverStream::new(events).map(|e| Ok::<_, Infallible>(e.unwrap_or_else(|e| Event::default().data(e.body().to_string()))));
+    let rest = UnboundedReceiverStream::new(events).map(|e| {
+        Ok::<_, Infallible>(e.unwrap_or_else(|e| Event::default().data(e.body().to_string())))
+    });
     let stream = futures::stream::once(async move { Ok::<_, Infallible>(first) }).chain(rest);
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
 }

@@ -66,7 +66,11 @@ pub fn parse_sample(answer: &Value, want_top: usize) -> Result<EngineSample, Str
         .as_array()
         .ok_or("no token_ids (vLLM older than return_token_ids?)")?
         .iter()
-        .map(|t| t.as_u64().map(|t| t as u32).ok_or("a token id is not a number"))
+        .map(|t| {
+            t.as_u64()
+                .map(|t| t as u32)
+                .ok_or("a token id is not a number")
+        })
         .collect::<Result<_, _>>()?;
     let lp = &choice["logprobs"];
     let logprobs: Vec<f32> = lp["token_logprobs"]
@@ -76,7 +80,11 @@ pub fn parse_sample(answer: &Value, want_top: usize) -> Result<EngineSample, Str
         .map(|v| v.as_f64().map(|x| x as f32).unwrap_or(f32::NEG_INFINITY))
         .collect();
     if logprobs.len() != token_ids.len() {
-        return Err(format!("{} log-probs for {} tokens", logprobs.len(), token_ids.len()));
+        return Err(format!(
+            "{} log-probs for {} tokens",
+            logprobs.len(),
+            token_ids.len()
+        ));
     }
     let top_logprobs = if want_top == 0 {
         Vec::new()
@@ -119,14 +127,27 @@ fn token_of(key: &str) -> Option<u32> {
 }
 
 /// Draws one sample.
-pub async fn sample(http: &EngineHttp, r: &SampleRequest<'_>, timeout: Duration) -> Result<EngineSample, CallError> {
-    let answer = http.post_json("/v1/completions", Some(&sample_body(r)), timeout).await?;
-    parse_sample(&answer, r.top_logprobs)
-        .map_err(|message| CallError::Invalid { path: "/v1/completions".into(), message })
+pub async fn sample(
+    http: &EngineHttp,
+    r: &SampleRequest<'_>,
+    timeout: Duration,
+) -> Result<EngineSample, CallError> {
+    let answer = http
+        .post_json("/v1/completions", Some(&sample_body(r)), timeout)
+        .await?;
+    parse_sample(&answer, r.top_logprobs).map_err(|message| CallError::Invalid {
+        path: "/v1/completions".into(),
+        message,
+    })
 }
 
 /// `log p(tokens[i + 1] | tokens[..=i])` for every position, under the engine's current weights.
-pub async fn sequence_logprobs(http: &EngineHttp, model: &str, tokens: &[u32], timeout: Duration) -> Result<Vec<f32>, CallError> {
+pub async fn sequence_logprobs(
+    http: &EngineHttp,
+    model: &str,
+    tokens: &[u32],
+    timeout: Duration,
+) -> Result<Vec<f32>, CallError> {
     let body = json!({
         "model": model,
         "prompt": tokens,
@@ -136,12 +157,19 @@ pub async fn sequence_logprobs(http: &EngineHttp, model: &str, tokens: &[u32], t
     });
     let path = "/v1/completions";
     let answer = http.post_json(path, Some(&body), timeout).await?;
-    let invalid = |message: String| CallError::Invalid { path: path.into(), message };
+    let invalid = |message: String| CallError::Invalid {
+        path: path.into(),
+        message,
+    };
     let entries = answer["choices"][0]["prompt_logprobs"]
         .as_array()
         .ok_or_else(|| invalid("no prompt_logprobs".into()))?;
     if entries.len() != tokens.len() {
-        return Err(invalid(format!("{} prompt log-probs for {} tokens", entries.len(), tokens.len())));
+        return Err(invalid(format!(
+            "{} prompt log-probs for {} tokens",
+            entries.len(),
+            tokens.len()
+        )));
     }
     tokens[1..]
         .iter()
@@ -162,39 +190,66 @@ pub fn adapter_name(agent: &str, version: u64) -> String {
 }
 
 /// Loads the PEFT adapter directory at `path` under `name` (vLLM's runtime LoRA loading).
-pub async fn load_adapter(http: &EngineHttp, name: &str, path: &Path, timeout: Duration) -> Result<(), CallError> {
+pub async fn load_adapter(
+    http: &EngineHttp,
+    name: &str,
+    path: &Path,
+    timeout: Duration,
+) -> Result<(), CallError> {
     let body = json!({"lora_name": name, "lora_path": path.to_string_lossy()});
-    http.post("/v1/load_lora_adapter", Some(&body), timeout).await.map(drop)
+    http.post("/v1/load_lora_adapter", Some(&body), timeout)
+        .await
+        .map(drop)
 }
 
 /// Unloads the adapter served as `name`.
-pub async fn unload_adapter(http: &EngineHttp, name: &str, timeout: Duration) -> Result<(), CallError> {
+pub async fn unload_adapter(
+    http: &EngineHttp,
+    name: &str,
+    timeout: Duration,
+) -> Result<(), CallError> {
     let body = json!({"lora_name": name});
-    http.post("/v1/unload_lora_adapter", Some(&body), timeout).await.map(drop)
+    http.post("/v1/unload_lora_adapter", Some(&body), timeout)
+        .await
+        .map(drop)
 }
 
 /// Replaces the tensors named in the safetensors file at `path` in the running model (vLLM's
 /// in-place reload, through the worker extension), then drops the prefix cache computed with the
 /// old weights. Returns the engine's count of tensors loaded.
-pub async fn reload_weights(http: &EngineHttp, path: &Path, timeout: Duration) -> Result<u64, CallError> {
+pub async fn reload_weights(
+    http: &EngineHttp,
+    path: &Path,
+    timeout: Duration,
+) -> Result<u64, CallError> {
     let body = json!({
         "method": "cotrain_reload_weights",
         "args": [path.to_string_lossy()],
         "timeout": timeout.as_secs_f64(),
     });
-    let answer = http.post_json("/collective_rpc", Some(&body), timeout).await?;
+    let answer = http
+        .post_json("/collective_rpc", Some(&body), timeout)
+        .await?;
     // One result per model worker (tensor-parallel ranks), each the extension's JSON string.
     let results = answer["results"].as_array().cloned().unwrap_or_default();
     let mut tensors = 0;
     for r in &results {
-        let parsed: Value = r.as_str().and_then(|s| serde_json::from_str(s).ok()).unwrap_or(Value::Null);
-        tensors = parsed["tensors"].as_u64().ok_or_else(|| CallError::Invalid {
-            path: "/collective_rpc".into(),
-            message: format!("unexpected reload answer {r}"),
-        })?;
+        let parsed: Value = r
+            .as_str()
+            .and_then(|s| serde_json::from_str(s).ok())
+            .unwrap_or(Value::Null);
+        tensors = parsed["tensors"]
+            .as_u64()
+            .ok_or_else(|| CallError::Invalid {
+                path: "/collective_rpc".into(),
+                message: format!("unexpected reload answer {r}"),
+            })?;
     }
     if results.is_empty() {
-        return Err(CallError::Invalid { path: "/collective_rpc".into(), message: format!("no results in {answer}") });
+        return Err(CallError::Invalid {
+            path: "/collective_rpc".into(),
+            message: format!("no results in {answer}"),
+        });
     }
     http.post_json("/reset_prefix_cache", None, timeout).await?;
     Ok(tensors)
@@ -204,7 +259,8 @@ pub async fn reload_weights(http: &EngineHttp, path: &Path, timeout: Duration) -
 /// with no source), and drops the prefix cache.
 pub async fn reload_from_model_dir(http: &EngineHttp, timeout: Duration) -> Result<(), CallError> {
     let body = json!({"method": "reload_weights", "timeout": timeout.as_secs_f64()});
-    http.post_json("/collective_rpc", Some(&body), timeout).await?;
+    http.post_json("/collective_rpc", Some(&body), timeout)
+        .await?;
     http.post_json("/reset_prefix_cache", None, timeout).await?;
     Ok(())
 }
@@ -216,9 +272,27 @@ mod tests {
     /// The request carries cotrain's sampling as vLLM names it, top-k 0 as vLLM's "off".
     #[test]
     fn a_sample_request_maps_every_parameter() {
-        let params = SamplingParams { temperature: 0.8, top_k: 0, top_p: 0.95, min_p: 0.05 };
-        let stop = StopConditions { max_new_tokens: 7, stop_token_ids: vec![5], stop_strings: vec!["\n\n".into()], ignore_eos: true };
-        let body = sample_body(&SampleRequest { model: "alice@v3", prompt: &[1, 2, 3], params: &params, stop: &stop, seed: u64::MAX, top_logprobs: 2, max_model_len: 9 });
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.95,
+            min_p: 0.05,
+        };
+        let stop = StopConditions {
+            max_new_tokens: 7,
+            stop_token_ids: vec![5],
+            stop_strings: vec!["\n\n".into()],
+            ignore_eos: true,
+        };
+        let body = sample_body(&SampleRequest {
+            model: "alice@v3",
+            prompt: &[1, 2, 3],
+            params: &params,
+            stop: &stop,
+            seed: u64::MAX,
+            top_logprobs: 2,
+            max_model_len: 9,
+        });
         assert_eq!(body["prompt"], json!([1, 2, 3]));
         assert_eq!(body["model"], "alice@v3");
         // 7 asked, 6 left in a context of 9 after 3 prompt tokens.

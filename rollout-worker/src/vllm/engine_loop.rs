@@ -59,7 +59,14 @@ struct Running {
 impl Running {
     fn into_waiting(self, id: u64) -> Waiting {
         self.abort.abort();
-        Waiting { id, requests: self.requests, adapter: self.adapter, reply: self.reply, stream: self.stream, resent: self.resent + 1 }
+        Waiting {
+            id,
+            requests: self.requests,
+            adapter: self.adapter,
+            reply: self.reply,
+            stream: self.stream,
+            resent: self.resent + 1,
+        }
     }
 }
 
@@ -135,7 +142,11 @@ fn weights_tmp() -> std::io::Result<tempfile::TempDir> {
     use super::scratch::private_dir;
     let shm = std::path::Path::new("/dev/shm");
     let tmp = std::env::temp_dir();
-    if shm.is_dir() { private_dir(shm, "weights").or_else(|_| private_dir(&tmp, "weights")) } else { private_dir(&tmp, "weights") }
+    if shm.is_dir() {
+        private_dir(shm, "weights").or_else(|_| private_dir(&tmp, "weights"))
+    } else {
+        private_dir(&tmp, "weights")
+    }
 }
 
 impl VllmLoop {
@@ -154,20 +165,35 @@ impl VllmLoop {
         let adapters = spec.adapters.map(|_| {
             agents
                 .iter()
-                .map(|a| AgentAdapter { agent: a.clone(), version: 0, served: None, dir: None, probe: None })
+                .map(|a| AgentAdapter {
+                    agent: a.clone(),
+                    version: 0,
+                    served: None,
+                    dir: None,
+                    probe: None,
+                })
                 .collect::<Vec<_>>()
         });
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
         super::scratch::sweep_once();
-        let weights_dir = weights_tmp().map_err(|e| WorkerError::Internal(format!("a directory for weight files: {e}")))?;
-        let default_tolerance = spec.options.probe_tolerance.unwrap_or_else(|| crate::probe::default_tolerance(spec.dtype));
+        let weights_dir = weights_tmp()
+            .map_err(|e| WorkerError::Internal(format!("a directory for weight files: {e}")))?;
+        let default_tolerance = spec
+            .options
+            .probe_tolerance
+            .unwrap_or_else(|| crate::probe::default_tolerance(spec.dtype));
         let thread = std::thread::Builder::new()
             .name(format!("vllm-{}", agents[0]))
             .spawn(move || {
-                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
                     Ok(rt) => rt,
                     Err(e) => {
-                        let _ = ready_tx.send(Err(WorkerError::Internal(format!("a runtime for the engine loop: {e}"))));
+                        let _ = ready_tx.send(Err(WorkerError::Internal(format!(
+                            "a runtime for the engine loop: {e}"
+                        ))));
                         return;
                     }
                 };
@@ -217,7 +243,9 @@ impl VllmLoop {
                 let _ = thread.join();
                 Err(e)
             }
-            Err(_) => Err(WorkerError::Internal("the engine thread ended while starting".into())),
+            Err(_) => Err(WorkerError::Internal(
+                "the engine thread ended while starting".into(),
+            )),
         }
     }
 
@@ -236,7 +264,9 @@ impl VllmLoop {
     /// killing itself. Better to stop the worker at start with the engine's own reason.
     async fn smoke_test(&mut self) -> std::result::Result<(), EngineError> {
         let http = self.http().clone();
-        match api::sequence_logprobs(&http, super::SERVED_NAME, &[0, 1], Duration::from_secs(600)).await {
+        match api::sequence_logprobs(&http, super::SERVED_NAME, &[0, 1], Duration::from_secs(600))
+            .await
+        {
             Ok(_) => Ok(()),
             Err(e) => {
                 // The engine's exception reaches its log a moment after the failed answer.
@@ -257,28 +287,49 @@ impl VllmLoop {
     }
 
     /// `serve --lora-module AGENT=DIR`: each directory loaded as its agent's adapter, version 1.
-    async fn load_lora_modules(&mut self, modules: Vec<(u32, PathBuf)>) -> std::result::Result<(), EngineError> {
+    async fn load_lora_modules(
+        &mut self,
+        modules: Vec<(u32, PathBuf)>,
+    ) -> std::result::Result<(), EngineError> {
         for (id, dir) in modules {
             let http = self.http().clone();
-            let a = self.adapters.as_mut().and_then(|v| v.get_mut(id as usize)).ok_or_else(|| {
-                EngineError::Unsupported(format!("--lora-module: adapter id {id} is not an agent of an adapter group"))
-            })?;
+            let a = self
+                .adapters
+                .as_mut()
+                .and_then(|v| v.get_mut(id as usize))
+                .ok_or_else(|| {
+                    EngineError::Unsupported(format!(
+                        "--lora-module: adapter id {id} is not an agent of an adapter group"
+                    ))
+                })?;
             let name = api::adapter_name(&a.agent, 1);
             api::load_adapter(&http, &name, &dir, CALL_TIMEOUT)
                 .await
-                .map_err(|e| EngineError::Unsupported(format!("--lora-module {}={}: vLLM did not load it: {e}", a.agent, dir.display())))?;
+                .map_err(|e| {
+                    EngineError::Unsupported(format!(
+                        "--lora-module {}={}: vLLM did not load it: {e}",
+                        a.agent,
+                        dir.display()
+                    ))
+                })?;
             a.version = 1;
             a.served = Some(name);
             a.dir = Some((dir, false));
             self.state.agent_versions[id as usize].store(1, Ordering::SeqCst);
             self.state.policy_version.store(1, Ordering::SeqCst);
-            self.metrics.policy_version.with_label_values(&[a.agent.as_str()]).set(1);
+            self.metrics
+                .policy_version
+                .with_label_values(&[a.agent.as_str()])
+                .set(1);
         }
         Ok(())
     }
 
     fn http(&self) -> &super::http::EngineHttp {
-        self.engine.as_ref().expect("an engine while the loop runs").http()
+        self.engine
+            .as_ref()
+            .expect("an engine while the loop runs")
+            .http()
     }
 
     async fn run(mut self) {
@@ -286,7 +337,11 @@ impl VllmLoop {
         let mut watch = tokio::time::interval(Duration::from_millis(500));
         let mut closed = false;
         loop {
-            if closed && self.running.is_empty() && self.waiting.is_empty() && self.updates.is_empty() {
+            if closed
+                && self.running.is_empty()
+                && self.waiting.is_empty()
+                && self.updates.is_empty()
+            {
                 break;
             }
             tokio::select! {
@@ -324,8 +379,21 @@ impl VllmLoop {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, requests, adapter, reply, stream } => {
-                let w = Waiting { id, requests, adapter, reply, stream, resent: 0 };
+            Command::Submit {
+                id,
+                requests,
+                adapter,
+                reply,
+                stream,
+            } => {
+                let w = Waiting {
+                    id,
+                    requests,
+                    adapter,
+                    reply,
+                    stream,
+                    resent: 0,
+                };
                 if self.updates.is_empty() {
                     self.send(w);
                 } else {
@@ -354,7 +422,10 @@ impl VllmLoop {
             ))));
             return;
         }
-        if w.requests.iter().any(|r| r.logprobs == LogprobMode::Sampling) {
+        if w.requests
+            .iter()
+            .any(|r| r.logprobs == LogprobMode::Sampling)
+        {
             let _ = w.reply.send(Err(WorkerError::invalid(
                 "sampling.sampling_logprobs",
                 "--engine vllm reports the model's raw log-probs only (vLLM's log-prob mode is engine-wide); \
@@ -363,9 +434,16 @@ impl VllmLoop {
             return;
         }
         // An agent of an adapter group samples from its current adapter (the base before its first).
-        let agent = w.adapter.and_then(|id| self.adapters.as_ref().and_then(|v| v.get(id as usize)));
+        let agent = w
+            .adapter
+            .and_then(|id| self.adapters.as_ref().and_then(|v| v.get(id as usize)));
         let (model, version) = match agent {
-            Some(a) => (a.served.clone().unwrap_or_else(|| super::SERVED_NAME.into()), a.version),
+            Some(a) => (
+                a.served
+                    .clone()
+                    .unwrap_or_else(|| super::SERVED_NAME.into()),
+                a.version,
+            ),
             None => (super::SERVED_NAME.to_string(), self.version),
         };
         let http = self.http().clone();
@@ -380,7 +458,10 @@ impl VllmLoop {
                     let slots = slots.clone();
                     let model = model.as_str();
                     async move {
-                        let _slot = slots.acquire().await.expect("the semaphore is never closed");
+                        let _slot = slots
+                            .acquire()
+                            .await
+                            .expect("the semaphore is never closed");
                         let req = SampleRequest {
                             model,
                             prompt: &r.prompt,
@@ -398,28 +479,61 @@ impl VllmLoop {
                 all.push(futures::future::join_all(samples));
             }
             let answers = futures::future::join_all(all).await;
-            let samples: std::result::Result<Vec<Vec<EngineSample>>, CallError> =
-                answers.into_iter().map(|per| per.into_iter().collect()).collect();
+            let samples: std::result::Result<Vec<Vec<EngineSample>>, CallError> = answers
+                .into_iter()
+                .map(|per| per.into_iter().collect())
+                .collect();
             (w.id, samples)
         });
-        self.running.insert(w.id, Running { requests: w.requests, adapter: w.adapter, version, reply: w.reply, stream: w.stream, abort, resent: w.resent });
+        self.running.insert(
+            w.id,
+            Running {
+                requests: w.requests,
+                adapter: w.adapter,
+                version,
+                reply: w.reply,
+                stream: w.stream,
+                abort,
+                resent: w.resent,
+            },
+        );
     }
 
-    async fn finish(&mut self, id: u64, result: std::result::Result<Vec<Vec<EngineSample>>, CallError>) {
-        let Some(job) = self.running.remove(&id) else { return };
+    async fn finish(
+        &mut self,
+        id: u64,
+        result: std::result::Result<Vec<Vec<EngineSample>>, CallError>,
+    ) {
+        let Some(job) = self.running.remove(&id) else {
+            return;
+        };
         match result {
             Ok(samples) => {
                 let model = self.model_id.as_str();
                 let mut out = Vec::with_capacity(samples.len());
                 for (pi, (per, r)) in samples.into_iter().zip(&job.requests).enumerate() {
-                    self.metrics.prompt_tokens.with_label_values(&[model]).inc_by(r.prompt.len() as u64);
+                    self.metrics
+                        .prompt_tokens
+                        .with_label_values(&[model])
+                        .inc_by(r.prompt.len() as u64);
                     let mut v = Vec::with_capacity(per.len());
                     for (index, s) in per.into_iter().enumerate() {
-                        self.metrics.generated_tokens.with_label_values(&[model]).inc_by(s.token_ids.len() as u64);
+                        self.metrics
+                            .generated_tokens
+                            .with_label_values(&[model])
+                            .inc_by(s.token_ids.len() as u64);
                         if let Some(stream) = &job.stream {
-                            for (k, (&token, &logprob)) in s.token_ids.iter().zip(&s.logprobs).enumerate() {
+                            for (k, (&token, &logprob)) in
+                                s.token_ids.iter().zip(&s.logprobs).enumerate()
+                            {
                                 let top = s.top_logprobs.get(k).cloned().unwrap_or_default();
-                                let _ = stream.send(StreamToken { prompt: pi, index, token, logprob, top });
+                                let _ = stream.send(StreamToken {
+                                    prompt: pi,
+                                    index,
+                                    token,
+                                    logprob,
+                                    top,
+                                });
                             }
                         }
                         v.push(Sample {
@@ -435,9 +549,14 @@ impl VllmLoop {
                     }
                     out.push(v);
                 }
-                let _ = job.reply.send(Ok(JobOutput { samples: out, policy_version: job.version }));
+                let _ = job.reply.send(Ok(JobOutput {
+                    samples: out,
+                    policy_version: job.version,
+                }));
             }
-            Err(e @ (CallError::Unreachable(_) | CallError::Status { status: 500.., .. })) if !self.engine_healthy().await => {
+            Err(e @ (CallError::Unreachable(_) | CallError::Status { status: 500.., .. }))
+                if !self.engine_healthy().await =>
+            {
                 // The engine died under the job (a dropped connection, or vLLM's 500 as its engine
                 // core died): it goes again once the engine is back, on the same weights (the
                 // version cannot change while a job is out).
@@ -445,11 +564,20 @@ impl VllmLoop {
                 self.waiting.push_front(job.into_waiting(id));
                 self.restart().await;
             }
-            Err(e @ CallError::Status { status: 400..=499, .. }) => {
-                let _ = job.reply.send(Err(WorkerError::invalid("request", format!("vllm refused it: {e}"))));
+            Err(
+                e @ CallError::Status {
+                    status: 400..=499, ..
+                },
+            ) => {
+                let _ = job.reply.send(Err(WorkerError::invalid(
+                    "request",
+                    format!("vllm refused it: {e}"),
+                )));
             }
             Err(e) => {
-                let _ = job.reply.send(Err(WorkerError::Internal(format!("vllm engine: {e}"))));
+                let _ = job
+                    .reply
+                    .send(Err(WorkerError::Internal(format!("vllm engine: {e}"))));
             }
         }
     }
@@ -459,11 +587,19 @@ impl VllmLoop {
         if self.engine_exited() {
             return false;
         }
-        matches!(self.http().get("/health", Duration::from_secs(5)).await, Ok((200, _)))
+        matches!(
+            self.http().get("/health", Duration::from_secs(5)).await,
+            Ok((200, _))
+        )
     }
 
     fn drop_abandoned(&mut self) {
-        let gone: Vec<u64> = self.running.iter().filter(|(_, j)| j.reply.is_closed()).map(|(&id, _)| id).collect();
+        let gone: Vec<u64> = self
+            .running
+            .iter()
+            .filter(|(_, j)| j.reply.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
         for id in gone {
             if let Some(job) = self.running.remove(&id) {
                 job.abort.abort();
@@ -501,7 +637,10 @@ impl VllmLoop {
         loop {
             attempt += 1;
             if attempt % RESTARTS_BEFORE_FAILING_WAITERS == 0 {
-                let why = format!("the vllm engine of `{}` failed to restart {attempt} times", self.model_id);
+                let why = format!(
+                    "the vllm engine of `{}` failed to restart {attempt} times",
+                    self.model_id
+                );
                 for w in self.waiting.drain(..) {
                     let _ = w.reply.send(Err(WorkerError::Unavailable(why.clone())));
                 }
@@ -517,7 +656,10 @@ impl VllmLoop {
             .await;
             match result {
                 Ok(()) => {
-                    self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), "replayed"]).inc();
+                    self.metrics
+                        .weight_updates
+                        .with_label_values(&[self.model_id.as_str(), "replayed"])
+                        .inc();
                     info!(model = %self.model_id, version = self.version, attempt,
                         secs = started.elapsed().as_secs_f64(), "vllm engine restarted with the current weights");
                     return;
@@ -535,10 +677,14 @@ impl VllmLoop {
     async fn replay(&mut self) -> std::result::Result<(), String> {
         self.replay_weights().await?;
         for a in self.adapters.iter().flatten() {
-            let (Some(name), Some((dir, _))) = (&a.served, &a.dir) else { continue };
+            let (Some(name), Some((dir, _))) = (&a.served, &a.dir) else {
+                continue;
+            };
             api::load_adapter(self.http(), name, dir, CALL_TIMEOUT)
                 .await
-                .map_err(|e| format!("replaying the adapter of {} (v{}): {e}", a.agent, a.version))?;
+                .map_err(|e| {
+                    format!("replaying the adapter of {} (v{}): {e}", a.agent, a.version)
+                })?;
             if let Some(probe) = &a.probe {
                 let check = self.check_probe(name, probe).await?;
                 if !check.passed() {
@@ -572,7 +718,11 @@ impl VllmLoop {
         Ok(())
     }
 
-    fn write_file(&self, name: &str, tensors: &BTreeMap<String, Tensor>) -> std::result::Result<PathBuf, String> {
+    fn write_file(
+        &self,
+        name: &str,
+        tensors: &BTreeMap<String, Tensor>,
+    ) -> std::result::Result<PathBuf, String> {
         let path = self.weights_dir.path().join(format!("{name}.safetensors"));
         if let Err(e) = cotrain_model::export::write_weights_file(&path, tensors, &self.cfg) {
             let _ = std::fs::remove_file(&path);
@@ -582,7 +732,11 @@ impl VllmLoop {
     }
 
     /// Scores the probe on the served model `model` (the base or an adapter) and compares it.
-    async fn check_probe(&self, model: &str, probe: &Probe) -> std::result::Result<crate::probe::ProbeCheck, String> {
+    async fn check_probe(
+        &self,
+        model: &str,
+        probe: &Probe,
+    ) -> std::result::Result<crate::probe::ProbeCheck, String> {
         let engine = api::sequence_logprobs(self.http(), model, &probe.token_ids, CALL_TIMEOUT)
             .await
             .map_err(|e| format!("scoring the probe: {e}"))?;
@@ -592,8 +746,15 @@ impl VllmLoop {
     async fn apply_updates(&mut self) {
         while let Some((update, reply)) = self.updates.pop_front() {
             let result = self.apply(update).await;
-            let label = if result.is_ok() { "applied" } else { "rejected" };
-            self.metrics.weight_updates.with_label_values(&[self.model_id.as_str(), label]).inc();
+            let label = if result.is_ok() {
+                "applied"
+            } else {
+                "rejected"
+            };
+            self.metrics
+                .weight_updates
+                .with_label_values(&[self.model_id.as_str(), label])
+                .inc();
             let _ = reply.send(result);
         }
     }
@@ -603,11 +764,16 @@ impl VllmLoop {
             return self.apply_adapter(id, scaling, update).await;
         }
         if update.version <= self.version {
-            return Err(WorkerError::VersionNotNewer { current: self.version, offered: update.version });
+            return Err(WorkerError::VersionNotNewer {
+                current: self.version,
+                offered: update.version,
+            });
         }
         let started = Instant::now();
         let tensors: BTreeMap<String, Tensor> = update.tensors.into_iter().collect();
-        let path = self.write_file(&format!("v{}", update.version), &tensors).map_err(WorkerError::BadUpdate)?;
+        let path = self
+            .write_file(&format!("v{}", update.version), &tensors)
+            .map_err(WorkerError::BadUpdate)?;
         let bytes = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
         let written = started.elapsed();
         let loaded = api::reload_weights(self.http(), &path, CALL_TIMEOUT).await;
@@ -617,14 +783,21 @@ impl VllmLoop {
             // from the weights it had.
             warn!(model = %self.model_id, error = %e, "reload failed; restoring the previous weights");
             self.restart().await;
-            return Err(WorkerError::BadUpdate(format!("vllm did not load v{}: {e}", update.version)));
+            return Err(WorkerError::BadUpdate(format!(
+                "vllm did not load v{}: {e}",
+                update.version
+            )));
         }
         if let Some(probe) = &update.probe {
             let check = match self.check_probe(super::SERVED_NAME, probe).await {
                 Ok(c) => c,
                 Err(e) => {
                     self.restore().await;
-                    return Err(WorkerError::BadUpdate(format!("agent {} v{}: {e}", self.agents.join("+"), update.version)));
+                    return Err(WorkerError::BadUpdate(format!(
+                        "agent {} v{}: {e}",
+                        self.agents.join("+"),
+                        update.version
+                    )));
                 }
             };
             if !check.passed() {
@@ -648,9 +821,14 @@ impl VllmLoop {
             self.current.insert(k, t);
         }
         self.version = update.version;
-        self.state.policy_version.store(self.version, Ordering::SeqCst);
+        self.state
+            .policy_version
+            .store(self.version, Ordering::SeqCst);
         for a in &self.agents {
-            self.metrics.policy_version.with_label_values(&[a.as_str()]).set(self.version as i64);
+            self.metrics
+                .policy_version
+                .with_label_values(&[a.as_str()])
+                .set(self.version as i64);
         }
         tracing::debug!(model = %self.model_id, version = self.version, bytes, write_ms = written.as_millis() as u64,
             total_ms = started.elapsed().as_millis() as u64, "weights reloaded into vllm");
@@ -664,13 +842,22 @@ impl VllmLoop {
     async fn apply_adapter(&mut self, id: u32, scaling: f64, update: StagedUpdate) -> Result<u64> {
         let (agent, current) = match self.adapters.as_ref().and_then(|v| v.get(id as usize)) {
             Some(a) => (a.agent.clone(), a.version),
-            None => return Err(WorkerError::BadUpdate(format!("adapter id {id} is not an agent of model `{}`", self.model_id))),
+            None => {
+                return Err(WorkerError::BadUpdate(format!(
+                    "adapter id {id} is not an agent of model `{}`",
+                    self.model_id
+                )));
+            }
         };
         if update.version <= current {
-            return Err(WorkerError::VersionNotNewer { current, offered: update.version });
+            return Err(WorkerError::VersionNotNewer {
+                current,
+                offered: update.version,
+            });
         }
         let started = Instant::now();
-        let config = cotrain_model::lora::LoraConfig::of_tensors(&update.tensors, scaling).map_err(|e| WorkerError::BadUpdate(e.to_string()))?;
+        let config = cotrain_model::lora::LoraConfig::of_tensors(&update.tensors, scaling)
+            .map_err(|e| WorkerError::BadUpdate(e.to_string()))?;
         if config.r > self.spec.options.max_lora_rank {
             return Err(WorkerError::BadUpdate(format!(
                 "{agent} v{}: an adapter of rank {} and the engine takes rank {} at most (--vllm-max-lora-rank)",
@@ -681,10 +868,14 @@ impl VllmLoop {
         let dir = self.weights_dir.path().join(&name);
         let tensors: BTreeMap<String, Tensor> = update.tensors.into_iter().collect();
         let base = self.spec.model_dir.to_string_lossy().into_owned();
-        cotrain_model::lora::write_peft(&dir, &config, &tensors, &base).map_err(|e| WorkerError::BadUpdate(format!("writing {}: {e}", dir.display())))?;
+        cotrain_model::lora::write_peft(&dir, &config, &tensors, &base)
+            .map_err(|e| WorkerError::BadUpdate(format!("writing {}: {e}", dir.display())))?;
         let refuse = |why: String| {
             let _ = std::fs::remove_dir_all(&dir);
-            WorkerError::BadUpdate(format!("agent {agent} v{}: {why}; v{current} keeps serving", update.version))
+            WorkerError::BadUpdate(format!(
+                "agent {agent} v{}: {why}; v{current} keeps serving",
+                update.version
+            ))
         };
         if let Err(e) = api::load_adapter(self.http(), &name, &dir, CALL_TIMEOUT).await {
             return Err(refuse(format!("vllm did not load the adapter: {e}")));
@@ -724,9 +915,18 @@ impl VllmLoop {
         a.dir = Some((dir, true));
         a.probe = update.probe;
         self.state.agent_versions[id as usize].store(update.version, Ordering::SeqCst);
-        let newest = self.adapters.iter().flatten().map(|a| a.version).max().unwrap_or(0);
+        let newest = self
+            .adapters
+            .iter()
+            .flatten()
+            .map(|a| a.version)
+            .max()
+            .unwrap_or(0);
         self.state.policy_version.store(newest, Ordering::SeqCst);
-        self.metrics.policy_version.with_label_values(&[agent.as_str()]).set(update.version as i64);
+        self.metrics
+            .policy_version
+            .with_label_values(&[agent.as_str()])
+            .set(update.version as i64);
         tracing::debug!(model = %self.model_id, agent, version = update.version, rank = config.r, tensors = tensors.len(),
             total_ms = started.elapsed().as_millis() as u64, "adapter loaded into vllm");
         Ok(update.version)
@@ -743,7 +943,9 @@ impl VllmLoop {
             return;
         }
         let quick = async {
-            api::reload_from_model_dir(self.http(), CALL_TIMEOUT).await.map_err(|e| e.to_string())?;
+            api::reload_from_model_dir(self.http(), CALL_TIMEOUT)
+                .await
+                .map_err(|e| e.to_string())?;
             self.replay().await
         }
         .await;
@@ -756,9 +958,20 @@ impl VllmLoop {
     fn publish(&self) {
         let model = self.model_id.as_str();
         let queued = self.waiting.len();
-        self.state.running_sequences.store(self.running.values().map(|j| j.requests.iter().map(|r| r.n).sum::<usize>()).sum(), Ordering::SeqCst);
+        self.state.running_sequences.store(
+            self.running
+                .values()
+                .map(|j| j.requests.iter().map(|r| r.n).sum::<usize>())
+                .sum(),
+            Ordering::SeqCst,
+        );
         self.state.queued_jobs.store(queued, Ordering::SeqCst);
-        self.state.pending_updates.store(self.updates.len(), Ordering::SeqCst);
-        self.metrics.queue_depth.with_label_values(&[model]).set(queued as i64);
+        self.state
+            .pending_updates
+            .store(self.updates.len(), Ordering::SeqCst);
+        self.metrics
+            .queue_depth
+            .with_label_values(&[model])
+            .set(queued as i64);
     }
 }

@@ -59,7 +59,9 @@ pub struct EngineHttp {
 impl EngineHttp {
     /// The API served at `socket`.
     pub fn new(socket: &Path) -> Self {
-        Self { socket: socket.to_path_buf() }
+        Self {
+            socket: socket.to_path_buf(),
+        }
     }
 
     /// `GET path`: the status and body.
@@ -69,19 +71,34 @@ impl EngineHttp {
 
     /// `POST path` with a JSON body (or none), expecting a 2xx answer; the answer as JSON (`Null`
     /// for an empty body).
-    pub async fn post_json(&self, path: &str, body: Option<&Value>, timeout: Duration) -> Result<Value, CallError> {
+    pub async fn post_json(
+        &self,
+        path: &str,
+        body: Option<&Value>,
+        timeout: Duration,
+    ) -> Result<Value, CallError> {
         let bytes = self.post(path, body, timeout).await?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Value::Null);
         }
-        serde_json::from_slice(&bytes).map_err(|e| CallError::Invalid { path: path.to_string(), message: e.to_string() })
+        serde_json::from_slice(&bytes).map_err(|e| CallError::Invalid {
+            path: path.to_string(),
+            message: e.to_string(),
+        })
     }
 
     /// POSTs `body` to `path`; the answer's bytes when its status is 2xx (some endpoints answer
     /// plain text).
-    pub async fn post(&self, path: &str, body: Option<&Value>, timeout: Duration) -> Result<Bytes, CallError> {
+    pub async fn post(
+        &self,
+        path: &str,
+        body: Option<&Value>,
+        timeout: Duration,
+    ) -> Result<Bytes, CallError> {
         let payload = body.map(|b| Bytes::from(serde_json::to_vec(b).expect("a Value serialises")));
-        let (status, bytes) = self.call(hyper::Method::POST, path, payload, timeout).await?;
+        let (status, bytes) = self
+            .call(hyper::Method::POST, path, payload, timeout)
+            .await?;
         if !(200..300).contains(&status) {
             return Err(CallError::Status {
                 status,
@@ -100,20 +117,29 @@ impl EngineHttp {
         timeout: Duration,
     ) -> Result<(u16, Bytes), CallError> {
         let work = async {
-            let stream =
-                UnixStream::connect(&self.socket).await.map_err(|e| CallError::Unreachable(format!("{}: {e}", self.socket.display())))?;
+            let stream = UnixStream::connect(&self.socket)
+                .await
+                .map_err(|e| CallError::Unreachable(format!("{}: {e}", self.socket.display())))?;
             let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
                 .await
                 .map_err(|e| CallError::Unreachable(format!("handshake: {e}")))?;
             // The connection is driven beside the request; it is closed when the answer is read or
             // the caller gives up (a cancelled job: vLLM aborts a request whose client is gone).
             let _driver = AbortOnDrop(tokio::spawn(conn));
-            let mut req = hyper::Request::builder().method(method).uri(path).header(hyper::header::HOST, "localhost");
+            let mut req = hyper::Request::builder()
+                .method(method)
+                .uri(path)
+                .header(hyper::header::HOST, "localhost");
             if body.is_some() {
                 req = req.header(hyper::header::CONTENT_TYPE, "application/json");
             }
-            let req = req.body(Full::new(body.unwrap_or_default())).expect("a valid request");
-            let answer = sender.send_request(req).await.map_err(|e| CallError::Unreachable(format!("{path}: {e}")));
+            let req = req
+                .body(Full::new(body.unwrap_or_default()))
+                .expect("a valid request");
+            let answer = sender
+                .send_request(req)
+                .await
+                .map_err(|e| CallError::Unreachable(format!("{path}: {e}")));
             let result = match answer {
                 Ok(resp) => {
                     let status = resp.status().as_u16();
@@ -121,7 +147,9 @@ impl EngineHttp {
                         .collect()
                         .await
                         .map(|b| (status, b.to_bytes()))
-                        .map_err(|e| CallError::Unreachable(format!("{path}: reading the answer: {e}")))
+                        .map_err(|e| {
+                            CallError::Unreachable(format!("{path}: reading the answer: {e}"))
+                        })
                 }
                 Err(e) => Err(e),
             };
@@ -129,7 +157,10 @@ impl EngineHttp {
         };
         tokio::time::timeout(timeout, work)
             .await
-            .map_err(|_| CallError::Timeout { path: path.to_string(), secs: timeout.as_secs() })?
+            .map_err(|_| CallError::Timeout {
+                path: path.to_string(),
+                secs: timeout.as_secs(),
+            })?
     }
 }
 

@@ -188,11 +188,16 @@ impl LaunchSpec {
             tch::Kind::Half => "float16",
             k => return Err(EngineError::Unsupported(format!("dtype {k:?}"))),
         };
-        let max_model_len = options.max_model_len.unwrap_or(cfg.max_position_embeddings.min(8192));
+        let max_model_len = options
+            .max_model_len
+            .unwrap_or(cfg.max_position_embeddings.min(8192));
         let mut env = Vec::new();
         let cuda_device = match device {
             tch::Device::Cpu => {
-                env.push(("VLLM_CPU_KVCACHE_SPACE".to_string(), options.cpu_kv_cache_gib.to_string()));
+                env.push((
+                    "VLLM_CPU_KVCACHE_SPACE".to_string(),
+                    options.cpu_kv_cache_gib.to_string(),
+                ));
                 None
             }
             tch::Device::Cuda(i) => {
@@ -207,7 +212,10 @@ impl LaunchSpec {
                 let gpus: Vec<String> = (i..i + tp)
                     .map(|g| match &visible {
                         Some(list) => list.get(g).cloned().ok_or_else(|| {
-                            EngineError::Unsupported(format!("cuda:{g} is not among CUDA_VISIBLE_DEVICES={}", list.join(",")))
+                            EngineError::Unsupported(format!(
+                                "cuda:{g} is not among CUDA_VISIBLE_DEVICES={}",
+                                list.join(",")
+                            ))
                         }),
                         None => Ok(g.to_string()),
                     })
@@ -215,7 +223,11 @@ impl LaunchSpec {
                 env.push(("CUDA_VISIBLE_DEVICES".to_string(), gpus.join(",")));
                 Some(i)
             }
-            d => return Err(EngineError::Unsupported(format!("device {d:?} (vLLM engines run on cpu or cuda:N)"))),
+            d => {
+                return Err(EngineError::Unsupported(format!(
+                    "device {d:?} (vLLM engines run on cpu or cuda:N)"
+                )));
+            }
         };
         Ok(Self {
             python: options.python.clone(),
@@ -234,22 +246,51 @@ impl LaunchSpec {
 /// The Hugging Face directory vLLM reads for a loaded model: its own directory when it came from
 /// one, otherwise (a GGUF file, the embedded default) a directory written once from the loaded
 /// weights into the cache (`$COTRAIN_CACHE/vllm-models/`) and reused by later starts.
-pub(crate) fn model_dir(spec: &str, loaded: &cotrain_model::loader::LoadedModel) -> Result<PathBuf, EngineError> {
+pub(crate) fn model_dir(
+    spec: &str,
+    loaded: &cotrain_model::loader::LoadedModel,
+) -> Result<PathBuf, EngineError> {
     use cotrain_model::loader::ModelSource;
     let gguf = match &loaded.source {
         ModelSource::HfDir(d) => return Ok(d.clone()),
         ModelSource::Gguf(p) => p,
     };
-    let meta = std::fs::metadata(gguf).map_err(|e| EngineError::Start(format!("{}: {e}", gguf.display())))?;
-    let modified = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_secs());
-    let key = format!("{}|{}|{}|{:?}", std::fs::canonicalize(gguf).unwrap_or(gguf.clone()).display(), meta.len(), modified, loaded.model.config().family);
+    let meta = std::fs::metadata(gguf)
+        .map_err(|e| EngineError::Start(format!("{}: {e}", gguf.display())))?;
+    let modified = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_secs());
+    let key = format!(
+        "{}|{}|{}|{:?}",
+        std::fs::canonicalize(gguf)
+            .unwrap_or(gguf.clone())
+            .display(),
+        meta.len(),
+        modified,
+        loaded.model.config().family
+    );
     // FNV-1a: a stable name for the file's identity; not a security boundary.
-    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
-    let stem = gguf.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
-    let kind = loaded.named_parameters().values().next().map(|t| format!("{:?}", t.kind())).unwrap_or_default();
-    let cache = cotrain_model::cache_dir()
-        .ok_or_else(|| EngineError::Start("no cache directory (set COTRAIN_CACHE or HOME)".into()))?;
-    let dir = cache.join("vllm-models").join(format!("{stem}-{kind}-{hash:016x}"));
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let stem = gguf
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let kind = loaded
+        .named_parameters()
+        .values()
+        .next()
+        .map(|t| format!("{:?}", t.kind()))
+        .unwrap_or_default();
+    let cache = cotrain_model::cache_dir().ok_or_else(|| {
+        EngineError::Start("no cache directory (set COTRAIN_CACHE or HOME)".into())
+    })?;
+    let dir = cache
+        .join("vllm-models")
+        .join(format!("{stem}-{kind}-{hash:016x}"));
     if dir.join("config.json").is_file() && dir.join("model.safetensors").is_file() {
         return Ok(dir);
     }
@@ -268,8 +309,15 @@ pub fn check_python(python: &std::path::Path) -> Result<String, EngineError> {
         .map_err(|e| EngineError::Missing(format!("cannot run {} ({e})", python.display())))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
-        let last = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output");
-        return Err(EngineError::Missing(format!("{} cannot import vllm ({last})", python.display())));
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("no output");
+        return Err(EngineError::Missing(format!(
+            "{} cannot import vllm ({last})",
+            python.display()
+        )));
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }

@@ -72,21 +72,33 @@ impl EngineProcess {
         // server then stops its engine-core process (a SIGKILL would orphan it, still computing).
         unsafe {
             cmd.pre_exec(|| {
-                if libc::setpgid(0, 0) != 0 || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM, 0, 0, 0) != 0 {
+                if libc::setpgid(0, 0) != 0
+                    || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM, 0, 0, 0) != 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
             });
         }
         let mut child = cmd.spawn().map_err(|e| {
-            EngineError::Start(format!("cannot run {} ({e}); set COTRAIN_VLLM and run `make setup`", spec.python.display()))
+            EngineError::Start(format!(
+                "cannot run {} ({e}); set COTRAIN_VLLM and run `make setup`",
+                spec.python.display()
+            ))
         })?;
         let pgid = child.id().map(|p| p as i32).unwrap_or(0);
         let recent = Recent::default();
         forward_lines(child.stdout.take(), label, recent.clone());
         forward_lines(child.stderr.take(), label, recent.clone());
         info!(engine = label, pid = pgid, model = %spec.model_dir.display(), "vllm engine starting");
-        Ok(Self { child, pgid, http: EngineHttp::new(&socket), _dir: dir, label: label.to_string(), recent })
+        Ok(Self {
+            child,
+            pgid,
+            http: EngineHttp::new(&socket),
+            _dir: dir,
+            label: label.to_string(),
+            recent,
+        })
     }
 
     /// The engine's API.
@@ -100,7 +112,8 @@ impl EngineProcess {
     pub fn last_error(&self) -> Option<String> {
         let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         let is_error = |l: &&String| l.contains("Error: ") || l.contains("Exception: ");
-        let is_wrapper = |l: &&String| l.contains("EngineDeadError") || l.contains("See stack trace");
+        let is_wrapper =
+            |l: &&String| l.contains("EngineDeadError") || l.contains("See stack trace");
         recent
             .iter()
             .rev()
@@ -129,7 +142,8 @@ impl EngineProcess {
                 return Err(EngineError::Start(format!(
                     "the vllm engine ({}) exited while starting ({status}): {}",
                     self.label,
-                    self.last_error().unwrap_or_else(|| "its log lines above say why".into())
+                    self.last_error()
+                        .unwrap_or_else(|| "its log lines above say why".into())
                 )));
             }
             if let Ok((200, _)) = self.http.get("/health", Duration::from_secs(5)).await {
@@ -179,7 +193,11 @@ fn python_path(dir: &Path) -> std::ffi::OsString {
 }
 
 /// Forwards the engine's output to the log, a line at a time, as it comes.
-fn forward_lines<R: tokio::io::AsyncRead + Unpin + Send + 'static>(from: Option<R>, label: &str, recent: Recent) {
+fn forward_lines<R: tokio::io::AsyncRead + Unpin + Send + 'static>(
+    from: Option<R>,
+    label: &str,
+    recent: Recent,
+) {
     let Some(from) = from else { return };
     let label = label.to_string();
     tokio::spawn(async move {

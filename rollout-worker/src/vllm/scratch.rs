@@ -8,7 +8,9 @@ use std::path::Path;
 /// A fresh private (0700) directory in `parent`, named `cotrain-vllm-{kind}-{pid}-…`.
 pub(crate) fn private_dir(parent: &Path, kind: &str) -> std::io::Result<tempfile::TempDir> {
     use std::os::unix::fs::PermissionsExt;
-    let dir = tempfile::Builder::new().prefix(&format!("cotrain-vllm-{kind}-{}-", std::process::id())).tempdir_in(parent)?;
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("cotrain-vllm-{kind}-{}-", std::process::id()))
+        .tempdir_in(parent)?;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))?;
     Ok(dir)
 }
@@ -21,16 +23,25 @@ pub(crate) fn sweep_dead(parent: &Path, kind: &str) -> usize {
     let prefix = format!("cotrain-vllm-{kind}-");
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
-    let Ok(entries) = std::fs::read_dir(parent) else { return 0 };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return 0;
+    };
     let mut removed = 0;
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&prefix)).and_then(|rest| rest.split('-').next()).and_then(|p| p.parse::<u32>().ok())
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
         else {
             continue;
         };
         let ours = entry.metadata().is_ok_and(|m| m.is_dir() && m.uid() == me);
-        if ours && !Path::new(&format!("/proc/{pid}")).exists() && std::fs::remove_dir_all(entry.path()).is_ok() {
+        if ours
+            && !Path::new(&format!("/proc/{pid}")).exists()
+            && std::fs::remove_dir_all(entry.path()).is_ok()
+        {
             removed += 1;
         }
     }
@@ -48,7 +59,10 @@ pub(crate) fn sweep_once() {
             removed += sweep_dead(shm, "weights");
         }
         if removed > 0 {
-            tracing::info!(removed, "removed the vllm scratch directories of workers no longer running");
+            tracing::info!(
+                removed,
+                "removed the vllm scratch directories of workers no longer running"
+            );
         }
     });
 }

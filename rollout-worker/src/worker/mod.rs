@@ -37,9 +37,12 @@ use tch::Device;
 pub use crate::batcher::{EngineThreads, StreamToken};
 use crate::error::{Result, WorkerError};
 use crate::metrics::Metrics;
-pub use config::{EngineKind, MAX_TEMPERATURE, WorkerConfig};
 pub use crate::seeds::prompt_seed;
-pub use job::{CompletionOutput, GenerateJob, GenerateOutput, ModelStatus, ParameterShape, PromptInput, SampleOutput};
+pub use config::{EngineKind, MAX_TEMPERATURE, WorkerConfig};
+pub use job::{
+    CompletionOutput, GenerateJob, GenerateOutput, ModelStatus, ParameterShape, PromptInput,
+    SampleOutput,
+};
 use slot::{BaseWeights, ModelSlot};
 
 /// The rollout worker's business logic; the gRPC and HTTP layers are thin adapters over it.
@@ -185,8 +188,27 @@ impl Worker {
             };
             let base = slot::shared_base(&mut bases, spec, merge_device, &config);
             let slot = match &config.engine {
-                EngineKind::Cotrain => slot::start_model(spec, &id, names.clone(), *adapters, device, &config, &metrics, base)?,
-                EngineKind::Vllm(options) => slot::start_vllm_model(spec, &id, names.clone(), *adapters, device, &config, options, &metrics, base)?,
+                EngineKind::Cotrain => slot::start_model(
+                    spec,
+                    &id,
+                    names.clone(),
+                    *adapters,
+                    device,
+                    &config,
+                    &metrics,
+                    base,
+                )?,
+                EngineKind::Vllm(options) => slot::start_vllm_model(
+                    spec,
+                    &id,
+                    names.clone(),
+                    *adapters,
+                    device,
+                    &config,
+                    options,
+                    &metrics,
+                    base,
+                )?,
             };
             for n in names {
                 agents.insert(n.clone(), models.len());

@@ -7,7 +7,10 @@ use cotrain_model::engine::Request;
 use tokio::sync::{mpsc, oneshot};
 
 use super::slot::ModelSlot;
-use super::{CompletionOutput, GenerateJob, GenerateOutput, MAX_TEMPERATURE, PromptInput, SampleOutput, StreamToken, Worker, prompt_seed};
+use super::{
+    CompletionOutput, GenerateJob, GenerateOutput, MAX_TEMPERATURE, PromptInput, SampleOutput,
+    StreamToken, Worker, prompt_seed,
+};
 use crate::batcher::{Command, JobOutput};
 use crate::error::{Result, WorkerError};
 use crate::metrics::Metrics;
@@ -287,4 +290,3 @@ impl Drop for CancelOnDrop<'_> {
         }
     }
 }
-

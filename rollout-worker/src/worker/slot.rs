@@ -174,9 +174,8 @@ pub(super) fn start_model(
     let parameter_count = named.values().map(|t| t.numel() as u64).sum();
     let chat_template = match &loaded.chat_template {
         Some(t) => Some(
-            ChatTemplate::new(t.source().to_string(), t.bos_token(), t.eos_token()).map_err(
-                |e| WorkerError::Internal(format!("chat template of `{spec}`: {e}")),
-            )?,
+            ChatTemplate::new(t.source().to_string(), t.bos_token(), t.eos_token())
+                .map_err(|e| WorkerError::Internal(format!("chat template of `{spec}`: {e}")))?,
         ),
         None => None,
     };
@@ -266,7 +265,6 @@ pub(super) fn start_model(
     })
 }
 
-
 /// A model served by a vLLM engine (`serve --engine vllm`): the worker loads it only to read its
 /// tokenizer, chat template and parameter shapes (and to write a Hugging Face directory when the
 /// spec is a GGUF file or the embedded default), then hands generation to the engine. An adapter
@@ -285,11 +283,15 @@ pub(super) fn start_vllm_model(
 ) -> Result<ModelSlot> {
     let started = std::time::Instant::now();
     // On the CPU, in the worker's dtype: the weights are dropped once the directory exists.
-    let opts = LoadOptions { device: Device::Cpu, kind: config.kind };
+    let opts = LoadOptions {
+        device: Device::Cpu,
+        kind: config.kind,
+    };
     let loaded = loader::load(spec, &opts)?;
     let cfg = loaded.model.config().clone();
     let named = loaded.named_parameters();
-    let params: HashMap<String, Vec<i64>> = named.iter().map(|(k, t)| (k.clone(), t.size())).collect();
+    let params: HashMap<String, Vec<i64>> =
+        named.iter().map(|(k, t)| (k.clone(), t.size())).collect();
     let parameter_count = named.values().map(|t| t.numel() as u64).sum();
     drop(named);
     let chat_template = match &loaded.chat_template {
@@ -302,21 +304,41 @@ pub(super) fn start_vllm_model(
     let tokenizer = loaded.tokenizer.clone();
     let model_dir = crate::vllm::model_dir(spec, &loaded)?;
     drop(loaded);
-    let mut launch = crate::vllm::LaunchSpec::new(options, model_dir, config.kind, device, &cfg, config.max_batch_size)?;
+    let mut launch = crate::vllm::LaunchSpec::new(
+        options,
+        model_dir,
+        config.kind,
+        device,
+        &cfg,
+        config.max_batch_size,
+    )?;
     if adapters {
         launch = launch.with_adapters(agents.len());
     }
     let context_length = launch.max_model_len;
     let (tx, rx) = mpsc::unbounded_channel();
-    let state = Arc::new(if adapters { LoopState::for_adapters(agents.len()) } else { LoopState::default() });
+    let state = Arc::new(if adapters {
+        LoopState::for_adapters(agents.len())
+    } else {
+        LoopState::default()
+    });
     // `--lora-module` adapters of this group's agents, by adapter id.
     let lora_modules: Vec<(u32, std::path::PathBuf)> = config
         .lora_modules
         .iter()
-        .filter_map(|(agent, dir)| agents.iter().position(|a| a == agent).filter(|_| adapters).map(|id| (id as u32, dir.clone())))
+        .filter_map(|(agent, dir)| {
+            agents
+                .iter()
+                .position(|a| a == agent)
+                .filter(|_| adapters)
+                .map(|id| (id as u32, dir.clone()))
+        })
         .collect();
     for a in &agents {
-        metrics.policy_version.with_label_values(&[a.as_str()]).set(0);
+        metrics
+            .policy_version
+            .with_label_values(&[a.as_str()])
+            .set(0);
     }
     let thread = crate::vllm::engine_loop::VllmLoop::start(
         launch,
@@ -328,8 +350,14 @@ pub(super) fn start_vllm_model(
         metrics.clone(),
         lora_modules,
     )?;
-    info!(model = id, ?agents, parameters = parameter_count, engine = "vllm",
-        start_ms = started.elapsed().as_millis() as u64, "model loaded");
+    info!(
+        model = id,
+        ?agents,
+        parameters = parameter_count,
+        engine = "vllm",
+        start_ms = started.elapsed().as_millis() as u64,
+        "model loaded"
+    );
     Ok(ModelSlot {
         id: id.to_string(),
         agents,

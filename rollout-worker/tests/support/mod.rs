@@ -88,14 +88,22 @@ impl TinyModel {
     pub fn vllm_sized(family: &str, seed: i64) -> Self {
         let m = Self::new(family);
         let mut config: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(m.path().join("config.json")).unwrap()).unwrap();
-        for (k, v) in [("hidden_size", 128), ("intermediate_size", 256), ("num_attention_heads", 2), ("num_key_value_heads", 1), ("head_dim", 64)] {
+            serde_json::from_str(&std::fs::read_to_string(m.path().join("config.json")).unwrap())
+                .unwrap();
+        for (k, v) in [
+            ("hidden_size", 128),
+            ("intermediate_size", 256),
+            ("num_attention_heads", 2),
+            ("num_key_value_heads", 1),
+            ("head_dim", 64),
+        ] {
             config[k] = json!(v);
         }
         std::fs::write(m.path().join("config.json"), config.to_string()).unwrap();
         tch::manual_seed(seed);
         let (h, f, v, kv) = (128i64, 256i64, 256i64, 64i64);
-        let w = |shape: &[i64]| tch::Tensor::randn(shape, (tch::Kind::Float, tch::Device::Cpu)) * 0.1;
+        let w =
+            |shape: &[i64]| tch::Tensor::randn(shape, (tch::Kind::Float, tch::Device::Cpu)) * 0.1;
         let mut tensors = vec![
             ("model.embed_tokens.weight".to_string(), w(&[v, h])),
             ("model.norm.weight".to_string(), w(&[h]) + 1.0),
@@ -115,7 +123,10 @@ impl TinyModel {
                 tensors.push((format!("{p}.{name}"), w(&shape)));
             }
             tensors.push((format!("{p}.input_layernorm.weight"), w(&[h]) + 1.0));
-            tensors.push((format!("{p}.post_attention_layernorm.weight"), w(&[h]) + 1.0));
+            tensors.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                w(&[h]) + 1.0,
+            ));
             if family == "qwen2" {
                 for (name, n) in [("q_proj", h), ("k_proj", kv), ("v_proj", kv)] {
                     tensors.push((format!("{p}.self_attn.{name}.bias"), w(&[n])));
@@ -123,7 +134,11 @@ impl TinyModel {
             }
         }
         tch::Tensor::write_safetensors(&tensors, m.path().join("model.safetensors")).unwrap();
-        std::fs::write(m.path().join("tokenizer_config.json"), r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#).unwrap();
+        std::fs::write(
+            m.path().join("tokenizer_config.json"),
+            r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#,
+        )
+        .unwrap();
         m
     }
 

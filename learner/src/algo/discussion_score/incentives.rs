@@ -48,7 +48,11 @@ enum Others {
 
 fn others(row: &[bool], me: usize) -> Others {
     let n_others = row.len() - 1;
-    let right = row.iter().enumerate().filter(|(a, c)| *a != me && **c).count();
+    let right = row
+        .iter()
+        .enumerate()
+        .filter(|(a, c)| *a != me && **c)
+        .count();
     match (2 * right).cmp(&n_others) {
         std::cmp::Ordering::Greater => Others::Right,
         std::cmp::Ordering::Less => Others::Wrong,
@@ -85,7 +89,10 @@ fn others(row: &[bool], me: usize) -> Others {
 ///
 /// The released `bonus_rule` gives no bonus at turn 0 at all, influence included; the paper's
 /// tables hold from turn 0, so `Paper` gives turn 0 its influence term (turn 0 has no change).
-pub fn incentive_bonus(correct: &[Vec<bool>], inc: &Incentives) -> Result<Vec<Vec<f64>>, MaporlError> {
+pub fn incentive_bonus(
+    correct: &[Vec<bool>],
+    inc: &Incentives,
+) -> Result<Vec<Vec<f64>>, MaporlError> {
     let n = agents_of(correct)?;
     let [w0, w1, w2, w3] = inc.alpha;
     let paper = inc.rule == IncentiveRule::Paper;
@@ -102,14 +109,31 @@ pub fn incentive_bonus(correct: &[Vec<bool>], inc: &Incentives) -> Result<Vec<Ve
                             (Transition::CorrectToWrong, Some(Others::Right) | None) => -w1,
                             (Transition::CorrectToWrong, Some(Others::Wrong)) => -w0,
                             (Transition::WrongToCorrect, None) => w1,
-                            (Transition::WrongToCorrect, Some(Others::Wrong)) => if paper { w0 } else { w1 },
-                            (Transition::WrongToCorrect, Some(Others::Right)) => if paper { w1 } else { w0 },
+                            (Transition::WrongToCorrect, Some(Others::Wrong)) => {
+                                if paper {
+                                    w0
+                                } else {
+                                    w1
+                                }
+                            }
+                            (Transition::WrongToCorrect, Some(Others::Right)) => {
+                                if paper {
+                                    w1
+                                } else {
+                                    w0
+                                }
+                            }
                             _ => 0.0,
                         };
                     }
                     let influence_turn = if paper { true } else { t >= 1 };
                     if n > 1 && influence_turn && t + 1 < correct.len() {
-                        b += match (others(&correct[t], i), others(&correct[t + 1], i), me, paper) {
+                        b += match (
+                            others(&correct[t], i),
+                            others(&correct[t + 1], i),
+                            me,
+                            paper,
+                        ) {
                             (Others::Wrong, Others::Right, true, true) => w3,
                             (Others::Wrong, Others::Right, false, true) => w2,
                             (Others::Right, Others::Wrong, true, true) => -w3,

@@ -42,7 +42,13 @@ pub struct InvalidOutputRule {
 
 impl Default for InvalidOutputRule {
     fn default() -> Self {
-        Self { min_tokens: 50, max_repeats: 3, max_phrase_words: 20, require_boxed: true, penalty: -10.0 }
+        Self {
+            min_tokens: 50,
+            max_repeats: 3,
+            max_phrase_words: 20,
+            require_boxed: true,
+            penalty: -10.0,
+        }
     }
 }
 
@@ -64,7 +70,11 @@ pub fn boxed_required(turn: usize, first_turn_trained: bool) -> bool {
 /// words ("the answer is the answer is …") are still caught.
 ///
 /// A box counts when the last `\boxed{` closes (even empty: the released regex accepts `\boxed{}`).
-pub fn invalid_reason(text: &str, num_tokens: usize, rule: &InvalidOutputRule) -> Option<InvalidReason> {
+pub fn invalid_reason(
+    text: &str,
+    num_tokens: usize,
+    rule: &InvalidOutputRule,
+) -> Option<InvalidReason> {
     if num_tokens < rule.min_tokens {
         return Some(InvalidReason::TooShort);
     }
@@ -78,8 +88,16 @@ pub fn invalid_reason(text: &str, num_tokens: usize, rule: &InvalidOutputRule) -
 }
 
 /// The score to train on: `rule.penalty` in place of `score` when the answer is invalid.
-pub fn apply_invalid_penalty(score: f64, reason: Option<InvalidReason>, rule: &InvalidOutputRule) -> f64 {
-    if reason.is_some() { rule.penalty } else { score }
+pub fn apply_invalid_penalty(
+    score: f64,
+    reason: Option<InvalidReason>,
+    rule: &InvalidOutputRule,
+) -> f64 {
+    if reason.is_some() {
+        rule.penalty
+    } else {
+        score
+    }
 }
 
 fn has_closed_box(text: &str) -> bool {
@@ -107,7 +125,11 @@ fn has_repetition(text: &str, max_repeats: usize, max_phrase_words: usize) -> bo
         for (k, (a, b)) in words.iter().zip(&words[n..]).enumerate() {
             if a == b {
                 run += 1;
-                if run >= need && words[k + 1 - need..k + 1 - need + n].iter().any(|w| is_prose(w)) {
+                if run >= need
+                    && words[k + 1 - need..k + 1 - need + n]
+                        .iter()
+                        .any(|w| is_prose(w))
+                {
                     return true;
                 }
             } else {

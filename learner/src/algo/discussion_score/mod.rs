@@ -61,7 +61,9 @@ mod rule;
 mod tests;
 
 pub use incentives::{IncentiveRule, Incentives, Transition, answer_changes, incentive_bonus};
-pub use invalid::{InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason};
+pub use invalid::{
+    InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason,
+};
 pub use rule::{AgentShare, Horizon, ScoreRule, training_scores};
 
 /// Why a table of scores or correctness cannot be scored.
@@ -69,13 +71,24 @@ pub use rule::{AgentShare, Horizon, ScoreRule, training_scores};
 pub enum MaporlError {
     /// A turn lists a different number of agents than turn 0.
     #[error("turn {turn} has {got} agents, turn 0 has {expected}")]
-    RaggedTable { turn: usize, expected: usize, got: usize },
+    RaggedTable {
+        turn: usize,
+        expected: usize,
+        got: usize,
+    },
     /// The table has turns but no agents.
     #[error("the table has turns but no agents")]
     NoAgents,
     /// The scores and correctness tables disagree in shape.
-    #[error("the scores table is {scores_turns}×{scores_agents} but the correctness table is {correct_turns}×{correct_agents}")]
-    ShapeMismatch { scores_turns: usize, scores_agents: usize, correct_turns: usize, correct_agents: usize },
+    #[error(
+        "the scores table is {scores_turns}×{scores_agents} but the correctness table is {correct_turns}×{correct_agents}"
+    )]
+    ShapeMismatch {
+        scores_turns: usize,
+        scores_agents: usize,
+        correct_turns: usize,
+        correct_agents: usize,
+    },
     /// The discount must be a finite number ≥ 0.
     #[error("gamma must be finite and non-negative, got {0}")]
     InvalidGamma(f64),
@@ -83,14 +96,20 @@ pub enum MaporlError {
 
 /// Number of agents of a turns × agents table, checking that every turn has the same.
 fn agents_of<T>(table: &[Vec<T>]) -> Result<usize, MaporlError> {
-    let Some(first) = table.first() else { return Ok(0) };
+    let Some(first) = table.first() else {
+        return Ok(0);
+    };
     let n = first.len();
     if n == 0 {
         return Err(MaporlError::NoAgents);
     }
     for (turn, row) in table.iter().enumerate() {
         if row.len() != n {
-            return Err(MaporlError::RaggedTable { turn, expected: n, got: row.len() });
+            return Err(MaporlError::RaggedTable {
+                turn,
+                expected: n,
+                got: row.len(),
+            });
         }
     }
     Ok(n)
@@ -115,5 +134,8 @@ pub fn shaped_training_scores(
     }
     let r = training_scores(s, rule)?;
     let b = incentive_bonus(correct, inc)?;
-    Ok(r.iter().zip(&b).map(|(rr, bb)| rr.iter().zip(bb).map(|(x, y)| x + y).collect()).collect())
+    Ok(r.iter()
+        .zip(&b)
+        .map(|(rr, bb)| rr.iter().zip(bb).map(|(x, y)| x + y).collect())
+        .collect())
 }

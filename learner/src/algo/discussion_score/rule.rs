@@ -20,7 +20,12 @@ pub struct ScoreRule {
 impl Default for ScoreRule {
     /// The released configs: `discounted_sum`, `all`, γ = 0.3, no window.
     fn default() -> Self {
-        Self { horizon: Horizon::DiscountedSum, agent_share: AgentShare::All, gamma: 0.3, lookahead: None }
+        Self {
+            horizon: Horizon::DiscountedSum,
+            agent_share: AgentShare::All,
+            gamma: 0.3,
+            lookahead: None,
+        }
     }
 }
 
@@ -38,14 +43,19 @@ pub fn training_scores(s: &[Vec<f64>], rule: &ScoreRule) -> Result<Vec<Vec<f64>>
     }
     let n = agents_of(s)?;
     let last = s.len().saturating_sub(1);
-    let mean: Vec<f64> = s.iter().map(|row| row.iter().sum::<f64>() / n as f64).collect();
+    let mean: Vec<f64> = s
+        .iter()
+        .map(|row| row.iter().sum::<f64>() / n as f64)
+        .collect();
     let pick = |t: usize, i: usize| match rule.agent_share {
         AgentShare::All => mean[t],
         AgentShare::Individual => s[t][i],
     };
     let scores = (0..s.len())
         .map(|t| {
-            let x = rule.lookahead.map_or(last, |k| last.min(t.saturating_add(k)));
+            let x = rule
+                .lookahead
+                .map_or(last, |k| last.min(t.saturating_add(k)));
             (0..n)
                 .map(|i| match rule.horizon {
                     Horizon::Current => pick(t, i),

@@ -23,27 +23,57 @@ fn discounted_sum_over_all_agents_matches_hand_computed_values() {
     // R(1,0) = (0 + 0.3·1) / 1.3 = 0.3 / 1.3;  R(1,1) = (1 + 0.3) / 1.3 = 1
     // R(2,i) = s(2,i) = 1
     let r = training_scores(&table(), &ScoreRule::default()).unwrap();
-    close(&r, &[vec![1.24 / 1.39, 0.24 / 1.39], vec![0.3 / 1.3, 1.0], vec![1.0, 1.0]]);
+    close(
+        &r,
+        &[
+            vec![1.24 / 1.39, 0.24 / 1.39],
+            vec![0.3 / 1.3, 1.0],
+            vec![1.0, 1.0],
+        ],
+    );
 }
 
 #[test]
 fn individual_share_uses_only_the_agents_own_future() {
     // R(0,0) = (1 + 0.3·0 + 0.09·1) / 1.39 = 1.09 / 1.39;  R(0,1) = (0 + 0.3·1 + 0.09·1) / 1.39
     // R(1,0) = (0 + 0.3·1) / 1.3;  R(1,1) = (1 + 0.3·1) / 1.3 = 1
-    let rule = ScoreRule { agent_share: AgentShare::Individual, ..ScoreRule::default() };
+    let rule = ScoreRule {
+        agent_share: AgentShare::Individual,
+        ..ScoreRule::default()
+    };
     let r = training_scores(&table(), &rule).unwrap();
-    close(&r, &[vec![1.09 / 1.39, 0.39 / 1.39], vec![0.3 / 1.3, 1.0], vec![1.0, 1.0]]);
+    close(
+        &r,
+        &[
+            vec![1.09 / 1.39, 0.39 / 1.39],
+            vec![0.3 / 1.3, 1.0],
+            vec![1.0, 1.0],
+        ],
+    );
 }
 
 #[test]
 fn lookahead_limits_the_window() {
     // k = 1: turn 0 sees turns 0..=1 only, denominator 1.3.
     // R(0,0) = (1 + 0.3·0.5) / 1.3 = 1.15 / 1.3;  R(0,1) = 0.15 / 1.3; later turns as before.
-    let rule = ScoreRule { lookahead: Some(1), ..ScoreRule::default() };
+    let rule = ScoreRule {
+        lookahead: Some(1),
+        ..ScoreRule::default()
+    };
     let r = training_scores(&table(), &rule).unwrap();
-    close(&r, &[vec![1.15 / 1.3, 0.15 / 1.3], vec![0.3 / 1.3, 1.0], vec![1.0, 1.0]]);
+    close(
+        &r,
+        &[
+            vec![1.15 / 1.3, 0.15 / 1.3],
+            vec![0.3 / 1.3, 1.0],
+            vec![1.0, 1.0],
+        ],
+    );
     // k = 0 is the agent's own score.
-    let rule = ScoreRule { lookahead: Some(0), ..ScoreRule::default() };
+    let rule = ScoreRule {
+        lookahead: Some(0),
+        ..ScoreRule::default()
+    };
     close(&training_scores(&table(), &rule).unwrap(), &table());
 }
 
@@ -56,16 +86,29 @@ fn a_question_that_stopped_early_sums_to_its_last_played_turn() {
 
 #[test]
 fn current_and_last_horizons() {
-    let rule = |horizon, agent_share| ScoreRule { horizon, agent_share, ..ScoreRule::default() };
+    let rule = |horizon, agent_share| ScoreRule {
+        horizon,
+        agent_share,
+        ..ScoreRule::default()
+    };
     let s = table();
-    close(&training_scores(&s, &rule(Horizon::Current, AgentShare::Individual)).unwrap(), &s);
+    close(
+        &training_scores(&s, &rule(Horizon::Current, AgentShare::Individual)).unwrap(),
+        &s,
+    );
     close(
         &training_scores(&s, &rule(Horizon::Current, AgentShare::All)).unwrap(),
         &[vec![0.5, 0.5], vec![0.5, 0.5], vec![1.0, 1.0]],
     );
     let s = vec![vec![1.0, 0.0], vec![0.0, 1.0], vec![0.2, 0.6]];
-    close(&training_scores(&s, &rule(Horizon::Last, AgentShare::Individual)).unwrap(), &vec![vec![0.2, 0.6]; 3]);
-    close(&training_scores(&s, &rule(Horizon::Last, AgentShare::All)).unwrap(), &vec![vec![0.4, 0.4]; 3]);
+    close(
+        &training_scores(&s, &rule(Horizon::Last, AgentShare::Individual)).unwrap(),
+        &vec![vec![0.2, 0.6]; 3],
+    );
+    close(
+        &training_scores(&s, &rule(Horizon::Last, AgentShare::All)).unwrap(),
+        &vec![vec![0.4, 0.4]; 3],
+    );
 }
 
 #[test]
@@ -73,12 +116,29 @@ fn malformed_tables_and_gamma_are_errors() {
     let ragged = vec![vec![1.0, 0.0], vec![1.0]];
     assert_eq!(
         training_scores(&ragged, &ScoreRule::default()).unwrap_err(),
-        MaporlError::RaggedTable { turn: 1, expected: 2, got: 1 }
+        MaporlError::RaggedTable {
+            turn: 1,
+            expected: 2,
+            got: 1
+        }
     );
-    assert_eq!(training_scores(&[vec![]], &ScoreRule::default()).unwrap_err(), MaporlError::NoAgents);
-    let rule = ScoreRule { gamma: -0.1, ..ScoreRule::default() };
-    assert!(matches!(training_scores(&table(), &rule), Err(MaporlError::InvalidGamma(_))));
-    assert!(training_scores(&[], &ScoreRule::default()).unwrap().is_empty());
+    assert_eq!(
+        training_scores(&[vec![]], &ScoreRule::default()).unwrap_err(),
+        MaporlError::NoAgents
+    );
+    let rule = ScoreRule {
+        gamma: -0.1,
+        ..ScoreRule::default()
+    };
+    assert!(matches!(
+        training_scores(&table(), &rule),
+        Err(MaporlError::InvalidGamma(_))
+    ));
+    assert!(
+        training_scores(&[], &ScoreRule::default())
+            .unwrap()
+            .is_empty()
+    );
 }
 
 #[test]
@@ -129,8 +189,14 @@ fn answer_changes_follow_the_papers_table_1_and_the_released_code() {
     assert_eq!(turn1_weights(c, R), [1.0, 0.0, 0.0, 0.0]);
     // A single agent: every change is its own (w1), in both rules.
     for rule in [P, R] {
-        assert_eq!(bonus(&[&[false], &[true], &[false]], only(1, rule)), [[0.0], [1.0], [-1.0]]);
-        assert_eq!(bonus(&[&[false], &[true], &[false]], only(0, rule)), [[0.0], [0.0], [0.0]]);
+        assert_eq!(
+            bonus(&[&[false], &[true], &[false]], only(1, rule)),
+            [[0.0], [1.0], [-1.0]]
+        );
+        assert_eq!(
+            bonus(&[&[false], &[true], &[false]], only(0, rule)),
+            [[0.0], [0.0], [0.0]]
+        );
     }
 }
 
@@ -167,12 +233,21 @@ fn turn_0_gets_the_papers_influence_term_and_nothing_from_the_released_code() {
 fn bonuses_add_up_and_vanish_without_weights_or_on_a_tie() {
     // Agent 1 wrong → right at turn 2 with agent 0 right: +α1 for agent 1 at turn 2 (paper), and
     // +β1 for agent 0 at turn 1 (it was right when agent 1 came round).
-    let inc = Incentives { alpha: [0.5, 0.25, 0.0, 2.0], rule: P };
+    let inc = Incentives {
+        alpha: [0.5, 0.25, 0.0, 2.0],
+        rule: P,
+    };
     let t = [&[true, false][..], &[true, false], &[true, true]];
     assert_eq!(bonus(&t, inc), [[0.0, 0.0], [2.0, 0.0], [0.0, 0.25]]);
-    assert_eq!(bonus(&t, Incentives::default()), [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]);
+    assert_eq!(
+        bonus(&t, Incentives::default()),
+        [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
+    );
     // Three agents: agent 0 wrong → right while the others were split (one right, one wrong).
-    let all = Incentives { alpha: [1.0; 4], rule: P };
+    let all = Incentives {
+        alpha: [1.0; 4],
+        rule: P,
+    };
     let b = bonus(&[&[false, true, false], &[true, true, false]], all);
     assert_eq!(b[1][0], 0.0);
 }
@@ -181,11 +256,21 @@ fn bonuses_add_up_and_vanish_without_weights_or_on_a_tie() {
 fn shaped_scores_add_the_bonus_after_the_discount() {
     let s = vec![vec![1.0, 0.0], vec![1.0, 0.0], vec![1.0, 1.0]];
     let c = vec![vec![true, false], vec![true, false], vec![true, true]];
-    let inc = Incentives { alpha: [0.5, 0.0, 0.0, 2.0], rule: R };
+    let inc = Incentives {
+        alpha: [0.5, 0.0, 0.0, 2.0],
+        rule: R,
+    };
     // Released rule: R(1,0) = (1 + 0.3·1) / 1.3 = 1, − w3 = −1; R(1,1) = 0.3 / 1.3; R(2,1) = 1, + w0 = 1.5.
     // R(0,0) = (1 + 0.3·0.5 + 0.09·1) / 1.39; R(0,1) = (0 + 0.3·0.5 + 0.09·1) / 1.39; no bonus at turn 0.
     let r = shaped_training_scores(&s, &c, &ScoreRule::default(), &inc).unwrap();
-    close(&r, &[vec![1.24 / 1.39, 0.24 / 1.39], vec![-1.0, 0.3 / 1.3], vec![1.0, 1.5]]);
+    close(
+        &r,
+        &[
+            vec![1.24 / 1.39, 0.24 / 1.39],
+            vec![-1.0, 0.3 / 1.3],
+            vec![1.0, 1.5],
+        ],
+    );
     let err = shaped_training_scores(&s, &c[..1], &ScoreRule::default(), &inc).unwrap_err();
     assert!(matches!(err, MaporlError::ShapeMismatch { .. }));
 }
@@ -201,7 +286,13 @@ fn reason(text: &str, tokens: usize) -> Option<InvalidReason> {
 #[test]
 fn a_normal_gsm8k_solution_is_valid() {
     assert_eq!(reason(SOLUTION, 60), None);
-    assert_eq!(reason("The total is 6 * 7 = 42 apples, so the answer is \\boxed{42}.", 50), None);
+    assert_eq!(
+        reason(
+            "The total is 6 * 7 = 42 apples, so the answer is \\boxed{42}.",
+            50
+        ),
+        None
+    );
 }
 
 #[test]
@@ -216,7 +307,10 @@ fn a_phrase_repeated_more_than_three_times_in_a_row_is_invalid() {
     assert_eq!(reason(four, 60), Some(InvalidReason::Repetition));
     let three = "so the answer is the answer is the answer is \\boxed{5}";
     assert_eq!(reason(three, 60), None);
-    assert_eq!(reason("wait wait wait wait \\boxed{5}", 60), Some(InvalidReason::Repetition));
+    assert_eq!(
+        reason("wait wait wait wait \\boxed{5}", 60),
+        Some(InvalidReason::Repetition)
+    );
     // Four times, but not in a row.
     assert_eq!(reason("wait wait, ok wait wait \\boxed{5}", 60), None);
     // A sentence longer than 20 words repeated on consecutive lines.
@@ -248,10 +342,19 @@ fn repeated_arithmetic_is_not_repetition() {
 fn no_boxed_answer_where_one_is_required() {
     let plain = SOLUTION.replace("\\boxed{72}", "72");
     assert_eq!(reason(&plain, 60), Some(InvalidReason::NoBoxed));
-    assert_eq!(reason(&SOLUTION.replace("\\boxed{72}", "\\boxed{72"), 60), Some(InvalidReason::NoBoxed));
+    assert_eq!(
+        reason(&SOLUTION.replace("\\boxed{72}", "\\boxed{72"), 60),
+        Some(InvalidReason::NoBoxed)
+    );
     // An empty box is a box (its answer scores 0 elsewhere).
-    assert_eq!(reason(&SOLUTION.replace("\\boxed{72}", "\\boxed{}"), 60), None);
-    let lenient = InvalidOutputRule { require_boxed: false, ..InvalidOutputRule::default() };
+    assert_eq!(
+        reason(&SOLUTION.replace("\\boxed{72}", "\\boxed{}"), 60),
+        None
+    );
+    let lenient = InvalidOutputRule {
+        require_boxed: false,
+        ..InvalidOutputRule::default()
+    };
     assert_eq!(invalid_reason(&plain, 60, &lenient), None);
     assert!(!boxed_required(0, false));
     assert!(boxed_required(0, true));
@@ -261,6 +364,9 @@ fn no_boxed_answer_where_one_is_required() {
 #[test]
 fn the_penalty_replaces_the_score() {
     let rule = InvalidOutputRule::default();
-    assert_eq!(apply_invalid_penalty(0.9, Some(InvalidReason::TooShort), &rule), -10.0);
+    assert_eq!(
+        apply_invalid_penalty(0.9, Some(InvalidReason::TooShort), &rule),
+        -10.0
+    );
     assert_eq!(apply_invalid_penalty(0.9, None, &rule), 0.9);
 }

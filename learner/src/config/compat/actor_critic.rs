@@ -24,17 +24,44 @@ const DEFAULTS: &[(&str, f64)] = &[
 ];
 
 /// The DEFAULTS that are counts (YAML integers).
-const COUNTS: &[&str] = &["num_generations", "rollout_buffer_size", "num_train_epochs", "eval_interval", "logging_steps"];
+const COUNTS: &[&str] = &[
+    "num_generations",
+    "rollout_buffer_size",
+    "num_train_epochs",
+    "eval_interval",
+    "logging_steps",
+];
 
-pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -> Result<(), ConfigError> {
+pub(super) fn apply(
+    root: &mut Mapping,
+    file: &str,
+    report: &mut CompatReport,
+) -> Result<(), ConfigError> {
     for section in ["iac", "maac"] {
-        let Some(s) = root.get_mut(section).and_then(Value::as_mapping_mut) else { continue };
-        let invalid = |key: &str, message: &str| ConfigError::Invalid { file: file.to_string(), key: format!("{section}.{key}"), message: message.to_string() };
-        match (s.remove("early_termination_threshold"), s.contains_key("termination_threshold")) {
-            (Some(_), true) => return Err(invalid("early_termination_threshold", "and termination_threshold are both present; keep one")),
+        let Some(s) = root.get_mut(section).and_then(Value::as_mapping_mut) else {
+            continue;
+        };
+        let invalid = |key: &str, message: &str| ConfigError::Invalid {
+            file: file.to_string(),
+            key: format!("{section}.{key}"),
+            message: message.to_string(),
+        };
+        match (
+            s.remove("early_termination_threshold"),
+            s.contains_key("termination_threshold"),
+        ) {
+            (Some(_), true) => {
+                return Err(invalid(
+                    "early_termination_threshold",
+                    "and termination_threshold are both present; keep one",
+                ));
+            }
             (Some(v), false) => {
                 s.insert(Value::from("termination_threshold"), v);
-                report.mapped.push((format!("{section}.early_termination_threshold"), format!("{section}.termination_threshold")));
+                report.mapped.push((
+                    format!("{section}.early_termination_threshold"),
+                    format!("{section}.termination_threshold"),
+                ));
             }
             (None, true) => {}
             (None, false) => {
@@ -54,7 +81,11 @@ pub(super) fn apply(root: &mut Mapping, file: &str, report: &mut CompatReport) -
         }
         for (key, v) in DEFAULTS {
             if !s.contains_key(*key) {
-                let v = if COUNTS.contains(key) { Value::from(*v as u64) } else { Value::from(*v) };
+                let v = if COUNTS.contains(key) {
+                    Value::from(*v as u64)
+                } else {
+                    Value::from(*v)
+                };
                 s.insert(Value::from(*key), v);
             }
         }
@@ -68,7 +99,9 @@ mod tests {
 
     #[test]
     fn upstream_defaults_are_written_in_and_given_values_kept() {
-        let mut v: Value = serde_yaml_ng::from_str("iac: {discount: 0.9, early_termination_threshold: -1.5}\n").unwrap();
+        let mut v: Value =
+            serde_yaml_ng::from_str("iac: {discount: 0.9, early_termination_threshold: -1.5}\n")
+                .unwrap();
         let mut r = CompatReport::default();
         apply(v.as_mapping_mut().unwrap(), "f.yaml", &mut r).unwrap();
         let s = &v["iac"];

@@ -19,19 +19,46 @@ pub struct CompatReport {
 
 /// Trainer-section keys that are accepted and ignored, with the reason.
 const IGNORED_TRAINER_KEYS: &[(&str, &str)] = &[
-    ("per_device_train_batch_size", "the original trains on one item at a time whatever its value"),
-    ("beta", "the original computes no KL term, so its coefficient changes nothing (cotrain: reference_kl)"),
-    ("epsilon_clip", "the original's loss has no ratio to clip (cotrain: ppo_clip)"),
-    ("eval_batch_size", "evaluation batching does not change its results"),
-    ("parallel_training", "device placement; cotrain places work by its rollout workers and learner"),
-    ("agent_devices", "device placement; cotrain places work by its rollout workers and learner"),
-    ("critic_devices", "device placement; cotrain keeps the critics beside the policies on the learner"),
+    (
+        "per_device_train_batch_size",
+        "the original trains on one item at a time whatever its value",
+    ),
+    (
+        "beta",
+        "the original computes no KL term, so its coefficient changes nothing (cotrain: reference_kl)",
+    ),
+    (
+        "epsilon_clip",
+        "the original's loss has no ratio to clip (cotrain: ppo_clip)",
+    ),
+    (
+        "eval_batch_size",
+        "evaluation batching does not change its results",
+    ),
+    (
+        "parallel_training",
+        "device placement; cotrain places work by its rollout workers and learner",
+    ),
+    (
+        "agent_devices",
+        "device placement; cotrain places work by its rollout workers and learner",
+    ),
+    (
+        "critic_devices",
+        "device placement; cotrain keeps the critics beside the policies on the learner",
+    ),
 ];
 
 /// Other keys that are accepted and ignored.
 const IGNORED_KEYS: &[(&str, &str)] = &[
-    ("tokenizer.padding_side", "cotrain batches without padding the prompts' left side"),
-    ("output.save_path", "cotrain writes the final models to RUN_DIR/final_model (output.save_final_model)"),
+    (
+        "tokenizer.padding_side",
+        "cotrain batches without padding the prompts' left side",
+    ),
+    (
+        "output.save_path",
+        "cotrain writes the final models to RUN_DIR/final_model (output.save_final_model)",
+    ),
 ];
 
 fn section_mut<'a>(root: &'a mut Mapping, key: &str) -> Option<&'a mut Mapping> {
@@ -59,14 +86,22 @@ pub fn apply(value: &mut Value, file: &str) -> Result<CompatReport, super::Confi
     {
         root.remove("agents");
         if let Some(n) = agents.get("num_agents") {
-            let section = if root.contains_key("grpo") && !root.contains_key("magrpo") { "grpo" } else { "magrpo" };
-            let s = root.entry(Value::from(section)).or_insert_with(|| Value::Mapping(Mapping::new()));
+            let section = if root.contains_key("grpo") && !root.contains_key("magrpo") {
+                "grpo"
+            } else {
+                "magrpo"
+            };
+            let s = root
+                .entry(Value::from(section))
+                .or_insert_with(|| Value::Mapping(Mapping::new()));
             if let Some(m) = s.as_mapping_mut()
                 && !m.contains_key("num_agents")
             {
                 m.insert(Value::from("num_agents"), n.clone());
             }
-            report.mapped.push(("agents.num_agents".into(), format!("{section}.num_agents")));
+            report
+                .mapped
+                .push(("agents.num_agents".into(), format!("{section}.num_agents")));
         }
     }
 
@@ -83,7 +118,10 @@ pub fn apply(value: &mut Value, file: &str) -> Result<CompatReport, super::Confi
                 if !s.contains_key("learning_rate") {
                     s.insert(Value::from("learning_rate"), v);
                 }
-                report.mapped.push((format!("{section}.agent_learning_rate"), format!("{section}.learning_rate")));
+                report.mapped.push((
+                    format!("{section}.agent_learning_rate"),
+                    format!("{section}.learning_rate"),
+                ));
             }
             if let Some(v) = s.remove("expert_model") {
                 expert = Some(v);
@@ -99,32 +137,49 @@ pub fn apply(value: &mut Value, file: &str) -> Result<CompatReport, super::Confi
         }
         if let Some(v) = shift {
             if v.is_null() {
-                report.mapped.push((format!("{section}.reward_shift"), "no shift (null)".into()));
+                report
+                    .mapped
+                    .push((format!("{section}.reward_shift"), "no shift (null)".into()));
             } else {
-                let rp = root.entry(Value::from("reward_processor")).or_insert_with(|| Value::Mapping(Mapping::new()));
+                let rp = root
+                    .entry(Value::from("reward_processor"))
+                    .or_insert_with(|| Value::Mapping(Mapping::new()));
                 if let Some(m) = rp.as_mapping_mut() {
                     m.insert(Value::from("enabled"), Value::Bool(true));
                     m.insert(Value::from("shift"), v);
                 }
-                report.mapped.push((format!("{section}.reward_shift"), "reward_processor.shift (enabled)".into()));
+                report.mapped.push((
+                    format!("{section}.reward_shift"),
+                    "reward_processor.shift (enabled)".into(),
+                ));
             }
         }
         if let Some(v) = expert {
-            let ext = root.entry(Value::from("external")).or_insert_with(|| Value::Mapping(Mapping::new()));
+            let ext = root
+                .entry(Value::from("external"))
+                .or_insert_with(|| Value::Mapping(Mapping::new()));
             if let Some(m) = ext.as_mapping_mut() {
                 m.insert(Value::from("expert_model"), v);
             }
-            report.mapped.push((format!("{section}.expert_model"), "external.expert_model".into()));
+            report.mapped.push((
+                format!("{section}.expert_model"),
+                "external.expert_model".into(),
+            ));
         }
         if let Some(v) = passthrough {
-            let ext = root.entry(Value::from("external")).or_insert_with(|| Value::Mapping(Mapping::new()));
+            let ext = root
+                .entry(Value::from("external"))
+                .or_insert_with(|| Value::Mapping(Mapping::new()));
             if let Some(m) = ext.as_mapping_mut()
                 && !m.contains_key("prompt_passthrough")
                 && !m.contains_key("external_prompt_passthrough")
             {
                 m.insert(Value::from("prompt_passthrough"), v);
             }
-            report.mapped.push((format!("{section}.external_prompt_passthrough"), "external.prompt_passthrough".into()));
+            report.mapped.push((
+                format!("{section}.external_prompt_passthrough"),
+                "external.prompt_passthrough".into(),
+            ));
         }
     }
 
@@ -174,7 +229,15 @@ mod tests {
         assert!(v.get("tokenizer").is_none() && v.get("agents").is_none());
         assert_eq!(v["output"]["base_dir"], Value::from("o"));
         let ignored: Vec<&str> = r.ignored.iter().map(|(k, _)| k.as_str()).collect();
-        assert_eq!(ignored, vec!["magrpo.per_device_train_batch_size", "magrpo.beta", "tokenizer.padding_side", "output.save_path"]);
+        assert_eq!(
+            ignored,
+            vec![
+                "magrpo.per_device_train_batch_size",
+                "magrpo.beta",
+                "tokenizer.padding_side",
+                "output.save_path"
+            ]
+        );
         // A key with no meaning anywhere stays for typing to reject.
         let mut v: Value = serde_yaml_ng::from_str("magrpo: {learnin_rate: 1}\n").unwrap();
         apply(&mut v, "f.yaml").unwrap();

@@ -36,7 +36,11 @@ pub struct ExternalConfig {
     /// With a `comlrl_*` wording: give the model the next-turn text as it is (true), or wrap it in
     /// the agent's first-turn template with the text in place of the problem, as the original's
     /// formatters did (false, the default). The original's `external_prompt_passthrough`.
-    #[serde(default, alias = "external_prompt_passthrough", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        alias = "external_prompt_passthrough",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub prompt_passthrough: Option<bool>,
     /// Model for `expert_edits` (OpenAI-compatible chat API).
     #[serde(default)]
@@ -157,7 +161,9 @@ impl SandboxSlice {
     pub fn select(self, total: usize) -> std::ops::Range<usize> {
         match self {
             SandboxSlice::Count(n) if n > 0 => 0..(n as usize).min(total),
-            SandboxSlice::Count(n) if n < 0 => total.saturating_sub(n.unsigned_abs() as usize)..total,
+            SandboxSlice::Count(n) if n < 0 => {
+                total.saturating_sub(n.unsigned_abs() as usize)..total
+            }
             _ => 0..total,
         }
     }

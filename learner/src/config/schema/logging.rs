@@ -56,7 +56,13 @@ pub struct LoggingConfig {
 
 impl Default for LoggingConfig {
     fn default() -> Self {
-        Self { run_name: None, tensorboard: true, plots: true, progress: ProgressMode::Auto, rollouts: false }
+        Self {
+            run_name: None,
+            tensorboard: true,
+            plots: true,
+            progress: ProgressMode::Auto,
+            rollouts: false,
+        }
     }
 }
 

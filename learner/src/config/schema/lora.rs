@@ -26,13 +26,23 @@ pub struct LoraSection {
 
 impl Default for LoraSection {
     fn default() -> Self {
-        Self { r: default_lora_r(), lora_alpha: default_lora_alpha(), lora_dropout: default_lora_dropout(), target_modules: default_target_modules() }
+        Self {
+            r: default_lora_r(),
+            lora_alpha: default_lora_alpha(),
+            lora_dropout: default_lora_dropout(),
+            target_modules: default_target_modules(),
+        }
     }
 }
 
 impl LoraSection {
     pub fn to_model(&self) -> cotrain_model::lora::LoraConfig {
-        cotrain_model::lora::LoraConfig { r: self.r, alpha: self.lora_alpha, dropout: self.lora_dropout, target_modules: self.target_modules.clone() }
+        cotrain_model::lora::LoraConfig {
+            r: self.r,
+            alpha: self.lora_alpha,
+            dropout: self.lora_dropout,
+            target_modules: self.target_modules.clone(),
+        }
     }
 }
 
@@ -46,5 +56,16 @@ fn default_lora_dropout() -> f64 {
     0.05
 }
 fn default_target_modules() -> Vec<String> {
-    ["up_proj", "down_proj", "gate_proj", "k_proj", "q_proj", "v_proj", "o_proj"].iter().map(|s| s.to_string()).collect()
+    [
+        "up_proj",
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "q_proj",
+        "v_proj",
+        "o_proj",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }

@@ -156,8 +156,12 @@ impl TryFrom<EraText> for Era {
             EraText::Text(t) if t == "2025-09" => Ok(Era::September2025),
             EraText::Text(t) if t == "2026" => Ok(Era::Comlrl2026),
             EraText::Year(2026) => Ok(Era::Comlrl2026),
-            EraText::Text(t) => Err(format!("unknown era `{t}`: expected \"2025-09\" or \"2026\"")),
-            EraText::Year(y) => Err(format!("unknown era `{y}`: expected \"2025-09\" or \"2026\"")),
+            EraText::Text(t) => Err(format!(
+                "unknown era `{t}`: expected \"2025-09\" or \"2026\""
+            )),
+            EraText::Year(y) => Err(format!(
+                "unknown era `{y}`: expected \"2025-09\" or \"2026\""
+            )),
         }
     }
 }

@@ -111,7 +111,16 @@ pub struct AgentSettings {
 impl AgentSettings {
     /// True when the entry sets anything besides the model name.
     pub fn has_overrides(&self) -> bool {
-        let Self { name: _, temperature, top_p, top_k, max_new_tokens, stop, learning_rate, lora } = self;
+        let Self {
+            name: _,
+            temperature,
+            top_p,
+            top_k,
+            max_new_tokens,
+            stop,
+            learning_rate,
+            lora,
+        } = self;
         temperature.is_some()
             || top_p.is_some()
             || top_k.is_some()
@@ -169,7 +178,12 @@ pub struct OutputConfig {
 
 impl Default for OutputConfig {
     fn default() -> Self {
-        Self { base_dir: default_base_dir(), save_final_model: true, verbose: false, save_total_limit: None }
+        Self {
+            base_dir: default_base_dir(),
+            save_final_model: true,
+            verbose: false,
+            save_total_limit: None,
+        }
     }
 }
 

@@ -296,7 +296,12 @@ pub struct PpoClipConfig {
 
 impl Default for PpoClipConfig {
     fn default() -> Self {
-        Self { enabled: false, epochs: default_ppo_epochs(), clip_low: default_clip(), clip_high: default_clip() }
+        Self {
+            enabled: false,
+            epochs: default_ppo_epochs(),
+            clip_low: default_clip(),
+            clip_high: default_clip(),
+        }
     }
 }
 
@@ -332,7 +337,12 @@ pub struct ReferenceKlConfig {
 
 impl Default for ReferenceKlConfig {
     fn default() -> Self {
-        Self { enabled: false, coef: default_kl_coef(), estimator: KlEstimator::default(), placement: KlPlacement::default() }
+        Self {
+            enabled: false,
+            coef: default_kl_coef(),
+            estimator: KlEstimator::default(),
+            placement: KlPlacement::default(),
+        }
     }
 }
 
@@ -384,7 +394,11 @@ pub struct RewardProcessorConfig {
 
 impl Default for RewardProcessorConfig {
     fn default() -> Self {
-        Self { enabled: false, scale_factor: 1.0, shift: 0.0 }
+        Self {
+            enabled: false,
+            scale_factor: 1.0,
+            shift: 0.0,
+        }
     }
 }
 

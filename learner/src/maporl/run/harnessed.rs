@@ -62,7 +62,11 @@ impl Algorithm for MaporlTrainer {
     /// Every epoch its own seeded order, as MaPoRL shuffles its questions.
     fn epoch_order(&self, epoch: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.s.train_items.len()).collect();
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[self.s.cfg.raw.seed, TAG_ORDER, epoch])));
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[
+            self.s.cfg.raw.seed,
+            TAG_ORDER,
+            epoch,
+        ])));
         order
     }
 
@@ -93,7 +97,10 @@ impl Algorithm for MaporlTrainer {
     }
 
     fn run_step(&mut self, rows: &[usize], _next: Option<&[usize]>) -> Result<Scalars, TrainError> {
-        let items: Vec<TrainItem> = rows.iter().map(|&k| self.s.train_items[k].clone()).collect();
+        let items: Vec<TrainItem> = rows
+            .iter()
+            .map(|&k| self.s.train_items[k].clone())
+            .collect();
         let refs: Vec<&TrainItem> = items.iter().collect();
         let total = self.total_steps();
         self.train_step(&refs, total)
@@ -104,9 +111,15 @@ impl Algorithm for MaporlTrainer {
     }
 
     fn headline(&self, values: &Scalars) -> Headline {
-        let acc_last = values.get(&format!("accuracy/turn{}", self.m.round_num - 1)).copied().unwrap_or(f64::NAN);
+        let acc_last = values
+            .get(&format!("accuracy/turn{}", self.m.round_num - 1))
+            .copied()
+            .unwrap_or(f64::NAN);
         let kl = values.get("objective/kl").copied().unwrap_or(f64::NAN);
-        Headline { text: format!("last-turn accuracy {acc_last:.3}, kl {kl:.4}"), reward: Some(acc_last) }
+        Headline {
+            text: format!("last-turn accuracy {acc_last:.3}, kl {kl:.4}"),
+            reward: Some(acc_last),
+        }
     }
 
     fn served_versions(&self) -> Vec<(String, u64)> {
@@ -115,7 +128,10 @@ impl Algorithm for MaporlTrainer {
 
     fn checkpoint(&mut self) -> Result<PathBuf, TrainError> {
         let dir = self.save_checkpoint()?;
-        crate::checkpoint::apply_save_total_limit(&self.s.run_dir, self.s.cfg.raw.output.save_total_limit);
+        crate::checkpoint::apply_save_total_limit(
+            &self.s.run_dir,
+            self.s.cfg.raw.output.save_total_limit,
+        );
         self.last_checkpoint = Some(dir.clone());
         Ok(dir)
     }
@@ -129,7 +145,11 @@ impl Algorithm for MaporlTrainer {
             return Ok(());
         }
         for (key, p) in &self.s.adapters.policies {
-            crate::dist::check_same(self.dist.as_ref(), &format!("adapter `{key}` after step {}", self.step), &p.optimizer.parameters())?;
+            crate::dist::check_same(
+                self.dist.as_ref(),
+                &format!("adapter `{key}` after step {}", self.step),
+                &p.optimizer.parameters(),
+            )?;
         }
         Ok(())
     }
@@ -143,12 +163,18 @@ impl Algorithm for MaporlTrainer {
         if !self.s.cfg.raw.output.save_final_model {
             return Ok(Vec::new());
         }
-        let name = if self.m.full_finetune { "final_model" } else { "adapters" };
+        let name = if self.m.full_finetune {
+            "final_model"
+        } else {
+            "adapters"
+        };
         Ok(vec![self.save_policies(&self.s.run_dir.join(name))?])
     }
 
     fn extra_plots(&self) -> Vec<PathBuf> {
-        crate::maporl::plot::accuracy_per_turn(&self.s.run_dir, &self.evals, self.m.round_num).into_iter().collect()
+        crate::maporl::plot::accuracy_per_turn(&self.s.run_dir, &self.evals, self.m.round_num)
+            .into_iter()
+            .collect()
     }
 
     /// The policies saved under `path` (a run directory, its `adapters/` or `final_model/`, or a

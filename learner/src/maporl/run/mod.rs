@@ -23,12 +23,12 @@ use super::rollout::{Discussion, DiscussionSetup, discussion_metrics};
 use super::update::ppo_update;
 use crate::algo::discussion_score::{Incentives, ScoreRule};
 use crate::config::{CheckedConfig, MaporlSection, VerifierUserMessage};
-use crate::prompts::items::PromptEncoding;
-use crate::prompts::items::TrainItem;
 use crate::dist::{Collective, SingleRank};
 use crate::error::TrainError;
 use crate::metrics::MetricsWriter;
 use crate::prompts::Followup;
+use crate::prompts::items::PromptEncoding;
+use crate::prompts::items::TrainItem;
 use crate::seeds::derive_seed;
 use crate::sources::{RewardSource, RolloutSource};
 
@@ -234,8 +234,11 @@ impl MaporlTrainer {
                 )
             })
             .collect();
-        let samples::StepSamples { samples, where_from, training_scores } =
-            samples::ppo_samples(&discussions, &self.m, &ends, &rule, &inc)?;
+        let samples::StepSamples {
+            samples,
+            where_from,
+            training_scores,
+        } = samples::ppo_samples(&discussions, &self.m, &ends, &rule, &inc)?;
         let lr = scheduled_lr(
             self.m.learning_rate,
             self.m.lr_end_factor,

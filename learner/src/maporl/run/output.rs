@@ -9,8 +9,8 @@ use super::super::rollout::Discussion;
 use super::super::update::PpoRecord;
 use super::MaporlTrainer;
 use super::samples::Place;
-use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
+use crate::prompts::items::TrainItem;
 
 impl MaporlTrainer {
     /// One line per (step, turn, agent, sample) with the PPO inputs (docs/src/trainers/maporl.md).

@@ -3,8 +3,8 @@
 
 use super::super::rollout::Discussion;
 use super::MaporlTrainer;
-use crate::prompts::items::TrainItem;
 use crate::error::TrainError;
+use crate::prompts::items::TrainItem;
 
 impl MaporlTrainer {
     /// This rank's share of `items` discussed (every world-th question), then every rank's

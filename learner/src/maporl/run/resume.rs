@@ -59,7 +59,12 @@ impl MaporlTrainer {
 
     /// Steps per epoch.
     fn steps_per_epoch(&self) -> u64 {
-        (self.s.train_items.len().div_ceil(self.m.questions_per_step()) as u64).max(1)
+        (self
+            .s
+            .train_items
+            .len()
+            .div_ceil(self.m.questions_per_step()) as u64)
+            .max(1)
     }
 
     /// Writes `checkpoints/step-{step}` (see the module docs) and points `checkpoints/latest` at it.
@@ -77,7 +82,9 @@ impl MaporlTrainer {
             extra: serde_json::json!({"trainer": "maporl"}),
         };
         save_checkpoint_with(&self.s.run_dir, &trained, &state, |tmp| {
-            self.save_policies(tmp).map(|_| ()).map_err(|e| e.to_string())
+            self.save_policies(tmp)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
         })
         .map_err(|e| TrainError::Checkpoint(e.to_string()))
     }
@@ -86,26 +93,39 @@ impl MaporlTrainer {
     /// PPO generator, the policies' versions), drops the metrics and rollouts logged after it, and
     /// reads back the evaluations before it (for the accuracy plot).
     pub fn resume(&mut self, run_dir: &Path) -> Result<PathBuf, TrainError> {
-        let dir = latest_checkpoint(run_dir)
-            .ok_or_else(|| TrainError::Checkpoint(format!("{}: no complete checkpoint to resume from", run_dir.display())))?;
+        let dir = latest_checkpoint(run_dir).ok_or_else(|| {
+            TrainError::Checkpoint(format!(
+                "{}: no complete checkpoint to resume from",
+                run_dir.display()
+            ))
+        })?;
         let bad = |m: String| TrainError::Checkpoint(format!("{}: {m}", dir.display()));
         let mut trained = self.trained_mut();
-        let st = load_checkpoint(&dir, &mut trained).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        let st = load_checkpoint(&dir, &mut trained)
+            .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         drop(trained);
         if st.extra.get("trainer").and_then(|t| t.as_str()) != Some("maporl") {
             return Err(bad("not a MaPoRL checkpoint".into()));
         }
-        let word: u128 = st.rng_word_pos.parse().map_err(|_| bad(format!("bad rng_word_pos `{}`", st.rng_word_pos)))?;
+        let word: u128 = st
+            .rng_word_pos
+            .parse()
+            .map_err(|_| bad(format!("bad rng_word_pos `{}`", st.rng_word_pos)))?;
         self.rng = ChaCha8Rng::seed_from_u64(st.rng_seed);
         self.rng.set_word_pos(word);
         for (key, p) in self.s.adapters.policies.iter_mut() {
-            p.version = *st.served_versions.get(key).ok_or_else(|| bad(format!("no version of policy `{key}`")))?;
+            p.version = *st
+                .served_versions
+                .get(key)
+                .ok_or_else(|| bad(format!("no version of policy `{key}`")))?;
         }
         self.step = st.step;
         if let Some(m) = &mut self.metrics {
-            m.truncate_after(self.step).map_err(|e| TrainError::Io(format!("{}: {e}", m.path().display())))?;
+            m.truncate_after(self.step)
+                .map_err(|e| TrainError::Io(format!("{}: {e}", m.path().display())))?;
             let rollouts = self.s.run_dir.join("rollouts.jsonl");
-            crate::metrics::truncate_jsonl_after(&rollouts, self.step).map_err(|e| TrainError::Io(format!("{}: {e}", rollouts.display())))?;
+            crate::metrics::truncate_jsonl_after(&rollouts, self.step)
+                .map_err(|e| TrainError::Io(format!("{}: {e}", rollouts.display())))?;
             // An evaluation is logged with the step it preceded.
             let key = "eval/accuracy/turn0";
             let text = std::fs::read_to_string(m.path()).unwrap_or_default();
@@ -115,7 +135,12 @@ impl MaporlTrainer {
                 .filter(|v| v.get(key).is_some())
                 .filter_map(|v| {
                     let step = v.get("step")?.as_u64()?.saturating_sub(1);
-                    let scalars = v.as_object()?.iter().filter(|(k, _)| k.starts_with("eval/")).filter_map(|(k, x)| Some((k.clone(), x.as_f64()?))).collect();
+                    let scalars = v
+                        .as_object()?
+                        .iter()
+                        .filter(|(k, _)| k.starts_with("eval/"))
+                        .filter_map(|(k, x)| Some((k.clone(), x.as_f64()?)))
+                        .collect();
                     Some((step, scalars))
                 })
                 .collect();

@@ -69,5 +69,9 @@ pub(super) fn ppo_samples(
         }
         training_scores.push(r);
     }
-    Ok(StepSamples { samples, where_from, training_scores })
+    Ok(StepSamples {
+        samples,
+        where_from,
+        training_scores,
+    })
 }

@@ -21,11 +21,23 @@ impl MaporlTrainer {
     pub fn load_saved_policies(&mut self, dir: &Path) -> Result<(), TrainError> {
         let manifest_path = dir.join(MAPORL_MANIFEST);
         let bad = |message: String| TrainError::Checkpoint(format!("{}: {message}", dir.display()));
-        let text = std::fs::read_to_string(&manifest_path).map_err(|e| bad(format!("{MAPORL_MANIFEST}: {e}")))?;
-        let manifest: MaporlManifest = serde_json::from_str(&text).map_err(|e| bad(format!("{MAPORL_MANIFEST}: {e}")))?;
+        let text = std::fs::read_to_string(&manifest_path)
+            .map_err(|e| bad(format!("{MAPORL_MANIFEST}: {e}")))?;
+        let manifest: MaporlManifest =
+            serde_json::from_str(&text).map_err(|e| bad(format!("{MAPORL_MANIFEST}: {e}")))?;
         if manifest.full_finetune != self.m.full_finetune {
-            let kind = |full: bool| if full { "full models (maporl.full_finetune: true)" } else { "LoRA adapters" };
-            return Err(bad(format!("holds {}, the config trains {}", kind(manifest.full_finetune), kind(self.m.full_finetune))));
+            let kind = |full: bool| {
+                if full {
+                    "full models (maporl.full_finetune: true)"
+                } else {
+                    "LoRA adapters"
+                }
+            };
+            return Err(bad(format!(
+                "holds {}, the config trains {}",
+                kind(manifest.full_finetune),
+                kind(self.m.full_finetune)
+            )));
         }
         let saved: BTreeSet<&String> = manifest.policies.iter().collect();
         let wanted: BTreeSet<&String> = self.s.adapters.policies.keys().collect();
@@ -39,21 +51,33 @@ impl MaporlTrainer {
             let base = &self.s.bases.models[p.base];
             match &mut p.weights {
                 PolicyWeights::Lora(adapter) => {
-                    let loaded = LoraAdapter::load_peft(&from, &base.model).map_err(|e| bad(format!("{key}: {e}")))?;
-                    if loaded.config.r != adapter.config.r || loaded.config.alpha != adapter.config.alpha {
+                    let loaded = LoraAdapter::load_peft(&from, &base.model)
+                        .map_err(|e| bad(format!("{key}: {e}")))?;
+                    if loaded.config.r != adapter.config.r
+                        || loaded.config.alpha != adapter.config.alpha
+                    {
                         return Err(bad(format!(
                             "{key}: r {} and lora_alpha {} saved, the config's maporl.lora has r {} and lora_alpha {}",
-                            loaded.config.r, loaded.config.alpha, adapter.config.r, adapter.config.alpha
+                            loaded.config.r,
+                            loaded.config.alpha,
+                            adapter.config.r,
+                            adapter.config.alpha
                         )));
                     }
-                    let tensors: HashMap<String, tch::Tensor> = loaded.named_tensors().into_iter().collect();
-                    adapter.load_tensors(&tensors).map_err(|e| bad(format!("{key}: {e}")))?;
+                    let tensors: HashMap<String, tch::Tensor> =
+                        loaded.named_tensors().into_iter().collect();
+                    adapter
+                        .load_tensors(&tensors)
+                        .map_err(|e| bad(format!("{key}: {e}")))?;
                 }
                 PolicyWeights::Full(model) => {
                     let spec = from.display().to_string();
-                    let loaded = cotrain_model::loader::load(&spec, &self.s.bases.opts).map_err(|e| bad(format!("{key}: {e}")))?;
+                    let loaded = cotrain_model::loader::load(&spec, &self.s.bases.opts)
+                        .map_err(|e| bad(format!("{key}: {e}")))?;
                     if loaded.model.config() != base.model.config() {
-                        return Err(bad(format!("{key}: the saved model's config is not its base's")));
+                        return Err(bad(format!(
+                            "{key}: the saved model's config is not its base's"
+                        )));
                     }
                     **model = loaded;
                 }

@@ -8,9 +8,14 @@ use cotrain_model::families::CausalLm;
 use cotrain_model::logprobs::trunk_positions;
 
 use super::super::agents::{Adapters, Critic, PolicyAdapter};
-use super::minibatch::{EpochData, MicroBatches, MinibatchStats, policy_minibatch, rank_micro_batches, value_minibatch};
-use super::rows::{POLICY_LEN, POLICY_POSITIONS, POLICY_PROMPT, Positions, Prompt, VALUE_POSITIONS, VALUE_PROMPT, question_units, rows_of};
 use super::PpoSample;
+use super::minibatch::{
+    EpochData, MicroBatches, MinibatchStats, policy_minibatch, rank_micro_batches, value_minibatch,
+};
+use super::rows::{
+    POLICY_LEN, POLICY_POSITIONS, POLICY_PROMPT, Positions, Prompt, VALUE_POSITIONS, VALUE_PROMPT,
+    question_units, rows_of,
+};
 use crate::config::MaporlSection;
 use crate::dist::Collective;
 use crate::error::TrainError;
@@ -40,14 +45,22 @@ pub(super) fn epoch_mini_batches(
     permutations: &[Vec<usize>],
     m: &MaporlSection,
 ) -> Vec<Vec<MiniBatch>> {
-    let unit_of: BTreeMap<usize, &Vec<usize>> = units.iter().map(|u| (samples[u[0]].question, u)).collect();
+    let unit_of: BTreeMap<usize, &Vec<usize>> =
+        units.iter().map(|u| (samples[u[0]].question, u)).collect();
     permutations
         .iter()
         .map(|order| {
-            let size = order.len().div_ceil(m.num_mini_batches.min(order.len()).max(1)).max(1);
+            let size = order
+                .len()
+                .div_ceil(m.num_mini_batches.min(order.len()).max(1))
+                .max(1);
             order
                 .chunks(size)
-                .map(|qs| qs.iter().filter_map(|q| unit_of.get(q).map(|u| (*u).clone())).collect::<MiniBatch>())
+                .map(|qs| {
+                    qs.iter()
+                        .filter_map(|q| unit_of.get(q).map(|u| (*u).clone()))
+                        .collect::<MiniBatch>()
+                })
                 .filter(|mb| !mb.is_empty())
                 .collect()
         })
@@ -73,7 +86,12 @@ impl EpochJob<'_> {
 
     /// The positions this rank's forwards of one epoch run (its first), prompt prefixes shared
     /// within each micro-batch as the kernels share them: for arithmetic figures.
-    pub(super) fn positions_run(&self, samples: &[PpoSample], m: &MaporlSection, dist: &dyn Collective) -> usize {
+    pub(super) fn positions_run(
+        &self,
+        samples: &[PpoSample],
+        m: &MaporlSection,
+        dist: &dyn Collective,
+    ) -> usize {
         let Some(order) = self.orders.first() else {
             return 0;
         };
@@ -94,10 +112,13 @@ impl EpochJob<'_> {
     /// prompt or the critic's) over all epochs.
     pub(super) fn cost(&self, samples: &[PpoSample]) -> usize {
         let (positions, _) = self.rows();
-        let tokens: usize = self
-            .orders
-            .first()
-            .map_or(0, |o| o.iter().flatten().flatten().map(|&k| positions(&samples[k])).sum());
+        let tokens: usize = self.orders.first().map_or(0, |o| {
+            o.iter()
+                .flatten()
+                .flatten()
+                .map(|&k| positions(&samples[k]))
+                .sum()
+        });
         match &self.adapter {
             // A policy's update also runs the LM head: about twice a critic's cost per token.
             JobAdapter::Policy(_) => 2 * tokens * self.orders.len(),
@@ -147,7 +168,6 @@ impl EpochJob<'_> {
     }
 }
 
-
 /// One job per policy adapter in `by_policy` and per critic in `by_critic` (their samples), each
 /// with its mini-batches of every epoch (`permutations`: each epoch's order of the step's
 /// questions).
@@ -159,7 +179,9 @@ pub(super) fn epoch_jobs<'a>(
     permutations: &[Vec<usize>],
     m: &MaporlSection,
 ) -> Vec<EpochJob<'a>> {
-    let epochs_of = |idx: &Vec<usize>| epoch_mini_batches(&question_units(idx, samples), samples, permutations, m);
+    let epochs_of = |idx: &Vec<usize>| {
+        epoch_mini_batches(&question_units(idx, samples), samples, permutations, m)
+    };
     let policy_orders: Vec<Vec<Vec<MiniBatch>>> = by_policy.values().map(epochs_of).collect();
     let critic_orders: Vec<Vec<Vec<MiniBatch>>> = by_critic.values().map(epochs_of).collect();
     let mut jobs: Vec<EpochJob> = Vec::with_capacity(by_policy.len() + by_critic.len());

@@ -9,7 +9,10 @@ use cotrain_model::logprobs::{LogProbOptions, completion_logprobs_within};
 use tch::{Kind, Tensor};
 
 use super::super::agents::{Adapters, Bases};
-use super::rows::{POLICY_POSITIONS, POLICY_PROMPT, VALUE_POSITIONS, model_err, question_units, response_values, rows_of};
+use super::rows::{
+    POLICY_POSITIONS, POLICY_PROMPT, VALUE_POSITIONS, model_err, question_units, response_values,
+    rows_of,
+};
 use super::{PpoRecord, PpoSample};
 use crate::config::MaporlSection;
 use crate::dist::Collective;
@@ -70,7 +73,7 @@ pub(super) fn ppo_inputs(
                 &questions,
                 &lp_opts,
             )
-                .map_err(model_err("reference log-probs"))?;
+            .map_err(model_err("reference log-probs"))?;
             for ((&k, lp), lr) in idx
                 .iter()
                 .zip(old)
@@ -93,7 +96,8 @@ pub(super) fn ppo_inputs(
         let idx: Vec<usize> = idx.iter().copied().filter(|&k| mine(k)).collect();
         let units = question_units(&idx, samples);
         for part in &length_batches(&units, |k| VALUE_POSITIONS(&samples[k]), PREPARE_ROWS) {
-            let (v, counts) = response_values(c, &bases.models[c.base].model, samples, part, false)?;
+            let (v, counts) =
+                response_values(c, &bases.models[c.base].model, samples, part, false)?;
             let v: Vec<f32> =
                 Vec::try_from(v.to_device(tch::Device::Cpu).reshape([-1])).unwrap_or_default();
             let cmax = counts.iter().copied().max().unwrap_or(0);
@@ -181,4 +185,3 @@ pub(super) fn length_batches(
     }
     out.into_iter().map(|b| b.rows).collect()
 }
-

@@ -8,7 +8,10 @@ use tch::Kind;
 use tracing::warn;
 
 use super::super::agents::{Critic, PolicyAdapter};
-use super::rows::{POLICY_LEN, POLICY_POSITIONS, POLICY_PROMPT, Positions, VALUE_POSITIONS, model_err, pad, response_values, rows_of};
+use super::rows::{
+    POLICY_LEN, POLICY_POSITIONS, POLICY_PROMPT, Positions, VALUE_POSITIONS, model_err, pad,
+    response_values, rows_of,
+};
 use super::{PpoRecord, PpoSample};
 use crate::algo::padding::pad_values;
 use crate::algo::ppo::{clipped_policy_loss, clipped_value_loss};
@@ -65,7 +68,12 @@ pub(super) fn rank_micro_batches(
     len: Positions,
 ) -> Vec<(Vec<usize>, f64)> {
     let (rank, world) = (dist.rank(), dist.world());
-    let all_tokens = mb.iter().flatten().map(|&k| len(&samples[k])).sum::<usize>().max(1) as f64;
+    let all_tokens = mb
+        .iter()
+        .flatten()
+        .map(|&k| len(&samples[k]))
+        .sum::<usize>()
+        .max(1) as f64;
     let part: Vec<&Vec<usize>> = mb
         .iter()
         .enumerate()
@@ -109,10 +117,7 @@ pub(super) enum MicroBatches {
     Count(usize),
     /// Consecutive questions while their `positions` sum to at most `most`
     /// (`maporl.micro_batch_positions`).
-    Positions {
-        most: usize,
-        positions: Positions,
-    },
+    Positions { most: usize, positions: Positions },
 }
 
 impl MicroBatches {
@@ -142,9 +147,13 @@ pub(super) fn policy_minibatch(
     } = *data;
     p.optimizer.zero_grad();
     let mut local = [0.0f64; 6]; // loss, clip fraction, approx kl, entropy, ratio, non-finite
-    for (part, share) in
-        rank_micro_batches(mb, samples, dist, MicroBatches::of(m, POLICY_POSITIONS), POLICY_LEN)
-    {
+    for (part, share) in rank_micro_batches(
+        mb,
+        samples,
+        dist,
+        MicroBatches::of(m, POLICY_POSITIONS),
+        POLICY_LEN,
+    ) {
         let (seqs, questions) = rows_of(samples, &part, POLICY_PROMPT);
         let cmax = part
             .iter()
@@ -165,7 +174,9 @@ pub(super) fn policy_minibatch(
             temperature: m.temperature,
         };
         let tlp = p
-            .with_model(net, |model| completion_logprobs_within(model, &seqs, &questions, &opts))?
+            .with_model(net, |model| {
+                completion_logprobs_within(model, &seqs, &questions, &opts)
+            })?
             .map_err(model_err("policy log-probs"))?;
         let (lp, mask) = tlp.padded();
         let mask = mask.to_kind(Kind::Float);

@@ -81,7 +81,8 @@ pub fn ppo_update(
 
     // 1. Old log-probs, reference log-probs, old values.
     let t_prep = std::time::Instant::now();
-    let mut records = inputs::ppo_inputs(m, bases, adapters, samples, &by_policy, &by_critic, dist)?;
+    let mut records =
+        inputs::ppo_inputs(m, bases, adapters, samples, &by_policy, &by_critic, dist)?;
     stats.insert("time/ppo_prepare".into(), t_prep.elapsed().as_secs_f64());
     // 2. Rewards, GAE, returns, whitening.
     let (whitened, targets_stats) = ppo_targets(m, samples, &mut records);
@@ -113,7 +114,10 @@ pub fn ppo_update(
         records: &records,
         whitened: &whitened,
     };
-    for (name, policy) in [("train/policy_positions_run", true), ("train/value_positions_run", false)] {
+    for (name, policy) in [
+        ("train/policy_positions_run", true),
+        ("train/value_positions_run", false),
+    ] {
         let run: usize = jobs
             .iter()
             .filter(|j| matches!(j.adapter, JobAdapter::Policy(_)) == policy)
@@ -160,4 +164,3 @@ pub fn ppo_update(
     stats.insert("train/samples".into(), samples.len() as f64);
     Ok((records, stats))
 }
-

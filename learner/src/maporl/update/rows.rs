@@ -36,7 +36,10 @@ pub(super) fn rows_of(
 ) -> (Vec<Sequence>, Vec<usize>) {
     part.iter()
         .map(|&k| {
-            let row = Sequence { prompt: prompt(&samples[k]).clone(), completion: samples[k].response.clone() };
+            let row = Sequence {
+                prompt: prompt(&samples[k]).clone(),
+                completion: samples[k].response.clone(),
+            };
             (row, samples[k].question)
         })
         .unzip()

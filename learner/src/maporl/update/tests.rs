@@ -64,25 +64,38 @@ fn a_questions_answers_stay_together_in_batches_and_micro_batches() {
         for b in length_batches(&units, len, rows) {
             assert!(b.len() <= rows.max(2), "{b:?}");
             for u in &units {
-                assert!(u.iter().all(|k| b.contains(k)) || !u.iter().any(|k| b.contains(k)), "{b:?} splits {u:?}");
+                assert!(
+                    u.iter().all(|k| b.contains(k)) || !u.iter().any(|k| b.contains(k)),
+                    "{b:?} splits {u:?}"
+                );
             }
         }
     }
     // A mini-batch of all four questions in 2 micro-batches: two questions each, shares of
     // the response tokens summing to one.
-    let micro = rank_micro_batches(&units, &samples, &SingleRank, MicroBatches::Count(2), |s| s.response.len());
-    assert_eq!(micro.iter().map(|(m, _)| m.clone()).collect::<Vec<_>>(), vec![vec![0, 4, 1, 5], vec![2, 6, 3, 7]]);
+    let micro = rank_micro_batches(&units, &samples, &SingleRank, MicroBatches::Count(2), |s| {
+        s.response.len()
+    });
+    assert_eq!(
+        micro.iter().map(|(m, _)| m.clone()).collect::<Vec<_>>(),
+        vec![vec![0, 4, 1, 5], vec![2, 6, 3, 7]]
+    );
     let total: usize = samples.iter().map(|s| s.response.len()).sum();
     assert!((micro[0].1 - (3 + 4 + 4 + 5) as f64 / total as f64).abs() < 1e-12);
     assert!((micro.iter().map(|m| m.1).sum::<f64>() - 1.0).abs() < 1e-12);
     // `micro_batch_positions`: consecutive questions up to 60 positions (27, 29, 31, 33 each),
     // and a budget below every question runs each alone.
-    let positions = |most| MicroBatches::Positions { most, positions: |s: &PpoSample| s.prompt.len() + s.response.len() };
+    let positions = |most| MicroBatches::Positions {
+        most,
+        positions: |s: &PpoSample| s.prompt.len() + s.response.len(),
+    };
     let split = |most| {
-        rank_micro_batches(&units, &samples, &SingleRank, positions(most), |s| s.response.len())
-            .into_iter()
-            .map(|(m, _)| m)
-            .collect::<Vec<_>>()
+        rank_micro_batches(&units, &samples, &SingleRank, positions(most), |s| {
+            s.response.len()
+        })
+        .into_iter()
+        .map(|(m, _)| m)
+        .collect::<Vec<_>>()
     };
     assert_eq!(split(60), vec![vec![0, 4, 1, 5], vec![2, 6], vec![3, 7]]);
     assert_eq!(split(1).len(), 4);
@@ -96,14 +109,24 @@ fn every_job_follows_the_epochs_permutation_of_questions() {
         .flat_map(|q| (0..2).map(move |a| sample(q, a, 3)))
         .collect();
     let policy: Vec<usize> = (0..samples.len()).collect();
-    let critic: Vec<usize> = policy.iter().copied().filter(|&k| samples[k].question != 4).collect();
+    let critic: Vec<usize> = policy
+        .iter()
+        .copied()
+        .filter(|&k| samples[k].question != 4)
+        .collect();
     let mut m: MaporlSection = serde_json::from_str("{}").expect("defaults");
     m.num_mini_batches = 3;
     let perms = vec![vec![4, 1, 5, 0, 3, 2], vec![2, 3, 0, 1, 4, 5]];
     let p = epoch_mini_batches(&question_units(&policy, &samples), &samples, &perms, &m);
     let c = epoch_mini_batches(&question_units(&critic, &samples), &samples, &perms, &m);
-    let questions = |mb: &Vec<Vec<usize>>| mb.iter().map(|u| samples[u[0]].question).collect::<Vec<_>>();
-    let of = |epochs: &Vec<Vec<Vec<Vec<usize>>>>, e: usize| epochs[e].iter().map(questions).collect::<Vec<_>>();
+    let questions = |mb: &Vec<Vec<usize>>| {
+        mb.iter()
+            .map(|u| samples[u[0]].question)
+            .collect::<Vec<_>>()
+    };
+    let of = |epochs: &Vec<Vec<Vec<Vec<usize>>>>, e: usize| {
+        epochs[e].iter().map(questions).collect::<Vec<_>>()
+    };
     assert_eq!(of(&p, 0), vec![vec![4, 1], vec![5, 0], vec![3, 2]]);
     assert_eq!(of(&c, 0), vec![vec![1], vec![5, 0], vec![3, 2]]);
     assert_eq!(of(&p, 1), vec![vec![2, 3], vec![0, 1], vec![4, 5]]);

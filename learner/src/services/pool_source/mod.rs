@@ -356,7 +356,9 @@ impl RolloutSource for PoolRollout {
             // Adapters are small: one after another, each by the path `push` picks.
             for u in updates {
                 match u.lora_scaling {
-                    Some(scaling) => self.push_adapter_with_probe(u.agent, u.version, u.params, scaling)?,
+                    Some(scaling) => {
+                        self.push_adapter_with_probe(u.agent, u.version, u.params, scaling)?
+                    }
                     None => self.push(u.agent, u.version, u.params, None)?,
                 }
             }
@@ -405,4 +407,3 @@ impl RolloutSource for PoolRollout {
         })
     }
 }
-

@@ -204,7 +204,10 @@ impl PoolRollout {
                 Ok(()) => {
                     if let Err((accepted, e)) = self.push_shm(agent, version, params, lora_scaling)
                     {
-                        warn!(error = e, "shared-memory weight update failed, sending it over gRPC");
+                        warn!(
+                            error = e,
+                            "shared-memory weight update failed, sending it over gRPC"
+                        );
                         self.push_grpc(agent, version, params, lora_scaling, &accepted)?;
                         // Only when gRPC carried what shared memory did not was the transport the
                         // problem; an update refused for its content (a failed probe check, say)
@@ -350,11 +353,20 @@ impl PoolRollout {
     /// The header of a push of `agent` as `version`: a full update of every parameter, or, with
     /// `lora_scaling`, an adapter (a partial update the workers merge into their base weights),
     /// with the agent's probe. `tensor_count` is left to the pool, which counts the tensors it sends.
-    fn update_header(&self, agent: &str, version: u64, lora_scaling: Option<f64>) -> pb::UpdateHeader {
+    fn update_header(
+        &self,
+        agent: &str,
+        version: u64,
+        lora_scaling: Option<f64>,
+    ) -> pb::UpdateHeader {
         let probe = self.probes.get(agent).map(|p| pb::WeightProbe {
             // Weights rounded to bf16 on the wire move the log-probs by up to ~0.1 nat: the
             // half-precision tolerance, not the f32 one.
-            tolerance: if p.tolerance == 0.0 && self.wire != WireDType::F32 { 0.25 } else { p.tolerance },
+            tolerance: if p.tolerance == 0.0 && self.wire != WireDType::F32 {
+                0.25
+            } else {
+                p.tolerance
+            },
             ..p.clone()
         });
         pb::UpdateHeader {
@@ -516,4 +528,3 @@ mod tests {
         );
     }
 }
-

@@ -111,7 +111,11 @@ impl CausalLm {
             .all(|lin: &Linear| {
                 servable(&lin.weight)
                     && lin.bias.as_ref().is_none_or(&servable)
-                    && lin.row_loras.borrow().iter().all(|g| servable(&g.a) && servable(&g.b))
+                    && lin
+                        .row_loras
+                        .borrow()
+                        .iter()
+                        .all(|g| servable(&g.a) && servable(&g.b))
             })
         };
         let norms = |l: &DecoderLayer| {
@@ -147,7 +151,10 @@ impl CausalLm {
     ) -> Option<Result<Tensor>> {
         // The kernels attend to every cached position: a sliding window that binds goes through
         // libtorch's masked attention instead.
-        let window_binds = self.cfg.sliding_window.is_some_and(|w| starts.iter().any(|&s| s >= w as i64));
+        let window_binds = self
+            .cfg
+            .sliding_window
+            .is_some_and(|w| starts.iter().any(|&s| s >= w as i64));
         if starts.is_empty() || window_binds || !self.fast_decode_applies(cache) {
             return None;
         }
@@ -252,7 +259,14 @@ impl CausalLm {
 /// `out = x · wᵀ (+ b)` for `rows` rows: through cotrain's matrix kernel when `own_products` (the
 /// dispatch's measured decision for this dtype), else through libtorch's route for a model of this
 /// dtype (the rows rounded to it, as libtorch's own decode step would have them).
-fn project<W: Elem>(lin: &Linear, x: &[f32], rows: usize, out: &mut [f32], threads: usize, own_products: bool) {
+fn project<W: Elem>(
+    lin: &Linear,
+    x: &[f32],
+    rows: usize,
+    out: &mut [f32],
+    threads: usize,
+    own_products: bool,
+) {
     let (n, k) = (lin.weight.size()[0] as usize, lin.weight.size()[1] as usize);
     if !own_products {
         libtorch_product_into(x, rows, &lin.weight, lin.bias.as_ref(), out);
@@ -283,11 +297,20 @@ fn add_row_adapters<W: Elem>(lin: &Linear, x: &[f32], out: &mut [f32], k: usize,
         for &row in &g.row_list {
             let xr = &x[row * k..(row + 1) * k];
             for (j, tj) in t.iter_mut().enumerate() {
-                *tj = a[j * k..(j + 1) * k].iter().zip(xr).map(|(w, v)| w.to_f32() * v).sum::<f32>() * g.scaling as f32;
+                *tj = a[j * k..(j + 1) * k]
+                    .iter()
+                    .zip(xr)
+                    .map(|(w, v)| w.to_f32() * v)
+                    .sum::<f32>()
+                    * g.scaling as f32;
             }
             let orow = &mut out[row * n..(row + 1) * n];
             for (i, o) in orow.iter_mut().enumerate() {
-                *o += b[i * r..(i + 1) * r].iter().zip(&t).map(|(w, v)| w.to_f32() * v).sum::<f32>();
+                *o += b[i * r..(i + 1) * r]
+                    .iter()
+                    .zip(&t)
+                    .map(|(w, v)| w.to_f32() * v)
+                    .sum::<f32>();
             }
         }
     }
@@ -316,14 +339,24 @@ mod tests {
         if !gemm_f32::is_available() {
             return;
         }
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/qwen2");
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny/qwen2");
         for (kind, tol) in [(Kind::Float, 1e-5f32), (Kind::BFloat16, 2e-2)] {
-            let (_vs, model) = load_hf_weights(&dir, &LoadOptions { kind, ..Default::default() }).unwrap();
+            let (_vs, model) = load_hf_weights(
+                &dir,
+                &LoadOptions {
+                    kind,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
             let lin = &model.layers[0].self_attn.q_proj;
             assert!(lin.bias.is_some());
             let (n, k) = (lin.weight.size()[0] as usize, lin.weight.size()[1] as usize);
             let rows = 5;
-            let x: Vec<f32> = (0..rows * k).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+            let x: Vec<f32> = (0..rows * k)
+                .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+                .collect();
             let (mut ours, mut theirs) = (vec![0f32; rows * n], vec![0f32; rows * n]);
             let _guard = tch::no_grad_guard();
             match kind {
@@ -337,8 +370,14 @@ mod tests {
                 }
             }
             let scale = theirs.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let diff = ours.iter().zip(&theirs).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(scale > 0.0 && diff <= tol * scale.max(1.0), "{kind:?}: max |diff| {diff} at scale {scale}");
+            let diff = ours
+                .iter()
+                .zip(&theirs)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                scale > 0.0 && diff <= tol * scale.max(1.0),
+                "{kind:?}: max |diff| {diff} at scale {scale}"
+            );
         }
     }
 }

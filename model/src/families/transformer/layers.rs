@@ -70,10 +70,22 @@ impl Rotary {
         match &cfg.rope_scaling {
             RopeScaling::None => {}
             // As transformers: inv_freq = 1 / (factor_i · base^(2i/dim)), in f32.
-            RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor } => {
-                let divided = |f: &[f64]| (0..dim / 2).map(|i| 1.0 / (f[i] as f32 * base(i))).collect::<Vec<f32>>();
+            RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings,
+                attention_factor,
+            } => {
+                let divided = |f: &[f64]| {
+                    (0..dim / 2)
+                        .map(|i| 1.0 / (f[i] as f32 * base(i)))
+                        .collect::<Vec<f32>>()
+                };
                 inv_freq = divided(short_factor);
-                long = Some((divided(long_factor), *original_max_position_embeddings as i64));
+                long = Some((
+                    divided(long_factor),
+                    *original_max_position_embeddings as i64,
+                ));
                 scale = *attention_factor;
             }
             RopeScaling::Linear { factor } => {
@@ -105,8 +117,21 @@ impl Rotary {
                 }
             }
         }
-        let empty = || RefCell::new((Tensor::zeros([0, dim as i64], (Kind::Float, device)), Tensor::zeros([0, dim as i64], (Kind::Float, device)), 0));
-        Rotary { inv_freq, long, scale, device, table: empty(), long_table: empty() }
+        let empty = || {
+            RefCell::new((
+                Tensor::zeros([0, dim as i64], (Kind::Float, device)),
+                Tensor::zeros([0, dim as i64], (Kind::Float, device)),
+                0,
+            ))
+        };
+        Rotary {
+            inv_freq,
+            long,
+            scale,
+            device,
+            table: empty(),
+            long_table: empty(),
+        }
     }
 
     /// Another handle on the same table (a copy that grows on its own from here).
@@ -154,7 +179,9 @@ impl Rotary {
 
     /// Whether forwards over `a` and `b` positions use the same table.
     pub(super) fn same_table(&self, a: i64, b: i64) -> bool {
-        self.long.as_ref().is_none_or(|(_, original)| (a > *original) == (b > *original))
+        self.long
+            .as_ref()
+            .is_none_or(|(_, original)| (a > *original) == (b > *original))
     }
 
     /// cos/sin for positions `0..len` of a forward whose positions reach `longest - 1`: (1, 1, L,
@@ -205,7 +232,10 @@ impl RmsNorm {
     }
 
     pub(super) fn share(&self) -> Self {
-        RmsNorm { weight: self.weight.shallow_clone(), eps: self.eps }
+        RmsNorm {
+            weight: self.weight.shallow_clone(),
+            eps: self.eps,
+        }
     }
 
     pub(super) fn forward(&self, xs: &Tensor) -> Tensor {
@@ -249,10 +279,22 @@ pub(crate) struct RowLora {
 }
 
 impl Linear {
-    pub(super) fn new(vs: nn::Path, in_dim: usize, out_dim: usize, bias: bool, init: WeightInit) -> Self {
+    pub(super) fn new(
+        vs: nn::Path,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+        init: WeightInit,
+    ) -> Self {
         let weight = param(&vs, "weight", &[out_dim as i64, in_dim as i64], init);
         let bias = bias.then(|| vs.var("bias", &[out_dim as i64], Init::Const(0.0)));
-        Linear { weight, bias, lora: RefCell::new(None), row_loras: RefCell::new(Vec::new()), matmul_kind: std::cell::Cell::new(None) }
+        Linear {
+            weight,
+            bias,
+            lora: RefCell::new(None),
+            row_loras: RefCell::new(Vec::new()),
+            matmul_kind: std::cell::Cell::new(None),
+        }
     }
 
     /// The same weights, without an adapter set.
@@ -278,11 +320,17 @@ impl Linear {
             // into y is the second product's own accumulate (addmm): two passes over the
             // activations fewer per projection, forward and backward.
             Some(s) => {
-                let x = if s.dropout > 0.0 { xs.dropout(s.dropout, true) } else { xs.shallow_clone() };
+                let x = if s.dropout > 0.0 {
+                    xs.dropout(s.dropout, true)
+                } else {
+                    xs.shallow_clone()
+                };
                 let xa = x.linear::<&Tensor>(&s.a, None);
                 let shape = y.size();
                 let (out, r) = (shape[shape.len() - 1], s.a.size()[0]);
-                y.reshape([-1, out]).addmm(&xa.reshape([-1, r]), &(&s.b * s.scaling).tr()).view(shape.as_slice())
+                y.reshape([-1, out])
+                    .addmm(&xa.reshape([-1, r]), &(&s.b * s.scaling).tr())
+                    .view(shape.as_slice())
             }
         };
         let groups = self.row_loras.borrow();
@@ -294,7 +342,10 @@ impl Linear {
         let mut y = y;
         for g in groups.iter() {
             let x = xs.index_select(0, &g.rows);
-            let delta = x.linear::<&Tensor>(&g.a, None).linear::<&Tensor>(&g.b, None) * g.scaling;
+            let delta = x
+                .linear::<&Tensor>(&g.a, None)
+                .linear::<&Tensor>(&g.b, None)
+                * g.scaling;
             y = y.index_add(0, &g.rows, &delta.to_kind(y.kind()));
         }
         y
@@ -306,7 +357,9 @@ impl Linear {
 /// weights in f32 (each cast's backward is the cast back).
 pub(crate) fn linear_in(kind: Kind, xs: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
     let b = b.map(|b| b.to_kind(kind));
-    xs.to_kind(kind).linear(&w.to_kind(kind), b.as_ref()).to_kind(xs.kind())
+    xs.to_kind(kind)
+        .linear(&w.to_kind(kind), b.as_ref())
+        .to_kind(xs.kind())
 }
 
 /// `xs · wᵀ + b` for `xs` (..., K) and `w` (N, K), by the fastest route measured for the shape:
@@ -353,7 +406,11 @@ impl Mlp {
     }
 
     pub(super) fn share(&self) -> Self {
-        Mlp { gate_proj: self.gate_proj.share(), up_proj: self.up_proj.share(), down_proj: self.down_proj.share() }
+        Mlp {
+            gate_proj: self.gate_proj.share(),
+            up_proj: self.up_proj.share(),
+            down_proj: self.down_proj.share(),
+        }
     }
 
     pub(super) fn forward(&self, xs: &Tensor) -> Tensor {

@@ -23,19 +23,30 @@ use std::sync::LazyLock;
 
 use regex::Regex;
 
-static DEF_START: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"^(\s*)def\s+\w+\s*\(").expect("valid regex"));
-static ANY_DEF: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"def\s+\w+\s*\(").expect("valid regex"));
-static PROSE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"^[A-Z][a-z].*[.!?:]$").expect("valid regex"));
-static FENCE_PY: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"```python\s*\n?").expect("valid regex"));
+static DEF_START: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"^(\s*)def\s+\w+\s*\(").expect("valid regex"));
+static ANY_DEF: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"def\s+\w+\s*\(").expect("valid regex"));
+static PROSE: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"^[A-Z][a-z].*[.!?:]$").expect("valid regex"));
+static FENCE_PY: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"```python\s*\n?").expect("valid regex"));
 static FENCE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"```\s*\n?").expect("valid regex"));
-static IMPORT_FROM: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"^from\s+[\w\.]+\s+import\s+.*$").expect("valid regex"));
-static IMPORT: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"^import\s+[\w\.,\s]+$").expect("valid regex"));
+static IMPORT_FROM: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"^from\s+[\w\.]+\s+import\s+.*$").expect("valid regex"));
+static IMPORT: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"^import\s+[\w\.,\s]+$").expect("valid regex"));
 static RETURN: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"return\s+").expect("valid regex"));
-static TEST_LINE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"^assert\s+.*candidate").expect("valid regex"));
-static AUX_CALL: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"\baux\s*\(").expect("valid regex"));
-static AUX_ASSIGN: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"(\w+)\s*=\s*aux\s*\(").expect("valid regex"));
-static IGNORED_CALL: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"aux\s\([^)]\)").expect("valid regex"));
-static IGNORED_LINE: LazyLock<Regex> = LazyLock::new(|| Regex::new(r"^aux\s\([^)]\)$").expect("valid regex"));
+static TEST_LINE: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"^assert\s+.*candidate").expect("valid regex"));
+static AUX_CALL: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"\baux\s*\(").expect("valid regex"));
+static AUX_ASSIGN: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"(\w+)\s*=\s*aux\s*\(").expect("valid regex"));
+static IGNORED_CALL: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"aux\s\([^)]\)").expect("valid regex"));
+static IGNORED_LINE: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"^aux\s\([^)]\)$").expect("valid regex"));
 
 /// Characters of leading whitespace (what `len(line) - len(line.lstrip())` counts).
 fn indent_of(line: &str) -> usize {
@@ -71,11 +82,18 @@ pub fn cleanup(code: &str) -> String {
             in_function = true;
             base = indent_of(line);
         } else if in_function {
-            if stripped.is_empty() || line.starts_with(&" ".repeat(base + 1)) || line.starts_with('\t') {
+            if stripped.is_empty()
+                || line.starts_with(&" ".repeat(base + 1))
+                || line.starts_with('\t')
+            {
                 current.push(line);
             } else if stripped.starts_with("\"\"\"") || stripped.starts_with("'''") {
                 current.push(line);
-                let quote = if stripped.starts_with("\"\"\"") { "\"\"\"" } else { "'''" };
+                let quote = if stripped.starts_with("\"\"\"") {
+                    "\"\"\""
+                } else {
+                    "'''"
+                };
                 if !(stripped.ends_with(quote) && stripped.chars().count() > 3) {
                     i += 1;
                     while i < lines.len() {
@@ -102,12 +120,18 @@ pub fn cleanup(code: &str) -> String {
     let joined = blocks.join("\n\n");
     let kept: Vec<&str> = joined.split('\n').filter(|line| !is_prose(line)).collect();
     let result = kept.join("\n").trim().to_string();
-    if ANY_DEF.is_match(&result) { result } else { String::new() }
+    if ANY_DEF.is_match(&result) {
+        result
+    } else {
+        String::new()
+    }
 }
 
 /// A line the original takes for natural language and drops.
 fn is_prose(line: &str) -> bool {
-    const CODE_MARKS: [&str; 10] = ["def ", "return ", "if ", "for ", "while ", "=", "(", ")", "[", "]"];
+    const CODE_MARKS: [&str; 10] = [
+        "def ", "return ", "if ", "for ", "while ", "=", "(", ")", "[", "]",
+    ];
     let stripped = line.trim();
     !stripped.is_empty()
         && !stripped.starts_with('#')
@@ -125,7 +149,8 @@ pub fn extract_function(code: &str, name: &str) -> String {
         return String::new();
     }
     let cleaned = cleanup(code);
-    let header = Regex::new(&format!(r"^(\s*)def\s+{}\s*\(", regex::escape(name))).expect("escaped name");
+    let header =
+        Regex::new(&format!(r"^(\s*)def\s+{}\s*\(", regex::escape(name))).expect("escaped name");
     let mut lines: Vec<&str> = Vec::new();
     let mut inside = false;
     let mut base = 0;
@@ -177,11 +202,17 @@ pub fn tests(test_src: &str, entry_point: &str) -> Vec<String> {
     let mut seen: Vec<&str> = Vec::new();
     for line in body.trim().split('\n') {
         let line = line.trim();
-        if line.starts_with("assert") && line.contains("candidate") && TEST_LINE.is_match(line) && !seen.contains(&line) {
+        if line.starts_with("assert")
+            && line.contains("candidate")
+            && TEST_LINE.is_match(line)
+            && !seen.contains(&line)
+        {
             seen.push(line);
         }
     }
-    seen.into_iter().map(|l| l.replace("candidate", entry_point)).collect()
+    seen.into_iter()
+        .map(|l| l.replace("candidate", entry_point))
+        .collect()
 }
 
 /// `return` followed by whitespace anywhere in the function's text.
@@ -207,7 +238,11 @@ pub fn is_wrapper(main: &str) -> bool {
             continue;
         }
         if s.starts_with("\"\"\"") || s.starts_with("'''") {
-            let quote = if s.starts_with("\"\"\"") { "\"\"\"" } else { "'''" };
+            let quote = if s.starts_with("\"\"\"") {
+                "\"\"\""
+            } else {
+                "'''"
+            };
             if !(s.ends_with(quote) && s.chars().count() > 3) {
                 in_docstring = true;
             }
@@ -226,7 +261,9 @@ pub fn is_wrapper(main: &str) -> bool {
     match code.as_slice() {
         [] => true,
         [only] => only.starts_with("return ") && only.contains("aux"),
-        [first, second] => AUX_ASSIGN.captures(first).is_some_and(|c| *second == format!("return {}", &c[1])),
+        [first, second] => AUX_ASSIGN
+            .captures(first)
+            .is_some_and(|c| *second == format!("return {}", &c[1])),
         _ => false,
     }
 }
@@ -239,7 +276,11 @@ pub fn ignored_aux_call(main: &str) -> Option<(usize, String)> {
     }
     main.split('\n').enumerate().find_map(|(i, line)| {
         let s = line.trim();
-        (!s.is_empty() && !s.starts_with('#') && IGNORED_CALL.is_match(s) && IGNORED_LINE.is_match(s)).then(|| (i + 1, s.to_string()))
+        (!s.is_empty()
+            && !s.starts_with('#')
+            && IGNORED_CALL.is_match(s)
+            && IGNORED_LINE.is_match(s))
+        .then(|| (i + 1, s.to_string()))
     })
 }
 
@@ -252,15 +293,22 @@ mod tests {
         let code = "def f(x):\n    def g(y):\n        return y\n    z = g(x)\n    return z\n";
         // The nested def starts a new block; `z = g(x)` is not deeper than it, so it ends the block
         // and the outer `return z` is lost (values checked against the original's functions).
-        assert_eq!(cleanup(code), "def f(x):\n\n    def g(y):\n        return y");
-        assert_eq!(extract_function(code, "f"), "def f(x):\n\n    def g(y):\n        return y");
+        assert_eq!(
+            cleanup(code),
+            "def f(x):\n\n    def g(y):\n        return y"
+        );
+        assert_eq!(
+            extract_function(code, "f"),
+            "def f(x):\n\n    def g(y):\n        return y"
+        );
     }
 
     #[test]
     fn duplicate_definitions_adjacent_take_the_later_separated_the_first() {
         let adjacent = "def f():\n    return 1\n\ndef f():\n    return 2\n";
         assert_eq!(extract_function(adjacent, "f"), "def f():\n    return 2");
-        let separated = "def f():\n    return 1\n\ndef g():\n    return 3\n\ndef f():\n    return 2\n";
+        let separated =
+            "def f():\n    return 1\n\ndef g():\n    return 3\n\ndef f():\n    return 2\n";
         assert_eq!(extract_function(separated, "f"), "def f():\n    return 1");
     }
 
@@ -268,7 +316,10 @@ mod tests {
     fn prose_fences_and_return_detection() {
         let code = "Here is the code:\n```python\ndef aux(x):\n    \"\"\"return nothing\"\"\"\n    print(x)\n```\nThis prints x.";
         let f = extract_function(code, "aux");
-        assert_eq!(f, "def aux(x):\n    \"\"\"return nothing\"\"\"\n    print(x)");
+        assert_eq!(
+            f,
+            "def aux(x):\n    \"\"\"return nothing\"\"\"\n    print(x)"
+        );
         assert!(has_return(&f), "`return ` inside the docstring counts");
         assert!(!has_return("def f(x):\n    return(x)"));
     }
@@ -288,19 +339,33 @@ mod tests {
         assert!(is_wrapper("def f(x):\n    y = aux(x)\n    return y"));
         assert!(!is_wrapper("def f(x):\n    y = aux(x)\n    return y + 1"));
         // The closing `"""` on its own line re-enters docstring mode: the body is never seen.
-        assert!(is_wrapper("def f(x):\n    \"\"\"Doc.\n    More.\n    \"\"\"\n    y = aux(x)\n    z = y * 2\n    return z"));
+        assert!(is_wrapper(
+            "def f(x):\n    \"\"\"Doc.\n    More.\n    \"\"\"\n    y = aux(x)\n    z = y * 2\n    return z"
+        ));
     }
 
     #[test]
     fn ignored_result_needs_one_space_and_one_character() {
-        assert_eq!(ignored_aux_call("def f(x):\n    aux (0)\n    return x"), Some((2, "aux (0)".into())));
-        assert_eq!(ignored_aux_call("def f(x):\n    aux(x)\n    return x"), None);
-        assert_eq!(ignored_aux_call("def f(x):\n    aux (10)\n    return x"), None);
+        assert_eq!(
+            ignored_aux_call("def f(x):\n    aux (0)\n    return x"),
+            Some((2, "aux (0)".into()))
+        );
+        assert_eq!(
+            ignored_aux_call("def f(x):\n    aux(x)\n    return x"),
+            None
+        );
+        assert_eq!(
+            ignored_aux_call("def f(x):\n    aux (10)\n    return x"),
+            None
+        );
     }
 
     #[test]
     fn imports_come_from_every_prompt_line() {
         let p = "from typing import List\nimport math\n\ndef f():\n    \"\"\"\n    import os\n    \"\"\"\nfrom typing import List\n";
-        assert_eq!(prompt_imports(p), vec!["from typing import List", "import math", "import os"]);
+        assert_eq!(
+            prompt_imports(p),
+            vec!["from typing import List", "import math", "import os"]
+        );
     }
 }
