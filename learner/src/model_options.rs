@@ -11,12 +11,12 @@ use crate::error::TrainError;
 /// This process's device for `model.device`, resolved once per request (so `auto` logs its choice
 /// once): `cuda` means this rank's GPU, by the launcher's local rank.
 pub fn learner_device(cfg: &CheckedConfig) -> Result<Device, TrainError> {
-    static RESOLVED: std::sync::Mutex<
-        Vec<(
-            (cotrain_model::cuda::DeviceRequest, usize),
-            Result<Device, String>,
-        )>,
-    > = std::sync::Mutex::new(Vec::new());
+    /// (request, local rank) and what it resolved to.
+    type Resolved = Vec<(
+        (cotrain_model::cuda::DeviceRequest, usize),
+        Result<Device, String>,
+    )>;
+    static RESOLVED: std::sync::Mutex<Resolved> = std::sync::Mutex::new(Vec::new());
     let request = cfg.raw.model.device;
     // A broken launcher environment is reported by `dist::init`; the device then is rank 0's.
     let local_rank = crate::dist::RankEnv::from_env()

@@ -50,11 +50,14 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         .double_value(&[])
 }
 
+/// (agent, version, tensor names, Some(scaling) for an adapter update)
+type Push = (String, u64, Vec<String>, Option<f64>);
+
 /// Every push the trainer makes, with what it carried.
 struct PushLog {
     inner: cotrain_learner::services::EngineRollout,
     /// (agent, version, tensor names, Some(scaling) for an adapter update)
-    pushes: Arc<Mutex<Vec<(String, u64, Vec<String>, Option<f64>)>>>,
+    pushes: Arc<Mutex<Vec<Push>>>,
 }
 
 impl RolloutSource for PushLog {

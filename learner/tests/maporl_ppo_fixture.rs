@@ -25,6 +25,9 @@ use rand::SeedableRng;
 use serde_json::Value;
 use tch::Tensor;
 
+/// Named tensors (an adapter's or a critic's), in order.
+type Named = Vec<(String, Tensor)>;
+
 fn fixture(name: &str) -> Value {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/maporl")
@@ -550,7 +553,7 @@ fn set_variables(a: &Adapters, values: &[(String, Tensor)]) {
 fn micro_batches_accumulate_to_the_update_of_the_whole_mini_batch() {
     // (LoRA dropout off: its masks are drawn per forward, so they differ between the two batchings.)
     let samples = samples();
-    let mut runs: Vec<(Vec<(String, Tensor)>, Vec<(String, Tensor)>, Vec<_>)> = Vec::new();
+    let mut runs: Vec<(Named, Named, Vec<_>)> = Vec::new();
     // One micro-batch; three (as many as questions: each question alone); micro-batches of at
     // most one position (`micro_batch_positions`: each question alone again).
     for (steps, positions) in [(1, "null"), (3, "null"), (1, "1")] {
@@ -651,7 +654,7 @@ fn micro_batches_accumulate_to_the_update_of_the_whole_mini_batch() {
 #[test]
 fn bf16_products_run_every_update_forward_and_keep_the_first_ratio_at_one() {
     let samples = samples();
-    let mut runs: Vec<(Vec<(String, Tensor)>, Vec<PpoRecord>, Option<tch::Kind>)> = Vec::new();
+    let mut runs: Vec<(Named, Vec<PpoRecord>, Option<tch::Kind>)> = Vec::new();
     for extra in [&[][..], &["model.matmul_dtype=bf16"][..]] {
         let (cfg, bases, mut adapters) = tiny_run_with(
             "frozen_random",

@@ -83,14 +83,16 @@ impl RewardSource for Wrong {
     }
 }
 
-/// The verifier's conversations of one evaluation of 2 questions (2 agents, 2 turns).
-fn asked_with(
-    extra: &[&str],
-) -> (
+/// What `asked_with` returns: the verifier's conversations as (user message, answer) pairs, each eval
+/// item's prompt texts, and each eval item's dataset row.
+type Asked = (
     Vec<(String, String)>,
     Vec<Vec<String>>,
     Vec<serde_json::Value>,
-) {
+);
+
+/// The verifier's conversations of one evaluation of 2 questions (2 agents, 2 turns).
+fn asked_with(extra: &[&str]) -> Asked {
     let overrides: Vec<String> = [
         "model.name=default",
         "model.chat_template=false",

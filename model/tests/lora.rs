@@ -399,8 +399,8 @@ fn shared_weight_handles_carry_their_own_adapters_across_threads() {
         tlp.backward(&loss).unwrap();
         let grads: Vec<Tensor> = ad
             .named_tensors()
-            .into_iter()
-            .map(|(_, t)| t.grad().copy())
+            .into_values()
+            .map(|t| t.grad().copy())
             .collect();
         ad.named_tensors().into_iter().for_each(|(_, t)| {
             let _ = t.grad().zero_();
@@ -432,8 +432,8 @@ fn shared_weight_handles_carry_their_own_adapters_across_threads() {
             tlp.backward(&loss).unwrap();
             grads = ad
                 .named_tensors()
-                .into_iter()
-                .map(|(_, t)| t.grad().copy())
+                .into_values()
+                .map(|t| t.grad().copy())
                 .collect();
             ad.named_tensors().into_iter().for_each(|(_, t)| {
                 let _ = t.grad().zero_();

@@ -14,6 +14,7 @@ struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant, reason = "parsed once per process")]
 enum Command {
     /// Generate completions for one prompt and print them.
     Generate(generate::GenerateArgs),

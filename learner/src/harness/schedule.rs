@@ -67,7 +67,7 @@ impl Schedule {
 
     /// Whether the run has steps left at `c`.
     pub fn has_step(&self, c: Cursor) -> bool {
-        c.epoch < self.epochs && !self.stop_after_steps.is_some_and(|s| c.step >= s)
+        c.epoch < self.epochs && self.stop_after_steps.is_none_or(|s| c.step < s)
     }
 
     /// The end (exclusive) of the step starting at `c` in its epoch's order.

@@ -342,8 +342,7 @@ impl Trainer {
                 vec![Vec::new(); n],
             );
             for a in 0..n {
-                for k in 0..node.g {
-                    let (c, row) = slot[id][a][k];
+                for (k, &(c, row)) in slot[id][a].iter().enumerate().take(node.g) {
                     let v = values[c][row];
                     let env_reward = node.rewards[k];
                     let mut r = env_reward;

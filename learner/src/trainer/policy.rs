@@ -118,6 +118,11 @@ pub struct Policy {
     pub dropout_seed: u64,
 }
 
+/// A loss added to the policy's on the same forward graph (the value head's loss of `iac` with
+/// heads on the actors): called with the policy's model after its forward, returns its value.
+pub type ExtraLoss<'a> =
+    &'a mut dyn FnMut(&cotrain_model::families::CausalLm) -> Result<f64, TrainError>;
+
 impl std::fmt::Debug for Policy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Policy")
@@ -393,9 +398,7 @@ impl Policy {
         loss_opts: &LossOptions,
         epochs: usize,
         dist: &dyn crate::dist::Collective,
-        mut extra: Option<
-            &mut dyn FnMut(&cotrain_model::families::CausalLm) -> Result<f64, TrainError>,
-        >,
+        mut extra: Option<ExtraLoss<'_>>,
     ) -> Result<UpdateStats, TrainError> {
         let mut stats = UpdateStats::default();
         let behaviour =

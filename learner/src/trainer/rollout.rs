@@ -63,7 +63,7 @@ impl Trainer {
             for &id in &frontier {
                 let node = &forest.nodes[id];
                 let item = items[node.item];
-                for a in 0..n {
+                for (a, agent_sampling) in sampling.iter().enumerate() {
                     let (worker_agent, version) = self.target(a);
                     // Roots keep the single-turn seed (so single-turn runs draw what they always drew).
                     let seed = if node.parent.is_none() {
@@ -89,7 +89,7 @@ impl Trainer {
                         agent: worker_agent,
                         prompt: node.prompts[a].ids.clone(),
                         n: node.g,
-                        sampling: sampling[a].clone(),
+                        sampling: agent_sampling.clone(),
                         seed,
                         min_policy_version: version,
                     });

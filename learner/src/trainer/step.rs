@@ -345,7 +345,7 @@ impl Trainer {
     }
 
     /// 6. The new weights of the `updated` policies reach every worker before anything else is
-    /// sampled (rank 0 pushes; the other ranks wait for it).
+    ///    sampled (rank 0 pushes; the other ranks wait for it).
     pub(super) fn push_updated(&mut self, updated: &[bool]) -> Result<PushReport, TrainError> {
         let t = Instant::now();
         let mut push = PushReport::default();

@@ -88,6 +88,23 @@ impl Elem for bf16 {
     }
 }
 
+/// The horizontal sums of four vectors, as one: 512 → 256 bits by halves, then a `hadd` tree.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) fn sum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
+    let half = |v: __m512| {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        _mm256_add_ps(_mm512_castps512_ps256(v), hi)
+    };
+    let ab = _mm256_hadd_ps(half(a), half(b));
+    let cd = _mm256_hadd_ps(half(c), half(d));
+    let abcd = _mm256_hadd_ps(ab, cd);
+    _mm_add_ps(
+        _mm256_castps256_ps128(abcd),
+        _mm256_extractf128_ps::<1>(abcd),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,21 +145,4 @@ mod tests {
         // SAFETY: as above.
         assert_eq!(unsafe { widen(&vals, 16) }, vals);
     }
-}
-
-/// The horizontal sums of four vectors, as one: 512 → 256 bits by halves, then a `hadd` tree.
-#[inline]
-#[target_feature(enable = "avx512f")]
-pub(crate) fn sum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
-    let half = |v: __m512| {
-        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-        _mm256_add_ps(_mm512_castps512_ps256(v), hi)
-    };
-    let ab = _mm256_hadd_ps(half(a), half(b));
-    let cd = _mm256_hadd_ps(half(c), half(d));
-    let abcd = _mm256_hadd_ps(ab, cd);
-    _mm_add_ps(
-        _mm256_castps256_ps128(abcd),
-        _mm256_extractf128_ps::<1>(abcd),
-    )
 }

@@ -181,10 +181,13 @@ struct StreamOptions {
     include_usage: bool,
 }
 
+/// Whether a request field's value is one cotrain can accept as having no effect.
+type FieldIsHarmless = fn(&Value) -> bool;
+
 /// OpenAI request fields with an effect this server does not implement, and the value that means
 /// "no effect" (accepted). Any other field not named in [`Common`] or the endpoint's request is
 /// ignored, as OpenAI-compatible servers do with unknown extensions.
-const UNSUPPORTED: &[(&str, fn(&Value) -> bool)] = &[
+const UNSUPPORTED: &[(&str, FieldIsHarmless)] = &[
     ("logit_bias", |v| {
         v.is_null() || v.as_object().is_some_and(|m| m.is_empty())
     }),

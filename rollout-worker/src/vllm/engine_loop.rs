@@ -152,6 +152,10 @@ fn weights_tmp() -> std::io::Result<tempfile::TempDir> {
 impl VllmLoop {
     /// Starts the engine and waits until it is ready; the loop then runs on a thread of its own.
     /// Returns the thread once the engine answered, or why it could not start.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the slot's parts, each moved into the loop's thread"
+    )]
     pub(crate) fn start(
         spec: LaunchSpec,
         model_id: String,
@@ -636,7 +640,7 @@ impl VllmLoop {
         let mut attempt = 0u32;
         loop {
             attempt += 1;
-            if attempt % RESTARTS_BEFORE_FAILING_WAITERS == 0 {
+            if attempt.is_multiple_of(RESTARTS_BEFORE_FAILING_WAITERS) {
                 let why = format!(
                     "the vllm engine of `{}` failed to restart {attempt} times",
                     self.model_id

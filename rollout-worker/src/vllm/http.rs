@@ -140,7 +140,8 @@ impl EngineHttp {
                 .send_request(req)
                 .await
                 .map_err(|e| CallError::Unreachable(format!("{path}: {e}")));
-            let result = match answer {
+
+            match answer {
                 Ok(resp) => {
                     let status = resp.status().as_u16();
                     resp.into_body()
@@ -152,8 +153,7 @@ impl EngineHttp {
                         })
                 }
                 Err(e) => Err(e),
-            };
-            result
+            }
         };
         tokio::time::timeout(timeout, work)
             .await
