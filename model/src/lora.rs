@@ -6,7 +6,7 @@
 //! with `scaling = alpha / r`. `A` starts as PEFT's Kaiming-uniform (bound 1/√in) and `B` as zeros,
 //! so a fresh adapter changes nothing.
 //!
-//! The base model never changes: [`CausalLm::set_adapter`] points the projections at an adapter's
+//! The base model never changes: `CausalLm::set_adapter` points the projections at an adapter's
 //! tensors for the forwards that follow (the learner switches adapters per turn and removes them for
 //! the reference policy, which is the base itself), and [`merge_into`] gives `W + scaling·B·A` for
 //! servers that decode with merged weights.
@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor, nn, nn::VarStore};
 
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::families::CausalLm;
 
 /// The projections an adapter can target, with the sub-module that holds each.
 pub const PROJECTIONS: [(&str, &str); 7] = [
@@ -264,20 +264,30 @@ fn projection(name: &str) -> Option<(&'static str, &'static str)> {
     PROJECTIONS.iter().copied().find(|(_, p)| *p == name)
 }
 
+/// What an adapter needs to know of the model it adapts (the families' `CausalLm` implements it):
+/// so that this module sits below the model families that apply adapters.
+pub trait AdapterBase {
+    fn config(&self) -> &ModelConfig;
+    fn device(&self) -> Device;
+    fn kind(&self) -> Kind;
+    /// `(out, in)` of a projection's weight (`q_proj`, ..., `down_proj`).
+    fn projection_shape(&self, projection: &str) -> (i64, i64);
+}
+
 impl LoraAdapter {
     /// A fresh adapter for `model` (A Kaiming-uniform from libtorch's generator, B zeros), in the
     /// model's dtype and on its device. Seed libtorch (`tch::manual_seed`) first for a reproducible A.
-    pub fn new(model: &CausalLm, config: LoraConfig) -> Result<Self> {
+    pub fn new(model: &dyn AdapterBase, config: LoraConfig) -> Result<Self> {
         Self::build(model, config, true)
     }
 
     /// An adapter of zeros, for tensors that are loaded next: no draw from libtorch's generator,
     /// which a worker loading adapters shares with whatever else the process seeds.
-    fn zeros(model: &CausalLm, config: LoraConfig) -> Result<Self> {
+    fn zeros(model: &dyn AdapterBase, config: LoraConfig) -> Result<Self> {
         Self::build(model, config, false)
     }
 
-    fn build(model: &CausalLm, config: LoraConfig, random_a: bool) -> Result<Self> {
+    fn build(model: &dyn AdapterBase, config: LoraConfig, random_a: bool) -> Result<Self> {
         config.validate()?;
         let cfg = model.config();
         let config = config.for_family(cfg.family)?;
@@ -331,7 +341,7 @@ impl LoraAdapter {
     /// targets from the names, alpha is `scaling · r`, no dropout. Every layer must carry every
     /// targeted projection's pair.
     pub fn from_tensors(
-        model: &CausalLm,
+        model: &dyn AdapterBase,
         tensors: &HashMap<String, Tensor>,
         scaling: f64,
     ) -> Result<Self> {
@@ -415,7 +425,7 @@ impl LoraAdapter {
     }
 
     /// Reads an adapter saved in PEFT's layout (by [`LoraAdapter::save_peft`] or by PEFT) for `model`.
-    pub fn load_peft(dir: &Path, model: &CausalLm) -> Result<Self> {
+    pub fn load_peft(dir: &Path, model: &dyn AdapterBase) -> Result<Self> {
         let path = dir.join("adapter_config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
             path: path.clone(),

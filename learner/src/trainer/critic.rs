@@ -19,8 +19,12 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::algo::{AdamW, AdamWConfig};
+use crate::config::CheckedConfig;
 use crate::dist::Collective;
 use crate::error::TrainError;
+
+/// Seed path tag of the critics' and value heads' initial draws.
+const TAG_CRITIC_HEAD: u64 = 8;
 
 /// A value head; see the module docs.
 pub struct ValueHead {
@@ -240,4 +244,67 @@ impl Critic {
             grad_norm,
         })
     }
+}
+
+/// The value heads on the actors (`use_separate_critic: false`): one per policy, trained by the
+/// policy's own AdamW settings, each drawn from its own seed.
+pub(super) fn load_heads(cfg: &CheckedConfig, policies: &[super::Policy]) -> Vec<ValueHead> {
+    let Some(ac) = cfg
+        .actor_critic
+        .as_ref()
+        .filter(|ac| ac.value_head_on_actor)
+    else {
+        return Vec::new();
+    };
+    policies
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            ValueHead::new(
+                &p.model.model,
+                ac.head_hidden,
+                p.optimizer.cfg,
+                crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]),
+            )
+        })
+        .collect()
+}
+
+/// The separate critics a config asks for: one per agent (IAC) or one (MAAC), each value head
+/// drawn from its own seed.
+pub(super) fn load_critics(
+    cfg: &CheckedConfig,
+    policies: &[super::Policy],
+    agent_policy: &[usize],
+) -> Result<Vec<Critic>, TrainError> {
+    let Some(ac) = cfg
+        .actor_critic
+        .as_ref()
+        .filter(|ac| !ac.value_head_on_actor)
+    else {
+        return Ok(Vec::new());
+    };
+    let opts = super::load_options(cfg)?;
+    let adam = AdamWConfig::new(ac.critic_learning_rate, cfg.trainer.weight_decay, None);
+    ac.critic_models
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            let critic = Critic::load(spec, &opts, ac.head_hidden, adam, crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]))?;
+            // The critic reads its agents' token ids (MAAC: agent 0's tokenizer), as upstream.
+            let readers: Vec<usize> = if ac.centralised { vec![0] } else { vec![i] };
+            for a in readers {
+                let agent_vocab = policies[agent_policy[a]].model.model.config().vocab_size;
+                let own = critic.model.model.config().vocab_size;
+                if own < agent_vocab {
+                    return Err(TrainError::Config(format!(
+                        "{}: critic `{spec}` has a vocabulary of {own} tokens, but it reads agent {a}'s token ids (`{}`, {agent_vocab} tokens); give the critic a model with the agent's tokenizer",
+                        cfg.source.display(),
+                        cfg.agent_models[a]
+                    )));
+                }
+            }
+            Ok(critic)
+        })
+        .collect()
 }

@@ -83,7 +83,7 @@ pub struct Trainer {
     pub(super) pending: Option<StepRollout>,
     /// `train_between_items`: the nodes of earlier items not yet trained (a partial buffer, carried
     /// across steps and kept in checkpoints).
-    pub(super) buffered: Vec<super::step::BufferedNode>,
+    pub(super) buffered: Vec<super::batch::BufferedNode>,
     /// `train_between_items`: the step under way has updated the policies already (a failure now
     /// leaves no state a checkpoint could resume the step from).
     pub(super) updated_mid_step: bool,
@@ -95,7 +95,7 @@ pub struct Trainer {
     pub(super) critics: Vec<super::critic::Critic>,
     /// `iac` with `use_separate_critic: false`: a value head on each policy.
     pub(super) heads: Vec<super::critic::ValueHead>,
-    pub(super) ac_buffer: Vec<super::actor_critic::AcSample>,
+    pub(super) ac_buffer: Vec<super::batch::AcSample>,
 }
 
 pub(super) const TAG_ORDER: u64 = 1;
@@ -162,8 +162,8 @@ impl Trainer {
         let next_turn = NextTurnPrompter::from_config(&s.cfg, s.is_code)
             .map_err(|e| TrainError::Config(format!("{}: {e}", s.cfg.source.display())))?;
         let rng_seed = derive_seed(&[s.cfg.raw.seed, TAG_BUFFER]);
-        let critics = super::actor_critic::load_critics(&s.cfg, &s.policies, &s.agent_policy)?;
-        let heads = super::actor_critic::load_heads(&s.cfg, &s.policies);
+        let critics = super::critic::load_critics(&s.cfg, &s.policies, &s.agent_policy)?;
+        let heads = super::critic::load_heads(&s.cfg, &s.policies);
         for c in &critics {
             c.model.model.set_matmul_kind(matmul_kind);
         }

@@ -4,8 +4,10 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::batch::{AsyncReport, RolloutPlan, RolloutTimes, StepRollout};
-use super::policy::{AgentBatches, TrainSample, UpdateStats};
+use super::batch::{
+    AsyncReport, BufferedNode, PushReport, RolloutPlan, RolloutTimes, StepRollout, StepUpdates,
+};
+use super::policy::{AgentBatches, TrainSample};
 use super::rounds::{Round, run_rounds};
 use super::setup::{TAG_SAMPLE, Trainer};
 use super::tree::{Expansion, Forest};
@@ -500,13 +502,6 @@ impl Trainer {
     }
 }
 
-/// One tree node's training samples, per agent, waiting in the rollout buffer.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub(super) struct BufferedNode {
-    pub(super) turn: usize,
-    pub(super) samples: Vec<Vec<TrainSample>>,
-}
-
 /// Node `id` of `forest` as its agents' training samples.
 fn buffered_node(forest: &Forest, id: usize) -> BufferedNode {
     let node = &forest.nodes[id];
@@ -538,33 +533,4 @@ fn by_turn(nodes: Vec<BufferedNode>) -> Vec<Vec<BufferedNode>> {
         groups.entry(node.turn).or_default().push(node);
     }
     groups.into_values().collect()
-}
-
-/// What a step's optimiser rounds did: each round's policy and statistics, and the pushes.
-#[derive(Default)]
-pub(super) struct StepUpdates {
-    pub(super) stats: Vec<(usize, UpdateStats)>,
-    /// How many policies were updated at the same time (the most of any batch of rounds).
-    pub(super) concurrent: usize,
-    pub(super) t_train: f64,
-    pub(super) push: PushReport,
-}
-
-impl StepUpdates {
-    pub(super) fn absorb(&mut self, other: StepUpdates) {
-        self.stats.extend(other.stats);
-        self.concurrent = self.concurrent.max(other.concurrent);
-        self.t_train += other.t_train;
-        self.push.bytes += other.push.bytes;
-        self.push.workers = self.push.workers.max(other.push.workers);
-        self.push.secs += other.push.secs;
-    }
-}
-
-/// The weight pushes of a step.
-#[derive(Default)]
-pub(super) struct PushReport {
-    pub(super) bytes: u64,
-    pub(super) workers: usize,
-    pub(super) secs: f64,
 }

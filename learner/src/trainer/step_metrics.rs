@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use super::batch::{AsyncReport, StepRollout};
+use super::batch::{PushReport, StepUpdates};
 use super::policy::UpdateStats;
 use super::setup::Trainer;
-use super::step::{PushReport, StepUpdates};
 use super::tree::Forest;
 use crate::error::TrainError;
 use crate::metrics::mean;

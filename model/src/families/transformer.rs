@@ -721,3 +721,21 @@ impl CausalLm {
         Ok(self.norm.forward(&xs))
     }
 }
+
+impl crate::lora::AdapterBase for CausalLm {
+    fn config(&self) -> &ModelConfig {
+        CausalLm::config(self)
+    }
+
+    fn device(&self) -> Device {
+        CausalLm::device(self)
+    }
+
+    fn kind(&self) -> Kind {
+        CausalLm::kind(self)
+    }
+
+    fn projection_shape(&self, projection: &str) -> (i64, i64) {
+        CausalLm::projection_shape(self, projection)
+    }
+}

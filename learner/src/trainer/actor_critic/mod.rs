@@ -21,109 +21,18 @@ use std::time::Instant;
 use rand::seq::SliceRandom;
 use tracing::warn;
 
-use super::batch::{AsyncReport, RolloutTimes, StepRollout};
-use super::critic::{Critic, ValueHead};
+use super::batch::{AcSample, AsyncReport, RolloutTimes, StepRollout, StepUpdates};
 use super::policy::{AgentBatches, TrainSample};
 use super::setup::Trainer;
-use super::step::StepUpdates;
 use super::tree::Forest;
-use crate::algo::AdamWConfig;
 use crate::algo::actor_critic::{
     critic_input, normalized_advantages, td_targets, undiscounted_returns,
 };
-use crate::config::{CheckedConfig, CriticType, KlPlacement};
+use crate::config::{CriticType, KlPlacement};
 use crate::dist::rank_share;
 use crate::error::TrainError;
 use crate::metrics::mean;
 use crate::prompts::items::TrainItem;
-
-/// Seed path tag of the critics' value heads.
-const TAG_CRITIC_HEAD: u64 = 8;
-
-/// One completion waiting in its agent's buffer.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub(super) struct AcSample {
-    pub(super) agent: usize,
-    pub(super) turn: usize,
-    /// The actor's sample; `advantage` is y − V_old until the drain normalises it.
-    pub(super) train: TrainSample,
-    /// What the critic reads.
-    pub(super) value_input: Vec<u32>,
-    // (JSON, in checkpoints and between ranks, writes a non-finite value as `null`: read as NaN.)
-    #[serde(deserialize_with = "super::policy::null_as_nan")]
-    pub(super) old_value: f64,
-    #[serde(deserialize_with = "super::policy::null_as_nan")]
-    pub(super) target: f64,
-    /// The reward after the processor (before any reference-KL shaping; upstream's `reward`).
-    #[serde(deserialize_with = "super::policy::null_as_nan")]
-    pub(super) reward: f64,
-    /// Σ of this and the later turns' rewards (upstream's `expected_return`).
-    #[serde(deserialize_with = "super::policy::null_as_nan")]
-    pub(super) expected_return: f64,
-}
-
-/// The value heads on the actors (`use_separate_critic: false`): one per policy, trained by the
-/// policy's own AdamW settings, each drawn from its own seed.
-pub(super) fn load_heads(cfg: &CheckedConfig, policies: &[super::Policy]) -> Vec<ValueHead> {
-    let Some(ac) = cfg
-        .actor_critic
-        .as_ref()
-        .filter(|ac| ac.value_head_on_actor)
-    else {
-        return Vec::new();
-    };
-    policies
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            ValueHead::new(
-                &p.model.model,
-                ac.head_hidden,
-                p.optimizer.cfg,
-                crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]),
-            )
-        })
-        .collect()
-}
-
-/// The separate critics a config asks for: one per agent (IAC) or one (MAAC), each value head
-/// drawn from its own seed.
-pub(super) fn load_critics(
-    cfg: &CheckedConfig,
-    policies: &[super::Policy],
-    agent_policy: &[usize],
-) -> Result<Vec<Critic>, TrainError> {
-    let Some(ac) = cfg
-        .actor_critic
-        .as_ref()
-        .filter(|ac| !ac.value_head_on_actor)
-    else {
-        return Ok(Vec::new());
-    };
-    let opts = super::load_options(cfg)?;
-    let adam = AdamWConfig::new(ac.critic_learning_rate, cfg.trainer.weight_decay, None);
-    ac.critic_models
-        .iter()
-        .enumerate()
-        .map(|(i, spec)| {
-            let critic = Critic::load(spec, &opts, ac.head_hidden, adam, crate::seeds::derive_seed(&[cfg.raw.seed, TAG_CRITIC_HEAD, i as u64]))?;
-            // The critic reads its agents' token ids (MAAC: agent 0's tokenizer), as upstream.
-            let readers: Vec<usize> = if ac.centralised { vec![0] } else { vec![i] };
-            for a in readers {
-                let agent_vocab = policies[agent_policy[a]].model.model.config().vocab_size;
-                let own = critic.model.model.config().vocab_size;
-                if own < agent_vocab {
-                    return Err(TrainError::Config(format!(
-                        "{}: critic `{spec}` has a vocabulary of {own} tokens, but it reads agent {a}'s token ids (`{}`, {agent_vocab} tokens); give the critic a model with the agent's tokenizer",
-                        cfg.source.display(),
-                        cfg.agent_models[a]
-                    )));
-                }
-            }
-            Ok(critic)
-        })
-        .collect()
-}
 
 /// What a step's drains did to the critics, for its metrics.
 #[derive(Default)]
