@@ -317,5 +317,10 @@ pub trait RewardSource: Send {
             })
             .collect())
     }
+    /// Seconds spent waiting for an unreachable reward server since the last call (sources that
+    /// cannot be unreachable: 0); reported per step as `reward/outage_secs`.
+    fn take_outage_secs(&mut self) -> f64 {
+        0.0
+    }
     fn describe(&self) -> String;
 }

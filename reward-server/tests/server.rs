@@ -210,6 +210,7 @@ async fn grpc_score_analyze_execute_and_info() {
                 },
             ],
             options_json: String::new(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -234,6 +235,7 @@ async fn grpc_score_analyze_execute_and_info() {
                 item_json: item.clone(),
             }],
             options_json: r#"{"feedback_mode": "level_feedback"}"#.into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -263,6 +265,7 @@ async fn grpc_score_analyze_execute_and_info() {
             task: "poetry".into(),
             actions: vec![],
             options_json: String::new(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -276,6 +279,7 @@ async fn grpc_score_analyze_execute_and_info() {
                 item_json: r#"{"prompt": "x"}"#.into(),
             }],
             options_json: String::new(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -293,6 +297,7 @@ async fn grpc_score_analyze_execute_and_info() {
                 item_json: "{not json".into(),
             }],
             options_json: String::new(),
+            ..Default::default()
         })
         .await
         .unwrap_err();

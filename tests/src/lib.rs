@@ -281,10 +281,26 @@ impl Proc {
 
     /// Waits for a line starting with `prefix`; returns the rest of it.
     pub fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        let line = self.wait_for(prefix, timeout, |l| l.starts_with(prefix));
+        line[prefix.len()..].to_string()
+    }
+
+    /// Waits for a line containing `needle` (a log message, after its timestamp and level);
+    /// returns the line.
+    pub fn wait_containing(&mut self, needle: &str, timeout: Duration) -> String {
+        self.wait_for(needle, timeout, |l| l.contains(needle))
+    }
+
+    fn wait_for(
+        &mut self,
+        prefix: &str,
+        timeout: Duration,
+        matches: impl Fn(&str) -> bool,
+    ) -> String {
         let deadline = Instant::now() + timeout;
         loop {
-            if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
-                return l[prefix.len()..].to_string();
+            if let Some(l) = self.seen.iter().find(|l| matches(l)) {
+                return l.clone();
             }
             match self.lines.recv_timeout(Duration::from_millis(200)) {
                 Ok(l) => self.seen.push(l),

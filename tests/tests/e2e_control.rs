@@ -545,8 +545,11 @@ fn sigterm_checkpoints_and_a_kill_during_a_checkpoint_resumes_to_the_uninterrupt
     assert_eq!(metrics(&run_dir).len(), 8);
 }
 
+/// A reward server killed mid-run: an outage shorter than `reward.outage_timeout` is waited out
+/// (the run ends on the undisturbed weights), a longer one stops the run with a checkpoint that
+/// resumes to the same weights.
 #[test]
-fn a_killed_reward_server_fails_the_run_with_a_checkpoint_that_resumes_to_the_same_weights() {
+fn a_reward_server_outage_is_waited_out_and_a_longer_one_stops_the_run_with_a_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_word_model_dir(tmp.path()).unwrap();
     let token = token_file(tmp.path());
@@ -581,26 +584,73 @@ fn a_killed_reward_server_fails_the_run_with_a_checkpoint_that_resumes_to_the_sa
     };
     let (reward, grpc) = reward_server("127.0.0.1:0");
     let port: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
-    let top = format!("reward: {{endpoint: 'http://127.0.0.1:{port}', max_retries: 2}}\n");
+    let straight_dir = tmp.path().join("out/straight");
+    let steps_after = |run_dir: &Path, n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+            < n
+        {
+            assert!(Instant::now() < deadline, "no step {n}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+
+    // An outage shorter than reward.outage_timeout is waited out: the server killed after step 3
+    // and started again while the learner waits; the run goes on and ends on the undisturbed
+    // run's weights, the wait reported in reward/outage_secs.
+    let top = format!(
+        "reward: {{endpoint: 'http://127.0.0.1:{port}', max_retries: 2, outage_timeout: 120}}\n"
+    );
+    let cfg = write_config(tmp.path(), &model, "reward_restarted", 32, 1000, &top);
+    let run_dir = tmp.path().join("out/reward_restarted");
+    let mut learner = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg));
+    steps_after(&run_dir, 3);
+    reward.signal("-9");
+    drop(reward);
+    learner.wait_containing(
+        "the reward server cannot be reached",
+        Duration::from_secs(60),
+    );
+    let (reward, _) = reward_server(&format!("127.0.0.1:{port}"));
+    let status = learner.wait_exit(Duration::from_secs(120));
+    assert!(status.success(), "{}", learner.seen.join("\n"));
+    let m = metrics(&run_dir);
+    assert_eq!(m.len(), 8, "every step once");
+    let waited: f64 = m
+        .iter()
+        .filter_map(|l| l["reward/outage_secs"].as_f64())
+        .sum();
+    assert!(waited > 0.0, "the wait is reported");
+    for agent in 0..2 {
+        let d = relative_difference(
+            &final_weights(&straight_dir, agent),
+            &final_weights(&run_dir, agent),
+        );
+        assert!(
+            d <= 1e-5,
+            "agent {agent}: weights after the outage differ by {d:e}"
+        );
+    }
+
+    // A longer one stops the run with a checkpoint and a message naming the endpoint.
+    let top = format!(
+        "reward: {{endpoint: 'http://127.0.0.1:{port}', max_retries: 2, outage_timeout: 2}}\n"
+    );
     let cfg = write_config(tmp.path(), &model, "reward_killed", 32, 1000, &top);
     let run_dir = tmp.path().join("out/reward_killed");
     let mut learner = Proc::spawn(learner_cmd(&["train", "--config"], &token).arg(&cfg));
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .map(|t| t.lines().count())
-        .unwrap_or(0)
-        < 3
-    {
-        assert!(Instant::now() < deadline, "no third step");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    steps_after(&run_dir, 3);
     reward.signal("-9");
     let status = learner.wait_exit(Duration::from_secs(60));
     assert!(!status.success(), "the run cannot go on without rewards");
     let text = learner.seen.join("\n");
     assert!(
-        text.contains("Score failed after 3 attempts"),
-        "bounded retries, then a clear error:\n{text}"
+        text.contains(&format!("127.0.0.1:{port}"))
+            && text.contains("could not be reached for")
+            && text.contains("reward.outage_timeout"),
+        "a bounded wait, then a clear error naming the endpoint:\n{text}"
     );
     let done = metrics(&run_dir).len();
     assert!(
@@ -626,7 +676,6 @@ fn a_killed_reward_server_fails_the_run_with_a_checkpoint_that_resumes_to_the_sa
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(metrics(&run_dir).len(), 8);
-    let straight_dir = tmp.path().join("out/straight");
     for agent in 0..2 {
         let d = relative_difference(
             &final_weights(&straight_dir, agent),

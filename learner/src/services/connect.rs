@@ -53,7 +53,8 @@ pub fn connect_services(
                     services::client_tls().as_ref(),
                 )?
                 .with_options(&cfg.score_options)
-                .with_retries(r.max_retries),
+                .with_retries(r.max_retries)
+                .with_outage_timeout(Duration::from_secs_f64(r.outage_timeout)),
             ),
             None,
         ),

@@ -1,7 +1,12 @@
 //! The reward server's `Score` and `Analyze` (next-turn feedback) over gRPC.
+//!
+//! A server that is overloaded or late is retried `reward.max_retries` times; one that cannot be
+//! reached at all (down, restarting) is waited out for up to `reward.outage_timeout` seconds,
+//! retried every few seconds, and the time spent waiting is reported per step. Every request carries
+//! an id that its retries repeat, so that a batch whose answer was lost is scored once.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cotrain_proto::reward::reward_client::RewardClient;
 use cotrain_proto::reward::{AnalyzeRequest, JointAction, ScoreRequest};
@@ -19,8 +24,13 @@ pub struct GrpcReward {
     timeout: Duration,
     /// The scoring options every request carries (empty: the server's defaults).
     options_json: String,
-    /// Retries of a call the server could not answer (down, overloaded, late).
+    /// Retries of a call the server could not answer in time (overloaded, late).
     retries: u32,
+    /// How long an unreachable server is waited out.
+    outage_timeout: Duration,
+    /// Seconds spent waiting for an unreachable server since [`RewardSource::take_outage_secs`]
+    /// last asked.
+    outage_secs: std::cell::Cell<f64>,
 }
 
 impl GrpcReward {
@@ -49,7 +59,15 @@ impl GrpcReward {
             timeout,
             options_json: String::new(),
             retries: 5,
+            outage_timeout: Duration::from_secs(300),
+            outage_secs: std::cell::Cell::new(0.0),
         })
+    }
+
+    /// Waits out an unreachable server this long (`reward.outage_timeout`).
+    pub fn with_outage_timeout(mut self, timeout: Duration) -> Self {
+        self.outage_timeout = timeout;
+        self
     }
 
     /// Retries transient failures this many times (`reward.max_retries`).
@@ -58,8 +76,9 @@ impl GrpcReward {
         self
     }
 
-    /// Runs `call` with the timeout, retrying transient failures with exponential backoff; the
-    /// error names the server, the call and how many attempts failed.
+    /// Runs `call` with the timeout: a server that cannot be reached is waited out (see the module
+    /// docs), other transient failures are retried with exponential backoff; the error names the
+    /// server, the call, and how many attempts or seconds failed.
     fn call<Req: Clone, Resp, F, Fut>(
         &self,
         what: &str,
@@ -71,32 +90,62 @@ impl GrpcReward {
         Fut: std::future::Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
         let mut wait = Duration::from_millis(500);
-        for attempt in 0..=self.retries {
+        let mut failed = 0u32;
+        let mut outage: Option<Instant> = None;
+        loop {
             let mut request = tonic::Request::new(req.clone());
             request.set_timeout(self.timeout);
-            match self.rt.block_on(call(self.client.clone(), request)) {
-                Ok(r) => return Ok(r.into_inner()),
-                Err(s) if cotrain_proto::retry::is_transient(&s) && attempt < self.retries => {
-                    tracing::warn!(server = %self.endpoint, call = what, attempt = attempt + 1, code = ?s.code(), message = s.message(), retry_in = ?wait, "reward server call failed, retrying");
-                    std::thread::sleep(wait);
-                    wait = (wait * 2).min(Duration::from_secs(8));
+            let status = match self.rt.block_on(call(self.client.clone(), request)) {
+                Ok(r) => {
+                    if let Some(since) = outage {
+                        tracing::info!(server = %self.endpoint, call = what, waited_secs = since.elapsed().as_secs_f64(), "the reward server answers again");
+                    }
+                    return Ok(r.into_inner());
                 }
-                Err(s) => {
-                    let tries = if cotrain_proto::retry::is_transient(&s) {
-                        format!(" after {} attempts", attempt + 1)
-                    } else {
-                        String::new()
-                    };
-                    return Err(TrainError::Reward(format!(
-                        "{}: {what} failed{tries}: {} ({:?})",
-                        self.endpoint,
-                        s.message(),
-                        s.code()
-                    )));
+                Err(s) => s,
+            };
+            if status.code() == tonic::Code::Unavailable {
+                // Down or restarting: wait it out, up to the outage timeout.
+                let since = *outage.get_or_insert_with(|| {
+                    tracing::warn!(server = %self.endpoint, call = what, message = status.message(), timeout_secs = self.outage_timeout.as_secs_f64(),
+                        "the reward server cannot be reached; waiting for it (reward.outage_timeout)");
+                    Instant::now()
+                });
+                if since.elapsed() < self.outage_timeout {
+                    let pause = Duration::from_secs(2)
+                        .min(self.outage_timeout.saturating_sub(since.elapsed()));
+                    std::thread::sleep(pause);
+                    self.outage_secs
+                        .set(self.outage_secs.get() + pause.as_secs_f64());
+                    continue;
                 }
+                return Err(TrainError::Reward(format!(
+                    "{}: {what} failed: the reward server could not be reached for {:.0} s (reward.outage_timeout): {} ({:?})",
+                    self.endpoint,
+                    since.elapsed().as_secs_f64(),
+                    status.message(),
+                    status.code()
+                )));
             }
+            failed += 1;
+            if cotrain_proto::retry::is_transient(&status) && failed <= self.retries {
+                tracing::warn!(server = %self.endpoint, call = what, attempt = failed, code = ?status.code(), message = status.message(), retry_in = ?wait, "reward server call failed, retrying");
+                std::thread::sleep(wait);
+                wait = (wait * 2).min(Duration::from_secs(8));
+                continue;
+            }
+            let tries = if cotrain_proto::retry::is_transient(&status) {
+                format!(" after {failed} attempts")
+            } else {
+                String::new()
+            };
+            return Err(TrainError::Reward(format!(
+                "{}: {what} failed{tries}: {} ({:?})",
+                self.endpoint,
+                status.message(),
+                status.code()
+            )));
         }
-        unreachable!("the last attempt returns")
     }
 
     /// Sends `options` with every scoring request (the config's `reward.options`).
@@ -118,6 +167,7 @@ impl RewardSource for GrpcReward {
                 })
                 .collect(),
             options_json: self.options_json.clone(),
+            request_id: uuid::Uuid::new_v4().to_string(),
         };
         let resp = self.call("Score", req, |mut c, r| async move { c.score(r).await })?;
         // Callers index the scores by joint action: a short or long answer is the server's error.
@@ -184,6 +234,7 @@ impl RewardSource for GrpcReward {
                 })
                 .collect(),
             options_json: options.to_string(),
+            request_id: uuid::Uuid::new_v4().to_string(),
         };
         let resp = self.call("Analyze", req, |mut c, r| async move { c.analyze(r).await })?;
         if resp.results.len() != actions.len() {
@@ -218,6 +269,10 @@ impl RewardSource for GrpcReward {
                 })
             })
             .collect()
+    }
+
+    fn take_outage_secs(&mut self) -> f64 {
+        self.outage_secs.replace(0.0)
     }
 
     fn describe(&self) -> String {

@@ -321,6 +321,10 @@ impl Trainer {
             m.insert("pool/catch_ups".into(), pool.catch_ups as f64);
         }
         m.insert("time/step".into(), t_step.elapsed().as_secs_f64());
+        m.insert(
+            "reward/outage_secs".into(),
+            self.s.reward.take_outage_secs(),
+        );
         m.insert("epoch".into(), self.epoch as f64);
         m.insert(
             "policy_version".into(),

@@ -8,16 +8,25 @@ use tonic::{Request, Response, Status};
 
 use super::core::{JointAction, RewardApi};
 use super::error::ApiError;
+use super::once::AnsweredOnce;
 use crate::sandbox::ExecStatus;
 
 pub struct RewardGrpc {
     api: Arc<RewardApi>,
     queue_limit: usize,
+    /// Scoring and analysis requests that carry an id are answered once.
+    scored: AnsweredOnce<pb::ScoreResponse>,
+    analysed: AnsweredOnce<pb::AnalyzeResponse>,
 }
 
 impl RewardGrpc {
     pub fn new(api: Arc<RewardApi>, queue_limit: usize) -> Self {
-        Self { api, queue_limit }
+        Self {
+            api,
+            queue_limit,
+            scored: AnsweredOnce::default(),
+            analysed: AnsweredOnce::default(),
+        }
     }
 
     fn observe<T>(&self, endpoint: &str, started: Instant, r: &Result<T, ApiError>) {
@@ -78,26 +87,34 @@ impl pb::reward_server::Reward for RewardGrpc {
     ) -> Result<Response<pb::ScoreResponse>, Status> {
         let started = Instant::now();
         let req = request.into_inner();
-        let result = async {
-            let acts = actions(req.actions)?;
-            let opts = options(&req.options_json)?;
-            self.api.score(&req.task, acts, opts, "actions").await
-        }
-        .await;
-        self.observe("grpc.score", started, &result);
-        let results = result?
-            .into_iter()
-            .map(|s| pb::ScoreResult {
-                reward: s.result.reward,
-                levels: s.result.levels.into_iter().collect(),
-                details_json: s.result.details.to_string(),
-                elapsed_ms: s.elapsed_ms,
+        let id = req.request_id.clone();
+        let score = || async {
+            let result = async {
+                let acts = actions(req.actions)?;
+                let opts = options(&req.options_json)?;
+                self.api.score(&req.task, acts, opts, "actions").await
+            }
+            .await;
+            self.observe("grpc.score", started, &result);
+            let results = result?
+                .into_iter()
+                .map(|s| pb::ScoreResult {
+                    reward: s.result.reward,
+                    levels: s.result.levels.into_iter().collect(),
+                    details_json: s.result.details.to_string(),
+                    elapsed_ms: s.elapsed_ms,
+                })
+                .collect();
+            Ok::<_, Status>(pb::ScoreResponse {
+                results,
+                elapsed_ms: started.elapsed().as_millis() as u64,
             })
-            .collect();
-        Ok(Response::new(pb::ScoreResponse {
-            results,
-            elapsed_ms: started.elapsed().as_millis() as u64,
-        }))
+        };
+        let (response, earlier) = self.scored.answer(&id, score).await?;
+        if earlier {
+            tracing::info!(request_id = %id, "a scoring request seen before: answered with its first result");
+        }
+        Ok(Response::new(response))
     }
 
     #[tracing::instrument(skip_all, fields(task = %request.get_ref().task, n = request.get_ref().actions.len()))]
@@ -107,24 +124,32 @@ impl pb::reward_server::Reward for RewardGrpc {
     ) -> Result<Response<pb::AnalyzeResponse>, Status> {
         let started = Instant::now();
         let req = request.into_inner();
-        let result = async {
-            let acts = actions(req.actions)?;
-            let opts = options(&req.options_json)?;
-            self.api.analyze(&req.task, acts, opts, "actions").await
-        }
-        .await;
-        self.observe("grpc.analyze", started, &result);
-        let results = result?
-            .into_iter()
-            .map(|a| pb::AnalyzeResult {
-                analysis_json: serde_json::to_string(&a.analysis).unwrap_or_default(),
-                elapsed_ms: a.elapsed_ms,
+        let id = req.request_id.clone();
+        let analyse = || async {
+            let result = async {
+                let acts = actions(req.actions)?;
+                let opts = options(&req.options_json)?;
+                self.api.analyze(&req.task, acts, opts, "actions").await
+            }
+            .await;
+            self.observe("grpc.analyze", started, &result);
+            let results = result?
+                .into_iter()
+                .map(|a| pb::AnalyzeResult {
+                    analysis_json: serde_json::to_string(&a.analysis).unwrap_or_default(),
+                    elapsed_ms: a.elapsed_ms,
+                })
+                .collect();
+            Ok::<_, Status>(pb::AnalyzeResponse {
+                results,
+                elapsed_ms: started.elapsed().as_millis() as u64,
             })
-            .collect();
-        Ok(Response::new(pb::AnalyzeResponse {
-            results,
-            elapsed_ms: started.elapsed().as_millis() as u64,
-        }))
+        };
+        let (response, earlier) = self.analysed.answer(&id, analyse).await?;
+        if earlier {
+            tracing::info!(request_id = %id, "an analysis request seen before: answered with its first result");
+        }
+        Ok(Response::new(response))
     }
 
     #[tracing::instrument(skip_all, fields(n = request.get_ref().conversations.len()))]

@@ -8,6 +8,7 @@ pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod metrics;
+pub mod once;
 pub mod verifier;
 
 use std::future::Future;

@@ -265,6 +265,9 @@ pub(super) fn default_importance_weight_cap() -> Option<f64> {
 pub(super) fn default_dns_refresh_secs() -> u64 {
     30
 }
+pub(super) fn default_reward_outage_timeout() -> f64 {
+    300.0
+}
 pub(super) fn default_reward_retries() -> u32 {
     5
 }
@@ -288,10 +291,15 @@ pub struct RewardConfig {
     /// Deadline of one call to the reward server, in seconds.
     #[serde(default = "default_request_timeout_secs")]
     pub request_timeout_secs: u64,
-    /// Retries of a call that failed because the reward server is down, overloaded or late
-    /// (0.5 s, then twice as long each time, at most 8 s); then the step fails with a checkpoint.
+    /// Retries of a call that failed because the reward server is overloaded or late (0.5 s,
+    /// then twice as long each time, at most 8 s); then the step fails with a checkpoint.
     #[serde(default = "default_reward_retries")]
     pub max_retries: u32,
+    /// Seconds the learner waits out a reward server it cannot reach (down, restarting), retrying
+    /// every few seconds, before the step fails with a checkpoint and a message naming the
+    /// endpoint. The wait is reported per step as `reward/outage_secs`.
+    #[serde(default = "default_reward_outage_timeout")]
+    pub outage_timeout: f64,
     /// Writing reward: `newest` (from 2025-12-31) or `earlier` length-ratio bands; the same as
     /// `options.arxiv_ratio`, kept under the name earlier configs used.
     #[serde(default)]
@@ -308,6 +316,7 @@ impl Default for RewardConfig {
             endpoint: None,
             request_timeout_secs: default_request_timeout_secs(),
             max_retries: default_reward_retries(),
+            outage_timeout: default_reward_outage_timeout(),
             writing_ratio_version: None,
             options: Default::default(),
         }

@@ -220,6 +220,13 @@ pub(super) fn services(raw: &RawConfig) -> Result<(), Broken> {
     if raw.rollout.min_workers == 0 {
         return broken("rollout.min_workers", "must be at least 1");
     }
+    let outage = raw.reward.outage_timeout;
+    if !(outage.is_finite() && outage >= 0.0) {
+        return broken(
+            "reward.outage_timeout",
+            format!("must be a number of seconds >= 0, got {outage}"),
+        );
+    }
     if let Some(e) = &raw.reward.endpoint
         && !(e.starts_with("http://") || e.starts_with("https://"))
     {

@@ -280,6 +280,10 @@ impl MaporlTrainer {
         values.insert("time/update".into(), t_update);
         values.insert("time/weight_sync".into(), t_sync);
         values.insert("time/step".into(), t0.elapsed().as_secs_f64());
+        values.insert(
+            "reward/outage_secs".into(),
+            self.s.reward.take_outage_secs(),
+        );
         if self.s.cfg.raw.logging.rollouts && self.dist.is_root() {
             self.log_rollouts(items, &discussions, &training_scores, &where_from, &records)
                 .map_err(|e| TrainError::Io(format!("rollouts.jsonl: {e}")))?;
