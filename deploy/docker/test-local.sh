@@ -193,7 +193,7 @@ unpriv=$(grep -m1 -o 'bwrap: [^.]*' <<<"$unpriv" || grep -m1 -o 'error: .*' <<<"
 echo "reward server in a container without the sandbox privileges: ${unpriv:-no error (it started)}"
 
 containers+=("$P-reward")
-dk run -d --name "$P-reward" --network "$network" --network-alias reward --user 65534:65534 \
+dk run -d --restart on-failure:5 --name "$P-reward" --network "$network" --network-alias reward --user 65534:65534 \
   "${SANDBOX_PRIVS[@]}" "$IMAGE" reward-server --grpc-addr 0.0.0.0:50051 --http-addr 0.0.0.0:8000 >/dev/null
 mapfile -t AGENT_ARGS < <(dk run --rm "$IMAGE" learner worker-args --config configs/demo.yaml "${OVERRIDES[@]}") \
   || fail "learner worker-args failed in the image"
@@ -201,7 +201,7 @@ mapfile -t AGENT_ARGS < <(dk run --rm "$IMAGE" learner worker-args --config conf
 echo "workers serve: ${AGENT_ARGS[*]}"
 for w in 1 2; do
   containers+=("$P-worker$w")
-  dk run -d --name "$P-worker$w" --network "$network" --network-alias "worker$w" "${TOKEN_MOUNT[@]}" "$IMAGE" \
+  dk run -d --restart on-failure:5 --name "$P-worker$w" --network "$network" --network-alias "worker$w" "${TOKEN_MOUNT[@]}" "$IMAGE" \
     rollout-worker serve --grpc-addr 0.0.0.0:50061 --http-addr 0.0.0.0:8001 "${AGENT_ARGS[@]}" --threads-per-engine 1 >/dev/null
 done
 wait_listening "$P-reward"
@@ -235,12 +235,14 @@ print("sandbox in the reward-server container: HumanEval-style completion scored
       "/v1/execute ran as pid %s, uid %s, interfaces %s" % (g, b, pid, uid, ifaces.strip()))
 ' || { dk logs "$P-reward" 2>&1 | tail -n 20 >&2; fail "the reward server's sandbox did not work in its container"; }
 
-# The learner, pointed at the workers and the reward server by name.
+# The learner, pointed at the workers and the reward server by name. Restarted by Docker when it
+# fails, it resumes its run (`--resume auto`, logging.run_name: docker); `docker wait` returns at
+# the first exit, so a failure still fails this test.
 containers+=("$P-learner")
 t0=$(date +%s)
-dk run -d --name "$P-learner" --network "$network" "${TOKEN_MOUNT[@]}" -v "$STATE/out:/out" \
+dk run -d --restart on-failure:3 --name "$P-learner" --network "$network" "${TOKEN_MOUNT[@]}" -v "$STATE/out:/out" \
   --user "$(id -u):$(id -g)" -e HOME=/tmp "$IMAGE" \
-  learner train --config configs/demo.yaml "${OVERRIDES[@]}" \
+  learner train --config configs/demo.yaml "${OVERRIDES[@]}" --resume auto \
   --override "rollout.endpoints=[http://worker1:50061,http://worker2:50061]" --override reward.endpoint=http://reward:50051 >/dev/null
 rc=$(timeout "${LEARNER_TIMEOUT:-600}" "$DOCKER" wait "$P-learner" 2>/dev/null || echo timeout)
 dk logs "$P-learner" >"$STATE/logs/learner.log" 2>&1 || true
