@@ -15,7 +15,6 @@ use cotrain_learner::algo::discussion_score::{
 use cotrain_learner::config::{
     AdapterLayout, CriticHead, LegacyFlags, MaporlSection, ScorePosition, load_config,
 };
-use cotrain_learner::maporl::adapter_key;
 use cotrain_learner::maporl::agents::{Adapters, Bases, VALUE_HEAD_FILE, frozen_head_weights};
 use cotrain_learner::maporl::rollout::cut_at_eos;
 use cotrain_learner::maporl::update::{
@@ -339,7 +338,7 @@ fn samples() -> Vec<PpoSample> {
     .into_iter()
     .enumerate()
     .map(|(k, (response, score_slot_after, score))| PpoSample {
-        policy: adapter_key(AdapterLayout::SharedByTurn, k % 2, 1 + k % 2),
+        policy: AdapterLayout::SharedByTurn.adapter_key(k % 2, 1 + k % 2),
         critic: format!("critic.turn{}", 1 + k % 2),
         turn: 1 + k % 2,
         agent: k % 2,

@@ -67,17 +67,12 @@ impl Bases {
     }
 }
 
-/// The adapter key of agent `agent` at turn `turn` under `layout` ([`AdapterLayout::adapter_key`]).
-pub fn adapter_key(layout: AdapterLayout, agent: usize, turn: usize) -> String {
-    layout.adapter_key(agent, turn)
-}
-
 /// The critic key of agent `agent` at turn `turn`.
 pub fn critic_key(m: &MaporlSection, agent: usize, turn: usize) -> String {
     match (m.adapter_layout, m.critic_per_turn) {
         (AdapterLayout::Shared, _) | (AdapterLayout::SharedByTurn, false) => "critic.shared".into(),
         (AdapterLayout::SharedByTurn, true) => format!("critic.turn{turn}"),
-        (_, true) => format!("critic.{}", adapter_key(m.adapter_layout, agent, turn)),
+        (_, true) => format!("critic.{}", m.adapter_layout.adapter_key(agent, turn)),
         (_, false) => format!("critic.agent{agent}"),
     }
 }
@@ -277,7 +272,7 @@ impl Adapters {
             let base = bases.agent_base[agent];
             let model = &bases.models[base].model;
             for turn in 0..m.round_num {
-                let key = adapter_key(m.adapter_layout, agent, turn);
+                let key = m.adapter_layout.adapter_key(agent, turn);
                 if !policies.contains_key(&key) {
                     let (weights, optimizer) = if m.full_finetune {
                         let spec = &bases.specs[base];
@@ -390,37 +385,37 @@ mod tests {
     #[test]
     fn layouts_name_one_adapter_per_turn_group() {
         assert_eq!(
-            adapter_key(AdapterLayout::FirstAndLater, 1, 0),
+            AdapterLayout::FirstAndLater.adapter_key(1, 0),
             "agent1.turn0"
         );
         assert_eq!(
-            adapter_key(AdapterLayout::FirstAndLater, 1, 2),
+            AdapterLayout::FirstAndLater.adapter_key(1, 2),
             "agent1.later"
         );
         assert_eq!(
-            adapter_key(AdapterLayout::FirstAndLater, 1, 1),
-            adapter_key(AdapterLayout::FirstAndLater, 1, 2)
+            AdapterLayout::FirstAndLater.adapter_key(1, 1),
+            AdapterLayout::FirstAndLater.adapter_key(1, 2)
         );
-        assert_eq!(adapter_key(AdapterLayout::PerTurn, 0, 2), "agent0.turn2");
+        assert_eq!(AdapterLayout::PerTurn.adapter_key(0, 2), "agent0.turn2");
         assert_eq!(
-            adapter_key(AdapterLayout::Shared, 1, 2),
-            adapter_key(AdapterLayout::Shared, 0, 0)
+            AdapterLayout::Shared.adapter_key(1, 2),
+            AdapterLayout::Shared.adapter_key(0, 0)
         );
         // MaPoRL's: the agents share the turn-0 adapter and the later-turn adapter.
         assert_eq!(
-            adapter_key(AdapterLayout::SharedByTurn, 1, 0),
+            AdapterLayout::SharedByTurn.adapter_key(1, 0),
             "shared.turn0"
         );
         assert_eq!(
-            adapter_key(AdapterLayout::SharedByTurn, 0, 0),
+            AdapterLayout::SharedByTurn.adapter_key(0, 0),
             "shared.turn0"
         );
         assert_eq!(
-            adapter_key(AdapterLayout::SharedByTurn, 1, 2),
+            AdapterLayout::SharedByTurn.adapter_key(1, 2),
             "shared.later"
         );
         assert_eq!(
-            adapter_key(AdapterLayout::SharedByTurn, 0, 1),
+            AdapterLayout::SharedByTurn.adapter_key(0, 1),
             "shared.later"
         );
     }

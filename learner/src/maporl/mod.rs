@@ -20,7 +20,7 @@ pub mod update;
 
 use std::path::PathBuf;
 
-pub use agents::{Adapters, Bases, adapter_key, critic_key};
+pub use agents::{Adapters, Bases, critic_key};
 pub use run::{MaporlSetup, MaporlTrainer};
 
 use crate::config::CheckedConfig;

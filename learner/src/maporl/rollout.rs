@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use cotrain_model::chat_template::ChatMessage as TemplateMessage;
 
-use super::agents::{Bases, adapter_key};
+use super::agents::Bases;
 use super::rewrite::{self, Rewritten};
 use crate::algo::discussion_score::{
     InvalidOutputRule, InvalidReason, apply_invalid_penalty, boxed_required, invalid_reason,
@@ -228,7 +228,7 @@ impl DiscussionSetup<'_> {
                 .enumerate()
                 .map(|(k, p)| {
                     let (q, i) = (k / n, k % n);
-                    let key = adapter_key(self.m.adapter_layout, i, turn);
+                    let key = self.m.adapter_layout.adapter_key(i, turn);
                     GenRequest {
                         min_policy_version: self.versions.get(&key).copied().unwrap_or(0),
                         agent: key,

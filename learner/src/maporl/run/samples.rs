@@ -1,7 +1,7 @@
 //! A step's discussions as PPO samples: every trained answer (turns ≥ 1, and turn 0 with
 //! `task_training`) with its training score R(t, i), its trained tokens and where the score lands.
 
-use super::super::agents::{adapter_key, critic_key};
+use super::super::agents::critic_key;
 use super::super::rollout::Discussion;
 use super::super::update::{PpoSample, training_response};
 use crate::algo::discussion_score::{Incentives, ScoreRule, shaped_training_scores};
@@ -51,7 +51,7 @@ pub(super) fn ppo_samples(
                     let behaviour_logprobs =
                         (!a.logprobs.is_empty()).then(|| a.logprobs[..response.len()].to_vec());
                     samples.push(PpoSample {
-                        policy: adapter_key(m.adapter_layout, i, t),
+                        policy: m.adapter_layout.adapter_key(i, t),
                         critic: critic_key(m, i, t),
                         turn: t,
                         agent: i,
