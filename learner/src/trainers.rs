@@ -107,6 +107,10 @@ pub fn evaluate(cfg: &CheckedConfig, path: &Path, ks: &[usize]) -> Result<Scalar
             cfg.source.display()
         )));
     }
+    // What is cheap to check comes before the trainer and its services are built.
+    if cfg.algorithm == Kind::Maporl {
+        crate::maporl::run::saved::saved_policies_dir(path)?;
+    }
     let tmp_run = std::env::temp_dir().join(format!("cotrain-eval-{}", std::process::id()));
     let (mut alg, services) = build(cfg, tmp_run.clone(), Box::new(crate::dist::SingleRank))?;
     let result = (|| {

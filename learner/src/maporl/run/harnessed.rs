@@ -180,13 +180,7 @@ impl Algorithm for MaporlTrainer {
     /// The policies saved under `path` (a run directory, its `adapters/` or `final_model/`, or a
     /// `checkpoints/step-N/`), evaluated at the step they were saved at.
     fn load_saved(&mut self, path: &Path) -> Result<PathBuf, TrainError> {
-        let dir = crate::export::maporl_dir(path).ok_or_else(|| {
-            TrainError::Checkpoint(format!(
-                "{}: no saved MaPoRL policies ({} there, or in its adapters/, final_model/ or checkpoints/step-N/)",
-                path.display(),
-                crate::export::MAPORL_MANIFEST
-            ))
-        })?;
+        let dir = super::saved::saved_policies_dir(path)?;
         self.load_saved_policies(&dir)?;
         info!(policies = %dir.display(), "evaluating saved MaPoRL policies");
         Ok(dir)

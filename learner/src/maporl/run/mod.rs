@@ -37,7 +37,7 @@ mod output;
 mod ranks;
 mod resume;
 mod samples;
-mod saved;
+pub mod saved;
 
 /// Everything a MaPoRL run needs.
 pub struct MaporlSetup {

@@ -13,6 +13,18 @@ use crate::error::TrainError;
 use crate::export::{MAPORL_MANIFEST, MaporlManifest};
 use crate::maporl::agents::PolicyWeights;
 
+/// The directory of the MaPoRL policies saved under `path` (a run directory, its `adapters/` or
+/// `final_model/`, or a `checkpoints/step-N/`), or an error naming what is missing.
+pub fn saved_policies_dir(path: &Path) -> Result<std::path::PathBuf, TrainError> {
+    crate::export::maporl_dir(path).ok_or_else(|| {
+        TrainError::Checkpoint(format!(
+            "{}: no saved MaPoRL policies ({} there, or in its adapters/, final_model/ or checkpoints/step-N/)",
+            path.display(),
+            MAPORL_MANIFEST
+        ))
+    })
+}
+
 impl MaporlTrainer {
     /// Replaces every policy's weights with those saved in `dir` (a directory holding
     /// [`MAPORL_MANIFEST`]). The saved keys and kind (adapters or full models) must be the
